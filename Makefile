@@ -1,0 +1,49 @@
+# sparsetier: `make test` runs every check, `make demo` the main job (later issue).
+# The venv lives outside the checkout; set SPARSETIER_VENV to put it elsewhere.
+
+SPARSETIER_VENV ?= $(HOME)/.cache/sparsetier/venv
+VENV := $(SPARSETIER_VENV)
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.sparsetier-deps-$(shell cat requirements-dev.txt | sha1sum | cut -c1-12)
+export VIRTUAL_ENV := $(VENV)
+export PATH := $(VENV)/bin:$(PATH)
+
+.PHONY: test venv build lint rust-test py-test plan bench clean
+
+test: venv build lint rust-test py-test
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(STAMP): requirements-dev.txt | $(PY)
+	$(PY) -m pip install --upgrade --quiet pip
+	$(PY) -m pip install --quiet -r requirements-dev.txt
+	touch $@
+
+venv: $(STAMP)
+
+build: venv
+	maturin develop --release --quiet
+
+lint: venv
+	cargo fmt --check
+	cargo clippy --all-targets -- -D warnings
+	cargo clippy --features python -- -D warnings
+	ruff check python tests
+	ruff format --check python tests
+
+rust-test:
+	cargo test --quiet
+
+py-test: build
+	python -m pytest
+
+plan: build
+	sparsetier plan --layers 61 --kv-heads 8 --head-dim 128 --device-gb 40 --hicache-size 200
+
+bench:
+	cargo bench --bench alloc
+
+clean:
+	cargo clean
+	rm -f python/sparsetier/_core*.so

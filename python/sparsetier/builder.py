@@ -1,0 +1,167 @@
+"""``build_sparse_stack``: host pools and allocators over the device pools of one pool group.
+
+Every check lives in the Rust core (``plan_stack``, ``PoolSpec.from_tensor`` and
+``PoolSpec.check_tensor``); this module only allocates torch tensors for what the plan says.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sparsetier._core import PageAllocator, Plan, PoolSpec, plan_stack
+
+if TYPE_CHECKING:
+    import torch
+
+_TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "uint8"}
+
+
+@dataclass(frozen=True)
+class DevicePool:
+    """An existing device pool: ``tensor`` has shape
+    ``[planes, layers, pages, page_size, heads, head_dim]`` (layer-first)."""
+
+    component: str
+    tensor: torch.Tensor
+
+
+@dataclass
+class SparseStack:
+    """What ``build_sparse_stack`` returns: the plan, the pools of both tiers (by component)
+    and the allocators that own their pages. One page index addresses every pool of a tier."""
+
+    plan: Plan
+    device_pools: dict[str, torch.Tensor]
+    host_pools: dict[str, torch.Tensor]
+    device_allocator: PageAllocator
+    host_allocator: PageAllocator
+    pinned: bool = field(default=False)
+
+    @property
+    def page_size(self) -> int:
+        return self.plan.page_size
+
+    @property
+    def layout(self) -> str:
+        return self.plan.layout
+
+    @property
+    def io_backend(self) -> str:
+        return self.plan.io_backend
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    import torch
+
+    return getattr(torch, _TORCH_DTYPES[name])
+
+
+def build_sparse_stack(
+    pools: Sequence[PoolSpec | DevicePool | tuple[str, Any]],
+    *,
+    page_size: int | None = None,
+    hicache_size: float | None = None,
+    hicache_ratio: float | None = None,
+    layout: str = "layer_first",
+    io_backend: str = "cpu",
+    write_policy: str = "write_through",
+    storage_backend: str | None = None,
+    load_end_layer: int | None = None,
+    pp_size: int = 1,
+    swa_window: int | None = None,
+    device_reserve: int = 1,
+    host_reserve: int = 0,
+    pin_memory: bool | None = None,
+) -> SparseStack:
+    """Builds the host pools and allocators of one pool group.
+
+    ``pools`` lists the device pools, KV anchor first, each as a :class:`PoolSpec` (the device
+    tensor is allocated here) or an existing tensor (:class:`DevicePool` or a
+    ``(component, tensor)`` pair). ``hicache_size`` is the host budget in decimal GB;
+    ``hicache_ratio`` sizes host pages as device pages x ratio (default 2). Host pools are pinned
+    when CUDA is available unless ``pin_memory`` says otherwise.
+
+    Raises :class:`sparsetier.ConfigError` naming the field, the value and what is allowed.
+    """
+    import torch
+
+    specs: list[PoolSpec] = []
+    given: dict[int, torch.Tensor] = {}
+    for i, pool in enumerate(pools):
+        if isinstance(pool, PoolSpec):
+            specs.append(pool)
+            continue
+        component, tensor = (
+            (pool.component, pool.tensor) if isinstance(pool, DevicePool) else _pair(i, pool)
+        )
+        specs.append(PoolSpec.from_tensor(component, tensor, field=f"pools[{i}].tensor"))
+        given[i] = tensor
+    plan = plan_stack(
+        specs,
+        page_size=page_size,
+        hicache_size=hicache_size,
+        hicache_ratio=hicache_ratio,
+        layout=layout,
+        io_backend=io_backend,
+        write_policy=write_policy,
+        storage_backend=storage_backend,
+        load_end_layer=load_end_layer,
+        pp_size=pp_size,
+        device_reserve=device_reserve,
+        host_reserve=host_reserve,
+        swa_window=swa_window,
+    )
+    device_type = "cpu" if plan.io_backend == "cpu" else "cuda"
+    if device_type == "cuda" and not torch.cuda.is_available():
+        from sparsetier.errors import ConfigError
+
+        raise ConfigError(
+            f"invalid io_backend = {plan.io_backend!r}: allowed 'cpu' on a machine without CUDA",
+            field="io_backend",
+            value=plan.io_backend,
+            allowed="'cpu' (no CUDA device is available)",
+        )
+    device_pools: dict[str, torch.Tensor] = {}
+    for i, spec in enumerate(specs):
+        if i in given:
+            spec.check_tensor(given[i], "layer_first", device_type, f"pools[{i}].tensor")
+            device_pools[spec.component] = given[i]
+        else:
+            dtype = _torch_dtype(spec.dtype)
+            device_pools[spec.component] = torch.zeros(
+                spec.shape(), dtype=dtype, device=device_type
+            )
+    pin = torch.cuda.is_available() if pin_memory is None else pin_memory
+    host_pools = {
+        p.component: torch.empty(
+            p.spec.shape(plan.layout),
+            dtype=device_pools[p.component].dtype,
+            pin_memory=pin,
+        )
+        for p in plan.pools
+        if p.tier == "host"
+    }
+    return SparseStack(
+        plan=plan,
+        device_pools=device_pools,
+        host_pools=host_pools,
+        device_allocator=PageAllocator(plan.device_pages, plan.device_reserve),
+        host_allocator=PageAllocator(plan.host_pages, plan.host_reserve),
+        pinned=pin,
+    )
+
+
+def _pair(i: int, pool: Any) -> tuple[str, Any]:
+    from sparsetier.errors import ConfigError
+
+    if isinstance(pool, tuple) and len(pool) == 2:
+        return pool[0], pool[1]
+    raise ConfigError(
+        f"invalid pools[{i}] = {pool!r}: allowed a PoolSpec, a DevicePool or a "
+        "(component, tensor) pair",
+        field=f"pools[{i}]",
+        value=repr(pool),
+        allowed="a PoolSpec, a DevicePool or a (component, tensor) pair",
+    )

@@ -1,0 +1,186 @@
+"""The ``sparsetier`` command line.
+
+``sparsetier plan`` shows how a model's KV, Indexer-K, SWA and draft pools are laid out across
+GPU (device) and pinned-host memory. Bad flags exit with status 2 and the error message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from sparsetier._core import Plan, PoolSpec, plan_stack
+from sparsetier.errors import ConfigError, SparsetierError
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _specs(args: argparse.Namespace, pages: int) -> list[PoolSpec]:
+    ps = args.page_size
+    specs = [PoolSpec("KV", args.layers, args.kv_heads, args.head_dim, args.dtype, ps, pages)]
+    if args.indexer_layers:
+        specs.append(
+            PoolSpec(
+                "INDEXER",
+                args.indexer_layers,
+                args.indexer_heads,
+                args.indexer_head_dim,
+                args.indexer_dtype,
+                ps,
+                pages,
+            )
+        )
+    if args.swa_window is not None:
+        swa_layers = args.swa_layers if args.swa_layers is not None else args.layers
+        specs.append(
+            PoolSpec("SWA", swa_layers, args.kv_heads, args.head_dim, args.dtype, ps, pages)
+        )
+    if args.draft_layers:
+        specs.append(
+            PoolSpec(
+                "DRAFT", args.draft_layers, args.kv_heads, args.head_dim, args.dtype, ps, pages
+            )
+        )
+    return specs
+
+
+def _device_pages(args: argparse.Namespace) -> int:
+    if args.device_pages is not None:
+        return int(args.device_pages)
+    gb = args.device_gb
+    if not gb > 0:
+        raise ConfigError(
+            f"invalid device_gb = {gb}: allowed a decimal GB figure > 0",
+            field="device_gb",
+            value=str(gb),
+            allowed="a decimal GB figure > 0",
+        )
+    per_page = sum(s.page_bytes_all_layers for s in _specs(args, 1))
+    pages = int(gb * 1e9) // per_page
+    if pages < 1:
+        raise ConfigError(
+            f"invalid device_gb = {gb}: allowed at least {per_page / 1e9:.6f} GB "
+            "(one page of every pool)",
+            field="device_gb",
+            value=str(gb),
+            allowed=f">= {per_page / 1e9:.6f} GB",
+        )
+    return pages
+
+
+def build_plan(args: argparse.Namespace) -> Plan:
+    """The plan for the model geometry and budgets given as CLI flags."""
+    return plan_stack(
+        _specs(args, _device_pages(args)),
+        page_size=args.page_size,
+        hicache_size=args.hicache_size,
+        hicache_ratio=args.hicache_ratio,
+        layout=args.layout,
+        io_backend=args.io_backend,
+        device_reserve=args.device_reserve,
+        host_reserve=args.host_reserve,
+        swa_window=args.swa_window,
+    )
+
+
+def format_plan(plan: Plan) -> str:
+    """The plan as a table: per pool and tier, then totals and the budget."""
+    head = ("component", "tier", "layout", "page_bytes", "pages", "tokens", "bytes")
+    rows = [
+        (
+            p.component,
+            p.tier,
+            p.layout,
+            str(p.page_bytes),
+            str(p.pages),
+            str(p.tokens),
+            f"{p.bytes} ({_human(p.bytes)})",
+        )
+        for p in plan.pools
+    ]
+    d = plan.to_dict()
+    for tier in ("device", "host"):
+        t = d["totals"][tier]
+        rows.append(
+            (
+                "total",
+                tier,
+                "",
+                "",
+                str(t["pages"]),
+                str(t["tokens"]),
+                f"{t['bytes']} ({_human(t['bytes'])})",
+            )
+        )
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+        for r in [head, *rows]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    target, actual = plan.target_bytes, plan.actual_bytes
+    lines.append("")
+    lines.append(
+        f"host budget: target {target} B ({_human(target)}), actual {actual} B "
+        f"({_human(actual)}), difference {actual - target:+d} B"
+    )
+    lines.append(
+        f"page_size {plan.page_size}, layout {plan.layout}, io_backend {plan.io_backend}, "
+        f"reserve pages: device {plan.device_reserve}, host {plan.host_reserve}"
+    )
+    return "\n".join(lines)
+
+
+def _plan_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="show the pool layout across GPU and host memory")
+    p.add_argument("--layers", type=int, required=True, help="main attention layers")
+    p.add_argument("--kv-heads", type=int, required=True, help="KV heads (GQA: not query heads)")
+    p.add_argument("--head-dim", type=int, required=True)
+    p.add_argument("--dtype", default="bf16", help="bf16, fp16, fp32 or fp8_e4m3")
+    p.add_argument("--indexer-layers", type=int, default=None, help="default: --layers; 0: none")
+    p.add_argument("--indexer-heads", type=int, default=1)
+    p.add_argument("--indexer-head-dim", type=int, default=128)
+    p.add_argument("--indexer-dtype", default="bf16")
+    p.add_argument("--swa-window", type=int, default=None, help="SWA window in tokens")
+    p.add_argument("--swa-layers", type=int, default=None, help="SWA layers (default: --layers)")
+    p.add_argument("--draft-layers", type=int, default=0, help="MTP draft layers")
+    p.add_argument("--page-size", type=int, default=64, help="tokens per page")
+    dev = p.add_mutually_exclusive_group(required=True)
+    dev.add_argument("--device-pages", type=int, help="pages per device pool")
+    dev.add_argument("--device-gb", type=float, help="device budget in decimal GB")
+    host = p.add_mutually_exclusive_group()
+    host.add_argument("--hicache-size", type=float, help="host budget in decimal GB")
+    host.add_argument("--hicache-ratio", type=float, help="host pages = device pages x ratio")
+    p.add_argument("--layout", default="layer_first", help="layer_first or layer_page_first")
+    p.add_argument("--io-backend", default="cpu", help="kernel, direct or cpu")
+    p.add_argument("--device-reserve", type=int, default=1, help="reserved device pages")
+    p.add_argument("--host-reserve", type=int, default=0, help="reserved host pages")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="sparsetier", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _plan_parser(sub)
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plan":
+            if args.indexer_layers is None:
+                args.indexer_layers = args.layers
+            plan = build_plan(args)
+            print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+    except SparsetierError as e:
+        print(f"sparsetier {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

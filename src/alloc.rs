@@ -1,0 +1,230 @@
+//! The page allocator of one tier.
+//!
+//! # What it owns
+//! The free list of one pool group on one tier. Pages `[0, reserve)` are never handed out
+//! (a device pool keeps page 0 as the padding target of dummy writes); pages
+//! `[reserve, total)` are the usable capacity.
+//!
+//! # Invariants (checked by [`PageAllocator::validate`])
+//! - `free + used == capacity` at every step;
+//! - no page is on the free list twice, and no allocated page is on it at all.
+//!
+//! # Cost
+//! `alloc(n)` and `free(pages)` are O(1) per page: the free list is a stack and the ownership
+//! check is one flag per page. Both are all-or-nothing: a failed call changes nothing.
+
+use crate::error::{Error, Result};
+use crate::ids::PageId;
+
+/// Fixed-capacity, all-or-nothing page allocator.
+#[derive(Debug, Clone)]
+pub struct PageAllocator {
+    total: u32,
+    reserve: u32,
+    /// Free pages; the next page handed out is the last one.
+    free: Vec<PageId>,
+    /// `allocated[p]` is true while page `p` is handed out.
+    allocated: Vec<bool>,
+}
+
+impl PageAllocator {
+    /// An allocator over pages `[0, total)` of which `[0, reserve)` are reserved.
+    /// `reserve` must leave at least one usable page.
+    pub fn new(total: u32, reserve: u32) -> Result<Self> {
+        if total == 0 {
+            return Err(Error::config("pages", total, "an integer >= 1"));
+        }
+        if reserve >= total {
+            return Err(Error::config(
+                "reserve_pages",
+                reserve,
+                format!("0 <= reserve_pages < pages ({total}), leaving one usable page"),
+            ));
+        }
+        // Reversed so that pages come out in ascending order: contiguous pages make
+        // contiguous copy segments.
+        let free = (reserve..total).rev().map(PageId::new).collect();
+        Ok(PageAllocator {
+            total,
+            reserve,
+            free,
+            allocated: vec![false; total as usize],
+        })
+    }
+
+    /// Usable pages (reserve excluded).
+    pub fn capacity(&self) -> usize {
+        (self.total - self.reserve) as usize
+    }
+
+    /// All pages of the buffer, reserve included.
+    pub fn total_pages(&self) -> u32 {
+        self.total
+    }
+
+    /// Reserved pages at the front of the buffer.
+    pub fn reserve_pages(&self) -> u32 {
+        self.reserve
+    }
+
+    /// Pages free now.
+    pub fn free_count(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Pages handed out now.
+    pub fn used_count(&self) -> usize {
+        self.capacity() - self.free.len()
+    }
+
+    /// Whether `page` is handed out now.
+    pub fn is_allocated(&self, page: PageId) -> bool {
+        self.allocated.get(page.index()).copied().unwrap_or(false)
+    }
+
+    /// Allocates `n` pages, or none: [`Error::OutOfPages`] when fewer than `n` are free.
+    pub fn alloc(&mut self, n: usize) -> Result<Vec<PageId>> {
+        let mut out = Vec::with_capacity(n);
+        self.alloc_into(n, &mut out)?;
+        Ok(out)
+    }
+
+    /// Like [`Self::alloc`], appending to `out` (which is left untouched on error).
+    pub fn alloc_into(&mut self, n: usize, out: &mut Vec<PageId>) -> Result<()> {
+        if n > self.free.len() {
+            return Err(Error::OutOfPages {
+                requested: n,
+                free: self.free.len(),
+                capacity: self.capacity(),
+            });
+        }
+        let start = self.free.len() - n;
+        out.reserve(n);
+        for &p in self.free[start..].iter().rev() {
+            self.allocated[p.index()] = true;
+            out.push(p);
+        }
+        self.free.truncate(start);
+        Ok(())
+    }
+
+    /// Returns `pages` to the free list, or none of them: a page outside the usable range is
+    /// [`Error::NotOwned`], a page not allocated (or listed twice) is [`Error::DoubleFree`].
+    pub fn free(&mut self, pages: &[PageId]) -> Result<()> {
+        // Stage: clear the flags, undoing them if any page is refused.
+        for (i, &p) in pages.iter().enumerate() {
+            let refused = if p.raw() < self.reserve || p.raw() >= self.total {
+                Some(Error::NotOwned {
+                    page: p.raw(),
+                    lo: self.reserve,
+                    hi: self.total,
+                })
+            } else if !self.allocated[p.index()] {
+                Some(Error::DoubleFree { page: p.raw() })
+            } else {
+                None
+            };
+            if let Some(err) = refused {
+                for &q in &pages[..i] {
+                    self.allocated[q.index()] = true;
+                }
+                return Err(err);
+            }
+            self.allocated[p.index()] = false;
+        }
+        // Commit.
+        self.free.extend_from_slice(pages);
+        Ok(())
+    }
+
+    /// Checks the invariants; returns a description of the first one broken.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let mut seen = vec![false; self.total as usize];
+        for &p in &self.free {
+            if p.raw() < self.reserve || p.raw() >= self.total {
+                return Err(format!("free list holds page {p} outside the usable range"));
+            }
+            if std::mem::replace(&mut seen[p.index()], true) {
+                return Err(format!("page {p} is on the free list twice"));
+            }
+            if self.allocated[p.index()] {
+                return Err(format!("page {p} is both free and allocated"));
+            }
+        }
+        let used = self.allocated.iter().filter(|&&a| a).count();
+        if self.allocated[..self.reserve as usize].iter().any(|&a| a) {
+            return Err("a reserved page is allocated".into());
+        }
+        if used + self.free.len() != self.capacity() {
+            return Err(format!(
+                "free {} + used {used} != capacity {}",
+                self.free.len(),
+                self.capacity()
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+#[path = "tests/alloc_proptest.rs"]
+mod alloc_proptest;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn all_or_nothing() {
+        let mut a = PageAllocator::new(8, 1).unwrap();
+        let got = a.alloc(5).unwrap();
+        assert_eq!(
+            got.iter().map(|p| p.raw()).collect::<Vec<_>>(),
+            vec![1, 2, 3, 4, 5]
+        );
+        assert_eq!(
+            a.alloc(3),
+            Err(Error::OutOfPages {
+                requested: 3,
+                free: 2,
+                capacity: 7
+            })
+        );
+        assert_eq!(a.free_count(), 2);
+        a.validate().unwrap();
+    }
+
+    #[test]
+    fn double_free_and_foreign_pages_change_nothing() {
+        let mut a = PageAllocator::new(8, 1).unwrap();
+        let got = a.alloc(3).unwrap();
+        assert_eq!(
+            a.free(&[got[0], PageId::new(0)]),
+            Err(Error::NotOwned {
+                page: 0,
+                lo: 1,
+                hi: 8
+            })
+        );
+        assert_eq!(
+            a.free(&[got[0], got[0]]),
+            Err(Error::DoubleFree { page: got[0].raw() })
+        );
+        assert!(a.free(&[PageId::new(99)]).is_err());
+        assert_eq!(a.used_count(), 3);
+        a.validate().unwrap();
+        a.free(&got).unwrap();
+        assert_eq!(
+            a.free(&got[..1]),
+            Err(Error::DoubleFree { page: got[0].raw() })
+        );
+        a.validate().unwrap();
+    }
+
+    #[test]
+    fn reserve_must_leave_a_page() {
+        assert!(PageAllocator::new(4, 4).is_err());
+        assert!(PageAllocator::new(0, 0).is_err());
+        assert_eq!(PageAllocator::new(4, 3).unwrap().capacity(), 1);
+    }
+}

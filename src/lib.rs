@@ -1,0 +1,27 @@
+//! sparsetier: a tiered KV-cache runtime for sparse-attention LLM inference.
+//!
+//! The crate owns every decision about where cached data lives and when it moves. This
+//! foundation holds the vocabulary of the design (`../shared/DESIGN.md`):
+//!
+//! - [`layout`]: dtypes, components, host layouts and byte offsets inside a pool buffer;
+//! - [`pool`]: the geometry of one pool ([`pool::PoolSpec`]);
+//! - [`alloc`]: the all-or-nothing page allocator of one tier;
+//! - [`config`]: the configuration boundary (io backend, write policy, host budget, ...);
+//! - [`plan`]: pool groups and the host-budget split across KV, Indexer-K, SWA and draft.
+//!
+//! Python bindings live in `py/`, behind the `python` feature, so `cargo test` and
+//! `cargo bench` need no interpreter.
+#![deny(missing_docs)]
+
+pub mod alloc;
+pub mod config;
+pub mod error;
+pub mod ids;
+pub mod layout;
+pub mod plan;
+pub mod pool;
+
+#[cfg(feature = "python")]
+mod py;
+
+pub use error::{Error, Result};

@@ -1,0 +1,26 @@
+//! The pyo3 bindings: `sparsetier._core`.
+//!
+//! Only this module knows about Python. Strings are parsed into the core's enums, integers are
+//! range-checked, and torch tensors are inspected (dtype, device, shape, contiguity) here, once;
+//! the core below never sees an unchecked value. Every core error becomes one of the typed
+//! exceptions of `sparsetier.errors` (see `error.rs`).
+
+mod alloc;
+mod args;
+mod error;
+mod plan;
+mod pool;
+mod tensor;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<pool::PyPoolSpec>()?;
+    m.add_class::<alloc::PyPageAllocator>()?;
+    m.add_class::<plan::PyPoolPlan>()?;
+    m.add_class::<plan::PyPlan>()?;
+    m.add_function(wrap_pyfunction!(plan::plan_stack, m)?)?;
+    Ok(())
+}

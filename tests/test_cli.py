@@ -1,0 +1,135 @@
+"""`sparsetier plan`: the table, the JSON keys, and bad flags exiting with status 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from sparsetier.cli import main
+
+SOURCE = [
+    "plan",
+    "--layers",
+    "1",
+    "--kv-heads",
+    "8",
+    "--head-dim",
+    "128",
+    "--indexer-layers",
+    "1",
+    "--page-size",
+    "64",
+    "--device-pages",
+    "100",
+    "--device-reserve",
+    "0",
+]
+
+
+def test_plan_reproduces_the_source_numbers(capsys):
+    assert main([*SOURCE, "--hicache-ratio", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    kv, ik = out["pools"][0], out["pools"][1]
+    assert (kv["component"], kv["tier"], kv["page_bytes"], kv["pages"], kv["tokens"]) == (
+        "KV",
+        "device",
+        256 * 1024,
+        100,
+        6400,
+    )
+    assert (ik["component"], ik["page_bytes"], ik["tokens"]) == ("INDEXER", 16 * 1024, 6400)
+    assert out["totals"]["device"]["bytes"] == 100 * (256 + 16) * 1024
+    assert set(out["budget"]) == {"target_bytes", "actual_bytes"}
+    for p in out["pools"]:
+        assert set(p) >= {"component", "tier", "layout", "page_bytes", "pages", "tokens", "bytes"}
+        assert p["tier"] in ("device", "host")
+
+
+def test_plan_table(capsys):
+    assert (
+        main(
+            [
+                *SOURCE,
+                "--hicache-size",
+                "0.1",
+                "--swa-window",
+                "128",
+                "--draft-layers",
+                "1",
+                "--layout",
+                "layer_page_first",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out
+    for word in (
+        "KV",
+        "INDEXER",
+        "SWA",
+        "DRAFT",
+        "layer_page_first",
+        "host budget: target 100000000 B",
+    ):
+        assert word in out
+
+
+def test_device_gb(capsys):
+    assert (
+        main(
+            [
+                "plan",
+                "--layers",
+                "61",
+                "--kv-heads",
+                "8",
+                "--head-dim",
+                "128",
+                "--device-gb",
+                "40",
+                "--hicache-size",
+                "200",
+                "--json",
+            ]
+        )
+        == 0
+    )
+    out = json.loads(capsys.readouterr().out)
+    assert out["totals"]["device"]["bytes"] <= 40e9
+    assert out["budget"]["actual_bytes"] <= out["budget"]["target_bytes"] == 200 * 10**9
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["--layout", "page_first"],
+        ["--io-backend", "gds"],
+        ["--hicache-size", "-1"],
+        ["--hicache-ratio", "0"],
+        ["--page-size", "0"],
+        ["--dtype", "int4"],
+        ["--device-reserve", "100"],
+        ["--hicache-size", "1e-9"],
+    ],
+)
+def test_bad_flags_exit_2_with_the_message(extra):
+    r = subprocess.run(
+        [sys.executable, "-m", "sparsetier.cli", *SOURCE, *extra],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert "error: invalid" in r.stderr and "allowed" in r.stderr
+
+
+def test_unknown_flag_exits_2():
+    r = subprocess.run(
+        [sys.executable, "-m", "sparsetier.cli", "plan", "--bogus"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
