@@ -21,6 +21,24 @@ fn alloc_free(c: &mut Criterion) {
         });
     }
     group.finish();
+
+    // Baseline, same run: moving n page ids out of a Vec stack and back with no ownership
+    // checks. RESULTS.md reports alloc_free as a ratio to it.
+    let mut group = c.benchmark_group("baseline_stack_move");
+    for n in [1usize, 64, 4096] {
+        let mut stack: Vec<u32> = (0..1u32 << 16).collect();
+        let mut out: Vec<u32> = Vec::with_capacity(n);
+        group.throughput(Throughput::Elements(n as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, &n| {
+            b.iter(|| {
+                let start = stack.len() - black_box(n);
+                out.clear();
+                out.extend(stack.drain(start..).rev());
+                stack.extend_from_slice(black_box(&out));
+            })
+        });
+    }
+    group.finish();
 }
 
 criterion_group!(benches, alloc_free);
