@@ -1,4 +1,4 @@
-# sparsetier: `make test` runs every check, `make demo` the main job (later issue).
+# sparsetier: `make test` runs every check, `make demo` the main job.
 # The venv lives outside the checkout; set SPARSETIER_VENV to put it elsewhere.
 
 SPARSETIER_VENV ?= $(HOME)/.cache/sparsetier/venv
@@ -8,7 +8,7 @@ STAMP := $(VENV)/.sparsetier-deps-$(shell cat requirements-dev.txt | sha1sum | c
 export VIRTUAL_ENV := $(VENV)
 export PATH := $(VENV)/bin:$(PATH)
 
-.PHONY: test venv build lint rust-test py-test plan bench clean
+.PHONY: test demo venv build lint rust-test py-test plan bench clean
 
 test: venv build lint rust-test py-test
 
@@ -37,6 +37,9 @@ rust-test:
 
 py-test: build
 	python -m pytest
+
+# Until the decode demo lands (issue 6), the main job is the pool plan of an example model.
+demo: plan
 
 plan: build
 	sparsetier plan --layers 61 --kv-heads 8 --head-dim 128 --device-gb 40 --hicache-size 200
