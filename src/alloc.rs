@@ -89,6 +89,14 @@ impl PageAllocator {
         Ok(out)
     }
 
+    /// One page, or `None` when none is free.
+    #[inline]
+    pub fn alloc_one(&mut self) -> Option<PageId> {
+        let p = self.free.pop()?;
+        self.allocated[p.index()] = true;
+        Some(p)
+    }
+
     /// Like [`Self::alloc`], appending to `out` (which is left untouched on error).
     pub fn alloc_into(&mut self, n: usize, out: &mut Vec<PageId>) -> Result<()> {
         if n > self.free.len() {

@@ -57,6 +57,88 @@ pub enum Error {
         /// One past the last page.
         hi: u32,
     },
+    /// The directory could not find slots on a tier even after evicting every evictable object;
+    /// nothing in the batch was applied.
+    #[error(
+        "out of {tier} slots: need {requested}, free {free}, evictable {evictable} \
+         (the rest are pinned, loading, quarantined or not backed up)"
+    )]
+    OutOfSlots {
+        /// `device` or `host`.
+        tier: &'static str,
+        /// Slots the batch needed.
+        requested: usize,
+        /// Slots free.
+        free: usize,
+        /// Slots that eviction could have freed.
+        evictable: usize,
+    },
+    /// An object is neither on the device nor has a ready host copy (or is unknown).
+    #[error("object {key} is not resident: no device copy and no ready host copy")]
+    NotResident {
+        /// The object key, printed.
+        key: String,
+    },
+    /// `allocate` was given a key that already exists.
+    #[error("object {key} already exists")]
+    KeyExists {
+        /// The object key, printed.
+        key: String,
+    },
+    /// A key names a namespace that was dropped.
+    #[error("namespace {namespace} was dropped: its keys are no longer valid")]
+    NamespaceDropped {
+        /// The namespace, printed.
+        namespace: String,
+    },
+    /// An operation is not a transition the state machine allows from the object's state.
+    #[error("cannot {op} object {key}: it is {state}")]
+    InvalidTransition {
+        /// The operation attempted.
+        op: &'static str,
+        /// The object key, printed.
+        key: String,
+        /// The object's state.
+        state: String,
+    },
+    /// A transfer id the directory does not know (never issued, or finished and forgotten).
+    #[error("unknown transfer {id}")]
+    UnknownTransfer {
+        /// The transfer id.
+        id: u64,
+    },
+    /// A transfer is not in the state the operation needs.
+    #[error("cannot {op} transfer {id}: it is {state}")]
+    TransferState {
+        /// The operation attempted.
+        op: &'static str,
+        /// The transfer id.
+        id: u64,
+        /// Its state.
+        state: String,
+    },
+    /// A transfer failed; its waiters get this.
+    #[error("transfer {id} failed: {reason}")]
+    TransferFailed {
+        /// The transfer id.
+        id: u64,
+        /// Why, as given to `fail`.
+        reason: String,
+    },
+    /// A wait ran out of time.
+    #[error("transfer {id} still in flight after {timeout_ms} ms")]
+    WaitTimeout {
+        /// The transfer id.
+        id: u64,
+        /// The time waited.
+        timeout_ms: u64,
+    },
+    /// A pin handle that is unknown or was already released.
+    #[error("pin handle {id} is unknown or already released")]
+    UnknownHandle {
+        /// The handle id.
+        id: u64,
+    },
 }
 
 /// The crate's result type.

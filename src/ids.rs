@@ -32,3 +32,77 @@ impl std::fmt::Display for PageId {
         write!(f, "{}", self.0)
     }
 }
+
+macro_rules! newtype_id {
+    ($(#[$doc:meta])* $name:ident($inner:ty)) => {
+        $(#[$doc])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        #[repr(transparent)]
+        pub struct $name($inner);
+
+        impl $name {
+            /// Wraps a raw value.
+            #[inline]
+            pub const fn new(raw: $inner) -> Self {
+                $name(raw)
+            }
+
+            /// The raw value.
+            #[inline]
+            pub const fn raw(self) -> $inner {
+                self.0
+            }
+        }
+
+        impl std::fmt::Display for $name {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "{}", self.0)
+            }
+        }
+    };
+}
+
+newtype_id!(
+    /// A device slot: the device page that holds an object's copy on the GPU tier.
+    SlotId(u32)
+);
+newtype_id!(
+    /// A host slot: the pinned-host page that holds an object's backup.
+    HostSlotId(u32)
+);
+newtype_id!(
+    /// One copy operation between the tiers. Never reused.
+    TransferId(u64)
+);
+newtype_id!(
+    /// The receipt of one `resolve`: what `release` consumes. Never reused.
+    PinHandleId(u64)
+);
+
+impl SlotId {
+    /// The device page behind a slot.
+    #[inline]
+    pub const fn page(self) -> PageId {
+        PageId::new(self.0)
+    }
+
+    /// The slot of a device page.
+    #[inline]
+    pub const fn of_page(p: PageId) -> Self {
+        SlotId(p.raw())
+    }
+}
+
+impl HostSlotId {
+    /// The host page behind a slot.
+    #[inline]
+    pub const fn page(self) -> PageId {
+        PageId::new(self.0)
+    }
+
+    /// The slot of a host page.
+    #[inline]
+    pub const fn of_page(p: PageId) -> Self {
+        HostSlotId(p.raw())
+    }
+}

@@ -15,6 +15,7 @@
 
 pub mod alloc;
 pub mod config;
+pub mod directory;
 pub mod error;
 pub mod ids;
 pub mod layout;

@@ -1,0 +1,1030 @@
+//! The residency state machine, single-threaded. [`super::Directory`] wraps it in a mutex.
+//!
+//! Every transition is one function here and checks its from-state; every side effect on
+//! slots (allocate, free, quarantine) has one call site: [`Core::take_device_slot`],
+//! [`Core::reap`], [`Core::quarantine_or_free`] and [`Core::transfer_ended`].
+//!
+//! # Invariants (checked by [`Core::validate`] after every step of the state-machine tests)
+//! - page conservation on both tiers: free + held by objects + quarantined = capacity;
+//! - no slot is held by two objects, and no quarantined slot is held by an object;
+//! - an object is in the LRU list iff it is evictable (Ready, unpinned, host Ready, live), so a
+//!   pinned object is never evicted;
+//! - a Loading object has exactly one in-flight load transfer, which lists it;
+//! - pin counts equal the number of live pin handles that hold the object.
+
+use super::key::{Namespace, ObjectKey};
+use super::lru::Lru;
+use super::metrics::{ResolveMetrics, Totals};
+use super::state::{DeviceState, HostState, Object};
+use super::transfer::{BackupPlan, LoadPlan, Transfer, TransferKind, TransferList, TransferState};
+use crate::alloc::PageAllocator;
+use crate::error::{Error, Result};
+use crate::ids::{HostSlotId, PinHandleId, SlotId, TransferId};
+use rustc_hash::{FxHashMap, FxHashSet};
+use slab::Slab;
+use std::time::Instant;
+
+/// Sizes of a directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DirectoryConfig {
+    /// Device slots, reserve included.
+    pub device_pages: u32,
+    /// Device slots never handed out.
+    pub device_reserve: u32,
+    /// Host slots, reserve included.
+    pub host_pages: u32,
+    /// Host slots never handed out.
+    pub host_reserve: u32,
+    /// Bytes of one object (one page of the pool(s) it covers), for the metrics.
+    pub object_bytes: u64,
+}
+
+/// What `resolve` returns.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    /// The device slot of every key, in the order given (repeats included).
+    pub slots: Vec<SlotId>,
+    /// New loads, grouped into one transfer per batch (empty when nothing loads).
+    pub loads: Vec<LoadPlan>,
+    /// In-flight transfers this batch joined.
+    pub joined: TransferList,
+    /// The receipt `release` consumes.
+    pub handle: PinHandleId,
+    /// This batch's record.
+    pub metrics: ResolveMetrics,
+}
+
+/// Counts of a directory at one moment, with cumulative totals.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct DirectoryStats {
+    /// Live objects (dropped ones still pinned or in flight included).
+    pub objects: usize,
+    /// Objects device Absent.
+    pub device_absent: usize,
+    /// Objects device Loading.
+    pub device_loading: usize,
+    /// Objects device Ready.
+    pub device_ready: usize,
+    /// Objects with no host copy.
+    pub host_none: usize,
+    /// Objects whose backup is in flight.
+    pub host_writing: usize,
+    /// Objects with a ready host copy.
+    pub host_ready: usize,
+    /// Objects with at least one pin.
+    pub pinned_objects: usize,
+    /// Sum of pin counts.
+    pub pins: u64,
+    /// Objects eviction could take now.
+    pub evictable: usize,
+    /// Usable device slots.
+    pub device_capacity: usize,
+    /// Free device slots.
+    pub device_free: usize,
+    /// Device slots held by objects.
+    pub device_used: usize,
+    /// Device slots held by failed transfers that may still write them.
+    pub device_quarantined: usize,
+    /// Usable host slots.
+    pub host_capacity: usize,
+    /// Free host slots.
+    pub host_free: usize,
+    /// Host slots held by objects.
+    pub host_used: usize,
+    /// Host slots held by failed backups that may still write them.
+    pub host_quarantined: usize,
+    /// Transfers in flight.
+    pub transfers_in_flight: usize,
+    /// Pin handles not yet released.
+    pub handles: usize,
+    /// Cumulative counters.
+    pub totals: Totals,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Class {
+    Ready,
+    Join(TransferId),
+    Load,
+    Repeat,
+}
+
+#[derive(Debug)]
+struct Handle {
+    objects: Vec<usize>,
+    transfers: TransferList,
+    own_load: Option<TransferId>,
+    metrics: ResolveMetrics,
+}
+
+#[derive(Debug, Default)]
+struct Quarantine {
+    device: Vec<SlotId>,
+    host: Vec<HostSlotId>,
+}
+
+/// The residency directory's state and transitions.
+#[derive(Debug)]
+pub struct Core {
+    objects: Slab<Object>,
+    index: FxHashMap<ObjectKey, usize>,
+    namespaces: FxHashMap<Namespace, Vec<usize>>,
+    dropped: FxHashSet<Namespace>,
+    device: PageAllocator,
+    host: PageAllocator,
+    lru: Lru,
+    transfers: FxHashMap<TransferId, Transfer>,
+    handles: FxHashMap<PinHandleId, Handle>,
+    quarantine: FxHashMap<TransferId, Quarantine>,
+    quarantined_device: usize,
+    quarantined_host: usize,
+    next_transfer: u64,
+    next_handle: u64,
+    clock: u64,
+    epoch: u64,
+    object_bytes: u64,
+    totals: Totals,
+    t0: Instant,
+    scratch: Vec<(usize, Class)>,
+}
+
+impl Core {
+    /// An empty directory.
+    pub fn new(cfg: DirectoryConfig) -> Result<Self> {
+        let device = PageAllocator::new(cfg.device_pages, cfg.device_reserve)
+            .map_err(|e| rename(e, "device_pages", "device_reserve"))?;
+        let host = PageAllocator::new(cfg.host_pages, cfg.host_reserve)
+            .map_err(|e| rename(e, "host_pages", "host_reserve"))?;
+        if cfg.object_bytes == 0 {
+            return Err(Error::config("object_bytes", 0, "an integer >= 1"));
+        }
+        Ok(Core {
+            objects: Slab::new(),
+            index: FxHashMap::default(),
+            namespaces: FxHashMap::default(),
+            dropped: FxHashSet::default(),
+            device,
+            host,
+            lru: Lru::new(),
+            transfers: FxHashMap::default(),
+            handles: FxHashMap::default(),
+            quarantine: FxHashMap::default(),
+            quarantined_device: 0,
+            quarantined_host: 0,
+            next_transfer: 1,
+            next_handle: 1,
+            clock: 0,
+            epoch: 0,
+            object_bytes: cfg.object_bytes,
+            totals: Totals::default(),
+            t0: Instant::now(),
+            scratch: Vec::new(),
+        })
+    }
+
+    fn now_ns(&self) -> u64 {
+        self.t0.elapsed().as_nanos() as u64
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    fn new_transfer(&mut self, kind: TransferKind) -> TransferId {
+        let id = TransferId::new(self.next_transfer);
+        self.next_transfer += 1;
+        self.transfers.insert(
+            id,
+            Transfer {
+                kind,
+                objects: Vec::new(),
+                state: TransferState::InFlight,
+                refs: 0,
+                submitted_ns: None,
+                finished_ns: None,
+            },
+        );
+        id
+    }
+
+    /// The object index of a live key, or why there is none.
+    fn lookup(&self, key: &ObjectKey) -> Result<usize> {
+        match self.index.get(key) {
+            Some(&idx) => Ok(idx),
+            None if self.dropped.contains(&key.namespace) => Err(Error::NamespaceDropped {
+                namespace: key.namespace.to_string(),
+            }),
+            None => Err(Error::NotResident {
+                key: key.to_string(),
+            }),
+        }
+    }
+
+    /// Slots free plus slots eviction could free, leaving out `keep` evictable batch members.
+    fn device_available(&self, keep: usize) -> (usize, usize) {
+        (self.device.free_count(), self.lru.len() - keep)
+    }
+
+    /// A device slot from the free list, or from the LRU object (which becomes Absent).
+    /// Callers have checked that one exists.
+    fn take_device_slot(&mut self) -> SlotId {
+        if let Some(p) = self.device.alloc_one() {
+            return SlotId::of_page(p);
+        }
+        let victim = self
+            .lru
+            .pop_front()
+            .expect("caller checked free + evictable >= needed");
+        let obj = &mut self.objects[victim];
+        let DeviceState::Ready { slot } = obj.device else {
+            unreachable!("LRU list holds only device-Ready objects")
+        };
+        obj.device = DeviceState::Absent;
+        self.totals.evictions += 1;
+        slot
+    }
+
+    /// Creates objects for `keys`, each device-Ready in a fresh slot with no host copy.
+    pub fn allocate(&mut self, keys: &[ObjectKey]) -> Result<Vec<SlotId>> {
+        let mut seen = FxHashSet::default();
+        for key in keys {
+            if self.dropped.contains(&key.namespace) {
+                return Err(Error::NamespaceDropped {
+                    namespace: key.namespace.to_string(),
+                });
+            }
+            if self.index.contains_key(key) || !seen.insert(*key) {
+                return Err(Error::KeyExists {
+                    key: key.to_string(),
+                });
+            }
+        }
+        let (free, evictable) = self.device_available(0);
+        if keys.len() > free + evictable {
+            return Err(Error::OutOfSlots {
+                tier: "device",
+                requested: keys.len(),
+                free,
+                evictable,
+            });
+        }
+        let mut slots = Vec::with_capacity(keys.len());
+        for key in keys {
+            let slot = self.take_device_slot();
+            let stamp = self.tick();
+            let idx = self.objects.insert(Object {
+                key: *key,
+                device: DeviceState::Ready { slot },
+                host: HostState::None,
+                pins: 0,
+                stamp,
+                epoch: 0,
+                dropped: false,
+                load_failed: false,
+            });
+            self.index.insert(*key, idx);
+            self.namespaces.entry(key.namespace).or_default().push(idx);
+            slots.push(slot);
+        }
+        Ok(slots)
+    }
+
+    /// Resolves a batch: pins Ready objects, starts loads for Absent objects with a Ready host
+    /// copy, joins Loading ones. All or nothing. `bytes_needed` overrides the default
+    /// (distinct objects x object bytes) when the consumer needs less than whole objects.
+    pub fn resolve(&mut self, keys: &[ObjectKey], bytes_needed: Option<u64>) -> Result<Resolved> {
+        self.epoch += 1;
+        let epoch = self.epoch;
+        let mut scratch = std::mem::take(&mut self.scratch);
+        scratch.clear();
+        let staged = self.stage_resolve(keys, epoch, &mut scratch);
+        let result = staged.and_then(|(loads, keep)| {
+            let (free, evictable) = self.device_available(keep);
+            if loads > free + evictable {
+                return Err(Error::OutOfSlots {
+                    tier: "device",
+                    requested: loads,
+                    free,
+                    evictable,
+                });
+            }
+            Ok(self.commit_resolve(keys.len(), &scratch, loads, bytes_needed))
+        });
+        self.scratch = scratch;
+        result
+    }
+
+    /// Classifies every key; changes nothing but the objects' batch epochs.
+    fn stage_resolve(
+        &mut self,
+        keys: &[ObjectKey],
+        epoch: u64,
+        scratch: &mut Vec<(usize, Class)>,
+    ) -> Result<(usize, usize)> {
+        let mut loads = 0;
+        let mut keep = 0;
+        for key in keys {
+            let idx = self.lookup(key)?;
+            let obj = &mut self.objects[idx];
+            if obj.epoch == epoch {
+                scratch.push((idx, Class::Repeat));
+                continue;
+            }
+            obj.epoch = epoch;
+            let class = match obj.device {
+                DeviceState::Ready { .. } => {
+                    keep += usize::from(obj.evictable());
+                    Class::Ready
+                }
+                DeviceState::Loading { transfer, .. } => Class::Join(transfer),
+                DeviceState::Absent => match obj.host {
+                    HostState::Ready { .. } => {
+                        loads += 1;
+                        Class::Load
+                    }
+                    _ => {
+                        return Err(Error::NotResident {
+                            key: key.to_string(),
+                        })
+                    }
+                },
+            };
+            scratch.push((idx, class));
+        }
+        Ok((loads, keep))
+    }
+
+    fn commit_resolve(
+        &mut self,
+        selected: usize,
+        scratch: &[(usize, Class)],
+        loads: usize,
+        bytes_needed: Option<u64>,
+    ) -> Resolved {
+        let mut m = ResolveMetrics {
+            selected: selected as u64,
+            resolved_ns: self.now_ns(),
+            ..Default::default()
+        };
+        let mut objects = Vec::with_capacity(scratch.len());
+        let mut joined = TransferList::new();
+        // Pass 1: pin what is on the device, so eviction in pass 2 cannot take it.
+        for &(idx, class) in scratch {
+            match class {
+                Class::Ready | Class::Join(_) => {
+                    self.lru.remove(idx);
+                    let stamp = self.tick();
+                    let obj = &mut self.objects[idx];
+                    obj.pins += 1;
+                    obj.stamp = stamp;
+                    objects.push(idx);
+                    if let Class::Join(t) = class {
+                        m.loading += 1;
+                        if !joined.contains(&t) {
+                            joined.push(t);
+                        }
+                    } else {
+                        m.ready += 1;
+                    }
+                }
+                Class::Load | Class::Repeat => {}
+            }
+        }
+        // Pass 2: one transfer for every new load of the batch.
+        let mut plan = None;
+        if loads > 0 {
+            let tid = self.new_transfer(TransferKind::Load);
+            let mut lp = LoadPlan {
+                transfer: tid,
+                host_slots: Vec::with_capacity(loads),
+                device_slots: Vec::with_capacity(loads),
+            };
+            let mut moved = Vec::with_capacity(loads);
+            for &(idx, class) in scratch {
+                if !matches!(class, Class::Load) {
+                    continue;
+                }
+                let slot = self.take_device_slot();
+                let stamp = self.tick();
+                let obj = &mut self.objects[idx];
+                let HostState::Ready { slot: hslot } = obj.host else {
+                    unreachable!("staged as Load only with a Ready host copy")
+                };
+                obj.device = DeviceState::Loading {
+                    slot,
+                    transfer: tid,
+                };
+                obj.pins += 1;
+                obj.stamp = stamp;
+                if std::mem::replace(&mut obj.load_failed, false) {
+                    self.totals.retries += 1;
+                }
+                lp.host_slots.push(hslot);
+                lp.device_slots.push(slot);
+                moved.push(idx);
+                objects.push(idx);
+            }
+            m.absent = moved.len() as u64;
+            self.transfers.get_mut(&tid).expect("just created").objects = moved;
+            plan = Some(lp);
+        }
+        m.inflight_reuse = m.loading;
+        m.distinct = objects.len() as u64;
+        m.bytes_needed = bytes_needed.unwrap_or(m.distinct * self.object_bytes);
+        m.bytes_transferred = m.absent * self.object_bytes;
+        // Slots in key order, repeats included.
+        let slots = scratch
+            .iter()
+            .map(|&(idx, _)| self.objects[idx].device_slot().expect("pinned on device"))
+            .collect();
+        let own_load = plan.as_ref().map(|p| p.transfer);
+        let mut transfers = joined.clone();
+        transfers.extend(own_load);
+        for t in &transfers {
+            self.transfers.get_mut(t).expect("in flight").refs += 1;
+        }
+        let handle = PinHandleId::new(self.next_handle);
+        self.next_handle += 1;
+        self.handles.insert(
+            handle,
+            Handle {
+                objects,
+                transfers,
+                own_load,
+                metrics: m,
+            },
+        );
+        self.totals.add(&m);
+        Resolved {
+            slots,
+            loads: plan.into_iter().collect(),
+            joined,
+            handle,
+            metrics: m,
+        }
+    }
+
+    /// Records that the engine submitted `id`.
+    pub fn mark_submitted(&mut self, id: TransferId) -> Result<()> {
+        let now = self.now_ns();
+        let t = self.in_flight(id, "mark submitted")?;
+        t.submitted_ns.get_or_insert(now);
+        Ok(())
+    }
+
+    fn in_flight(&mut self, id: TransferId, op: &'static str) -> Result<&mut Transfer> {
+        let t = self
+            .transfers
+            .get_mut(&id)
+            .ok_or(Error::UnknownTransfer { id: id.raw() })?;
+        if t.state != TransferState::InFlight {
+            return Err(Error::TransferState {
+                op,
+                id: id.raw(),
+                state: describe(&t.state),
+            });
+        }
+        Ok(t)
+    }
+
+    fn in_flight_of(&mut self, id: TransferId, kind: TransferKind, op: &'static str) -> Result<()> {
+        let t = self.in_flight(id, op)?;
+        if t.kind != kind {
+            return Err(Error::TransferState {
+                op,
+                id: id.raw(),
+                state: format!("a {}", t.kind.name()),
+            });
+        }
+        Ok(())
+    }
+
+    /// Loading -> Ready for every object of load `id`; wakes its waiters.
+    pub fn complete(&mut self, id: TransferId) -> Result<()> {
+        self.in_flight_of(id, TransferKind::Load, "complete")?;
+        let objects = std::mem::take(&mut self.transfers.get_mut(&id).expect("checked").objects);
+        for &idx in &objects {
+            let stamp = self.tick();
+            let obj = &mut self.objects[idx];
+            let DeviceState::Loading { slot, transfer } = obj.device else {
+                unreachable!("a load's objects are Loading until it ends")
+            };
+            debug_assert_eq!(transfer, id);
+            obj.device = DeviceState::Ready { slot };
+            obj.stamp = stamp;
+            self.settle(idx);
+        }
+        self.totals.loads_completed += objects.len() as u64;
+        self.finish(id, TransferState::Completed);
+        Ok(())
+    }
+
+    /// Writing -> Ready for every host copy of backup `id`.
+    pub fn backup_complete(&mut self, id: TransferId) -> Result<()> {
+        self.in_flight_of(id, TransferKind::Backup, "backup_complete")?;
+        let objects = std::mem::take(&mut self.transfers.get_mut(&id).expect("checked").objects);
+        for &idx in &objects {
+            let obj = &mut self.objects[idx];
+            let HostState::Writing { slot, transfer } = obj.host else {
+                unreachable!("a backup's objects are Writing until it ends")
+            };
+            debug_assert_eq!(transfer, id);
+            obj.host = HostState::Ready { slot };
+            self.settle(idx);
+        }
+        self.totals.backups_completed += objects.len() as u64;
+        self.finish(id, TransferState::Completed);
+        Ok(())
+    }
+
+    /// Loading -> Absent (a load) or Writing -> None (a backup) for every object of `id`.
+    /// Their destination slots are quarantined until [`Self::transfer_ended`], or freed now
+    /// when `ended` says the transfer can no longer write them.
+    pub fn fail(&mut self, id: TransferId, reason: &str, ended: bool) -> Result<()> {
+        self.in_flight(id, "fail")?;
+        let t = self.transfers.get_mut(&id).expect("checked");
+        let kind = t.kind;
+        let objects = std::mem::take(&mut t.objects);
+        let mut q = Quarantine::default();
+        for &idx in &objects {
+            let obj = &mut self.objects[idx];
+            match kind {
+                TransferKind::Load => {
+                    let DeviceState::Loading { slot, .. } = obj.device else {
+                        unreachable!("a load's objects are Loading until it ends")
+                    };
+                    obj.device = DeviceState::Absent;
+                    obj.load_failed = true;
+                    q.device.push(slot);
+                }
+                TransferKind::Backup => {
+                    let HostState::Writing { slot, .. } = obj.host else {
+                        unreachable!("a backup's objects are Writing until it ends")
+                    };
+                    obj.host = HostState::None;
+                    q.host.push(slot);
+                }
+            }
+        }
+        self.quarantined_device += q.device.len();
+        self.quarantined_host += q.host.len();
+        self.quarantine.insert(id, q);
+        for &idx in &objects {
+            self.settle(idx);
+        }
+        self.totals.failed_transfers += 1;
+        self.finish(id, TransferState::Failed(reason.to_owned()));
+        if ended {
+            self.transfer_ended(id)?;
+        }
+        Ok(())
+    }
+
+    /// The engine reports that failed transfer `id` can no longer write its destinations:
+    /// its quarantined slots return to the free lists, exactly once.
+    pub fn transfer_ended(&mut self, id: TransferId) -> Result<()> {
+        let Some(q) = self.quarantine.remove(&id) else {
+            return Err(match self.transfers.get(&id) {
+                Some(t) => Error::TransferState {
+                    op: "end",
+                    id: id.raw(),
+                    state: match t.state {
+                        TransferState::Failed(_) => "already ended".to_owned(),
+                        ref s => describe(s),
+                    },
+                },
+                None => Error::UnknownTransfer { id: id.raw() },
+            });
+        };
+        self.quarantined_device -= q.device.len();
+        self.quarantined_host -= q.host.len();
+        let dev: Vec<_> = q.device.iter().map(|s| s.page()).collect();
+        let host: Vec<_> = q.host.iter().map(|s| s.page()).collect();
+        self.device
+            .free(&dev)
+            .expect("quarantined device slots are allocated");
+        self.host
+            .free(&host)
+            .expect("quarantined host slots are allocated");
+        Ok(())
+    }
+
+    /// After a state change: put the object in the LRU list if it became evictable, or remove
+    /// it if it was dropped and nothing refers to it any more.
+    fn settle(&mut self, idx: usize) {
+        let obj = &self.objects[idx];
+        if obj.evictable() {
+            self.lru.push_back(idx);
+        } else if obj.reapable() {
+            self.reap(idx);
+        }
+    }
+
+    /// Removes a dropped object, freeing the slots it holds.
+    fn reap(&mut self, idx: usize) {
+        self.lru.remove(idx);
+        let obj = self.objects.remove(idx);
+        if let DeviceState::Ready { slot } = obj.device {
+            self.device
+                .free(&[slot.page()])
+                .expect("a Ready object's slot is allocated");
+        }
+        if let HostState::Ready { slot } = obj.host {
+            self.host
+                .free(&[slot.page()])
+                .expect("a Ready host copy's slot is allocated");
+        }
+    }
+
+    /// Marks `id` finished. Its object list was taken by the caller: a finished transfer
+    /// refers to no object, since those may be removed from now on.
+    fn finish(&mut self, id: TransferId, state: TransferState) {
+        let now = self.now_ns();
+        let t = self
+            .transfers
+            .get_mut(&id)
+            .expect("finishing a known transfer");
+        t.state = state;
+        t.finished_ns = Some(now);
+        if t.refs == 0 {
+            self.transfers.remove(&id);
+        }
+    }
+
+    /// Unpins every object of `handle` and returns its metrics record, completed with the
+    /// submitted, ready and consumed times.
+    pub fn release(&mut self, handle: PinHandleId) -> Result<ResolveMetrics> {
+        let h = self
+            .handles
+            .remove(&handle)
+            .ok_or(Error::UnknownHandle { id: handle.raw() })?;
+        let mut m = h.metrics;
+        m.consumed_ns = Some(self.now_ns());
+        let mut ready = Some(m.resolved_ns);
+        for t in &h.transfers {
+            let rec = self
+                .transfers
+                .get_mut(t)
+                .expect("referenced transfers are kept");
+            if Some(*t) == h.own_load {
+                m.submitted_ns = rec.submitted_ns;
+            }
+            ready = match (&rec.state, ready, rec.finished_ns) {
+                (TransferState::Completed, Some(r), Some(f)) => Some(r.max(f)),
+                _ => None,
+            };
+            rec.refs -= 1;
+            if rec.refs == 0 && rec.state != TransferState::InFlight {
+                self.transfers.remove(t);
+            }
+        }
+        m.ready_ns = ready;
+        for &idx in &h.objects {
+            let stamp = self.tick();
+            let obj = &mut self.objects[idx];
+            obj.pins -= 1;
+            obj.stamp = stamp;
+            self.settle(idx);
+        }
+        self.totals.releases += 1;
+        Ok(m)
+    }
+
+    /// The state of transfer `id`: `None` while in flight, else its outcome. Unknown ids are
+    /// an error.
+    pub fn outcome(&self, id: TransferId) -> Result<Option<Result<()>>> {
+        let t = self
+            .transfers
+            .get(&id)
+            .ok_or(Error::UnknownTransfer { id: id.raw() })?;
+        Ok(match &t.state {
+            TransferState::InFlight => None,
+            TransferState::Completed => Some(Ok(())),
+            TransferState::Failed(reason) => Some(Err(Error::TransferFailed {
+                id: id.raw(),
+                reason: reason.clone(),
+            })),
+        })
+    }
+
+    /// Plans write-through backups of device-Ready objects that have no host copy yet. Keys
+    /// already backed up or being backed up are skipped. All or nothing.
+    pub fn backup(&mut self, keys: &[ObjectKey]) -> Result<BackupPlan> {
+        self.epoch += 1;
+        let epoch = self.epoch;
+        let mut todo = Vec::new();
+        for key in keys {
+            let idx = self.lookup(key)?;
+            let obj = &mut self.objects[idx];
+            if obj.epoch == epoch {
+                continue;
+            }
+            obj.epoch = epoch;
+            if !matches!(obj.device, DeviceState::Ready { .. }) {
+                return Err(Error::InvalidTransition {
+                    op: "back up",
+                    key: key.to_string(),
+                    state: obj.device.to_string(),
+                });
+            }
+            if matches!(obj.host, HostState::None) {
+                todo.push(idx);
+            }
+        }
+        if todo.len() > self.host.free_count() {
+            return Err(Error::OutOfSlots {
+                tier: "host",
+                requested: todo.len(),
+                free: self.host.free_count(),
+                evictable: 0,
+            });
+        }
+        if todo.is_empty() {
+            return Ok(BackupPlan {
+                transfer: None,
+                device_slots: Vec::new(),
+                host_slots: Vec::new(),
+            });
+        }
+        let tid = self.new_transfer(TransferKind::Backup);
+        let mut plan = BackupPlan {
+            transfer: Some(tid),
+            device_slots: Vec::with_capacity(todo.len()),
+            host_slots: Vec::with_capacity(todo.len()),
+        };
+        for &idx in &todo {
+            let hslot = HostSlotId::of_page(self.host.alloc_one().expect("counted above"));
+            let obj = &mut self.objects[idx];
+            obj.host = HostState::Writing {
+                slot: hslot,
+                transfer: tid,
+            };
+            plan.device_slots
+                .push(obj.device_slot().expect("device Ready"));
+            plan.host_slots.push(hslot);
+        }
+        self.totals.bytes_backed_up += todo.len() as u64 * self.object_bytes;
+        self.transfers.get_mut(&tid).expect("just created").objects = todo;
+        Ok(plan)
+    }
+
+    /// Evicts up to `n` least recently used evictable objects; returns their keys.
+    pub fn evict(&mut self, n: usize) -> Vec<ObjectKey> {
+        let mut out = Vec::with_capacity(n.min(self.lru.len()));
+        while out.len() < n {
+            let Some(idx) = self.lru.pop_front() else {
+                break;
+            };
+            let obj = &mut self.objects[idx];
+            let DeviceState::Ready { slot } = obj.device else {
+                unreachable!("LRU list holds only device-Ready objects")
+            };
+            obj.device = DeviceState::Absent;
+            out.push(obj.key);
+            self.device
+                .free(&[slot.page()])
+                .expect("a Ready object's slot is allocated");
+            self.totals.evictions += 1;
+        }
+        out
+    }
+
+    /// Ends namespace `ns`: its keys stop resolving at once; each object is removed now, or
+    /// when its last pin is released and no transfer touches it. Returns (removed now,
+    /// deferred).
+    pub fn drop_namespace(&mut self, ns: Namespace) -> Result<(usize, usize)> {
+        if !self.dropped.insert(ns) {
+            return Err(Error::NamespaceDropped {
+                namespace: ns.to_string(),
+            });
+        }
+        self.totals.namespaces_dropped += 1;
+        let (mut now, mut later) = (0, 0);
+        for idx in self.namespaces.remove(&ns).unwrap_or_default() {
+            let obj = &mut self.objects[idx];
+            obj.dropped = true;
+            let key = obj.key;
+            self.index.remove(&key);
+            self.lru.remove(idx);
+            if self.objects[idx].reapable() {
+                self.reap(idx);
+                now += 1;
+            } else {
+                later += 1;
+            }
+        }
+        Ok((now, later))
+    }
+
+    /// The object's states, if the key is live.
+    pub fn state(&self, key: &ObjectKey) -> Option<&Object> {
+        self.index.get(key).map(|&idx| &self.objects[idx])
+    }
+
+    /// Counts now, with cumulative totals.
+    pub fn stats(&self) -> DirectoryStats {
+        let mut s = DirectoryStats {
+            objects: self.objects.len(),
+            evictable: self.lru.len(),
+            device_capacity: self.device.capacity(),
+            device_free: self.device.free_count(),
+            device_used: self.device.used_count() - self.quarantined_device,
+            device_quarantined: self.quarantined_device,
+            host_capacity: self.host.capacity(),
+            host_free: self.host.free_count(),
+            host_used: self.host.used_count() - self.quarantined_host,
+            host_quarantined: self.quarantined_host,
+            transfers_in_flight: self
+                .transfers
+                .values()
+                .filter(|t| t.state == TransferState::InFlight)
+                .count(),
+            handles: self.handles.len(),
+            totals: self.totals,
+            ..Default::default()
+        };
+        for (_, o) in &self.objects {
+            match o.device {
+                DeviceState::Absent => s.device_absent += 1,
+                DeviceState::Loading { .. } => s.device_loading += 1,
+                DeviceState::Ready { .. } => s.device_ready += 1,
+            }
+            match o.host {
+                HostState::None => s.host_none += 1,
+                HostState::Writing { .. } => s.host_writing += 1,
+                HostState::Ready { .. } => s.host_ready += 1,
+            }
+            s.pinned_objects += usize::from(o.pins > 0);
+            s.pins += u64::from(o.pins);
+        }
+        s
+    }
+
+    /// Checks every invariant; returns the first one broken.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        self.device
+            .validate()
+            .map_err(|e| format!("device allocator: {e}"))?;
+        self.host
+            .validate()
+            .map_err(|e| format!("host allocator: {e}"))?;
+        self.lru.validate().map_err(|e| format!("LRU list: {e}"))?;
+        let mut dev_owner: FxHashMap<SlotId, usize> = FxHashMap::default();
+        let mut host_owner: FxHashMap<HostSlotId, usize> = FxHashMap::default();
+        let mut pins: FxHashMap<usize, u32> = FxHashMap::default();
+        for h in self.handles.values() {
+            for &idx in &h.objects {
+                *pins.entry(idx).or_default() += 1;
+            }
+        }
+        for (idx, o) in &self.objects {
+            if let Some(s) = o.device_slot() {
+                if !self.device.is_allocated(s.page()) {
+                    return Err(format!("{} holds device slot {s}, which is free", o.key));
+                }
+                if let Some(other) = dev_owner.insert(s, idx) {
+                    return Err(format!("device slot {s} held by objects {other} and {idx}"));
+                }
+            }
+            if let Some(s) = o.host_slot() {
+                if !self.host.is_allocated(s.page()) {
+                    return Err(format!("{} holds host slot {s}, which is free", o.key));
+                }
+                if let Some(other) = host_owner.insert(s, idx) {
+                    return Err(format!("host slot {s} held by objects {other} and {idx}"));
+                }
+            }
+            if self.lru.contains(idx) != o.evictable() {
+                return Err(format!(
+                    "{}: in LRU list = {}, evictable = {} (pins {}, {}, {})",
+                    o.key,
+                    self.lru.contains(idx),
+                    o.evictable(),
+                    o.pins,
+                    o.device,
+                    o.host
+                ));
+            }
+            if pins.get(&idx).copied().unwrap_or(0) != o.pins {
+                return Err(format!(
+                    "{}: pin count {} disagrees with handles",
+                    o.key, o.pins
+                ));
+            }
+            if let DeviceState::Loading { transfer, .. } = o.device {
+                let t = self.transfers.get(&transfer).ok_or_else(|| {
+                    format!("{} Loading under unknown transfer {transfer}", o.key)
+                })?;
+                if t.state != TransferState::InFlight
+                    || t.kind != TransferKind::Load
+                    || !t.objects.contains(&idx)
+                {
+                    return Err(format!(
+                        "{} Loading, but transfer {transfer} does not carry it",
+                        o.key
+                    ));
+                }
+            }
+            if let HostState::Writing { transfer, .. } = o.host {
+                let ok = self.transfers.get(&transfer).is_some_and(|t| {
+                    t.state == TransferState::InFlight
+                        && t.kind == TransferKind::Backup
+                        && t.objects.contains(&idx)
+                });
+                if !ok {
+                    return Err(format!(
+                        "{} Writing, but backup {transfer} does not carry it",
+                        o.key
+                    ));
+                }
+            }
+            if o.dropped == self.index.get(&o.key).is_some_and(|&i| i == idx) {
+                return Err(format!(
+                    "{}: dropped = {} disagrees with the index",
+                    o.key, o.dropped
+                ));
+            }
+            if o.reapable() {
+                return Err(format!(
+                    "{} was dropped and is unreferenced, yet not removed",
+                    o.key
+                ));
+            }
+        }
+        let (mut qd, mut qh) = (0, 0);
+        for q in self.quarantine.values() {
+            for s in &q.device {
+                if dev_owner.contains_key(s) || !self.device.is_allocated(s.page()) {
+                    return Err(format!("quarantined device slot {s} is owned or free"));
+                }
+            }
+            for s in &q.host {
+                if host_owner.contains_key(s) || !self.host.is_allocated(s.page()) {
+                    return Err(format!("quarantined host slot {s} is owned or free"));
+                }
+            }
+            qd += q.device.len();
+            qh += q.host.len();
+        }
+        if (qd, qh) != (self.quarantined_device, self.quarantined_host) {
+            return Err("quarantine counters disagree with the quarantine".into());
+        }
+        if dev_owner.len() + qd + self.device.free_count() != self.device.capacity() {
+            return Err(format!(
+                "device: held {} + quarantined {qd} + free {} != capacity {}",
+                dev_owner.len(),
+                self.device.free_count(),
+                self.device.capacity()
+            ));
+        }
+        if host_owner.len() + qh + self.host.free_count() != self.host.capacity() {
+            return Err(format!(
+                "host: held {} + quarantined {qh} + free {} != capacity {}",
+                host_owner.len(),
+                self.host.free_count(),
+                self.host.capacity()
+            ));
+        }
+        for (id, t) in &self.transfers {
+            if t.state == TransferState::InFlight {
+                for &idx in &t.objects {
+                    if !self.objects.contains(idx) {
+                        return Err(format!("transfer {id} carries a removed object"));
+                    }
+                }
+            } else if t.refs == 0 {
+                return Err(format!(
+                    "finished transfer {id} with no handle was not forgotten"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn describe(s: &TransferState) -> String {
+    match s {
+        TransferState::InFlight => "in flight".to_owned(),
+        TransferState::Completed => "completed".to_owned(),
+        TransferState::Failed(r) => format!("failed ({r})"),
+    }
+}
+
+fn rename(e: Error, pages: &str, reserve: &str) -> Error {
+    match e {
+        Error::Config {
+            field,
+            value,
+            allowed,
+        } => {
+            let f = if field == "pages" { pages } else { reserve };
+            Error::Config {
+                field: f.to_owned(),
+                value,
+                allowed,
+            }
+        }
+        other => other,
+    }
+}

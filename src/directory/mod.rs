@@ -1,0 +1,212 @@
+//! The residency directory: for every object, where it lives, whether it is ready, and who is
+//! using it.
+//!
+//! # What it owns
+//! The device and host slot allocators of the objects it tracks, every object's states
+//! ([`state`]), the LRU list of evictable objects ([`lru`]), transfer records and quarantined
+//! slots ([`transfer`]), pin handles, and the metrics ([`metrics`]).
+//!
+//! # Concurrency and lock order
+//! [`Directory`] is `Send + Sync`: one mutex guards the whole [`core::Core`], and a condvar
+//! wakes [`Directory::wait`]ers when a transfer finishes. There is one lock, so there is no
+//! lock order to keep; no call holds it while waiting or calling out.
+//!
+//! # Drop behaviour
+//! [`PinGuard`] releases its pins when dropped. Dropping the directory frees nothing outside
+//! itself: the slots it hands out are indices into pools it does not own.
+
+pub mod core;
+pub mod key;
+pub mod lru;
+pub mod metrics;
+pub mod state;
+pub mod transfer;
+
+pub use self::core::{DirectoryConfig, DirectoryStats, Resolved};
+pub use key::{LayerGroup, Namespace, ObjectKey};
+pub use metrics::{token_pages, ResolveMetrics, TokenPages, Totals};
+pub use state::{DeviceState, HostState};
+pub use transfer::{BackupPlan, LoadPlan};
+
+use crate::error::{Error, Result};
+use crate::ids::{PinHandleId, TransferId};
+use parking_lot::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// The thread-safe residency directory.
+#[derive(Debug)]
+pub struct Directory {
+    core: Mutex<self::core::Core>,
+    finished: Condvar,
+}
+
+/// The state of one object, copied out of the directory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectState {
+    /// Device tier.
+    pub device: DeviceState,
+    /// Host tier.
+    pub host: HostState,
+    /// Pin count.
+    pub pins: u32,
+    /// LRU stamp.
+    pub stamp: u64,
+}
+
+impl Directory {
+    /// An empty directory of the given sizes.
+    pub fn new(cfg: DirectoryConfig) -> Result<Self> {
+        Ok(Directory {
+            core: Mutex::new(self::core::Core::new(cfg)?),
+            finished: Condvar::new(),
+        })
+    }
+
+    /// See [`core::Core::allocate`].
+    pub fn allocate(&self, keys: &[ObjectKey]) -> Result<Vec<crate::ids::SlotId>> {
+        self.core.lock().allocate(keys)
+    }
+
+    /// See [`core::Core::resolve`].
+    pub fn resolve(&self, keys: &[ObjectKey], bytes_needed: Option<u64>) -> Result<Resolved> {
+        self.core.lock().resolve(keys, bytes_needed)
+    }
+
+    /// Resolves and returns a guard that releases the pins when dropped.
+    pub fn resolve_guarded(&self, keys: &[ObjectKey]) -> Result<(Resolved, PinGuard<'_>)> {
+        let r = self.resolve(keys, None)?;
+        let guard = PinGuard {
+            directory: self,
+            handle: Some(r.handle),
+        };
+        Ok((r, guard))
+    }
+
+    /// See [`core::Core::release`].
+    pub fn release(&self, handle: PinHandleId) -> Result<ResolveMetrics> {
+        self.core.lock().release(handle)
+    }
+
+    /// See [`core::Core::mark_submitted`].
+    pub fn mark_submitted(&self, id: TransferId) -> Result<()> {
+        self.core.lock().mark_submitted(id)
+    }
+
+    /// See [`core::Core::complete`]; wakes waiters.
+    pub fn complete(&self, id: TransferId) -> Result<()> {
+        let r = self.core.lock().complete(id);
+        self.finished.notify_all();
+        r
+    }
+
+    /// See [`core::Core::backup_complete`]; wakes waiters.
+    pub fn backup_complete(&self, id: TransferId) -> Result<()> {
+        let r = self.core.lock().backup_complete(id);
+        self.finished.notify_all();
+        r
+    }
+
+    /// See [`core::Core::fail`]; wakes waiters, who get [`Error::TransferFailed`].
+    pub fn fail(&self, id: TransferId, reason: &str, ended: bool) -> Result<()> {
+        let r = self.core.lock().fail(id, reason, ended);
+        self.finished.notify_all();
+        r
+    }
+
+    /// See [`core::Core::transfer_ended`].
+    pub fn transfer_ended(&self, id: TransferId) -> Result<()> {
+        self.core.lock().transfer_ended(id)
+    }
+
+    /// Blocks until transfer `id` finishes: `Ok` when it completed, [`Error::TransferFailed`]
+    /// when it failed, [`Error::WaitTimeout`] when `timeout` passes first.
+    pub fn wait(&self, id: TransferId, timeout: Option<Duration>) -> Result<()> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut core = self.core.lock();
+        loop {
+            if let Some(outcome) = core.outcome(id)? {
+                return outcome;
+            }
+            match deadline {
+                None => self.finished.wait(&mut core),
+                Some(d) => {
+                    if self.finished.wait_until(&mut core, d).timed_out()
+                        && core.outcome(id)?.is_none()
+                    {
+                        return Err(Error::WaitTimeout {
+                            id: id.raw(),
+                            timeout_ms: timeout.unwrap_or_default().as_millis() as u64,
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    /// See [`core::Core::backup`].
+    pub fn backup(&self, keys: &[ObjectKey]) -> Result<BackupPlan> {
+        self.core.lock().backup(keys)
+    }
+
+    /// See [`core::Core::evict`].
+    pub fn evict(&self, n: usize) -> Vec<ObjectKey> {
+        self.core.lock().evict(n)
+    }
+
+    /// See [`core::Core::drop_namespace`].
+    pub fn drop_namespace(&self, ns: Namespace) -> Result<(usize, usize)> {
+        self.core.lock().drop_namespace(ns)
+    }
+
+    /// The states of a live object.
+    pub fn state(&self, key: &ObjectKey) -> Option<ObjectState> {
+        self.core.lock().state(key).map(|o| ObjectState {
+            device: o.device,
+            host: o.host,
+            pins: o.pins,
+            stamp: o.stamp,
+        })
+    }
+
+    /// See [`core::Core::stats`].
+    pub fn stats(&self) -> DirectoryStats {
+        self.core.lock().stats()
+    }
+
+    /// See [`core::Core::validate`].
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        self.core.lock().validate()
+    }
+}
+
+/// Pins of one resolve, released on drop.
+#[derive(Debug)]
+pub struct PinGuard<'a> {
+    directory: &'a Directory,
+    handle: Option<PinHandleId>,
+}
+
+impl PinGuard<'_> {
+    /// Releases now and returns the completed metrics record.
+    pub fn release(mut self) -> Result<ResolveMetrics> {
+        let h = self.handle.take().ok_or(Error::UnknownHandle { id: 0 })?;
+        self.directory.release(h)
+    }
+}
+
+impl Drop for PinGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(h) = self.handle.take() {
+            // The handle came from this directory and was not released: this cannot fail.
+            let _ = self.directory.release(h);
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "../tests/directory_examples.rs"]
+mod examples;
+
+#[cfg(test)]
+#[path = "../tests/directory_proptest.rs"]
+mod proptest_model;

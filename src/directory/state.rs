@@ -1,0 +1,132 @@
+//! Per-object state. Each enum's variants carry their data, and each doc names every exit;
+//! the transitions themselves live in `core.rs`, one function each.
+
+use super::key::ObjectKey;
+use crate::ids::{HostSlotId, SlotId, TransferId};
+use std::fmt;
+
+/// Where an object stands on the device tier.
+///
+/// Exits: `Absent -> Loading` (`resolve` starts a load); `Loading -> Ready` (`complete`);
+/// `Loading -> Absent` (`fail`, the slot is quarantined until the transfer ends);
+/// `Ready -> Absent` (`evict`, unpinned with a Ready host copy; or the namespace is dropped).
+/// `allocate` creates an object directly in `Ready`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceState {
+    /// No device copy.
+    Absent,
+    /// A load into `slot` is in flight as `transfer`; the slot must not be read yet.
+    Loading {
+        /// The destination slot.
+        slot: SlotId,
+        /// The load.
+        transfer: TransferId,
+    },
+    /// The device copy in `slot` is readable.
+    Ready {
+        /// The slot.
+        slot: SlotId,
+    },
+}
+
+/// Where an object stands on the host tier.
+///
+/// Exits: `None -> Writing` (`backup`); `Writing -> Ready` (`backup_complete`);
+/// `Writing -> None` (`fail` on the backup; the host slot is quarantined until it ends);
+/// `Ready -> freed` only when the namespace is dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostState {
+    /// No host copy.
+    None,
+    /// A backup into `slot` is in flight as `transfer`: not yet a hit source.
+    Writing {
+        /// The destination host slot.
+        slot: HostSlotId,
+        /// The backup.
+        transfer: TransferId,
+    },
+    /// The host copy in `slot` is complete.
+    Ready {
+        /// The host slot.
+        slot: HostSlotId,
+    },
+}
+
+/// One tracked object.
+#[derive(Debug, Clone)]
+pub struct Object {
+    /// Identity.
+    pub key: ObjectKey,
+    /// Device tier.
+    pub device: DeviceState,
+    /// Host tier.
+    pub host: HostState,
+    /// Outstanding pins (one per pin handle that holds it).
+    pub pins: u32,
+    /// Logical time of the last access (resolve, release, or becoming evictable).
+    pub stamp: u64,
+    /// Batch number of the last batch that saw it: dedups keys inside one batch in O(1).
+    pub epoch: u64,
+    /// Its namespace was dropped: removed once unpinned and no transfer touches it.
+    pub dropped: bool,
+    /// Its last load failed; the next load counts as a retry.
+    pub load_failed: bool,
+}
+
+impl Object {
+    /// The device slot it occupies (Loading or Ready), if any.
+    pub fn device_slot(&self) -> Option<SlotId> {
+        match self.device {
+            DeviceState::Absent => None,
+            DeviceState::Loading { slot, .. } | DeviceState::Ready { slot } => Some(slot),
+        }
+    }
+
+    /// The host slot it occupies (Writing or Ready), if any.
+    pub fn host_slot(&self) -> Option<HostSlotId> {
+        match self.host {
+            HostState::None => None,
+            HostState::Writing { slot, .. } | HostState::Ready { slot } => Some(slot),
+        }
+    }
+
+    /// Whether the LRU list must hold it: the exact condition for eviction.
+    pub fn evictable(&self) -> bool {
+        matches!(self.device, DeviceState::Ready { .. })
+            && matches!(self.host, HostState::Ready { .. })
+            && self.pins == 0
+            && !self.dropped
+    }
+
+    /// Whether nothing refers to it any more, so a dropped object can be removed.
+    pub fn reapable(&self) -> bool {
+        self.dropped
+            && self.pins == 0
+            && !matches!(self.device, DeviceState::Loading { .. })
+            && !matches!(self.host, HostState::Writing { .. })
+    }
+}
+
+impl fmt::Display for DeviceState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            DeviceState::Absent => write!(f, "device Absent"),
+            DeviceState::Loading { slot, transfer } => {
+                write!(f, "device Loading into slot {slot} (transfer {transfer})")
+            }
+            DeviceState::Ready { slot } => write!(f, "device Ready in slot {slot}"),
+        }
+    }
+}
+
+impl fmt::Display for HostState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HostState::None => write!(f, "host None"),
+            HostState::Writing { slot, transfer } => {
+                write!(f, "host Writing into slot {slot} (transfer {transfer})")
+            }
+            HostState::Ready { slot } => write!(f, "host Ready in slot {slot}"),
+        }
+    }
+}
