@@ -1,1 +1,581 @@
+//! proptest-state-machine test of the residency directory against a reference model.
+//!
+//! The model is deliberately naive: objects in a `BTreeMap`, the LRU order in a `Vec`, slots
+//! as counters. It predicts every outcome (success or the error kind), every transfer and
+//! handle id, and every object's states and pins; after each step the test compares them and
+//! runs `validate()`, which checks page conservation, single ownership of slots, the exact
+//! LRU membership (so a pinned object is never evicted), one in-flight transfer per Loading
+//! object, and that no mapping survives a failed load.
 
+use super::*;
+use crate::ids::{PinHandleId, TransferId};
+use proptest::prelude::*;
+use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
+use std::collections::{BTreeMap, BTreeSet};
+
+const DEVICE: u32 = 4;
+const HOST: u32 = 8;
+const PAGES: u8 = 5;
+const NAMESPACES: u8 = 2;
+const PRELOADED: u8 = 4;
+
+type K = (u8, u8);
+
+fn okey(k: K) -> ObjectKey {
+    ObjectKey::new(u64::from(k.0), 0, u32::from(k.1), LayerGroup::All)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MDev {
+    Absent,
+    Loading(u64),
+    Ready,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MHost {
+    None,
+    Writing(u64),
+    Ready,
+}
+
+#[derive(Debug, Clone)]
+struct MObj {
+    key: K,
+    dev: MDev,
+    host: MHost,
+    pins: u32,
+    dropped: bool,
+}
+
+impl MObj {
+    fn evictable(&self) -> bool {
+        self.dev == MDev::Ready && self.host == MHost::Ready && self.pins == 0 && !self.dropped
+    }
+    fn reapable(&self) -> bool {
+        self.dropped
+            && self.pins == 0
+            && !matches!(self.dev, MDev::Loading(_))
+            && !matches!(self.host, MHost::Writing(_))
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    Ok,
+    NotResident,
+    OutOfSlots,
+    KeyExists,
+    Dropped,
+    BadTransfer,
+    BadHandle,
+    Invalid,
+}
+
+#[derive(Debug, Clone)]
+struct MTransfer {
+    load: bool,
+    objs: Vec<usize>,
+    state: u8, // 0 in flight, 1 completed, 2 failed
+    refs: u32,
+}
+
+#[derive(Debug, Clone)]
+struct Model {
+    objs: BTreeMap<usize, MObj>,
+    index: BTreeMap<K, usize>,
+    next_uid: usize,
+    lru: Vec<usize>,
+    dev_free: usize,
+    host_free: usize,
+    quarantine: BTreeMap<u64, (usize, usize)>,
+    transfers: BTreeMap<u64, MTransfer>,
+    handles: BTreeMap<u64, (Vec<usize>, Vec<u64>)>,
+    next_tid: u64,
+    next_hid: u64,
+    dropped: BTreeSet<u8>,
+    outcome: Outcome,
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    Allocate(Vec<K>),
+    Resolve(Vec<K>),
+    Complete(u64),
+    BackupComplete(u64),
+    Fail(u64, bool),
+    Ended(u64),
+    Release(u64),
+    Backup(Vec<K>),
+    Evict(usize),
+    Drop(u8),
+}
+
+impl Model {
+    fn settle(&mut self, uid: usize) {
+        let o = &self.objs[&uid];
+        if o.evictable() {
+            if !self.lru.contains(&uid) {
+                self.lru.push(uid);
+            }
+        } else if o.reapable() {
+            self.reap(uid);
+        }
+    }
+
+    fn reap(&mut self, uid: usize) {
+        self.lru.retain(|&u| u != uid);
+        let o = self.objs.remove(&uid).unwrap();
+        if o.dev == MDev::Ready {
+            self.dev_free += 1;
+        }
+        if o.host == MHost::Ready {
+            self.host_free += 1;
+        }
+    }
+
+    fn take_slot(&mut self) {
+        if self.dev_free > 0 {
+            self.dev_free -= 1;
+        } else {
+            let victim = self.lru.remove(0);
+            self.objs.get_mut(&victim).unwrap().dev = MDev::Absent;
+        }
+    }
+
+    fn lookup(&self, k: K) -> std::result::Result<usize, Outcome> {
+        match self.index.get(&k) {
+            Some(&u) => Ok(u),
+            None if self.dropped.contains(&k.0) => Err(Outcome::Dropped),
+            None => Err(Outcome::NotResident),
+        }
+    }
+
+    fn new_tid(&mut self, load: bool, objs: Vec<usize>) -> u64 {
+        let t = self.next_tid;
+        self.next_tid += 1;
+        self.transfers.insert(t, MTransfer { load, objs, state: 0, refs: 0 });
+        t
+    }
+
+    fn finish(&mut self, t: u64, state: u8) {
+        let tr = self.transfers.get_mut(&t).unwrap();
+        tr.state = state;
+        tr.objs.clear();
+        if tr.refs == 0 {
+            self.transfers.remove(&t);
+        }
+    }
+
+    fn allocate(&mut self, keys: &[K]) -> Outcome {
+        let mut seen = BTreeSet::new();
+        for &k in keys {
+            if self.dropped.contains(&k.0) {
+                return Outcome::Dropped;
+            }
+            if self.index.contains_key(&k) || !seen.insert(k) {
+                return Outcome::KeyExists;
+            }
+        }
+        if keys.len() > self.dev_free + self.lru.len() {
+            return Outcome::OutOfSlots;
+        }
+        for &k in keys {
+            self.take_slot();
+            let uid = self.next_uid;
+            self.next_uid += 1;
+            self.objs.insert(uid, MObj { key: k, dev: MDev::Ready, host: MHost::None, pins: 0, dropped: false });
+            self.index.insert(k, uid);
+        }
+        Outcome::Ok
+    }
+
+    fn resolve(&mut self, keys: &[K]) -> Outcome {
+        let mut order: Vec<usize> = Vec::new();
+        for &k in keys {
+            let uid = match self.lookup(k) {
+                Ok(u) => u,
+                Err(e) => return e,
+            };
+            if order.contains(&uid) {
+                continue;
+            }
+            let o = &self.objs[&uid];
+            if o.dev == MDev::Absent && o.host != MHost::Ready {
+                return Outcome::NotResident;
+            }
+            order.push(uid);
+        }
+        let loads: Vec<usize> =
+            order.iter().copied().filter(|u| self.objs[u].dev == MDev::Absent).collect();
+        let keep = order.iter().filter(|u| self.objs[u].evictable()).count();
+        if loads.len() > self.dev_free + self.lru.len() - keep {
+            return Outcome::OutOfSlots;
+        }
+        let mut held = Vec::new();
+        let mut tids = Vec::new();
+        for &u in &order {
+            let o = self.objs.get_mut(&u).unwrap();
+            match o.dev {
+                MDev::Ready => {}
+                MDev::Loading(t) => {
+                    if !tids.contains(&t) {
+                        tids.push(t);
+                    }
+                }
+                MDev::Absent => continue,
+            }
+            o.pins += 1;
+            held.push(u);
+            self.lru.retain(|&x| x != u);
+        }
+        if !loads.is_empty() {
+            let t = self.new_tid(true, loads.clone());
+            for &u in &loads {
+                self.take_slot();
+                let o = self.objs.get_mut(&u).unwrap();
+                o.dev = MDev::Loading(t);
+                o.pins += 1;
+                held.push(u);
+            }
+            tids.push(t);
+        }
+        for t in &tids {
+            self.transfers.get_mut(t).unwrap().refs += 1;
+        }
+        let h = self.next_hid;
+        self.next_hid += 1;
+        self.handles.insert(h, (held, tids));
+        Outcome::Ok
+    }
+
+    fn complete(&mut self, t: u64, load: bool) -> Outcome {
+        match self.transfers.get(&t) {
+            Some(tr) if tr.state == 0 && tr.load == load => {}
+            _ => return Outcome::BadTransfer,
+        }
+        let objs = self.transfers[&t].objs.clone();
+        for u in objs {
+            let o = self.objs.get_mut(&u).unwrap();
+            if load {
+                o.dev = MDev::Ready;
+            } else {
+                o.host = MHost::Ready;
+            }
+            self.settle(u);
+        }
+        self.finish(t, 1);
+        Outcome::Ok
+    }
+
+    fn fail(&mut self, t: u64, ended: bool) -> Outcome {
+        match self.transfers.get(&t) {
+            Some(tr) if tr.state == 0 => {}
+            _ => return Outcome::BadTransfer,
+        }
+        let tr = self.transfers[&t].clone();
+        for &u in &tr.objs {
+            let o = self.objs.get_mut(&u).unwrap();
+            if tr.load {
+                o.dev = MDev::Absent;
+            } else {
+                o.host = MHost::None;
+            }
+        }
+        let n = tr.objs.len();
+        self.quarantine.insert(t, if tr.load { (n, 0) } else { (0, n) });
+        for &u in &tr.objs {
+            self.settle(u);
+        }
+        self.finish(t, 2);
+        if ended {
+            self.ended(t);
+        }
+        Outcome::Ok
+    }
+
+    fn ended(&mut self, t: u64) -> Outcome {
+        match self.quarantine.remove(&t) {
+            Some((d, h)) => {
+                self.dev_free += d;
+                self.host_free += h;
+                Outcome::Ok
+            }
+            None => Outcome::BadTransfer,
+        }
+    }
+
+    fn release(&mut self, h: u64) -> Outcome {
+        let Some((objs, tids)) = self.handles.remove(&h) else {
+            return Outcome::BadHandle;
+        };
+        for t in tids {
+            let tr = self.transfers.get_mut(&t).unwrap();
+            tr.refs -= 1;
+            if tr.refs == 0 && tr.state != 0 {
+                self.transfers.remove(&t);
+            }
+        }
+        for u in objs {
+            self.objs.get_mut(&u).unwrap().pins -= 1;
+            self.settle(u);
+        }
+        Outcome::Ok
+    }
+
+    fn backup(&mut self, keys: &[K]) -> Outcome {
+        let mut order = Vec::new();
+        for &k in keys {
+            let uid = match self.lookup(k) {
+                Ok(u) => u,
+                Err(e) => return e,
+            };
+            if order.contains(&uid) {
+                continue;
+            }
+            order.push(uid);
+            if self.objs[&uid].dev != MDev::Ready {
+                return Outcome::Invalid;
+            }
+        }
+        let todo: Vec<usize> =
+            order.into_iter().filter(|u| self.objs[u].host == MHost::None).collect();
+        if todo.len() > self.host_free {
+            return Outcome::OutOfSlots;
+        }
+        if !todo.is_empty() {
+            let t = self.new_tid(false, todo.clone());
+            for u in todo {
+                self.host_free -= 1;
+                self.objs.get_mut(&u).unwrap().host = MHost::Writing(t);
+            }
+        }
+        Outcome::Ok
+    }
+
+    fn evict(&mut self, n: usize) {
+        for _ in 0..n {
+            if self.lru.is_empty() {
+                break;
+            }
+            let u = self.lru.remove(0);
+            self.objs.get_mut(&u).unwrap().dev = MDev::Absent;
+            self.dev_free += 1;
+        }
+    }
+
+    fn drop_ns(&mut self, ns: u8) -> Outcome {
+        if !self.dropped.insert(ns) {
+            return Outcome::Dropped;
+        }
+        let uids: Vec<usize> =
+            self.index.iter().filter(|(k, _)| k.0 == ns).map(|(_, &u)| u).collect();
+        for u in uids {
+            let k = self.objs[&u].key;
+            self.index.remove(&k);
+            self.objs.get_mut(&u).unwrap().dropped = true;
+            self.lru.retain(|&x| x != u);
+            if self.objs[&u].reapable() {
+                self.reap(u);
+            }
+        }
+        Outcome::Ok
+    }
+}
+
+struct Ref;
+
+fn keys_strategy() -> impl Strategy<Value = Vec<K>> {
+    proptest::collection::vec((0..NAMESPACES, 0..PAGES), 1..5)
+}
+
+impl ReferenceStateMachine for Ref {
+    type State = Model;
+    type Transition = Step;
+
+    /// Starts with `PRELOADED` host-only objects in namespace 0, so loads, joins and their
+    /// failures happen from the first step.
+    fn init_state() -> BoxedStrategy<Model> {
+        let mut m = Model {
+            objs: BTreeMap::new(),
+            index: BTreeMap::new(),
+            next_uid: 0,
+            lru: Vec::new(),
+            dev_free: DEVICE as usize,
+            host_free: HOST as usize - PRELOADED as usize,
+            quarantine: BTreeMap::new(),
+            transfers: BTreeMap::new(),
+            handles: BTreeMap::new(),
+            next_tid: 1 + u64::from(PRELOADED),
+            next_hid: 1,
+            dropped: BTreeSet::new(),
+            outcome: Outcome::Ok,
+        };
+        for page in 0..PRELOADED {
+            let uid = m.next_uid;
+            m.next_uid += 1;
+            let key = (0, page);
+            m.objs.insert(uid, MObj { key, dev: MDev::Absent, host: MHost::Ready, pins: 0, dropped: false });
+            m.index.insert(key, uid);
+        }
+        Just(m).boxed()
+    }
+
+    fn transitions(s: &Model) -> BoxedStrategy<Step> {
+        // Ids drawn from what exists, plus a bogus one, so error paths are exercised too.
+        let pick = |ids: Vec<u64>, bogus: u64| {
+            let mut ids = ids;
+            ids.push(bogus);
+            proptest::sample::select(ids)
+        };
+        // In-flight transfers twice, so completes and failures mostly hit live work.
+        let tids: Vec<u64> = s
+            .transfers
+            .iter()
+            .flat_map(|(&t, tr)| std::iter::repeat_n(t, if tr.state == 0 { 3 } else { 1 }))
+            .collect();
+        let quarantined: Vec<u64> = s.quarantine.keys().copied().collect();
+        let hids: Vec<u64> = s.handles.keys().copied().collect();
+        let bogus_t = s.next_tid + 7;
+        let bogus_h = s.next_hid + 7;
+        prop_oneof![
+            2 => keys_strategy().prop_map(Step::Allocate),
+            4 => keys_strategy().prop_map(Step::Resolve),
+            3 => pick(tids.clone(), bogus_t).prop_map(Step::Complete),
+            2 => pick(tids.clone(), bogus_t).prop_map(Step::BackupComplete),
+            2 => (pick(tids, bogus_t), any::<bool>()).prop_map(|(t, e)| Step::Fail(t, e)),
+            2 => pick(quarantined, bogus_t).prop_map(Step::Ended),
+            3 => pick(hids, bogus_h).prop_map(Step::Release),
+            2 => keys_strategy().prop_map(Step::Backup),
+            1 => (0..4usize).prop_map(Step::Evict),
+            1 => (0..NAMESPACES + 1).prop_map(Step::Drop),
+        ]
+        .boxed()
+    }
+
+    fn apply(mut s: Model, step: &Step) -> Model {
+        s.outcome = match step {
+            Step::Allocate(k) => s.allocate(k),
+            Step::Resolve(k) => s.resolve(k),
+            Step::Complete(t) => s.complete(*t, true),
+            Step::BackupComplete(t) => s.complete(*t, false),
+            Step::Fail(t, e) => s.fail(*t, *e),
+            Step::Ended(t) => s.ended(*t),
+            Step::Release(h) => s.release(*h),
+            Step::Backup(k) => s.backup(k),
+            Step::Evict(n) => {
+                s.evict(*n);
+                Outcome::Ok
+            }
+            Step::Drop(ns) => s.drop_ns(*ns),
+        };
+        s
+    }
+}
+
+fn kind(e: &Error) -> Outcome {
+    match e {
+        Error::NotResident { .. } => Outcome::NotResident,
+        Error::OutOfSlots { .. } => Outcome::OutOfSlots,
+        Error::KeyExists { .. } => Outcome::KeyExists,
+        Error::NamespaceDropped { .. } => Outcome::Dropped,
+        Error::UnknownTransfer { .. } | Error::TransferState { .. } => Outcome::BadTransfer,
+        Error::UnknownHandle { .. } => Outcome::BadHandle,
+        Error::InvalidTransition { .. } => Outcome::Invalid,
+        other => panic!("unexpected error {other}"),
+    }
+}
+
+struct DirTest;
+
+impl StateMachineTest for DirTest {
+    type SystemUnderTest = Directory;
+    type Reference = Ref;
+
+    fn init_test(_: &Model) -> Directory {
+        let d = Directory::new(DirectoryConfig {
+            device_pages: DEVICE,
+            device_reserve: 0,
+            host_pages: HOST,
+            host_reserve: 0,
+            object_bytes: 4096,
+        })
+        .unwrap();
+        for page in 0..PRELOADED {
+            let k = [okey((0, page))];
+            d.allocate(&k).unwrap();
+            d.backup_complete(d.backup(&k).unwrap().transfer.unwrap()).unwrap();
+            assert_eq!(d.evict(1), k.to_vec());
+        }
+        d
+    }
+
+    fn apply(d: Directory, m: &Model, step: Step) -> Directory {
+        let keys = |k: &[K]| k.iter().map(|&k| okey(k)).collect::<Vec<_>>();
+        let got: Result<()> = match &step {
+            Step::Allocate(k) => d.allocate(&keys(k)).map(drop),
+            Step::Resolve(k) => d.resolve(&keys(k), None).map(|r| {
+                assert_eq!(r.handle, PinHandleId::new(m.next_hid - 1));
+                assert_eq!(r.slots.len(), k.len());
+            }),
+            Step::Complete(t) => d.complete(TransferId::new(*t)),
+            Step::BackupComplete(t) => d.backup_complete(TransferId::new(*t)),
+            Step::Fail(t, e) => d.fail(TransferId::new(*t), "model", *e),
+            Step::Ended(t) => d.transfer_ended(TransferId::new(*t)),
+            Step::Release(h) => d.release(PinHandleId::new(*h)).map(drop),
+            Step::Backup(k) => d.backup(&keys(k)).map(drop),
+            Step::Evict(n) => {
+                d.evict(*n);
+                Ok(())
+            }
+            Step::Drop(ns) => d.drop_namespace(Namespace { id: u64::from(*ns), version: 0 }).map(drop),
+        };
+        let got = match got {
+            Ok(()) => Outcome::Ok,
+            Err(e) => kind(&e),
+        };
+        assert_eq!(got, m.outcome, "outcome of {step:?}");
+        d
+    }
+
+    fn check_invariants(d: &Directory, m: &Model) {
+        d.validate().unwrap();
+        for ns in 0..NAMESPACES {
+            for page in 0..PAGES {
+                let k = (ns, page);
+                let got = d.state(&okey(k));
+                let want = m.index.get(&k).map(|u| &m.objs[u]);
+                match (got, want) {
+                    (None, None) => {}
+                    (Some(g), Some(w)) => {
+                        let dev = match g.device {
+                            DeviceState::Absent => MDev::Absent,
+                            DeviceState::Loading { transfer, .. } => MDev::Loading(transfer.raw()),
+                            DeviceState::Ready { .. } => MDev::Ready,
+                        };
+                        let host = match g.host {
+                            HostState::None => MHost::None,
+                            HostState::Writing { transfer, .. } => MHost::Writing(transfer.raw()),
+                            HostState::Ready { .. } => MHost::Ready,
+                        };
+                        assert_eq!((dev, host, g.pins), (w.dev, w.host, w.pins), "object {k:?}");
+                    }
+                    (g, w) => panic!("object {k:?}: directory {g:?}, model {w:?}"),
+                }
+            }
+        }
+        let s = d.stats();
+        let qd: usize = m.quarantine.values().map(|q| q.0).sum();
+        let qh: usize = m.quarantine.values().map(|q| q.1).sum();
+        assert_eq!((s.device_free, s.device_quarantined), (m.dev_free, qd));
+        assert_eq!((s.host_free, s.host_quarantined), (m.host_free, qh));
+        assert_eq!(s.objects, m.objs.len());
+        assert_eq!(s.evictable, m.lru.len());
+    }
+}
+
+prop_state_machine! {
+    #![proptest_config(ProptestConfig { cases: 300, .. ProptestConfig::default() })]
+    #[test]
+    fn directory_matches_reference_model(sequential 1..60 => DirTest);
+}
