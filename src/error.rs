@@ -23,7 +23,7 @@ pub enum Error {
     #[error("{field} = {value} is out of range: allowed {lo} <= {field} < {hi}")]
     OutOfRange {
         /// The argument's name.
-        field: &'static str,
+        field: String,
         /// The value that was given.
         value: i128,
         /// Smallest allowed value.
@@ -145,6 +145,21 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
+    /// Shorthand for [`Error::OutOfRange`] over `[lo, hi)`.
+    pub fn out_of_range(
+        field: impl Into<String>,
+        value: impl Into<i128>,
+        lo: impl Into<i128>,
+        hi: impl Into<i128>,
+    ) -> Self {
+        Error::OutOfRange {
+            field: field.into(),
+            value: value.into(),
+            lo: lo.into(),
+            hi: hi.into(),
+        }
+    }
+
     /// Shorthand for [`Error::Config`].
     pub fn config(
         field: impl Into<String>,

@@ -239,12 +239,7 @@ fn check(field: &'static str, value: u64, hi: u64) -> Result<()> {
     if value < hi {
         Ok(())
     } else {
-        Err(Error::OutOfRange {
-            field,
-            value: value.into(),
-            lo: 0,
-            hi: hi.into(),
-        })
+        Err(Error::out_of_range(field, value, 0, hi))
     }
 }
 
@@ -288,12 +283,7 @@ mod tests {
         let g = geom(HostLayout::LayerFirst);
         assert_eq!(
             g.page_offset(0, 3, 0),
-            Err(Error::OutOfRange {
-                field: "layer",
-                value: 3,
-                lo: 0,
-                hi: 3
-            })
+            Err(Error::out_of_range("layer", 3, 0, 3))
         );
         assert!(g.token_offset(0, 0, 0, 4).is_err());
         assert!(g.page_offset(2, 0, 0).is_err());

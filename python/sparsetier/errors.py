@@ -66,11 +66,90 @@ class InvariantError(SparsetierError, AssertionError):
     """An internal invariant is broken: a bug in sparsetier, never a user error."""
 
 
+class NotResidentError(SparsetierError, LookupError):
+    """An object has no device copy and no ready host copy (or was never created).
+    Attribute: ``key``."""
+
+    key: str
+
+
+class KeyExistsError(SparsetierError, ValueError):
+    """``allocate`` was given a key that already exists. Attribute: ``key``."""
+
+    key: str
+
+
+class NamespaceDroppedError(SparsetierError, LookupError):
+    """A key names a namespace that was dropped. Attribute: ``namespace``."""
+
+    namespace: str
+
+
+class InvalidTransitionError(SparsetierError, RuntimeError):
+    """The operation is not a transition the residency state machine allows from the object's
+    state. Attributes: ``op``, ``key``, ``state``."""
+
+    op: str
+    key: str
+    state: str
+
+
+class UnknownTransferError(SparsetierError, LookupError):
+    """A transfer id that was never issued, or that finished and was forgotten. Attributes:
+    ``field``, ``value``, ``allowed``."""
+
+    field: str
+    value: int
+    allowed: str
+
+
+class TransferStateError(SparsetierError, RuntimeError):
+    """The transfer is not in the state the operation needs (completing a failed load, ending
+    a transfer twice). Attributes: ``op``, ``transfer_id``, ``state``."""
+
+    op: str
+    transfer_id: int
+    state: str
+
+
+class TransferFailedError(SparsetierError, RuntimeError):
+    """A transfer failed or was cancelled; its waiters get this. Attributes: ``transfer_id``,
+    ``reason``."""
+
+    transfer_id: int
+    reason: str
+
+
+class WaitTimeoutError(SparsetierError, TimeoutError):
+    """A wait ran out of time. Attributes: ``transfer_id``, ``timeout_ms``."""
+
+    transfer_id: int
+    timeout_ms: int
+
+
+class UnknownHandleError(SparsetierError, LookupError):
+    """A pin handle that is unknown or was already released. Attributes: ``field``,
+    ``value``, ``allowed``."""
+
+    field: str
+    value: int
+    allowed: str
+
+
 __all__ = [
     "AllocatorError",
     "ConfigError",
+    "InvalidTransitionError",
     "InvariantError",
+    "KeyExistsError",
+    "NamespaceDroppedError",
+    "NotResidentError",
     "OutOfPagesError",
     "OutOfRangeError",
     "SparsetierError",
+    "TransferFailedError",
+    "TransferStateError",
+    "UnknownHandleError",
+    "UnknownTransferError",
+    "WaitTimeoutError",
 ]

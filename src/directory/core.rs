@@ -247,6 +247,7 @@ impl Core {
 
     /// Creates objects for `keys`, each device-Ready in a fresh slot with no host copy.
     pub fn allocate(&mut self, keys: &[ObjectKey]) -> Result<Vec<SlotId>> {
+        non_empty(keys)?;
         let mut seen = FxHashSet::default();
         for key in keys {
             if self.dropped.contains(&key.namespace) {
@@ -294,6 +295,7 @@ impl Core {
     /// copy, joins Loading ones. All or nothing. `bytes_needed` overrides the default
     /// (distinct objects x object bytes) when the consumer needs less than whole objects.
     pub fn resolve(&mut self, keys: &[ObjectKey], bytes_needed: Option<u64>) -> Result<Resolved> {
+        non_empty(keys)?;
         self.epoch += 1;
         let epoch = self.epoch;
         let mut scratch = std::mem::take(&mut self.scratch);
@@ -711,6 +713,7 @@ impl Core {
     /// Plans write-through backups of device-Ready objects that have no host copy yet. Keys
     /// already backed up or being backed up are skipped. All or nothing.
     pub fn backup(&mut self, keys: &[ObjectKey]) -> Result<BackupPlan> {
+        non_empty(keys)?;
         self.epoch += 1;
         let epoch = self.epoch;
         let mut todo = Vec::new();
@@ -999,6 +1002,19 @@ impl Core {
                 ));
             }
         }
+        Ok(())
+    }
+}
+
+/// An empty batch is a caller bug (a selection always holds the sink block), not a no-op.
+fn non_empty(keys: &[ObjectKey]) -> Result<()> {
+    if keys.is_empty() {
+        Err(Error::config(
+            "keys",
+            "an empty batch",
+            "a batch of at least one key",
+        ))
+    } else {
         Ok(())
     }
 }

@@ -137,11 +137,8 @@ pub fn token_pages(positions: &[u64], page_size: u32, token_bytes: u64) -> Resul
     tokens.dedup();
     let mut pages: Vec<u32> = Vec::new();
     for &t in &tokens {
-        let page = u32::try_from(t / ps).map_err(|_| Error::OutOfRange {
-            field: "positions",
-            value: i128::from(t),
-            lo: 0,
-            hi: i128::from(u32::MAX) * i128::from(ps),
+        let page = u32::try_from(t / ps).map_err(|_| {
+            Error::out_of_range("positions", t, 0, i128::from(u32::MAX) * i128::from(ps))
         })?;
         if pages.last() != Some(&page) {
             pages.push(page);

@@ -63,12 +63,7 @@ pub fn page_ids(obj: &Bound<'_, PyAny>, field: &'static str) -> PyResult<Vec<Pag
             u32::try_from(v).map(PageId::new).map_err(|_| {
                 to_py(
                     py,
-                    Error::OutOfRange {
-                        field,
-                        value: v.into(),
-                        lo: 0,
-                        hi: i128::from(u32::MAX) + 1,
-                    },
+                    Error::out_of_range(field, v, 0, i128::from(u32::MAX) + 1),
                 )
             })
         })

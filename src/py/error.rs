@@ -41,18 +41,17 @@ pub fn to_py(py: Python<'_>, err: Error) -> PyErr {
     typed_error(py, class, message, &details)
 }
 
-fn fill(d: &Bound<'_, PyDict>, err: &Error) -> Option<&'static str> {
-    let set = |k: &str, v: Bound<'_, PyAny>| d.set_item(k, v).ok();
-    let py = d.py();
-    Some(match err {
+/// Sets the exception's attributes; returns its class name in `sparsetier.errors`.
+fn fill(d: &Bound<'_, PyDict>, err: &Error) -> PyResult<&'static str> {
+    Ok(match err {
         Error::Config {
             field,
             value,
             allowed,
         } => {
-            set("field", field.into_pyobject(py).ok()?.into_any())?;
-            set("value", value.into_pyobject(py).ok()?.into_any())?;
-            set("allowed", allowed.into_pyobject(py).ok()?.into_any())?;
+            d.set_item("field", field)?;
+            d.set_item("value", value)?;
+            d.set_item("allowed", allowed)?;
             "ConfigError"
         }
         Error::OutOfRange {
@@ -61,15 +60,9 @@ fn fill(d: &Bound<'_, PyDict>, err: &Error) -> Option<&'static str> {
             lo,
             hi,
         } => {
-            set("field", field.into_pyobject(py).ok()?.into_any())?;
-            set("value", value.into_pyobject(py).ok()?.into_any())?;
-            set(
-                "allowed",
-                format!("{lo} <= {field} < {hi}")
-                    .into_pyobject(py)
-                    .ok()?
-                    .into_any(),
-            )?;
+            d.set_item("field", field)?;
+            d.set_item("value", value)?;
+            d.set_item("allowed", format!("{lo} <= {field} < {hi}"))?;
             "OutOfRangeError"
         }
         Error::OutOfPages {
@@ -77,34 +70,86 @@ fn fill(d: &Bound<'_, PyDict>, err: &Error) -> Option<&'static str> {
             free,
             capacity,
         } => {
-            set("requested", requested.into_pyobject(py).ok()?.into_any())?;
-            set("free", free.into_pyobject(py).ok()?.into_any())?;
-            set("capacity", capacity.into_pyobject(py).ok()?.into_any())?;
+            d.set_item("requested", requested)?;
+            d.set_item("free", free)?;
+            d.set_item("capacity", capacity)?;
+            "OutOfPagesError"
+        }
+        Error::OutOfSlots {
+            tier,
+            requested,
+            free,
+            evictable,
+        } => {
+            d.set_item("tier", tier)?;
+            d.set_item("requested", requested)?;
+            d.set_item("free", free)?;
+            d.set_item("evictable", evictable)?;
             "OutOfPagesError"
         }
         Error::DoubleFree { page } => {
-            set("field", "pages".into_pyobject(py).ok()?.into_any())?;
-            set("value", page.into_pyobject(py).ok()?.into_any())?;
-            set(
-                "allowed",
-                "pages currently allocated"
-                    .into_pyobject(py)
-                    .ok()?
-                    .into_any(),
-            )?;
+            d.set_item("field", "pages")?;
+            d.set_item("value", page)?;
+            d.set_item("allowed", "pages currently allocated")?;
             "AllocatorError"
         }
         Error::NotOwned { page, lo, hi } => {
-            set("field", "pages".into_pyobject(py).ok()?.into_any())?;
-            set("value", page.into_pyobject(py).ok()?.into_any())?;
-            set(
-                "allowed",
-                format!("{lo} <= page < {hi}")
-                    .into_pyobject(py)
-                    .ok()?
-                    .into_any(),
-            )?;
+            d.set_item("field", "pages")?;
+            d.set_item("value", page)?;
+            d.set_item("allowed", format!("{lo} <= page < {hi}"))?;
             "AllocatorError"
+        }
+        Error::NotResident { key } => {
+            d.set_item("key", key)?;
+            "NotResidentError"
+        }
+        Error::KeyExists { key } => {
+            d.set_item("key", key)?;
+            "KeyExistsError"
+        }
+        Error::NamespaceDropped { namespace } => {
+            d.set_item("namespace", namespace)?;
+            "NamespaceDroppedError"
+        }
+        Error::InvalidTransition { op, key, state } => {
+            d.set_item("op", op)?;
+            d.set_item("key", key)?;
+            d.set_item("state", state)?;
+            "InvalidTransitionError"
+        }
+        Error::UnknownTransfer { id } => {
+            d.set_item("field", "transfer_id")?;
+            d.set_item("value", id)?;
+            d.set_item(
+                "allowed",
+                "a transfer id this directory issued and still tracks",
+            )?;
+            "UnknownTransferError"
+        }
+        Error::TransferState { op, id, state } => {
+            d.set_item("op", op)?;
+            d.set_item("transfer_id", id)?;
+            d.set_item("state", state)?;
+            "TransferStateError"
+        }
+        Error::TransferFailed { id, reason } => {
+            d.set_item("transfer_id", id)?;
+            d.set_item("reason", reason)?;
+            "TransferFailedError"
+        }
+        Error::WaitTimeout { id, timeout_ms } => {
+            d.set_item("transfer_id", id)?;
+            d.set_item("timeout_ms", timeout_ms)?;
+            "WaitTimeoutError"
+        }
+        Error::UnknownHandle { id } => {
+            d.set_item("field", "handle")?;
+            d.set_item("value", id)?;
+            d.set_item(
+                "allowed",
+                "a pin handle from resolve that was not yet released",
+            )?;
+            "UnknownHandleError"
         }
     })
 }

@@ -7,6 +7,7 @@
 
 mod alloc;
 mod args;
+mod directory;
 mod error;
 mod plan;
 mod pool;
@@ -22,5 +23,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<plan::PyPoolPlan>()?;
     m.add_class::<plan::PyPlan>()?;
     m.add_function(wrap_pyfunction!(plan::plan_stack, m)?)?;
+    m.add_class::<directory::PyResidencyDirectory>()?;
+    m.add_class::<directory::PyResolveResult>()?;
+    m.add_class::<directory::PyLoadPlan>()?;
+    m.add_class::<directory::PyBackupPlan>()?;
+    m.add_class::<directory::PyPinHandle>()?;
+    m.add_function(wrap_pyfunction!(directory::token_pages, m)?)?;
     Ok(())
 }

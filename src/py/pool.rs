@@ -30,15 +30,7 @@ fn index_arg(obj: &Bound<'_, PyAny>, field: &'static str, hi: u64) -> PyResult<u
     let v = int(obj, field)?;
     match u64::try_from(v) {
         Ok(x) if x < hi => Ok(x),
-        _ => Err(to_py(
-            obj.py(),
-            Error::OutOfRange {
-                field,
-                value: v.into(),
-                lo: 0,
-                hi: hi.into(),
-            },
-        )),
+        _ => Err(to_py(obj.py(), Error::out_of_range(field, v, 0, hi))),
     }
 }
 

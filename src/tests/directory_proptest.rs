@@ -154,7 +154,15 @@ impl Model {
     fn new_tid(&mut self, load: bool, objs: Vec<usize>) -> u64 {
         let t = self.next_tid;
         self.next_tid += 1;
-        self.transfers.insert(t, MTransfer { load, objs, state: 0, refs: 0 });
+        self.transfers.insert(
+            t,
+            MTransfer {
+                load,
+                objs,
+                state: 0,
+                refs: 0,
+            },
+        );
         t
     }
 
@@ -184,7 +192,16 @@ impl Model {
             self.take_slot();
             let uid = self.next_uid;
             self.next_uid += 1;
-            self.objs.insert(uid, MObj { key: k, dev: MDev::Ready, host: MHost::None, pins: 0, dropped: false });
+            self.objs.insert(
+                uid,
+                MObj {
+                    key: k,
+                    dev: MDev::Ready,
+                    host: MHost::None,
+                    pins: 0,
+                    dropped: false,
+                },
+            );
             self.index.insert(k, uid);
         }
         Outcome::Ok
@@ -206,8 +223,11 @@ impl Model {
             }
             order.push(uid);
         }
-        let loads: Vec<usize> =
-            order.iter().copied().filter(|u| self.objs[u].dev == MDev::Absent).collect();
+        let loads: Vec<usize> = order
+            .iter()
+            .copied()
+            .filter(|u| self.objs[u].dev == MDev::Absent)
+            .collect();
         let keep = order.iter().filter(|u| self.objs[u].evictable()).count();
         if loads.len() > self.dev_free + self.lru.len() - keep {
             return Outcome::OutOfSlots;
@@ -283,7 +303,8 @@ impl Model {
             }
         }
         let n = tr.objs.len();
-        self.quarantine.insert(t, if tr.load { (n, 0) } else { (0, n) });
+        self.quarantine
+            .insert(t, if tr.load { (n, 0) } else { (0, n) });
         for &u in &tr.objs {
             self.settle(u);
         }
@@ -338,8 +359,10 @@ impl Model {
                 return Outcome::Invalid;
             }
         }
-        let todo: Vec<usize> =
-            order.into_iter().filter(|u| self.objs[u].host == MHost::None).collect();
+        let todo: Vec<usize> = order
+            .into_iter()
+            .filter(|u| self.objs[u].host == MHost::None)
+            .collect();
         if todo.len() > self.host_free {
             return Outcome::OutOfSlots;
         }
@@ -368,8 +391,12 @@ impl Model {
         if !self.dropped.insert(ns) {
             return Outcome::Dropped;
         }
-        let uids: Vec<usize> =
-            self.index.iter().filter(|(k, _)| k.0 == ns).map(|(_, &u)| u).collect();
+        let uids: Vec<usize> = self
+            .index
+            .iter()
+            .filter(|(k, _)| k.0 == ns)
+            .map(|(_, &u)| u)
+            .collect();
         for u in uids {
             let k = self.objs[&u].key;
             self.index.remove(&k);
@@ -415,7 +442,16 @@ impl ReferenceStateMachine for Ref {
             let uid = m.next_uid;
             m.next_uid += 1;
             let key = (0, page);
-            m.objs.insert(uid, MObj { key, dev: MDev::Absent, host: MHost::Ready, pins: 0, dropped: false });
+            m.objs.insert(
+                uid,
+                MObj {
+                    key,
+                    dev: MDev::Absent,
+                    host: MHost::Ready,
+                    pins: 0,
+                    dropped: false,
+                },
+            );
             m.index.insert(key, uid);
         }
         Just(m).boxed()
@@ -504,7 +540,8 @@ impl StateMachineTest for DirTest {
         for page in 0..PRELOADED {
             let k = [okey((0, page))];
             d.allocate(&k).unwrap();
-            d.backup_complete(d.backup(&k).unwrap().transfer.unwrap()).unwrap();
+            d.backup_complete(d.backup(&k).unwrap().transfer.unwrap())
+                .unwrap();
             assert_eq!(d.evict(1), k.to_vec());
         }
         d
@@ -528,7 +565,12 @@ impl StateMachineTest for DirTest {
                 d.evict(*n);
                 Ok(())
             }
-            Step::Drop(ns) => d.drop_namespace(Namespace { id: u64::from(*ns), version: 0 }).map(drop),
+            Step::Drop(ns) => d
+                .drop_namespace(Namespace {
+                    id: u64::from(*ns),
+                    version: 0,
+                })
+                .map(drop),
         };
         let got = match got {
             Ok(()) => Outcome::Ok,
