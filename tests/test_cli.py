@@ -133,3 +133,26 @@ def test_unknown_flag_exits_2():
     )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
+
+
+def test_bench_directory_runs_and_reports_ratios(tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    assert (
+        main(["bench", "directory", "--batches", "64", "--hit-rates", "0.5", "--json", str(out)])
+        == 0
+    )
+    assert "python/rust" in capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert len(rows) == 1
+    assert rows[0]["batch"] == 64 and rows[0]["ratio"] > 0
+
+
+def test_bench_bad_flags_exit_2():
+    r = subprocess.run(
+        [sys.executable, "-m", "sparsetier.cli", "bench", "directory", "--hit-rates", "1.5"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 2
+    assert "hit_rates" in r.stderr and "Traceback" not in r.stderr

@@ -17,6 +17,7 @@ __all__ = [
     "ResidencyDirectory",
     "ResolveResult",
     "__version__",
+    "_bench_resolve",
     "plan_stack",
     "token_pages",
 ]
@@ -230,3 +231,4 @@ class ResidencyDirectory:
     def validate(self) -> None: ...
 
 def token_pages(positions: Any, page_size: int, token_bytes: int) -> dict[str, Any]: ...
+def _bench_resolve(batch: int, hit_rate: float, iters: int) -> float: ...

@@ -165,10 +165,45 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
+def _bench_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks, as ratios to a baseline from the same run")
+    p.add_argument("what", choices=["directory"], help="directory: binding overhead vs Rust")
+    p.add_argument("--batches", type=int, nargs="+", default=[64, 2048, 16384])
+    p.add_argument("--hit-rates", type=float, nargs="+", default=[1.0, 0.9, 0.5])
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+
+
+def _run_bench(args: argparse.Namespace) -> None:
+    from sparsetier import bench
+
+    for b in args.batches:
+        if b < 1:
+            raise ConfigError(
+                f"invalid batches = {b}: allowed an integer >= 1",
+                field="batches",
+                value=str(b),
+                allowed="integers >= 1",
+            )
+    for h in args.hit_rates:
+        if not 0.0 <= h <= 1.0:
+            raise ConfigError(
+                f"invalid hit_rates = {h}: allowed 0 <= hit_rate <= 1",
+                field="hit_rates",
+                value=str(h),
+                allowed="numbers in [0, 1]",
+            )
+    rows = bench.bench_directory(tuple(args.batches), tuple(args.hit_rates))
+    print(bench.format_directory(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(bench.directory_json(rows), f, indent=2)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sparsetier", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
+    _bench_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "plan":
@@ -176,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.indexer_layers = args.layers
             plan = build_plan(args)
             print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+        elif args.command == "bench":
+            _run_bench(args)
     except SparsetierError as e:
         print(f"sparsetier {args.command}: error: {e}", file=sys.stderr)
         return 2

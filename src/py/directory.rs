@@ -602,3 +602,26 @@ pub fn token_pages<'py>(
     d.set_item("read_amplification", tp.read_amplification())?;
     Ok(d)
 }
+
+/// Benchmark hook: the Rust-side time of `iters` resolves of the shared workload
+/// (`directory::bench::ResolveWorkload`), in ns per call, with the GIL released. Used by
+/// `sparsetier bench directory` to report the binding's overhead in the same run.
+#[pyfunction]
+pub fn _bench_resolve(py: Python<'_>, batch: usize, hit_rate: f64, iters: u64) -> PyResult<f64> {
+    if batch == 0 || iters == 0 || !(0.0..=1.0).contains(&hit_rate) {
+        return Err(to_py(
+            py,
+            Error::config(
+                "batch/hit_rate/iters",
+                format!("{batch}/{hit_rate}/{iters}"),
+                "batch >= 1, 0 <= hit_rate <= 1, iters >= 1",
+            ),
+        ));
+    }
+    let w = crate::directory::bench::ResolveWorkload::new(batch, hit_rate).py_err(py)?;
+    let total = py.detach(|| {
+        w.time_resolves(iters.min(3)); // warm-up
+        w.time_resolves(iters)
+    });
+    Ok(total.as_nanos() as f64 / iters as f64)
+}

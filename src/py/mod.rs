@@ -29,5 +29,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<directory::PyBackupPlan>()?;
     m.add_class::<directory::PyPinHandle>()?;
     m.add_function(wrap_pyfunction!(directory::token_pages, m)?)?;
+    m.add_function(wrap_pyfunction!(directory::_bench_resolve, m)?)?;
     Ok(())
 }
