@@ -133,6 +133,42 @@ pub enum Error {
         /// The time waited.
         timeout_ms: u64,
     },
+    /// A transfer plan is inconsistent (duplicate destination, mismatched bindings, ...).
+    #[error("invalid transfer plan: {field} = {value}: allowed {allowed}")]
+    Plan {
+        /// What is wrong, as a field name.
+        field: String,
+        /// The value found.
+        value: String,
+        /// What would be accepted.
+        allowed: String,
+    },
+    /// A copy engine failed to move (part of) a transfer.
+    #[error("copy failed on the {engine} engine, layer {layer}: {reason}")]
+    CopyFailed {
+        /// Engine name.
+        engine: &'static str,
+        /// First layer not written.
+        layer: usize,
+        /// Why.
+        reason: String,
+    },
+    /// CUDA is not usable: a library is missing, or the driver lacks an entry point.
+    #[error("CUDA unavailable: {what}. {fix}")]
+    CudaUnavailable {
+        /// What is missing.
+        what: String,
+        /// What to install or change.
+        fix: String,
+    },
+    /// A CUDA call failed.
+    #[error("CUDA error in {call}: {message}")]
+    Cuda {
+        /// The call.
+        call: &'static str,
+        /// The driver's message.
+        message: String,
+    },
     /// A pin handle that is unknown or was already released.
     #[error("pin handle {id} is unknown or already released")]
     UnknownHandle {
@@ -145,6 +181,19 @@ pub enum Error {
 pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
+    /// Shorthand for [`Error::Plan`].
+    pub fn plan(
+        field: impl Into<String>,
+        value: impl std::fmt::Display,
+        allowed: impl Into<String>,
+    ) -> Self {
+        Error::Plan {
+            field: field.into(),
+            value: value.to_string(),
+            allowed: allowed.into(),
+        }
+    }
+
     /// Shorthand for [`Error::OutOfRange`] over `[lo, hi)`.
     pub fn out_of_range(
         field: impl Into<String>,

@@ -1,0 +1,1 @@
+//! CUDA engines (kernel, direct): see issue 4.
