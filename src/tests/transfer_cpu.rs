@@ -266,7 +266,7 @@ fn injected_failure_leaves_later_layers_unpublished() {
         .unwrap()
         .wait_all(None)
         .unwrap();
-    let poisoned = vec![vec![POISON; bufs[1].len()], vec![POISON; bufs[3].len()]];
+    let poisoned = [vec![POISON; bufs[1].len()], vec![POISON; bufs[3].len()]];
     let mut fresh: Vec<Vec<u8>> = vec![
         bufs[0].clone(),
         poisoned[0].clone(),
