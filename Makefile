@@ -4,7 +4,11 @@
 SPARSETIER_VENV ?= $(HOME)/.cache/sparsetier/venv
 VENV := $(SPARSETIER_VENV)
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.sparsetier-deps-$(shell cat requirements-dev.txt | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.sparsetier-deps-$(shell cat requirements-dev.txt Makefile | sha1sum | cut -c1-12)
+# NVRTC of the CUDA 13.0 series (the GPU machine's driver), kept apart from torch's own NVRTC:
+# the CI test compiles cuda/*.cu with it for sm_90.
+NVRTC_DIR := $(VENV)/nvrtc-13.0
+export SPARSETIER_NVRTC_DIR := $(NVRTC_DIR)/nvidia/cu13/lib
 export VIRTUAL_ENV := $(VENV)
 export PATH := $(VENV)/bin:$(PATH)
 
@@ -18,6 +22,7 @@ $(PY):
 $(STAMP): requirements-dev.txt | $(PY)
 	$(PY) -m pip install --upgrade --quiet pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet --upgrade --target $(NVRTC_DIR) "nvidia-cuda-nvrtc>=13.0,<13.1"
 	touch $@
 
 venv: $(STAMP)

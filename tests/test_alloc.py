@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
 from sparsetier import AllocatorError, ConfigError, OutOfPagesError, OutOfRangeError, PageAllocator
 
 

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from sparsetier import ConfigError, DevicePool, PoolSpec, build_sparse_stack, plan_stack
 
 GIB = 1 << 30

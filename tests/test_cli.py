@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+
 from sparsetier.cli import main
 
 SOURCE = [

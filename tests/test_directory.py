@@ -5,6 +5,7 @@ import threading
 
 import numpy as np
 import pytest
+
 import sparsetier as st
 from sparsetier import object_keys
 

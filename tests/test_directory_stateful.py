@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import pytest
-import sparsetier as sp
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+import sparsetier as sp
 from sparsetier import object_keys
 
 DEVICE, HOST, PAGES, NAMESPACES, PRELOADED = 4, 8, 5, 2, 4

@@ -4,6 +4,7 @@ import itertools
 
 import pytest
 import torch
+
 from sparsetier import OutOfRangeError, PoolSpec
 
 DTYPES = {

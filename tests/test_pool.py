@@ -1,6 +1,7 @@
 """Pool geometry: the source's numbers come out exactly, and bad sizes are refused."""
 
 import pytest
+
 from sparsetier import ConfigError, PoolSpec
 
 

@@ -10,14 +10,21 @@ __all__ = [
     "BackupPlan",
     "LoadPlan",
     "PageAllocator",
+    "PageTransferBinding",
+    "PageTransferGroup",
     "PinHandle",
     "Plan",
     "PoolPlan",
     "PoolSpec",
+    "PreparedPageTransfer",
     "ResidencyDirectory",
     "ResolveResult",
+    "TransferEngine",
+    "TransferHandle",
     "__version__",
     "_bench_resolve",
+    "compile_cuda_kernels",
+    "cuda_status",
     "plan_stack",
     "token_pages",
 ]
@@ -232,3 +239,84 @@ class ResidencyDirectory:
 
 def token_pages(positions: Any, page_size: int, token_bytes: int) -> dict[str, Any]: ...
 def _bench_resolve(batch: int, hit_rate: float, iters: int) -> float: ...
+
+@final
+class PageTransferBinding:
+    def __new__(
+        cls, tensor: Any, spec: PoolSpec, layout: str = "layer_first"
+    ) -> PageTransferBinding: ...
+    @property
+    def tensor(self) -> Any: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def planes_per_layer(self) -> int: ...
+    @property
+    def memory(self) -> str: ...
+    @property
+    def pinned(self) -> bool: ...
+    def plane_range(self, layer: int | None = None) -> tuple[int, int]: ...
+
+@final
+class PreparedPageTransfer:
+    def __new__(
+        cls,
+        src: PageTransferBinding,
+        dst: PageTransferBinding,
+        src_units: Any,
+        dst_units: Any,
+        *,
+        direction: str = "load",
+        granularity: str = "page",
+    ) -> PreparedPageTransfer: ...
+    def stats(self) -> tuple[int, int, int]: ...
+
+@final
+class PageTransferGroup:
+    def __new__(cls, members: list[PreparedPageTransfer]) -> PageTransferGroup: ...
+    @property
+    def layers(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    def ops_count(self, layer: int) -> int: ...
+
+@final
+class TransferHandle:
+    def wait(self, layer: int | None = None, timeout: float | None = None) -> None: ...
+    def status(self, layer: int) -> str: ...
+    @property
+    def finished(self) -> bool: ...
+    @property
+    def seq(self) -> int: ...
+    @property
+    def layers(self) -> list[int]: ...
+    def layer_times(self) -> list[float | None]: ...
+    def stream_wait(self, layer: int, stream: int) -> None: ...
+
+@final
+class TransferEngine:
+    def __new__(
+        cls,
+        io_backend: str = "cpu",
+        *,
+        threads: int = 2,
+        device: int = 0,
+        sm_limit: int = 8,
+        per_segment: bool = False,
+    ) -> TransferEngine: ...
+    @property
+    def name(self) -> str: ...
+    def submit(self, group: PageTransferGroup, layer: int | None = None) -> TransferHandle: ...
+    def inject_fault(
+        self,
+        nth: int,
+        *,
+        layer: int | None = None,
+        fail: str | None = None,
+        delay: float | None = None,
+    ) -> None: ...
+    @property
+    def in_flight(self) -> int: ...
+
+def cuda_status(kernel: bool = True) -> tuple[bool, str]: ...
+def compile_cuda_kernels(arch: str = "sm_90") -> str: ...

@@ -136,9 +136,45 @@ class UnknownHandleError(SparsetierError, LookupError):
     allowed: str
 
 
+class PlanError(SparsetierError, ValueError):
+    """A transfer plan is inconsistent: a destination listed twice, bindings of different
+    geometry, overlapping buffers. Attributes: ``field``, ``value``, ``allowed``."""
+
+    field: str
+    value: str
+    allowed: str
+
+
+class CopyFailedError(SparsetierError, RuntimeError):
+    """A copy engine did not write (all of) a transfer; later layers are unpublished.
+    Attributes: ``engine``, ``layer`` (first layer not written), ``reason``."""
+
+    engine: str
+    layer: int
+    reason: str
+
+
+class CudaUnavailableError(SparsetierError, RuntimeError):
+    """CUDA cannot be used here: a library is missing or the driver lacks an entry point.
+    Attributes: ``what``, ``fix`` (what to install or change)."""
+
+    what: str
+    fix: str
+
+
+class CudaError(SparsetierError, RuntimeError):
+    """A CUDA driver or NVRTC call failed. Attributes: ``call``, ``detail``."""
+
+    call: str
+    detail: str
+
+
 __all__ = [
     "AllocatorError",
     "ConfigError",
+    "CopyFailedError",
+    "CudaError",
+    "CudaUnavailableError",
     "InvalidTransitionError",
     "InvariantError",
     "KeyExistsError",
@@ -146,6 +182,7 @@ __all__ = [
     "NotResidentError",
     "OutOfPagesError",
     "OutOfRangeError",
+    "PlanError",
     "SparsetierError",
     "TransferFailedError",
     "TransferStateError",

@@ -142,6 +142,36 @@ fn fill(d: &Bound<'_, PyDict>, err: &Error) -> PyResult<&'static str> {
             d.set_item("timeout_ms", timeout_ms)?;
             "WaitTimeoutError"
         }
+        Error::Plan {
+            field,
+            value,
+            allowed,
+        } => {
+            d.set_item("field", field)?;
+            d.set_item("value", value)?;
+            d.set_item("allowed", allowed)?;
+            "PlanError"
+        }
+        Error::CopyFailed {
+            engine,
+            layer,
+            reason,
+        } => {
+            d.set_item("engine", engine)?;
+            d.set_item("layer", layer)?;
+            d.set_item("reason", reason)?;
+            "CopyFailedError"
+        }
+        Error::CudaUnavailable { what, fix } => {
+            d.set_item("what", what)?;
+            d.set_item("fix", fix)?;
+            "CudaUnavailableError"
+        }
+        Error::Cuda { call, message } => {
+            d.set_item("call", call)?;
+            d.set_item("detail", message)?;
+            "CudaError"
+        }
         Error::UnknownHandle { id } => {
             d.set_item("field", "handle")?;
             d.set_item("value", id)?;

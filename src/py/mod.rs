@@ -12,6 +12,7 @@ mod error;
 mod plan;
 mod pool;
 mod tensor;
+mod transfer;
 
 use pyo3::prelude::*;
 
@@ -30,5 +31,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<directory::PyPinHandle>()?;
     m.add_function(wrap_pyfunction!(directory::token_pages, m)?)?;
     m.add_function(wrap_pyfunction!(directory::_bench_resolve, m)?)?;
+    m.add_class::<transfer::PyPageTransferBinding>()?;
+    m.add_class::<transfer::PyPreparedPageTransfer>()?;
+    m.add_class::<transfer::PyPageTransferGroup>()?;
+    m.add_class::<transfer::PyTransferEngine>()?;
+    m.add_class::<transfer::PyTransferHandle>()?;
+    m.add_function(wrap_pyfunction!(transfer::cuda_status, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer::compile_cuda_kernels, m)?)?;
     Ok(())
 }

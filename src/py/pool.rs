@@ -35,6 +35,17 @@ fn index_arg(obj: &Bound<'_, PyAny>, field: &'static str, hi: u64) -> PyResult<u
 }
 
 impl PyPoolSpec {
+    /// `check_tensor` with a parsed layout, for the other bindings.
+    pub fn check_tensor_in(
+        &self,
+        tensor: &Bound<'_, PyAny>,
+        layout: HostLayout,
+        device: Option<&str>,
+        field: &str,
+    ) -> PyResult<()> {
+        self.check_tensor(tensor, layout.name(), device, field)
+    }
+
     fn shape_in(&self, layout: HostLayout) -> Vec<u64> {
         let s = &self.inner;
         s.geometry(layout)

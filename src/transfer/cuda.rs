@@ -1,1 +1,478 @@
-//! CUDA engines (kernel, direct): see issue 4.
+//! The CUDA copy engines, launched through cudarc: `kernel` (a copy kernel on SMs) and
+//! `direct` (`cuMemcpyBatchAsync`, or an explicit per-segment `cuMemcpyAsync` mode).
+//!
+//! **Never run on a GPU so far**: no GPU has been lent to this project's tasks. The code
+//! compiles everywhere (cudarc loads libcuda and libnvrtc at run time), the kernel source is
+//! compiled with NVRTC in CI, and `scripts/gpu-check.sh` runs the CUDA tests and the benchmark
+//! when a GPU is lent.
+//!
+//! # No panic reaches the caller
+//! cudarc panics when it cannot load a library or a symbol. Every entry point here first checks
+//! that libcuda (and, for the kernel, libnvrtc) can be loaded, and that the driver exports
+//! `cuMemcpyBatchAsync_v2` before the direct engine uses it; calls are also wrapped in
+//! `catch_unwind` as a backstop, turning a panic into [`Error::CudaUnavailable`].
+//!
+//! # Streams and events
+//! Loads run on the engine's load stream, backups on its write stream. Each layer ends with a
+//! recorded CUDA event; a watcher thread synchronizes those events in order and publishes them
+//! to the transfer's [`TransferEvents`] for CPU-side waiters, while GPU consumers make their
+//! own stream wait on the CUDA event ([`CudaEngine::stream_wait`]) without blocking the CPU.
+
+use super::engine::{submission_layers, CopyEngine};
+use super::events::TransferEvents;
+use super::prepared::{CopyOp, Direction, PageTransferGroup};
+use crate::error::{Error, Result};
+use crossbeam_channel::{unbounded, Sender};
+use cudarc::driver::{
+    sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
+};
+use parking_lot::Mutex;
+use rustc_hash::FxHashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::thread::JoinHandle;
+
+/// The kernel's CUDA source.
+pub const KERNEL_SOURCE: &str = include_str!("../../cuda/page_copy.cu");
+/// The kernel's entry point.
+pub const KERNEL_NAME: &str = "sparsetier_copy_ops";
+/// Ranges larger than this are split, so one big page does not serialize on one block.
+pub const KERNEL_CHUNK_BYTES: u64 = 64 * 1024;
+const THREADS_PER_BLOCK: u32 = 512;
+const BLOCKS_PER_SM: u32 = 4;
+
+const INSTALL_DRIVER: &str = "Install the NVIDIA driver (libcuda.so.1) or use io_backend='cpu'";
+const INSTALL_NVRTC: &str = "Install NVRTC: `pip install nvidia-cuda-nvrtc==13.0.*` (and preload \
+     it with sparsetier.cuda_libs.preload_nvrtc()), or put libnvrtc.so.13 on LD_LIBRARY_PATH";
+
+/// Checks that libcuda, and libnvrtc when `nvrtc`, can be loaded, without touching cudarc's
+/// panicking loaders.
+pub fn check_libraries(nvrtc: bool) -> Result<()> {
+    // SAFETY: only tries to dlopen the libraries by name; nothing is called.
+    if !unsafe { sys::is_culib_present() } {
+        return Err(Error::CudaUnavailable {
+            what: "libcuda (the NVIDIA driver library) cannot be loaded".into(),
+            fix: INSTALL_DRIVER.into(),
+        });
+    }
+    // SAFETY: as above, for libnvrtc.
+    if nvrtc && !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(Error::CudaUnavailable {
+            what: "libnvrtc (the CUDA runtime compiler) cannot be loaded".into(),
+            fix: INSTALL_NVRTC.into(),
+        });
+    }
+    Ok(())
+}
+
+/// Runs `f`, turning a cudarc panic into a typed error.
+fn guarded<T>(what: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
+        let msg = p
+            .downcast_ref::<String>()
+            .cloned()
+            .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
+            .unwrap_or_else(|| "unknown panic".into());
+        Err(Error::CudaUnavailable {
+            what: format!("{what} panicked inside cudarc: {msg}"),
+            fix: INSTALL_DRIVER.into(),
+        })
+    })
+}
+
+fn cuda_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Cuda {
+        call,
+        message: format!("{e:?}"),
+    }
+}
+
+/// Compiles the kernel source with NVRTC for `arch` (e.g. `sm_90`) and returns the PTX. Only
+/// libnvrtc is needed: this is what CI runs to check the kernels compile.
+pub fn compile_kernels(arch: &'static str) -> Result<String> {
+    // SAFETY: only tries to dlopen libnvrtc.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(Error::CudaUnavailable {
+            what: "libnvrtc (the CUDA runtime compiler) cannot be loaded".into(),
+            fix: INSTALL_NVRTC.into(),
+        });
+    }
+    guarded("NVRTC compile", || {
+        let opts = cudarc::nvrtc::CompileOptions {
+            arch: Some(arch),
+            options: vec!["--std=c++17".into()],
+            name: Some("page_copy.cu".into()),
+            ..Default::default()
+        };
+        cudarc::nvrtc::compile_ptx_with_opts(KERNEL_SOURCE, opts)
+            .map(|ptx| ptx.to_src())
+            .map_err(|e| Error::Cuda {
+                call: "nvrtcCompileProgram",
+                message: format!("{e:?}"),
+            })
+    })
+}
+
+/// How the CUDA engine copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CudaMode {
+    /// The copy kernel, on at most `sm_limit` SMs' worth of blocks.
+    Kernel {
+        /// SMs to spread the blocks over.
+        sm_limit: u32,
+    },
+    /// `cuMemcpyBatchAsync` over merged segments, or one `cuMemcpyAsync` per segment when
+    /// `per_segment` (chosen by the user, never as a silent fallback).
+    Direct {
+        /// Use one `cuMemcpyAsync` per segment.
+        per_segment: bool,
+    },
+}
+
+struct InFlight {
+    events: Arc<Vec<CudaEvent>>,
+    /// Device-side op tables of the kernel path; freed when the transfer has finished.
+    _tables: Vec<CudaSlice<u64>>,
+    cpu: Arc<TransferEvents>,
+    _group: Arc<PageTransferGroup>,
+}
+
+/// The `kernel` and `direct` engines.
+pub struct CudaEngine {
+    mode: CudaMode,
+    ctx: Arc<CudaContext>,
+    load_stream: Arc<CudaStream>,
+    write_stream: Arc<CudaStream>,
+    func: Option<CudaFunction>,
+    events: Arc<Mutex<FxHashMap<u64, Arc<Vec<CudaEvent>>>>>,
+    watcher_tx: Option<Sender<InFlight>>,
+    watcher: Option<JoinHandle<()>>,
+    seq: AtomicU64,
+}
+
+static PTX_SM90: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+
+impl CudaEngine {
+    /// An engine on device `ordinal`. Checks the libraries, creates the streams, and for the
+    /// kernel mode compiles (once per process) and loads the kernel.
+    pub fn new(ordinal: usize, mode: CudaMode) -> Result<Self> {
+        check_libraries(matches!(mode, CudaMode::Kernel { .. }))?;
+        if let CudaMode::Kernel { sm_limit } = mode {
+            if sm_limit == 0 {
+                return Err(Error::config("sm_limit", 0, "an integer >= 1"));
+            }
+        }
+        if let CudaMode::Direct { per_segment: false } = mode {
+            // SAFETY: culib() is loadable (checked above); `get` only looks the symbol up.
+            let has = unsafe {
+                sys::culib()
+                    .get::<unsafe extern "C" fn()>(b"cuMemcpyBatchAsync_v2\0")
+                    .is_ok()
+            };
+            if !has {
+                return Err(Error::CudaUnavailable {
+                    what: "the driver has no cuMemcpyBatchAsync (CUDA 13 driver API)".into(),
+                    fix: "Update the driver to CUDA 13 or later, or ask for the per-segment mode \
+                          explicitly (per_segment=True)"
+                        .into(),
+                });
+            }
+        }
+        guarded("CUDA engine setup", || {
+            let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+            let load_stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
+            let write_stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
+            let func = match mode {
+                CudaMode::Kernel { .. } => {
+                    let ptx = PTX_SM90
+                        .get_or_init(|| compile_kernels("sm_90").map_err(|e| e.to_string()))
+                        .clone()
+                        .map_err(|m| Error::Cuda {
+                            call: "nvrtcCompileProgram",
+                            message: m,
+                        })?;
+                    let module = ctx
+                        .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+                        .map_err(cuda_err("cuModuleLoadData"))?;
+                    Some(
+                        module
+                            .load_function(KERNEL_NAME)
+                            .map_err(cuda_err("cuModuleGetFunction"))?,
+                    )
+                }
+                CudaMode::Direct { .. } => None,
+            };
+            let events: Arc<Mutex<FxHashMap<u64, Arc<Vec<CudaEvent>>>>> = Arc::default();
+            let (tx, rx) = unbounded::<InFlight>();
+            let watch_events = Arc::clone(&events);
+            let watcher = std::thread::Builder::new()
+                .name("sparsetier-cuda-events".into())
+                .spawn(move || {
+                    for job in rx {
+                        watch(&job);
+                        watch_events.lock().remove(&job.cpu.seq());
+                    }
+                })
+                .map_err(|e| Error::Cuda {
+                    call: "spawn watcher",
+                    message: e.to_string(),
+                })?;
+            Ok(CudaEngine {
+                mode,
+                ctx,
+                load_stream,
+                write_stream,
+                func,
+                events,
+                watcher_tx: Some(tx),
+                watcher: Some(watcher),
+                seq: AtomicU64::new(0),
+            })
+        })
+    }
+
+    /// Makes the CUDA stream `stream` (a raw `CUstream`, e.g. torch's
+    /// `torch.cuda.current_stream().cuda_stream`) wait for `layer` of transfer `seq`, without
+    /// blocking the CPU. A transfer whose events were already consumed needs no wait.
+    pub fn stream_wait(&self, seq: u64, layer_index: usize, stream: u64) -> Result<()> {
+        let Some(events) = self.events.lock().get(&seq).cloned() else {
+            return Ok(()); // finished: the watcher synchronized every event already
+        };
+        let ev = events.get(layer_index).ok_or_else(|| {
+            Error::out_of_range("layer_index", layer_index as u64, 0, events.len() as u64)
+        })?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        // SAFETY: `stream` is a live CUstream of this context (the caller's contract, checked
+        // by the binding against torch's current device) and `ev` a live event of ours.
+        let r = unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, ev.cu_event(), 0) };
+        check(r, "cuStreamWaitEvent")
+    }
+
+    fn kernel_layer(
+        &self,
+        stream: &Arc<CudaStream>,
+        func: &CudaFunction,
+        tables: &[CudaSlice<u64>; 3],
+        offset: usize,
+        n_ops: usize,
+        sm_limit: u32,
+    ) -> Result<()> {
+        if n_ops == 0 {
+            return Ok(());
+        }
+        let (s, _g1) = cudarc::driver::DevicePtr::device_ptr(&tables[0], stream);
+        let (d, _g2) = cudarc::driver::DevicePtr::device_ptr(&tables[1], stream);
+        let (l, _g3) = cudarc::driver::DevicePtr::device_ptr(&tables[2], stream);
+        let (s, d, l) = (
+            s + 8 * offset as u64,
+            d + 8 * offset as u64,
+            l + 8 * offset as u64,
+        );
+        let n = n_ops as u32;
+        let blocks = n.min(sm_limit * BLOCKS_PER_SM).max(1);
+        let cfg = LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (THREADS_PER_BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut b = stream.launch_builder(func);
+        b.arg(&s).arg(&d).arg(&l).arg(&n);
+        // SAFETY: the tables hold `n_ops` ranges from `offset` on, each inside buffers that a
+        // PreparedPageTransfer checked and that the caller keeps alive until the transfer's
+        // events are finished (we hold the group until then). Host sources are pinned memory
+        // reachable over unified addressing.
+        unsafe { b.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
+        Ok(())
+    }
+
+    fn direct_layer(
+        &self,
+        stream: &Arc<CudaStream>,
+        ops: &[CopyOp],
+        per_segment: bool,
+    ) -> Result<()> {
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let raw = stream.cu_stream();
+        if per_segment {
+            for op in ops {
+                // SAFETY: the range lies in buffers a PreparedPageTransfer checked, alive until
+                // the transfer's events are finished.
+                let r = unsafe { sys::cuMemcpyAsync(op.dst, op.src, op.len as usize, raw) };
+                check(r, "cuMemcpyAsync")?;
+            }
+            return Ok(());
+        }
+        let mut dsts: Vec<sys::CUdeviceptr> = ops.iter().map(|o| o.dst).collect();
+        let mut srcs: Vec<sys::CUdeviceptr> = ops.iter().map(|o| o.src).collect();
+        let mut sizes: Vec<usize> = ops.iter().map(|o| o.len as usize).collect();
+        // SAFETY: a plain C struct; zero is a valid bit pattern for every field.
+        let mut attr: sys::CUmemcpyAttributes = unsafe { std::mem::zeroed() };
+        attr.srcAccessOrder = sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+        attr.flags = sys::CUmemcpyFlags::CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE as u32;
+        let mut idx: usize = 0;
+        // SAFETY: the arrays hold `ops.len()` valid ranges (see `direct_layer`'s contract) and
+        // live across the call; the symbol was checked to exist when the engine was made.
+        let r = unsafe {
+            sys::cuMemcpyBatchAsync_v2(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                ops.len(),
+                &mut attr,
+                &mut idx,
+                1,
+                raw,
+            )
+        };
+        check(r, "cuMemcpyBatchAsync")
+    }
+}
+
+fn check(r: sys::CUresult, call: &'static str) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::Cuda {
+            call,
+            message: format!("{r:?}"),
+        })
+    }
+}
+
+/// Synchronizes a transfer's layer events in order and publishes them to its CPU events.
+fn watch(job: &InFlight) {
+    for (i, ev) in job.events.iter().enumerate() {
+        match ev.synchronize() {
+            Ok(()) => job.cpu.record_done(i),
+            Err(e) => {
+                job.cpu.record_failed_from(i, &format!("{e:?}"));
+                return;
+            }
+        }
+    }
+}
+
+/// Splits ranges longer than `chunk` bytes.
+fn chunked(ops: &[CopyOp], chunk: u64) -> Vec<CopyOp> {
+    let mut out = Vec::with_capacity(ops.len());
+    for op in ops {
+        let mut off = 0;
+        while off < op.len {
+            let len = chunk.min(op.len - off);
+            out.push(CopyOp {
+                src: op.src + off,
+                dst: op.dst + off,
+                len,
+            });
+            off += len;
+        }
+    }
+    out
+}
+
+impl CopyEngine for CudaEngine {
+    fn name(&self) -> &'static str {
+        match self.mode {
+            CudaMode::Kernel { .. } => "kernel",
+            CudaMode::Direct { .. } => "direct",
+        }
+    }
+
+    fn submit(
+        &self,
+        group: Arc<PageTransferGroup>,
+        layer: Option<usize>,
+    ) -> Result<Arc<TransferEvents>> {
+        let layers = submission_layers(&group, layer)?;
+        let stream = match group.direction() {
+            Direction::Load => &self.load_stream,
+            Direction::Backup => &self.write_stream,
+        };
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        let cpu = Arc::new(TransferEvents::new(seq, self.name(), layers.clone()));
+        guarded("CUDA submit", || {
+            self.ctx
+                .bind_to_thread()
+                .map_err(cuda_err("cuCtxSetCurrent"))?;
+            let mut events = Vec::with_capacity(layers.len());
+            let mut tables = Vec::new();
+            match (self.mode, &self.func) {
+                (CudaMode::Kernel { sm_limit }, Some(func)) => {
+                    let per_layer: Vec<Vec<CopyOp>> = layers
+                        .iter()
+                        .map(|&l| {
+                            group
+                                .layer_ops(l)
+                                .map(|ops| chunked(&ops, KERNEL_CHUNK_BYTES))
+                        })
+                        .collect::<Result<_>>()?;
+                    let flat: Vec<&CopyOp> = per_layer.iter().flatten().collect();
+                    let upload =
+                        |v: Vec<u64>| stream.clone_htod(&v).map_err(cuda_err("cuMemcpyHtoDAsync"));
+                    let t = [
+                        upload(flat.iter().map(|o| o.src).collect())?,
+                        upload(flat.iter().map(|o| o.dst).collect())?,
+                        upload(flat.iter().map(|o| o.len).collect())?,
+                    ];
+                    let mut offset = 0;
+                    for ops in &per_layer {
+                        self.kernel_layer(stream, func, &t, offset, ops.len(), sm_limit)?;
+                        offset += ops.len();
+                        events.push(
+                            stream
+                                .record_event(None)
+                                .map_err(cuda_err("cuEventRecord"))?,
+                        );
+                    }
+                    tables.extend(t);
+                }
+                (CudaMode::Direct { per_segment }, _) => {
+                    for &l in &layers {
+                        self.direct_layer(stream, &group.layer_ops(l)?, per_segment)?;
+                        events.push(
+                            stream
+                                .record_event(None)
+                                .map_err(cuda_err("cuEventRecord"))?,
+                        );
+                    }
+                }
+                (CudaMode::Kernel { .. }, None) => {
+                    unreachable!("kernel mode always loads its function")
+                }
+            }
+            // Stream waits read the events until the watcher has synchronized them all.
+            let events = Arc::new(events);
+            self.events.lock().insert(seq, Arc::clone(&events));
+            let tx = self
+                .watcher_tx
+                .as_ref()
+                .expect("watcher lives as long as the engine");
+            tx.send(InFlight {
+                events,
+                _tables: tables,
+                cpu: Arc::clone(&cpu),
+                _group: group,
+            })
+            .map_err(|_| Error::Cuda {
+                call: "watcher",
+                message: "stopped".into(),
+            })?;
+            Ok(())
+        })?;
+        Ok(cpu)
+    }
+}
+
+impl Drop for CudaEngine {
+    fn drop(&mut self) {
+        self.watcher_tx.take();
+        if let Some(w) = self.watcher.take() {
+            let _ = w.join();
+        }
+    }
+}

@@ -1,0 +1,584 @@
+//! Page transfer from Python: bindings over torch tensors, prepared transfers, groups, and the
+//! engines (`cpu`, `kernel`, `direct`) behind one `TransferEngine`.
+//!
+//! Tensors are checked (dtype, contiguity, size, device, pinning) before a pointer is taken,
+//! and every tensor of a submitted group is kept alive by the engine until the transfer's
+//! events are finished, even if the caller drops its handle.
+
+use crate::error::Error;
+use crate::layout::HostLayout;
+use crate::py::args::{int, opt_int, string};
+use crate::py::error::{to_py, IntoPyResult};
+use crate::py::pool::PyPoolSpec;
+use crate::py::tensor::TensorInfo;
+use crate::transfer::cuda::{CudaEngine, CudaMode};
+use crate::transfer::{
+    CopyEngine, CpuEngine, Direction, Fault, FaultAction, Granularity, LayerStatus, MemoryKind,
+    PageTransferBinding, PageTransferGroup, PageTransferMap, PreparedPageTransfer, TransferEvents,
+};
+use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// One pool buffer (a torch tensor) as the copy engines see it.
+#[pyclass(name = "PageTransferBinding", module = "sparsetier._core", frozen)]
+pub struct PyPageTransferBinding {
+    inner: PageTransferBinding,
+    tensor: Py<PyAny>,
+    pinned: bool,
+}
+
+#[pymethods]
+impl PyPageTransferBinding {
+    #[new]
+    #[pyo3(signature = (tensor, spec, layout="layer_first"))]
+    fn new(tensor: &Bound<'_, PyAny>, spec: &PyPoolSpec, layout: &str) -> PyResult<Self> {
+        let py = tensor.py();
+        let layout = HostLayout::parse("layout", layout).py_err(py)?;
+        spec.check_tensor_in(tensor, layout, None, "tensor")?;
+        let info = TensorInfo::inspect(tensor, "tensor")?;
+        let kind = match info.device_type.as_str() {
+            "cpu" => MemoryKind::Host,
+            "cuda" => MemoryKind::Device,
+            other => {
+                return Err(to_py(
+                    py,
+                    Error::config("tensor.device", other, "a cpu or cuda tensor"),
+                ))
+            }
+        };
+        let pinned =
+            kind == MemoryKind::Host && tensor.call_method0("is_pinned")?.extract::<bool>()?;
+        let ptr: u64 = tensor.call_method0("data_ptr")?.extract()?;
+        let len = spec.inner.total_bytes();
+        // SAFETY: `tensor` was checked to be a contiguous buffer of exactly `len` bytes with
+        // the spec's dtype and shape; we hold a reference to it for as long as this binding
+        // lives, and the engine keeps one until every transfer over it has finished.
+        let inner =
+            unsafe { PageTransferBinding::new(ptr, len, &spec.inner, layout, kind) }.py_err(py)?;
+        Ok(PyPageTransferBinding {
+            inner,
+            tensor: tensor.clone().unbind(),
+            pinned,
+        })
+    }
+
+    /// The tensor behind the binding.
+    #[getter]
+    fn tensor(&self, py: Python<'_>) -> Py<PyAny> {
+        self.tensor.clone_ref(py)
+    }
+    /// Layers of the pool.
+    #[getter]
+    fn layers(&self) -> usize {
+        self.inner.layers()
+    }
+    /// Planes per layer.
+    #[getter]
+    fn planes_per_layer(&self) -> usize {
+        self.inner.planes_per_layer()
+    }
+    /// `host` or `device`.
+    #[getter]
+    fn memory(&self) -> &'static str {
+        match self.inner.kind() {
+            MemoryKind::Host => "host",
+            MemoryKind::Device => "device",
+        }
+    }
+    /// Whether a host buffer is pinned (needed by the CUDA engines).
+    #[getter]
+    fn pinned(&self) -> bool {
+        self.pinned
+    }
+
+    /// Planes `(start, count)` of `layer`, or of every layer for None.
+    #[pyo3(signature = (layer=None))]
+    fn plane_range(&self, py: Python<'_>, layer: Option<i64>) -> PyResult<(usize, usize)> {
+        let l = match layer {
+            None => None,
+            Some(v) => Some(usize::try_from(v).map_err(|_| {
+                to_py(
+                    py,
+                    Error::out_of_range("layer", v, 0, self.inner.layers() as u64),
+                )
+            })?),
+        };
+        let r = self.inner.plane_range(l).py_err(py)?;
+        Ok((r.start, r.len()))
+    }
+}
+
+fn units(obj: &Bound<'_, PyAny>, field: &'static str) -> PyResult<Vec<u64>> {
+    let py = obj.py();
+    let arr: PyReadonlyArray1<'_, i64> = match obj.extract() {
+        Ok(a) => a,
+        Err(_) => py
+            .import("numpy")?
+            .call_method1("asarray", (obj, "int64"))
+            .and_then(|a| a.extract())
+            .map_err(|_| {
+                to_py(
+                    py,
+                    Error::config(
+                        field,
+                        "<not a 1-D integer array>",
+                        "a 1-D array of page or token indices",
+                    ),
+                )
+            })?,
+    };
+    if arr.ndim() != 1 {
+        return Err(to_py(
+            py,
+            Error::config(field, format!("{} dims", arr.ndim()), "a 1-D array"),
+        ));
+    }
+    arr.as_array()
+        .iter()
+        .map(|&v| {
+            u64::try_from(v)
+                .map_err(|_| to_py(py, Error::out_of_range(field, v, 0, i128::from(i64::MAX))))
+        })
+        .collect()
+}
+
+/// One pool's transfer: two bindings and the (source, destination) unit pairs.
+#[pyclass(name = "PreparedPageTransfer", module = "sparsetier._core", frozen)]
+pub struct PyPreparedPageTransfer {
+    inner: PreparedPageTransfer,
+    tensors: [Py<PyAny>; 2],
+    pinned: bool,
+}
+
+#[pymethods]
+impl PyPreparedPageTransfer {
+    #[new]
+    #[pyo3(signature = (src, dst, src_units, dst_units, *, direction="load", granularity="page"))]
+    fn new(
+        src: &PyPageTransferBinding,
+        dst: &PyPageTransferBinding,
+        src_units: &Bound<'_, PyAny>,
+        dst_units: &Bound<'_, PyAny>,
+        direction: &str,
+        granularity: &str,
+    ) -> PyResult<Self> {
+        let py = src_units.py();
+        let direction = match direction {
+            "load" => Direction::Load,
+            "backup" => Direction::Backup,
+            other => {
+                return Err(to_py(
+                    py,
+                    Error::config("direction", format!("{other:?}"), "load or backup"),
+                ))
+            }
+        };
+        let g = Granularity::parse("granularity", granularity).py_err(py)?;
+        let map = PageTransferMap::new(
+            g,
+            &units(src_units, "src_units")?,
+            &units(dst_units, "dst_units")?,
+        )
+        .py_err(py)?;
+        let inner = PreparedPageTransfer::new(src.inner.clone(), dst.inner.clone(), map, direction)
+            .py_err(py)?;
+        let pinned = [src, dst]
+            .iter()
+            .all(|b| b.inner.kind() == MemoryKind::Device || b.pinned);
+        Ok(PyPreparedPageTransfer {
+            inner,
+            tensors: [src.tensor.clone_ref(py), dst.tensor.clone_ref(py)],
+            pinned,
+        })
+    }
+
+    /// Units moved, segments after merging, and bytes for every layer.
+    fn stats(&self) -> (usize, usize, u64) {
+        let m = self.inner.map();
+        (
+            m.units(),
+            m.segments().len(),
+            self.inner.bytes(None).unwrap_or(0),
+        )
+    }
+}
+
+/// The pools moved by one cache operation.
+#[pyclass(name = "PageTransferGroup", module = "sparsetier._core", frozen)]
+pub struct PyPageTransferGroup {
+    inner: Arc<PageTransferGroup>,
+    tensors: Vec<Py<PyAny>>,
+    pinned: bool,
+}
+
+#[pymethods]
+impl PyPageTransferGroup {
+    #[new]
+    fn new(py: Python<'_>, members: Vec<PyRef<'_, PyPreparedPageTransfer>>) -> PyResult<Self> {
+        let inner =
+            PageTransferGroup::new(members.iter().map(|m| m.inner.clone()).collect()).py_err(py)?;
+        let tensors = members
+            .iter()
+            .flat_map(|m| m.tensors.iter().map(|t| t.clone_ref(py)))
+            .collect();
+        let pinned = members.iter().all(|m| m.pinned);
+        Ok(PyPageTransferGroup {
+            inner: Arc::new(inner),
+            tensors,
+            pinned,
+        })
+    }
+    /// Layers (the largest member's).
+    #[getter]
+    fn layers(&self) -> usize {
+        self.inner.layers()
+    }
+    /// Bytes moved for every layer.
+    #[getter]
+    fn bytes(&self) -> u64 {
+        self.inner.bytes()
+    }
+    /// Contiguous copies for `layer` (what an engine runs).
+    fn ops_count(&self, py: Python<'_>, layer: usize) -> PyResult<usize> {
+        Ok(self.inner.layer_ops(layer).py_err(py)?.len())
+    }
+}
+
+enum Engine {
+    Cpu(CpuEngine),
+    Cuda(CudaEngine),
+}
+
+impl Engine {
+    fn dyn_ref(&self) -> &dyn CopyEngine {
+        match self {
+            Engine::Cpu(e) => e,
+            Engine::Cuda(e) => e,
+        }
+    }
+}
+
+/// A submitted transfer: per-layer events, and the tensors kept alive until it finishes.
+#[pyclass(name = "TransferHandle", module = "sparsetier._core", frozen)]
+pub struct PyTransferHandle {
+    events: Arc<TransferEvents>,
+    engine: Py<PyTransferEngine>,
+}
+
+fn layer_arg(py: Python<'_>, ev: &TransferEvents, layer: Option<i64>) -> PyResult<Option<usize>> {
+    match layer {
+        None => Ok(None),
+        Some(v) => usize::try_from(v)
+            .ok()
+            .filter(|l| ev.layers().contains(l))
+            .map(Some)
+            .ok_or_else(|| {
+                to_py(
+                    py,
+                    Error::config("layer", v, format!("one of {:?}", ev.layers())),
+                )
+            }),
+    }
+}
+
+fn timeout_arg(py: Python<'_>, t: Option<f64>) -> PyResult<Option<Duration>> {
+    match t {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s >= 0.0 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(to_py(
+            py,
+            Error::config("timeout", s, "None or seconds >= 0"),
+        )),
+    }
+}
+
+#[pymethods]
+impl PyTransferHandle {
+    /// Blocks (GIL released) until `layer` (or every layer) is written. Raises
+    /// `CopyFailedError` if it failed, `WaitTimeoutError` after `timeout` seconds.
+    #[pyo3(signature = (layer=None, timeout=None))]
+    fn wait(&self, py: Python<'_>, layer: Option<i64>, timeout: Option<f64>) -> PyResult<()> {
+        let l = layer_arg(py, &self.events, layer)?;
+        let t = timeout_arg(py, timeout)?;
+        let ev = Arc::clone(&self.events);
+        let r = py.detach(move || match l {
+            None => ev.wait_all(t),
+            Some(l) => ev.wait_layer(l, t),
+        });
+        self.engine.get().prune();
+        r.py_err(py)
+    }
+
+    /// `pending`, `done`, or `failed: <reason>` for `layer`.
+    fn status(&self, py: Python<'_>, layer: i64) -> PyResult<String> {
+        let l = layer_arg(py, &self.events, Some(layer))?.expect("given");
+        Ok(match self.events.status(l).py_err(py)? {
+            LayerStatus::Pending => "pending".into(),
+            LayerStatus::Done => "done".into(),
+            LayerStatus::Failed(r) => format!("failed: {r}"),
+        })
+    }
+
+    /// Whether the engine will no longer write the destinations (every layer done or failed).
+    #[getter]
+    fn finished(&self) -> bool {
+        self.events.is_finished()
+    }
+
+    /// The engine's submission number.
+    #[getter]
+    fn seq(&self) -> u64 {
+        self.events.seq()
+    }
+
+    /// Layers moved, in order.
+    #[getter]
+    fn layers(&self) -> Vec<usize> {
+        self.events.layers().to_vec()
+    }
+
+    /// Seconds from submission to each layer's event (None where not yet recorded).
+    fn layer_times(&self) -> Vec<Option<f64>> {
+        self.events
+            .layer_times()
+            .iter()
+            .map(|t| t.map(|d| d.as_secs_f64()))
+            .collect()
+    }
+
+    /// Makes CUDA stream `stream` (a raw CUstream as an int, e.g.
+    /// `torch.cuda.current_stream().cuda_stream`) wait for `layer` on the GPU, without
+    /// blocking the CPU. Only for the kernel and direct engines.
+    fn stream_wait(&self, py: Python<'_>, layer: i64, stream: u64) -> PyResult<()> {
+        let l = layer_arg(py, &self.events, Some(layer))?.expect("given");
+        let idx = self
+            .events
+            .layers()
+            .iter()
+            .position(|&x| x == l)
+            .expect("checked");
+        let engine = self.engine.get();
+        match &engine.inner {
+            Engine::Cuda(e) => e.stream_wait(self.events.seq(), idx, stream).py_err(py),
+            Engine::Cpu(_) => Err(to_py(
+                py,
+                Error::config(
+                    "io_backend",
+                    "cpu",
+                    "kernel or direct: a stream wait needs a CUDA engine",
+                ),
+            )),
+        }
+    }
+}
+
+/// A submission's events and the tensors it reads and writes.
+type KeptAlive = (Arc<TransferEvents>, Vec<Py<PyAny>>);
+
+/// A copy engine chosen by `io_backend`: `cpu`, `kernel` or `direct`.
+#[pyclass(name = "TransferEngine", module = "sparsetier._core", frozen)]
+pub struct PyTransferEngine {
+    // Declared first so it drops first: its workers finish before the tensors are released.
+    inner: Engine,
+    keepalive: Mutex<Vec<KeptAlive>>,
+}
+
+impl PyTransferEngine {
+    /// Releases the tensors of finished submissions; returns how many are still in flight.
+    fn prune(&self) -> usize {
+        let mut keep = self.keepalive.lock();
+        keep.retain(|(ev, _)| !ev.is_finished());
+        keep.len()
+    }
+}
+
+#[pymethods]
+impl PyTransferEngine {
+    #[new]
+    #[pyo3(
+        signature = (io_backend="cpu", *, threads=None, device=None, sm_limit=None, per_segment=false),
+        text_signature = "(io_backend='cpu', *, threads=2, device=0, sm_limit=8, per_segment=False)"
+    )]
+    fn new(
+        py: Python<'_>,
+        io_backend: &str,
+        threads: Option<&Bound<'_, PyAny>>,
+        device: Option<&Bound<'_, PyAny>>,
+        sm_limit: Option<&Bound<'_, PyAny>>,
+        per_segment: bool,
+    ) -> PyResult<Self> {
+        let backend = crate::config::IoBackend::parse("io_backend", io_backend).py_err(py)?;
+        let device = opt_int(device, "device")?.unwrap_or(0);
+        let device = usize::try_from(device).map_err(|_| {
+            to_py(
+                py,
+                Error::config("device", device, "a CUDA device ordinal >= 0"),
+            )
+        })?;
+        let inner = match backend {
+            crate::config::IoBackend::Cpu => {
+                let t = opt_int(threads, "threads")?.unwrap_or(2);
+                let t = usize::try_from(t)
+                    .map_err(|_| to_py(py, Error::config("threads", t, "1 <= threads <= 256")))?;
+                Engine::Cpu(CpuEngine::new(t).py_err(py)?)
+            }
+            crate::config::IoBackend::Kernel => {
+                let s = opt_int(sm_limit, "sm_limit")?.unwrap_or(8);
+                let s = u32::try_from(s)
+                    .ok()
+                    .filter(|&s| s >= 1)
+                    .ok_or_else(|| to_py(py, Error::config("sm_limit", s, "an integer >= 1")))?;
+                Engine::Cuda(
+                    py.detach(|| CudaEngine::new(device, CudaMode::Kernel { sm_limit: s }))
+                        .py_err(py)?,
+                )
+            }
+            crate::config::IoBackend::Direct => Engine::Cuda(
+                py.detach(|| CudaEngine::new(device, CudaMode::Direct { per_segment }))
+                    .py_err(py)?,
+            ),
+        };
+        Ok(PyTransferEngine {
+            inner,
+            keepalive: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// `cpu`, `kernel` or `direct`.
+    #[getter]
+    fn name(&self) -> &'static str {
+        self.inner.dyn_ref().name()
+    }
+
+    /// Submits every layer of `group` (or one layer); returns at once with its handle.
+    #[pyo3(signature = (group, layer=None))]
+    fn submit(
+        slf: &Bound<'_, Self>,
+        group: &PyPageTransferGroup,
+        layer: Option<i64>,
+    ) -> PyResult<PyTransferHandle> {
+        let py = slf.py();
+        let this = slf.get();
+        if matches!(this.inner, Engine::Cuda(_)) && !group.pinned {
+            return Err(to_py(
+                py,
+                Error::config(
+                    "group",
+                    "a group with pageable host tensors",
+                    "pinned host tensors (tensor.pin_memory()) for the kernel and direct engines",
+                ),
+            ));
+        }
+        let layer = match layer {
+            None => None,
+            Some(v) => Some(usize::try_from(v).map_err(|_| {
+                to_py(
+                    py,
+                    Error::out_of_range("layer", v, 0, group.inner.layers() as u64),
+                )
+            })?),
+        };
+        let g = Arc::clone(&group.inner);
+        let events = py
+            .detach(|| this.inner.dyn_ref().submit(g, layer))
+            .py_err(py)?;
+        this.prune();
+        let tensors = group.tensors.iter().map(|t| t.clone_ref(py)).collect();
+        this.keepalive.lock().push((Arc::clone(&events), tensors));
+        Ok(PyTransferHandle {
+            events,
+            engine: slf.clone().unbind(),
+        })
+    }
+
+    /// Arms a fault for submission number `nth` (cpu engine only): `fail` with a reason, or
+    /// `delay` seconds, at `layer` (default: the submission's first layer).
+    #[pyo3(signature = (nth, *, layer=None, fail=None, delay=None))]
+    fn inject_fault(
+        &self,
+        py: Python<'_>,
+        nth: &Bound<'_, PyAny>,
+        layer: Option<&Bound<'_, PyAny>>,
+        fail: Option<String>,
+        delay: Option<f64>,
+    ) -> PyResult<()> {
+        let Engine::Cpu(e) = &self.inner else {
+            return Err(to_py(
+                py,
+                Error::config(
+                    "io_backend",
+                    self.name(),
+                    "cpu: fault injection is a cpu-engine hook",
+                ),
+            ));
+        };
+        let nth = int(nth, "nth")?;
+        let nth = u64::try_from(nth)
+            .map_err(|_| to_py(py, Error::config("nth", nth, "a submission number >= 0")))?;
+        let layer = match opt_int(layer, "layer")? {
+            None => None,
+            Some(l) => Some(
+                usize::try_from(l)
+                    .map_err(|_| to_py(py, Error::config("layer", l, "a layer >= 0")))?,
+            ),
+        };
+        let action = match (fail, delay) {
+            (Some(reason), None) => FaultAction::Fail(reason),
+            (None, Some(s)) if s.is_finite() && s >= 0.0 => {
+                FaultAction::Delay(Duration::from_secs_f64(s))
+            }
+            _ => {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        "fail/delay",
+                        "both or neither, or a bad delay",
+                        "exactly one of fail=<reason> or delay=<seconds >= 0>",
+                    ),
+                ))
+            }
+        };
+        e.inject(Fault { nth, layer, action });
+        Ok(())
+    }
+
+    /// Submissions not yet finished (finished ones release their tensors here).
+    #[getter]
+    fn in_flight(&self) -> usize {
+        self.prune()
+    }
+}
+
+/// Whether the CUDA engines can start here: `(True, "")` or `(False, why and what to install)`.
+#[pyfunction]
+#[pyo3(signature = (kernel=true))]
+pub fn cuda_status(kernel: bool) -> (bool, String) {
+    match crate::transfer::cuda::check_libraries(kernel) {
+        Ok(()) => (true, String::new()),
+        Err(e) => (false, e.to_string()),
+    }
+}
+
+/// Compiles the copy kernel with NVRTC for `arch` and returns the PTX (needs libnvrtc only).
+#[pyfunction]
+#[pyo3(signature = (arch=None), text_signature = "(arch='sm_90')")]
+pub fn compile_cuda_kernels(py: Python<'_>, arch: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
+    const ARCHES: [&str; 7] = [
+        "sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120",
+    ];
+    let a = match arch {
+        Some(o) => string(o, "arch")?,
+        None => "sm_90".to_owned(),
+    };
+    let Some(&a) = ARCHES.iter().find(|x| **x == a) else {
+        return Err(to_py(
+            py,
+            Error::config("arch", format!("{a:?}"), format!("one of {ARCHES:?}")),
+        ));
+    };
+    py.detach(|| crate::transfer::cuda::compile_kernels(a))
+        .py_err(py)
+}

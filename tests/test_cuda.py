@@ -1,0 +1,139 @@
+"""CUDA: the kernels compile with NVRTC in CI (this never skips), and the CUDA engines run the
+round-trip matrix when a GPU is present (skipped otherwise, saying why)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import sparsetier as st
+
+HAS_GPU = torch.cuda.is_available() and st.cuda_status()[0]
+needs_gpu = pytest.mark.skipif(
+    not HAS_GPU, reason=f"no usable CUDA GPU here: {st.cuda_status()[1]}"
+)
+
+
+COMPILE = """
+import json
+from sparsetier.cuda_libs import nvrtc_version, preload_nvrtc
+path = preload_nvrtc()
+if path is None:
+    raise SystemExit("NVRTC not found: `make test` installs nvidia-cuda-nvrtc 13.0 into the "
+                     "venv and sets SPARSETIER_NVRTC_DIR; or pip install "
+                     "'nvidia-cuda-nvrtc>=13.0,<13.1'")
+import sparsetier
+print(json.dumps({"path": str(path), "version": nvrtc_version(),
+                  "ptx": sparsetier.compile_cuda_kernels("sm_90")}))
+"""
+
+
+def test_kernels_compile_with_nvrtc_13_0_for_sm_90():
+    # A fresh interpreter: torch, once imported, has already loaded its own NVRTC, and a
+    # process holds one libnvrtc.so.13.
+    r = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert tuple(out["version"]) == (13, 0), (
+        f"{out['path']} is NVRTC {out['version']}; the GPU machine's driver is CUDA 13.0"
+    )
+    ptx = out["ptx"]
+    assert ".target sm_90" in ptx
+    assert ".entry sparsetier_copy_ops(" in ptx
+    assert "ld.v4.u32" in ptx or "ld.global.v4.u32" in ptx, "16-byte vector loads expected"
+
+
+def test_bad_arch_is_refused():
+    with pytest.raises(st.ConfigError):
+        st.compile_cuda_kernels("sm_21")
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a GPU is present: the missing-driver path cannot happen")
+@pytest.mark.parametrize("backend", ["kernel", "direct"])
+def test_cuda_engine_without_driver_raises_typed_error(backend):
+    with pytest.raises(st.CudaUnavailableError) as e:
+        st.TransferEngine(backend)
+    assert "libcuda" in e.value.what and e.value.fix
+
+
+def gpu_round_trip(backend, layout, component, granularity, per_segment=False):
+    host_spec = st.PoolSpec(component, 3, 2, 64, "bf16", 16, 24)
+    dev_spec = host_spec.with_pages(17)
+    host = torch.randn(host_spec.shape(layout)).to(torch.bfloat16).pin_memory()
+    dev = torch.full(dev_spec.shape(), -7.0, dtype=torch.bfloat16, device="cuda")
+    engine = st.TransferEngine(backend, per_segment=per_segment)
+    ps = host_spec.page_size
+    if granularity == "page":
+        src_u, dst_u = [3, 4, 5, 11, 20], [0, 1, 2, 9, 16]
+    else:
+        src_u, dst_u = [3 * ps, 3 * ps + 1, 20 * ps + 5], [7, 8, 16 * ps + 2]
+    load = st.PreparedPageTransfer(
+        st.PageTransferBinding(host, host_spec, layout),
+        st.PageTransferBinding(dev, dev_spec),
+        src_u,
+        dst_u,
+        granularity=granularity,
+    )
+    h = engine.submit(st.PageTransferGroup([load]))
+    stream = torch.cuda.current_stream()
+    for layer in range(3):
+        h.stream_wait(layer, stream.cuda_stream)
+    got = dev.cpu()
+    h.wait(timeout=30)
+    s = host if layout == "layer_first" else host.transpose(1, 2)
+    for a, b in zip(src_u, dst_u, strict=True):
+        if granularity == "page":
+            assert torch.equal(got[:, :, b], s[:, :, a])
+        else:
+            assert torch.equal(got[:, :, b // ps, b % ps], s[:, :, a // ps, a % ps])
+    back = torch.full(host_spec.shape(layout), -7.0, dtype=torch.bfloat16).pin_memory()
+    backup = st.PreparedPageTransfer(
+        st.PageTransferBinding(dev, dev_spec),
+        st.PageTransferBinding(back, host_spec, layout),
+        dst_u,
+        src_u,
+        direction="backup",
+        granularity=granularity,
+    )
+    engine.submit(st.PageTransferGroup([backup])).wait(timeout=30)
+    b = back if layout == "layer_first" else back.transpose(1, 2)
+    for a, d in zip(src_u, dst_u, strict=True):
+        if granularity == "page":
+            assert torch.equal(b[:, :, a], s[:, :, a]), d
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["kernel", "direct"])
+@pytest.mark.parametrize("layout", ["layer_first", "layer_page_first"])
+@pytest.mark.parametrize("component", ["KV", "INDEXER"])
+@pytest.mark.parametrize("granularity", ["page", "token"])
+def test_gpu_round_trip(backend, layout, component, granularity):
+    gpu_round_trip(backend, layout, component, granularity)
+
+
+@needs_gpu
+def test_direct_per_segment_mode():
+    gpu_round_trip("direct", "layer_first", "KV", "page", per_segment=True)
+
+
+@needs_gpu
+def test_consumer_stream_really_waits_on_the_layer_event():
+    spec = st.PoolSpec("KV", 2, 8, 128, "bf16", 64, 256)
+    host = torch.randn(spec.shape()).to(torch.bfloat16).pin_memory()
+    dev = torch.zeros(spec.shape(), dtype=torch.bfloat16, device="cuda")
+    e = st.TransferEngine("kernel", sm_limit=1)  # slow on purpose: one SM's worth of blocks
+    t = st.PreparedPageTransfer(
+        st.PageTransferBinding(host, spec),
+        st.PageTransferBinding(dev, spec),
+        list(range(256)),
+        list(range(256)),
+    )
+    h = e.submit(st.PageTransferGroup([t]))
+    consumer = torch.cuda.Stream()
+    with torch.cuda.stream(consumer):
+        h.stream_wait(1, consumer.cuda_stream)
+        snapshot = dev[:, 1].clone()  # ordered after layer 1's event on the GPU
+    consumer.synchronize()
+    assert torch.equal(snapshot.cpu(), host[:, 1])
