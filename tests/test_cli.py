@@ -157,3 +157,31 @@ def test_bench_bad_flags_exit_2():
     )
     assert r.returncode == 2
     assert "hit_rates" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_transfer_cpu_runs_with_ratios(tmp_path, capsys):
+    out = tmp_path / "t.json"
+    assert (
+        main(["bench", "transfer", "--device", "cpu", "--total-mb", "4", "--json", str(out)]) == 0
+    )
+    assert "memcpy" in capsys.readouterr().out
+    rows = json.loads(out.read_text())
+    assert {r["pattern"] for r in rows} == {"contiguous", "scattered", "token"}
+    assert {r["page_bytes"] for r in rows} == {4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20}
+    assert all(r["gbps"] > 0 and r["ratio"] > 0 for r in rows)
+
+
+def test_bench_transfer_cuda_without_gpu_exits_2():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the cuda bench would run")
+    r = subprocess.run(
+        [sys.executable, "-m", "sparsetier.cli", "bench", "transfer", "--device", "cuda"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert "CUDA" in r.stderr

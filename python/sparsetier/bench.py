@@ -1,5 +1,9 @@
 """``sparsetier bench``: benchmarks reported as ratios against a baseline from the same run.
 
+``transfer``: copy-engine bandwidth. On cpu, the cpu engine against one large memcpy of the
+same bytes; on cuda (``bench_gpu.py``), the kernel and direct engines against a per-page copy
+loop, torch index copies, and one large pinned copy (the link's peak).
+
 ``directory``: the binding's overhead. For each batch size and device hit rate, the same
 resolve workload runs once in Rust alone (``_core._bench_resolve``) and once through the Python
 binding, and the report gives the ratio. Timing covers the ``resolve`` call only; the reset
@@ -15,7 +19,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from sparsetier import _core
-from sparsetier._core import ResidencyDirectory
+from sparsetier._core import PoolSpec, ResidencyDirectory
 from sparsetier.keys import object_keys
 
 BENCH_OBJECT_BYTES = 256 * 1024
@@ -96,3 +100,119 @@ def format_directory(rows: list[DirectoryRow]) -> str:
 
 def directory_json(rows: list[DirectoryRow]) -> list[dict[str, float]]:
     return [{**asdict(r), "ratio": r.ratio} for r in rows]
+
+
+# ---------------------------------------------------------------------------------------
+# transfer: copy-engine bandwidth against baselines from the same run
+
+PAGE_SIZES = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20)
+TOKENS_PER_PAGE = 16
+
+
+@dataclass
+class TransferRow:
+    engine: str
+    direction: str
+    pattern: str  # contiguous | scattered | token
+    page_bytes: int
+    bytes: int
+    seconds: float
+    baseline: str
+    baseline_gbps: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.seconds / 1e9
+
+    @property
+    def ratio(self) -> float:
+        return self.gbps / self.baseline_gbps
+
+
+def _pool(page_bytes: int, pages: int, granular: bool) -> PoolSpec:
+    """A one-layer K-only pool of raw bytes whose page is `page_bytes` long."""
+    from sparsetier._core import PoolSpec
+
+    ps = TOKENS_PER_PAGE if granular else 1
+    return PoolSpec("INDEXER", 1, 1, page_bytes // ps, "fp8_e4m3", ps, pages)
+
+
+def _best(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _units(pattern: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    if pattern == "contiguous":
+        return np.arange(n), np.arange(n)
+    return rng.permutation(n), rng.permutation(n)
+
+
+def bench_transfer_cpu(total_mb: int = 128, repeats: int = 5) -> list[TransferRow]:
+    """The cpu engine (one worker: one copy thread) against one large single-threaded memcpy
+    of the same bytes (numpy copyto), for each page size and pattern."""
+    import torch
+
+    from sparsetier._core import (
+        PageTransferBinding,
+        PageTransferGroup,
+        PreparedPageTransfer,
+        TransferEngine,
+    )
+
+    total = total_mb << 20
+    src_np = np.random.default_rng(0).integers(0, 255, size=total, dtype=np.uint8)
+    dst_np = np.empty_like(src_np)
+    memcpy = total / _best(lambda: np.copyto(dst_np, src_np), repeats) / 1e9
+    engine = TransferEngine("cpu", threads=1)
+    rng = np.random.default_rng(1)
+    rows = []
+    for page_bytes in PAGE_SIZES:
+        pages = total // page_bytes
+        for pattern in ("contiguous", "scattered", "token"):
+            granular = pattern == "token"
+            spec = _pool(page_bytes, pages, granular)
+            src = torch.from_numpy(src_np).view(spec.shape())
+            dst = torch.from_numpy(dst_np).view(spec.shape())
+            n = pages * (TOKENS_PER_PAGE if granular else 1)
+            s, d = _units("contiguous" if pattern == "contiguous" else "scattered", n, rng)
+            t = PreparedPageTransfer(
+                PageTransferBinding(src, spec),
+                PageTransferBinding(dst, spec),
+                s,
+                d,
+                granularity="token" if granular else "page",
+            )
+            group = PageTransferGroup([t])
+            secs = _best(lambda g=group: engine.submit(g).wait(), repeats)
+            rows.append(
+                TransferRow("cpu", "h2h", pattern, page_bytes, total, secs, "memcpy", memcpy)
+            )
+            unit = page_bytes // TOKENS_PER_PAGE if granular else page_bytes
+            for i in rng.integers(0, n, size=8):  # one layer, one plane: units are linear
+                a, b = s[i] * unit, d[i] * unit
+                if not np.array_equal(dst_np[b : b + unit], src_np[a : a + unit]):
+                    raise AssertionError(f"{pattern} {page_bytes} B: the copy is wrong")
+    return rows
+
+
+def format_transfer(rows: list[TransferRow]) -> str:
+    head = (
+        "engine  dir  pattern     page     GB/s   baseline        GB/s  ratio",
+        "------  ---  ----------  -------  -----  ----------  -------  -----",
+    )
+    lines = list(head)
+    for r in rows:
+        lines.append(
+            f"{r.engine:<6}  {r.direction:<3}  {r.pattern:<10}  {r.page_bytes >> 10:>4} KiB  "
+            f"{r.gbps:>5.1f}  {r.baseline:<10}  {r.baseline_gbps:>7.1f}  {r.ratio:>4.0%}"
+        )
+    return "\n".join(lines)
+
+
+def transfer_json(rows: list[TransferRow]) -> list[dict[str, object]]:
+    return [{**asdict(r), "gbps": r.gbps, "ratio": r.ratio} for r in rows]

@@ -167,7 +167,13 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks, as ratios to a baseline from the same run")
-    p.add_argument("what", choices=["directory"], help="directory: binding overhead vs Rust")
+    p.add_argument(
+        "what",
+        choices=["directory", "transfer"],
+        help="directory: binding overhead vs Rust; transfer: copy-engine GB/s vs baselines",
+    )
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="transfer only")
+    p.add_argument("--total-mb", type=int, default=128, help="transfer: bytes per copy, MiB")
     p.add_argument("--batches", type=int, nargs="+", default=[64, 2048, 16384])
     p.add_argument("--hit-rates", type=float, nargs="+", default=[1.0, 0.9, 0.5])
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
@@ -175,6 +181,26 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 
 def _run_bench(args: argparse.Namespace) -> None:
     from sparsetier import bench
+
+    if args.what == "transfer":
+        if args.total_mb < 1:
+            raise ConfigError(
+                f"invalid total_mb = {args.total_mb}: allowed an integer >= 1",
+                field="total_mb",
+                value=str(args.total_mb),
+                allowed="an integer >= 1",
+            )
+        if args.device == "cpu":
+            rows = bench.bench_transfer_cpu(args.total_mb)
+        else:
+            from sparsetier import bench_gpu
+
+            rows = bench_gpu.bench_transfer_cuda(args.total_mb)
+        print(bench.format_transfer(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(bench.transfer_json(rows), f, indent=2)
+        return
 
     for b in args.batches:
         if b < 1:

@@ -1,0 +1,127 @@
+"""``sparsetier bench transfer --device cuda``: the kernel and direct engines on a GPU.
+
+NOT YET RUN ON A GPU: no GPU has been lent to this project's tasks so far. It runs from
+``scripts/gpu-check.sh`` on the device machine. In one run it measures, for pages of 4 KiB to
+1 MiB, contiguous, scattered and token-granularity copies in both directions (H2D, D2H):
+
+- the kernel and direct engines;
+- three baselines: a per-page copy loop (one ``cudaMemcpyAsync`` per page, through torch),
+  torch ``index_select`` + ``index_copy_`` between pinned and device tensors, and one large
+  contiguous pinned copy (the link's peak, the ratio's denominator);
+- how many SMs the kernel needs: 16 KiB scattered H2D with ``sm_limit`` 1 to 32.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from sparsetier.bench import PAGE_SIZES, TOKENS_PER_PAGE, TransferRow, _pool, _units
+
+
+def _timed(fn, repeats: int) -> float:
+    import torch
+
+    best = float("inf")
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def bench_transfer_cuda(total_mb: int = 256, repeats: int = 5) -> list[TransferRow]:
+    import torch
+
+    from sparsetier._core import (
+        PageTransferBinding,
+        PageTransferGroup,
+        PreparedPageTransfer,
+        TransferEngine,
+        cuda_status,
+    )
+    from sparsetier.errors import CudaUnavailableError
+
+    ok, why = cuda_status()
+    if not ok or not torch.cuda.is_available():
+        raise CudaUnavailableError(
+            why or "CUDA unavailable: torch sees no GPU",
+            what=why or "torch sees no GPU",
+            fix="run it on a machine with an NVIDIA GPU, or use --device cpu",
+        )
+    total = total_mb << 20
+    host = torch.randint(0, 255, (total,), dtype=torch.uint8).pin_memory()
+    dev = torch.empty(total, dtype=torch.uint8, device="cuda")
+    peak = {
+        "h2d": total / _timed(lambda: dev.copy_(host, non_blocking=True), repeats) / 1e9,
+        "d2h": total / _timed(lambda: host.copy_(dev, non_blocking=True), repeats) / 1e9,
+    }
+    rng = np.random.default_rng(1)
+    rows: list[TransferRow] = []
+
+    def run(engine, direction, pattern, page_bytes, label=None):
+        granular = pattern == "token"
+        pages = total // page_bytes
+        spec = _pool(page_bytes, pages, granular)
+        h, d = host.view(spec.shape()), dev.view(spec.shape())
+        n = pages * (TOKENS_PER_PAGE if granular else 1)
+        s_u, d_u = _units("contiguous" if pattern == "contiguous" else "scattered", n, rng)
+        hb, db = PageTransferBinding(h, spec), PageTransferBinding(d, spec)
+        src, dst = (hb, db) if direction == "h2d" else (db, hb)
+        t = PreparedPageTransfer(
+            src,
+            dst,
+            s_u,
+            d_u,
+            direction="load" if direction == "h2d" else "backup",
+            granularity="token" if granular else "page",
+        )
+        g = PageTransferGroup([t])
+        secs = _timed(lambda: engine.submit(g).wait(), repeats)
+        rows.append(
+            TransferRow(
+                label or engine.name,
+                direction,
+                pattern,
+                page_bytes,
+                total,
+                secs,
+                "peak",
+                peak[direction],
+            )
+        )
+
+    for backend in ("kernel", "direct"):
+        engine = TransferEngine(backend)
+        for direction in ("h2d", "d2h"):
+            for page_bytes in PAGE_SIZES:
+                for pattern in ("contiguous", "scattered", "token"):
+                    run(engine, direction, pattern, page_bytes)
+    for sm in (1, 2, 4, 8, 16, 32):
+        run(TransferEngine("kernel", sm_limit=sm), "h2d", "scattered", 16 << 10, f"kernel-sm{sm}")
+
+    for page_bytes in PAGE_SIZES:
+        pages = total // page_bytes
+        hp, dp = host.view(pages, page_bytes), dev.view(pages, page_bytes)
+        s_u, d_u = rng.permutation(pages), rng.permutation(pages)
+        s_l, d_l = s_u.tolist(), d_u.tolist()
+
+        def loop(hp=hp, dp=dp, s_l=s_l, d_l=d_l):
+            for a, b in zip(s_l, d_l, strict=True):
+                dp[b].copy_(hp[a], non_blocking=True)
+
+        s_t = torch.from_numpy(s_u)
+        d_t = torch.from_numpy(d_u).cuda()
+
+        def index(hp=hp, dp=dp, s_t=s_t, d_t=d_t):
+            dp.index_copy_(0, d_t, hp.index_select(0, s_t).pin_memory().cuda(non_blocking=True))
+
+        for label, fn in (("torch-loop", loop), ("torch-index", index)):
+            secs = _timed(fn, max(2, repeats // 2))
+            rows.append(
+                TransferRow(label, "h2d", "scattered", page_bytes, total, secs, "peak", peak["h2d"])
+            )
+    return rows
