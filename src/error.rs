@@ -169,6 +169,19 @@ pub enum Error {
         /// The driver's message.
         message: String,
     },
+    /// A prefix-tree node id that is unknown or stale (its node was split off, evicted or
+    /// dropped since).
+    #[error("unknown or stale node {id}")]
+    UnknownNode {
+        /// The node id.
+        id: u64,
+    },
+    /// `unlock` of a node whose lock count is already zero.
+    #[error("node {id} is not locked")]
+    NotLocked {
+        /// The node id.
+        id: u64,
+    },
     /// A pin handle that is unknown or was already released.
     #[error("pin handle {id} is unknown or already released")]
     UnknownHandle {

@@ -21,6 +21,7 @@ pub mod ids;
 pub mod layout;
 pub mod plan;
 pub mod pool;
+pub mod radix;
 pub mod transfer;
 
 #[cfg(feature = "python")]

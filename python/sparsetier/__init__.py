@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from sparsetier._core import (
     BackupPlan,
+    HiCache,
     LoadPlan,
     PageAllocator,
     PageTransferBinding,
@@ -38,6 +39,7 @@ from sparsetier.errors import (
     InvariantError,
     KeyExistsError,
     NamespaceDroppedError,
+    NotLockedError,
     NotResidentError,
     OutOfPagesError,
     OutOfRangeError,
@@ -46,6 +48,7 @@ from sparsetier.errors import (
     TransferFailedError,
     TransferStateError,
     UnknownHandleError,
+    UnknownNodeError,
     UnknownTransferError,
     WaitTimeoutError,
 )
@@ -53,6 +56,9 @@ from sparsetier.keys import ALL_LAYERS, object_keys
 
 __all__ = [
     "ALL_LAYERS",
+    "HiCache",
+    "NotLockedError",
+    "UnknownNodeError",
     "AllocatorError",
     "BackupPlan",
     "ConfigError",

@@ -10,7 +10,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sparsetier._core import PageAllocator, Plan, PoolSpec, plan_stack
+from sparsetier._core import (
+    HiCache,
+    PageAllocator,
+    PageTransferBinding,
+    Plan,
+    PoolSpec,
+    TransferEngine,
+    plan_stack,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -29,14 +37,21 @@ class DevicePool:
 
 @dataclass
 class SparseStack:
-    """What ``build_sparse_stack`` returns: the plan, the pools of both tiers (by component)
-    and the allocators that own their pages. One page index addresses every pool of a tier."""
+    """What ``build_sparse_stack`` returns: the plan, the pools of both tiers (by component),
+    the copy engine, and the hierarchical prefix cache that owns the pages of both tiers (one
+    page index addresses every pool of a tier).
+
+    ``device_allocator`` and ``host_allocator`` are free-standing allocators of the same sizes
+    for callers that manage pages themselves instead of through ``hicache``; do not mix the
+    two on one stack."""
 
     plan: Plan
     device_pools: dict[str, torch.Tensor]
     host_pools: dict[str, torch.Tensor]
     device_allocator: PageAllocator
     host_allocator: PageAllocator
+    engine: TransferEngine
+    hicache: HiCache
     pinned: bool = field(default=False)
 
     @property
@@ -143,12 +158,34 @@ def build_sparse_stack(
         for p in plan.pools
         if p.tier == "host"
     }
+    engine = TransferEngine(plan.io_backend)
+    device_plans = {p.component: p for p in plan.pools if p.tier == "device"}
+    pairs = [
+        (
+            PageTransferBinding(device_pools[p.component], device_plans[p.component].spec),
+            PageTransferBinding(host_pools[p.component], p.spec, plan.layout),
+            p.window,
+        )
+        for p in plan.pools
+        if p.tier == "host"
+    ]
+    hicache = HiCache(
+        plan.page_size,
+        plan.device_pages,
+        host_pages=plan.host_pages,
+        device_reserve=plan.device_reserve,
+        host_reserve=plan.host_reserve,
+        pools=pairs,
+        engine=engine,
+    )
     return SparseStack(
         plan=plan,
         device_pools=device_pools,
         host_pools=host_pools,
         device_allocator=PageAllocator(plan.device_pages, plan.device_reserve),
         host_allocator=PageAllocator(plan.host_pages, plan.host_reserve),
+        engine=engine,
+        hicache=hicache,
         pinned=pin,
     )
 

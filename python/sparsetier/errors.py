@@ -169,6 +169,23 @@ class CudaError(SparsetierError, RuntimeError):
     detail: str
 
 
+class UnknownNodeError(SparsetierError, LookupError):
+    """A prefix-tree node id that is unknown or stale (split off, evicted or dropped since).
+    Attributes: ``field``, ``value``, ``allowed``."""
+
+    field: str
+    value: int
+    allowed: str
+
+
+class NotLockedError(SparsetierError, RuntimeError):
+    """``unlock`` of a node that is not locked. Attributes: ``field``, ``value``, ``allowed``."""
+
+    field: str
+    value: int
+    allowed: str
+
+
 __all__ = [
     "AllocatorError",
     "ConfigError",
@@ -179,6 +196,7 @@ __all__ = [
     "InvariantError",
     "KeyExistsError",
     "NamespaceDroppedError",
+    "NotLockedError",
     "NotResidentError",
     "OutOfPagesError",
     "OutOfRangeError",
@@ -187,6 +205,7 @@ __all__ = [
     "TransferFailedError",
     "TransferStateError",
     "UnknownHandleError",
+    "UnknownNodeError",
     "UnknownTransferError",
     "WaitTimeoutError",
 ]

@@ -172,6 +172,18 @@ fn fill(d: &Bound<'_, PyDict>, err: &Error) -> PyResult<&'static str> {
             d.set_item("detail", message)?;
             "CudaError"
         }
+        Error::UnknownNode { id } => {
+            d.set_item("field", "node")?;
+            d.set_item("value", id)?;
+            d.set_item("allowed", "a node id from this cache that is still live")?;
+            "UnknownNodeError"
+        }
+        Error::NotLocked { id } => {
+            d.set_item("field", "node")?;
+            d.set_item("value", id)?;
+            d.set_item("allowed", "a node locked by an earlier lock()")?;
+            "NotLockedError"
+        }
         Error::UnknownHandle { id } => {
             d.set_item("field", "handle")?;
             d.set_item("value", id)?;

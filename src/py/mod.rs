@@ -11,6 +11,7 @@ mod directory;
 mod error;
 mod plan;
 mod pool;
+mod radix;
 mod tensor;
 mod transfer;
 
@@ -37,6 +38,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyTransferEngine>()?;
     m.add_class::<transfer::PyTransferHandle>()?;
     m.add_function(wrap_pyfunction!(transfer::cuda_status, m)?)?;
+    m.add_class::<radix::PyHiCache>()?;
     m.add_function(wrap_pyfunction!(transfer::compile_cuda_kernels, m)?)?;
     Ok(())
 }

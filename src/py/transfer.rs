@@ -25,9 +25,9 @@ use std::time::Duration;
 /// One pool buffer (a torch tensor) as the copy engines see it.
 #[pyclass(name = "PageTransferBinding", module = "sparsetier._core", frozen)]
 pub struct PyPageTransferBinding {
-    inner: PageTransferBinding,
-    tensor: Py<PyAny>,
-    pinned: bool,
+    pub(crate) inner: PageTransferBinding,
+    pub(crate) tensor: Py<PyAny>,
+    pub(crate) pinned: bool,
 }
 
 #[pymethods]
@@ -248,15 +248,22 @@ impl PyPageTransferGroup {
 }
 
 enum Engine {
-    Cpu(CpuEngine),
-    Cuda(CudaEngine),
+    Cpu(Arc<CpuEngine>),
+    Cuda(Arc<CudaEngine>),
 }
 
 impl Engine {
     fn dyn_ref(&self) -> &dyn CopyEngine {
         match self {
-            Engine::Cpu(e) => e,
-            Engine::Cuda(e) => e,
+            Engine::Cpu(e) => e.as_ref(),
+            Engine::Cuda(e) => e.as_ref(),
+        }
+    }
+
+    fn shared(&self) -> Arc<dyn CopyEngine> {
+        match self {
+            Engine::Cpu(e) => Arc::clone(e) as Arc<dyn CopyEngine>,
+            Engine::Cuda(e) => Arc::clone(e) as Arc<dyn CopyEngine>,
         }
     }
 }
@@ -387,6 +394,16 @@ pub struct PyTransferEngine {
 }
 
 impl PyTransferEngine {
+    /// The engine, shared with a cache that submits through it.
+    pub fn shared(&self) -> Arc<dyn CopyEngine> {
+        self.inner.shared()
+    }
+
+    /// Whether the engine needs pinned host tensors (the CUDA engines).
+    pub fn needs_pinned(&self) -> bool {
+        matches!(self.inner, Engine::Cuda(_))
+    }
+
     /// Releases the tensors of finished submissions; returns how many are still in flight.
     fn prune(&self) -> usize {
         let mut keep = self.keepalive.lock();
@@ -423,7 +440,7 @@ impl PyTransferEngine {
                 let t = opt_int(threads, "threads")?.unwrap_or(2);
                 let t = usize::try_from(t)
                     .map_err(|_| to_py(py, Error::config("threads", t, "1 <= threads <= 256")))?;
-                Engine::Cpu(CpuEngine::new(t).py_err(py)?)
+                Engine::Cpu(Arc::new(CpuEngine::new(t).py_err(py)?))
             }
             crate::config::IoBackend::Kernel => {
                 let s = opt_int(sm_limit, "sm_limit")?.unwrap_or(8);
@@ -431,15 +448,15 @@ impl PyTransferEngine {
                     .ok()
                     .filter(|&s| s >= 1)
                     .ok_or_else(|| to_py(py, Error::config("sm_limit", s, "an integer >= 1")))?;
-                Engine::Cuda(
+                Engine::Cuda(Arc::new(
                     py.detach(|| CudaEngine::new(device, CudaMode::Kernel { sm_limit: s }))
                         .py_err(py)?,
-                )
+                ))
             }
-            crate::config::IoBackend::Direct => Engine::Cuda(
+            crate::config::IoBackend::Direct => Engine::Cuda(Arc::new(
                 py.detach(|| CudaEngine::new(device, CudaMode::Direct { per_segment }))
                     .py_err(py)?,
-            ),
+            )),
         };
         Ok(PyTransferEngine {
             inner,

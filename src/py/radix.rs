@@ -1,0 +1,403 @@
+//! `sparsetier.HiCache`: the hierarchical prefix cache from Python.
+//!
+//! Tokens cross as one int array per call (numpy, torch or list), page ids come back as numpy
+//! int64 arrays, node ids as ints (stale ids raise instead of aliasing). The cache keeps the
+//! pool tensors alive and, when dropped, waits for its transfers before letting them go.
+
+use crate::config::HitPolicy;
+use crate::error::Error;
+use crate::ids::PageId;
+use crate::py::alloc::{page_array, page_ids};
+use crate::py::args::{int, opt_int};
+use crate::py::error::{to_py, IntoPyResult};
+use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
+use crate::radix::{HiCache, HiCacheConfig, NodeId, PoolPair};
+use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::time::Duration;
+
+fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let py = obj.py();
+    let arr: PyReadonlyArray1<'_, i64> = match obj.extract() {
+        Ok(a) => a,
+        Err(_) => py
+            .import("numpy")?
+            .call_method1("asarray", (obj, "int64"))
+            .and_then(|a| a.extract())
+            .map_err(|_| {
+                to_py(
+                    py,
+                    Error::config(
+                        "tokens",
+                        "<not a 1-D integer array>",
+                        "a 1-D array of token ids",
+                    ),
+                )
+            })?,
+    };
+    if arr.ndim() != 1 {
+        return Err(to_py(
+            py,
+            Error::config("tokens", format!("{} dims", arr.ndim()), "a 1-D array"),
+        ));
+    }
+    arr.as_array()
+        .iter()
+        .map(|&t| {
+            u32::try_from(t).map_err(|_| {
+                to_py(
+                    py,
+                    Error::out_of_range("tokens", t, 0, i128::from(u32::MAX) + 1),
+                )
+            })
+        })
+        .collect()
+}
+
+fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<u32> {
+    match opt_int(obj, "namespace")? {
+        None => Ok(0),
+        Some(v) => u32::try_from(v).map_err(|_| {
+            Python::attach(|py| {
+                to_py(
+                    py,
+                    Error::out_of_range("namespace", v, 0, i128::from(u32::MAX) + 1),
+                )
+            })
+        }),
+    }
+}
+
+fn node(obj: &Bound<'_, PyAny>) -> PyResult<NodeId> {
+    let v = int(obj, "node")?;
+    u64::try_from(v)
+        .map(NodeId::from_raw)
+        .map_err(|_| to_py(obj.py(), Error::UnknownNode { id: v as u64 }))
+}
+
+/// One pool as the constructor takes it: (device binding, host binding, SWA window).
+type PoolArg<'py> = (
+    PyRef<'py, PyPageTransferBinding>,
+    PyRef<'py, PyPageTransferBinding>,
+    Option<u32>,
+);
+
+/// The hierarchical prefix cache.
+#[pyclass(name = "HiCache", module = "sparsetier._core")]
+pub struct PyHiCache {
+    inner: Mutex<HiCache>,
+    _tensors: Vec<Py<PyAny>>,
+}
+
+impl Drop for PyHiCache {
+    fn drop(&mut self) {
+        // The engine may still write our tensors: wait before they are released.
+        let _ = self.inner.get_mut().drain();
+    }
+}
+
+#[pymethods]
+impl PyHiCache {
+    /// A cache of `device_pages` (and `host_pages`) pages of `page_size` tokens. With `pools`
+    /// (a list of `(device_binding, host_binding, window)`, window None but for SWA) and an
+    /// `engine`, pages move between the tiers; without, it is a device-only prefix cache.
+    #[new]
+    #[pyo3(
+        signature = (page_size, device_pages, *, host_pages=None, device_reserve=None, host_reserve=None, pools=None, engine=None, drop_unbacked=false),
+        text_signature = "(page_size, device_pages, *, host_pages=0, device_reserve=0, host_reserve=0, pools=None, engine=None, drop_unbacked=False)"
+    )]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        page_size: &Bound<'_, PyAny>,
+        device_pages: &Bound<'_, PyAny>,
+        host_pages: Option<&Bound<'_, PyAny>>,
+        device_reserve: Option<&Bound<'_, PyAny>>,
+        host_reserve: Option<&Bound<'_, PyAny>>,
+        pools: Option<Vec<PoolArg<'_>>>,
+        engine: Option<PyRef<'_, PyTransferEngine>>,
+        drop_unbacked: bool,
+    ) -> PyResult<Self> {
+        use crate::config::{non_negative_u32, positive_u32};
+        let cfg = HiCacheConfig {
+            page_size: positive_u32("page_size", int(page_size, "page_size")?).py_err(py)? as usize,
+            device_pages: positive_u32("device_pages", int(device_pages, "device_pages")?)
+                .py_err(py)?,
+            device_reserve: non_negative_u32(
+                "device_reserve",
+                opt_int(device_reserve, "device_reserve")?.unwrap_or(0),
+            )
+            .py_err(py)?,
+            host_pages: non_negative_u32(
+                "host_pages",
+                opt_int(host_pages, "host_pages")?.unwrap_or(0),
+            )
+            .py_err(py)?,
+            host_reserve: non_negative_u32(
+                "host_reserve",
+                opt_int(host_reserve, "host_reserve")?.unwrap_or(0),
+            )
+            .py_err(py)?,
+            drop_unbacked,
+        };
+        let mut pairs = Vec::new();
+        let mut tensors = Vec::new();
+        for (i, (d, h, window)) in pools.unwrap_or_default().iter().enumerate() {
+            if d.inner.kind() != crate::transfer::MemoryKind::Device
+                && engine.as_ref().is_some_and(|e| e.needs_pinned())
+            {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        format!("pools[{i}][0]"),
+                        "a host tensor",
+                        "a cuda tensor for the kernel and direct engines",
+                    ),
+                ));
+            }
+            if engine.as_ref().is_some_and(|e| e.needs_pinned()) && !h.pinned {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        format!("pools[{i}][1]"),
+                        "a pageable host tensor",
+                        "a pinned host tensor (tensor.pin_memory())",
+                    ),
+                ));
+            }
+            let hit = match window {
+                None => HitPolicy::AllPages,
+                Some(0) => {
+                    return Err(to_py(
+                        py,
+                        Error::config(
+                            format!("pools[{i}][2]"),
+                            0,
+                            "None or a window of >= 1 tokens",
+                        ),
+                    ))
+                }
+                Some(w) => HitPolicy::Window(*w),
+            };
+            pairs.push(PoolPair {
+                device: d.inner.clone(),
+                host: h.inner.clone(),
+                hit,
+            });
+            tensors.push(d.tensor.clone_ref(py));
+            tensors.push(h.tensor.clone_ref(py));
+        }
+        let engine = engine.map(|e| e.shared());
+        let inner = HiCache::new(cfg, pairs, engine).py_err(py)?;
+        Ok(PyHiCache {
+            inner: Mutex::new(inner),
+            _tensors: tensors,
+        })
+    }
+
+    /// The longest cached prefix: `{"device_len", "host_len", "device_pages", "device_node",
+    /// "last_node"}`. Lock `device_node` to keep the device pages; `load_back(last_node)`
+    /// restores the host part.
+    #[pyo3(signature = (tokens, namespace=None))]
+    fn match_prefix<'py>(
+        &self,
+        tokens: &Bound<'py, PyAny>,
+        namespace: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let py = tokens.py();
+        let t = self::tokens(tokens)?;
+        let ns = self::namespace(namespace)?;
+        let m = self.inner.lock().match_prefix(ns, &t);
+        let d = PyDict::new(py);
+        d.set_item("device_len", m.device_len)?;
+        d.set_item("host_len", m.host_len)?;
+        d.set_item("device_pages", page_array(py, &m.device_pages))?;
+        d.set_item("device_node", m.device_node.raw())?;
+        d.set_item("last_node", m.last_node.raw())?;
+        Ok(d)
+    }
+
+    /// Inserts `tokens` with one device page per whole page (fresh pages from
+    /// `alloc_device`, or the matched path's own pages for the prefix). Duplicates are freed
+    /// here; write-through backups are queued. Returns `{"prefix_len", "duplicates",
+    /// "last_node"}`.
+    #[pyo3(signature = (tokens, device_pages, namespace=None))]
+    fn insert<'py>(
+        &self,
+        tokens: &Bound<'py, PyAny>,
+        device_pages: &Bound<'py, PyAny>,
+        namespace: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let py = tokens.py();
+        let t = self::tokens(tokens)?;
+        let pages = page_ids(device_pages, "device_pages")?;
+        let ns = self::namespace(namespace)?;
+        let r = self.inner.lock().insert(ns, &t, &pages).py_err(py)?;
+        let d = PyDict::new(py);
+        d.set_item("prefix_len", r.prefix_len)?;
+        d.set_item("duplicates", page_array(py, &r.duplicates))?;
+        d.set_item("last_node", r.last_node.raw())?;
+        Ok(d)
+    }
+
+    /// `n` device pages for a request (evicting LRU device leaves if needed), all or nothing.
+    fn alloc_device<'py>(&self, n: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let py = n.py();
+        let v = int(n, "n")?;
+        let n =
+            usize::try_from(v).map_err(|_| to_py(py, Error::config("n", v, "an integer >= 0")))?;
+        let pages = self.inner.lock().alloc_device(n).py_err(py)?;
+        Ok(page_array(py, &pages))
+    }
+
+    /// Returns pages from `alloc_device` that were not inserted.
+    fn free_device(&self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
+        let p: Vec<PageId> = page_ids(pages, "pages")?;
+        self.inner.lock().free_device(&p).py_err(pages.py())
+    }
+
+    /// Locks the path from the root to `node`: none of it is evicted until `unlock`.
+    fn lock(&self, node: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = self::node(node)?;
+        self.inner.lock().lock(id).py_err(node.py())
+    }
+
+    /// Undoes one `lock`.
+    fn unlock(&self, node: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = self::node(node)?;
+        self.inner.lock().unlock(id).py_err(node.py())
+    }
+
+    /// Device pages of the path to `node`.
+    fn path_device_pages<'py>(
+        &self,
+        node: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let id = self::node(node)?;
+        let p = self
+            .inner
+            .lock()
+            .tree()
+            .path_device_pages(id)
+            .py_err(node.py())?;
+        Ok(page_array(node.py(), &p))
+    }
+
+    /// Evicts at least `n` device pages (LRU leaves; backed-up nodes keep their host copy).
+    fn evict_device(&self, n: usize) -> usize {
+        self.inner.lock().evict_device(n)
+    }
+
+    /// Evicts at least `n` host pages of nodes no longer on the device and not locked.
+    fn evict_host(&self, n: usize) -> usize {
+        self.inner.lock().evict_host(n)
+    }
+
+    /// Queues a restore of the host part of the prefix ending at `node` into fresh device pages
+    /// of every pool. Returns `{"transfer_id", "tokens", "joined"}`, or None when device pages
+    /// cannot be found even after eviction (nothing is half-restored: recompute instead).
+    fn load_back<'py>(&self, node: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let py = node.py();
+        let id = self::node(node)?;
+        let Some(lb) = self.inner.lock().load_back(id).py_err(py)? else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("transfer_id", lb.transfer)?;
+        d.set_item("tokens", lb.tokens)?;
+        d.set_item("joined", lb.joined)?;
+        Ok(Some(d))
+    }
+
+    /// Submits this step's queued backups and loads (at most one transfer each); returns their
+    /// ids.
+    fn flush(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        self.inner.lock().flush().py_err(py)
+    }
+
+    /// Settles finished transfers; returns how many.
+    fn poll(&self, py: Python<'_>) -> PyResult<usize> {
+        self.inner.lock().poll().py_err(py)
+    }
+
+    /// Waits (GIL released) until every submitted transfer has finished, and settles them.
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.lock().drain()).py_err(py)
+    }
+
+    /// Waits (GIL released) for `layer` (or all layers) of submitted transfer `transfer_id`;
+    /// raises CopyFailedError if it failed. A transfer already settled returns at once.
+    #[pyo3(signature = (transfer_id, layer=None, timeout=None))]
+    fn wait(
+        &self,
+        py: Python<'_>,
+        transfer_id: u64,
+        layer: Option<usize>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let Some(ev) = self.inner.lock().events(transfer_id) else {
+            return Ok(());
+        };
+        let t = match timeout {
+            Some(s) if s.is_finite() && s >= 0.0 => Some(Duration::from_secs_f64(s)),
+            Some(s) => {
+                return Err(to_py(
+                    py,
+                    Error::config("timeout", s, "None or seconds >= 0"),
+                ))
+            }
+            None => None,
+        };
+        py.detach(|| match layer {
+            None => ev.wait_all(t),
+            Some(l) => ev.wait_layer(l, t),
+        })
+        .py_err(py)
+    }
+
+    /// Counts: pages per tier, tree size, transfers in flight, and cumulative totals.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c = self.inner.lock();
+        let d = PyDict::new(py);
+        let (hf, hc) = c.host_free_capacity();
+        d.set_item("device_capacity", c.device_capacity())?;
+        d.set_item("device_free", c.device_free())?;
+        d.set_item("device_in_tree", c.tree().device_pages())?;
+        d.set_item("device_outstanding", c.outstanding())?;
+        d.set_item("device_evictable", c.tree().evictable_device_pages())?;
+        d.set_item("host_capacity", hc)?;
+        d.set_item("host_free", hf)?;
+        d.set_item("host_in_tree", c.tree().host_pages())?;
+        d.set_item("nodes", c.tree().node_count())?;
+        d.set_item("in_flight", c.in_flight())?;
+        let t = c.totals();
+        let totals = PyDict::new(py);
+        macro_rules! put {
+            ($($f:ident),*) => { $( totals.set_item(stringify!($f), t.$f)?; )* };
+        }
+        put!(
+            matches,
+            device_hit_tokens,
+            host_hit_tokens,
+            match_tokens,
+            pages_backed_up,
+            backups_skipped,
+            pages_loaded,
+            loads_refused,
+            failed_transfers,
+            device_evicted,
+            host_evicted
+        );
+        d.set_item("totals", totals)?;
+        Ok(d)
+    }
+
+    /// Raises InvariantError if the tree or page conservation is broken.
+    fn validate(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner.lock().validate().map_err(|why| {
+            crate::py::error::typed_error(py, "InvariantError", why, &PyDict::new(py))
+        })
+    }
+}

@@ -1,0 +1,604 @@
+//! `HiCache`: the prefix tree driven over a device and a host tier.
+//!
+//! # What it owns
+//! The tree, the page allocators of both tiers (one page index addresses every pool of the
+//! group on a tier), the pool bindings, the copy engine, and the transfers in flight.
+//!
+//! # Workflow
+//! - `alloc_device` hands pages to a request (evicting LRU device leaves if needed);
+//! - `insert` puts the request's pages in the tree, frees duplicates, and queues a
+//!   write-through backup of every device node without a host copy;
+//! - `match_prefix` returns the device part and the host part of a cached prefix;
+//!   `load_back` queues a restore of the host part into fresh device pages of every pool
+//!   (KV, Indexer-K and draft: every page; SWA: the pages of its window), all or nothing;
+//! - `flush` submits everything queued in this scheduling step as at most two transfers, one
+//!   backup group and one load group, each with one event per layer;
+//! - `poll` settles finished transfers: host copies become hit sources, loaded pages become
+//!   readable; a failed copy's pages are freed only then, when it can no longer write them.
+
+use super::tree::{InsertResult, MatchResult, NodeId, RadixTree};
+use crate::alloc::PageAllocator;
+use crate::config::HitPolicy;
+use crate::error::{Error, Result};
+use crate::ids::PageId;
+use crate::transfer::{
+    CopyEngine, Direction, Granularity, LayerStatus, PageTransferBinding, PageTransferGroup,
+    PageTransferMap, PreparedPageTransfer, TransferEvents,
+};
+use rustc_hash::FxHashMap;
+use std::sync::Arc;
+
+/// One pool of the group on both tiers.
+#[derive(Debug, Clone)]
+pub struct PoolPair {
+    /// The device buffer (layer-first).
+    pub device: PageTransferBinding,
+    /// The host buffer.
+    pub host: PageTransferBinding,
+    /// ALL_PAGES, or WINDOW(w) for SWA.
+    pub hit: HitPolicy,
+}
+
+/// Sizes and policy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HiCacheConfig {
+    /// Tokens per page.
+    pub page_size: usize,
+    /// Device pages (reserve included).
+    pub device_pages: u32,
+    /// Device pages never handed out.
+    pub device_reserve: u32,
+    /// Host pages (reserve included); 0 for a device-only cache.
+    pub host_pages: u32,
+    /// Host pages never handed out.
+    pub host_reserve: u32,
+    /// Evicting a device node that has no host copy drops it (else it is skipped until its
+    /// backup completes).
+    pub drop_unbacked: bool,
+}
+
+/// A planned load-back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoadBack {
+    /// The load transfer these pages are in (submitted at the next `flush`); `None` when
+    /// nothing needed loading.
+    pub transfer: Option<u64>,
+    /// Tokens restored or being restored by this and joined transfers.
+    pub tokens: usize,
+    /// Loads already in flight that cover part of the prefix.
+    pub joined: Vec<u64>,
+}
+
+#[derive(Debug)]
+struct Pending {
+    id: u64,
+    /// (host page, device page) per page; the SWA subset separately.
+    pairs: Vec<(u32, u32)>,
+    window_pairs: Vec<(u32, u32)>,
+}
+
+#[derive(Debug)]
+struct InFlight {
+    load: bool,
+    events: Option<Arc<TransferEvents>>,
+}
+
+/// Cumulative counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheTotals {
+    /// Matches.
+    pub matches: u64,
+    /// Tokens matched on the device.
+    pub device_hit_tokens: u64,
+    /// Tokens matched on host only.
+    pub host_hit_tokens: u64,
+    /// Tokens asked for in matches.
+    pub match_tokens: u64,
+    /// Pages backed up.
+    pub pages_backed_up: u64,
+    /// Backups not made for lack of host pages.
+    pub backups_skipped: u64,
+    /// Pages loaded back.
+    pub pages_loaded: u64,
+    /// Load-backs refused for lack of device pages (the request recomputes).
+    pub loads_refused: u64,
+    /// Transfers that failed.
+    pub failed_transfers: u64,
+    /// Device pages evicted.
+    pub device_evicted: u64,
+    /// Host pages evicted.
+    pub host_evicted: u64,
+}
+
+/// The hierarchical prefix cache.
+pub struct HiCache {
+    tree: RadixTree,
+    device: PageAllocator,
+    host: Option<PageAllocator>,
+    pools: Vec<PoolPair>,
+    engine: Option<Arc<dyn CopyEngine>>,
+    drop_unbacked: bool,
+    pending_backup: Option<Pending>,
+    pending_load: Option<Pending>,
+    inflight: FxHashMap<u64, InFlight>,
+    next_transfer: u64,
+    outstanding: usize,
+    totals: CacheTotals,
+}
+
+impl HiCache {
+    /// A cache over `pools` moved by `engine`. With no pools (and no engine) it is a
+    /// device-only prefix cache.
+    pub fn new(
+        cfg: HiCacheConfig,
+        pools: Vec<PoolPair>,
+        engine: Option<Arc<dyn CopyEngine>>,
+    ) -> Result<Self> {
+        let tree = RadixTree::new(cfg.page_size)?;
+        let device = PageAllocator::new(cfg.device_pages, cfg.device_reserve)?;
+        let host = if cfg.host_pages > 0 {
+            Some(PageAllocator::new(cfg.host_pages, cfg.host_reserve)?)
+        } else {
+            None
+        };
+        if !pools.is_empty() && (engine.is_none() || host.is_none()) {
+            return Err(Error::config(
+                "engine",
+                "None",
+                "a copy engine and host pages when pools are given",
+            ));
+        }
+        for (i, p) in pools.iter().enumerate() {
+            if p.device.page_size() as usize != cfg.page_size
+                || p.host.page_size() as usize != cfg.page_size
+            {
+                return Err(Error::config(
+                    format!("pools[{i}].page_size"),
+                    p.device.page_size(),
+                    format!("{}", cfg.page_size),
+                ));
+            }
+            if p.device.pages() != cfg.device_pages || p.host.pages() != cfg.host_pages {
+                return Err(Error::config(
+                    format!("pools[{i}].pages"),
+                    format!("{}/{}", p.device.pages(), p.host.pages()),
+                    format!(
+                        "{}/{}: the group's device/host page counts",
+                        cfg.device_pages, cfg.host_pages
+                    ),
+                ));
+            }
+        }
+        Ok(HiCache {
+            tree,
+            device,
+            host,
+            pools,
+            engine,
+            drop_unbacked: cfg.drop_unbacked,
+            pending_backup: None,
+            pending_load: None,
+            inflight: FxHashMap::default(),
+            next_transfer: 1,
+            outstanding: 0,
+            totals: CacheTotals::default(),
+        })
+    }
+
+    /// The tree, for inspection.
+    pub fn tree(&self) -> &RadixTree {
+        &self.tree
+    }
+
+    /// Counters.
+    pub fn totals(&self) -> CacheTotals {
+        self.totals
+    }
+
+    /// Device pages free now.
+    pub fn device_free(&self) -> usize {
+        self.device.free_count()
+    }
+
+    /// Usable device pages.
+    pub fn device_capacity(&self) -> usize {
+        self.device.capacity()
+    }
+
+    /// (free, capacity) of the host tier.
+    pub fn host_free_capacity(&self) -> (usize, usize) {
+        self.host
+            .as_ref()
+            .map_or((0, 0), |h| (h.free_count(), h.capacity()))
+    }
+
+    /// Transfers submitted and not yet settled.
+    pub fn in_flight(&self) -> usize {
+        self.inflight.len()
+    }
+
+    /// Device pages handed to callers and not yet inserted or freed.
+    pub fn outstanding(&self) -> usize {
+        self.outstanding
+    }
+
+    /// `n` device pages for a request, evicting LRU device leaves if needed; all or nothing.
+    pub fn alloc_device(&mut self, n: usize) -> Result<Vec<PageId>> {
+        if self.device.free_count() < n {
+            self.evict_device(n - self.device.free_count());
+        }
+        let pages = self.device.alloc(n)?;
+        self.outstanding += n;
+        Ok(pages)
+    }
+
+    /// Returns pages from `alloc_device` that were not inserted.
+    pub fn free_device(&mut self, pages: &[PageId]) -> Result<()> {
+        if pages.len() > self.outstanding {
+            return Err(Error::config(
+                "pages",
+                pages.len(),
+                format!(
+                    "at most the {} pages handed out and not inserted",
+                    self.outstanding
+                ),
+            ));
+        }
+        self.device.free(pages)?;
+        self.outstanding -= pages.len();
+        Ok(())
+    }
+
+    /// Evicts at least `n` device pages if it can; returns how many.
+    pub fn evict_device(&mut self, n: usize) -> usize {
+        let freed = self.tree.evict_device(n, self.drop_unbacked);
+        self.device.free(&freed).expect("tree pages are allocated");
+        self.totals.device_evicted += freed.len() as u64;
+        freed.len()
+    }
+
+    /// Evicts at least `n` host pages if it can; returns how many.
+    pub fn evict_host(&mut self, n: usize) -> usize {
+        let freed = self.tree.evict_host(n);
+        if let Some(h) = self.host.as_mut() {
+            h.free(&freed).expect("tree pages are allocated");
+        }
+        self.totals.host_evicted += freed.len() as u64;
+        freed.len()
+    }
+
+    /// The longest cached prefix of `tokens`.
+    pub fn match_prefix(&mut self, ns: u32, tokens: &[u32]) -> MatchResult {
+        let m = self.tree.match_prefix(ns, tokens);
+        self.totals.matches += 1;
+        self.totals.match_tokens += tokens.len() as u64;
+        self.totals.device_hit_tokens += m.device_len as u64;
+        self.totals.host_hit_tokens += m.host_len as u64;
+        m
+    }
+
+    /// Inserts a request's tokens with its device pages (from `alloc_device`); frees the
+    /// duplicates and queues the write-through backup.
+    pub fn insert(&mut self, ns: u32, tokens: &[u32], pages: &[PageId]) -> Result<InsertResult> {
+        if let Some(p) = pages.iter().find(|p| !self.device.is_allocated(**p)) {
+            return Err(Error::config(
+                "device_pages",
+                p.raw(),
+                "pages from alloc_device (or the matched path's own pages)",
+            ));
+        }
+        let r = self.tree.insert(ns, tokens, pages)?;
+        self.outstanding = self.outstanding.saturating_sub(pages.len() - r.own);
+        self.device
+            .free(&r.duplicates)
+            .expect("duplicates were allocated");
+        if !self.pools.is_empty() {
+            for &node in &r.needs_backup {
+                self.queue_backup(node)?;
+            }
+        }
+        Ok(r)
+    }
+
+    fn queue_backup(&mut self, node: NodeId) -> Result<()> {
+        let n = self.tree.node_pages(node)?;
+        let host = self.host.as_mut().expect("pools imply a host tier");
+        if host.free_count() < n {
+            let short = n - host.free_count();
+            let freed = self.tree.evict_host(short);
+            let host = self.host.as_mut().expect("checked");
+            host.free(&freed).expect("tree pages are allocated");
+            self.totals.host_evicted += freed.len() as u64;
+        }
+        let host = self.host.as_mut().expect("checked");
+        let Ok(hpages) = host.alloc(n) else {
+            self.totals.backups_skipped += 1;
+            return Ok(());
+        };
+        let id = match &self.pending_backup {
+            Some(p) => p.id,
+            None => {
+                let id = self.next_transfer;
+                self.next_transfer += 1;
+                self.pending_backup = Some(Pending {
+                    id,
+                    pairs: Vec::new(),
+                    window_pairs: Vec::new(),
+                });
+                id
+            }
+        };
+        let dev = self.tree.device_pages_of(node)?.to_vec();
+        let p = self.pending_backup.as_mut().expect("just set");
+        p.pairs
+            .extend(dev.iter().zip(&hpages).map(|(d, h)| (d.raw(), h.raw())));
+        self.tree.begin_backup(node, hpages, id)?;
+        self.totals.pages_backed_up += n as u64;
+        Ok(())
+    }
+
+    /// Queues a restore of the host part of the prefix ending at `node` into fresh device
+    /// pages of every pool. All or nothing: `Ok(None)` when device pages cannot be found even
+    /// after eviction (the request recomputes instead).
+    pub fn load_back(&mut self, node: NodeId) -> Result<Option<LoadBack>> {
+        if self.pools.is_empty() {
+            return Err(Error::config(
+                "pools",
+                "none",
+                "a HiCache with host pools (load_back moves pages)",
+            ));
+        }
+        let (todo, joined) = self.tree.restorable(node)?;
+        let need: usize = todo
+            .iter()
+            .map(|&n| self.tree.node_pages(n))
+            .sum::<Result<usize>>()?;
+        let joined_tokens: usize = joined
+            .iter()
+            .map(|&(n, _)| self.tree.node_pages(n))
+            .sum::<Result<usize>>()?
+            * self.tree.page_size();
+        // Keep the prefix from eviction while we make room for it.
+        self.tree.lock(node)?;
+        let got = self.alloc_device(need);
+        self.tree.unlock(node)?;
+        let pages = match got {
+            Ok(p) => p,
+            Err(Error::OutOfPages { .. }) => {
+                self.totals.loads_refused += 1;
+                return Ok(None);
+            }
+            Err(e) => return Err(e),
+        };
+        self.outstanding -= pages.len(); // owned by the tree from here on
+        let mut joined_ids: Vec<u64> = joined.iter().map(|&(_, t)| t).collect();
+        joined_ids.dedup();
+        if todo.is_empty() {
+            return Ok(Some(LoadBack {
+                transfer: None,
+                tokens: joined_tokens,
+                joined: joined_ids,
+            }));
+        }
+        let id = match &self.pending_load {
+            Some(p) => p.id,
+            None => {
+                let id = self.next_transfer;
+                self.next_transfer += 1;
+                self.pending_load = Some(Pending {
+                    id,
+                    pairs: Vec::new(),
+                    window_pairs: Vec::new(),
+                });
+                id
+            }
+        };
+        let ps = self.tree.page_size();
+        let end = self.tree.depth_tokens(node)?;
+        let window = self
+            .pools
+            .iter()
+            .filter_map(|p| match p.hit {
+                HitPolicy::Window(w) => Some(w as usize),
+                HitPolicy::AllPages => None,
+            })
+            .max();
+        let mut at = 0;
+        let mut tokens = joined_tokens;
+        for &n in &todo {
+            let k = self.tree.node_pages(n)?;
+            let start = self.tree.depth_tokens(n)? - k * ps;
+            let host = self.tree.host_pages_of(n)?.to_vec();
+            let dev = pages[at..at + k].to_vec();
+            let p = self.pending_load.as_mut().expect("set above");
+            for (i, (h, d)) in host.iter().zip(&dev).enumerate() {
+                p.pairs.push((h.raw(), d.raw()));
+                let page_end = start + (i + 1) * ps;
+                if window.is_some_and(|w| page_end + w > end) {
+                    p.window_pairs.push((h.raw(), d.raw()));
+                }
+            }
+            self.tree.begin_load(n, dev, id)?;
+            at += k;
+            tokens += k * ps;
+        }
+        self.totals.pages_loaded += need as u64;
+        Ok(Some(LoadBack {
+            transfer: Some(id),
+            tokens,
+            joined: joined_ids,
+        }))
+    }
+
+    fn group(&self, p: &Pending, load: bool) -> Result<Option<PageTransferGroup>> {
+        let mut members = Vec::new();
+        for pool in &self.pools {
+            let pairs = match pool.hit {
+                HitPolicy::AllPages => &p.pairs,
+                HitPolicy::Window(_) if load => &p.window_pairs,
+                HitPolicy::Window(_) => &p.pairs,
+            };
+            if pairs.is_empty() {
+                continue;
+            }
+            let (src, dst): (Vec<u64>, Vec<u64>) = if load {
+                pairs
+                    .iter()
+                    .map(|&(h, d)| (u64::from(h), u64::from(d)))
+                    .unzip()
+            } else {
+                pairs
+                    .iter()
+                    .map(|&(d, h)| (u64::from(d), u64::from(h)))
+                    .unzip()
+            };
+            let map = PageTransferMap::new(Granularity::Page, &src, &dst)?;
+            let (s, d) = if load {
+                (&pool.host, &pool.device)
+            } else {
+                (&pool.device, &pool.host)
+            };
+            members.push(PreparedPageTransfer::new(
+                s.clone(),
+                d.clone(),
+                map,
+                if load {
+                    Direction::Load
+                } else {
+                    Direction::Backup
+                },
+            )?);
+        }
+        if members.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(PageTransferGroup::new(members)?))
+    }
+
+    /// Submits the step's queued backups and loads: at most one transfer each. Returns the
+    /// ids submitted.
+    pub fn flush(&mut self) -> Result<Vec<u64>> {
+        let mut ids = Vec::new();
+        for load in [true, false] {
+            let pending = if load {
+                self.pending_load.take()
+            } else {
+                self.pending_backup.take()
+            };
+            let Some(p) = pending else { continue };
+            let submitted = self.group(&p, load).and_then(|g| match g {
+                Some(g) => {
+                    let engine = self.engine.as_ref().expect("pools imply an engine");
+                    engine.submit(Arc::new(g), None).map(Some)
+                }
+                None => Ok(None),
+            });
+            match submitted {
+                Ok(events) => {
+                    self.inflight.insert(p.id, InFlight { load, events });
+                    ids.push(p.id);
+                }
+                Err(e) => {
+                    // Nothing was submitted, so nothing writes the pages: undo at once.
+                    self.settle(p.id, load, false)?;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// The per-layer events of submitted transfer `id`.
+    pub fn events(&self, id: u64) -> Option<Arc<TransferEvents>> {
+        self.inflight.get(&id).and_then(|f| f.events.clone())
+    }
+
+    /// Settles every finished transfer; returns how many.
+    pub fn poll(&mut self) -> Result<usize> {
+        let done: Vec<(u64, bool, bool)> = self
+            .inflight
+            .iter()
+            .filter(|(_, f)| f.events.as_ref().is_none_or(|e| e.is_finished()))
+            .map(|(&id, f)| {
+                let ok = f.events.as_ref().is_none_or(|e| {
+                    e.layers()
+                        .iter()
+                        .all(|&l| e.status(l).map(|s| s == LayerStatus::Done).unwrap_or(false))
+                });
+                (id, f.load, ok)
+            })
+            .collect();
+        for &(id, load, ok) in &done {
+            self.settle(id, load, ok)?;
+        }
+        Ok(done.len())
+    }
+
+    /// Settles transfer `id` as finished; its copies can no longer write, so failed pages are
+    /// freed now.
+    fn settle(&mut self, id: u64, load: bool, ok: bool) -> Result<()> {
+        self.inflight.remove(&id);
+        if !ok {
+            self.totals.failed_transfers += 1;
+        }
+        for node in self.tree.nodes_of_transfer(id) {
+            if load {
+                let freed = self.tree.finish_load(node, id, ok)?;
+                self.device
+                    .free(&freed)
+                    .expect("loading pages are allocated");
+            } else {
+                let freed = self.tree.finish_backup(node, id, ok)?;
+                if let Some(h) = self.host.as_mut() {
+                    h.free(&freed).expect("writing pages are allocated");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks until every submitted transfer has finished, then settles them all.
+    pub fn drain(&mut self) -> Result<()> {
+        for f in self.inflight.values() {
+            if let Some(e) = &f.events {
+                let _ = e.wait_all(None);
+            }
+        }
+        self.poll().map(|_| ())
+    }
+
+    /// Locks the path to `node`.
+    pub fn lock(&mut self, node: NodeId) -> Result<()> {
+        self.tree.lock(node)
+    }
+
+    /// Unlocks the path to `node`.
+    pub fn unlock(&mut self, node: NodeId) -> Result<()> {
+        self.tree.unlock(node)
+    }
+
+    /// Checks the tree and page conservation on both tiers.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        self.tree.validate()?;
+        self.device.validate()?;
+        if self.device.used_count() != self.tree.device_pages() + self.outstanding {
+            return Err(format!(
+                "device: used {} != tree {} + outstanding {}",
+                self.device.used_count(),
+                self.tree.device_pages(),
+                self.outstanding
+            ));
+        }
+        if let Some(h) = &self.host {
+            h.validate()?;
+            if h.used_count() != self.tree.host_pages() {
+                return Err(format!(
+                    "host: used {} != tree {}",
+                    h.used_count(),
+                    self.tree.host_pages()
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,829 @@
+//! The prefix tree: a radix tree over token ids at page granularity, one root per namespace
+//! (model version), whose nodes hold device pages and/or host pages.
+//!
+//! # Invariants (checked by [`RadixTree::validate`])
+//! - every key is a whole number of pages; a node's page vectors are one entry per key page;
+//! - a node on the device has a parent on the device (device residency is prefix-closed), so
+//!   a match returns its device part first and its host part after;
+//! - `device_children` counts the children with device pages;
+//! - a node is in the device LRU set iff it is device-evictable (device pages, not loading,
+//!   unlocked, no child on the device) and in the host LRU set iff host-evictable (host copy
+//!   Ready, no device pages, unlocked, no children): locked nodes are never evicted;
+//! - lock counts equal the number of outstanding locks whose path passes through the node.
+//!
+//! The tree owns no pages: it hands page ids back (evicted, duplicate) and the cache above it
+//! returns them to the allocators.
+
+use crate::error::{Error, Result};
+use crate::ids::PageId;
+use rustc_hash::FxHashMap;
+use slab::Slab;
+use std::collections::BTreeSet;
+
+const NIL: usize = usize::MAX;
+
+/// A node id as handed out: slab index and generation, so a stale id misses instead of
+/// aliasing the node that reused the slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NodeId(u64);
+
+impl NodeId {
+    fn new(idx: usize, gen: u32) -> Self {
+        NodeId((u64::from(gen) << 32) | idx as u64)
+    }
+    fn idx(self) -> usize {
+        (self.0 & 0xFFFF_FFFF) as usize
+    }
+    fn gen(self) -> u32 {
+        (self.0 >> 32) as u32
+    }
+    /// The raw id.
+    pub const fn raw(self) -> u64 {
+        self.0
+    }
+    /// From a raw id.
+    pub const fn from_raw(raw: u64) -> Self {
+        NodeId(raw)
+    }
+}
+
+/// The host copy of a node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostCopy {
+    /// None.
+    None,
+    /// A backup (transfer `u64`) is writing it: not yet a hit source.
+    Writing(u64),
+    /// Complete.
+    Ready,
+}
+
+#[derive(Debug)]
+struct Node {
+    gen: u32,
+    parent: usize,
+    key: Vec<u32>,
+    /// Device pages, one per key page; empty when not on the device.
+    device: Vec<PageId>,
+    /// A load-back (transfer id) is writing `device`: not readable yet.
+    loading: Option<u64>,
+    /// Host pages, one per key page; empty when `host` is `None`.
+    host_pages: Vec<PageId>,
+    host: HostCopy,
+    lock_ref: u32,
+    hits: u64,
+    stamp: u64,
+    children: FxHashMap<Box<[u32]>, usize>,
+    device_children: u32,
+    /// Stamps under which the node sits in the LRU sets, if it does.
+    in_device_lru: Option<u64>,
+    in_host_lru: Option<u64>,
+}
+
+impl Node {
+    fn on_device(&self) -> bool {
+        !self.device.is_empty()
+    }
+}
+
+/// What `match_prefix` found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MatchResult {
+    /// Tokens whose pages are readable on the device.
+    pub device_len: usize,
+    /// Tokens after those that can be restored from host (host copy Ready, or a load already
+    /// in flight).
+    pub host_len: usize,
+    /// Device pages of the device part, in order.
+    pub device_pages: Vec<PageId>,
+    /// The last node of the device part (the root's id when empty): lock it to keep the pages.
+    pub device_node: NodeId,
+    /// The last node of the whole match: what `load_back` restores up to.
+    pub last_node: NodeId,
+}
+
+/// What `insert` did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InsertResult {
+    /// Tokens that were already cached (on either tier) before this insert.
+    pub prefix_len: usize,
+    /// Pages given for positions already on the device under other pages: the caller frees
+    /// them.
+    pub duplicates: Vec<PageId>,
+    /// Given pages that already were the tree's own at their position (a caller passing the
+    /// matched path's pages back, as SGLang's scheduler does).
+    pub own: usize,
+    /// The node holding the last page of the tokens.
+    pub last_node: NodeId,
+    /// Nodes on the path that are on the device with no host copy: write-through candidates.
+    pub needs_backup: Vec<NodeId>,
+}
+
+/// What a load-back of a path must do: nodes to load (root first), and nodes already
+/// loading with their transfer.
+pub type Restorable = (Vec<NodeId>, Vec<(NodeId, u64)>);
+
+/// The radix tree.
+#[derive(Debug)]
+pub struct RadixTree {
+    page_size: usize,
+    nodes: Slab<Node>,
+    roots: FxHashMap<u32, usize>,
+    next_gen: u32,
+    clock: u64,
+    device_lru: BTreeSet<(u64, usize)>,
+    host_lru: BTreeSet<(u64, usize)>,
+    device_pages: usize,
+    host_pages: usize,
+}
+
+impl RadixTree {
+    /// An empty tree with `page_size` tokens per page.
+    pub fn new(page_size: usize) -> Result<Self> {
+        if page_size == 0 || page_size > 1 << 16 {
+            return Err(Error::config(
+                "page_size",
+                page_size,
+                "1 <= page_size <= 65536",
+            ));
+        }
+        Ok(RadixTree {
+            page_size,
+            nodes: Slab::new(),
+            roots: FxHashMap::default(),
+            next_gen: 1,
+            clock: 0,
+            device_lru: BTreeSet::new(),
+            host_lru: BTreeSet::new(),
+            device_pages: 0,
+            host_pages: 0,
+        })
+    }
+
+    /// Tokens per page.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    /// Device pages held by the tree.
+    pub fn device_pages(&self) -> usize {
+        self.device_pages
+    }
+
+    /// Host pages held by the tree.
+    pub fn host_pages(&self) -> usize {
+        self.host_pages
+    }
+
+    /// Nodes, roots included.
+    pub fn node_count(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Device pages eviction could free now.
+    pub fn evictable_device_pages(&self) -> usize {
+        self.device_lru
+            .iter()
+            .map(|&(_, i)| self.nodes[i].device.len())
+            .sum()
+    }
+
+    fn new_node(&mut self, parent: usize, key: Vec<u32>) -> usize {
+        let gen = self.next_gen;
+        self.next_gen = self.next_gen.wrapping_add(1).max(1);
+        self.nodes.insert(Node {
+            gen,
+            parent,
+            key,
+            device: Vec::new(),
+            loading: None,
+            host_pages: Vec::new(),
+            host: HostCopy::None,
+            lock_ref: 0,
+            hits: 0,
+            stamp: 0,
+            children: FxHashMap::default(),
+            device_children: 0,
+            in_device_lru: None,
+            in_host_lru: None,
+        })
+    }
+
+    fn root(&mut self, ns: u32) -> usize {
+        if let Some(&r) = self.roots.get(&ns) {
+            return r;
+        }
+        let r = self.new_node(NIL, Vec::new());
+        self.roots.insert(ns, r);
+        r
+    }
+
+    fn id(&self, idx: usize) -> NodeId {
+        NodeId::new(idx, self.nodes[idx].gen)
+    }
+
+    /// The slab index of a live node id.
+    fn resolve(&self, id: NodeId) -> Result<usize> {
+        match self.nodes.get(id.idx()) {
+            Some(n) if n.gen == id.gen() => Ok(id.idx()),
+            _ => Err(Error::UnknownNode { id: id.raw() }),
+        }
+    }
+
+    fn tick(&mut self) -> u64 {
+        self.clock += 1;
+        self.clock
+    }
+
+    /// Re-derives the node's LRU-set memberships: the one place they change.
+    fn refresh(&mut self, idx: usize) {
+        let n = &self.nodes[idx];
+        let is_root = n.parent == NIL;
+        let dev = !is_root
+            && n.on_device()
+            && n.loading.is_none()
+            && n.lock_ref == 0
+            && n.device_children == 0;
+        let host = !is_root
+            && n.host == HostCopy::Ready
+            && !n.on_device()
+            && n.loading.is_none()
+            && n.lock_ref == 0
+            && n.children.is_empty();
+        let stamp = n.stamp;
+        let (in_dev, in_host) = (n.in_device_lru, n.in_host_lru);
+        if in_dev != dev.then_some(stamp) {
+            if let Some(s) = in_dev {
+                self.device_lru.remove(&(s, idx));
+            }
+            if dev {
+                self.device_lru.insert((stamp, idx));
+            }
+            self.nodes[idx].in_device_lru = dev.then_some(stamp);
+        }
+        if in_host != host.then_some(stamp) {
+            if let Some(s) = in_host {
+                self.host_lru.remove(&(s, idx));
+            }
+            if host {
+                self.host_lru.insert((stamp, idx));
+            }
+            self.nodes[idx].in_host_lru = host.then_some(stamp);
+        }
+    }
+
+    fn touch(&mut self, idx: usize) {
+        let t = self.tick();
+        self.nodes[idx].stamp = t;
+        self.refresh(idx);
+    }
+
+    /// Sets or clears a node's device pages, keeping the parent's child count and the page
+    /// total right.
+    fn set_device(&mut self, idx: usize, pages: Vec<PageId>) -> Vec<PageId> {
+        let was = self.nodes[idx].on_device();
+        let old = std::mem::replace(&mut self.nodes[idx].device, pages);
+        let now = self.nodes[idx].on_device();
+        self.device_pages = self.device_pages - old.len() + self.nodes[idx].device.len();
+        let parent = self.nodes[idx].parent;
+        if was != now && parent != NIL {
+            if now {
+                self.nodes[parent].device_children += 1;
+            } else {
+                self.nodes[parent].device_children -= 1;
+            }
+            self.refresh(parent);
+        }
+        self.refresh(idx);
+        old
+    }
+
+    /// Splits `idx` after `pages` pages: a new node takes the first part and becomes `idx`'s
+    /// parent. Returns the new node. Transfers in flight on `idx` cover both parts: the caller
+    /// of the transfer finds both through `on_split`.
+    fn split(&mut self, idx: usize, pages: usize) -> usize {
+        let ps = self.page_size;
+        let parent = self.nodes[idx].parent;
+        let (head_key, tail_key) = {
+            let k = &self.nodes[idx].key;
+            (k[..pages * ps].to_vec(), k[pages * ps..].to_vec())
+        };
+        let head = self.new_node(parent, head_key.clone());
+        let n = &mut self.nodes[idx];
+        let dev_tail = if n.device.is_empty() {
+            Vec::new()
+        } else {
+            n.device.split_off(pages)
+        };
+        let dev_head = std::mem::replace(&mut n.device, dev_tail);
+        let host_tail = if n.host_pages.is_empty() {
+            Vec::new()
+        } else {
+            n.host_pages.split_off(pages)
+        };
+        let host_head = std::mem::replace(&mut n.host_pages, host_tail);
+        let (host, loading, lock_ref, hits, stamp) =
+            (n.host, n.loading, n.lock_ref, n.hits, n.stamp);
+        n.key = tail_key;
+        n.parent = head;
+        let tail_first: Box<[u32]> = n.key[..ps].into();
+        let on_dev = n.on_device();
+        let h = &mut self.nodes[head];
+        h.device = dev_head;
+        h.host_pages = host_head;
+        h.host = host;
+        h.loading = loading;
+        h.lock_ref = lock_ref;
+        h.hits = hits;
+        h.stamp = stamp;
+        h.children.insert(tail_first, idx);
+        h.device_children = u32::from(on_dev);
+        let first: Box<[u32]> = head_key[..ps].into();
+        self.nodes[parent].children.insert(first, head);
+        self.refresh(head);
+        self.refresh(idx);
+        self.refresh(parent);
+        head
+    }
+
+    /// Walks the path of `tokens` (whole pages only), splitting the last node when the match
+    /// ends inside it. Returns the path's nodes and the tokens they cover.
+    fn walk(&mut self, ns: u32, tokens: &[u32]) -> (Vec<usize>, usize) {
+        let ps = self.page_size;
+        let len = tokens.len() / ps * ps;
+        let mut node = self.root(ns);
+        let mut path = Vec::new();
+        let mut pos = 0;
+        while pos < len {
+            let Some(&child) = self.nodes[node].children.get(&tokens[pos..pos + ps]) else {
+                break;
+            };
+            let key = &self.nodes[child].key;
+            let node_len = key.len();
+            let max_pages = node_len.min(len - pos) / ps;
+            let mut same = 1;
+            while same < max_pages
+                && key[same * ps..(same + 1) * ps] == tokens[pos + same * ps..pos + (same + 1) * ps]
+            {
+                same += 1;
+            }
+            let matched = same * ps;
+            let target = if matched < node_len {
+                self.split(child, same)
+            } else {
+                child
+            };
+            path.push(target);
+            pos += matched;
+            node = target;
+            if matched < node_len {
+                break;
+            }
+        }
+        (path, pos)
+    }
+
+    /// The longest cached prefix of `tokens` in namespace `ns`: its device part, then the part
+    /// restorable from host. Touches the path (LRU) and counts a hit on its last node.
+    pub fn match_prefix(&mut self, ns: u32, tokens: &[u32]) -> MatchResult {
+        let (path, _) = self.walk(ns, tokens);
+        let root = self.root(ns);
+        let mut device_len = 0;
+        let mut host_len = 0;
+        let mut device_pages = Vec::new();
+        let mut device_node = root;
+        let mut last_node = root;
+        let mut in_device = true;
+        for &idx in &path {
+            let n = &self.nodes[idx];
+            let ready = n.on_device() && n.loading.is_none();
+            if in_device && ready {
+                device_len += n.key.len();
+                device_pages.extend_from_slice(&n.device);
+                device_node = idx;
+                last_node = idx;
+                continue;
+            }
+            in_device = false;
+            if ready || n.loading.is_some() || n.host == HostCopy::Ready {
+                host_len += n.key.len();
+                last_node = idx;
+            } else {
+                break;
+            }
+        }
+        for &idx in &path {
+            self.touch(idx);
+        }
+        if last_node != root {
+            self.nodes[last_node].hits += 1;
+        }
+        MatchResult {
+            device_len,
+            host_len,
+            device_pages,
+            device_node: self.id(device_node),
+            last_node: self.id(last_node),
+        }
+    }
+
+    /// Inserts `tokens` (whole pages; a partial last page is ignored) with `pages`, one device
+    /// page per token page. Positions already on the device hand their given page back as a
+    /// duplicate; host-only nodes on the path take the given pages (they were written afresh);
+    /// the rest becomes a new leaf.
+    pub fn insert(&mut self, ns: u32, tokens: &[u32], pages: &[PageId]) -> Result<InsertResult> {
+        let ps = self.page_size;
+        let n_pages = tokens.len() / ps;
+        if pages.len() != n_pages {
+            return Err(Error::config(
+                "device_pages",
+                format!("{} pages", pages.len()),
+                format!(
+                    "{n_pages}: one per whole page of the {} tokens",
+                    tokens.len()
+                ),
+            ));
+        }
+        let (path, pos) = self.walk(ns, &tokens[..n_pages * ps]);
+        let mut duplicates = Vec::new();
+        let mut own = 0;
+        let mut needs_backup = Vec::new();
+        let mut at = 0; // page index into `pages`
+        for &idx in &path {
+            let k = self.nodes[idx].key.len() / ps;
+            let given = &pages[at..at + k];
+            if self.nodes[idx].on_device() {
+                for (g, mine) in given.iter().zip(&self.nodes[idx].device) {
+                    if g == mine {
+                        own += 1;
+                    } else {
+                        duplicates.push(*g);
+                    }
+                }
+            } else {
+                self.set_device(idx, given.to_vec());
+            }
+            if self.nodes[idx].host == HostCopy::None && self.nodes[idx].loading.is_none() {
+                needs_backup.push(self.id(idx));
+            }
+            self.touch(idx);
+            at += k;
+        }
+        let mut last = match path.last() {
+            Some(&l) => l,
+            None => self.root(ns),
+        };
+        if pos < n_pages * ps {
+            let leaf = self.new_node(last, tokens[pos..n_pages * ps].to_vec());
+            let first: Box<[u32]> = tokens[pos..pos + ps].into();
+            self.nodes[last].children.insert(first, leaf);
+            self.refresh(last);
+            self.set_device(leaf, pages[at..].to_vec());
+            self.touch(leaf);
+            needs_backup.push(self.id(leaf));
+            last = leaf;
+        }
+        Ok(InsertResult {
+            prefix_len: pos,
+            duplicates,
+            own,
+            last_node: self.id(last),
+            needs_backup,
+        })
+    }
+
+    /// Increments the lock count of `node` and every ancestor: none of them is evicted while
+    /// locked.
+    pub fn lock(&mut self, node: NodeId) -> Result<()> {
+        let mut idx = self.resolve(node)?;
+        while self.nodes[idx].parent != NIL {
+            self.nodes[idx].lock_ref += 1;
+            self.refresh(idx);
+            idx = self.nodes[idx].parent;
+        }
+        Ok(())
+    }
+
+    /// Undoes one `lock` of `node`.
+    pub fn unlock(&mut self, node: NodeId) -> Result<()> {
+        let start = self.resolve(node)?;
+        if self.nodes[start].parent != NIL && self.nodes[start].lock_ref == 0 {
+            return Err(Error::NotLocked { id: node.raw() });
+        }
+        let mut idx = start;
+        while self.nodes[idx].parent != NIL {
+            self.nodes[idx].lock_ref -= 1;
+            self.refresh(idx);
+            idx = self.nodes[idx].parent;
+        }
+        Ok(())
+    }
+
+    /// Device pages of the path from the root to `node`, in order.
+    pub fn path_device_pages(&self, node: NodeId) -> Result<Vec<PageId>> {
+        let mut idx = self.resolve(node)?;
+        let mut parts = Vec::new();
+        while self.nodes[idx].parent != NIL {
+            parts.push(idx);
+            idx = self.nodes[idx].parent;
+        }
+        Ok(parts
+            .iter()
+            .rev()
+            .flat_map(|&i| self.nodes[i].device.iter().copied())
+            .collect())
+    }
+
+    /// Evicts device pages of least recently used device leaves until at least `n_pages` are
+    /// freed or nothing is evictable. A node with a Ready host copy keeps it (L2 only); a node
+    /// without one is dropped when `drop_unbacked` and it has no children, else skipped.
+    /// Returns the freed device pages.
+    pub fn evict_device(&mut self, n_pages: usize, drop_unbacked: bool) -> Vec<PageId> {
+        let mut freed = Vec::new();
+        let mut skipped = Vec::new();
+        while freed.len() < n_pages {
+            let Some(&(stamp, idx)) = self.device_lru.iter().next() else {
+                break;
+            };
+            self.device_lru.remove(&(stamp, idx));
+            self.nodes[idx].in_device_lru = None;
+            match self.nodes[idx].host {
+                HostCopy::Ready => freed.extend(self.set_device(idx, Vec::new())),
+                HostCopy::None if drop_unbacked && self.nodes[idx].children.is_empty() => {
+                    freed.extend(self.set_device(idx, Vec::new()));
+                    self.remove_leaf(idx);
+                }
+                _ => skipped.push(idx),
+            }
+        }
+        // Skipped nodes stay evictable later (once backed up): put them back.
+        for idx in skipped {
+            self.refresh(idx);
+        }
+        freed
+    }
+
+    /// Evicts host pages of least recently used host-only leaves (not on the device, not
+    /// locked) until at least `n_pages` are freed; such nodes leave the tree. Returns the
+    /// freed host pages.
+    pub fn evict_host(&mut self, n_pages: usize) -> Vec<PageId> {
+        let mut freed = Vec::new();
+        while freed.len() < n_pages {
+            let Some(&(_, idx)) = self.host_lru.iter().next() else {
+                break;
+            };
+            let pages = std::mem::take(&mut self.nodes[idx].host_pages);
+            self.host_pages -= pages.len();
+            self.nodes[idx].host = HostCopy::None;
+            freed.extend(pages);
+            self.remove_leaf(idx);
+        }
+        freed
+    }
+
+    /// Removes a leaf that holds no pages.
+    fn remove_leaf(&mut self, idx: usize) {
+        let n = &self.nodes[idx];
+        debug_assert!(n.children.is_empty() && n.device.is_empty() && n.host_pages.is_empty());
+        let parent = n.parent;
+        let first: Box<[u32]> = n.key[..self.page_size].into();
+        if let Some(s) = n.in_device_lru {
+            self.device_lru.remove(&(s, idx));
+        }
+        if let Some(s) = n.in_host_lru {
+            self.host_lru.remove(&(s, idx));
+        }
+        self.nodes.remove(idx);
+        self.nodes[parent].children.remove(&first);
+        self.refresh(parent);
+    }
+
+    /// Nodes of the path to `node` that hold no readable device copy but a Ready host copy,
+    /// with their host pages: what a load-back restores. Nodes already loading are returned
+    /// apart, with their transfer.
+    pub fn restorable(&self, node: NodeId) -> Result<Restorable> {
+        let mut idx = self.resolve(node)?;
+        let mut todo = Vec::new();
+        let mut joined = Vec::new();
+        while self.nodes[idx].parent != NIL {
+            let n = &self.nodes[idx];
+            if let Some(t) = n.loading {
+                joined.push((self.id(idx), t));
+            } else if !n.on_device() && n.host == HostCopy::Ready {
+                todo.push(self.id(idx));
+            }
+            idx = n.parent;
+        }
+        todo.reverse();
+        joined.reverse();
+        Ok((todo, joined))
+    }
+
+    /// Key pages of a node.
+    pub fn node_pages(&self, node: NodeId) -> Result<usize> {
+        Ok(self.nodes[self.resolve(node)?].key.len() / self.page_size)
+    }
+
+    /// Host pages of a node (empty without a host copy).
+    pub fn host_pages_of(&self, node: NodeId) -> Result<&[PageId]> {
+        Ok(&self.nodes[self.resolve(node)?].host_pages)
+    }
+
+    /// Device pages of a node (empty when not on the device).
+    pub fn device_pages_of(&self, node: NodeId) -> Result<&[PageId]> {
+        Ok(&self.nodes[self.resolve(node)?].device)
+    }
+
+    /// Tokens from the root to the end of `node`.
+    pub fn depth_tokens(&self, node: NodeId) -> Result<usize> {
+        let mut idx = self.resolve(node)?;
+        let mut t = 0;
+        while self.nodes[idx].parent != NIL {
+            t += self.nodes[idx].key.len();
+            idx = self.nodes[idx].parent;
+        }
+        Ok(t)
+    }
+
+    /// Starts a load-back into `pages`: the node is on the device but not readable until
+    /// [`Self::finish_load`].
+    pub fn begin_load(&mut self, node: NodeId, pages: Vec<PageId>, transfer: u64) -> Result<()> {
+        let idx = self.resolve(node)?;
+        self.nodes[idx].loading = Some(transfer);
+        self.set_device(idx, pages);
+        Ok(())
+    }
+
+    /// Ends a load-back: readable on success; on failure the device pages come back (for the
+    /// caller to free once the copy can no longer write them) and the node is host-only again.
+    pub fn finish_load(&mut self, node: NodeId, transfer: u64, ok: bool) -> Result<Vec<PageId>> {
+        let idx = self.resolve(node)?;
+        if self.nodes[idx].loading != Some(transfer) {
+            return Ok(Vec::new()); // split off: the other part carries it
+        }
+        self.nodes[idx].loading = None;
+        let freed = if ok {
+            Vec::new()
+        } else {
+            self.set_device(idx, Vec::new())
+        };
+        self.refresh(idx);
+        Ok(freed)
+    }
+
+    /// Starts a backup into host `pages`.
+    pub fn begin_backup(&mut self, node: NodeId, pages: Vec<PageId>, transfer: u64) -> Result<()> {
+        let idx = self.resolve(node)?;
+        let n = &mut self.nodes[idx];
+        self.host_pages += pages.len();
+        n.host_pages = pages;
+        n.host = HostCopy::Writing(transfer);
+        self.refresh(idx);
+        Ok(())
+    }
+
+    /// Ends a backup: the host copy becomes a hit source on success; on failure its pages come
+    /// back for the caller to free.
+    pub fn finish_backup(&mut self, node: NodeId, transfer: u64, ok: bool) -> Result<Vec<PageId>> {
+        let idx = self.resolve(node)?;
+        if self.nodes[idx].host != HostCopy::Writing(transfer) {
+            return Ok(Vec::new());
+        }
+        let freed = if ok {
+            self.nodes[idx].host = HostCopy::Ready;
+            Vec::new()
+        } else {
+            self.nodes[idx].host = HostCopy::None;
+            let p = std::mem::take(&mut self.nodes[idx].host_pages);
+            self.host_pages -= p.len();
+            p
+        };
+        self.refresh(idx);
+        Ok(freed)
+    }
+
+    /// Nodes whose loading or backup is transfer `t`, found by walking every node (used when a
+    /// split may have spread a transfer over several nodes).
+    pub fn nodes_of_transfer(&self, t: u64) -> Vec<NodeId> {
+        self.nodes
+            .iter()
+            .filter(|(_, n)| n.loading == Some(t) || n.host == HostCopy::Writing(t))
+            .map(|(i, n)| NodeId::new(i, n.gen))
+            .collect()
+    }
+
+    /// Checks every invariant; returns the first one broken.
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        let ps = self.page_size;
+        let (mut dev, mut host) = (0, 0);
+        let mut seen_dev = rustc_hash::FxHashSet::default();
+        let mut seen_host = rustc_hash::FxHashSet::default();
+        for (idx, n) in &self.nodes {
+            if let Some(p) = n.device.iter().find(|p| !seen_dev.insert(**p)) {
+                return Err(format!("device page {p} owned twice"));
+            }
+            if let Some(p) = n.host_pages.iter().find(|p| !seen_host.insert(**p)) {
+                return Err(format!("host page {p} owned twice"));
+            }
+            let root = n.parent == NIL;
+            if !root {
+                if n.key.is_empty() || n.key.len() % ps != 0 {
+                    return Err(format!("node {idx}: key of {} tokens", n.key.len()));
+                }
+                let pages = n.key.len() / ps;
+                if n.on_device() && n.device.len() != pages {
+                    return Err(format!(
+                        "node {idx}: {} device pages for {pages}",
+                        n.device.len()
+                    ));
+                }
+                if (n.host == HostCopy::None) != n.host_pages.is_empty()
+                    || (!n.host_pages.is_empty() && n.host_pages.len() != pages)
+                {
+                    return Err(format!("node {idx}: host state and pages disagree"));
+                }
+                let p = &self.nodes[n.parent];
+                if p.children.get(&n.key[..ps]) != Some(&idx) {
+                    return Err(format!("node {idx}: parent does not list it"));
+                }
+                if n.on_device() && p.parent != NIL && !p.on_device() {
+                    return Err(format!(
+                        "node {idx}: on the device under a parent that is not"
+                    ));
+                }
+                if n.loading.is_some() && !n.on_device() {
+                    return Err(format!("node {idx}: loading without device pages"));
+                }
+            }
+            let dc = n
+                .children
+                .values()
+                .filter(|&&c| self.nodes[c].on_device())
+                .count() as u32;
+            if dc != n.device_children {
+                return Err(format!(
+                    "node {idx}: device_children {} != {dc}",
+                    n.device_children
+                ));
+            }
+            let dev_ok = !root
+                && n.on_device()
+                && n.loading.is_none()
+                && n.lock_ref == 0
+                && n.device_children == 0;
+            let host_ok = !root
+                && n.host == HostCopy::Ready
+                && !n.on_device()
+                && n.loading.is_none()
+                && n.lock_ref == 0
+                && n.children.is_empty();
+            if dev_ok
+                != n.in_device_lru
+                    .is_some_and(|s| self.device_lru.contains(&(s, idx)))
+            {
+                return Err(format!("node {idx}: device LRU membership wrong"));
+            }
+            if host_ok
+                != n.in_host_lru
+                    .is_some_and(|s| self.host_lru.contains(&(s, idx)))
+            {
+                return Err(format!("node {idx}: host LRU membership wrong"));
+            }
+            if !root {
+                let parent_lock = self.nodes[n.parent].lock_ref;
+                if self.nodes[n.parent].parent != NIL && parent_lock < n.lock_ref {
+                    return Err(format!(
+                        "node {idx}: locked {} times under a parent locked {parent_lock}",
+                        n.lock_ref
+                    ));
+                }
+            }
+            dev += n.device.len();
+            host += n.host_pages.len();
+        }
+        let in_sets = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| n.in_device_lru.is_some())
+            .count();
+        if in_sets != self.device_lru.len() {
+            return Err("device LRU set holds stale entries".into());
+        }
+        if self
+            .nodes
+            .iter()
+            .filter(|(_, n)| n.in_host_lru.is_some())
+            .count()
+            != self.host_lru.len()
+        {
+            return Err("host LRU set holds stale entries".into());
+        }
+        if (dev, host) != (self.device_pages, self.host_pages) {
+            return Err(format!(
+                "page totals {dev}/{host} != counters {}/{}",
+                self.device_pages, self.host_pages
+            ));
+        }
+        Ok(())
+    }
+}
