@@ -24,6 +24,7 @@ __all__ = [
     "TransferHandle",
     "__version__",
     "_bench_resolve",
+    "_bench_serve",
     "compile_cuda_kernels",
     "cuda_status",
     "plan_stack",
@@ -356,3 +357,7 @@ class HiCache:
     ) -> None: ...
     def stats(self) -> dict[str, Any]: ...
     def validate(self) -> None: ...
+
+def _bench_serve(
+    seqs: list[Any], page_size: int, capacity_pages: int, inflight: int
+) -> tuple[list[int], int, int, int]: ...

@@ -169,9 +169,18 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks, as ratios to a baseline from the same run")
     p.add_argument(
         "what",
-        choices=["directory", "transfer"],
-        help="directory: binding overhead vs Rust; transfer: copy-engine GB/s vs baselines",
+        choices=["directory", "transfer", "prefix"],
+        help="directory: binding overhead vs Rust; transfer: copy-engine GB/s vs baselines; "
+        "prefix: the prefix cache's serve loop (vs SGLang with --peers-python)",
     )
+    p.add_argument("--page-size", type=int, default=1, help="prefix: tokens per page")
+    p.add_argument("--num-seqs", type=int, default=500, help="prefix: fill sequences")
+    p.add_argument("--num-queries", type=int, default=300, help="prefix: hot-match queries")
+    p.add_argument("--serve-reqs", type=int, default=500, help="prefix: served requests")
+    p.add_argument("--followup-frac", type=float, default=0.0, help="prefix: multi-turn share")
+    p.add_argument("--stream", help="prefix: replay a stream from the peers' workload.py --dump")
+    p.add_argument("--peers-python", help="prefix: python of the peers venv, to run SGLang too")
+    p.add_argument("--peers-dir", default="../shared/peers", help="prefix: the peer scripts")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="transfer only")
     p.add_argument("--total-mb", type=int, default=128, help="transfer: bytes per copy, MiB")
     p.add_argument("--batches", type=int, nargs="+", default=[64, 2048, 16384])
@@ -182,6 +191,38 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 def _run_bench(args: argparse.Namespace) -> None:
     from sparsetier import bench
 
+    if args.what == "prefix":
+        from sparsetier import bench_prefix
+
+        for name in ("page_size", "num_seqs", "num_queries", "serve_reqs"):
+            v = getattr(args, name)
+            if v < 1:
+                raise ConfigError(
+                    f"invalid {name} = {v}: allowed an integer >= 1",
+                    field=name,
+                    value=str(v),
+                    allowed="an integer >= 1",
+                )
+        kw = {
+            "page_size": args.page_size,
+            "num_seqs": args.num_seqs,
+            "num_queries": args.num_queries,
+            "serve_reqs": args.serve_reqs,
+            "followup_frac": args.followup_frac,
+        }
+        r = bench_prefix.run(**kw, stream=args.stream)
+        peers = {}
+        if args.peers_python:
+            for impl in ("unified-rust", "radix"):
+                peer = bench_prefix.run_peer(
+                    args.peers_python, args.peers_dir, impl, args.page_size, kw
+                )
+                peers[f"sglang {impl}"] = bench_prefix.peer_ops(peer)
+        print(bench_prefix.format_report(r, peers))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"sparsetier": r, "peers": peers}, f, indent=2)
+        return
     if args.what == "transfer":
         if args.total_mb < 1:
             raise ConfigError(

@@ -39,6 +39,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyTransferHandle>()?;
     m.add_function(wrap_pyfunction!(transfer::cuda_status, m)?)?;
     m.add_class::<radix::PyHiCache>()?;
+    m.add_function(wrap_pyfunction!(radix::_bench_serve, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::compile_cuda_kernels, m)?)?;
     Ok(())
 }

@@ -401,3 +401,20 @@ impl PyHiCache {
         })
     }
 }
+
+/// Benchmark hook: the serve loop in Rust alone (`radix::bench::serve`) over `seqs` (a list
+/// of token arrays): returns (per-request ns, hit tokens, total tokens, failed requests).
+#[pyfunction]
+pub fn _bench_serve(
+    py: Python<'_>,
+    seqs: Vec<Bound<'_, PyAny>>,
+    page_size: usize,
+    capacity_pages: u32,
+    inflight: usize,
+) -> PyResult<(Vec<u64>, u64, u64, u64)> {
+    let seqs: Vec<Vec<u32>> = seqs.iter().map(tokens).collect::<PyResult<_>>()?;
+    let st = py
+        .detach(|| crate::radix::bench::serve(&seqs, page_size, capacity_pages, inflight))
+        .py_err(py)?;
+    Ok((st.lat_ns, st.hit_tokens, st.total_tokens, st.failed))
+}

@@ -1,0 +1,71 @@
+//! The prefix cache's serve loop in Rust alone (issue 5), on a synthetic stream of the peers'
+//! shape: 100 shared prompts of 256-1024 tokens with Zipf(1.1) popularity, each sequence
+//! 512-4096 tokens with a unique suffix. Pool: 25 % of the tokens a fill of 500 sequences
+//! caches; 32 requests stay locked. `sparsetier bench prefix` runs the same loop on the exact
+//! peer stream (`serve.rust_alone`).
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use sparsetier::radix::bench::{fill, serve};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+    fn unit(&mut self) -> f64 {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+fn stream(n: usize, seed: u64, page_size: usize) -> Vec<Vec<u32>> {
+    let mut rng = Rng(0x5EED_0000 + 1);
+    let prompts: Vec<Vec<u32>> = (0..100)
+        .map(|_| {
+            let len = 256 + rng.below(769) as usize;
+            (0..len).map(|_| 1 + rng.below(31_999) as u32).collect()
+        })
+        .collect();
+    let weights: Vec<f64> = (1..=100).map(|r| 1.0 / (r as f64).powf(1.1)).collect();
+    let total: f64 = weights.iter().sum();
+    let mut rng = Rng(0x5EED_0000 + seed * 7919);
+    (0..n)
+        .map(|_| {
+            let mut u = rng.unit() * total;
+            let pid = weights.iter().position(|w| {
+                u -= w;
+                u <= 0.0
+            });
+            let prompt = &prompts[pid.unwrap_or(99)];
+            let len = 512 + rng.below(3585) as usize;
+            let suffix = len.saturating_sub(prompt.len()).max(16);
+            let mut s = prompt.clone();
+            s.extend((0..suffix).map(|_| 1 + rng.below(31_999) as u32));
+            s.truncate(s.len() / page_size * page_size);
+            s
+        })
+        .collect()
+}
+
+fn serve_loop(c: &mut Criterion) {
+    let mut group = c.benchmark_group("prefix_serve");
+    group.sample_size(10);
+    for ps in [1usize, 16] {
+        let cached = fill(&stream(500, 1, ps), ps).unwrap();
+        let reqs = stream(500, 3, ps);
+        let cap = (cached / 4 / ps) as u32;
+        group.throughput(Throughput::Elements(reqs.len() as u64));
+        group.bench_function(BenchmarkId::new("page", ps), |b| {
+            b.iter(|| serve(&reqs, ps, cap, 32).unwrap())
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, serve_loop);
+criterion_main!(benches);

@@ -1,0 +1,187 @@
+"""``sparsetier bench prefix``: the prefix cache on the peers' workload and serve loop.
+
+Phases, as `../shared/peers/bench_sglang_radix.py` runs them: fill (match, alloc, insert into
+an unbounded pool), hot match (fresh queries that hit a shared prompt, and full re-queries),
+lock/unlock, and the serve loop: a pool of 25 % of the cached tokens, each request does match,
+lock, evict on demand, alloc, insert, re-lock, and 32 requests stay locked. Every op is timed
+through the Python binding, one call per op; the serve loop also runs in Rust alone in the same
+process, for the binding's share. With ``--peers-python`` the SGLang peer runs on the same
+workload in the same command, and the report gives the ratios.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from sparsetier import _core
+from sparsetier._core import HiCache
+from sparsetier.workload import Workload, WorkloadSpec, load_stream
+
+
+def _stats(ns: list[int] | np.ndarray) -> dict[str, float]:
+    a = np.asarray(ns, dtype=np.float64)
+    return {
+        "n": len(a),
+        "mean_us": float(a.mean() / 1e3),
+        "p99_us": float(np.percentile(a, 99) / 1e3),
+        "ops_per_s": float(len(a) / (a.sum() / 1e9)),
+    }
+
+
+def _serve_python(seqs, ps: int, cap_pages: int, inflight: int):
+    c = HiCache(ps, cap_pages, drop_unbacked=True)
+    held: collections.deque[int] = collections.deque()
+    lat = np.empty(len(seqs), np.int64)
+    hit = tot = failed = 0
+    clock = time.perf_counter_ns
+    for i, s in enumerate(seqs):
+        t = clock()
+        m = c.match_prefix(s)
+        c.lock(m["device_node"])
+        need = len(s) // ps - m["device_len"] // ps
+        try:
+            new = c.alloc_device(need)
+        except Exception:  # OutOfPagesError: everything else is locked
+            c.unlock(m["device_node"])
+            failed += 1
+            lat[i] = clock() - t
+            continue
+        r = c.insert(s, np.concatenate([m["device_pages"], new]))
+        c.lock(r["last_node"])
+        c.unlock(m["device_node"])
+        held.append(r["last_node"])
+        if len(held) > inflight:
+            c.unlock(held.popleft())
+        lat[i] = clock() - t
+        hit += m["device_len"]
+        tot += len(s)
+    c.validate()
+    return lat, hit, tot, failed
+
+
+def run(
+    page_size: int = 1,
+    num_seqs: int = 500,
+    num_queries: int = 300,
+    serve_reqs: int = 500,
+    inflight: int = 32,
+    capacity_frac: float = 0.25,
+    followup_frac: float = 0.0,
+    stream: str | None = None,
+) -> dict:
+    ps = page_size
+    wl = Workload(WorkloadSpec(num_seqs=num_seqs, followup_frac=followup_frac, align=ps))
+    fill = [t for _, t in wl.stream(num_seqs, 1)]
+    fresh = [t for _, t in wl.stream(num_queries, 2)]
+    serve = load_stream(stream) if stream else [t for _, t in wl.stream(serve_reqs, 3)]
+    out: dict = {"page_size": ps, "num_seqs": num_seqs, "serve_reqs": len(serve), "stream": stream}
+    total = sum(len(s) // ps for s in fill)
+    c = HiCache(ps, total + 16, drop_unbacked=True)
+    t_match, t_ins, nodes = [], [], []
+    clock = time.perf_counter_ns
+    gc.disable()
+    for s in fill:
+        a = clock()
+        m = c.match_prefix(s)
+        b = clock()
+        new = c.alloc_device(len(s) // ps - m["device_len"] // ps)
+        pages = np.concatenate([m["device_pages"], new])
+        d = clock()
+        r = c.insert(s, pages)
+        e = clock()
+        t_match.append(b - a)
+        t_ins.append(e - d)
+        nodes.append(r["last_node"])
+    cached = c.stats()["device_in_tree"] * ps
+    out["fill.match"] = _stats(t_match)
+    out["fill.insert"] = _stats(t_ins)
+    q_new, q_full = [], []
+    for s in fresh:
+        a = clock()
+        c.match_prefix(s)
+        q_new.append(clock() - a)
+    for s in fill[:num_queries]:
+        a = clock()
+        c.match_prefix(s)
+        q_full.append(clock() - a)
+    out["match.prompt_hit"] = _stats(q_new)
+    out["match.full_requery"] = _stats(q_full)
+    t_lock, t_unlock = [], []
+    for n in nodes[:num_queries]:
+        a = clock()
+        c.lock(n)
+        b = clock()
+        c.unlock(n)
+        t_lock.append(b - a)
+        t_unlock.append(clock() - b)
+    out["lock"] = _stats(t_lock)
+    out["unlock"] = _stats(t_unlock)
+    cap_pages = int(capacity_frac * cached) // ps
+    lat, hit, tot, failed = _serve_python(serve, ps, cap_pages, inflight)
+    gc.enable()
+    out["serve"] = {**_stats(lat), "hit_frac": hit / max(tot, 1), "failed": failed}
+    rlat, rhit, rtot, rfailed = _core._bench_serve(serve, ps, cap_pages, inflight)
+    out["serve.rust_alone"] = {**_stats(rlat), "hit_frac": rhit / max(rtot, 1), "failed": rfailed}
+    out["cached_tokens"] = cached
+    out["capacity_tokens"] = cap_pages * ps
+    return out
+
+
+def run_peer(peers_python: str, peers_dir: str, impl: str, page_size: int, args: dict) -> dict:
+    """Runs `bench_sglang_radix.py` with the same workload; returns its JSON."""
+    with tempfile.TemporaryDirectory() as d:
+        path = Path(d) / "peer.json"
+        cmd = [
+            peers_python, "-W", "ignore", str(Path(peers_dir) / "bench_sglang_radix.py"),
+            "--impl", impl, "--page-size", str(page_size),
+            "--num-seqs", str(args["num_seqs"]), "--num-queries", str(args["num_queries"]),
+            "--serve-reqs", str(args["serve_reqs"]), "--followup-frac", str(args["followup_frac"]),
+            "--out", str(path),
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True, capture_output=True, cwd=peers_dir, timeout=1800)
+        return json.loads(path.read_text())
+
+
+def peer_ops(peer: dict) -> dict[str, dict]:
+    ops = {o["op"]: o for o in peer["ops"]}
+    pick = {
+        "match.prompt_hit": next((k for k in ops if k.startswith("match(") and "fresh" in k), None),
+        "match.full_requery": next(
+            (k for k in ops if k.startswith("match(") and "requer" in k), None
+        ),
+        "serve": next((k for k in ops if k.startswith("serve.request")), None),
+    }
+    return {ours: ops[k] for ours, k in pick.items() if k}
+
+
+def format_report(r: dict, peers: dict[str, dict] | None = None) -> str:
+    lines = [
+        f"page_size {r['page_size']}, {r['num_seqs']} fill sequences, {r['serve_reqs']} served, "
+        f"cached {r['cached_tokens']} tokens, pool {r['capacity_tokens']} tokens",
+        "op                    mean us    p99 us      ops/s",
+    ]
+    for k in ("fill.match", "fill.insert", "match.prompt_hit", "match.full_requery", "lock",
+              "unlock", "serve", "serve.rust_alone"):  # fmt: skip
+        s = r[k]
+        lines.append(f"{k:<20} {s['mean_us']:>8.2f} {s['p99_us']:>9.2f} {s['ops_per_s']:>10.0f}")
+    lines.append(
+        f"serve hit fraction {r['serve']['hit_frac']:.4f} (rust alone {r['serve.rust_alone']['hit_frac']:.4f}), "
+        f"failed {r['serve']['failed']}; binding share of a serve request: "
+        f"{r['serve']['mean_us'] / r['serve.rust_alone']['mean_us']:.2f}x the Rust time"
+    )
+    for name, ops in (peers or {}).items():
+        for k, o in ops.items():
+            ours = r[k]["mean_us"]
+            extra = f", hit {o['hit_tokens_frac']}" if "hit_tokens_frac" in o else ""
+            lines.append(
+                f"vs {name} {k}: {o['mean_us']:.2f} us -> {o['mean_us'] / ours:.1f}x faster{extra}"
+            )
+    return "\n".join(lines)

@@ -1,0 +1,79 @@
+"""The shared-prefix workload: N sequences over M shared system prompts with Zipf popularity,
+each with a unique random suffix, optionally multi-turn follow-ups that extend an earlier
+sequence.
+
+It follows the generator of `../shared/peers/workload.py` call for call (same numpy calls in
+the same order, same seeds), so the streams are identical to the ones the peer benchmarks run
+on, and a stream dumped there (`--dump FILE.npz`) can be replayed with `load_stream`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    num_seqs: int = 10_000
+    num_prompts: int = 100
+    zipf_a: float = 1.1
+    min_len: int = 512
+    max_len: int = 4096
+    sys_min: int = 256
+    sys_max: int = 1024
+    followup_frac: float = 0.0
+    vocab: int = 32_000
+    seed: int = 0
+    align: int = 1
+
+
+def zipf_probs(n: int, a: float) -> np.ndarray:
+    w = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** a
+    return w / w.sum()
+
+
+class Workload:
+    def __init__(self, spec: WorkloadSpec):
+        self.spec = spec
+        rng = np.random.default_rng(spec.seed)
+        lens = rng.integers(spec.sys_min, spec.sys_max + 1, size=spec.num_prompts)
+        self.prompts = [rng.integers(1, spec.vocab, size=int(n), dtype=np.int64) for n in lens]
+        self.probs = zipf_probs(spec.num_prompts, spec.zipf_a)
+
+    def stream(self, n: int, stream_seed: int) -> Iterator[tuple[int, np.ndarray]]:
+        """Yields (prompt id or -1 for a follow-up, int64 tokens) for n sequences."""
+        spec = self.spec
+        rng = np.random.default_rng([spec.seed, stream_seed])
+        prev: list[np.ndarray] = []
+        pids = rng.choice(spec.num_prompts, size=n, p=self.probs)
+        lens = rng.integers(spec.min_len, spec.max_len + 1, size=n)
+        followup = rng.random(n) < spec.followup_frac
+        for i in range(n):
+            if followup[i] and prev:
+                base = prev[int(rng.integers(0, len(prev)))]
+                extra = int(rng.integers(64, 1024))
+                toks = np.concatenate(
+                    [base, rng.integers(1, spec.vocab, size=extra, dtype=np.int64)]
+                )
+                pid = -1
+            else:
+                pid = int(pids[i])
+                prompt = self.prompts[pid]
+                suffix = max(16, int(lens[i]) - len(prompt))
+                toks = np.concatenate(
+                    [prompt, rng.integers(1, spec.vocab, size=suffix, dtype=np.int64)]
+                )
+            if spec.align > 1:
+                toks = toks[: len(toks) // spec.align * spec.align]
+            prev.append(toks)
+            yield pid, toks
+
+
+def load_stream(path: str) -> list[np.ndarray]:
+    """Sequences of a stream dumped by the peers' `workload.py --dump FILE.npz`."""
+    z = np.load(path)
+    tokens, offsets = z["tokens"], z["offsets"]
+    return [tokens[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]

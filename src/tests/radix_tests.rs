@@ -1,0 +1,81 @@
+//! The radix tree alone: splits, page alignment, duplicates, locks and both evictions.
+
+use super::*;
+use crate::ids::PageId;
+
+fn pages(r: std::ops::Range<u32>) -> Vec<PageId> {
+    r.map(PageId::new).collect()
+}
+
+#[test]
+fn insert_match_split_and_align() {
+    let mut t = RadixTree::new(2).unwrap();
+    let a: Vec<u32> = (1..=8).collect();
+    let r = t.insert(0, &a, &pages(0..4)).unwrap();
+    assert_eq!((r.prefix_len, r.duplicates.len()), (0, 0));
+    // A query sharing 5 tokens matches 4: whole pages only, and splits the node.
+    let q = [1, 2, 3, 4, 5, 99, 7];
+    let m = t.match_prefix(0, &q);
+    assert_eq!(m.device_len, 4);
+    assert_eq!(m.device_pages, pages(0..2));
+    t.validate().unwrap();
+    // Another namespace (model version) shares nothing.
+    assert_eq!(t.match_prefix(1, &a).device_len, 0);
+    // Re-insert with the path's own pages plus two fresh ones: no duplicates.
+    let mut given = pages(0..4);
+    given.push(PageId::new(10));
+    let b: Vec<u32> = (1..=10).collect();
+    let r = t.insert(0, &b, &given).unwrap();
+    assert_eq!((r.prefix_len, r.own, r.duplicates.len()), (8, 4, 0));
+    // Fresh pages for cached positions are duplicates.
+    let r = t.insert(0, &a, &pages(20..24)).unwrap();
+    assert_eq!(r.duplicates, pages(20..24));
+    assert_eq!(t.device_pages(), 5);
+    t.validate().unwrap();
+}
+
+#[test]
+fn locks_protect_and_evictions_keep_or_drop() {
+    let mut t = RadixTree::new(1).unwrap();
+    let ra = t.insert(0, &[1, 2, 3], &pages(0..3)).unwrap();
+    let rb = t.insert(0, &[1, 2, 9], &pages(3..6)).unwrap(); // shares [1, 2]
+    assert_eq!(rb.duplicates, pages(3..5));
+    t.lock(ra.last_node).unwrap();
+    // b's leaf has no host copy: kept unless unbacked nodes may be dropped.
+    assert!(t.evict_device(10, false).is_empty());
+    assert_eq!(t.evict_device(10, true), pages(5..6));
+    assert_eq!(
+        t.match_prefix(0, &[1, 2, 3]).device_len,
+        3,
+        "locked path kept"
+    );
+    t.unlock(ra.last_node).unwrap();
+    assert!(matches!(
+        t.unlock(ra.last_node),
+        Err(crate::error::Error::NotLocked { .. })
+    ));
+    // Backed up: eviction keeps the host copy, and the match returns device then host.
+    for n in [ra.last_node] {
+        t.begin_backup(n, pages(100..101), 7).unwrap();
+        t.finish_backup(n, 7, true).unwrap();
+    }
+    assert_eq!(t.evict_device(1, false), pages(2..3));
+    let m = t.match_prefix(0, &[1, 2, 3]);
+    assert_eq!((m.device_len, m.host_len), (2, 1));
+    assert_eq!(t.evict_host(1), pages(100..101));
+    assert_eq!(t.match_prefix(0, &[1, 2, 3]).host_len, 0);
+    t.validate().unwrap();
+}
+
+#[test]
+fn stale_node_ids_miss() {
+    let mut t = RadixTree::new(1).unwrap();
+    let r = t.insert(0, &[1, 2], &pages(0..2)).unwrap();
+    t.evict_device(2, true);
+    assert!(matches!(
+        t.lock(r.last_node),
+        Err(crate::error::Error::UnknownNode { .. })
+    ));
+    t.insert(0, &[5, 6], &pages(0..2)).unwrap(); // may reuse the slot
+    assert!(t.lock(r.last_node).is_err());
+}
