@@ -172,10 +172,11 @@ def format_report(r: dict, peers: dict[str, dict] | None = None) -> str:
               "unlock", "serve", "serve.rust_alone"):  # fmt: skip
         s = r[k]
         lines.append(f"{k:<20} {s['mean_us']:>8.2f} {s['p99_us']:>9.2f} {s['ops_per_s']:>10.0f}")
+    serve, alone = r["serve"], r["serve.rust_alone"]
     lines.append(
-        f"serve hit fraction {r['serve']['hit_frac']:.4f} (rust alone {r['serve.rust_alone']['hit_frac']:.4f}), "
-        f"failed {r['serve']['failed']}; binding share of a serve request: "
-        f"{r['serve']['mean_us'] / r['serve.rust_alone']['mean_us']:.2f}x the Rust time"
+        f"serve hit fraction {serve['hit_frac']:.4f} (rust alone {alone['hit_frac']:.4f}), "
+        f"failed {serve['failed']}; a serve request through the binding takes "
+        f"{serve['mean_us'] / alone['mean_us']:.2f}x the Rust time"
     )
     for name, ops in (peers or {}).items():
         for k, o in ops.items():
