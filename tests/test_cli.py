@@ -185,3 +185,14 @@ def test_bench_transfer_cuda_without_gpu_exits_2():
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     assert "CUDA" in r.stderr
+
+
+def test_bench_prefix_runs_and_matches_the_rust_loop(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    args = ["bench", "prefix", "--page-size", "16", "--num-seqs", "40", "--num-queries", "10"]
+    assert main([*args, "--serve-reqs", "40", "--json", str(out)]) == 0
+    assert "serve hit fraction" in capsys.readouterr().out
+    r = json.loads(out.read_text())["sparsetier"]
+    # the binding's loop and the Rust loop make the same decisions on the same stream
+    assert r["serve"]["hit_frac"] == r["serve.rust_alone"]["hit_frac"] > 0
+    assert r["serve"]["failed"] == 0

@@ -35,23 +35,29 @@ def write_pages(s, pages, seed):
     out = {}
     for comp, t in s.device_pools.items():
         data = torch.randn(t[:, :, idx].shape, generator=g).to(t.dtype)
-        t[:, :, idx] = data
+        t[:, :, idx.to(t.device)] = data.to(t.device)
         out[comp] = data
     return out
 
 
 def read_pages(s, pages):
     idx = torch.as_tensor(pages, dtype=torch.long)
-    return {comp: t[:, :, idx].clone() for comp, t in s.device_pools.items()}
+    return {comp: t[:, :, idx.to(t.device)].cpu() for comp, t in s.device_pools.items()}
 
 
 def tokens(n, seed=0):
     return np.random.default_rng(seed).integers(1, 30000, size=n)
 
 
+GPU = torch.cuda.is_available() and st.cuda_status()[0]
+
+
 @pytest.mark.parametrize("layout", ["layer_first", "layer_page_first"])
-def test_round_trip_is_exact_for_every_pool(layout):
-    s = stack(swa=2 * PS, layout=layout)
+@pytest.mark.parametrize("io", ["cpu", "kernel", "direct"])
+def test_round_trip_is_exact_for_every_pool(layout, io):
+    if io != "cpu" and not GPU:
+        pytest.skip(f"the {io} engine needs a CUDA GPU: {st.cuda_status()[1]}")
+    s = stack(swa=2 * PS, layout=layout, io=io)
     c = s.hicache
     toks = tokens(10 * PS)
     pages = c.alloc_device(10)

@@ -337,9 +337,17 @@ class HiCache:
         engine: TransferEngine | None = None,
         drop_unbacked: bool = False,
     ) -> HiCache: ...
-    def match_prefix(self, tokens: Any, namespace: int | None = None) -> dict[str, Any]: ...
+    def match_prefix(
+        self, tokens: Any, namespace: int | None = None, *, lock: bool = False, alloc: bool = False
+    ) -> dict[str, Any]: ...
     def insert(
-        self, tokens: Any, device_pages: Any, namespace: int | None = None
+        self,
+        tokens: Any,
+        device_pages: Any,
+        namespace: int | None = None,
+        *,
+        lock: bool = False,
+        unlock: int | None = None,
     ) -> dict[str, Any]: ...
     def alloc_device(self, n: int) -> npt.NDArray[np.int64]: ...
     def free_device(self, pages: Any) -> None: ...

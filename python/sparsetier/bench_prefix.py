@@ -23,6 +23,7 @@ import numpy as np
 
 from sparsetier import _core
 from sparsetier._core import HiCache
+from sparsetier.errors import OutOfPagesError
 from sparsetier.workload import Workload, WorkloadSpec, load_stream
 
 
@@ -44,19 +45,16 @@ def _serve_python(seqs, ps: int, cap_pages: int, inflight: int):
     clock = time.perf_counter_ns
     for i, s in enumerate(seqs):
         t = clock()
-        m = c.match_prefix(s)
-        c.lock(m["device_node"])
-        need = len(s) // ps - m["device_len"] // ps
+        # Schedule: match, lock the match, allocate the rest (evicting on demand): one call.
         try:
-            new = c.alloc_device(need)
-        except Exception:  # OutOfPagesError: everything else is locked
-            c.unlock(m["device_node"])
+            m = c.match_prefix(s, lock=True, alloc=True)
+        except OutOfPagesError:  # everything else is locked; nothing stays held
             failed += 1
             lat[i] = clock() - t
             continue
-        r = c.insert(s, np.concatenate([m["device_pages"], new]))
-        c.lock(r["last_node"])
-        c.unlock(m["device_node"])
+        # Finish: insert, lock the full path, drop the match's lock: one call.
+        pages = np.concatenate([m["device_pages"], m["new_pages"]])
+        r = c.insert(s, pages, lock=True, unlock=m["device_node"])
         held.append(r["last_node"])
         if len(held) > inflight:
             c.unlock(held.popleft())
@@ -82,6 +80,8 @@ def run(
     fill = [t for _, t in wl.stream(num_seqs, 1)]
     fresh = [t for _, t in wl.stream(num_queries, 2)]
     serve = load_stream(stream) if stream else [t for _, t in wl.stream(serve_reqs, 3)]
+    # Token ids as uint32, converted before timing (the peers convert theirs before too).
+    fill, fresh, serve = ([t.astype(np.uint32) for t in x] for x in (fill, fresh, serve))
     out: dict = {"page_size": ps, "num_seqs": num_seqs, "serve_reqs": len(serve), "stream": stream}
     total = sum(len(s) // ps for s in fill)
     c = HiCache(ps, total + 16, drop_unbacked=True)
@@ -152,13 +152,14 @@ def run_peer(peers_python: str, peers_dir: str, impl: str, page_size: int, args:
 
 def peer_ops(peer: dict) -> dict[str, dict]:
     ops = {o["op"]: o for o in peer["ops"]}
-    pick = {
-        "match.prompt_hit": next((k for k in ops if k.startswith("match(") and "fresh" in k), None),
-        "match.full_requery": next(
-            (k for k in ops if k.startswith("match(") and "requer" in k), None
-        ),
-        "serve": next((k for k in ops if k.startswith("serve.request")), None),
+    prefixes = {
+        "match.prompt_hit": "match.new_seq",
+        "match.full_requery": "match.requery",
+        "lock": "inc_lock_ref",
+        "unlock": "dec_lock_ref",
+        "serve": "serve.request",
     }
+    pick = {ours: next((k for k in ops if k.startswith(p)), None) for ours, p in prefixes.items()}
     return {ours: ops[k] for ours, k in pick.items() if k}
 
 

@@ -18,6 +18,16 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::time::Duration;
 
+/// Token ids: a uint32 array is borrowed as is; anything else is converted (checking range).
+fn with_tokens<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[u32]) -> PyResult<R>) -> PyResult<R> {
+    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
+        if let Ok(slice) = a.as_slice() {
+            return f(slice);
+        }
+    }
+    f(&tokens(obj)?)
+}
+
 fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let py = obj.py();
     let arr: PyReadonlyArray1<'_, i64> = match obj.extract() {
@@ -199,42 +209,80 @@ impl PyHiCache {
 
     /// The longest cached prefix: `{"device_len", "host_len", "device_pages", "device_node",
     /// "last_node"}`. Lock `device_node` to keep the device pages; `load_back(last_node)`
-    /// restores the host part.
-    #[pyo3(signature = (tokens, namespace=None))]
+    /// restores the host part. With `lock`, `device_node` is locked in the same call; with
+    /// `alloc` (which implies `lock`), device pages for the rest of the tokens are allocated
+    /// too (evicting as needed) and returned as `"new_pages"`, all or nothing: on
+    /// `OutOfPagesError` nothing stays locked or allocated.
+    #[pyo3(signature = (tokens, namespace=None, *, lock=false, alloc=false))]
     fn match_prefix<'py>(
         &self,
         tokens: &Bound<'py, PyAny>,
         namespace: Option<&Bound<'py, PyAny>>,
+        lock: bool,
+        alloc: bool,
     ) -> PyResult<Bound<'py, PyDict>> {
         let py = tokens.py();
-        let t = self::tokens(tokens)?;
         let ns = self::namespace(namespace)?;
-        let m = self.inner.lock().match_prefix(ns, &t);
+        let mut c = self.inner.lock();
+        let (m, new, n_tokens) = with_tokens(tokens, |t| {
+            let m = c.match_prefix(ns, t);
+            let mut new = None;
+            if lock || alloc {
+                c.lock(m.device_node).py_err(py)?;
+            }
+            if alloc {
+                let ps = c.tree().page_size();
+                match c.alloc_device(t.len() / ps - m.device_len / ps) {
+                    Ok(p) => new = Some(p),
+                    Err(e) => {
+                        c.unlock(m.device_node).py_err(py)?;
+                        return Err(to_py(py, e));
+                    }
+                }
+            }
+            Ok((m, new, t.len()))
+        })?;
+        drop(c);
+        let _ = n_tokens;
         let d = PyDict::new(py);
         d.set_item("device_len", m.device_len)?;
         d.set_item("host_len", m.host_len)?;
         d.set_item("device_pages", page_array(py, &m.device_pages))?;
         d.set_item("device_node", m.device_node.raw())?;
         d.set_item("last_node", m.last_node.raw())?;
+        if let Some(p) = new {
+            d.set_item("new_pages", page_array(py, &p))?;
+        }
         Ok(d)
     }
 
     /// Inserts `tokens` with one device page per whole page (fresh pages from
     /// `alloc_device`, or the matched path's own pages for the prefix). Duplicates are freed
-    /// here; write-through backups are queued. Returns `{"prefix_len", "duplicates",
-    /// "last_node"}`.
-    #[pyo3(signature = (tokens, device_pages, namespace=None))]
+    /// here; write-through backups are queued. With `lock`, the new path is locked; `unlock`
+    /// names a node to unlock in the same call (the match's lock). Returns `{"prefix_len",
+    /// "duplicates", "last_node"}`.
+    #[pyo3(signature = (tokens, device_pages, namespace=None, *, lock=false, unlock=None))]
     fn insert<'py>(
         &self,
         tokens: &Bound<'py, PyAny>,
         device_pages: &Bound<'py, PyAny>,
         namespace: Option<&Bound<'py, PyAny>>,
+        lock: bool,
+        unlock: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let py = tokens.py();
-        let t = self::tokens(tokens)?;
         let pages = page_ids(device_pages, "device_pages")?;
         let ns = self::namespace(namespace)?;
-        let r = self.inner.lock().insert(ns, &t, &pages).py_err(py)?;
+        let unlock = unlock.map(node).transpose()?;
+        let mut c = self.inner.lock();
+        let r = with_tokens(tokens, |t| c.insert(ns, t, &pages).py_err(py))?;
+        if lock {
+            c.lock(r.last_node).py_err(py)?;
+        }
+        if let Some(u) = unlock {
+            c.unlock(u).py_err(py)?;
+        }
+        drop(c);
         let d = PyDict::new(py);
         d.set_item("prefix_len", r.prefix_len)?;
         d.set_item("duplicates", page_array(py, &r.duplicates))?;

@@ -311,6 +311,9 @@ impl RadixTree {
             (k[..pages * ps].to_vec(), k[pages * ps..].to_vec())
         };
         let head = self.new_node(parent, head_key.clone());
+        // The head is a new node, as fresh as now (as SGLang's split makes it): it outlives
+        // its old tail in LRU order once it becomes a leaf.
+        let fresh = self.tick();
         let n = &mut self.nodes[idx];
         let dev_tail = if n.device.is_empty() {
             Vec::new()
@@ -324,8 +327,7 @@ impl RadixTree {
             n.host_pages.split_off(pages)
         };
         let host_head = std::mem::replace(&mut n.host_pages, host_tail);
-        let (host, loading, lock_ref, hits, stamp) =
-            (n.host, n.loading, n.lock_ref, n.hits, n.stamp);
+        let (host, loading, lock_ref, hits) = (n.host, n.loading, n.lock_ref, n.hits);
         n.key = tail_key;
         n.parent = head;
         let tail_first: Box<[u32]> = n.key[..ps].into();
@@ -337,7 +339,7 @@ impl RadixTree {
         h.loading = loading;
         h.lock_ref = lock_ref;
         h.hits = hits;
-        h.stamp = stamp;
+        h.stamp = fresh;
         h.children.insert(tail_first, idx);
         h.device_children = u32::from(on_dev);
         let first: Box<[u32]> = head_key[..ps].into();
@@ -360,15 +362,16 @@ impl RadixTree {
             let Some(&child) = self.nodes[node].children.get(&tokens[pos..pos + ps]) else {
                 break;
             };
+            // Touched before any split, as SGLang does: the tail of a split keeps this access.
+            self.touch(child);
             let key = &self.nodes[child].key;
             let node_len = key.len();
             let max_pages = node_len.min(len - pos) / ps;
-            let mut same = 1;
-            while same < max_pages
-                && key[same * ps..(same + 1) * ps] == tokens[pos + same * ps..pos + (same + 1) * ps]
-            {
-                same += 1;
-            }
+            // First differing token, rounded down to whole pages (the first page matched: it
+            // is the child's key).
+            let limit = max_pages * ps;
+            let common = common_prefix(&key[..limit], &tokens[pos..pos + limit]);
+            let same = (common / ps).max(1);
             let matched = same * ps;
             let target = if matched < node_len {
                 self.split(child, same)
@@ -823,4 +826,20 @@ impl RadixTree {
         }
         Ok(())
     }
+}
+
+/// Length of the common prefix of two equally long slices: compared in blocks with `==`
+/// (which the compiler turns into a vectorized memcmp), then token by token in the first
+/// block that differs.
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    const BLOCK: usize = 64;
+    let mut at = 0;
+    while at + BLOCK <= a.len() && a[at..at + BLOCK] == b[at..at + BLOCK] {
+        at += BLOCK;
+    }
+    at + a[at..]
+        .iter()
+        .zip(&b[at..])
+        .position(|(x, y)| x != y)
+        .unwrap_or(a.len() - at)
 }
