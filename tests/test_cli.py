@@ -195,4 +195,4 @@ def test_bench_prefix_runs_and_matches_the_rust_loop(tmp_path, capsys):
     r = json.loads(out.read_text())["sparsetier"]
     # the binding's loop and the Rust loop make the same decisions on the same stream
     assert r["serve"]["hit_frac"] == r["serve.rust_alone"]["hit_frac"] > 0
-    assert r["serve"]["failed"] == 0
+    assert r["serve"]["failed"] == r["serve.rust_alone"]["failed"]
