@@ -43,8 +43,8 @@ rust-test:
 py-test: build
 	python -m pytest
 
-# Until the decode demo lands (issue 6), the main job is the pool plan of an example model.
-demo: plan
+demo: build
+	sparsetier demo
 
 plan: build
 	sparsetier plan --layers 61 --kv-heads 8 --head-dim 128 --device-gb 40 --hicache-size 200

@@ -196,3 +196,28 @@ def test_bench_prefix_runs_and_matches_the_rust_loop(tmp_path, capsys):
     # the binding's loop and the Rust loop make the same decisions on the same stream
     assert r["serve"]["hit_frac"] == r["serve.rust_alone"]["hit_frac"] > 0
     assert r["serve"]["failed"] == r["serve.rust_alone"]["failed"]
+
+
+def test_demo_passes_and_writes_json_and_plot(tmp_path, capsys):
+    j, p = tmp_path / "d.json", tmp_path / "d.png"
+    args = ["demo", "--requests", "3", "--concurrent", "2", "--steps", "6", "--context-min", "64",
+            "--context-max", "160", "--page-size", "8", "--topk", "3", "--quiet"]  # fmt: skip
+    assert main([*args, "--json", str(j), "--plot", str(p)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "read amplification" in out
+    r = json.loads(j.read_text())
+    assert r["totals"]["correct"] is True
+    assert r["totals"]["steps"] == len(r["steps"]) > 0
+    assert p.stat().st_size > 1000
+
+
+@pytest.mark.parametrize("extra", [["--budget", "0"], ["--topk", "1"], ["--device", "tpu"]])
+def test_demo_bad_flags_exit_2(extra):
+    r = subprocess.run(
+        [sys.executable, "-m", "sparsetier.cli", "demo", "--quiet", *extra],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr and "allowed" in r.stderr

@@ -266,13 +266,80 @@ def _run_bench(args: argparse.Namespace) -> None:
             json.dump(bench.directory_json(rows), f, indent=2)
 
 
+def _demo_parser(sub: argparse._SubParsersAction) -> None:
+    from sparsetier.demo import DemoConfig
+
+    d = DemoConfig()
+    p = sub.add_parser("demo", help="sparse decode with tiered KV, checked against all-resident")
+    p.add_argument("--device", default=d.device, help="cpu (cuda: not written yet)")
+    p.add_argument("--budget", type=float, default=d.budget, help="device share of the main KV")
+    p.add_argument("--topk", type=int, default=d.topk, help="blocks each query reads")
+    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page and block")
+    p.add_argument("--requests", type=int, default=d.requests)
+    p.add_argument("--concurrent", type=int, default=d.concurrent, help="requests decoding at once")
+    p.add_argument("--steps", type=int, default=d.steps, help="decode steps per request (max)")
+    p.add_argument("--context-min", type=int, default=d.context_min)
+    p.add_argument("--context-max", type=int, default=d.context_max)
+    p.add_argument("--no-prefetch", action="store_true", help="submit each load just before use")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--json", metavar="PATH", help="write the full record (per step and totals)")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG: hit rate, bytes, exposed wait")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from sparsetier import demo
+
+    checks = [
+        ("budget", args.budget, 0 < args.budget <= 1, "0 < budget <= 1"),
+        ("topk", args.topk, args.topk >= 2, "an integer >= 2"),
+        ("page_size", args.page_size, args.page_size >= 1, "an integer >= 1"),
+        ("requests", args.requests, args.requests >= 1, "an integer >= 1"),
+        ("concurrent", args.concurrent, args.concurrent >= 1, "an integer >= 1"),
+        ("steps", args.steps, args.steps >= 2, "an integer >= 2"),
+        ("context_min", args.context_min, 16 <= args.context_min <= args.context_max,
+         "16 <= context_min <= context_max"),
+    ]  # fmt: skip
+    for field, value, ok, allowed in checks:
+        if not ok:
+            raise ConfigError(
+                f"invalid {field} = {value}: allowed {allowed}",
+                field=field,
+                value=str(value),
+                allowed=allowed,
+            )
+    cfg = demo.DemoConfig(
+        requests=args.requests,
+        concurrent=args.concurrent,
+        steps=args.steps,
+        context_min=args.context_min,
+        context_max=args.context_max,
+        page_size=args.page_size,
+        topk=args.topk,
+        budget=args.budget,
+        prefetch=not args.no_prefetch,
+        device=args.device,
+        seed=args.seed,
+    )
+    r = demo.run_demo(cfg, progress=not args.quiet)
+    print(demo.format_summary(r))
+    if args.json:
+        demo.write_json(r, args.json)
+    if args.plot:
+        demo.plot(r, args.plot)
+    return 0 if r["totals"]["correct"] else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sparsetier", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _plan_parser(sub)
     _bench_parser(sub)
+    _demo_parser(sub)
     args = parser.parse_args(argv)
     try:
+        if args.command == "demo":
+            return _run_demo(args)
         if args.command == "plan":
             if args.indexer_layers is None:
                 args.indexer_layers = args.layers
