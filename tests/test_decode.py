@@ -90,32 +90,35 @@ def test_sparse_attention_with_every_block_equals_dense():
     torch.testing.assert_close(out, full)
 
 
-def run(device_slots, prefetch=True):
+def run(device_slots, prefetch=True, share=False):
     m = TinySparseModel(ModelConfig(seed=3))
     rt = DecodeRuntime(
         m, page_size=8, device_slots=device_slots, host_slots=400, indexer_pages=120, topk=4,
         prefetch=prefetch,
     )  # fmt: skip
     g = torch.Generator().manual_seed(5)
+    system = torch.randint(0, 512, (37,), generator=g)  # 4 whole pages of 8, and 5 more
     for rid in range(3):
-        rt.add_request(rid, torch.randint(0, 512, (int(60 + 25 * rid),), generator=g), 12)
+        own = torch.randint(0, 512, (int(23 + 25 * rid),), generator=g)
+        rt.add_request(rid, torch.cat([system, own]), 12, (0, 37) if share else None)
     for _ in range(12):
         rt.step()
     outs = {rid: torch.stack(r.outputs) for rid, r in rt.requests.items()}
     return rt, outs
 
 
-@pytest.mark.parametrize("prefetch", [True, False])
-def test_tiered_decode_is_bit_identical_to_resident(prefetch):
-    tiered, a = run(40, prefetch)
-    _, b = run(400, prefetch)
+@pytest.mark.parametrize(("prefetch", "share"), [(True, False), (False, False), (True, True)])
+def test_tiered_decode_is_bit_identical_to_resident(prefetch, share):
+    tiered, a = run(40, prefetch, share)
+    _, b = run(400, prefetch, share)
     assert sum(r.loads for r in tiered.records) > 0, "the budget must force loads"
     assert all(torch.equal(a[r], b[r]) for r in a)
     tiered.directory.validate()
     for rid in list(tiered.requests):
         tiered.finish_request(rid)
     s = tiered.directory.stats()
-    assert (s["objects"], s["pins"], s["device_used"], s["host_used"]) == (0, 0, 0, 0)
+    kept = 4 * 2 if share else 0  # a shared prompt outlives its requests (4 blocks x 2 layers)
+    assert (s["objects"], s["pins"], s["handles"], s["host_used"]) == (kept, 0, 0, kept)
 
 
 def test_budget_too_small_is_a_config_error():
@@ -146,3 +149,22 @@ def test_prefetch_hides_what_the_window_covers(load_ms, lo_ms, hi_ms):
     time.sleep(0.020)  # attention of earlier work overlapping the load
     exposed = exposed_wait(h) * 1e3
     assert lo_ms <= exposed <= hi_ms, exposed
+
+
+def test_shared_system_prompt_is_stored_once_and_loaded_back_when_evicted():
+    rt, _ = run(40, share=True)
+    # Requests 1 and 2 found the prompt's 4 blocks x 2 layers stored by request 0's arrival.
+    assert rt.prefix_device_hits + rt.prefix_host_hits == 2 * 4 * 2
+    for rid in list(rt.requests):
+        rt.finish_request(rid)
+    s = rt.directory.stats()
+    assert s["objects"] == 4 * 2  # only the shared prompt remains, once
+    # Under pressure the prompt leaves the device; a new request loads it back layer by layer.
+    rt.directory.evict(1000)
+    before = rt.prefix_host_hits
+    g = torch.Generator().manual_seed(9)
+    prompt = torch.cat([torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(5)),
+                        torch.randint(0, 512, (20,), generator=g)])  # fmt: skip
+    rt.add_request(7, prompt, 2, (0, 37))
+    assert rt.prefix_host_hits == before + 8
+    rt.directory.validate()

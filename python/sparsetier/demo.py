@@ -33,11 +33,12 @@ class DemoConfig:
     topk: int = 8
     budget: float = 0.25
     prefetch: bool = True
+    share_prompts: bool = True
     device: str = "cpu"
     seed: int = 0
 
 
-def _workload(cfg: DemoConfig, vocab: int) -> list[tuple[torch.Tensor, int]]:
+def _workload(cfg: DemoConfig, vocab: int) -> list[tuple[torch.Tensor, int, tuple | None]]:
     wl = Workload(
         WorkloadSpec(
             num_seqs=cfg.requests,
@@ -52,9 +53,10 @@ def _workload(cfg: DemoConfig, vocab: int) -> list[tuple[torch.Tensor, int]]:
     )
     rng = np.random.default_rng(cfg.seed + 1)
     out = []
-    for _, toks in wl.stream(cfg.requests, 1):
+    for pid, toks in wl.stream(cfg.requests, 1):
         steps = int(rng.integers(cfg.steps // 2, cfg.steps + 1))
-        out.append((torch.from_numpy(toks % vocab), steps))
+        shared = (pid, len(wl.prompts[pid])) if pid >= 0 and cfg.share_prompts else None
+        out.append((torch.from_numpy(toks % vocab), steps, shared))
     return out
 
 
@@ -62,7 +64,7 @@ def _run(
     cfg: DemoConfig, model: TinySparseModel, work, device_slots: int, host_slots: int, progress
 ):
     ps = cfg.page_size
-    idx_pages = sum(-(-(len(t) + s) // ps) for t, s in work) + 8
+    idx_pages = sum(-(-(len(t) + s) // ps) for t, s, _ in work) + 8
     rt = DecodeRuntime(
         model,
         page_size=ps,
@@ -77,8 +79,8 @@ def _run(
     arrivals = completions = 0
     while queue or rt.requests:
         while queue and len(rt.requests) < cfg.concurrent:
-            rid, (prompt, steps) = queue.pop(0)
-            rt.add_request(rid, prompt, steps)
+            rid, (prompt, steps, shared) = queue.pop(0)
+            rt.add_request(rid, prompt, steps, shared)
             arrivals += 1
         rt.step()
         if progress is not None:
@@ -104,9 +106,9 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     work = _workload(cfg, model.c.vocab)
     ps, layers = cfg.page_size, model.c.layers
     # Main KV objects are (request, block, layer): the most alive at once.
-    longest = sorted((-(-(len(t) + s) // ps) for t, s in work), reverse=True)
+    longest = sorted((-(-(len(t) + s) // ps) for t, s, _ in work), reverse=True)
     peak = sum(longest[: cfg.concurrent]) * layers
-    host = sum(-(-(len(t) + s) // ps) for t, s in work) * layers + 8
+    host = sum(-(-(len(t) + s) // ps) for t, s, _ in work) * layers + 8
     device = max(math.ceil(cfg.budget * peak), cfg.concurrent * (layers + cfg.topk) + 1)
     bar = None
     if progress:
@@ -128,7 +130,10 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "requests": len(work),
         "steps": len(recs),
         "tokens": sum(r.requests for r in recs),
-        "prompt_tokens": int(sum(len(t) for t, _ in work)),
+        "prompt_tokens": int(sum(len(t) for t, _, _ in work)),
+        "prefix_device_hits": rt.prefix_device_hits,
+        "prefix_host_hits": rt.prefix_host_hits,
+        "prefix_exposed_wait_s": rt.prefix_exposed_wait_s,
         "device_slots": device,
         "peak_objects": peak,
         "budget": cfg.budget,
@@ -169,7 +174,11 @@ def format_summary(r: dict) -> str:
         ("read amplification", f"{t['read_amplification']:.3f}"),
         ("in-flight reuse", f"{t['inflight_reuse']} blocks"),
         ("exposed wait", f"{t['exposed_wait_s'] * 1e3:.2f} ms over {t['tiered_s']:.2f} s"),
-        ("prefix hits (device / host)", "n/a: the demo's requests do not share pages yet"),
+        (
+            "prefix hits (device / host)",
+            f"{t['prefix_device_hits']} / {t['prefix_host_hits']} shared-prompt blocks"
+            f" (load-back wait {t['prefix_exposed_wait_s'] * 1e3:.2f} ms)",
+        ),
         ("failed transfers", str(t["failed_transfers"])),
         ("correctness (tiered == resident)", "PASS" if t["correct"] else "FAIL"),
     ]

@@ -71,15 +71,22 @@ class TinySparseModel(nn.Module):
                 layer.indexer.gamma_k.fill_(1.0)
 
     @torch.no_grad()
-    def prefill(self, tokens: torch.Tensor):
-        """Dense causal pass over a prompt. Returns, per layer, (k, v, indexer input) and the
-        last token's logits."""
-        pos = torch.arange(tokens.numel())
+    def prefill(self, tokens: torch.Tensor, start: int = 0, past=None):
+        """Dense causal pass over `tokens` at positions `start`, `start + 1`, ... Returns, per
+        layer, (k, v, indexer input) of these tokens and the last token's logits. With
+        `start > 0`, `past(layer)` gives the K/V ([start, Hkv, D]) of the earlier tokens; it is
+        called layer by layer, so a layer's earlier K/V can arrive while the previous layer
+        computes."""
+        pos = torch.arange(start, start + tokens.numel())
         x = self.embed(tokens)
         out = []
-        for layer in self.layers:
+        for li, layer in enumerate(self.layers):
             q, k, v = layer.qkv(x, pos)
-            attn = _causal(q, k, v)
+            if start:
+                pk, pv = past(li)
+                attn = _causal(q, torch.cat([pk, k]), torch.cat([pv, v]), offset=start)
+            else:
+                attn = _causal(q, k, v)
             out.append((k, v, rms(x)))
             x = layer.finish(x, attn)
         return out, self.head(rms(x[-1:]))[0]
@@ -88,12 +95,13 @@ class TinySparseModel(nn.Module):
         return self.head(rms(x))
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention of every prompt token at once ([T, Hq, D]); GQA by repetition."""
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Causal attention of queries at positions offset.. over keys at 0..; GQA by repetition."""
     group = q.shape[1] // k.shape[1]
     kk = k.to(torch.float32).repeat_interleave(group, dim=1)
     vv = v.to(torch.float32).repeat_interleave(group, dim=1)
     logits = torch.einsum("thd,shd->hts", q, kk) / math.sqrt(q.shape[-1])
-    n = q.shape[0]
-    logits = logits.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril()[None], float("-inf"))
+    n, s = q.shape[0], k.shape[0]
+    visible = torch.arange(s)[None, :] <= (torch.arange(n) + offset)[:, None]
+    logits = logits.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hts,shd->thd", torch.softmax(logits, dim=-1), vv)

@@ -40,6 +40,19 @@ from sparsetier.model import TinySparseModel, rms
 log = logging.getLogger("sparsetier.runtime")
 
 
+#: Namespaces of shared system prompts start here; request namespaces stay below.
+PROMPT_NAMESPACE = 1 << 40
+
+
+@dataclass
+class SharedPrompt:
+    """The whole pages of a system prompt, stored once and read by every request over it."""
+
+    namespace: int
+    blocks: int
+    idx_pages: list[int]
+
+
 @dataclass
 class Request:
     rid: int
@@ -48,7 +61,13 @@ class Request:
     pos: int = 0  # tokens written so far
     next_token: int = 0
     idx_pages: list[int] = field(default_factory=list)
+    own_idx_pages: list[int] = field(default_factory=list)
+    shared: SharedPrompt | None = None
     outputs: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def shared_blocks(self) -> int:
+        return self.shared.blocks if self.shared else 0
 
     @property
     def done(self) -> bool:
@@ -134,6 +153,10 @@ class DecodeRuntime:
         self.token_bytes = kv.token_bytes * kv.planes_per_layer
         self._pending: dict[int, object] = {}  # load transfer id -> engine handle
         self.faults_seen = 0
+        self.prompts: dict[int, SharedPrompt] = {}
+        self.prefix_device_hits = 0  # shared-prompt blocks found on the device at arrival
+        self.prefix_host_hits = 0  # ... found on host only, and loaded back layer by layer
+        self.prefix_exposed_wait_s = 0.0
 
     # -- pages ------------------------------------------------------------------------
     def _keys(self, rid: int, blocks, layer: int) -> np.ndarray:
@@ -174,26 +197,102 @@ class DecodeRuntime:
             ) from e
 
     # -- requests ---------------------------------------------------------------------
+    def _namespaces(self, r: Request, blocks: np.ndarray) -> np.ndarray:
+        """Shared-prompt blocks live in the prompt's namespace, the rest in the request's."""
+        if r.shared is None:
+            return np.full(len(blocks), r.rid, dtype=np.int64)
+        return np.where(blocks < r.shared.blocks, r.shared.namespace, r.rid)
+
+    def _store_blocks(self, ns: int, k, v, first_block: int, layer: int, n_tokens: int) -> None:
+        """Writes K/V rows of consecutive blocks from `first_block` into fresh device objects,
+        writing every full block through to host."""
+        ps = self.ps
+        for i in range(-(-n_tokens // ps)):
+            lo, hi = i * ps, min(n_tokens, (i + 1) * ps)
+            keys = self._keys(ns, [first_block + i], layer)
+            slot = int(self._allocate(keys)[0])
+            self._write_kv(slot, 0, k[lo:hi], v[lo:hi])
+            if hi - lo == ps:
+                self._backup(keys)
+
+    def _shared_prompt(self, pid: int, tokens: torch.Tensor) -> SharedPrompt:
+        """The stored whole pages of system prompt `pid`, prefilled on first use."""
+        if pid in self.prompts:
+            return self.prompts[pid]
+        m, ps = self.model, self.ps
+        blocks = tokens.numel() // ps
+        sp = SharedPrompt(PROMPT_NAMESPACE + pid, blocks, self.indexer_alloc.alloc(blocks).tolist())
+        per_layer, _ = m.prefill(tokens[: blocks * ps])
+        pos = torch.arange(blocks * ps)
+        pages = torch.as_tensor(sp.idx_pages, dtype=torch.long)
+        for li, (k, v, hidden) in enumerate(per_layer):
+            loc = pages[pos // ps] * ps + pos % ps
+            m.layers[li].indexer.store_key(hidden, pos, loc, self.indexer_pool, li)
+            self._store_blocks(sp.namespace, k, v, 0, li, blocks * ps)
+        self.prompts[pid] = sp
+        return sp
+
+    def _past(self, sp: SharedPrompt, layer: int, hit: bool):
+        """K/V of a shared prompt for one layer: resolved (loading what is on host only),
+        waited for, gathered. Counts prefix hits when `hit` (the prompt was stored by an
+        earlier request). Returns (k, v, pin handle)."""
+        res = self.directory.resolve(self._keys(sp.namespace, np.arange(sp.blocks), layer))
+        if hit:
+            self.prefix_device_hits += res.metrics["ready"]
+            self.prefix_host_hits += res.metrics["absent"] + res.metrics["loading"]
+        self._submit(res)
+        for tid in [lp.transfer_id for lp in res.loads] + list(res.joined):
+            self.prefix_exposed_wait_s += self._ensure(tid)
+        slots = torch.from_numpy(res.slots)
+        hkv, d = self.device_kv.shape[-2:]
+        k = self.device_kv[0, 0, slots].reshape(-1, hkv, d).clone()
+        v = self.device_kv[1, 0, slots].reshape(-1, hkv, d).clone()
+        return k, v, res.handle
+
     @torch.no_grad()
-    def add_request(self, rid: int, prompt: torch.Tensor, decode_steps: int) -> None:
-        """Prefill: computes the prompt's K/V and Indexer-K, writes them through to host."""
+    def add_request(
+        self,
+        rid: int,
+        prompt: torch.Tensor,
+        decode_steps: int,
+        shared: tuple[int, int] | None = None,
+    ) -> None:
+        """Prefill. With `shared = (prompt id, prompt length)`, the whole pages of that system
+        prompt are stored once for every request over it: a request finds them on the device,
+        or on host (loaded back layer by layer as its prefill reaches each layer), and
+        prefills only the rest. Everything written is written through to host."""
+        if rid >= PROMPT_NAMESPACE:
+            raise ConfigError(
+                f"invalid rid = {rid}: allowed 0 <= rid < {PROMPT_NAMESPACE}",
+                field="rid",
+                value=str(rid),
+                allowed=f"0 <= rid < {PROMPT_NAMESPACE}",
+            )
         m, ps = self.model, self.ps
         n = prompt.numel()
         r = Request(rid, prompt, decode_steps)
-        r.idx_pages = self.indexer_alloc.alloc(-(-(n + decode_steps) // ps)).tolist()
-        per_layer, logits = m.prefill(prompt)
-        pos = torch.arange(n)
-        for layer, (k, v, hidden) in enumerate(per_layer):
-            idx = m.layers[layer].indexer
-            loc = self._locs(r, pos)
-            idx.store_key(hidden, pos, loc, self.indexer_pool, layer)
-            for b in range(-(-n // ps)):
-                lo, hi = b * ps, min(n, (b + 1) * ps)
-                keys = self._keys(rid, [b], layer)
-                slot = int(self._allocate(keys)[0])
-                self._write_kv(slot, 0, k[lo:hi], v[lo:hi])
-                if hi - lo == ps:
-                    self._backup(keys)
+        hit = False
+        if shared is not None and shared[1] // ps > 0 and shared[1] < n:
+            hit = shared[0] in self.prompts
+            r.shared = self._shared_prompt(shared[0], prompt[: shared[1]])
+        start = r.shared_blocks * ps
+        own = -(-(n + decode_steps - start) // ps)
+        r.own_idx_pages = self.indexer_alloc.alloc(own).tolist()
+        r.idx_pages = (r.shared.idx_pages if r.shared else []) + r.own_idx_pages
+        handles = []
+
+        def past(layer: int):
+            k, v, h = self._past(r.shared, layer, hit)
+            handles.append(h)
+            return k, v
+
+        per_layer, logits = m.prefill(prompt[start:], start=start, past=past)
+        for h in handles:
+            self.directory.release(h)
+        pos = torch.arange(start, n)
+        for li, (k, v, hidden) in enumerate(per_layer):
+            m.layers[li].indexer.store_key(hidden, pos, self._locs(r, pos), self.indexer_pool, li)
+            self._store_blocks(rid, k, v, r.shared_blocks, li, n - start)
         r.pos = n
         r.next_token = int(logits.argmax())
         self.requests[rid] = r
@@ -201,7 +300,7 @@ class DecodeRuntime:
     def finish_request(self, rid: int) -> Request:
         r = self.requests.pop(rid)
         self.directory.drop_namespace(rid)
-        self.indexer_alloc.free(r.idx_pages)
+        self.indexer_alloc.free(r.own_idx_pages)
         return r
 
     def _locs(self, r: Request, pos: torch.Tensor) -> torch.Tensor:
@@ -261,8 +360,9 @@ class DecodeRuntime:
                     rms(xs[r.rid]), pos, past, block_size=ps, topk=self.topk, window=self.window
                 )[0]
                 needed = (r.pos + 1 - sel.blocks[-1].item() * ps) + (len(sel.blocks) - 1) * ps
+                blocks = sel.blocks.numpy()
                 res = self.directory.resolve(
-                    self._keys(r.rid, sel.blocks.numpy(), li),
+                    object_keys(self._namespaces(r, blocks), blocks, li),
                     bytes_needed=needed * self.token_bytes,
                 )
                 plans[r.rid] = (q, sel, res)
