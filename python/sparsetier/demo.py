@@ -164,7 +164,8 @@ def format_summary(r: dict) -> str:
         ("requests / steps / tokens decoded", f"{t['requests']} / {t['steps']} / {t['tokens']}"),
         (
             "device budget",
-            f"{t['device_slots']} of {t['peak_objects']} KV blocks ({t['budget']:.0%})",
+            f"{t['device_slots']} KV blocks, {t['budget']:.0%} of the {t['peak_objects']} the"
+            " running requests would hold unshared",
         ),
         ("device byte hit rate", f"{t['device_byte_hit_rate']:.3f}"),
         (
