@@ -8,6 +8,13 @@ import pytest
 
 from sparsetier.cli import main
 
+
+def torch_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 SOURCE = [
     "plan",
     "--layers",
@@ -211,7 +218,12 @@ def test_demo_passes_and_writes_json_and_plot(tmp_path, capsys):
     assert p.stat().st_size > 1000
 
 
-@pytest.mark.parametrize("extra", [["--budget", "0"], ["--topk", "1"], ["--device", "tpu"]])
+NO_GPU = [] if torch_cuda() else [["--device", "cuda"]]
+
+
+@pytest.mark.parametrize(
+    "extra", [["--budget", "0"], ["--topk", "1"], ["--device", "tpu"], *NO_GPU]
+)
 def test_demo_bad_flags_exit_2(extra):
     r = subprocess.run(
         [sys.executable, "-m", "sparsetier.cli", "demo", "--quiet", *extra],

@@ -22,7 +22,10 @@ def sparse_attention(
     Computed in float32; returns [Hq, D]."""
     k = kv_pool[0, 0, slots].reshape(-1, kv_pool.shape[-2], kv_pool.shape[-1]).to(torch.float32)
     v = kv_pool[1, 0, slots].reshape(-1, kv_pool.shape[-2], kv_pool.shape[-1]).to(torch.float32)
-    tok = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)
+    blocks = blocks.to(kv_pool.device)
+    tok = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).reshape(
+        -1
+    )
     return attend(q, k, v, tok <= pos)
 
 

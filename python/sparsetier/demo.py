@@ -73,6 +73,8 @@ def _run(
         indexer_pages=idx_pages,
         topk=cfg.topk,
         prefetch=cfg.prefetch,
+        io_backend="cpu" if cfg.device == "cpu" else "kernel",
+        device=cfg.device,
     )
     queue = list(enumerate(work))
     outputs: dict[int, torch.Tensor] = {}
@@ -92,17 +94,19 @@ def _run(
 
 
 def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
-    if cfg.device != "cpu":
+    if cfg.device not in ("cpu", "cuda") or (
+        cfg.device == "cuda" and not torch.cuda.is_available()
+    ):
         from sparsetier.errors import ConfigError
 
         raise ConfigError(
-            f"invalid device = {cfg.device!r}: allowed 'cpu' (no CUDA decode path yet)",
+            f"invalid device = {cfg.device!r}: allowed 'cpu', or 'cuda' where a GPU is present",
             field="device",
             value=cfg.device,
-            allowed="cpu",
+            allowed="cpu, or cuda where a GPU is present",
         )
     torch.manual_seed(cfg.seed)
-    model = TinySparseModel(ModelConfig(seed=cfg.seed))
+    model = TinySparseModel(ModelConfig(seed=cfg.seed)).to(cfg.device)
     work = _workload(cfg, model.c.vocab)
     ps, layers = cfg.page_size, model.c.layers
     # Main KV objects are (request, block, layer): the most alive at once.

@@ -139,7 +139,7 @@ def select_blocks(
     if reduce == "max":
         block = padded.max(dim=1).values
     elif reduce == "mean":
-        counts = torch.full((n_blocks,), float(block_size))
+        counts = torch.full((n_blocks,), float(block_size), device=token_scores.device)
         counts[-1] = block_size - pad
         block = padded.sum(dim=1) / counts
     else:

@@ -77,7 +77,7 @@ class TinySparseModel(nn.Module):
         `start > 0`, `past(layer)` gives the K/V ([start, Hkv, D]) of the earlier tokens; it is
         called layer by layer, so a layer's earlier K/V can arrive while the previous layer
         computes."""
-        pos = torch.arange(start, start + tokens.numel())
+        pos = torch.arange(start, start + tokens.numel(), device=tokens.device)
         x = self.embed(tokens)
         out = []
         for li, layer in enumerate(self.layers):
@@ -102,6 +102,7 @@ def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offset: int = 0) 
     vv = v.to(torch.float32).repeat_interleave(group, dim=1)
     logits = torch.einsum("thd,shd->hts", q, kk) / math.sqrt(q.shape[-1])
     n, s = q.shape[0], k.shape[0]
-    visible = torch.arange(s)[None, :] <= (torch.arange(n) + offset)[:, None]
+    ar = torch.arange(max(n, s), device=q.device)
+    visible = ar[None, :s] <= (ar[:n] + offset)[:, None]
     logits = logits.masked_fill(~visible[None], float("-inf"))
     return torch.einsum("hts,shd->thd", torch.softmax(logits, dim=-1), vv)

@@ -118,6 +118,7 @@ class DecodeRuntime:
         window: int = 1,
         prefetch: bool = True,
         io_backend: str = "cpu",
+        device: str = "cpu",
     ) -> None:
         c = model.c
         if topk < window + 1:
@@ -137,8 +138,18 @@ class DecodeRuntime:
         kv = PoolSpec("KV", 1, c.kv_heads, c.head_dim, "bf16", page_size, device_slots)
         kv_host = kv.with_pages(host_slots)
         self.kv_spec = kv
-        self.device_kv = torch.zeros(kv.shape(), dtype=torch.bfloat16)
+        self.device = torch.device(device)
+        if (self.device.type == "cuda") != (io_backend != "cpu"):
+            raise ConfigError(
+                f"invalid io_backend = {io_backend!r} for device {device!r}",
+                field="io_backend",
+                value=io_backend,
+                allowed="cpu with device cpu; kernel or direct with device cuda",
+            )
+        self.device_kv = torch.zeros(kv.shape(), dtype=torch.bfloat16, device=self.device)
         self.host_kv = torch.zeros(kv_host.shape(), dtype=torch.bfloat16)
+        if self.device.type == "cuda":
+            self.host_kv = self.host_kv.pin_memory()
         self.dev_bind = PageTransferBinding(self.device_kv, kv)
         self.host_bind = PageTransferBinding(self.host_kv, kv_host)
         self.directory = ResidencyDirectory(
@@ -146,7 +157,7 @@ class DecodeRuntime:
         )
         self.engine = TransferEngine(io_backend)
         ik = PoolSpec("INDEXER", c.layers, 1, c.indexer_dim, "bf16", page_size, indexer_pages)
-        self.indexer_pool = torch.zeros(ik.shape(), dtype=torch.bfloat16)
+        self.indexer_pool = torch.zeros(ik.shape(), dtype=torch.bfloat16, device=self.device)
         self.indexer_alloc = PageAllocator(indexer_pages)
         self.requests: dict[int, Request] = {}
         self.records: list[StepRecord] = []
@@ -222,9 +233,9 @@ class DecodeRuntime:
         m, ps = self.model, self.ps
         blocks = tokens.numel() // ps
         sp = SharedPrompt(PROMPT_NAMESPACE + pid, blocks, self.indexer_alloc.alloc(blocks).tolist())
-        per_layer, _ = m.prefill(tokens[: blocks * ps])
-        pos = torch.arange(blocks * ps)
-        pages = torch.as_tensor(sp.idx_pages, dtype=torch.long)
+        per_layer, _ = m.prefill(tokens[: blocks * ps].to(self.device))
+        pos = torch.arange(blocks * ps, device=self.device)
+        pages = torch.as_tensor(sp.idx_pages, dtype=torch.long, device=self.device)
         for li, (k, v, hidden) in enumerate(per_layer):
             loc = pages[pos // ps] * ps + pos % ps
             m.layers[li].indexer.store_key(hidden, pos, loc, self.indexer_pool, li)
@@ -243,7 +254,7 @@ class DecodeRuntime:
         self._submit(res)
         for tid in [lp.transfer_id for lp in res.loads] + list(res.joined):
             self.prefix_exposed_wait_s += self._ensure(tid)
-        slots = torch.from_numpy(res.slots)
+        slots = torch.from_numpy(res.slots).to(self.device)
         hkv, d = self.device_kv.shape[-2:]
         k = self.device_kv[0, 0, slots].reshape(-1, hkv, d).clone()
         v = self.device_kv[1, 0, slots].reshape(-1, hkv, d).clone()
@@ -286,10 +297,10 @@ class DecodeRuntime:
             handles.append(h)
             return k, v
 
-        per_layer, logits = m.prefill(prompt[start:], start=start, past=past)
+        per_layer, logits = m.prefill(prompt[start:].to(self.device), start=start, past=past)
         for h in handles:
             self.directory.release(h)
-        pos = torch.arange(start, n)
+        pos = torch.arange(start, n, device=self.device)
         for li, (k, v, hidden) in enumerate(per_layer):
             m.layers[li].indexer.store_key(hidden, pos, self._locs(r, pos), self.indexer_pool, li)
             self._store_blocks(rid, k, v, r.shared_blocks, li, n - start)
@@ -304,7 +315,7 @@ class DecodeRuntime:
         return r
 
     def _locs(self, r: Request, pos: torch.Tensor) -> torch.Tensor:
-        pages = torch.as_tensor(r.idx_pages, dtype=torch.long)
+        pages = torch.as_tensor(r.idx_pages, dtype=torch.long, device=self.device)
         return pages[pos // self.ps] * self.ps + pos % self.ps
 
     # -- loads ------------------------------------------------------------------------
@@ -338,11 +349,12 @@ class DecodeRuntime:
         reqs = [r for r in self.requests.values() if not r.done]
         rec = StepRecord(len(self.records), len(reqs))
         t_step = time.perf_counter()
-        xs = {r.rid: m.embed(torch.tensor([r.next_token])) for r in reqs}
+        dev = self.device
+        xs = {r.rid: m.embed(torch.tensor([r.next_token], device=dev)) for r in reqs}
         for li, layer in enumerate(m.layers):
             plans = {}
             for r in reqs:
-                pos = torch.tensor([r.pos])
+                pos = torch.tensor([r.pos], device=dev)
                 q, k, v = layer.qkv(xs[r.rid], pos)
                 block, row = divmod(r.pos, ps)
                 keys = self._keys(r.rid, [block], li)
@@ -354,7 +366,7 @@ class DecodeRuntime:
                     rms(xs[r.rid]), pos, self._locs(r, pos), self.indexer_pool, li
                 )
                 past = self.indexer_pool[0, li].reshape(-1, m.c.indexer_dim)[
-                    self._locs(r, torch.arange(r.pos + 1))
+                    self._locs(r, torch.arange(r.pos + 1, device=dev))
                 ]
                 sel = layer.indexer(
                     rms(xs[r.rid]), pos, past, block_size=ps, topk=self.topk, window=self.window
@@ -375,7 +387,7 @@ class DecodeRuntime:
                 for tid in [lp.transfer_id for lp in res.loads] + list(res.joined):
                     rec.exposed_wait_s += self._ensure(tid)
                 out = sparse_attention(
-                    q[0], self.device_kv, torch.from_numpy(res.slots), sel.blocks, r.pos, ps
+                    q[0], self.device_kv, torch.from_numpy(res.slots).to(dev), sel.blocks, r.pos, ps
                 )
                 xs[r.rid] = layer.finish(xs[r.rid], out[None])
                 metrics = self.directory.release(res.handle)
@@ -388,7 +400,7 @@ class DecodeRuntime:
                 rec.bytes_transferred += metrics["bytes_transferred"]
         for r in reqs:
             logits = m.logits(xs[r.rid])[0]
-            r.outputs.append(logits)
+            r.outputs.append(logits.cpu())
             r.next_token = int(logits.argmax())
             r.pos += 1
             if r.pos % ps == 0:  # the block filled: write it through, every layer
