@@ -28,3 +28,7 @@ pub mod transfer;
 mod py;
 
 pub use error::{Error, Result};
+
+#[cfg(test)]
+#[path = "tests/soak.rs"]
+mod soak;

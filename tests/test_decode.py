@@ -168,3 +168,18 @@ def test_shared_system_prompt_is_stored_once_and_loaded_back_when_evicted():
     rt.add_request(7, prompt, 2, (0, 37))
     assert rt.prefix_host_hits == before + 8
     rt.directory.validate()
+
+
+def test_abort_between_steps_releases_everything_and_spares_sharers():
+    rt, _ = run(40, share=True)
+    rt.abort(0)
+    with pytest.raises(st.ConfigError):
+        rt.abort(0)
+    for _ in range(3):
+        rt.step()  # the others go on, reading the shared prompt
+    for rid in list(rt.requests):
+        rt.finish_request(rid)
+    s = rt.directory.stats()
+    assert (s["objects"], s["pins"], s["handles"]) == (4 * 2, 0, 0)
+    assert rt.aborted == 1
+    rt.directory.validate()

@@ -151,6 +151,9 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "exposed_wait_s": sum(r.exposed_wait_s for r in recs),
         "tiered_s": tiered_s,
         "failed_transfers": rt.directory.stats()["totals"]["failed_transfers"],
+        "retries": rt.directory.stats()["totals"]["retries"],
+        "quarantined_slots": rt.directory.stats()["device_quarantined"],
+        "aborted_requests": rt.aborted,
         "correct": exact,
     }
     totals["device_byte_hit_rate"] = totals["ready"] / max(totals["distinct"], 1)

@@ -168,6 +168,7 @@ class DecodeRuntime:
         self.prefix_device_hits = 0  # shared-prompt blocks found on the device at arrival
         self.prefix_host_hits = 0  # ... found on host only, and loaded back layer by layer
         self.prefix_exposed_wait_s = 0.0
+        self.aborted = 0
 
     # -- pages ------------------------------------------------------------------------
     def _keys(self, rid: int, blocks, layer: int) -> np.ndarray:
@@ -313,6 +314,20 @@ class DecodeRuntime:
         self.directory.drop_namespace(rid)
         self.indexer_alloc.free(r.own_idx_pages)
         return r
+
+    def abort(self, rid: int) -> None:
+        """Ends a request between steps: its objects go (at once, or when transfers still
+        touching them end), its Indexer-K pages are freed; shared prompts stay for others."""
+        if rid not in self.requests:
+            raise ConfigError(
+                f"invalid rid = {rid}: allowed a running request",
+                field="rid",
+                value=str(rid),
+                allowed=f"one of {sorted(self.requests)}",
+            )
+        self.finish_request(rid)
+        self.aborted += 1
+        log.info("request %d aborted", rid)
 
     def _locs(self, r: Request, pos: torch.Tensor) -> torch.Tensor:
         pages = torch.as_tensor(r.idx_pages, dtype=torch.long, device=self.device)

@@ -1,0 +1,158 @@
+"""Reliability: faults at every layer of the stack, cancellation in each phase, threads
+against one stack, and a bounded fuzz pass over the entry points."""
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import sparsetier as st
+from sparsetier import object_keys
+
+FUZZ = Path(__file__).parent / "fuzz" / "fuzz_entry_points.py"
+
+
+def test_bounded_fuzz_pass_raises_only_typed_errors():
+    r = subprocess.run(
+        [sys.executable, str(FUZZ), "-runs=100000", "-max_len=512", "-seed=7"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Done 100000 runs" in r.stderr
+
+
+def host_only(d, ns, pages):
+    for p in pages:
+        k = object_keys(ns, [p])
+        d.allocate(k)
+        d.backup_complete(d.backup(k).transfer_id)
+        d.evict(1)
+
+
+def test_abort_in_each_phase_releases_exactly_once_and_spares_sharers():
+    d = st.ResidencyDirectory(8, 16, object_bytes=64)
+    host_only(d, 0, [0, 1, 2, 3])  # a shared prefix: namespace 0
+    # before submit: resolved, loads planned but never submitted -> cancel the load
+    a = d.resolve(object_keys(0, [0, 1]))
+    b = d.resolve(object_keys(0, [1]))  # a sharer joins the in-flight load of page 1
+    assert b.joined == [a.loads[0].transfer_id]
+    d.fail(a.loads[0].transfer_id, "aborted", ended=True)  # nothing was submitted: ended
+    d.release(a.handle)
+    with pytest.raises(st.TransferFailedError):  # the sharer's waiter gets a typed error
+        d.wait(b.joined[0])
+    d.release(b.handle)
+    # with loads in flight: the abort cancels, the copy may still write -> quarantine
+    c = d.resolve(object_keys(0, [2]))
+    t = c.loads[0].transfer_id
+    d.fail(t, "aborted", ended=False)
+    assert d.stats()["device_quarantined"] == 1
+    d.release(c.handle)
+    d.transfer_ended(t)  # the engine reports the copy ended: the slot returns, once
+    with pytest.raises((st.TransferStateError, st.UnknownTransferError)):
+        d.transfer_ended(t)
+    # after Ready, pins held: releasing the handle is the whole abort
+    e = d.resolve(object_keys(0, [3]))
+    d.complete(e.loads[0].transfer_id)
+    d.release(e.handle)
+    with pytest.raises(st.UnknownHandleError):
+        d.release(e.handle)
+    # a retry succeeds
+    r = d.resolve(object_keys(0, [0, 1, 2, 3]))
+    for lp in r.loads:
+        d.complete(lp.transfer_id)
+    d.release(r.handle)
+    d.validate()
+    s = d.stats()
+    assert (s["pins"], s["handles"], s["device_quarantined"]) == (0, 0, 0)
+    assert s["totals"]["failed_transfers"] == 2
+
+
+def test_abort_while_waiting_on_a_layer_event():
+    spec = st.PoolSpec("KV", 4, 1, 8, "bf16", 4, 8)
+    import torch
+
+    host = torch.ones(spec.shape("layer_page_first"), dtype=torch.bfloat16)
+    dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
+    e = st.TransferEngine("cpu", threads=1)
+    e.inject_fault(0, layer=2, delay=0.05)
+    t = st.PreparedPageTransfer(
+        st.PageTransferBinding(host, spec, "layer_page_first"),
+        st.PageTransferBinding(dev, spec),
+        [1],
+        [2],
+    )
+    h = e.submit(st.PageTransferGroup([t]))
+    with pytest.raises(st.WaitTimeoutError):
+        h.wait(layer=2, timeout=0.001)  # the waiter gives up (aborts) ...
+    h.wait(layer=1)  # ... earlier layers were published
+    h.wait()  # the transfer still ends; its buffers were kept alive meanwhile
+    assert h.finished and e.in_flight == 0
+
+
+def test_allocation_failure_is_typed_and_changes_nothing():
+    c = st.HiCache(4, 5, drop_unbacked=True)
+    r = c.insert(np.arange(1, 17), c.alloc_device(4))
+    c.lock(r["last_node"])
+    before = c.stats()
+    with pytest.raises(st.OutOfPagesError):
+        c.alloc_device(2)  # only one page is free and nothing is evictable
+    assert c.stats()["device_free"] == before["device_free"]
+    c.unlock(r["last_node"])
+    c.alloc_device(2)  # a retry succeeds once the lock is gone
+    c.validate()
+
+
+def test_threads_against_one_cache_and_one_directory():
+    c = st.HiCache(4, 64, drop_unbacked=True)
+    d = st.ResidencyDirectory(24, 128, object_bytes=64)
+    host_only(d, 0, range(32))
+    lock = threading.Lock()  # HiCache is one object behind a mutex; calls interleave freely
+    errors = []
+
+    def worker(seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(300):
+                seq = np.concatenate(
+                    [np.arange(1, 9), rng.integers(1, 4, size=rng.integers(0, 12))]
+                )
+                seq = seq[: len(seq) // 4 * 4].astype(np.uint32)
+                try:
+                    m = c.match_prefix(seq, lock=True, alloc=True)
+                    r = c.insert(seq, np.concatenate([m["device_pages"], m["new_pages"]]),
+                                 lock=True, unlock=m["device_node"])  # fmt: skip
+                    c.unlock(r["last_node"])
+                except st.OutOfPagesError:
+                    pass
+                try:
+                    res = d.resolve(object_keys(0, rng.integers(0, 32, size=3)))
+                except st.OutOfPagesError:
+                    continue
+                for lp in res.loads:
+                    if rng.random() < 0.2:
+                        d.fail(lp.transfer_id, "stress", ended=True)
+                    else:
+                        d.complete(lp.transfer_id)
+                if rng.random() < 0.1:
+                    d.evict(2)
+                d.release(res.handle)
+        except Exception as e:
+            with lock:
+                errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    c.validate()
+    d.validate()
+    assert d.stats()["pins"] == 0
+    assert c.stats()["device_outstanding"] == 0
