@@ -7,6 +7,7 @@
 //! `SPARSETIER_SOAK_OPS` sets the operation count (CI: the default, 100k in all; longer runs:
 //! `SPARSETIER_SOAK_OPS=5000000 cargo test --release soak`).
 
+use crate::config::HitPolicy;
 use crate::directory::{Directory, DirectoryConfig, LayerGroup, ObjectKey};
 use crate::error::Error;
 use crate::ids::{PageId, TransferId};
@@ -14,7 +15,6 @@ use crate::layout::{Component, Dtype, HostLayout};
 use crate::pool::PoolSpec;
 use crate::radix::{HiCache, HiCacheConfig, PoolPair};
 use crate::transfer::{CpuEngine, Fault, FaultAction, MemoryKind, PageTransferBinding};
-use crate::config::HitPolicy;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,7 +32,10 @@ impl Rng {
 }
 
 fn ops() -> usize {
-    std::env::var("SPARSETIER_SOAK_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(100_000)
+    std::env::var("SPARSETIER_SOAK_OPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100_000)
 }
 
 const PS: usize = 2;
@@ -56,13 +59,29 @@ struct Pools {
 impl Pools {
     fn new() -> Self {
         let kv = PoolSpec::new(Component::Kv, 2, 2, 1, 4, Dtype::Fp8E4m3, PS as u32, DEV).unwrap();
-        let ik = PoolSpec::new(Component::Indexer, 2, 1, 1, 4, Dtype::Fp8E4m3, PS as u32, DEV).unwrap();
+        let ik = PoolSpec::new(
+            Component::Indexer,
+            2,
+            1,
+            1,
+            4,
+            Dtype::Fp8E4m3,
+            PS as u32,
+            DEV,
+        )
+        .unwrap();
         let host_kv = kv.with_pages(HOST).unwrap();
         let host_ik = ik.with_pages(HOST).unwrap();
         Pools {
             specs: [kv, ik],
-            dev: vec![vec![0; kv.total_bytes() as usize], vec![0; ik.total_bytes() as usize]],
-            host: vec![vec![0; host_kv.total_bytes() as usize], vec![0; host_ik.total_bytes() as usize]],
+            dev: vec![
+                vec![0; kv.total_bytes() as usize],
+                vec![0; ik.total_bytes() as usize],
+            ],
+            host: vec![
+                vec![0; host_kv.total_bytes() as usize],
+                vec![0; host_ik.total_bytes() as usize],
+            ],
         }
     }
 
@@ -75,8 +94,22 @@ impl Pools {
                 // it is drained), and only the engine writes them while transfers run.
                 unsafe {
                     PoolPair {
-                        device: PageTransferBinding::new(d.as_mut_ptr() as u64, d.len() as u64, &s, HostLayout::LayerFirst, MemoryKind::Host).unwrap(),
-                        host: PageTransferBinding::new(h.as_mut_ptr() as u64, h.len() as u64, &s.with_pages(HOST).unwrap(), HostLayout::LayerPageFirst, MemoryKind::Host).unwrap(),
+                        device: PageTransferBinding::new(
+                            d.as_mut_ptr() as u64,
+                            d.len() as u64,
+                            &s,
+                            HostLayout::LayerFirst,
+                            MemoryKind::Host,
+                        )
+                        .unwrap(),
+                        host: PageTransferBinding::new(
+                            h.as_mut_ptr() as u64,
+                            h.len() as u64,
+                            &s.with_pages(HOST).unwrap(),
+                            HostLayout::LayerPageFirst,
+                            MemoryKind::Host,
+                        )
+                        .unwrap(),
                         hit: HitPolicy::AllPages,
                     }
                 }
@@ -110,7 +143,10 @@ impl Pools {
                     for layer in 0..g.layers {
                         let o = g.page_offset(plane, layer, u64::from(p.raw())).unwrap() as usize;
                         let page = &self.dev[c][o..o + g.page_bytes() as usize];
-                        assert!(page.iter().all(|&b| b == want), "pool {c} page {p} of prefix {i} corrupt");
+                        assert!(
+                            page.iter().all(|&b| b == want),
+                            "pool {c} page {p} of prefix {i} corrupt"
+                        );
                     }
                 }
             }
@@ -122,10 +158,24 @@ impl Pools {
 fn soak_prefix_cache_with_faults() {
     let mut pools = Pools::new();
     let engine = Arc::new(CpuEngine::new(2).unwrap());
-    let cfg = HiCacheConfig { page_size: PS, device_pages: DEV, device_reserve: 0, host_pages: HOST, host_reserve: 0, drop_unbacked: false };
-    let mut cache = HiCache::new(cfg, pools.pairs(), Some(engine.clone() as Arc<dyn crate::transfer::CopyEngine>)).unwrap();
+    let cfg = HiCacheConfig {
+        page_size: PS,
+        device_pages: DEV,
+        device_reserve: 0,
+        host_pages: HOST,
+        host_reserve: 0,
+        drop_unbacked: false,
+    };
+    let mut cache = HiCache::new(
+        cfg,
+        pools.pairs(),
+        Some(engine.clone() as Arc<dyn crate::transfer::CopyEngine>),
+    )
+    .unwrap();
     let mut rng = Rng(0x50A6);
-    let prompts: Vec<Vec<u32>> = (0..4).map(|p| (0..2 * PS as u32 + p).map(|t| 100 * p + t + 1).collect()).collect();
+    let prompts: Vec<Vec<u32>> = (0..4)
+        .map(|p| (0..2 * PS as u32 + p).map(|t| 100 * p + t + 1).collect())
+        .collect();
     let mut locks: Vec<crate::radix::NodeId> = Vec::new();
     let mut submitted = 0u64;
     let n = ops() / 2;
@@ -157,15 +207,27 @@ fn soak_prefix_cache_with_faults() {
                 pools.check(seq, &m.device_pages);
                 if m.host_len > 0 {
                     if rng.below(4) == 0 {
-                        let action = if rng.below(2) == 0 { FaultAction::Fail("soak".into()) } else { FaultAction::Delay(Duration::from_micros(200)) };
-                        engine.inject(Fault { nth: submitted, layer: Some(rng.below(2) as usize), action });
+                        let action = if rng.below(2) == 0 {
+                            FaultAction::Fail("soak".into())
+                        } else {
+                            FaultAction::Delay(Duration::from_micros(200))
+                        };
+                        engine.inject(Fault {
+                            nth: submitted,
+                            layer: Some(rng.below(2) as usize),
+                            action,
+                        });
                     }
                     cache.load_back(m.last_node).unwrap();
                 }
             }
             4 => {
                 if rng.below(5) == 0 {
-                    engine.inject(Fault { nth: submitted, layer: None, action: FaultAction::Fail("backup".into()) });
+                    engine.inject(Fault {
+                        nth: submitted,
+                        layer: None,
+                        action: FaultAction::Fail("backup".into()),
+                    });
                 }
                 submitted += cache.flush().unwrap().len() as u64;
             }
@@ -206,14 +268,24 @@ fn soak_prefix_cache_with_faults() {
         let m = cache.match_prefix(0, p);
         pools.check(p, &m.device_pages);
     }
-    assert!(cache.totals().failed_transfers > 0 && submitted > 0, "faults were exercised");
+    assert!(
+        cache.totals().failed_transfers > 0 && submitted > 0,
+        "faults were exercised"
+    );
     drop(cache);
     drop(pools);
 }
 
 #[test]
 fn soak_directory_with_faults() {
-    let d = Directory::new(DirectoryConfig { device_pages: 16, device_reserve: 0, host_pages: 48, host_reserve: 0, object_bytes: 64 }).unwrap();
+    let d = Directory::new(DirectoryConfig {
+        device_pages: 16,
+        device_reserve: 0,
+        host_pages: 48,
+        host_reserve: 0,
+        object_bytes: 64,
+    })
+    .unwrap();
     let mut rng = Rng(0xD1CE);
     let key = |ns: u64, p: u64| ObjectKey::new(ns, 0, p as u32, LayerGroup::Layer(0));
     let mut handles = Vec::new();
@@ -228,15 +300,23 @@ fn soak_directory_with_faults() {
                 let _ = d.allocate(&[key(ns, rng.below(12))]);
             }
             1 => {
-                let keys: Vec<_> = (0..1 + rng.below(4)).map(|_| key(ns, rng.below(12))).collect();
+                let keys: Vec<_> = (0..1 + rng.below(4))
+                    .map(|_| key(ns, rng.below(12)))
+                    .collect();
                 if let Ok(p) = d.backup(&keys) {
                     if let Some(t) = p.transfer {
-                        if rng.below(6) == 0 { d.fail(t, "soak", true).unwrap() } else { d.backup_complete(t).unwrap() }
+                        if rng.below(6) == 0 {
+                            d.fail(t, "soak", true).unwrap()
+                        } else {
+                            d.backup_complete(t).unwrap()
+                        }
                     }
                 }
             }
             2 | 3 => {
-                let keys: Vec<_> = (0..1 + rng.below(4)).map(|_| key(ns, rng.below(12))).collect();
+                let keys: Vec<_> = (0..1 + rng.below(4))
+                    .map(|_| key(ns, rng.below(12)))
+                    .collect();
                 if let Ok(r) = d.resolve(&keys, None) {
                     inflight.extend(r.loads.iter().map(|l| l.transfer));
                     handles.push(r.handle);
@@ -254,7 +334,10 @@ fn soak_directory_with_faults() {
             5 => {
                 if let Some(t) = quarantined.pop() {
                     d.transfer_ended(t).unwrap();
-                    assert!(d.transfer_ended(t).is_err(), "a quarantined slot returns exactly once");
+                    assert!(
+                        d.transfer_ended(t).is_err(),
+                        "a quarantined slot returns exactly once"
+                    );
                 }
             }
             6 => {
@@ -270,7 +353,11 @@ fn soak_directory_with_faults() {
                 if rng.below(20) == 0 {
                     let i = rng.below(ns_live.len() as u64) as usize;
                     let gone = ns_live.swap_remove(i);
-                    d.drop_namespace(crate::directory::Namespace { id: gone, version: 0 }).unwrap();
+                    d.drop_namespace(crate::directory::Namespace {
+                        id: gone,
+                        version: 0,
+                    })
+                    .unwrap();
                     ns_live.push(next_ns);
                     next_ns += 1;
                 }
@@ -291,7 +378,18 @@ fn soak_directory_with_faults() {
     }
     d.validate().unwrap();
     let s = d.stats();
-    assert_eq!((s.pins, s.handles, s.transfers_in_flight, s.device_quarantined), (0, 0, 0, 0));
+    assert_eq!(
+        (
+            s.pins,
+            s.handles,
+            s.transfers_in_flight,
+            s.device_quarantined
+        ),
+        (0, 0, 0, 0)
+    );
     assert_eq!(s.device_free + s.device_used, s.device_capacity);
-    assert_eq!(s.host_free + s.host_used + s.host_quarantined, s.host_capacity);
+    assert_eq!(
+        s.host_free + s.host_used + s.host_quarantined,
+        s.host_capacity
+    );
 }
