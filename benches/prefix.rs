@@ -6,25 +6,10 @@
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use sparsetier::radix::bench::{fill, serve};
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn unit(&mut self) -> f64 {
-        (self.next() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
+use sparsetier::testing::XorShift;
 
 fn stream(n: usize, seed: u64, page_size: usize) -> Vec<Vec<u32>> {
-    let mut rng = Rng(0x5EED_0000 + 1);
+    let mut rng = XorShift::new(0x5EED_0000 + 1);
     let prompts: Vec<Vec<u32>> = (0..100)
         .map(|_| {
             let len = 256 + rng.below(769) as usize;
@@ -33,7 +18,7 @@ fn stream(n: usize, seed: u64, page_size: usize) -> Vec<Vec<u32>> {
         .collect();
     let weights: Vec<f64> = (1..=100).map(|r| 1.0 / (r as f64).powf(1.1)).collect();
     let total: f64 = weights.iter().sum();
-    let mut rng = Rng(0x5EED_0000 + seed * 7919);
+    let mut rng = XorShift::new(0x5EED_0000 + seed * 7919);
     (0..n)
         .map(|_| {
             let mut u = rng.unit() * total;

@@ -22,6 +22,8 @@ pub mod layout;
 pub mod plan;
 pub mod pool;
 pub mod radix;
+#[doc(hidden)]
+pub mod testing;
 pub mod transfer;
 
 #[cfg(feature = "python")]

@@ -5,9 +5,9 @@
 use crate::alloc::PageAllocator;
 use crate::error::Error;
 use crate::ids::PageId;
-use crate::py::args::int;
+use crate::py::args::{int, int64_array};
 use crate::py::error::{to_py, IntoPyResult};
-use numpy::{PyArray1, PyReadonlyArray1};
+use numpy::PyArray1;
 use pyo3::prelude::*;
 
 /// Fixed-capacity page allocator: batch `alloc(n)` / `free(pages)`, all-or-nothing.
@@ -20,38 +20,7 @@ pub struct PyPageAllocator {
 /// value must fit a page id; range and ownership are the allocator's to check.
 pub fn page_ids(obj: &Bound<'_, PyAny>, field: &'static str) -> PyResult<Vec<PageId>> {
     let py = obj.py();
-    let arr: PyReadonlyArray1<'_, i64> = match obj.extract() {
-        Ok(a) => a,
-        Err(_) => {
-            let np = py.import("numpy")?;
-            let converted = np.call_method1("asarray", (obj, "int64")).map_err(|_| {
-                to_py(
-                    py,
-                    Error::config(
-                        field,
-                        "<not an integer array>",
-                        "a 1-D array of integer page ids",
-                    ),
-                )
-            })?;
-            converted.extract().map_err(|_| {
-                to_py(
-                    py,
-                    Error::config(
-                        field,
-                        format!(
-                            "an array of shape {}",
-                            converted
-                                .getattr("shape")
-                                .map(|s| s.to_string())
-                                .unwrap_or_default()
-                        ),
-                        "a 1-D array of integer page ids",
-                    ),
-                )
-            })?
-        }
-    };
+    let arr = int64_array(obj, field, "integer page ids")?;
     let view = arr.as_slice().map_err(|_| {
         to_py(
             py,

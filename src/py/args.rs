@@ -73,3 +73,44 @@ pub fn repr(obj: &Bound<'_, PyAny>) -> String {
         .map(|r| r.to_string())
         .unwrap_or_else(|_| "<unprintable>".to_owned())
 }
+
+/// A 1-D int64 array: numpy int64 arrays are borrowed as they are; anything numpy can turn
+/// into one (lists, torch CPU tensors, other integer dtypes) is converted. Anything else is a
+/// `ConfigError` naming `field` and saying it should be `what`.
+pub fn int64_array<'py>(
+    obj: &Bound<'py, PyAny>,
+    field: &str,
+    what: &str,
+) -> PyResult<numpy::PyReadonlyArray1<'py, i64>> {
+    if let Ok(a) = obj.extract() {
+        return Ok(a);
+    }
+    let py = obj.py();
+    let bad = |value: String| {
+        to_py(
+            py,
+            Error::config(field, value, format!("a 1-D array of {what}")),
+        )
+    };
+    let converted = py
+        .import("numpy")?
+        .call_method1("asarray", (obj, "int64"))
+        .map_err(|_| bad(short(obj)))?;
+    converted.extract().map_err(|_| {
+        let shape = converted
+            .getattr("shape")
+            .map(|s| s.to_string())
+            .unwrap_or_default();
+        bad(format!("an array of shape {shape}"))
+    })
+}
+
+/// `repr(obj)` cut to 60 characters, for error messages.
+pub fn short(obj: &Bound<'_, PyAny>) -> String {
+    let r = repr(obj);
+    if r.chars().count() > 60 {
+        format!("{}...", r.chars().take(57).collect::<String>())
+    } else {
+        r
+    }
+}

@@ -11,9 +11,9 @@ use crate::directory::{
 };
 use crate::error::Error;
 use crate::ids::{PinHandleId, TransferId};
-use crate::py::args::{int, opt_int, repr};
+use crate::py::args::{int, int64_array, opt_int, short};
 use crate::py::error::{to_py, IntoPyResult};
-use numpy::{PyArray1, PyArray2, PyReadonlyArray1, PyReadonlyArray2, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::time::Duration;
@@ -83,15 +83,6 @@ fn parse_keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<ObjectKey>> {
         ));
     }
     Ok(keys)
-}
-
-fn short(obj: &Bound<'_, PyAny>) -> String {
-    let r = repr(obj);
-    if r.chars().count() > 60 {
-        format!("{}...", r.chars().take(57).collect::<String>())
-    } else {
-        r
-    }
 }
 
 fn keys_array<'py>(py: Python<'py>, keys: &[ObjectKey]) -> PyResult<Bound<'py, PyArray2<i64>>> {
@@ -555,23 +546,7 @@ pub fn token_pages<'py>(
     token_bytes: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let py = positions.py();
-    let arr: PyReadonlyArray1<'_, i64> = match positions.extract() {
-        Ok(a) => a,
-        Err(_) => py
-            .import("numpy")?
-            .call_method1("asarray", (positions, "int64"))
-            .and_then(|a| a.extract())
-            .map_err(|_| {
-                to_py(
-                    py,
-                    Error::config(
-                        "positions",
-                        short(positions),
-                        "a 1-D array of token positions",
-                    ),
-                )
-            })?,
-    };
+    let arr = int64_array(positions, "positions", "token positions")?;
     let pos: Vec<u64> = arr
         .as_array()
         .iter()

@@ -8,7 +8,7 @@ use crate::config::HitPolicy;
 use crate::error::Error;
 use crate::ids::PageId;
 use crate::py::alloc::{page_array, page_ids};
-use crate::py::args::{int, opt_int};
+use crate::py::args::{int, int64_array, opt_int};
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::{HiCache, HiCacheConfig, NodeId, PoolPair};
@@ -30,23 +30,7 @@ fn with_tokens<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[u32]) -> PyResult<R>)
 
 fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let py = obj.py();
-    let arr: PyReadonlyArray1<'_, i64> = match obj.extract() {
-        Ok(a) => a,
-        Err(_) => py
-            .import("numpy")?
-            .call_method1("asarray", (obj, "int64"))
-            .and_then(|a| a.extract())
-            .map_err(|_| {
-                to_py(
-                    py,
-                    Error::config(
-                        "tokens",
-                        "<not a 1-D integer array>",
-                        "a 1-D array of token ids",
-                    ),
-                )
-            })?,
-    };
+    let arr = int64_array(obj, "tokens", "token ids")?;
     if arr.ndim() != 1 {
         return Err(to_py(
             py,

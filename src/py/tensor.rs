@@ -3,7 +3,7 @@
 
 use crate::error::Error;
 use crate::layout::Dtype;
-use crate::py::args::repr;
+use crate::py::args::short;
 use crate::py::error::to_py;
 use pyo3::prelude::*;
 
@@ -77,14 +77,5 @@ impl TensorInfo {
                 "a contiguous tensor (call .contiguous() first)",
             ))
         }
-    }
-}
-
-fn short(obj: &Bound<'_, PyAny>) -> String {
-    let r = repr(obj);
-    if r.chars().count() > 60 {
-        format!("{}...", r.chars().take(57).collect::<String>())
-    } else {
-        r
     }
 }

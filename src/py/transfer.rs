@@ -7,7 +7,7 @@
 
 use crate::error::Error;
 use crate::layout::HostLayout;
-use crate::py::args::{int, opt_int, string};
+use crate::py::args::{int, int64_array, opt_int, string};
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::pool::PyPoolSpec;
 use crate::py::tensor::TensorInfo;
@@ -16,7 +16,7 @@ use crate::transfer::{
     CopyEngine, CpuEngine, Direction, Fault, FaultAction, Granularity, LayerStatus, MemoryKind,
     PageTransferBinding, PageTransferGroup, PageTransferMap, PreparedPageTransfer, TransferEvents,
 };
-use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::PyUntypedArrayMethods;
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use std::sync::Arc;
@@ -113,23 +113,7 @@ impl PyPageTransferBinding {
 
 fn units(obj: &Bound<'_, PyAny>, field: &'static str) -> PyResult<Vec<u64>> {
     let py = obj.py();
-    let arr: PyReadonlyArray1<'_, i64> = match obj.extract() {
-        Ok(a) => a,
-        Err(_) => py
-            .import("numpy")?
-            .call_method1("asarray", (obj, "int64"))
-            .and_then(|a| a.extract())
-            .map_err(|_| {
-                to_py(
-                    py,
-                    Error::config(
-                        field,
-                        "<not a 1-D integer array>",
-                        "a 1-D array of page or token indices",
-                    ),
-                )
-            })?,
-    };
+    let arr = int64_array(obj, field, "page or token indices")?;
     if arr.ndim() != 1 {
         return Err(to_py(
             py,

@@ -14,22 +14,10 @@ use crate::ids::{PageId, TransferId};
 use crate::layout::{Component, Dtype, HostLayout};
 use crate::pool::PoolSpec;
 use crate::radix::{HiCache, HiCacheConfig, PoolPair};
+use crate::testing::XorShift;
 use crate::transfer::{CpuEngine, Fault, FaultAction, MemoryKind, PageTransferBinding};
 use std::sync::Arc;
 use std::time::Duration;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n.max(1)
-    }
-}
 
 fn ops() -> usize {
     std::env::var("SPARSETIER_SOAK_OPS")
@@ -172,7 +160,7 @@ fn soak_prefix_cache_with_faults() {
         Some(engine.clone() as Arc<dyn crate::transfer::CopyEngine>),
     )
     .unwrap();
-    let mut rng = Rng(0x50A6);
+    let mut rng = XorShift::new(0x50A6);
     let prompts: Vec<Vec<u32>> = (0..4)
         .map(|p| (0..2 * PS as u32 + p).map(|t| 100 * p + t + 1).collect())
         .collect();
@@ -286,7 +274,7 @@ fn soak_directory_with_faults() {
         object_bytes: 64,
     })
     .unwrap();
-    let mut rng = Rng(0xD1CE);
+    let mut rng = XorShift::new(0xD1CE);
     let key = |ns: u64, p: u64| ObjectKey::new(ns, 0, p as u32, LayerGroup::Layer(0));
     let mut handles = Vec::new();
     let mut inflight: Vec<TransferId> = Vec::new();

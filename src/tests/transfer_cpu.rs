@@ -7,21 +7,9 @@ use super::*;
 use crate::error::Error;
 use crate::layout::{Component, Dtype, HostLayout};
 use crate::pool::PoolSpec;
+use crate::testing::XorShift;
 use std::sync::Arc;
 use std::time::Duration;
-
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| (self.next() >> 24) as u8).collect()
-    }
-}
 
 const POISON: u8 = 0xA5;
 
@@ -103,7 +91,7 @@ fn expected(
 #[test]
 fn round_trip_matrix_is_exact() {
     let engine = CpuEngine::new(2).unwrap();
-    let mut rng = Rng(0x9E37_79B9_7F4A_7C15);
+    let mut rng = XorShift::new(0x9E37_79B9_7F4A_7C15);
     let mut cases = 0;
     for layout in [HostLayout::LayerFirst, HostLayout::LayerPageFirst] {
         for component in [
@@ -129,18 +117,18 @@ fn round_trip_matrix_is_exact() {
                     let n = 6;
                     let mut dst_units: Vec<u64> = Vec::new();
                     while dst_units.len() < n {
-                        let d = rng.next() % units(dst_spec.pages);
+                        let d = rng.next_u64() % units(dst_spec.pages);
                         if !dst_units.contains(&d) {
                             dst_units.push(d);
                         }
                     }
-                    let base = rng.next() % (units(src_spec.pages) - 3);
+                    let base = rng.next_u64() % (units(src_spec.pages) - 3);
                     let src_units: Vec<u64> = (0..n as u64)
                         .map(|i| {
                             if i < 3 {
                                 base + i
                             } else {
-                                rng.next() % units(src_spec.pages)
+                                rng.next_u64() % units(src_spec.pages)
                             }
                         })
                         .collect();
@@ -184,7 +172,7 @@ fn round_trip_matrix_is_exact() {
 fn kv_and_indexer(layers_kv: u32) -> (Vec<Vec<u8>>, Vec<PoolSpec>) {
     let kv = PoolSpec::new(Component::Kv, layers_kv, 2, 2, 8, Dtype::Bf16, 4, 8).unwrap();
     let ik = PoolSpec::new(Component::Indexer, layers_kv, 1, 1, 16, Dtype::Bf16, 4, 8).unwrap();
-    let mut rng = Rng(7);
+    let mut rng = XorShift::new(7);
     let bufs = vec![
         rng.bytes(kv.total_bytes() as usize),
         vec![POISON; kv.total_bytes() as usize],
