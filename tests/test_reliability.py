@@ -156,3 +156,30 @@ def test_threads_against_one_cache_and_one_directory():
     d.validate()
     assert d.stats()["pins"] == 0
     assert c.stats()["device_outstanding"] == 0
+
+
+def test_injected_allocation_failure_recomputes_and_retry_succeeds():
+    s = st.build_sparse_stack(
+        [st.PoolSpec("KV", 2, 1, 8, "bf16", 4, 17), st.PoolSpec("INDEXER", 2, 1, 8, "bf16", 4, 17)],
+        hicache_ratio=2.0,
+    )
+    c = s.hicache
+    seq = np.arange(1, 25, dtype=np.uint32)
+    c.insert(seq, c.alloc_device(6))
+    c.flush()
+    c.drain()
+    c.evict_device(6)
+    m = c.match_prefix(seq)
+    c.inject_alloc_failures(1)
+    assert c.load_back(m["last_node"]) is None  # nothing half-restored: recompute
+    assert c.match_prefix(seq)["device_len"] == 0
+    c.validate()
+    c.inject_alloc_failures(1)
+    with pytest.raises(st.OutOfPagesError):
+        c.alloc_device(1)
+    lb = c.load_back(m["last_node"])  # the retry succeeds
+    c.flush()
+    c.wait(lb["transfer_id"])
+    c.poll()
+    assert c.match_prefix(seq)["device_len"] == 24
+    c.validate()

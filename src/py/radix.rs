@@ -317,6 +317,13 @@ impl PyHiCache {
         Ok(page_array(node.py(), &p))
     }
 
+    /// Fault injection for tests: the next `count` device allocations fail with
+    /// `OutOfPagesError`, as a full device would.
+    #[pyo3(signature = (count=1))]
+    fn inject_alloc_failures(&self, count: u32) {
+        self.inner.lock().inject_alloc_failures(count);
+    }
+
     /// Evicts at least `n` device pages (LRU leaves; backed-up nodes keep their host copy).
     fn evict_device(&self, n: usize) -> usize {
         self.inner.lock().evict_device(n)

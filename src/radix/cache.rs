@@ -124,6 +124,8 @@ pub struct HiCache {
     next_transfer: u64,
     outstanding: usize,
     totals: CacheTotals,
+    /// Fault injection: this many coming device allocations fail.
+    failing_allocs: u32,
 }
 
 impl HiCache {
@@ -182,6 +184,7 @@ impl HiCache {
             next_transfer: 1,
             outstanding: 0,
             totals: CacheTotals::default(),
+            failing_allocs: 0,
         })
     }
 
@@ -222,8 +225,22 @@ impl HiCache {
         self.outstanding
     }
 
+    /// Fault injection for tests: the next `count` device allocations fail with
+    /// `OutOfPages`, as a full device would.
+    pub fn inject_alloc_failures(&mut self, count: u32) {
+        self.failing_allocs = count;
+    }
+
     /// `n` device pages for a request, evicting LRU device leaves if needed; all or nothing.
     pub fn alloc_device(&mut self, n: usize) -> Result<Vec<PageId>> {
+        if self.failing_allocs > 0 {
+            self.failing_allocs -= 1;
+            return Err(Error::OutOfPages {
+                requested: n,
+                free: 0,
+                capacity: self.device.capacity(),
+            });
+        }
         if self.device.free_count() < n {
             self.evict_device(n - self.device.free_count());
         }
