@@ -8,8 +8,9 @@
 #       installs the wheel offline into /tmp/site (the machine has Python 3.12, torch with
 #       CUDA 13.0, hypothesis and pytest, and no network), then writes under $OUT:
 #         env.txt             versions, GPU name, driver
-#         pytest.txt          tests/test_cuda.py (CUDA round trips, stream wait, NVRTC) and
-#                             tests/test_transfer.py
+#         pytest.txt          tests/test_cuda.py (CUDA round trips, stream wait, NVRTC),
+#                             tests/test_transfer.py and tests/test_hicache.py (GPU round trips)
+#         demo_cuda.txt/.json `sparsetier demo --device cuda` (tiered == resident on the GPU)
 #         bench_transfer.txt  `sparsetier bench transfer --device cuda` table
 #         bench_transfer.json the same rows as JSON
 # Each step has its own timeout, so a hang leaves the others' results.
@@ -37,12 +38,15 @@ run)
         python3 -c "import sparsetier, torch; print('sparsetier', sparsetier.__version__, 'torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name()); print('cuda_status', sparsetier.cuda_status())"
     } > "$OUT/env.txt" 2>&1
     timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_transfer.py \
-        > "$OUT/pytest.txt" 2>&1
+        tests/test_hicache.py > "$OUT/pytest.txt" 2>&1
     echo "exit $?" >> "$OUT/pytest.txt"
+    timeout 120 python3 -m sparsetier.cli demo --device cuda --quiet --json "$OUT/demo_cuda.json" \
+        > "$OUT/demo_cuda.txt" 2>&1
+    echo "exit $?" >> "$OUT/demo_cuda.txt"
     timeout 240 python3 -m sparsetier.cli bench transfer --device cuda --total-mb 256 \
         --json "$OUT/bench_transfer.json" > "$OUT/bench_transfer.txt" 2>&1
     echo "exit $?" >> "$OUT/bench_transfer.txt"
-    tail -n 5 "$OUT/pytest.txt" "$OUT/bench_transfer.txt"
+    tail -n 5 "$OUT/pytest.txt" "$OUT/demo_cuda.txt" "$OUT/bench_transfer.txt"
     ;;
 *)
     echo "usage: $0 build|run" >&2
