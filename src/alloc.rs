@@ -84,7 +84,8 @@ impl PageAllocator {
 
     /// Allocates `n` pages, or none: [`Error::OutOfPages`] when fewer than `n` are free.
     pub fn alloc(&mut self, n: usize) -> Result<Vec<PageId>> {
-        let mut out = Vec::with_capacity(n);
+        // Checked before reserving: `n` may come straight from a caller.
+        let mut out = Vec::with_capacity(n.min(self.free.len()));
         self.alloc_into(n, &mut out)?;
         Ok(out)
     }

@@ -183,3 +183,53 @@ def test_injected_allocation_failure_recomputes_and_retry_succeeds():
     c.poll()
     assert c.match_prefix(seq)["device_len"] == 24
     c.validate()
+
+
+def _cache():
+    return st.HiCache(4, 16, drop_unbacked=True)
+
+
+def _dir():
+    return st.ResidencyDirectory(4, 4, object_bytes=8)
+
+
+BAD_INPUT = [
+    # (entry point, call, expected error, field or None)
+    ("HiCache.match_prefix 2-D tokens", lambda: _cache().match_prefix(np.zeros((2, 4))), st.ConfigError, "tokens"),
+    ("HiCache.match_prefix namespace", lambda: _cache().match_prefix([1, 2, 3, 4], namespace=-1), st.OutOfRangeError, "namespace"),
+    ("HiCache.insert negative page", lambda: _cache().insert([1, 2, 3, 4], [-1]), st.OutOfRangeError, "device_pages"),
+    ("HiCache.insert page not allocated", lambda: _cache().insert([1, 2, 3, 4], [3]), st.ConfigError, "device_pages"),
+    ("HiCache.alloc_device negative", lambda: _cache().alloc_device(-2), st.ConfigError, "n"),
+    ("HiCache.alloc_device huge", lambda: _cache().alloc_device(1 << 40), st.OutOfPagesError, None),
+    ("PageAllocator.alloc huge", lambda: st.PageAllocator(8).alloc(1 << 40), st.OutOfPagesError, None),
+    ("HiCache.lock stale", lambda: _cache().lock(1 << 40), st.UnknownNodeError, "node"),
+    ("HiCache.lock negative", lambda: _cache().lock(-1), st.UnknownNodeError, "node"),
+    ("HiCache.free_device foreign", lambda: _cache().free_device([1]), st.ConfigError, "pages"),
+    ("HiCache.wait timeout", lambda: _cache().wait(1, timeout=-1.0), None, None),
+    ("ResidencyDirectory.state key", lambda: _dir().state((1, 2)), st.ConfigError, "key"),
+    ("ResidencyDirectory.drop_namespace", lambda: _dir().drop_namespace(-5), st.OutOfRangeError, "namespace"),
+    ("ResidencyDirectory.fail unknown", lambda: _dir().fail(99, "x"), st.UnknownTransferError, "transfer_id"),
+    ("ResidencyDirectory.transfer_ended unknown", lambda: _dir().transfer_ended(99), st.UnknownTransferError, "transfer_id"),
+    ("token_pages negative", lambda: st.token_pages([-1], 16, 2), st.OutOfRangeError, "positions"),
+    ("token_pages zero bytes", lambda: st.token_pages([1], 16, 0), st.ConfigError, "token_bytes"),
+    ("PoolSpec.check_tensor layout", lambda: st.PoolSpec("KV", 1, 1, 8).check_tensor(None, "rows"), st.ConfigError, "layout"),
+    ("PoolSpec.shape layout", lambda: st.PoolSpec("KV", 1, 1, 8).shape("rows"), st.ConfigError, "layout"),
+    ("PoolSpec.with_pages zero", lambda: st.PoolSpec("KV", 1, 1, 8).with_pages(0), st.ConfigError, "pages"),
+    ("plan_stack pools not a list", lambda: st.plan_stack(5), st.ConfigError, "pools"),
+    ("plan_stack pool not a spec", lambda: st.plan_stack(["KV"]), st.ConfigError, "pools[0]"),
+    ("compile_cuda_kernels arch", lambda: st.compile_cuda_kernels(90), st.ConfigError, "arch"),
+    ("TransferEngine device", lambda: st.TransferEngine("kernel", device=-1), st.ConfigError, "device"),
+    ("object keys wrong width", lambda: _dir().resolve([[1, 2, 3]]), st.ConfigError, "keys.shape"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "call", "exc", "field"), BAD_INPUT, ids=[b[0] for b in BAD_INPUT])
+def test_bad_input_raises_a_typed_error_naming_the_field(name, call, exc, field):
+    if exc is None:  # HiCache.wait on a transfer it never had returns at once, whatever timeout
+        call()
+        return
+    with pytest.raises(exc) as e:
+        call()
+    assert isinstance(e.value, st.SparsetierError)
+    if field is not None:
+        assert e.value.field == field

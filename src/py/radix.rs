@@ -405,7 +405,7 @@ impl PyHiCache {
         d.set_item("device_free", c.device_free())?;
         d.set_item("device_in_tree", c.tree().device_pages())?;
         d.set_item("device_outstanding", c.outstanding())?;
-        d.set_item("device_evictable", c.tree().evictable_device_pages())?;
+        d.set_item("device_evictable", c.evictable_device_pages())?;
         d.set_item("host_capacity", hc)?;
         d.set_item("host_free", hf)?;
         d.set_item("host_in_tree", c.tree().host_pages())?;

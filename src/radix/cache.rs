@@ -215,6 +215,11 @@ impl HiCache {
             .map_or((0, 0), |h| (h.free_count(), h.capacity()))
     }
 
+    /// Device pages eviction could free now.
+    pub fn evictable_device_pages(&self) -> usize {
+        self.tree.evictable_device_pages(self.drop_unbacked)
+    }
+
     /// Transfers submitted and not yet settled.
     pub fn in_flight(&self) -> usize {
         self.inflight.len()
@@ -241,7 +246,18 @@ impl HiCache {
                 capacity: self.device.capacity(),
             });
         }
+        if n > self.device.capacity() {
+            // No eviction can help: refuse before evicting anything.
+            return Err(Error::OutOfPages {
+                requested: n,
+                free: self.device.free_count(),
+                capacity: self.device.capacity(),
+            });
+        }
         if self.device.free_count() < n {
+            // Evicts LRU leaves (cascading to parents that become leaves), as SGLang's
+            // scheduler does before it allocates; the allocation below may still fail when
+            // locks leave too little, and what was evicted stays evicted.
             self.evict_device(n - self.device.free_count());
         }
         let pages = self.device.alloc(n)?;

@@ -182,11 +182,15 @@ impl RadixTree {
         self.nodes.len()
     }
 
-    /// Device pages eviction could free now.
-    pub fn evictable_device_pages(&self) -> usize {
+    /// Device pages eviction could free now: nodes with a Ready host copy, and with
+    /// `drop_unbacked` childless ones without. (Dropping a leaf can free its parent in turn;
+    /// that is not counted, so this is a lower bound.)
+    pub fn evictable_device_pages(&self, drop_unbacked: bool) -> usize {
         self.device_lru
             .iter()
-            .map(|&(_, i)| self.nodes[i].device.len())
+            .map(|&(_, i)| &self.nodes[i])
+            .filter(|n| n.host == HostCopy::Ready || (drop_unbacked && n.children.is_empty()))
+            .map(|n| n.device.len())
             .sum()
     }
 
