@@ -16,6 +16,11 @@
 use crate::error::{Error, Result};
 use crate::ids::PageId;
 
+/// Most pages one allocator manages (2^28: 17 billion tokens at 64-token pages). Its
+/// bookkeeping is 5 bytes a page, allocated up front, so a mistyped size must be refused
+/// rather than attempted.
+pub const MAX_PAGES: u32 = 1 << 28;
+
 /// Fixed-capacity, all-or-nothing page allocator.
 #[derive(Debug, Clone)]
 pub struct PageAllocator {
@@ -31,8 +36,12 @@ impl PageAllocator {
     /// An allocator over pages `[0, total)` of which `[0, reserve)` are reserved.
     /// `reserve` must leave at least one usable page.
     pub fn new(total: u32, reserve: u32) -> Result<Self> {
-        if total == 0 {
-            return Err(Error::config("pages", total, "an integer >= 1"));
+        if total == 0 || total > MAX_PAGES {
+            return Err(Error::config(
+                "pages",
+                total,
+                format!("1 <= pages <= {MAX_PAGES}"),
+            ));
         }
         if reserve >= total {
             return Err(Error::config(
