@@ -52,5 +52,39 @@ fn serve_loop(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, serve_loop);
+fn match_requery(c: &mut Criterion) {
+    use sparsetier::radix::{HiCache, HiCacheConfig};
+    let mut group = c.benchmark_group("prefix_match_requery");
+    for ps in [1usize, 16] {
+        let seqs = stream(500, 1, ps);
+        let total: usize = seqs.iter().map(|s| s.len() / ps).sum();
+        let cfg = HiCacheConfig {
+            page_size: ps,
+            device_pages: total as u32 + 1,
+            device_reserve: 0,
+            host_pages: 0,
+            host_reserve: 0,
+            drop_unbacked: true,
+        };
+        let mut cache = HiCache::new(cfg, Vec::new(), None).unwrap();
+        for s in &seqs {
+            let m = cache.match_prefix(0, s);
+            let mut pages = m.device_pages;
+            pages.extend(cache.alloc_device(s.len() / ps - m.device_len / ps).unwrap());
+            cache.insert(0, s, &pages).unwrap();
+        }
+        let queries = &seqs[..300];
+        group.throughput(Throughput::Elements(queries.len() as u64));
+        group.bench_function(BenchmarkId::new("page", ps), |b| {
+            b.iter(|| {
+                for q in queries {
+                    std::hint::black_box(cache.match_prefix(0, q));
+                }
+            })
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, serve_loop, match_requery);
 criterion_main!(benches);
