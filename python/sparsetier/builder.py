@@ -132,12 +132,7 @@ def build_sparse_stack(
     if device_type == "cuda" and not torch.cuda.is_available():
         from sparsetier.errors import ConfigError
 
-        raise ConfigError(
-            f"invalid io_backend = {plan.io_backend!r}: allowed 'cpu' on a machine without CUDA",
-            field="io_backend",
-            value=plan.io_backend,
-            allowed="'cpu' (no CUDA device is available)",
-        )
+        raise ConfigError.of("io_backend", plan.io_backend, "'cpu' (no CUDA device is available)")
     device_pools: dict[str, torch.Tensor] = {}
     for i, spec in enumerate(specs):
         if i in given:
@@ -195,10 +190,6 @@ def _pair(i: int, pool: Any) -> tuple[str, Any]:
 
     if isinstance(pool, tuple) and len(pool) == 2:
         return pool[0], pool[1]
-    raise ConfigError(
-        f"invalid pools[{i}] = {pool!r}: allowed a PoolSpec, a DevicePool or a "
-        "(component, tensor) pair",
-        field=f"pools[{i}]",
-        value=repr(pool),
-        allowed="a PoolSpec, a DevicePool or a (component, tensor) pair",
+    raise ConfigError.of(
+        f"pools[{i}]", repr(pool), "a PoolSpec, a DevicePool or a (component, tensor) pair"
     )

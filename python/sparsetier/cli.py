@@ -56,22 +56,11 @@ def _device_pages(args: argparse.Namespace) -> int:
         return int(args.device_pages)
     gb = args.device_gb
     if not gb > 0:
-        raise ConfigError(
-            f"invalid device_gb = {gb}: allowed a decimal GB figure > 0",
-            field="device_gb",
-            value=str(gb),
-            allowed="a decimal GB figure > 0",
-        )
+        raise ConfigError.of("device_gb", str(gb), "a decimal GB figure > 0")
     per_page = sum(s.page_bytes_all_layers for s in _specs(args, 1))
     pages = int(gb * 1e9) // per_page
     if pages < 1:
-        raise ConfigError(
-            f"invalid device_gb = {gb}: allowed at least {per_page / 1e9:.6f} GB "
-            "(one page of every pool)",
-            field="device_gb",
-            value=str(gb),
-            allowed=f">= {per_page / 1e9:.6f} GB",
-        )
+        raise ConfigError.of("device_gb", str(gb), f">= {per_page / 1e9:.6f} GB")
     return pages
 
 
@@ -197,12 +186,7 @@ def _run_bench(args: argparse.Namespace) -> None:
         for name in ("page_size", "num_seqs", "num_queries", "serve_reqs"):
             v = getattr(args, name)
             if v < 1:
-                raise ConfigError(
-                    f"invalid {name} = {v}: allowed an integer >= 1",
-                    field=name,
-                    value=str(v),
-                    allowed="an integer >= 1",
-                )
+                raise ConfigError.of(name, str(v), "an integer >= 1")
         kw = {
             "page_size": args.page_size,
             "num_seqs": args.num_seqs,
@@ -225,12 +209,7 @@ def _run_bench(args: argparse.Namespace) -> None:
         return
     if args.what == "transfer":
         if args.total_mb < 1:
-            raise ConfigError(
-                f"invalid total_mb = {args.total_mb}: allowed an integer >= 1",
-                field="total_mb",
-                value=str(args.total_mb),
-                allowed="an integer >= 1",
-            )
+            raise ConfigError.of("total_mb", str(args.total_mb), "an integer >= 1")
         if args.device == "cpu":
             rows = bench.bench_transfer_cpu(args.total_mb)
         else:
@@ -245,20 +224,10 @@ def _run_bench(args: argparse.Namespace) -> None:
 
     for b in args.batches:
         if b < 1:
-            raise ConfigError(
-                f"invalid batches = {b}: allowed an integer >= 1",
-                field="batches",
-                value=str(b),
-                allowed="integers >= 1",
-            )
+            raise ConfigError.of("batches", str(b), "integers >= 1")
     for h in args.hit_rates:
         if not 0.0 <= h <= 1.0:
-            raise ConfigError(
-                f"invalid hit_rates = {h}: allowed 0 <= hit_rate <= 1",
-                field="hit_rates",
-                value=str(h),
-                allowed="numbers in [0, 1]",
-            )
+            raise ConfigError.of("hit_rates", str(h), "numbers in [0, 1]")
     rows = bench.bench_directory(tuple(args.batches), tuple(args.hit_rates))
     print(bench.format_directory(rows))
     if args.json:
@@ -302,12 +271,7 @@ def _run_demo(args: argparse.Namespace) -> int:
     ]  # fmt: skip
     for field, value, ok, allowed in checks:
         if not ok:
-            raise ConfigError(
-                f"invalid {field} = {value}: allowed {allowed}",
-                field=field,
-                value=str(value),
-                allowed=allowed,
-            )
+            raise ConfigError.of(field, str(value), allowed)
     cfg = demo.DemoConfig(
         requests=args.requests,
         concurrent=args.concurrent,

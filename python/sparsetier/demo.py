@@ -99,12 +99,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     ):
         from sparsetier.errors import ConfigError
 
-        raise ConfigError(
-            f"invalid device = {cfg.device!r}: allowed 'cpu', or 'cuda' where a GPU is present",
-            field="device",
-            value=cfg.device,
-            allowed="cpu, or cuda where a GPU is present",
-        )
+        raise ConfigError.of("device", cfg.device, "cpu, or cuda where a GPU is present")
     torch.manual_seed(cfg.seed)
     model = TinySparseModel(ModelConfig(seed=cfg.seed)).to(cfg.device)
     work = _workload(cfg, model.c.vocab)

@@ -30,6 +30,16 @@ class ConfigError(SparsetierError, ValueError):
     value: str
     allowed: str
 
+    @classmethod
+    def of(cls, field: str, value: object, allowed: str) -> ConfigError:
+        """The error for `field` = `value`, with the message the Rust core uses."""
+        return cls(
+            f"invalid {field} = {value}: allowed {allowed}",
+            field=field,
+            value=str(value),
+            allowed=allowed,
+        )
+
 
 class OutOfRangeError(SparsetierError, ValueError):
     """An index or id lies outside its valid range. Attributes: ``field``, ``value``,

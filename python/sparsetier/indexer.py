@@ -87,12 +87,7 @@ class SparseIndexer(nn.Module):
         if torch.isnan(k).any():
             from sparsetier.errors import ConfigError
 
-            raise ConfigError(
-                "invalid hidden: NaN in the indexer input",
-                field="hidden",
-                value="NaN",
-                allowed="finite values",
-            )
+            raise ConfigError.of("hidden", "NaN", "finite values")
         rows = pool[0, layer].reshape(-1, self.head_dim)
         rows[out_cache_loc] = k.to(pool.dtype)
 
@@ -145,12 +140,7 @@ def select_blocks(
     else:
         from sparsetier.errors import ConfigError
 
-        raise ConfigError(
-            f"invalid reduce = {reduce!r}: allowed max or mean",
-            field="reduce",
-            value=reduce,
-            allowed="max or mean",
-        )
+        raise ConfigError.of("reduce", reduce, "max or mean")
     forced = {0, *range(max(0, n_blocks - window), n_blocks)}
     chosen = set(forced)
     if len(chosen) < topk:

@@ -122,11 +122,10 @@ class DecodeRuntime:
     ) -> None:
         c = model.c
         if topk < window + 1:
-            raise ConfigError(
-                f"invalid topk = {topk}: allowed topk >= window + 1 = {window + 1}",
-                field="topk",
-                value=str(topk),
-                allowed=f">= {window + 1} (the sink block and the local window are always read)",
+            raise ConfigError.of(
+                "topk",
+                str(topk),
+                f">= {window + 1} (the sink block and the local window are always read)",
             )
         self.model, self.ps, self.topk, self.window, self.prefetch = (
             model,
@@ -140,11 +139,8 @@ class DecodeRuntime:
         self.kv_spec = kv
         self.device = torch.device(device)
         if (self.device.type == "cuda") != (io_backend != "cpu"):
-            raise ConfigError(
-                f"invalid io_backend = {io_backend!r} for device {device!r}",
-                field="io_backend",
-                value=io_backend,
-                allowed="cpu with device cpu; kernel or direct with device cuda",
+            raise ConfigError.of(
+                "io_backend", io_backend, "cpu with device cpu; kernel or direct with device cuda"
             )
         self.device_kv = torch.zeros(kv.shape(), dtype=torch.bfloat16, device=self.device)
         self.host_kv = torch.zeros(kv_host.shape(), dtype=torch.bfloat16)
@@ -200,12 +196,11 @@ class DecodeRuntime:
         try:
             return self.directory.allocate(keys)
         except OutOfPagesError as e:
-            raise ConfigError(
-                f"invalid device budget: {e}",
-                field="device_slots",
-                value=str(self.kv_spec.pages),
-                allowed="more device pages: the current block of every layer of every running "
-                "request stays on the device until it fills, plus top-k blocks per request",
+            raise ConfigError.of(
+                "device_slots",
+                str(self.kv_spec.pages),
+                "more device pages: the current block of every layer of every running "
+                f"request stays on the device until it fills, plus top-k blocks per request ({e})",
             ) from e
 
     # -- requests ---------------------------------------------------------------------
@@ -274,12 +269,7 @@ class DecodeRuntime:
         or on host (loaded back layer by layer as its prefill reaches each layer), and
         prefills only the rest. Everything written is written through to host."""
         if rid >= PROMPT_NAMESPACE:
-            raise ConfigError(
-                f"invalid rid = {rid}: allowed 0 <= rid < {PROMPT_NAMESPACE}",
-                field="rid",
-                value=str(rid),
-                allowed=f"0 <= rid < {PROMPT_NAMESPACE}",
-            )
+            raise ConfigError.of("rid", str(rid), f"0 <= rid < {PROMPT_NAMESPACE}")
         m, ps = self.model, self.ps
         n = prompt.numel()
         r = Request(rid, prompt, decode_steps)
@@ -319,12 +309,7 @@ class DecodeRuntime:
         """Ends a request between steps: its objects go (at once, or when transfers still
         touching them end), its Indexer-K pages are freed; shared prompts stay for others."""
         if rid not in self.requests:
-            raise ConfigError(
-                f"invalid rid = {rid}: allowed a running request",
-                field="rid",
-                value=str(rid),
-                allowed=f"one of {sorted(self.requests)}",
-            )
+            raise ConfigError.of("rid", str(rid), f"one of {sorted(self.requests)}")
         self.finish_request(rid)
         self.aborted += 1
         log.info("request %d aborted", rid)
