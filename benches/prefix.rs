@@ -70,7 +70,11 @@ fn match_requery(c: &mut Criterion) {
         for s in &seqs {
             let m = cache.match_prefix(0, s);
             let mut pages = m.device_pages;
-            pages.extend(cache.alloc_device(s.len() / ps - m.device_len / ps).unwrap());
+            pages.extend(
+                cache
+                    .alloc_device(s.len() / ps - m.device_len / ps)
+                    .unwrap(),
+            );
             cache.insert(0, s, &pages).unwrap();
         }
         let queries = &seqs[..300];

@@ -256,3 +256,24 @@ def test_bad_input():
     dev_only = st.HiCache(PS, 10)
     with pytest.raises(st.ConfigError):
         dev_only.load_back(dev_only.match_prefix(tokens(PS))["last_node"])
+
+
+def test_drop_namespace_frees_a_model_version():
+    s = stack()
+    c = s.hicache
+    seq = tokens(4 * PS)
+    c.insert(seq, c.alloc_device(4), namespace=1)  # model version 1
+    r = c.insert(seq, c.alloc_device(4), namespace=2)  # version 2: the same tokens, other KV
+    c.flush()
+    c.drain()
+    c.lock(r["last_node"])
+    with pytest.raises(st.ConfigError):
+        c.drop_namespace(2)  # locked: refused, nothing changes
+    assert c.drop_namespace(1) == 8  # 4 device + 4 host pages
+    assert c.match_prefix(seq, namespace=1)["device_len"] == 0
+    assert c.match_prefix(seq, namespace=2)["device_len"] == 4 * PS
+    c.unlock(r["last_node"])
+    assert c.drop_namespace(2) == 8
+    st_ = c.stats()
+    assert (st_["device_in_tree"], st_["host_in_tree"]) == (0, 0)
+    c.validate()

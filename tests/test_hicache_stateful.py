@@ -144,6 +144,39 @@ class HiCacheMachine(RuleBasedStateMachine):
             return  # no room even after eviction: the request recomputes
         self.submissions += len(self.c.flush())
 
+    @rule(other_version=st.booleans())
+    def drop_namespace(self, other_version):
+        """Drops a namespace: refused while locked or in flight; a dropped version forgets all
+        its prefixes and frees every page. Namespace 1 (another model version) holds a copy."""
+        ns = 1 if other_version else 0
+        if ns == 1:
+            seq = PROMPTS[0]
+            m = self.c.match_prefix(seq, namespace=1)
+            try:
+                fresh = self.c.alloc_device(len(seq) // PS - m["device_len"] // PS)
+            except sp.OutOfPagesError:
+                return
+            if m["device_len"]:
+                self.c.free_device(fresh)
+            else:
+                self.c.insert(seq, fresh, namespace=1)
+        busy = ns == 0 and bool(self.locks)
+        try:
+            self.c.drop_namespace(ns)
+        except sp.ConfigError:
+            assert busy or self.c.stats()["in_flight"] or self.pending(), "refused without cause"
+            return
+        assert not busy, "dropped a namespace with a locked node"
+        assert self.c.match_prefix(PROMPTS[0], namespace=ns)["device_len"] == 0
+        if ns == 0:
+            self.inserted.clear()
+            self.seqs.clear()
+
+    def pending(self) -> bool:
+        """Whether queued or in-flight transfers touch the tree (then a drop is refused)."""
+        self.submissions += len(self.c.flush())
+        return self.c.stats()["in_flight"] > 0
+
     @rule()
     def flush(self):
         self.submissions += len(self.c.flush())

@@ -290,6 +290,13 @@ impl PyHiCache {
         self.inner.lock().free_device(&p).py_err(pages.py())
     }
 
+    /// Removes a namespace (a retired model version) and frees its pages on both tiers;
+    /// returns how many. Refused (ConfigError) while a node of it is locked or in flight.
+    fn drop_namespace(&self, namespace: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let ns = self::namespace(Some(namespace))?;
+        self.inner.lock().drop_namespace(ns).py_err(namespace.py())
+    }
+
     /// Locks the path from the root to `node`: none of it is evicted until `unlock`.
     fn lock(&self, node: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::node(node)?;

@@ -600,6 +600,17 @@ impl HiCache {
         self.poll().map(|_| ())
     }
 
+    /// Removes namespace `ns` (e.g. a retired model version) and frees its pages on both
+    /// tiers. Refused while a node of it is locked or in flight.
+    pub fn drop_namespace(&mut self, ns: u32) -> Result<usize> {
+        let (dev, host) = self.tree.drop_namespace(ns)?;
+        self.device.free(&dev).expect("tree pages are allocated");
+        if let Some(h) = self.host.as_mut() {
+            h.free(&host).expect("tree pages are allocated");
+        }
+        Ok(dev.len() + host.len())
+    }
+
     /// Locks the path to `node`.
     pub fn lock(&mut self, node: NodeId) -> Result<()> {
         self.tree.lock(node)

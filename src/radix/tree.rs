@@ -711,6 +711,47 @@ impl RadixTree {
         Ok(freed)
     }
 
+    /// Removes namespace `ns` (a model version going away): every node of its tree, handing
+    /// back (device pages, host pages) to free. Refused, changing nothing, while any node is
+    /// locked or has a transfer in flight: the caller drains and unlocks first.
+    pub fn drop_namespace(&mut self, ns: u32) -> Result<(Vec<PageId>, Vec<PageId>)> {
+        let Some(&root) = self.roots.get(&ns) else {
+            return Ok((Vec::new(), Vec::new()));
+        };
+        let mut stack = vec![root];
+        let mut subtree = Vec::new();
+        while let Some(i) = stack.pop() {
+            let n = &self.nodes[i];
+            if n.parent != NIL
+                && (n.lock_ref > 0 || n.loading.is_some() || matches!(n.host, HostCopy::Writing(_)))
+            {
+                return Err(Error::config(
+                    "namespace",
+                    ns,
+                    "a namespace with no locked node and no transfer in flight (unlock and drain first)",
+                ));
+            }
+            stack.extend(n.children.values().copied());
+            subtree.push(i);
+        }
+        let (mut dev, mut host) = (Vec::new(), Vec::new());
+        for i in subtree {
+            let n = self.nodes.remove(i);
+            if let Some(s) = n.in_device_lru {
+                self.device_lru.remove(&(s, i));
+            }
+            if let Some(s) = n.in_host_lru {
+                self.host_lru.remove(&(s, i));
+            }
+            self.device_pages -= n.device.len();
+            self.host_pages -= n.host_pages.len();
+            dev.extend(n.device);
+            host.extend(n.host_pages);
+        }
+        self.roots.remove(&ns);
+        Ok((dev, host))
+    }
+
     /// Nodes whose loading or backup is transfer `t`, found by walking every node (used when a
     /// split may have spread a transfer over several nodes).
     pub fn nodes_of_transfer(&self, t: u64) -> Vec<NodeId> {
