@@ -41,6 +41,18 @@ pub fn to_py(py: Python<'_>, err: Error) -> PyErr {
     typed_error(py, class, message, &details)
 }
 
+/// The `field`, `value`, `allowed` attributes most errors carry.
+fn field_value_allowed<'py>(
+    d: &Bound<'py, PyDict>,
+    field: impl IntoPyObject<'py>,
+    value: impl IntoPyObject<'py>,
+    allowed: impl IntoPyObject<'py>,
+) -> PyResult<()> {
+    d.set_item("field", field)?;
+    d.set_item("value", value)?;
+    d.set_item("allowed", allowed)
+}
+
 /// Sets the exception's attributes; returns its class name in `sparsetier.errors`.
 fn fill(d: &Bound<'_, PyDict>, err: &Error) -> PyResult<&'static str> {
     Ok(match err {
@@ -49,9 +61,7 @@ fn fill(d: &Bound<'_, PyDict>, err: &Error) -> PyResult<&'static str> {
             value,
             allowed,
         } => {
-            d.set_item("field", field)?;
-            d.set_item("value", value)?;
-            d.set_item("allowed", allowed)?;
+            field_value_allowed(d, field, value, allowed)?;
             "ConfigError"
         }
         Error::OutOfRange {
@@ -60,9 +70,7 @@ fn fill(d: &Bound<'_, PyDict>, err: &Error) -> PyResult<&'static str> {
             lo,
             hi,
         } => {
-            d.set_item("field", field)?;
-            d.set_item("value", value)?;
-            d.set_item("allowed", format!("{lo} <= {field} < {hi}"))?;
+            field_value_allowed(d, field, value, format!("{lo} <= {field} < {hi}"))?;
             "OutOfRangeError"
         }
         Error::OutOfPages {
@@ -88,15 +96,11 @@ fn fill(d: &Bound<'_, PyDict>, err: &Error) -> PyResult<&'static str> {
             "OutOfPagesError"
         }
         Error::DoubleFree { page } => {
-            d.set_item("field", "pages")?;
-            d.set_item("value", page)?;
-            d.set_item("allowed", "pages currently allocated")?;
+            field_value_allowed(d, "pages", page, "pages currently allocated")?;
             "AllocatorError"
         }
         Error::NotOwned { page, lo, hi } => {
-            d.set_item("field", "pages")?;
-            d.set_item("value", page)?;
-            d.set_item("allowed", format!("{lo} <= page < {hi}"))?;
+            field_value_allowed(d, "pages", page, format!("{lo} <= page < {hi}"))?;
             "AllocatorError"
         }
         Error::NotResident { key } => {
@@ -147,9 +151,7 @@ fn fill(d: &Bound<'_, PyDict>, err: &Error) -> PyResult<&'static str> {
             value,
             allowed,
         } => {
-            d.set_item("field", field)?;
-            d.set_item("value", value)?;
-            d.set_item("allowed", allowed)?;
+            field_value_allowed(d, field, value, allowed)?;
             "PlanError"
         }
         Error::CopyFailed {
@@ -173,15 +175,16 @@ fn fill(d: &Bound<'_, PyDict>, err: &Error) -> PyResult<&'static str> {
             "CudaError"
         }
         Error::UnknownNode { id } => {
-            d.set_item("field", "node")?;
-            d.set_item("value", id)?;
-            d.set_item("allowed", "a node id from this cache that is still live")?;
+            field_value_allowed(
+                d,
+                "node",
+                id,
+                "a node id from this cache that is still live",
+            )?;
             "UnknownNodeError"
         }
         Error::NotLocked { id } => {
-            d.set_item("field", "node")?;
-            d.set_item("value", id)?;
-            d.set_item("allowed", "a node locked by an earlier lock()")?;
+            field_value_allowed(d, "node", id, "a node locked by an earlier lock()")?;
             "NotLockedError"
         }
         Error::UnknownHandle { id } => {
