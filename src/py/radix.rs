@@ -379,12 +379,24 @@ impl PyHiCache {
     fn wait(
         &self,
         py: Python<'_>,
-        transfer_id: u64,
-        layer: Option<usize>,
+        transfer_id: &Bound<'_, PyAny>,
+        layer: Option<&Bound<'_, PyAny>>,
         timeout: Option<f64>,
     ) -> PyResult<()> {
-        let Some(ev) = self.inner.lock().events(transfer_id) else {
-            return Ok(());
+        // Arguments are checked before the lookup: bad input is an error even when the
+        // transfer has already settled.
+        let id = int(transfer_id, "transfer_id")?;
+        let id = u64::try_from(id).map_err(|_| {
+            to_py(
+                py,
+                Error::out_of_range("transfer_id", id, 0, i128::from(i64::MAX) + 1),
+            )
+        })?;
+        let layer = match opt_int(layer, "layer")? {
+            None => None,
+            Some(l) => Some(usize::try_from(l).map_err(|_| {
+                to_py(py, Error::out_of_range("layer", l, 0, i128::from(u32::MAX)))
+            })?),
         };
         let t = match timeout {
             Some(s) if s.is_finite() && s >= 0.0 => Some(Duration::from_secs_f64(s)),
@@ -395,6 +407,9 @@ impl PyHiCache {
                 ))
             }
             None => None,
+        };
+        let Some(ev) = self.inner.lock().events(id) else {
+            return Ok(());
         };
         py.detach(|| match layer {
             None => ev.wait_all(t),
