@@ -106,3 +106,12 @@ impl HostSlotId {
         HostSlotId(p.raw())
     }
 }
+newtype_id!(
+    /// A request the step scheduler serves; it is also the namespace of the request's objects.
+    RequestId(u64)
+);
+newtype_id!(
+    /// One planned layer of one step, as the step scheduler hands it out. Never reused, so a
+    /// stale id misses instead of naming a later plan.
+    LayerPlanId(u64)
+);

@@ -22,6 +22,7 @@ pub mod layout;
 pub mod plan;
 pub mod pool;
 pub mod radix;
+pub mod scheduler;
 #[doc(hidden)]
 pub mod testing;
 pub mod transfer;

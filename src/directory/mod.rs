@@ -144,6 +144,12 @@ impl Directory {
         }
     }
 
+    /// The outcome of transfer `id` without waiting: `None` while in flight. Known while a
+    /// pin handle refers to it or it is in flight.
+    pub fn outcome(&self, id: TransferId) -> Result<Option<Result<()>>> {
+        self.core.lock().outcome(id)
+    }
+
     /// See [`core::Core::backup`].
     pub fn backup(&self, keys: &[ObjectKey]) -> Result<BackupPlan> {
         self.core.lock().backup(keys)

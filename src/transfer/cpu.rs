@@ -93,11 +93,6 @@ impl CpuEngine {
     pub fn inject(&self, fault: Fault) {
         self.faults.lock().push(fault);
     }
-
-    /// Submissions so far: the next one is number `submitted()`.
-    pub fn submitted(&self) -> u64 {
-        self.seq.load(Ordering::SeqCst)
-    }
 }
 
 fn run(job: &Job) {
@@ -144,6 +139,15 @@ fn copy(ops: &[CopyOp]) {
 impl CopyEngine for CpuEngine {
     fn name(&self) -> &'static str {
         "cpu"
+    }
+
+    fn inject(&self, fault: Fault) -> Result<()> {
+        self.faults.lock().push(fault);
+        Ok(())
+    }
+
+    fn submitted(&self) -> u64 {
+        self.seq.load(Ordering::SeqCst)
     }
 
     fn submit(

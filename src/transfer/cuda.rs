@@ -383,6 +383,14 @@ impl CopyEngine for CudaEngine {
         }
     }
 
+    fn stream_wait(&self, events: &TransferEvents, layer_index: usize, stream: u64) -> Result<()> {
+        CudaEngine::stream_wait(self, events.seq(), layer_index, stream)
+    }
+
+    fn submitted(&self) -> u64 {
+        self.seq.load(Ordering::SeqCst)
+    }
+
     fn submit(
         &self,
         group: Arc<PageTransferGroup>,

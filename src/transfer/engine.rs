@@ -1,8 +1,9 @@
 //! The copy-engine interface shared by the cpu, kernel and direct engines.
 
+use super::cpu::Fault;
 use super::events::TransferEvents;
 use super::prepared::PageTransferGroup;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use std::sync::Arc;
 
 /// Moves the pages of a [`PageTransferGroup`], recording one event per layer.
@@ -18,6 +19,34 @@ pub trait CopyEngine: Send + Sync {
         group: Arc<PageTransferGroup>,
         layer: Option<usize>,
     ) -> Result<Arc<TransferEvents>>;
+
+    /// Makes the consumer's CUDA stream `stream` wait on the GPU for layer index `layer_index`
+    /// of `events`, without blocking the CPU. Engines that run on the CPU have no streams and
+    /// refuse; their consumers wait on the events instead.
+    fn stream_wait(&self, events: &TransferEvents, layer_index: usize, stream: u64) -> Result<()> {
+        let _ = (events, layer_index, stream);
+        Err(Error::config(
+            "stream",
+            stream,
+            format!(
+                "None: the {} engine has no CUDA streams to wait on",
+                self.name()
+            ),
+        ))
+    }
+
+    /// Arms a fault for a later submission (the cpu engine's test hook); others refuse.
+    fn inject(&self, fault: Fault) -> Result<()> {
+        let _ = fault;
+        Err(Error::config(
+            "io_backend",
+            self.name(),
+            "cpu: fault injection is a cpu-engine hook",
+        ))
+    }
+
+    /// Submissions so far: the next one is number `submitted()`.
+    fn submitted(&self) -> u64;
 }
 
 /// The layers a submission moves.

@@ -1,0 +1,1329 @@
+//! `StepScheduler`: the batched decode step. One call per layer for the whole batch.
+//!
+//! # What it owns
+//! The residency directory of the main-KV objects (one object = one page of one layer of one
+//! request or shared prefix), the device and host KV bindings those objects' slots index, the
+//! copy engine, every request's block state, the loads and backups in flight, the layer plans
+//! handed out, the prefetches, and the step record.
+//!
+//! # One step
+//! `append` (slots for the batch's new K/V rows; a page that starts is allocated for every
+//! layer) -> per layer: `plan` (one directory resolve for the batch, one load submission for
+//! every miss, a slot table) -> `ready` (event wait, or a CUDA stream wait; failures retried
+//! once, then reported per request) -> `finish` (pins released, metrics folded) ->
+//! `end_step` (filled pages written through in one backup submission, finished transfers
+//! settled, the next step's first prefetches issued).
+//!
+//! # Invariants (checked by [`StepScheduler::validate`])
+//! - the directory's own invariants;
+//! - every pin the directory holds belongs to an outstanding plan or prefetch: with none
+//!   outstanding, the directory holds no pin and no handle;
+//! - every load or backup in flight in the directory is tracked here (or was settled), so
+//!   nothing stays Loading or Writing once its events fired and `poll` ran;
+//! - each request's tail slots are device-Ready objects of that request.
+//!
+//! # Failure
+//! A failed load is settled (`fail`: its objects go back to host-only, their slots are
+//! quarantined until the copy can no longer write them), retried once by the plan that needs
+//! it, and if the retry fails too, the plan's rows that read those objects are reported failed
+//! with the reason; the rest of the batch goes on. A failed backup is retried once at the next
+//! `end_step`; after that the pages stay device-only (never evicted) until their request ends.
+//!
+//! # Drop
+//! Dropping the scheduler drops the directory and the engine handle; transfers still in flight
+//! keep their buffers alive only through the bindings' contract (the Python layer keeps the
+//! tensors alive in the engine).
+
+use super::record::StepRecord;
+use super::request::{Prefix, RequestState};
+use super::selection::{RowDedup, SelectionUnit};
+use crate::directory::{Directory, DirectoryConfig, LayerGroup, ObjectKey, Resolved};
+use crate::error::{Error, Result};
+use crate::ids::{LayerPlanId, PinHandleId, RequestId, SlotId, TransferId};
+use crate::transfer::{
+    CopyEngine, Direction, Fault, FaultAction, Granularity, LayerStatus, PageTransferBinding,
+    PageTransferGroup, PageTransferMap, PreparedPageTransfer, TransferEvents,
+};
+use rustc_hash::FxHashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const NONE: u32 = u32::MAX;
+
+/// Sizes and switches of a scheduler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchedulerConfig {
+    /// Model layers (each layer's page is its own object).
+    pub layers: u16,
+    /// Tokens per page.
+    pub page_size: u32,
+    /// Device slots, reserve included.
+    pub device_pages: u32,
+    /// Device slots never handed out.
+    pub device_reserve: u32,
+    /// Host slots.
+    pub host_pages: u32,
+    /// Load what each request selected at a layer last step before that layer's indexer runs.
+    pub prefetch: bool,
+    /// How many layers ahead `plan(l)` prefetches (layer `l + depth`).
+    pub prefetch_depth: u16,
+}
+
+/// What `ready` reports.
+#[derive(Debug, Clone, Default)]
+pub struct ReadyOutcome {
+    /// Rows of the batch whose loads failed twice: (row, request, reason). Their slot-table
+    /// rows are -1; the caller ends or restarts those requests.
+    pub failed: Vec<(usize, RequestId, String)>,
+    /// Whether a retry moved objects to other slots (the slot table changed).
+    pub slots_changed: bool,
+}
+
+/// A finished plan's own counts, for callers that attribute them (prefix hits at prefill).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PlanCounts {
+    /// Distinct objects found Ready.
+    pub ready: u64,
+    /// Distinct objects loaded.
+    pub loaded: u64,
+    /// Distinct objects found Loading.
+    pub joined: u64,
+    /// Time blocked in `ready`, ns.
+    pub exposed_wait_ns: u64,
+}
+
+#[derive(Debug)]
+struct Load {
+    events: Arc<TransferEvents>,
+}
+
+#[derive(Debug)]
+struct Backup {
+    events: Arc<TransferEvents>,
+    keys: Vec<ObjectKey>,
+    attempt: u8,
+}
+
+#[derive(Debug)]
+struct Prefetch {
+    handle: PinHandleId,
+    pins: u64,
+    /// Per request: (predicted pages, pages this prefetch loaded), both sorted.
+    rows: FxHashMap<RequestId, (Vec<u32>, Vec<u32>)>,
+}
+
+#[derive(Debug)]
+struct LayerPlan {
+    layer: u16,
+    rids: Vec<RequestId>,
+    handles: Vec<PinHandleId>,
+    prefetch: Option<Prefetch>,
+    keys: Vec<ObjectKey>,
+    key_row: Vec<u32>,
+    /// Per slot-table cell: the key index, or NONE.
+    cells: Vec<u32>,
+    table: Vec<i32>,
+    transfers: Vec<TransferId>,
+    pins: u64,
+    selected_at: Instant,
+    submitted_at: Option<Instant>,
+    counts: PlanCounts,
+    ready: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct ArmedFault {
+    direction: Direction,
+    layer: Option<u16>,
+    remaining: u32,
+}
+
+/// The batched, asynchronous decode-step scheduler.
+pub struct StepScheduler {
+    cfg: SchedulerConfig,
+    dir: Arc<Directory>,
+    engine: Arc<dyn CopyEngine>,
+    device: PageTransferBinding,
+    host: PageTransferBinding,
+    object_bytes: u64,
+    token_bytes: u64,
+    requests: FxHashMap<RequestId, RequestState>,
+    prompts: FxHashMap<u64, u32>,
+    loads: FxHashMap<TransferId, Load>,
+    backups: FxHashMap<TransferId, Backup>,
+    pending_backups: Vec<ObjectKey>,
+    retry_backups: Vec<ObjectKey>,
+    plans: FxHashMap<LayerPlanId, LayerPlan>,
+    prefetches: FxHashMap<u16, Prefetch>,
+    faults: Vec<ArmedFault>,
+    next_plan: u64,
+    batch: u64,
+    last_batch: Vec<RequestId>,
+    pins: u64,
+    prefetch_pins: u64,
+    rec: StepRecord,
+    totals: StepRecord,
+    steps: u64,
+    dedup: RowDedup,
+    mark: Vec<bool>,
+}
+
+impl std::fmt::Debug for StepScheduler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepScheduler")
+            .field("cfg", &self.cfg)
+            .field("engine", &self.engine.name())
+            .field("requests", &self.requests.len())
+            .field("plans", &self.plans.len())
+            .finish()
+    }
+}
+
+impl StepScheduler {
+    /// A scheduler over one-layer KV pools whose pages are the objects' slots: `device` holds
+    /// `device_pages` pages, `host` holds `host_pages`, both of `page_size` tokens.
+    pub fn new(
+        cfg: SchedulerConfig,
+        device: PageTransferBinding,
+        host: PageTransferBinding,
+        engine: Arc<dyn CopyEngine>,
+    ) -> Result<Self> {
+        if cfg.layers == 0 {
+            return Err(Error::config("layers", 0, "an integer >= 1"));
+        }
+        if device.layers() != 1 || host.layers() != 1 {
+            return Err(Error::config(
+                "device/host bindings",
+                format!("{} and {} layers", device.layers(), host.layers()),
+                "one-layer KV pools: one page of them is one layer of one page of a request",
+            ));
+        }
+        for (field, b, pages) in [
+            ("device.pages", &device, cfg.device_pages),
+            ("host.pages", &host, cfg.host_pages),
+        ] {
+            if b.pages() != pages {
+                return Err(Error::config(field, b.pages(), format!("{pages}")));
+            }
+            if b.page_size() != cfg.page_size {
+                return Err(Error::config(
+                    "page_size",
+                    b.page_size(),
+                    format!("{}: the scheduler's page size", cfg.page_size),
+                ));
+            }
+        }
+        let object_bytes = device.page_bytes() * device.planes_per_layer() as u64;
+        let dir = Directory::new(DirectoryConfig {
+            device_pages: cfg.device_pages,
+            device_reserve: cfg.device_reserve,
+            host_pages: cfg.host_pages,
+            host_reserve: 0,
+            object_bytes,
+        })?;
+        Ok(StepScheduler {
+            token_bytes: object_bytes / u64::from(cfg.page_size),
+            cfg,
+            dir: Arc::new(dir),
+            engine,
+            device,
+            host,
+            object_bytes,
+            requests: FxHashMap::default(),
+            prompts: FxHashMap::default(),
+            loads: FxHashMap::default(),
+            backups: FxHashMap::default(),
+            pending_backups: Vec::new(),
+            retry_backups: Vec::new(),
+            plans: FxHashMap::default(),
+            prefetches: FxHashMap::default(),
+            faults: Vec::new(),
+            next_plan: 1,
+            batch: 0,
+            last_batch: Vec::new(),
+            pins: 0,
+            prefetch_pins: 0,
+            rec: StepRecord::default(),
+            totals: StepRecord::default(),
+            steps: 0,
+            dedup: RowDedup::default(),
+            mark: vec![false; cfg.device_pages as usize],
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.cfg
+    }
+
+    /// The directory (for stats and checks; the scheduler makes every transition).
+    pub fn directory(&self) -> &Arc<Directory> {
+        &self.dir
+    }
+
+    /// The copy engine.
+    pub fn engine(&self) -> &Arc<dyn CopyEngine> {
+        &self.engine
+    }
+
+    /// Bytes of one object (one page of one layer, every plane).
+    pub fn object_bytes(&self) -> u64 {
+        self.object_bytes
+    }
+
+    /// Requests running.
+    pub fn requests(&self) -> impl Iterator<Item = &RequestState> {
+        self.requests.values()
+    }
+
+    /// One running request's block state.
+    pub fn request(&self, id: RequestId) -> Option<&RequestState> {
+        self.requests.get(&id)
+    }
+
+    /// Cumulative record over every finished step.
+    pub fn totals(&self) -> &StepRecord {
+        &self.totals
+    }
+
+    /// Loads and backups in flight (tracked here, not yet settled).
+    pub fn in_flight(&self) -> (usize, usize) {
+        (self.loads.len(), self.backups.len())
+    }
+
+    /// Outstanding layer plans and prefetches.
+    pub fn outstanding(&self) -> (usize, usize) {
+        (self.plans.len(), self.prefetches.len())
+    }
+
+    // -- requests -----------------------------------------------------------------------
+
+    /// Stores a shared prefix of `pages` whole pages under `namespace`: its objects are
+    /// allocated for every layer and returned layer-major (`[layer][page]`); the caller writes
+    /// them before its next call, and they are written through to host at the next `end_step`.
+    pub fn add_prompt(&mut self, namespace: u64, pages: u32) -> Result<Vec<SlotId>> {
+        if self.prompts.contains_key(&namespace)
+            || self.requests.contains_key(&RequestId::new(namespace))
+        {
+            return Err(Error::config(
+                "namespace",
+                namespace,
+                "a namespace no prompt or request uses",
+            ));
+        }
+        if pages == 0 {
+            return Err(Error::config("pages", 0, "an integer >= 1"));
+        }
+        let keys: Vec<ObjectKey> = (0..self.cfg.layers)
+            .flat_map(|l| {
+                (0..pages).map(move |p| ObjectKey::new(namespace, 0, p, LayerGroup::Layer(l)))
+            })
+            .collect();
+        let slots = self.allocate_with_room(&keys)?;
+        self.pending_backups.extend_from_slice(&keys);
+        self.prompts.insert(namespace, pages);
+        Ok(slots)
+    }
+
+    /// Whole pages of a stored prefix.
+    pub fn prompt_pages(&self, namespace: u64) -> Option<u32> {
+        self.prompts.get(&namespace).copied()
+    }
+
+    /// Ends a stored prefix; refused while a running request reads it.
+    pub fn drop_prompt(&mut self, namespace: u64) -> Result<()> {
+        if !self.prompts.contains_key(&namespace) {
+            return Err(Error::config("namespace", namespace, "a stored prompt"));
+        }
+        if let Some(r) = self
+            .requests
+            .values()
+            .find(|r| r.prefix.is_some_and(|p| p.namespace == namespace))
+        {
+            return Err(Error::config(
+                "namespace",
+                namespace,
+                format!("a prompt no running request reads (request {} does)", r.id),
+            ));
+        }
+        self.prompts.remove(&namespace);
+        self.pending_backups.retain(|k| k.namespace.id != namespace);
+        self.dir
+            .drop_namespace(crate::directory::Namespace {
+                id: namespace,
+                version: 0,
+            })
+            .map(|_| ())
+    }
+
+    /// Admits request `id` with `tokens` tokens already prefilled, the first `prefix.pages`
+    /// pages read from a stored prefix. Allocates its own pages for every layer and returns
+    /// their slots layer-major (`[layer][own page]`); the caller writes the K/V rows before
+    /// its next call, and full pages are written through at the next `end_step`.
+    pub fn add_request(
+        &mut self,
+        id: RequestId,
+        tokens: u64,
+        prefix: Option<Prefix>,
+    ) -> Result<Vec<SlotId>> {
+        if self.requests.contains_key(&id) || self.prompts.contains_key(&id.raw()) {
+            return Err(Error::KeyExists {
+                key: format!("request {id}"),
+            });
+        }
+        let ps = u64::from(self.cfg.page_size);
+        if let Some(p) = prefix {
+            let stored = self.prompts.get(&p.namespace).copied().unwrap_or(0);
+            if p.pages == 0 || p.pages > stored || u64::from(p.pages) * ps > tokens {
+                return Err(Error::config(
+                    "prefix",
+                    format!("({}, {} pages)", p.namespace, p.pages),
+                    format!(
+                        "a stored prompt and 1..={} of its pages, no more than the request's \
+                         {tokens} tokens cover",
+                        stored.min((tokens / ps) as u32)
+                    ),
+                ));
+            }
+        }
+        let mut state = RequestState::new(id, tokens, prefix, self.cfg.layers as usize);
+        let first = prefix.map_or(0, |p| p.pages);
+        let total = state.pages(self.cfg.page_size);
+        let keys: Vec<ObjectKey> = (0..self.cfg.layers)
+            .flat_map(|l| (first..total).map(move |p| (p, l)))
+            .map(|(p, l)| state.key(p, l))
+            .collect();
+        let slots = if keys.is_empty() {
+            Vec::new()
+        } else {
+            self.allocate_with_room(&keys)?
+        };
+        let own = (total - first) as usize;
+        let full = (tokens / ps) as u32;
+        for (i, k) in keys.iter().enumerate() {
+            if k.page < full {
+                self.pending_backups.push(*k);
+            } else if own > 0 && i % own == own - 1 {
+                state.tail.push(slots[i]);
+            }
+        }
+        self.requests.insert(id, state);
+        Ok(slots)
+    }
+
+    /// Ends request `id`: its objects go now, or when the last pin or transfer touching them
+    /// ends. Shared prefixes stay.
+    pub fn finish_request(&mut self, id: RequestId) -> Result<()> {
+        if self.requests.remove(&id).is_none() {
+            return Err(Error::config("rid", id, "a running request"));
+        }
+        self.pending_backups.retain(|k| k.namespace.id != id.raw());
+        self.retry_backups.retain(|k| k.namespace.id != id.raw());
+        self.dir
+            .drop_namespace(crate::directory::Namespace {
+                id: id.raw(),
+                version: 0,
+            })
+            .map(|_| ())
+    }
+
+    fn request_mut(&mut self, id: RequestId, batch: u64) -> Result<&mut RequestState> {
+        mark_batch(&mut self.requests, id, batch)
+    }
+
+    /// Allocates, and when the device is full of pages not yet written through, backs them up
+    /// and settles first (the caller wrote them before this call, by contract).
+    fn allocate_with_room(&mut self, keys: &[ObjectKey]) -> Result<Vec<SlotId>> {
+        match self.dir.allocate(keys) {
+            Err(Error::OutOfSlots { .. }) => {
+                self.submit_pending_backups()?;
+                self.wait_backups();
+                self.poll()?;
+                self.dir.allocate(keys)
+            }
+            r => r,
+        }
+    }
+
+    // -- the step -----------------------------------------------------------------------
+
+    /// Starts a step for `rids`: returns, per request, the device slot of its new token's page
+    /// at every layer (`[B][layers]`) and the row inside that page (`[B]`). A request whose
+    /// token starts a page gets that page allocated for every layer, in one allocation for the
+    /// batch. The caller writes the rows before the page's backup can start (`end_step`).
+    pub fn append(&mut self, rids: &[RequestId]) -> Result<(Vec<SlotId>, Vec<u32>)> {
+        let t0 = Instant::now();
+        self.batch += 1;
+        let batch = self.batch;
+        let layers = self.cfg.layers;
+        let ps = u64::from(self.cfg.page_size);
+        let mut fresh = Vec::new();
+        for &id in rids {
+            let r = self.request_mut(id, batch)?;
+            if r.len % ps == 0 {
+                let page = (r.len / ps) as u32;
+                fresh.extend((0..layers).map(|l| r.key(page, l)));
+            }
+        }
+        if !fresh.is_empty() {
+            let slots = self.allocate_with_room(&fresh)?;
+            let mut at = 0;
+            for id in rids {
+                let r = self.requests.get_mut(id).expect("checked above");
+                if r.len % ps == 0 {
+                    r.tail.clear();
+                    r.tail.extend_from_slice(&slots[at..at + layers as usize]);
+                    at += layers as usize;
+                }
+            }
+        }
+        let mut slots = Vec::with_capacity(rids.len() * layers as usize);
+        let mut rows = Vec::with_capacity(rids.len());
+        for id in rids {
+            let r = self.requests.get_mut(id).expect("checked above");
+            slots.extend_from_slice(&r.tail);
+            rows.push((r.len % ps) as u32);
+            r.len += 1;
+            if r.len % ps == 0 {
+                let page = (r.len / ps - 1) as u32;
+                for l in 0..layers {
+                    self.pending_backups.push(r.key(page, l));
+                }
+            }
+        }
+        self.last_batch.clear();
+        self.last_batch.extend_from_slice(rids);
+        self.rec.requests += rids.len() as u64;
+        self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
+        Ok((slots, rows))
+    }
+
+    /// Plans `layer` for the batch `rids`: `selection` is `[B][k]` entries (-1 = none) of
+    /// `unit` tokens each. One directory resolve for the whole batch, one load submission for
+    /// every miss. Returns the plan and its slot table, `[B][k * pages_per_entry]` device
+    /// slots, -1 where an entry names nothing.
+    pub fn plan(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        selection: &[i64],
+        k: usize,
+        unit: SelectionUnit,
+    ) -> Result<(LayerPlanId, &[i32])> {
+        let t0 = Instant::now();
+        if layer >= self.cfg.layers {
+            return Err(Error::out_of_range("layer", layer, 0, self.cfg.layers));
+        }
+        if selection.len() != rids.len() * k {
+            return Err(Error::config(
+                "selection",
+                format!("{} entries", selection.len()),
+                format!("{} x {k}: one row of k per request", rids.len()),
+            ));
+        }
+        self.batch += 1;
+        let batch = self.batch;
+        let ppe = unit.pages_per_entry();
+        let ps = self.cfg.page_size;
+        let mut keys = Vec::with_capacity(selection.len());
+        let mut key_row = Vec::with_capacity(selection.len());
+        let mut needed: Vec<u32> = Vec::with_capacity(selection.len());
+        let mut cells = vec![NONE; rids.len() * k * ppe];
+        let mut rows_pages: Vec<Vec<(u32, u32)>> = Vec::with_capacity(rids.len());
+        let mut pages_buf = vec![None; ppe];
+        let mut selected = 0u64;
+        if unit.page_size() != ps {
+            return Err(Error::config(
+                "unit",
+                unit.unit(),
+                format!("a selection unit over the scheduler's {ps}-token pages"),
+            ));
+        }
+        for (b, &id) in rids.iter().enumerate() {
+            let r = mark_batch(&mut self.requests, id, batch)?;
+            let len = r.len;
+            let pages = r.pages(ps);
+            self.dedup.begin_row(pages);
+            let mut row_pages = Vec::with_capacity(k);
+            for j in 0..k {
+                let e = selection[b * k + j];
+                if e < 0 {
+                    continue;
+                }
+                if e as u64 >= unit.entries(len) {
+                    return Err(Error::out_of_range(
+                        format!("selection[{b}][{j}]"),
+                        e,
+                        -1,
+                        unit.entries(len),
+                    ));
+                }
+                unit.entry_pages(e as u64, len, &mut pages_buf);
+                for (i, cell) in pages_buf.iter().enumerate() {
+                    let Some((page, tokens)) = *cell else {
+                        continue;
+                    };
+                    selected += 1;
+                    let at = b * k * ppe + j * ppe + i;
+                    let next = keys.len() as u32;
+                    match self.dedup.seen_or_insert(page, next) {
+                        Some(idx) => {
+                            cells[at] = idx;
+                            let n = &mut needed[idx as usize];
+                            *n = (*n + tokens).min(ps);
+                        }
+                        None => {
+                            cells[at] = next;
+                            keys.push(r.key(page, layer));
+                            key_row.push(b as u32);
+                            needed.push(tokens);
+                            row_pages.push((page, next));
+                        }
+                    }
+                }
+            }
+            row_pages.sort_unstable();
+            rows_pages.push(row_pages);
+        }
+        if keys.is_empty() {
+            return Err(Error::config(
+                "selection",
+                "no entry naming a page",
+                "at least one selected block or token (the sink block is always read)",
+            ));
+        }
+        let needed_bytes: u64 =
+            needed.iter().map(|&n| u64::from(n)).sum::<u64>() * self.token_bytes;
+        let res: Resolved = match self.dir.resolve(&keys, Some(needed_bytes)) {
+            Err(Error::OutOfSlots { .. }) => {
+                // Pages written but not yet through to host cannot be evicted: write them
+                // through, settle, and try once more.
+                self.submit_pending_backups()?;
+                self.wait_backups();
+                self.poll()?;
+                self.dir.resolve(&keys, Some(needed_bytes))?
+            }
+            r => r?,
+        };
+        // Everything below commits: the resolve pinned the batch.
+        let prefetch = self.prefetches.remove(&layer);
+        let mut rec = StepRecord {
+            selected,
+            pages: res.metrics.distinct,
+            ready: res.metrics.ready,
+            loaded: res.metrics.absent,
+            joined: res.metrics.loading,
+            bytes_needed: needed_bytes,
+            ..Default::default()
+        };
+        let mut counts = PlanCounts {
+            ready: res.metrics.ready,
+            loaded: res.metrics.absent,
+            joined: res.metrics.loading,
+            exposed_wait_ns: 0,
+        };
+        // Loaded keys: their slots are the load's destinations.
+        let mut needed_moved = 0u64;
+        if let Some(lp) = res.loads.first() {
+            for s in &lp.device_slots {
+                self.mark[s.raw() as usize] = true;
+            }
+            for (i, s) in res.slots.iter().enumerate() {
+                if self.mark[s.raw() as usize] {
+                    needed_moved += u64::from(needed[i]);
+                    self.mark[s.raw() as usize] = false; // count a repeated key once
+                }
+            }
+            for s in &lp.device_slots {
+                self.mark[s.raw() as usize] = false;
+            }
+        }
+        // Prefetch accuracy: the prediction against the selection, row by row.
+        if let Some(pf) = &prefetch {
+            let mut wasted = 0u64;
+            for (b, id) in rids.iter().enumerate() {
+                let Some((predicted, loaded)) = pf.rows.get(id) else {
+                    continue;
+                };
+                let row = &rows_pages[b];
+                rec.prefetch_hits += intersect(row, predicted, |_| ());
+                let mut used = 0u64;
+                let used_n = intersect(row, loaded, |idx| used += u64::from(needed[idx as usize]));
+                needed_moved += used;
+                wasted += loaded.len() as u64 - used_n;
+            }
+            for (id, (_, loaded)) in &pf.rows {
+                if !rids.contains(id) {
+                    wasted += loaded.len() as u64;
+                }
+            }
+            rec.prefetch_wasted += wasted;
+            rec.prefetch_wasted_bytes += wasted * self.object_bytes;
+        }
+        rec.bytes_needed_of_transferred = needed_moved * self.token_bytes;
+        // The next prediction: this step's distinct pages, sorted.
+        for (b, id) in rids.iter().enumerate() {
+            let r = self.requests.get_mut(id).expect("checked above");
+            let last = &mut r.last_selection[layer as usize];
+            last.clear();
+            last.extend(rows_pages[b].iter().map(|&(p, _)| p));
+        }
+        let mut transfers: Vec<TransferId> = res.joined.iter().copied().collect();
+        let mut submitted_at = None;
+        if let Some(lp) = res.loads.first() {
+            self.submit_load(
+                lp.transfer,
+                &lp.host_slots,
+                &lp.device_slots,
+                layer,
+                &mut rec,
+            );
+            transfers.push(lp.transfer);
+            submitted_at = Some(Instant::now());
+        }
+        let table = cells
+            .iter()
+            .map(|&c| {
+                if c == NONE {
+                    -1
+                } else {
+                    res.slots[c as usize].raw() as i32
+                }
+            })
+            .collect();
+        let pins = res.metrics.distinct;
+        self.pins += pins;
+        self.rec.pinned_peak = self.rec.pinned_peak.max(self.pins);
+        counts.loaded = res.metrics.absent;
+        let id = LayerPlanId::new(self.next_plan);
+        self.next_plan += 1;
+        rec.queue_ns = submitted_at.map_or(0, |s| (s - t0).as_nanos() as u64);
+        self.plans.insert(
+            id,
+            LayerPlan {
+                layer,
+                rids: rids.to_vec(),
+                handles: vec![res.handle],
+                prefetch,
+                keys,
+                key_row,
+                cells,
+                table,
+                transfers,
+                pins,
+                selected_at: t0,
+                submitted_at,
+                counts,
+                ready: false,
+            },
+        );
+        self.rec.fold(&rec);
+        if self.cfg.prefetch {
+            let ahead = layer + self.cfg.prefetch_depth;
+            if ahead < self.cfg.layers {
+                let rids = rids.to_vec();
+                self.prefetch(ahead, &rids)?;
+            }
+        }
+        self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
+        Ok((id, &self.plans[&id].table))
+    }
+
+    /// The slot table of an outstanding plan.
+    pub fn table(&self, id: LayerPlanId) -> Result<&[i32]> {
+        Ok(&self.plan_ref(id)?.table)
+    }
+
+    fn plan_ref(&self, id: LayerPlanId) -> Result<&LayerPlan> {
+        self.plans
+            .get(&id)
+            .ok_or_else(|| Error::config("plan", id, "an outstanding layer plan (not finished)"))
+    }
+
+    /// Makes the plan's data readable: on the cpu engine, waits for every transfer the plan
+    /// depends on; with `stream` (a CUDA engine), makes that stream wait on the GPU instead.
+    /// A failed load is retried once; rows still without their data are reported failed.
+    pub fn ready(&mut self, id: LayerPlanId, stream: Option<u64>) -> Result<ReadyOutcome> {
+        let t0 = Instant::now();
+        let plan = self.plan_ref(id)?;
+        if plan.ready {
+            return Ok(ReadyOutcome::default());
+        }
+        let transfers = plan.transfers.clone();
+        let mut waited = Duration::ZERO;
+        let mut failed = false;
+        for tid in &transfers {
+            if let Some(ld) = self.loads.get(tid) {
+                match stream {
+                    Some(s) if !ld.events.is_finished() => {
+                        self.engine.stream_wait(&ld.events, 0, s)?;
+                        continue;
+                    }
+                    _ => {
+                        let w = Instant::now();
+                        let _ = ld.events.wait_all(None);
+                        waited += w.elapsed();
+                    }
+                }
+                self.settle_load(*tid)?;
+            }
+            failed |= matches!(self.dir.outcome(*tid), Ok(Some(Err(_))));
+        }
+        let mut out = ReadyOutcome::default();
+        if failed {
+            waited += self.recover(id, &mut out)?;
+        }
+        let plan = self.plans.get_mut(&id).expect("checked above");
+        plan.ready = true;
+        plan.counts.exposed_wait_ns = waited.as_nanos() as u64;
+        if let Some(s) = plan.submitted_at {
+            self.rec.transfer_ns += s.elapsed().as_nanos() as u64;
+        }
+        self.rec.exposed_wait_ns += waited.as_nanos() as u64;
+        self.rec.failed_requests += out.failed.len() as u64;
+        self.rec.cpu_ns += (t0.elapsed() - waited).as_nanos() as u64;
+        Ok(out)
+    }
+
+    /// Retries the plan's objects whose load failed, once; reports the rows that still lack
+    /// their data. Returns the time blocked.
+    fn recover(&mut self, id: LayerPlanId, out: &mut ReadyOutcome) -> Result<Duration> {
+        let plan = &self.plans[&id];
+        let layer = plan.layer;
+        let mut lost: Vec<u32> = Vec::new();
+        for (i, k) in plan.keys.iter().enumerate() {
+            if self
+                .dir
+                .state(k)
+                .is_some_and(|s| s.device == crate::directory::DeviceState::Absent)
+            {
+                lost.push(i as u32);
+            }
+        }
+        if lost.is_empty() {
+            return Ok(Duration::ZERO);
+        }
+        let keys: Vec<ObjectKey> = lost.iter().map(|&i| plan.keys[i as usize]).collect();
+        let mut waited = Duration::ZERO;
+        let mut reason = String::new();
+        let retried = match self.dir.resolve(&keys, None) {
+            Ok(res) => {
+                let plan = self.plans.get_mut(&id).expect("outstanding");
+                plan.handles.push(res.handle);
+                plan.pins += res.metrics.distinct;
+                self.pins += res.metrics.distinct;
+                let mut rec = StepRecord::default();
+                let mut deps: Vec<TransferId> = res.joined.iter().copied().collect();
+                if let Some(lp) = res.loads.first() {
+                    self.submit_load(
+                        lp.transfer,
+                        &lp.host_slots,
+                        &lp.device_slots,
+                        layer,
+                        &mut rec,
+                    );
+                    deps.push(lp.transfer);
+                }
+                rec.retried_loads = 1;
+                self.rec.fold(&rec);
+                let mut ok = true;
+                for tid in deps {
+                    if let Some(ld) = self.loads.get(&tid) {
+                        let w = Instant::now();
+                        let _ = ld.events.wait_all(None);
+                        waited += w.elapsed();
+                        self.settle_load(tid)?;
+                    }
+                    if let Ok(Some(Err(e))) = self.dir.outcome(tid) {
+                        ok = false;
+                        reason = e.to_string();
+                    }
+                }
+                ok.then_some(res.slots)
+            }
+            Err(e) => {
+                reason = e.to_string();
+                None
+            }
+        };
+        let plan = self.plans.get_mut(&id).expect("outstanding");
+        match retried {
+            Some(slots) => {
+                let mut new_slot = vec![-1i32; plan.keys.len()];
+                for (n, &i) in lost.iter().enumerate() {
+                    new_slot[i as usize] = slots[n].raw() as i32;
+                }
+                for (c, &ki) in plan.cells.iter().enumerate() {
+                    if ki != NONE && new_slot[ki as usize] >= 0 {
+                        plan.table[c] = new_slot[ki as usize];
+                    }
+                }
+                out.slots_changed = true;
+            }
+            None => {
+                let width = plan.cells.len() / plan.rids.len();
+                let mut rows: Vec<u32> = lost.iter().map(|&i| plan.key_row[i as usize]).collect();
+                rows.sort_unstable();
+                rows.dedup();
+                for &b in &rows {
+                    let b = b as usize;
+                    plan.table[b * width..(b + 1) * width].fill(-1);
+                    out.failed.push((b, plan.rids[b], reason.clone()));
+                }
+                out.slots_changed = true;
+            }
+        }
+        Ok(waited)
+    }
+
+    /// Releases the plan's pins (and the prefetch it consumed) and folds its metrics.
+    pub fn finish(&mut self, id: LayerPlanId) -> Result<PlanCounts> {
+        let t0 = Instant::now();
+        let plan = self
+            .plans
+            .remove(&id)
+            .ok_or_else(|| Error::config("plan", id, "an outstanding layer plan (not finished)"))?;
+        for h in &plan.handles {
+            self.dir.release(*h)?;
+        }
+        self.pins -= plan.pins;
+        if let Some(pf) = plan.prefetch {
+            self.dir.release(pf.handle)?;
+            self.pins -= pf.pins;
+            self.prefetch_pins -= pf.pins;
+        }
+        let _ = plan.selected_at;
+        self.rec.layers += 1;
+        self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
+        Ok(plan.counts)
+    }
+
+    /// Ends the step: writes through every page that filled (one backup submission), settles
+    /// finished transfers, releases prefetches no plan consumed, issues the next step's first
+    /// prefetches, and returns the step's record.
+    pub fn end_step(&mut self) -> Result<StepRecord> {
+        let t0 = Instant::now();
+        self.submit_pending_backups()?;
+        self.poll()?;
+        let stale: Vec<u16> = self.prefetches.keys().copied().collect();
+        for l in stale {
+            self.drop_prefetch(l)?;
+        }
+        if self.cfg.prefetch {
+            let rids = std::mem::take(&mut self.last_batch);
+            let rids: Vec<RequestId> = rids
+                .into_iter()
+                .filter(|r| self.requests.contains_key(r))
+                .collect();
+            for l in 0..self.cfg.prefetch_depth.min(self.cfg.layers) {
+                self.prefetch(l, &rids)?;
+            }
+            self.last_batch = rids;
+        }
+        let s = self.dir.stats();
+        self.rec.device_used = s.device_used as u64;
+        self.rec.device_capacity = s.device_capacity as u64;
+        self.rec.step = self.steps;
+        self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
+        let rec = std::mem::take(&mut self.rec);
+        self.totals.fold(&rec);
+        self.steps += 1;
+        self.rec.pinned_peak = self.pins;
+        self.rec.prefetch_pinned_peak = self.prefetch_pins;
+        Ok(rec)
+    }
+
+    /// Settles every finished load and backup (complete, or fail and retry a backup once).
+    pub fn poll(&mut self) -> Result<()> {
+        let done: Vec<TransferId> = self
+            .loads
+            .iter()
+            .filter(|(_, l)| l.events.is_finished())
+            .map(|(t, _)| *t)
+            .collect();
+        for t in done {
+            self.settle_load(t)?;
+        }
+        let done: Vec<TransferId> = self
+            .backups
+            .iter()
+            .filter(|(_, b)| b.events.is_finished())
+            .map(|(t, _)| *t)
+            .collect();
+        for t in done {
+            let b = self.backups.remove(&t).expect("listed");
+            match first_failure(&b.events) {
+                None => self.dir.backup_complete(t)?,
+                Some(reason) => {
+                    self.dir.fail(t, &reason, true)?;
+                    self.rec.failed_backups += 1;
+                    if b.attempt == 0 {
+                        self.retry_backups.extend(b.keys);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Blocks until every backup in flight has finished (used when the device is full of
+    /// pages that are not written through yet, and by shutdown).
+    pub fn wait_backups(&self) {
+        for b in self.backups.values() {
+            let _ = b.events.wait_all(None);
+        }
+    }
+
+    /// Arms `count` failures for the next load (or backup) submissions, at `layer` only if
+    /// given. Through the engine's fault hook, so the failure takes the real path.
+    pub fn inject_faults(&mut self, direction: Direction, count: u32, layer: Option<u16>) {
+        self.faults.push(ArmedFault {
+            direction,
+            layer,
+            remaining: count,
+        });
+    }
+
+    fn arm(&mut self, direction: Direction, layer: Option<u16>) -> Result<()> {
+        let hit = self.faults.iter_mut().find(|f| {
+            f.direction == direction && f.remaining > 0 && (f.layer.is_none() || f.layer == layer)
+        });
+        if let Some(f) = hit {
+            f.remaining -= 1;
+            self.engine.inject(Fault {
+                nth: self.engine.submitted(),
+                layer: None,
+                action: FaultAction::Fail(format!("injected {} fault", direction.name())),
+            })?;
+        }
+        self.faults.retain(|f| f.remaining > 0);
+        Ok(())
+    }
+
+    // -- transfers ----------------------------------------------------------------------
+
+    fn group(
+        &self,
+        direction: Direction,
+        src: &[u64],
+        dst: &[u64],
+    ) -> Result<(PageTransferGroup, u64)> {
+        let map = PageTransferMap::new(Granularity::Page, src, dst)?;
+        let segments = map.segments().len() as u64;
+        let (s, d) = match direction {
+            Direction::Load => (&self.host, &self.device),
+            Direction::Backup => (&self.device, &self.host),
+        };
+        let t = PreparedPageTransfer::new(s.clone(), d.clone(), map, direction)?;
+        Ok((
+            PageTransferGroup::new(vec![t])?,
+            segments * self.device.planes_per_layer() as u64,
+        ))
+    }
+
+    /// Submits directory load `tid`; a submission the engine refuses fails the load at once.
+    fn submit_load(
+        &mut self,
+        tid: TransferId,
+        host: &[crate::ids::HostSlotId],
+        device: &[SlotId],
+        layer: u16,
+        rec: &mut StepRecord,
+    ) {
+        let src: Vec<u64> = host.iter().map(|s| u64::from(s.raw())).collect();
+        let dst: Vec<u64> = device.iter().map(|s| u64::from(s.raw())).collect();
+        let submitted = self.arm(Direction::Load, Some(layer)).and_then(|()| {
+            let (g, segments) = self.group(Direction::Load, &src, &dst)?;
+            rec.copy_segments += segments;
+            self.engine.submit(Arc::new(g), None)
+        });
+        rec.load_submissions += 1;
+        rec.bytes_transferred += device.len() as u64 * self.object_bytes;
+        match submitted {
+            Ok(events) => {
+                let _ = self.dir.mark_submitted(tid);
+                self.loads.insert(tid, Load { events });
+            }
+            Err(e) => {
+                // Nothing was queued: the slots can be reused at once.
+                let _ = self.dir.fail(tid, &e.to_string(), true);
+                rec.failed_loads += 1;
+            }
+        }
+    }
+
+    fn settle_load(&mut self, tid: TransferId) -> Result<()> {
+        let Some(ld) = self.loads.remove(&tid) else {
+            return Ok(());
+        };
+        match first_failure(&ld.events) {
+            None => self.dir.complete(tid),
+            Some(reason) => {
+                self.rec.failed_loads += 1;
+                self.dir.fail(tid, &reason, ld.events.is_finished())
+            }
+        }
+    }
+
+    /// Writes through the pages that filled (attempt 0) and, separately, the pages whose
+    /// backup failed once (attempt 1).
+    fn submit_pending_backups(&mut self) -> Result<()> {
+        let keys = std::mem::take(&mut self.pending_backups);
+        self.submit_backup(keys, 0)?;
+        let retry: Vec<ObjectKey> = std::mem::take(&mut self.retry_backups)
+            .into_iter()
+            .filter(|k| self.dir.state(k).is_some())
+            .collect();
+        self.submit_backup(retry, 1)
+    }
+
+    fn submit_backup(&mut self, keys: Vec<ObjectKey>, attempt: u8) -> Result<()> {
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let plan = self.dir.backup(&keys)?;
+        let Some(tid) = plan.transfer else {
+            return Ok(());
+        };
+        let src: Vec<u64> = plan
+            .device_slots
+            .iter()
+            .map(|s| u64::from(s.raw()))
+            .collect();
+        let dst: Vec<u64> = plan.host_slots.iter().map(|s| u64::from(s.raw())).collect();
+        let submitted = self.arm(Direction::Backup, None).and_then(|()| {
+            let (g, _) = self.group(Direction::Backup, &src, &dst)?;
+            self.engine.submit(Arc::new(g), None)
+        });
+        self.rec.backup_submissions += 1;
+        self.rec.backup_pages += src.len() as u64;
+        match submitted {
+            Ok(events) => {
+                self.backups.insert(
+                    tid,
+                    Backup {
+                        events,
+                        keys,
+                        attempt,
+                    },
+                );
+            }
+            Err(e) => {
+                self.dir.fail(tid, &e.to_string(), true)?;
+                self.rec.failed_backups += 1;
+                if attempt == 0 {
+                    self.retry_backups = keys;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    // -- prefetch -----------------------------------------------------------------------
+
+    /// Loads (and pins until `plan(layer)` finishes) what each request of `rids` selected at
+    /// `layer` last step. Best effort: skipped when the device cannot hold it.
+    fn prefetch(&mut self, layer: u16, rids: &[RequestId]) -> Result<()> {
+        if self.prefetches.contains_key(&layer) {
+            return Ok(());
+        }
+        let ps = self.cfg.page_size;
+        let mut keys = Vec::new();
+        let mut rows = FxHashMap::default();
+        for id in rids {
+            let Some(r) = self.requests.get(id) else {
+                continue;
+            };
+            let pages = r.pages(ps);
+            let predicted: Vec<u32> = r.last_selection[layer as usize]
+                .iter()
+                .copied()
+                .filter(|&p| p < pages)
+                .collect();
+            keys.extend(predicted.iter().map(|&p| r.key(p, layer)));
+            rows.insert(*id, (predicted, Vec::new()));
+        }
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let res = match self.dir.resolve(&keys, None) {
+            Ok(r) => r,
+            Err(Error::OutOfSlots { .. }) => {
+                self.rec.prefetch_skipped += 1;
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        let mut rec = StepRecord {
+            prefetch_predicted: keys.len() as u64,
+            prefetch_loaded: res.metrics.absent,
+            ..Default::default()
+        };
+        if let Some(lp) = res.loads.first() {
+            for s in &lp.device_slots {
+                self.mark[s.raw() as usize] = true;
+            }
+            let mut i = 0;
+            for id in rids {
+                let Some((predicted, loaded)) = rows.get_mut(id) else {
+                    continue;
+                };
+                for &p in predicted.iter() {
+                    if self.mark[res.slots[i].raw() as usize] {
+                        loaded.push(p);
+                    }
+                    i += 1;
+                }
+            }
+            for s in &lp.device_slots {
+                self.mark[s.raw() as usize] = false;
+            }
+            self.submit_load(
+                lp.transfer,
+                &lp.host_slots,
+                &lp.device_slots,
+                layer,
+                &mut rec,
+            );
+        }
+        self.rec.fold(&rec);
+        let pins = res.metrics.distinct;
+        self.pins += pins;
+        self.prefetch_pins += pins;
+        self.rec.pinned_peak = self.rec.pinned_peak.max(self.pins);
+        self.rec.prefetch_pinned_peak = self.rec.prefetch_pinned_peak.max(self.prefetch_pins);
+        self.prefetches.insert(
+            layer,
+            Prefetch {
+                handle: res.handle,
+                pins,
+                rows,
+            },
+        );
+        Ok(())
+    }
+
+    fn drop_prefetch(&mut self, layer: u16) -> Result<()> {
+        if let Some(pf) = self.prefetches.remove(&layer) {
+            let wasted: u64 = pf.rows.values().map(|(_, l)| l.len() as u64).sum();
+            self.rec.prefetch_wasted += wasted;
+            self.rec.prefetch_wasted_bytes += wasted * self.object_bytes;
+            self.dir.release(pf.handle)?;
+            self.pins -= pf.pins;
+            self.prefetch_pins -= pf.pins;
+        }
+        Ok(())
+    }
+
+    /// Waits for every transfer in flight and settles it, releases prefetches; what a caller
+    /// does before dropping the pools.
+    pub fn drain(&mut self) -> Result<()> {
+        let stale: Vec<u16> = self.prefetches.keys().copied().collect();
+        for l in stale {
+            self.drop_prefetch(l)?;
+        }
+        self.submit_pending_backups()?;
+        for ld in self.loads.values() {
+            let _ = ld.events.wait_all(None);
+        }
+        self.wait_backups();
+        self.poll()?;
+        // A retry queued by a failed backup gets its one more try.
+        if !self.retry_backups.is_empty() {
+            self.submit_pending_backups()?;
+            self.wait_backups();
+            self.poll()?;
+        }
+        Ok(())
+    }
+
+    /// Checks the directory's invariants and the scheduler's own (module docs).
+    pub fn validate(&self) -> std::result::Result<(), String> {
+        self.dir.validate()?;
+        let s = self.dir.stats();
+        let held: u64 = self.plans.values().map(|p| p.pins).sum::<u64>()
+            + self.prefetches.values().map(|p| p.pins).sum::<u64>();
+        if held != self.pins {
+            return Err(format!(
+                "pins counted {} != held by plans {held}",
+                self.pins
+            ));
+        }
+        if self.plans.is_empty() && self.prefetches.is_empty() && (s.pins != 0 || s.handles != 0) {
+            return Err(format!(
+                "no plan or prefetch outstanding, yet {} pins in {} handles",
+                s.pins, s.handles
+            ));
+        }
+        if s.transfers_in_flight > self.loads.len() + self.backups.len() {
+            return Err(format!(
+                "directory has {} transfers in flight, scheduler tracks {}",
+                s.transfers_in_flight,
+                self.loads.len() + self.backups.len()
+            ));
+        }
+        for r in self.requests.values() {
+            for (l, slot) in r.tail.iter().enumerate() {
+                let key = r.key((r.len / u64::from(self.cfg.page_size)) as u32, l as u16);
+                let ok = self.dir.state(&key).is_some_and(|o| {
+                    o.device == crate::directory::DeviceState::Ready { slot: *slot }
+                });
+                if r.len % u64::from(self.cfg.page_size) != 0 && !ok {
+                    return Err(format!(
+                        "request {}: tail slot {slot} of layer {l} is not its page",
+                        r.id
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Marks request `id` as named by batch `batch`; refuses unknown ids and repeats in a batch.
+fn mark_batch(
+    requests: &mut FxHashMap<RequestId, RequestState>,
+    id: RequestId,
+    batch: u64,
+) -> Result<&mut RequestState> {
+    let r = requests
+        .get_mut(&id)
+        .ok_or_else(|| Error::config("rids", id, "running requests"))?;
+    if r.batch_mark == batch {
+        return Err(Error::config(
+            "rids",
+            id,
+            "each request at most once per batch",
+        ));
+    }
+    r.batch_mark = batch;
+    Ok(r)
+}
+
+/// The first failure among a transfer's layers, if any.
+fn first_failure(ev: &TransferEvents) -> Option<String> {
+    ev.layers().iter().find_map(|&l| match ev.status(l) {
+        Ok(LayerStatus::Failed(r)) => Some(r),
+        Ok(_) => None,
+        Err(e) => Some(e.to_string()),
+    })
+}
+
+/// Counts the pages of sorted `row` ((page, key index)) that sorted `other` holds, calling
+/// `hit` with each one's key index.
+fn intersect(row: &[(u32, u32)], other: &[u32], mut hit: impl FnMut(u32)) -> u64 {
+    let (mut i, mut j, mut n) = (0, 0, 0);
+    while i < row.len() && j < other.len() {
+        match row[i].0.cmp(&other[j]) {
+            std::cmp::Ordering::Less => i += 1,
+            std::cmp::Ordering::Greater => j += 1,
+            std::cmp::Ordering::Equal => {
+                hit(row[i].1);
+                n += 1;
+                i += 1;
+                j += 1;
+            }
+        }
+    }
+    n
+}

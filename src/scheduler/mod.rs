@@ -1,0 +1,21 @@
+//! The step scheduler: transfer scheduling for the batched decode step, in the Rust core.
+//!
+//! [`StepScheduler`] owns the main-KV residency of a batch of requests (per-layer objects in a
+//! [`crate::directory::Directory`]), the copy engine that moves them, and the per-request block
+//! state. Python hands it a layer's selection for the whole batch and gets back a slot table;
+//! completion, failure, retries, backups and prefetch happen here. See [`core`] for the
+//! invariants and the data flow of one step.
+
+pub mod core;
+pub mod record;
+pub mod request;
+pub mod selection;
+
+pub use self::core::{PlanCounts, ReadyOutcome, SchedulerConfig, StepScheduler};
+pub use record::StepRecord;
+pub use request::{Prefix, RequestState};
+pub use selection::SelectionUnit;
+
+#[cfg(test)]
+#[path = "../tests/scheduler_tests.rs"]
+mod tests;

@@ -1,0 +1,146 @@
+//! The step record: seed 002's record table for one decode step, folded inside the scheduler.
+//!
+//! Every figure is counted where the event happens (plan, ready, finish, settle), so a record
+//! never depends on Python having looked at anything.
+
+/// What one decode step (everything between two `end_step` calls) selected, moved and waited.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct StepRecord {
+    /// Step number (0-based).
+    pub step: u64,
+    /// Requests appended this step.
+    pub requests: u64,
+    /// Layer plans finished.
+    pub layers: u64,
+    /// Selection entries (blocks or tokens) that named a page, before dedup.
+    pub selected: u64,
+    /// Distinct (request, page, layer) objects after dedup.
+    pub pages: u64,
+    /// Of those, already Ready on the device.
+    pub ready: u64,
+    /// Of those, loaded by this step's plans (were Absent).
+    pub loaded: u64,
+    /// Of those, found Loading: joined an in-flight transfer (in-flight reuse).
+    pub joined: u64,
+    /// Bytes of the selected tokens (what attention reads), over every distinct page.
+    pub bytes_needed: u64,
+    /// Bytes moved host -> device: demand loads, retries and prefetch loads.
+    pub bytes_transferred: u64,
+    /// Bytes of selected tokens inside the pages this step moved: the denominator of read
+    /// amplification as seed 002 defines it.
+    pub bytes_needed_of_transferred: u64,
+    /// Load submissions (one per planned layer with misses, prefetches and retries).
+    pub load_submissions: u64,
+    /// Contiguous copies those submissions made after merging.
+    pub copy_segments: u64,
+    /// Pages written through to host this step (submitted).
+    pub backup_pages: u64,
+    /// Backup submissions.
+    pub backup_submissions: u64,
+    /// Pages prefetch predicted (last step's selection of the same layer).
+    pub prefetch_predicted: u64,
+    /// Predicted pages the real selection then named.
+    pub prefetch_hits: u64,
+    /// Pages prefetch loaded (were Absent).
+    pub prefetch_loaded: u64,
+    /// Pages prefetch loaded that no selection named: wasted.
+    pub prefetch_wasted: u64,
+    /// Bytes of the wasted prefetch loads.
+    pub prefetch_wasted_bytes: u64,
+    /// Prefetches skipped because the device could not hold them next to the pinned work.
+    pub prefetch_skipped: u64,
+    /// Load transfers that failed (each failure, retries included).
+    pub failed_loads: u64,
+    /// Retries submitted after a failed load.
+    pub retried_loads: u64,
+    /// Requests reported failed after a retry failed too.
+    pub failed_requests: u64,
+    /// Backup transfers that failed.
+    pub failed_backups: u64,
+    /// Sum over plans of selection done -> last load submitted (queueing), ns.
+    pub queue_ns: u64,
+    /// Sum over plans of submitted -> loads finished (transfer), ns; plans without loads add 0.
+    pub transfer_ns: u64,
+    /// Time the consumer was blocked in `ready` (the wait prefetch and overlap did not hide), ns.
+    pub exposed_wait_ns: u64,
+    /// CPU time spent inside the scheduler's step calls (plan, ready, finish, append, end_step),
+    /// exposed wait excluded, ns.
+    pub cpu_ns: u64,
+    /// Device slots held by objects at the end of the step.
+    pub device_used: u64,
+    /// Usable device slots.
+    pub device_capacity: u64,
+    /// Most objects pinned at once during the step.
+    pub pinned_peak: u64,
+    /// Most objects pinned by prefetch at once during the step (prefetch occupancy).
+    pub prefetch_pinned_peak: u64,
+}
+
+impl StepRecord {
+    /// Bytes transferred / bytes needed among what was transferred (seed 002): 1 when whole
+    /// selected pages moved, above 1 when selected tokens sit sparsely in moved pages or
+    /// prefetch moved pages nobody read. 0 when nothing moved.
+    pub fn read_amplification(&self) -> f64 {
+        ratio(self.bytes_transferred, self.bytes_needed_of_transferred)
+    }
+
+    /// Share of the selected distinct pages already on the device (equal-size pages, so it is
+    /// also the byte hit rate).
+    pub fn device_byte_hit_rate(&self) -> f64 {
+        ratio(self.ready, self.pages)
+    }
+
+    /// Share of the selected pages that prefetch had predicted.
+    pub fn prefetch_accuracy(&self) -> f64 {
+        ratio(self.prefetch_hits, self.pages)
+    }
+
+    /// Adds the counters of `o` (peaks take the max; capacity and usage take `o`'s).
+    pub fn fold(&mut self, o: &StepRecord) {
+        macro_rules! add {
+            ($($f:ident),*) => { $( self.$f += o.$f; )* };
+        }
+        add!(
+            requests,
+            layers,
+            selected,
+            pages,
+            ready,
+            loaded,
+            joined,
+            bytes_needed,
+            bytes_transferred,
+            bytes_needed_of_transferred,
+            load_submissions,
+            copy_segments,
+            backup_pages,
+            backup_submissions,
+            prefetch_predicted,
+            prefetch_hits,
+            prefetch_loaded,
+            prefetch_wasted,
+            prefetch_wasted_bytes,
+            prefetch_skipped,
+            failed_loads,
+            retried_loads,
+            failed_requests,
+            failed_backups,
+            queue_ns,
+            transfer_ns,
+            exposed_wait_ns,
+            cpu_ns
+        );
+        self.pinned_peak = self.pinned_peak.max(o.pinned_peak);
+        self.prefetch_pinned_peak = self.prefetch_pinned_peak.max(o.prefetch_pinned_peak);
+        self.device_used = o.device_used;
+        self.device_capacity = o.device_capacity;
+    }
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}

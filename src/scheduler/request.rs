@@ -1,0 +1,63 @@
+//! Per-request block state the step scheduler keeps: how many tokens are written, which pages
+//! exist, where the page being written sits, which shared prefix the first pages belong to,
+//! and what each layer selected last step (the prefetch prediction).
+
+use crate::directory::{LayerGroup, ObjectKey};
+use crate::ids::{RequestId, SlotId};
+
+/// The namespace and whole-page count of a shared prefix (a system prompt stored once).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Prefix {
+    /// The prefix's namespace.
+    pub namespace: u64,
+    /// Whole pages the request reads from it.
+    pub pages: u32,
+}
+
+/// One running request.
+#[derive(Debug)]
+pub struct RequestState {
+    /// The request, also the namespace of its own objects.
+    pub id: RequestId,
+    /// Tokens written (prefix included).
+    pub len: u64,
+    /// The shared prefix its first pages come from, if any.
+    pub prefix: Option<Prefix>,
+    /// Device slots (one per layer) of the page being written; empty when the next token
+    /// starts a new page.
+    pub tail: Vec<SlotId>,
+    /// Per layer: last step's selection as sorted distinct pages.
+    pub last_selection: Vec<Vec<u32>>,
+    /// The last batch (plan or append) that named it: refuses a request twice in one batch.
+    pub batch_mark: u64,
+}
+
+impl RequestState {
+    /// A request of `len` tokens over `layers` layers.
+    pub fn new(id: RequestId, len: u64, prefix: Option<Prefix>, layers: usize) -> Self {
+        RequestState {
+            id,
+            len,
+            prefix,
+            tail: Vec::new(),
+            last_selection: vec![Vec::new(); layers],
+            batch_mark: 0,
+        }
+    }
+
+    /// Pages holding at least one written token.
+    pub fn pages(&self, page_size: u32) -> u32 {
+        self.len.div_ceil(u64::from(page_size)) as u32
+    }
+
+    /// The object of `page` at `layer`: in the prefix's namespace below its pages, else in the
+    /// request's own.
+    #[inline]
+    pub fn key(&self, page: u32, layer: u16) -> ObjectKey {
+        let ns = match self.prefix {
+            Some(p) if page < p.pages => p.namespace,
+            _ => self.id.raw(),
+        };
+        ObjectKey::new(ns, 0, page, LayerGroup::Layer(layer))
+    }
+}

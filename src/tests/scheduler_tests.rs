@@ -1,0 +1,540 @@
+//! The step scheduler on the cpu engine over real buffers. Every token row written carries a
+//! stamp of (namespace, page, layer, row, plane), so a read through a slot table proves the
+//! right bytes arrived; faults go through the engine's hook, as a user meets them.
+
+use super::*;
+use crate::ids::{RequestId, SlotId};
+use crate::layout::{Component, Dtype, HostLayout};
+use crate::pool::PoolSpec;
+use crate::testing::XorShift;
+use crate::transfer::{CpuEngine, Direction, MemoryKind, PageTransferBinding};
+use proptest::prelude::*;
+use std::sync::Arc;
+
+const PS: u32 = 4;
+const LAYERS: u16 = 3;
+
+struct Harness {
+    s: StepScheduler,
+    dev: PageTransferBinding,
+    _dev_buf: Box<[u8]>,
+    _host_buf: Box<[u8]>,
+}
+
+fn stamp(ns: u64, page: u32, layer: u16, row: u32, plane: usize) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[..2].copy_from_slice(&(ns as u16).to_le_bytes());
+    b[2..4].copy_from_slice(&(page as u16).to_le_bytes());
+    b[4] = layer as u8;
+    b[5] = row as u8;
+    b[6] = plane as u8;
+    b[7] = 0xEE;
+    b
+}
+
+impl Harness {
+    fn new(device_pages: u32, host_pages: u32, prefetch: bool) -> Self {
+        let spec = PoolSpec::new(Component::Kv, 1, 2, 1, 4, Dtype::Bf16, PS, device_pages).unwrap();
+        let host_spec = spec.with_pages(host_pages).unwrap();
+        let mut dev_buf = vec![0u8; spec.total_bytes() as usize].into_boxed_slice();
+        let mut host_buf = vec![0u8; host_spec.total_bytes() as usize].into_boxed_slice();
+        let bind = |buf: &mut [u8], spec: &PoolSpec| {
+            // SAFETY: the harness owns both buffers for as long as the scheduler lives and
+            // writes them only through `write_row`, into rows no transfer in flight touches.
+            unsafe {
+                PageTransferBinding::new(
+                    buf.as_mut_ptr() as u64,
+                    buf.len() as u64,
+                    spec,
+                    HostLayout::LayerFirst,
+                    MemoryKind::Host,
+                )
+            }
+            .unwrap()
+        };
+        let dev = bind(&mut dev_buf, &spec);
+        let host = bind(&mut host_buf, &host_spec);
+        let cfg = SchedulerConfig {
+            layers: LAYERS,
+            page_size: PS,
+            device_pages,
+            device_reserve: 0,
+            host_pages,
+            prefetch,
+            prefetch_depth: 1,
+        };
+        let engine = Arc::new(CpuEngine::new(2).unwrap());
+        let s = StepScheduler::new(cfg, dev.clone(), host, engine).unwrap();
+        Harness {
+            s,
+            dev,
+            _dev_buf: dev_buf,
+            _host_buf: host_buf,
+        }
+    }
+
+    fn write_row(&self, slot: SlotId, ns: u64, page: u32, layer: u16, row: u32) {
+        for plane in 0..2 {
+            let addr = self.dev.row_addr(plane, slot.raw(), row);
+            let v = stamp(ns, page, layer, row, plane);
+            // SAFETY: `row_addr` of a slot the scheduler handed out for this row lies inside
+            // the device buffer; no transfer writes a slot while its object is being written.
+            unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), addr as *mut u8, 8) };
+        }
+    }
+
+    fn read_row(&self, slot: u32, row: u32, plane: usize) -> [u8; 8] {
+        let mut v = [0u8; 8];
+        let addr = self.dev.row_addr(plane, slot, row);
+        // SAFETY: as above; the plan's loads are ready, so nothing writes this slot now.
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), 8) };
+        v
+    }
+
+    fn add(&mut self, rid: u64, tokens: u64, prefix: Option<Prefix>) {
+        let slots = self
+            .s
+            .add_request(RequestId::new(rid), tokens, prefix)
+            .unwrap();
+        let first = prefix.map_or(0, |p| p.pages);
+        let total = tokens.div_ceil(u64::from(PS)) as u32;
+        let own = (total - first) as usize;
+        for l in 0..LAYERS {
+            for i in 0..own {
+                let page = first + i as u32;
+                for row in 0..PS {
+                    if u64::from(page * PS + row) < tokens {
+                        self.write_row(slots[l as usize * own + i], rid, page, l, row);
+                    }
+                }
+            }
+        }
+    }
+
+    fn add_prompt(&mut self, ns: u64, pages: u32) {
+        let slots = self.s.add_prompt(ns, pages).unwrap();
+        for l in 0..LAYERS {
+            for p in 0..pages {
+                for row in 0..PS {
+                    self.write_row(slots[(l as u32 * pages + p) as usize], ns, p, l, row);
+                }
+            }
+        }
+    }
+
+    /// One step: append a token to every request, then per layer plan `sel(rid, layer, len)`
+    /// (blocks of `unit` tokens), check every byte read through the slot table, finish.
+    /// Returns the failed requests and the record.
+    fn step(
+        &mut self,
+        rids: &[u64],
+        unit: u32,
+        k: usize,
+        sel: &mut dyn FnMut(u64, u16, u64) -> Vec<i64>,
+    ) -> (Vec<u64>, StepRecord) {
+        let ids: Vec<RequestId> = rids.iter().map(|&r| RequestId::new(r)).collect();
+        let (slots, rows) = self.s.append(&ids).unwrap();
+        let lens: Vec<u64> = ids
+            .iter()
+            .map(|id| self.s.request(*id).unwrap().len)
+            .collect();
+        for (b, &rid) in rids.iter().enumerate() {
+            let page = ((lens[b] - 1) / u64::from(PS)) as u32;
+            let ns = self.s.request(ids[b]).unwrap().key(page, 0).namespace.id;
+            for l in 0..LAYERS {
+                self.write_row(
+                    slots[b * LAYERS as usize + l as usize],
+                    ns,
+                    page,
+                    l,
+                    rows[b],
+                );
+            }
+            let _ = rid;
+        }
+        let u = SelectionUnit::new(unit, PS).unwrap();
+        let ppe = u.pages_per_entry();
+        let mut failed = Vec::new();
+        for l in 0..LAYERS {
+            let mut flat = Vec::new();
+            for (b, &rid) in rids.iter().enumerate() {
+                let mut row = sel(rid, l, lens[b]);
+                row.resize(k, -1);
+                flat.extend(row);
+            }
+            let (id, _) = self.s.plan(l, &ids, &flat, k, u).unwrap();
+            let out = self.s.ready(id, None).unwrap();
+            let table = self.s.table(id).unwrap().to_vec();
+            for (b, &rid) in rids.iter().enumerate() {
+                if let Some(f) = out.failed.iter().find(|f| f.0 == b) {
+                    assert_eq!(f.1, ids[b]);
+                    assert!(table[b * k * ppe..(b + 1) * k * ppe]
+                        .iter()
+                        .all(|&s| s == -1));
+                    failed.push(rid);
+                    continue;
+                }
+                for j in 0..k {
+                    let e = flat[b * k + j];
+                    if e < 0 {
+                        continue;
+                    }
+                    for i in 0..ppe {
+                        let slot = table[b * k * ppe + j * ppe + i];
+                        let page = (e as u64 * u64::from(unit) / u64::from(PS)) as u32 + i as u32;
+                        if u64::from(page * PS) >= lens[b] {
+                            assert_eq!(slot, -1);
+                            continue;
+                        }
+                        let ns = self.s.request(ids[b]).unwrap().key(page, l).namespace.id;
+                        for row in 0..PS {
+                            if u64::from(page * PS + row) >= lens[b] {
+                                break;
+                            }
+                            for plane in 0..2 {
+                                assert_eq!(
+                                    self.read_row(slot as u32, row, plane),
+                                    stamp(ns, page, l, row, plane),
+                                    "request {rid} page {page} layer {l} row {row} (slot {slot})"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+            self.s.finish(id).unwrap();
+        }
+        let rec = self.s.end_step().unwrap();
+        self.s.validate().unwrap();
+        failed.sort_unstable();
+        failed.dedup();
+        (failed, rec)
+    }
+
+    fn assert_quiet(&mut self) {
+        self.s.drain().unwrap();
+        self.s.validate().unwrap();
+        let st = self.s.directory().stats();
+        assert_eq!((st.pins, st.handles, st.transfers_in_flight), (0, 0, 0));
+        assert_eq!(
+            st.device_free + st.device_used + st.device_quarantined,
+            st.device_capacity
+        );
+        assert_eq!(st.device_quarantined, 0);
+    }
+}
+
+/// Sink, the last block, and pseudo-random blocks in between.
+fn blocks(seed: u64, len: u64, unit: u32, k: usize) -> Vec<i64> {
+    let n = len.div_ceil(u64::from(unit)) as i64;
+    let mut rng = XorShift::new(seed);
+    let mut v = vec![0, n - 1];
+    while v.len() < k.min(n as usize) {
+        let b = rng.below(n as u64) as i64;
+        if !v.contains(&b) {
+            v.push(b);
+        }
+    }
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+#[test]
+fn a_step_reads_the_right_bytes_through_loads_and_evictions() {
+    let mut h = Harness::new(64, 400, false);
+    for rid in 0..3 {
+        h.add(rid, 30 + 9 * rid, None);
+    }
+    let mut loads = 0;
+    for step in 0..12 {
+        let (failed, rec) = h.step(&[0, 1, 2], PS, 4, &mut |r, l, len| {
+            blocks(step * 97 + r * 13 + u64::from(l), len, PS, 4)
+        });
+        assert!(failed.is_empty());
+        assert!(rec.pages <= rec.selected);
+        loads += rec.loaded;
+        assert_eq!(rec.layers, u64::from(LAYERS));
+    }
+    assert!(loads > 0, "the budget must force loads");
+    h.assert_quiet();
+    for rid in 0..3 {
+        h.s.finish_request(RequestId::new(rid)).unwrap();
+    }
+    assert_eq!(h.s.directory().stats().objects, 0);
+}
+
+#[test]
+fn block_mode_reads_whole_pages_so_read_amplification_is_one() {
+    let mut h = Harness::new(60, 400, false);
+    h.add(0, 60, None);
+    h.add(1, 44, None);
+    let mut tot = StepRecord::default();
+    for step in 0..6 {
+        let (_, rec) = h.step(&[0, 1], PS, 3, &mut |r, l, len| {
+            blocks(step * 5 + r + u64::from(l) * 7, len, PS, 3)
+        });
+        tot.fold(&rec);
+    }
+    assert!(tot.bytes_transferred > 0);
+    assert_eq!(tot.bytes_transferred, tot.bytes_needed_of_transferred);
+    assert!((tot.read_amplification() - 1.0).abs() < 1e-12);
+}
+
+#[test]
+fn token_mode_dedups_tokens_into_pages_and_counts_sparse_reads() {
+    let mut h = Harness::new(56, 400, false);
+    h.add(0, 64, None);
+    h.add(1, 64, None);
+    // Tokens 1, 2 (page 0), 17 (page 4), 33 (page 8), 62 (page 15): four pages, five tokens.
+    let (failed, rec) = h.step(&[0], 1, 6, &mut |_, _, _| vec![1, 2, 17, 33, 62, -1]);
+    assert!(failed.is_empty());
+    assert_eq!(rec.selected, 5 * u64::from(LAYERS));
+    assert_eq!(rec.pages, 4 * u64::from(LAYERS));
+    let tb = h.s.object_bytes() / u64::from(PS);
+    assert_eq!(rec.bytes_needed, 5 * u64::from(LAYERS) * tb);
+    // Request 1's prefill (16 pages x 3 layers into 56 slots) evicted request 0's written-
+    // through pages, so whole pages moved for one or two tokens each: amplification above 1.
+    assert!(rec.bytes_transferred > 0, "{rec:?}");
+    assert!(rec.read_amplification() > 1.0, "{rec:?}");
+    h.assert_quiet();
+}
+
+#[test]
+fn blocks_larger_than_pages_fill_several_cells() {
+    let mut h = Harness::new(60, 400, false);
+    h.add(0, 37, None);
+    // 8-token blocks over 4-token pages: block 4 covers tokens 32..40, of which 32..38 exist
+    // after the append (38 tokens): pages 8 and 9.
+    let (failed, rec) = h.step(&[0], 2 * PS, 2, &mut |_, _, _| vec![0, 4]);
+    assert!(failed.is_empty());
+    assert_eq!(rec.pages, 4 * u64::from(LAYERS));
+    h.assert_quiet();
+}
+
+#[test]
+fn one_failed_load_is_retried_and_nobody_fails() {
+    let mut h = Harness::new(40, 400, false);
+    for rid in 0..3 {
+        h.add(rid, 40, None);
+    }
+    h.s.inject_faults(Direction::Load, 1, None);
+    let mut retried = 0;
+    for step in 0..4 {
+        let (failed, rec) = h.step(&[0, 1, 2], PS, 4, &mut |r, l, len| {
+            blocks(step * 31 + r * 3 + u64::from(l), len, PS, 4)
+        });
+        assert!(failed.is_empty());
+        retried += rec.retried_loads;
+    }
+    assert_eq!(retried, 1);
+    assert_eq!(h.s.totals().failed_loads, 1);
+    h.assert_quiet();
+}
+
+#[test]
+fn a_layer_whose_loads_fail_twice_fails_only_the_requests_that_needed_them() {
+    let mut h = Harness::new(40, 400, false);
+    for rid in 0..3 {
+        h.add(rid, 40, None);
+    }
+    // Request 2 reads only its local window (always on the device); 0 and 1 read old blocks.
+    let mut sel = |r: u64, _l: u16, len: u64| {
+        let n = len.div_ceil(u64::from(PS)) as i64;
+        if r == 2 {
+            vec![n - 1]
+        } else {
+            vec![0, 1, 2, n - 1]
+        }
+    };
+    h.s.inject_faults(Direction::Load, 2, Some(1));
+    let (failed, rec) = h.step(&[0, 1, 2], PS, 4, &mut sel);
+    assert_eq!(failed, vec![0, 1]);
+    assert_eq!(rec.failed_requests, 2);
+    assert_eq!(rec.retried_loads, 1);
+    h.s.validate().unwrap();
+    assert_eq!(h.s.directory().stats().pins, 0);
+    for rid in [0, 1] {
+        h.s.finish_request(RequestId::new(rid)).unwrap();
+    }
+    // The survivor goes on.
+    for _ in 0..3 {
+        let (failed, _) = h.step(&[2], PS, 4, &mut sel);
+        assert!(failed.is_empty());
+    }
+    h.assert_quiet();
+}
+
+#[test]
+fn a_failed_backup_is_retried_and_the_pages_become_evictable() {
+    let mut h = Harness::new(40, 400, false);
+    h.s.inject_faults(Direction::Backup, 1, None);
+    h.add(0, 16, None);
+    for _ in 0..3 {
+        h.step(&[0], PS, 2, &mut |_, _, len| blocks(1, len, PS, 2));
+    }
+    h.assert_quiet();
+    assert_eq!(h.s.totals().failed_backups, 1);
+    let st = h.s.directory().stats();
+    // 4 full pages x 3 layers backed up on the retry; the page being written has no copy.
+    assert_eq!(st.host_ready, 4 * LAYERS as usize);
+}
+
+#[test]
+fn prefetch_predicts_a_steady_selection_and_records_its_accuracy() {
+    let mut h = Harness::new(56, 400, true);
+    h.add(0, 64, None);
+    h.add(1, 64, None);
+    let mut sel = |r: u64, _l: u16, len: u64| {
+        let n = len.div_ceil(u64::from(PS)) as i64;
+        vec![0, 2 + r as i64, 5, n - 1]
+    };
+    let (_, first) = h.step(&[0, 1], PS, 4, &mut sel);
+    assert_eq!(first.prefetch_hits, 0);
+    let (_, second) = h.step(&[0, 1], PS, 4, &mut sel);
+    // Every layer's selection was predicted (the last block did not move within a page).
+    assert_eq!(second.prefetch_hits, second.pages);
+    assert!((second.prefetch_accuracy() - 1.0).abs() < 1e-12);
+    assert_eq!(second.prefetch_wasted, 0);
+    assert!(second.prefetch_pinned_peak > 0);
+    h.assert_quiet();
+}
+
+#[test]
+fn shared_prompts_are_read_by_every_request_and_outlive_them() {
+    let mut h = Harness::new(60, 400, true);
+    h.add_prompt(1000, 3);
+    let prefix = Some(Prefix {
+        namespace: 1000,
+        pages: 3,
+    });
+    h.add(0, 20, prefix);
+    h.add(1, 14, prefix);
+    for step in 0..4 {
+        let (failed, _) = h.step(&[0, 1], PS, 4, &mut |r, l, len| {
+            blocks(step + r + u64::from(l), len, PS, 4)
+        });
+        assert!(failed.is_empty());
+    }
+    assert!(h.s.drop_prompt(1000).is_err(), "read by running requests");
+    for rid in [0, 1] {
+        h.s.finish_request(RequestId::new(rid)).unwrap();
+    }
+    h.assert_quiet();
+    assert_eq!(h.s.directory().stats().objects, 3 * LAYERS as usize);
+    h.s.drop_prompt(1000).unwrap();
+    assert_eq!(h.s.directory().stats().objects, 0);
+}
+
+#[test]
+fn bad_input_is_refused_without_changing_anything() {
+    let mut h = Harness::new(40, 400, false);
+    h.add(0, 20, None);
+    let u = SelectionUnit::new(PS, PS).unwrap();
+    let ids = [RequestId::new(0)];
+    let (_, _) = h.s.append(&ids).unwrap();
+    assert!(matches!(
+        h.s.plan(LAYERS, &ids, &[0], 1, u),
+        Err(crate::Error::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        h.s.plan(0, &ids, &[99], 1, u),
+        Err(crate::Error::OutOfRange { .. })
+    ));
+    assert!(h.s.plan(0, &ids, &[0, 1], 1, u).is_err());
+    assert!(h.s.plan(0, &[RequestId::new(5)], &[0], 1, u).is_err());
+    assert!(h.s.plan(0, &[ids[0], ids[0]], &[0, 1], 1, u).is_err());
+    assert!(h.s.plan(0, &ids, &[-1], 1, u).is_err());
+    assert!(h.s.add_request(RequestId::new(0), 4, None).is_err());
+    assert!(h
+        .s
+        .add_request(
+            RequestId::new(9),
+            4,
+            Some(Prefix {
+                namespace: 77,
+                pages: 1
+            })
+        )
+        .is_err());
+    h.s.validate().unwrap();
+    assert_eq!(h.s.directory().stats().pins, 0);
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Add(u64),
+    Step(u64),
+    Finish(usize),
+    LoadFault(u8, bool),
+    BackupFault,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        2 => (8u64..40).prop_map(Op::Add),
+        6 => any::<u64>().prop_map(Op::Step),
+        1 => (0usize..8).prop_map(Op::Finish),
+        1 => (0u8..3, any::<bool>()).prop_map(|(l, twice)| Op::LoadFault(l, twice)),
+        1 => Just(Op::BackupFault),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+
+    /// Random arrivals, steps (block or token selections), finishes and faults against the
+    /// reference model (the stamps): every byte read is right, every invariant holds after
+    /// every step, and at the end nothing is pinned, in flight or quarantined.
+    #[test]
+    fn scheduler_state_machine(ops in proptest::collection::vec(op(), 1..30), prefetch: bool) {
+        let mut h = Harness::new(128, 2000, prefetch);
+        let mut live: Vec<u64> = Vec::new();
+        let mut next = 0u64;
+        for op in ops {
+            match op {
+                Op::Add(n) => {
+                    if live.len() < 4 {
+                        h.add(next, n, None);
+                        live.push(next);
+                        next += 1;
+                    }
+                }
+                Op::Step(seed) if !live.is_empty() => {
+                    let token = seed % 2 == 0;
+                    let (unit, k) = if token { (1, 6) } else { (PS, 3) };
+                    let (failed, _) = h.step(&live, unit, k, &mut |r, l, len| {
+                        if token {
+                            let mut rng = XorShift::new(seed ^ r ^ u64::from(l) << 8);
+                            (0..k).map(|_| rng.below(len) as i64).collect()
+                        } else {
+                            blocks(seed ^ r ^ u64::from(l), len, unit, k)
+                        }
+                    });
+                    for f in failed {
+                        h.s.finish_request(RequestId::new(f)).unwrap();
+                        live.retain(|&r| r != f);
+                    }
+                }
+                Op::Step(_) => {}
+                Op::Finish(i) => {
+                    if !live.is_empty() {
+                        let r = live.remove(i % live.len());
+                        h.s.finish_request(RequestId::new(r)).unwrap();
+                    }
+                }
+                Op::LoadFault(l, twice) => {
+                    h.s.inject_faults(Direction::Load, 1 + u32::from(twice), Some(u16::from(l)));
+                }
+                Op::BackupFault => h.s.inject_faults(Direction::Backup, 1, None),
+            }
+            h.s.validate().map_err(TestCaseError::fail)?;
+        }
+        h.assert_quiet();
+        for r in live {
+            h.s.finish_request(RequestId::new(r)).unwrap();
+        }
+        h.assert_quiet();
+        prop_assert_eq!(h.s.directory().stats().objects, 0);
+    }
+}
