@@ -38,3 +38,47 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     logits = torch.einsum("hd,shd->hs", q.to(torch.float32), kk) / math.sqrt(d)
     logits = logits.masked_fill(~mask[None, :], float("-inf"))
     return torch.einsum("hs,shd->hd", torch.softmax(logits, dim=-1), vv)
+
+
+def sparse_attention_batched(
+    q: torch.Tensor,
+    kv_pool: torch.Tensor,
+    table: torch.Tensor,
+    selection: torch.Tensor,
+    positions: torch.Tensor,
+    unit: int,
+    page_size: int,
+) -> torch.Tensor:
+    """Attention of a batch of query tokens over their selections, in one tensor program.
+
+    `q` [B, Hq, D]; `selection` [B, K] entries of `unit` tokens (-1 = none); `table`
+    [B, K * max(1, unit // page_size)] the device slot of each entry's pages, as the step
+    scheduler returned it (-1 where there is none); `kv_pool` [2, 1, slots, page_size, Hkv, D];
+    `positions` [B] the queries' positions (later tokens are masked). Computed in float32;
+    returns [B, Hq, D]. A row with nothing to read (a failed request) returns zeros.
+    """
+    b, k = selection.shape
+    dev = kv_pool.device
+    hkv, d = kv_pool.shape[-2:]
+    ppe = max(1, unit // page_size)
+    sel = selection.to(dev)
+    off = torch.arange(unit, device=dev)
+    tok = sel[:, :, None] * unit + off  # [B, K, unit]
+    cell = torch.arange(k, device=dev)[:, None] * ppe + (off // page_size if ppe > 1 else 0 * off)
+    slot = table.to(dev, torch.long).gather(1, cell.reshape(1, -1).expand(b, -1)).view(b, k, unit)
+    mask = (sel[:, :, None] >= 0) & (slot >= 0) & (tok <= positions.to(dev)[:, None, None])
+    rows = (slot.clamp(min=0) * page_size + tok.clamp(min=0) % page_size).reshape(b, -1)
+    flat_k = kv_pool[0, 0].reshape(-1, hkv, d)
+    flat_v = kv_pool[1, 0].reshape(-1, hkv, d)
+    kk = flat_k[rows].to(torch.float32)  # [B, N, Hkv, D]
+    vv = flat_v[rows].to(torch.float32)
+    mask = mask.reshape(b, -1)
+    group = q.shape[1] // hkv
+    kk = kk.repeat_interleave(group, dim=2)
+    vv = vv.repeat_interleave(group, dim=2)
+    logits = torch.einsum("bhd,bnhd->bhn", q.to(torch.float32), kk) / math.sqrt(d)
+    logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
+    any_valid = mask.any(dim=1)
+    logits = torch.where(any_valid[:, None, None], logits, torch.zeros_like(logits))
+    out = torch.einsum("bhn,bnhd->bhd", torch.softmax(logits, dim=-1), vv)
+    return torch.where(any_valid[:, None, None], out, torch.zeros_like(out))

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sparsetier.errors import ConfigError
+
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float = 10_000.0) -> torch.Tensor:
     """Rotary embedding over the last dim (rotate-half form), computed in float32."""
@@ -41,8 +43,14 @@ class Selection:
         return int(self.blocks.numel())
 
 
+#: Selection modes: NSA-style top-k blocks (with the sink block and a local window), or
+#: DSA-style top-k tokens (with the sink token and the current token).
+MODES = ("block", "token")
+
+
 class SparseIndexer(nn.Module):
-    """The indexer of one layer. `store_key` writes Indexer-K; `forward` scores and selects."""
+    """The indexer of one layer. `store_key` writes Indexer-K; `select` scores and selects for
+    a whole batch at once."""
 
     def __init__(
         self,
@@ -85,8 +93,6 @@ class SparseIndexer(nn.Module):
         (page * page_size + token)."""
         k = self.key(hidden, positions)
         if torch.isnan(k).any():
-            from sparsetier.errors import ConfigError
-
             raise ConfigError.of("hidden", "NaN", "finite values")
         rows = pool[0, layer].reshape(-1, self.head_dim)
         rows[out_cache_loc] = k.to(pool.dtype)
@@ -94,61 +100,116 @@ class SparseIndexer(nn.Module):
     def scores(
         self, hidden: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
     ) -> torch.Tensor:
-        """Token scores [T, S] of queries `hidden` against past Indexer-K `keys` [S, head_dim]."""
+        """Token scores of queries `hidden` [T, H] against past Indexer-K: `keys` [S, head_dim]
+        shared by every query gives [T, S]; `keys` [T, S, head_dim] (one history per query,
+        the batched decode form) gives [T, S] too."""
         q = self.wq(hidden).view(-1, self.heads, self.head_dim).to(torch.bfloat16)
         q = rope(q, positions).to(torch.float32)
         w = self.ww(hidden).to(torch.float32)  # [T, H]
-        dots = torch.einsum("thd,sd->ths", q, keys.to(torch.float32))
+        if keys.dim() == 2:
+            dots = torch.einsum("thd,sd->ths", q, keys.to(torch.float32))
+        else:
+            dots = torch.einsum("thd,tsd->ths", q, keys.to(torch.float32))
         return torch.einsum("th,ths->ts", w, torch.relu(dots))
 
-    def forward(
+    def select(
         self,
         hidden: torch.Tensor,
         positions: torch.Tensor,
         keys: torch.Tensor,
         *,
-        block_size: int,
+        mode: str,
+        unit: int,
         topk: int,
         window: int = 1,
         reduce: str = "max",
-    ) -> list[Selection]:
-        """Selects blocks for each query token (whose own key is the last of `keys` it may
-        see: token t sees keys[: positions[t] + 1])."""
-        s = self.scores(hidden, positions, keys)
-        out = []
-        for t in range(hidden.shape[0]):
-            out.append(select_blocks(s[t], int(positions[t]), block_size, topk, window, reduce))
-        return out
+    ) -> torch.Tensor:
+        """Selects for a batch of queries at once: `keys` [B, S, head_dim] holds each query's
+        history (query b sees keys[b, : positions[b] + 1]). Returns an int64 [B, topk] tensor of
+        ascending entries, -1 where a short history has fewer: block ids of `unit` tokens in
+        block mode, token indices in token mode."""
+        return select_from_scores(
+            self.scores(hidden, positions, keys),
+            positions,
+            mode=mode,
+            unit=unit,
+            topk=topk,
+            window=window,
+            reduce=reduce,
+        )
+
+
+def select_from_scores(
+    scores: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    mode: str,
+    unit: int,
+    topk: int,
+    window: int = 1,
+    reduce: str = "max",
+) -> torch.Tensor:
+    """Top-k selection over token scores [B, S] for the whole batch: one `torch.topk`, no loop
+    over requests. Block mode reduces `unit`-token blocks (max or mean over their visible
+    tokens) and always keeps the sink block and the `window` most recent blocks; token mode
+    keeps the sink token and the query's own token. Returns int64 [B, topk], ascending, -1
+    padded."""
+    if mode not in MODES:
+        raise ConfigError.of("mode", mode, "block or token")
+    if reduce not in ("max", "mean"):
+        raise ConfigError.of("reduce", reduce, "max or mean")
+    b, s = scores.shape
+    dev = scores.device
+    pos = positions.to(dev)
+    t = torch.arange(s, device=dev)
+    visible = t[None, :] <= pos[:, None]  # [B, S]
+    inf = float("inf")
+    if mode == "token":
+        x = scores.masked_fill(~visible, -inf)
+        forced = (t[None, :] == 0) | (t[None, :] == pos[:, None])
+        x = x.masked_fill(forced, inf)
+    else:
+        nb = -(-s // unit)
+        pad = nb * unit - s
+        if reduce == "max":
+            v = scores.masked_fill(~visible, -inf)
+            v = torch.nn.functional.pad(v, (0, pad), value=-inf).view(b, nb, unit)
+            x = v.max(dim=2).values
+        else:
+            v = scores.masked_fill(~visible, 0.0)
+            v = torch.nn.functional.pad(v, (0, pad), value=0.0).view(b, nb, unit)
+            cnt = torch.nn.functional.pad(visible, (0, pad)).view(b, nb, unit).sum(dim=2)
+            x = v.sum(dim=2) / cnt.clamp(min=1)
+        blk = torch.arange(nb, device=dev)
+        n_blocks = pos // unit + 1  # [B]
+        x = x.masked_fill(blk[None, :] >= n_blocks[:, None], -inf)
+        forced = (blk[None, :] == 0) | (
+            (blk[None, :] >= (n_blocks - window)[:, None]) & (blk[None, :] < n_blocks[:, None])
+        )
+        x = x.masked_fill(forced, inf)
+    k = min(topk, x.shape[1])
+    vals, idx = torch.topk(x, k, dim=1, sorted=False)
+    idx = idx.masked_fill(vals == -inf, -1)
+    idx, _ = torch.sort(idx, dim=1)
+    if k < topk:
+        idx = torch.nn.functional.pad(idx, (0, topk - k), value=-1)
+    return idx
 
 
 def select_blocks(
     token_scores: torch.Tensor, pos: int, block_size: int, topk: int, window: int, reduce: str
 ) -> Selection:
     """Top-k blocks by reduced score among blocks 0..pos // block_size, always with the sink
-    block and the `window` most recent blocks."""
-    n_blocks = pos // block_size + 1
-    visible = token_scores[: pos + 1]
-    pad = n_blocks * block_size - (pos + 1)
-    fill = float("-inf") if reduce == "max" else 0.0
-    padded = torch.cat([visible, visible.new_full((pad,), fill)]).view(n_blocks, block_size)
-    if reduce == "max":
-        block = padded.max(dim=1).values
-    elif reduce == "mean":
-        counts = torch.full((n_blocks,), float(block_size), device=token_scores.device)
-        counts[-1] = block_size - pad
-        block = padded.sum(dim=1) / counts
-    else:
-        from sparsetier.errors import ConfigError
-
-        raise ConfigError.of("reduce", reduce, "max or mean")
-    forced = {0, *range(max(0, n_blocks - window), n_blocks)}
-    chosen = set(forced)
-    if len(chosen) < topk:
-        order = torch.argsort(block, descending=True, stable=True).tolist()
-        for b in order:
-            if len(chosen) >= topk:
-                break
-            chosen.add(b)
-    blocks = torch.tensor(sorted(chosen), dtype=torch.int64)
+    block and the `window` most recent blocks: one row of `select_from_scores`."""
+    sel = select_from_scores(
+        token_scores[None, : pos + 1],
+        torch.tensor([pos]),
+        mode="block",
+        unit=block_size,
+        topk=topk,
+        window=window,
+        reduce=reduce,
+    )[0]
+    blocks = sel[sel >= 0].cpu()
     positions = (blocks[:, None] * block_size + torch.arange(block_size)).reshape(-1)
     return Selection(blocks, positions)

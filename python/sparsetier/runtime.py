@@ -1,17 +1,25 @@
-"""The decode runtime: decode steps of a sparse-attention model whose main KV does not fit on
-the device.
+"""The decode runtime: batched decode steps of a sparse-attention model whose main KV does not
+fit on the device, scheduled by the Rust `StepScheduler`.
 
-Per layer of a step, for each request: store the new token's K/V and Indexer-K; select top-k
-blocks with the indexer; `ResidencyDirectory.resolve` them (Ready: pinned; Absent: a slot and a
-load; Loading: join); wait for that layer's loads; attend over the resolved slots; release the
-pins; record the metrics. Every decision about where a page lives is the Rust directory's; this
-module only moves tensors and calls it.
+One step, for the whole batch at once (no loop over requests inside a layer):
 
-Objects are per (request, block, layer): main KV is tiered per layer, as sparse decode reads it.
-Indexer-K stays resident (the indexer must see all history). A block's KV is written through to
-host when it fills. With `prefetch`, a layer's loads for every request are submitted before any
-of them attends, so loads overlap the attention of earlier requests; the runtime measures the
-wait it could not hide (exposed wait), not the copy time.
+    append(rids)                 -> where each request's new K/V row goes, every layer
+    per layer l:
+      qkv, write K/V rows        (one index_put for the batch)
+      Indexer-K store + select   (one scoring einsum, one torch.topk for the batch)
+      plan(l, rids, selection)   -> slot table [B, K]: one directory resolve, one load
+                                    submission for every miss of the batch
+      ready(plan)                -> event wait (cpu) / stream wait (CUDA); failed loads are
+                                    retried once in Rust, then reported per request
+      attention                  (through the slot table, one tensor program)
+      finish(plan)               -> pins released, metrics folded in Rust
+    end_step()                   -> filled pages written through (never waited), finished
+                                    transfers settled, next step's prefetch issued
+
+Every decision about where a page lives, and every transition, is the scheduler's; this module
+moves tensors. Objects are per (request, page, layer); Indexer-K stays resident (the indexer
+must see all history). Shared system prompts are stored once under a prompt namespace and read
+through the same per-layer plans.
 """
 
 from __future__ import annotations
@@ -26,15 +34,13 @@ import torch
 from sparsetier._core import (
     PageAllocator,
     PageTransferBinding,
-    PageTransferGroup,
     PoolSpec,
-    PreparedPageTransfer,
-    ResidencyDirectory,
+    StepScheduler,
     TransferEngine,
 )
-from sparsetier.attention import sparse_attention
+from sparsetier.attention import sparse_attention_batched
 from sparsetier.errors import ConfigError, OutOfPagesError
-from sparsetier.keys import object_keys
+from sparsetier.indexer import MODES
 from sparsetier.model import TinySparseModel, rms
 
 log = logging.getLogger("sparsetier.runtime")
@@ -60,10 +66,13 @@ class Request:
     decode_steps: int
     pos: int = 0  # tokens written so far
     next_token: int = 0
-    idx_pages: list[int] = field(default_factory=list)
+    idx_pages: torch.Tensor | None = None  # Indexer-K pages, prompt's first (int64)
     own_idx_pages: list[int] = field(default_factory=list)
     shared: SharedPrompt | None = None
     outputs: list[torch.Tensor] = field(default_factory=list)
+    arrived_s: float = 0.0
+    ttft_s: float = 0.0
+    failed: str | None = None
 
     @property
     def shared_blocks(self) -> int:
@@ -76,30 +85,20 @@ class Request:
 
 @dataclass
 class StepRecord:
+    """One decode step: the scheduler's record (seed 002's table, counted in Rust) and the
+    step's wall time."""
+
     step: int
     requests: int
-    selected: int = 0
-    distinct: int = 0
-    ready: int = 0
-    loads: int = 0
-    inflight_reuse: int = 0
-    bytes_needed: int = 0
-    bytes_transferred: int = 0
-    exposed_wait_s: float = 0.0
-    step_s: float = 0.0
+    step_s: float
+    core: dict
+    failed: list[int] = field(default_factory=list)
 
-    @property
-    def hit_rate(self) -> float:
-        return self.ready / self.distinct if self.distinct else 0.0
-
-
-def exposed_wait(handle) -> float:
-    """Blocks until a submitted transfer is written; returns the seconds the caller actually
-    blocked (the exposed wait), which is not the transfer's duration: work done between the
-    submission and this call hides that much of it."""
-    t0 = time.perf_counter()
-    handle.wait()
-    return time.perf_counter() - t0
+    def __getattr__(self, name: str):
+        core = self.__dict__.get("core")
+        if core is not None and name in core:
+            return core[name]
+        raise AttributeError(name)
 
 
 class DecodeRuntime:
@@ -119,21 +118,24 @@ class DecodeRuntime:
         prefetch: bool = True,
         io_backend: str = "cpu",
         device: str = "cpu",
+        selection: str = "block",
+        block_size: int | None = None,
+        reduce: str = "max",
     ) -> None:
         c = model.c
-        if topk < window + 1:
+        if selection not in MODES:
+            raise ConfigError.of("selection", selection, "block or token")
+        unit = (block_size or page_size) if selection == "block" else 1
+        if selection == "block" and topk < window + 1:
             raise ConfigError.of(
                 "topk",
                 str(topk),
                 f">= {window + 1} (the sink block and the local window are always read)",
             )
-        self.model, self.ps, self.topk, self.window, self.prefetch = (
-            model,
-            page_size,
-            topk,
-            window,
-            prefetch,
-        )
+        if selection == "token" and topk < 2:
+            raise ConfigError.of("topk", str(topk), ">= 2 (the sink token and the query's own)")
+        self.model, self.ps, self.topk, self.window = model, page_size, topk, window
+        self.mode, self.unit, self.reduce, self.prefetch = selection, unit, reduce, prefetch
         kv = PoolSpec("KV", 1, c.kv_heads, c.head_dim, "bf16", page_size, device_slots)
         kv_host = kv.with_pages(host_slots)
         self.kv_spec = kv
@@ -146,117 +148,112 @@ class DecodeRuntime:
         self.host_kv = torch.zeros(kv_host.shape(), dtype=torch.bfloat16)
         if self.device.type == "cuda":
             self.host_kv = self.host_kv.pin_memory()
-        self.dev_bind = PageTransferBinding(self.device_kv, kv)
-        self.host_bind = PageTransferBinding(self.host_kv, kv_host)
-        self.directory = ResidencyDirectory(
-            device_slots, host_slots, object_bytes=kv.page_bytes * kv.planes_per_layer
-        )
         self.engine = TransferEngine(io_backend)
+        self.scheduler = StepScheduler(
+            PageTransferBinding(self.device_kv, kv),
+            PageTransferBinding(self.host_kv, kv_host),
+            self.engine,
+            layers=c.layers,
+            prefetch=prefetch,
+        )
         ik = PoolSpec("INDEXER", c.layers, 1, c.indexer_dim, "bf16", page_size, indexer_pages)
         self.indexer_pool = torch.zeros(ik.shape(), dtype=torch.bfloat16, device=self.device)
         self.indexer_alloc = PageAllocator(indexer_pages)
         self.requests: dict[int, Request] = {}
         self.records: list[StepRecord] = []
-        self.token_bytes = kv.token_bytes * kv.planes_per_layer
-        self._pending: dict[int, object] = {}  # load transfer id -> engine handle
-        self.faults_seen = 0
         self.prompts: dict[int, SharedPrompt] = {}
         self.prefix_device_hits = 0  # shared-prompt blocks found on the device at arrival
         self.prefix_host_hits = 0  # ... found on host only, and loaded back layer by layer
         self.prefix_exposed_wait_s = 0.0
         self.aborted = 0
+        self.failures: list[tuple[int, int, str]] = []  # (step, rid, reason)
+        self.ttfts: list[float] = []
 
-    # -- pages ------------------------------------------------------------------------
-    def _keys(self, rid: int, blocks, layer: int) -> np.ndarray:
-        return object_keys(rid, blocks, layer)
+    @property
+    def directory(self):
+        """The scheduler's residency directory (stats and checks; it makes no transition)."""
+        return self.scheduler.directory
 
-    def _write_kv(self, slot: int, row: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.device_kv[0, 0, slot, row : row + k.shape[0]] = k
-        self.device_kv[1, 0, slot, row : row + k.shape[0]] = v
+    def _stream(self) -> int | None:
+        return torch.cuda.current_stream().cuda_stream if self.device.type == "cuda" else None
 
-    def _backup(self, keys: np.ndarray) -> None:
-        """Write-through: copies the blocks to host and marks the host copies Ready."""
-        plan = self.directory.backup(keys)
-        if plan.transfer_id is None:
-            return
-        t = PreparedPageTransfer(
-            self.dev_bind, self.host_bind, plan.device_slots, plan.host_slots, direction="backup"
+    def _table(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    def _write_pages(self, slots: np.ndarray, first_page: int, k, v, first_token: int) -> None:
+        """Writes K/V rows of tokens first_token.. (k, v: [T, Hkv, D]) into one layer's pages
+        `slots` (the pages those tokens touch, from `first_page`)."""
+        ps = self.ps
+        t = torch.arange(first_token, first_token + k.shape[0], device=self.device)
+        slot = torch.as_tensor(slots, dtype=torch.long, device=self.device)[t // ps - first_page]
+        self.device_kv[0, 0, slot, t % ps] = k
+        self.device_kv[1, 0, slot, t % ps] = v
+
+    def _budget_error(self, e: Exception) -> ConfigError:
+        return ConfigError.of(
+            "device_slots",
+            str(self.kv_spec.pages),
+            "more device pages: the page being written of every layer of every running request "
+            f"stays on the device, plus each layer's selected pages for the batch ({e})",
         )
-        h = self.engine.submit(PageTransferGroup([t]))
-        try:
-            h.wait()
-        except Exception as e:
-            log.warning("backup %d failed (%s): blocks stay device-only", plan.transfer_id, e)
-            self.directory.fail(plan.transfer_id, str(e), ended=True)
-            self.faults_seen += 1
-            return
-        self.directory.backup_complete(plan.transfer_id)
 
-    def _allocate(self, keys: np.ndarray) -> np.ndarray:
+    def _alloc_idx(self, n: int) -> list[int]:
         try:
-            return self.directory.allocate(keys)
+            return self.indexer_alloc.alloc(n).tolist()
         except OutOfPagesError as e:
             raise ConfigError.of(
-                "device_slots",
-                str(self.kv_spec.pages),
-                "more device pages: the current block of every layer of every running "
-                f"request stays on the device until it fills, plus top-k blocks per request ({e})",
+                "indexer_pages", str(self.indexer_alloc.capacity), f"more Indexer-K pages ({e})"
             ) from e
 
     # -- requests ---------------------------------------------------------------------
-    def _namespaces(self, r: Request, blocks: np.ndarray) -> np.ndarray:
-        """Shared-prompt blocks live in the prompt's namespace, the rest in the request's."""
-        if r.shared is None:
-            return np.full(len(blocks), r.rid, dtype=np.int64)
-        return np.where(blocks < r.shared.blocks, r.shared.namespace, r.rid)
-
-    def _store_blocks(self, ns: int, k, v, first_block: int, layer: int, n_tokens: int) -> None:
-        """Writes K/V rows of consecutive blocks from `first_block` into fresh device objects,
-        writing every full block through to host."""
-        ps = self.ps
-        for i in range(-(-n_tokens // ps)):
-            lo, hi = i * ps, min(n_tokens, (i + 1) * ps)
-            keys = self._keys(ns, [first_block + i], layer)
-            slot = int(self._allocate(keys)[0])
-            self._write_kv(slot, 0, k[lo:hi], v[lo:hi])
-            if hi - lo == ps:
-                self._backup(keys)
-
     def _shared_prompt(self, pid: int, tokens: torch.Tensor) -> SharedPrompt:
         """The stored whole pages of system prompt `pid`, prefilled on first use."""
         if pid in self.prompts:
             return self.prompts[pid]
         m, ps = self.model, self.ps
         blocks = tokens.numel() // ps
-        sp = SharedPrompt(PROMPT_NAMESPACE + pid, blocks, self.indexer_alloc.alloc(blocks).tolist())
+        sp = SharedPrompt(PROMPT_NAMESPACE + pid, blocks, self._alloc_idx(blocks))
         per_layer, _ = m.prefill(tokens[: blocks * ps].to(self.device))
+        slots = self.scheduler.add_prompt(sp.namespace, blocks)
         pos = torch.arange(blocks * ps, device=self.device)
         pages = torch.as_tensor(sp.idx_pages, dtype=torch.long, device=self.device)
         for li, (k, v, hidden) in enumerate(per_layer):
-            loc = pages[pos // ps] * ps + pos % ps
-            m.layers[li].indexer.store_key(hidden, pos, loc, self.indexer_pool, li)
-            self._store_blocks(sp.namespace, k, v, 0, li, blocks * ps)
+            m.layers[li].indexer.store_key(
+                hidden, pos, pages[pos // ps] * ps + pos % ps, self.indexer_pool, li
+            )
+            self._write_pages(slots[li], 0, k, v, 0)
         self.prompts[pid] = sp
         return sp
 
-    def _past(self, sp: SharedPrompt, layer: int, hit: bool):
-        """K/V of a shared prompt for one layer: resolved (loading what is on host only),
-        waited for, gathered. Counts prefix hits when `hit` (the prompt was stored by an
-        earlier request). Returns (k, v, pin handle)."""
-        res = self.directory.resolve(self._keys(sp.namespace, np.arange(sp.blocks), layer))
+    def _past(self, r: Request, layer: int, hit: bool):
+        """K/V of a request's shared prompt for one layer, read through one scheduler plan
+        (loading what is on host only). Counts prefix hits when `hit`."""
+        blocks = r.shared_blocks
+        sel = np.arange(blocks, dtype=np.int64)[None, :]
+        plan, table = self.scheduler.plan(layer, np.array([r.rid]), sel, self.ps)
+        failed, new = self.scheduler.ready(plan, self._stream())
+        if new is not None:
+            table = new
+        try:
+            if failed:
+                raise ConfigError.of(
+                    "shared prompt", str(r.shared.namespace), f"a readable prompt ({failed[0][2]})"
+                )
+            slots = self._table(table)[0].to(torch.long)
+            hkv, d = self.device_kv.shape[-2:]
+            k = self.device_kv[0, 0, slots].reshape(-1, hkv, d).clone()
+            v = self.device_kv[1, 0, slots].reshape(-1, hkv, d).clone()
+        finally:
+            counts = self.scheduler.finish(plan)
         if hit:
-            self.prefix_device_hits += res.metrics["ready"]
-            self.prefix_host_hits += res.metrics["absent"] + res.metrics["loading"]
-        self._submit(res)
-        for tid in [lp.transfer_id for lp in res.loads] + list(res.joined):
-            self.prefix_exposed_wait_s += self._ensure(tid)
-        slots = torch.from_numpy(res.slots).to(self.device)
-        hkv, d = self.device_kv.shape[-2:]
-        k = self.device_kv[0, 0, slots].reshape(-1, hkv, d).clone()
-        v = self.device_kv[1, 0, slots].reshape(-1, hkv, d).clone()
-        return k, v, res.handle
+            self.prefix_device_hits += counts["ready"]
+            self.prefix_host_hits += counts["loaded"] + counts["joined"]
+        self.prefix_exposed_wait_s += counts["exposed_wait_ns"] / 1e9
+        return k, v
 
-    @torch.no_grad()
     def add_request(
         self,
         rid: int,
@@ -265,43 +262,78 @@ class DecodeRuntime:
         shared: tuple[int, int] | None = None,
     ) -> None:
         """Prefill. With `shared = (prompt id, prompt length)`, the whole pages of that system
-        prompt are stored once for every request over it: a request finds them on the device,
-        or on host (loaded back layer by layer as its prefill reaches each layer), and
-        prefills only the rest. Everything written is written through to host."""
-        if rid >= PROMPT_NAMESPACE:
+        prompt are stored once for every request over it: a request reads them through the
+        scheduler (from the device, or loaded back layer by layer as its prefill reaches each
+        layer), and prefills only the rest. Everything written is written through to host."""
+        try:
+            self._add_request(rid, prompt, decode_steps, shared)
+        except OutOfPagesError as e:
+            raise self._budget_error(e) from e
+
+    @torch.no_grad()
+    def _add_request(
+        self,
+        rid: int,
+        prompt: torch.Tensor,
+        decode_steps: int,
+        shared: tuple[int, int] | None = None,
+    ) -> None:
+        """Prefill. With `shared = (prompt id, prompt length)`, the whole pages of that system
+        prompt are stored once for every request over it: a request reads them through the
+        scheduler (from the device, or loaded back layer by layer as its prefill reaches each
+        layer), and prefills only the rest. Everything written is written through to host."""
+        if not 0 <= rid < PROMPT_NAMESPACE:
             raise ConfigError.of("rid", str(rid), f"0 <= rid < {PROMPT_NAMESPACE}")
+        if rid in self.requests:
+            raise ConfigError.of("rid", str(rid), "a request id not running")
+        t0 = time.perf_counter()
         m, ps = self.model, self.ps
         n = prompt.numel()
-        r = Request(rid, prompt, decode_steps)
+        r = Request(rid, prompt, decode_steps, arrived_s=t0)
         hit = False
         if shared is not None and shared[1] // ps > 0 and shared[1] < n:
             hit = shared[0] in self.prompts
             r.shared = self._shared_prompt(shared[0], prompt[: shared[1]])
         start = r.shared_blocks * ps
-        own = -(-(n + decode_steps - start) // ps)
-        r.own_idx_pages = self.indexer_alloc.alloc(own).tolist()
-        r.idx_pages = (r.shared.idx_pages if r.shared else []) + r.own_idx_pages
-        handles = []
-
-        def past(layer: int):
-            k, v, h = self._past(r.shared, layer, hit)
-            handles.append(h)
-            return k, v
-
-        per_layer, logits = m.prefill(prompt[start:].to(self.device), start=start, past=past)
-        for h in handles:
-            self.directory.release(h)
+        r.own_idx_pages = self._alloc_idx(-(-(n + decode_steps - start) // ps))
+        pages = (r.shared.idx_pages if r.shared else []) + r.own_idx_pages
+        r.idx_pages = torch.as_tensor(pages, dtype=torch.long, device=self.device)
+        src = prompt[start:].to(self.device)
+        if r.shared is None:
+            # No scheduler call during the prefill: register with every page at once.
+            per_layer, logits = m.prefill(src)
+            try:
+                slots = (0, self.scheduler.add_request(rid, n))
+            except BaseException:
+                self.indexer_alloc.free(r.own_idx_pages)
+                raise
+        else:
+            # Register over the prompt, read its K/V layer by layer through scheduler plans,
+            # then extend by the suffix once its K/V exist.
+            self.scheduler.add_request(rid, start, (r.shared.namespace, r.shared.blocks))
+            try:
+                per_layer, logits = m.prefill(
+                    src, start=start, past=lambda layer: self._past(r, layer, hit)
+                )
+                slots = self.scheduler.extend(rid, n - start)
+            except BaseException:
+                self.scheduler.finish_request(rid)
+                self.indexer_alloc.free(r.own_idx_pages)
+                raise
+        first_page, page_slots = slots
         pos = torch.arange(start, n, device=self.device)
         for li, (k, v, hidden) in enumerate(per_layer):
             m.layers[li].indexer.store_key(hidden, pos, self._locs(r, pos), self.indexer_pool, li)
-            self._store_blocks(rid, k, v, r.shared_blocks, li, n - start)
+            self._write_pages(page_slots[li], first_page, k, v, start)
         r.pos = n
         r.next_token = int(logits.argmax())
+        r.ttft_s = time.perf_counter() - t0
+        self.ttfts.append(r.ttft_s)
         self.requests[rid] = r
 
     def finish_request(self, rid: int) -> Request:
         r = self.requests.pop(rid)
-        self.directory.drop_namespace(rid)
+        self.scheduler.finish_request(rid)
         self.indexer_alloc.free(r.own_idx_pages)
         return r
 
@@ -314,98 +346,93 @@ class DecodeRuntime:
         self.aborted += 1
         log.info("request %d aborted", rid)
 
+    def inject_faults(self, kind: str, count: int = 1, layer: int | None = None) -> None:
+        """Arms `count` failures of the scheduler's next `kind` (load or backup) submissions,
+        at `layer` only if given: they fail inside the copy engine (cpu engine)."""
+        self.scheduler.inject_faults(kind, count, layer)
+
     def _locs(self, r: Request, pos: torch.Tensor) -> torch.Tensor:
-        pages = torch.as_tensor(r.idx_pages, dtype=torch.long, device=self.device)
-        return pages[pos // self.ps] * self.ps + pos % self.ps
-
-    # -- loads ------------------------------------------------------------------------
-    def _submit(self, res) -> None:
-        for lp in res.loads:
-            t = PreparedPageTransfer(self.host_bind, self.dev_bind, lp.host_slots, lp.device_slots)
-            self.directory.mark_submitted(lp.transfer_id)
-            self._pending[lp.transfer_id] = self.engine.submit(PageTransferGroup([t]))
-
-    def _ensure(self, tid: int) -> float:
-        """Waits for load `tid` and publishes it; returns the time blocked."""
-        h = self._pending.pop(tid, None)
-        if h is None:
-            t0 = time.perf_counter()
-            self.directory.wait(tid)  # completed by an earlier request of this step
-            return time.perf_counter() - t0
-        try:
-            waited = exposed_wait(h)
-        except Exception as e:
-            log.warning("load %d failed (%s): its blocks go back to host-only", tid, e)
-            self.directory.fail(tid, str(e), ended=True)
-            self.faults_seen += 1
-            raise
-        self.directory.complete(tid)
-        return waited
+        return r.idx_pages[pos // self.ps] * self.ps + pos % self.ps
 
     # -- one decode step --------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> StepRecord:
-        m, ps = self.model, self.ps
+        """One decode step of every running request; requests whose loads failed twice are
+        reported in the record (and in `failures`) and ended after the step."""
+        try:
+            return self._step()
+        except OutOfPagesError as e:
+            raise self._budget_error(e) from e
+
+    def _step(self) -> StepRecord:
+        m, ps, dev = self.model, self.ps, self.device
         reqs = [r for r in self.requests.values() if not r.done]
-        rec = StepRecord(len(self.records), len(reqs))
         t_step = time.perf_counter()
-        dev = self.device
-        xs = {r.rid: m.embed(torch.tensor([r.next_token], device=dev)) for r in reqs}
+        if not reqs:
+            core = self.scheduler.end_step()
+            rec = StepRecord(len(self.records), 0, time.perf_counter() - t_step, core)
+            self.records.append(rec)
+            return rec
+        # Per-step batch state (built once per step, not per layer).
+        rids_np = np.array([r.rid for r in reqs], dtype=np.int64)
+        pos = torch.tensor([r.pos for r in reqs], device=dev)
+        tokens = torch.tensor([r.next_token for r in reqs], device=dev)
+        idx_tbl = torch.nn.utils.rnn.pad_sequence([r.idx_pages for r in reqs], batch_first=True)
+        t_hist = int(pos.max()) + 1
+        t = torch.arange(t_hist, device=dev)
+        hist_locs = idx_tbl[:, (t // ps).clamp(max=idx_tbl.shape[1] - 1)] * ps + t % ps
+        my_locs = idx_tbl.gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps
+        slots_np, rows_np = self.scheduler.append(rids_np)
+        slots = torch.from_numpy(slots_np).to(dev, torch.long)
+        rows = torch.from_numpy(rows_np).to(dev, torch.long)
+        x = m.embed(tokens)
+        failed: dict[int, str] = {}
+        stream = self._stream()
         for li, layer in enumerate(m.layers):
-            plans = {}
-            for r in reqs:
-                pos = torch.tensor([r.pos], device=dev)
-                q, k, v = layer.qkv(xs[r.rid], pos)
-                block, row = divmod(r.pos, ps)
-                keys = self._keys(r.rid, [block], li)
-                if row == 0:
-                    self._allocate(keys)
-                slot = int(self.directory.state((r.rid, 0, block, li))["device_slot"])
-                self._write_kv(slot, row, k, v)
-                layer.indexer.store_key(
-                    rms(xs[r.rid]), pos, self._locs(r, pos), self.indexer_pool, li
-                )
-                past = self.indexer_pool[0, li].reshape(-1, m.c.indexer_dim)[
-                    self._locs(r, torch.arange(r.pos + 1, device=dev))
-                ]
-                sel = layer.indexer(
-                    rms(xs[r.rid]), pos, past, block_size=ps, topk=self.topk, window=self.window
-                )[0]
-                needed = (r.pos + 1 - sel.blocks[-1].item() * ps) + (len(sel.blocks) - 1) * ps
-                blocks = sel.blocks.numpy()
-                res = self.directory.resolve(
-                    object_keys(self._namespaces(r, blocks), blocks, li),
-                    bytes_needed=needed * self.token_bytes,
-                )
-                plans[r.rid] = (q, sel, res)
-                if self.prefetch:
-                    self._submit(res)
-            for r in reqs:
-                q, sel, res = plans[r.rid]
-                if not self.prefetch:
-                    self._submit(res)
-                for tid in [lp.transfer_id for lp in res.loads] + list(res.joined):
-                    rec.exposed_wait_s += self._ensure(tid)
-                out = sparse_attention(
-                    q[0], self.device_kv, torch.from_numpy(res.slots).to(dev), sel.blocks, r.pos, ps
-                )
-                xs[r.rid] = layer.finish(xs[r.rid], out[None])
-                metrics = self.directory.release(res.handle)
-                rec.selected += metrics["selected"]
-                rec.distinct += metrics["distinct"]
-                rec.ready += metrics["ready"]
-                rec.loads += metrics["absent"]
-                rec.inflight_reuse += metrics["inflight_reuse"]
-                rec.bytes_needed += metrics["bytes_needed"]
-                rec.bytes_transferred += metrics["bytes_transferred"]
-        for r in reqs:
-            logits = m.logits(xs[r.rid])[0]
-            r.outputs.append(logits.cpu())
-            r.next_token = int(logits.argmax())
+            q, k, v = layer.qkv(x, pos)
+            self.device_kv[0, 0, slots[:, li], rows] = k
+            self.device_kv[1, 0, slots[:, li], rows] = v
+            h = rms(x)
+            layer.indexer.store_key(h, pos, my_locs, self.indexer_pool, li)
+            keys = self.indexer_pool[0, li].reshape(-1, m.c.indexer_dim)[hist_locs]
+            sel = layer.indexer.select(
+                h, pos, keys, mode=self.mode, unit=self.unit, topk=self.topk,
+                window=self.window, reduce=self.reduce,
+            )  # fmt: skip
+            plan, table = self.scheduler.plan(li, rids_np, sel.cpu().numpy(), self.unit)
+            bad, new = self.scheduler.ready(plan, stream)
+            if new is not None:
+                table = new
+            for _, rid, why in bad:
+                failed.setdefault(rid, why)
+            out = sparse_attention_batched(q, self.device_kv, self._table(table), sel, pos,
+                                           self.unit, ps)  # fmt: skip
+            x = layer.finish(x, out)
+            self.scheduler.finish(plan)
+        logits = m.logits(x)
+        nxt = logits.argmax(dim=-1).tolist()
+        out_cpu = logits.cpu()
+        for b, r in enumerate(reqs):
             r.pos += 1
-            if r.pos % ps == 0:  # the block filled: write it through, every layer
-                for li in range(len(m.layers)):
-                    self._backup(self._keys(r.rid, [r.pos // ps - 1], li))
-        rec.step_s = time.perf_counter() - t_step
+            if r.rid in failed:
+                r.failed = failed[r.rid]
+                continue
+            r.outputs.append(out_cpu[b])
+            r.next_token = nxt[b]
+        core = self.scheduler.end_step()
+        rec = StepRecord(
+            len(self.records), len(reqs), time.perf_counter() - t_step, core, sorted(failed)
+        )
+        for rid, why in sorted(failed.items()):
+            log.warning("request %d failed at step %d: %s", rid, rec.step, why)
+            self.failures.append((rec.step, rid, why))
+            self.finish_request(rid)
         self.records.append(rec)
         return rec
+
+    def drain(self) -> None:
+        """Waits for every transfer in flight (what to call before reading final stats)."""
+        self.scheduler.drain()
+
+
+__all__ = ["DecodeRuntime", "Request", "SharedPrompt", "StepRecord"]

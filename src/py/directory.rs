@@ -133,7 +133,7 @@ fn metrics_dict<'py>(py: Python<'py>, m: &ResolveMetrics) -> PyResult<Bound<'py,
     Ok(d)
 }
 
-fn stats_dict<'py>(py: Python<'py>, s: &DirectoryStats) -> PyResult<Bound<'py, PyDict>> {
+pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &DirectoryStats) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     macro_rules! put {
         ($($f:ident),*) => { $( d.set_item(stringify!($f), s.$f)?; )* };
@@ -261,7 +261,14 @@ fn i64s<'py, T: Copy>(py: Python<'py>, v: &[T], f: impl Fn(T) -> i64) -> Py<PyAr
 /// The residency directory: for every object, where it lives, whether it is ready, who uses it.
 #[pyclass(name = "ResidencyDirectory", module = "sparsetier._core", frozen)]
 pub struct PyResidencyDirectory {
-    inner: Directory,
+    inner: std::sync::Arc<Directory>,
+}
+
+impl PyResidencyDirectory {
+    /// A Python view of a directory another owner (the step scheduler) holds.
+    pub(crate) fn shared(inner: std::sync::Arc<Directory>) -> Self {
+        PyResidencyDirectory { inner }
+    }
 }
 
 #[pymethods]
@@ -301,7 +308,7 @@ impl PyResidencyDirectory {
                 .ok_or_else(|| to_py(py, Error::config("object_bytes", ob, "an integer >= 1")))?,
         };
         Ok(PyResidencyDirectory {
-            inner: Directory::new(cfg).py_err(py)?,
+            inner: std::sync::Arc::new(Directory::new(cfg).py_err(py)?),
         })
     }
 

@@ -12,6 +12,7 @@ mod error;
 mod plan;
 mod pool;
 mod radix;
+mod scheduler;
 mod tensor;
 mod transfer;
 
@@ -38,6 +39,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyTransferEngine>()?;
     m.add_class::<transfer::PyTransferHandle>()?;
     m.add_function(wrap_pyfunction!(transfer::cuda_status, m)?)?;
+    m.add_class::<scheduler::PyStepScheduler>()?;
     m.add_class::<radix::PyHiCache>()?;
     m.add_function(wrap_pyfunction!(radix::_bench_serve, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::compile_cuda_kernels, m)?)?;

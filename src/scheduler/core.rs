@@ -26,8 +26,8 @@
 //! A failed load is settled (`fail`: its objects go back to host-only, their slots are
 //! quarantined until the copy can no longer write them), retried once by the plan that needs
 //! it, and if the retry fails too, the plan's rows that read those objects are reported failed
-//! with the reason; the rest of the batch goes on. A failed backup is retried once at the next
-//! `end_step`; after that the pages stay device-only (never evicted) until their request ends.
+//! with the reason; the rest of the batch goes on. A failed backup leaves its pages device-only
+//! (never evicted) and is submitted again at every `end_step` until it lands.
 //!
 //! # Drop
 //! Dropping the scheduler drops the directory and the engine handle; transfers still in flight
@@ -101,7 +101,6 @@ struct Load {
 struct Backup {
     events: Arc<TransferEvents>,
     keys: Vec<ObjectKey>,
-    attempt: u8,
 }
 
 #[derive(Debug)]
@@ -152,6 +151,7 @@ pub struct StepScheduler {
     loads: FxHashMap<TransferId, Load>,
     backups: FxHashMap<TransferId, Backup>,
     pending_backups: Vec<ObjectKey>,
+    filled: Vec<ObjectKey>,
     retry_backups: Vec<ObjectKey>,
     plans: FxHashMap<LayerPlanId, LayerPlan>,
     prefetches: FxHashMap<u16, Prefetch>,
@@ -234,6 +234,7 @@ impl StepScheduler {
             loads: FxHashMap::default(),
             backups: FxHashMap::default(),
             pending_backups: Vec::new(),
+            filled: Vec::new(),
             retry_backups: Vec::new(),
             plans: FxHashMap::default(),
             prefetches: FxHashMap::default(),
@@ -281,9 +282,11 @@ impl StepScheduler {
         self.requests.get(&id)
     }
 
-    /// Cumulative record over every finished step.
-    pub fn totals(&self) -> &StepRecord {
-        &self.totals
+    /// Cumulative record: every finished step, plus what happened since the last one.
+    pub fn totals(&self) -> StepRecord {
+        let mut t = self.totals;
+        t.fold(&self.rec);
+        t
     }
 
     /// Loads and backups in flight (tracked here, not yet settled).
@@ -357,9 +360,8 @@ impl StepScheduler {
     }
 
     /// Admits request `id` with `tokens` tokens already prefilled, the first `prefix.pages`
-    /// pages read from a stored prefix. Allocates its own pages for every layer and returns
-    /// their slots layer-major (`[layer][own page]`); the caller writes the K/V rows before
-    /// its next call, and full pages are written through at the next `end_step`.
+    /// pages read from a stored prefix: registers it over the prefix, then [`Self::extend`]s
+    /// it by the rest and returns those slots (`[layer][page]`, see `extend`).
     pub fn add_request(
         &mut self,
         id: RequestId,
@@ -372,9 +374,10 @@ impl StepScheduler {
             });
         }
         let ps = u64::from(self.cfg.page_size);
+        let from_prefix = prefix.map_or(0, |p| u64::from(p.pages) * ps);
         if let Some(p) = prefix {
             let stored = self.prompts.get(&p.namespace).copied().unwrap_or(0);
-            if p.pages == 0 || p.pages > stored || u64::from(p.pages) * ps > tokens {
+            if p.pages == 0 || p.pages > stored || from_prefix > tokens {
                 return Err(Error::config(
                     "prefix",
                     format!("({}, {} pages)", p.namespace, p.pages),
@@ -386,29 +389,76 @@ impl StepScheduler {
                 ));
             }
         }
-        let mut state = RequestState::new(id, tokens, prefix, self.cfg.layers as usize);
-        let first = prefix.map_or(0, |p| p.pages);
-        let total = state.pages(self.cfg.page_size);
-        let keys: Vec<ObjectKey> = (0..self.cfg.layers)
-            .flat_map(|l| (first..total).map(move |p| (p, l)))
-            .map(|(p, l)| state.key(p, l))
+        if tokens == 0 {
+            return Err(Error::config("tokens", 0, "an integer >= 1"));
+        }
+        let state = RequestState::new(id, from_prefix, prefix, self.cfg.layers as usize);
+        self.requests.insert(id, state);
+        if tokens == from_prefix {
+            return Ok(Vec::new());
+        }
+        match self.extend(id, tokens - from_prefix) {
+            Ok((_, slots)) => Ok(slots),
+            Err(e) => {
+                self.requests.remove(&id);
+                Err(e)
+            }
+        }
+    }
+
+    /// Appends `tokens` prefilled tokens to request `id` (chunked prefill): returns the first
+    /// page they touch and the slots of every page they touch, layer-major (`[layer][page]`),
+    /// allocating the new pages for every layer in one call. The caller writes the rows before
+    /// its next call; pages that fill are written through at the next `end_step`.
+    pub fn extend(&mut self, id: RequestId, tokens: u64) -> Result<(u32, Vec<SlotId>)> {
+        let ps = u64::from(self.cfg.page_size);
+        let layers = self.cfg.layers;
+        let r = self
+            .requests
+            .get(&id)
+            .ok_or_else(|| Error::config("rid", id, "a running request"))?;
+        if tokens == 0 {
+            return Err(Error::config("tokens", 0, "an integer >= 1"));
+        }
+        let (len, end) = (r.len, r.len + tokens);
+        let first = (len / ps) as u32;
+        let partial = len % ps != 0;
+        let fresh_from = first + u32::from(partial);
+        let last = end.div_ceil(ps) as u32;
+        let keys: Vec<ObjectKey> = (0..layers)
+            .flat_map(|l| (fresh_from..last).map(move |p| (p, l)))
+            .map(|(p, l)| r.key(p, l))
             .collect();
-        let slots = if keys.is_empty() {
+        let tail = r.tail.clone();
+        let fresh = if keys.is_empty() {
             Vec::new()
         } else {
             self.allocate_with_room(&keys)?
         };
-        let own = (total - first) as usize;
-        let full = (tokens / ps) as u32;
-        for (i, k) in keys.iter().enumerate() {
-            if k.page < full {
-                self.pending_backups.push(*k);
-            } else if own > 0 && i % own == own - 1 {
-                state.tail.push(slots[i]);
+        let per = (last - fresh_from) as usize;
+        let touched = (last - first) as usize;
+        let mut slots = Vec::with_capacity(touched * layers as usize);
+        for l in 0..layers as usize {
+            if partial {
+                slots.push(tail[l]);
+            }
+            slots.extend_from_slice(&fresh[l * per..(l + 1) * per]);
+        }
+        let r = self.requests.get_mut(&id).expect("checked above");
+        r.len = end;
+        let full_to = (end / ps) as u32;
+        for l in 0..layers {
+            for p in first..full_to {
+                self.pending_backups.push(r.key(p, l));
             }
         }
-        self.requests.insert(id, state);
-        Ok(slots)
+        r.tail.clear();
+        if end % ps != 0 {
+            let last_i = touched - 1;
+            r.tail
+                .extend((0..layers as usize).map(|l| slots[l * touched + last_i]));
+        }
+        Ok((first, slots))
     }
 
     /// Ends request `id`: its objects go now, or when the last pin or transfer touching them
@@ -418,6 +468,7 @@ impl StepScheduler {
             return Err(Error::config("rid", id, "a running request"));
         }
         self.pending_backups.retain(|k| k.namespace.id != id.raw());
+        self.filled.retain(|k| k.namespace.id != id.raw());
         self.retry_backups.retain(|k| k.namespace.id != id.raw());
         self.dir
             .drop_namespace(crate::directory::Namespace {
@@ -436,13 +487,36 @@ impl StepScheduler {
     fn allocate_with_room(&mut self, keys: &[ObjectKey]) -> Result<Vec<SlotId>> {
         match self.dir.allocate(keys) {
             Err(Error::OutOfSlots { .. }) => {
-                self.submit_pending_backups()?;
-                self.wait_backups();
-                self.poll()?;
+                self.make_room()?;
                 self.dir.allocate(keys)
             }
             r => r,
         }
+    }
+
+    /// What the device can give back when full: pages written but not yet through to host
+    /// (written through and settled here, so they become evictable) and the pins of
+    /// outstanding prefetches (best effort: dropped, their loads still settle).
+    fn make_room(&mut self) -> Result<()> {
+        // A write-through that fails here is retried once more at once.
+        for _ in 0..2 {
+            self.submit_pending_backups()?;
+            self.wait_backups();
+            self.poll()?;
+            if self.retry_backups.is_empty() {
+                break;
+            }
+        }
+        let held: Vec<u16> = self.prefetches.keys().copied().collect();
+        for l in held {
+            self.drop_prefetch(l)?;
+            self.rec.prefetch_skipped += 1;
+        }
+        // Loads nobody pins any more still hold their slots until settled.
+        for ld in self.loads.values() {
+            let _ = ld.events.wait_all(None);
+        }
+        self.poll()
     }
 
     // -- the step -----------------------------------------------------------------------
@@ -450,7 +524,8 @@ impl StepScheduler {
     /// Starts a step for `rids`: returns, per request, the device slot of its new token's page
     /// at every layer (`[B][layers]`) and the row inside that page (`[B]`). A request whose
     /// token starts a page gets that page allocated for every layer, in one allocation for the
-    /// batch. The caller writes the rows before the page's backup can start (`end_step`).
+    /// batch. The caller writes layer l's rows any time before `end_step`: a page this token
+    /// fills is written through only then.
     pub fn append(&mut self, rids: &[RequestId]) -> Result<(Vec<SlotId>, Vec<u32>)> {
         let t0 = Instant::now();
         self.batch += 1;
@@ -485,9 +560,11 @@ impl StepScheduler {
             rows.push((r.len % ps) as u32);
             r.len += 1;
             if r.len % ps == 0 {
+                // Layer l's row is written when layer l runs: the page may be written
+                // through only once the step ends.
                 let page = (r.len / ps - 1) as u32;
                 for l in 0..layers {
-                    self.pending_backups.push(r.key(page, l));
+                    self.filled.push(r.key(page, l));
                 }
             }
         }
@@ -596,11 +673,7 @@ impl StepScheduler {
             needed.iter().map(|&n| u64::from(n)).sum::<u64>() * self.token_bytes;
         let res: Resolved = match self.dir.resolve(&keys, Some(needed_bytes)) {
             Err(Error::OutOfSlots { .. }) => {
-                // Pages written but not yet through to host cannot be evicted: write them
-                // through, settle, and try once more.
-                self.submit_pending_backups()?;
-                self.wait_backups();
-                self.poll()?;
+                self.make_room()?;
                 self.dir.resolve(&keys, Some(needed_bytes))?
             }
             r => r?,
@@ -732,6 +805,11 @@ impl StepScheduler {
     /// The slot table of an outstanding plan.
     pub fn table(&self, id: LayerPlanId) -> Result<&[i32]> {
         Ok(&self.plan_ref(id)?.table)
+    }
+
+    /// Rows (requests) of an outstanding plan.
+    pub fn plan_rows(&self, id: LayerPlanId) -> Result<usize> {
+        Ok(self.plan_ref(id)?.rids.len())
     }
 
     fn plan_ref(&self, id: LayerPlanId) -> Result<&LayerPlan> {
@@ -903,6 +981,7 @@ impl StepScheduler {
     /// prefetches, and returns the step's record.
     pub fn end_step(&mut self) -> Result<StepRecord> {
         let t0 = Instant::now();
+        self.pending_backups.append(&mut self.filled);
         self.submit_pending_backups()?;
         self.poll()?;
         let stale: Vec<u16> = self.prefetches.keys().copied().collect();
@@ -957,9 +1036,7 @@ impl StepScheduler {
                 Some(reason) => {
                     self.dir.fail(t, &reason, true)?;
                     self.rec.failed_backups += 1;
-                    if b.attempt == 0 {
-                        self.retry_backups.extend(b.keys);
-                    }
+                    self.retry_backups.extend(b.keys);
                 }
             }
         }
@@ -1066,18 +1143,18 @@ impl StepScheduler {
     }
 
     /// Writes through the pages that filled (attempt 0) and, separately, the pages whose
-    /// backup failed once (attempt 1).
+    /// backup failed (a retry).
     fn submit_pending_backups(&mut self) -> Result<()> {
         let keys = std::mem::take(&mut self.pending_backups);
-        self.submit_backup(keys, 0)?;
+        self.submit_backup(keys)?;
         let retry: Vec<ObjectKey> = std::mem::take(&mut self.retry_backups)
             .into_iter()
             .filter(|k| self.dir.state(k).is_some())
             .collect();
-        self.submit_backup(retry, 1)
+        self.submit_backup(retry)
     }
 
-    fn submit_backup(&mut self, keys: Vec<ObjectKey>, attempt: u8) -> Result<()> {
+    fn submit_backup(&mut self, keys: Vec<ObjectKey>) -> Result<()> {
         if keys.is_empty() {
             return Ok(());
         }
@@ -1099,21 +1176,12 @@ impl StepScheduler {
         self.rec.backup_pages += src.len() as u64;
         match submitted {
             Ok(events) => {
-                self.backups.insert(
-                    tid,
-                    Backup {
-                        events,
-                        keys,
-                        attempt,
-                    },
-                );
+                self.backups.insert(tid, Backup { events, keys });
             }
             Err(e) => {
                 self.dir.fail(tid, &e.to_string(), true)?;
                 self.rec.failed_backups += 1;
-                if attempt == 0 {
-                    self.retry_backups = keys;
-                }
+                self.retry_backups.extend(keys);
             }
         }
         Ok(())
@@ -1228,7 +1296,7 @@ impl StepScheduler {
         }
         self.wait_backups();
         self.poll()?;
-        // A retry queued by a failed backup gets its one more try.
+        // A retry queued by a failed backup gets one more try here.
         if !self.retry_backups.is_empty() {
             self.submit_pending_backups()?;
             self.wait_backups();

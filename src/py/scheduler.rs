@@ -1,0 +1,612 @@
+//! `sparsetier.StepScheduler`: the batched decode step from Python.
+//!
+//! One call per layer for the whole batch: request ids and selections cross as numpy arrays
+//! (a CPU torch tensor's `.numpy()` is a view, no copy), slot tables come back as int32
+//! arrays. Every transition (complete, fail, release, retry, backup) happens in the core;
+//! Python only passes arrays and reads results. Calls that wait run with the GIL released.
+//!
+//! # Drop
+//! The scheduler holds both pool tensors (through their bindings) and the engine. Dropping it
+//! first drains every transfer in flight, so no copy outlives the tensors it touches.
+
+use crate::error::Error;
+use crate::ids::{LayerPlanId, RequestId, SlotId};
+use crate::py::args::{int, int64_array, opt_int};
+use crate::py::directory::{stats_dict, PyResidencyDirectory};
+use crate::py::error::{to_py, typed_error, IntoPyResult};
+use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
+use crate::scheduler::{
+    PlanCounts, Prefix, SchedulerConfig, SelectionUnit, StepRecord, StepScheduler,
+};
+use crate::transfer::{Direction, MemoryKind};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+/// The batched, asynchronous decode-step scheduler over one-layer device and host KV pools.
+#[pyclass(name = "StepScheduler", module = "sparsetier._core", frozen)]
+pub struct PyStepScheduler {
+    inner: Mutex<StepScheduler>,
+    device: Py<PyPageTransferBinding>,
+    host: Py<PyPageTransferBinding>,
+    engine: Py<PyTransferEngine>,
+}
+
+fn rid_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
+    let py = obj.py();
+    let arr = int64_array(obj, "rids", "request ids >= 0")?;
+    arr.as_array()
+        .iter()
+        .map(|&v| {
+            u64::try_from(v)
+                .map(RequestId::new)
+                .map_err(|_| to_py(py, Error::out_of_range("rids", v, 0, i128::from(i64::MAX))))
+        })
+        .collect()
+}
+
+fn rid(obj: &Bound<'_, PyAny>) -> PyResult<RequestId> {
+    let v = int(obj, "rid")?;
+    u64::try_from(v).map(RequestId::new).map_err(|_| {
+        to_py(
+            obj.py(),
+            Error::out_of_range("rid", v, 0, i128::from(i64::MAX)),
+        )
+    })
+}
+
+fn u32_arg(py: Python<'_>, obj: &Bound<'_, PyAny>, field: &str, lo: i64) -> PyResult<u32> {
+    let v = int(obj, field)?;
+    u32::try_from(v)
+        .ok()
+        .filter(|&x| i64::from(x) >= lo)
+        .ok_or_else(|| {
+            to_py(
+                py,
+                Error::out_of_range(field, v, lo, i128::from(u32::MAX) + 1),
+            )
+        })
+}
+
+fn slots_2d<'py>(
+    py: Python<'py>,
+    slots: &[SlotId],
+    rows: usize,
+) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    let cols = slots.len().checked_div(rows).unwrap_or(0);
+    let v: Vec<i32> = slots.iter().map(|s| s.raw() as i32).collect();
+    PyArray1::from_vec(py, v).reshape([rows, cols])
+}
+
+fn table<'py>(py: Python<'py>, t: &[i32], rows: usize) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    let cols = t.len().checked_div(rows).unwrap_or(0);
+    PyArray1::from_slice(py, t).reshape([rows, cols])
+}
+
+fn plan_id(obj: &Bound<'_, PyAny>) -> PyResult<LayerPlanId> {
+    let v = int(obj, "plan")?;
+    u64::try_from(v)
+        .map(LayerPlanId::new)
+        .map_err(|_| to_py(obj.py(), Error::config("plan", v, "a plan id from plan()")))
+}
+
+/// The step record as a dict, with the derived rates.
+pub(crate) fn record_dict<'py>(py: Python<'py>, r: &StepRecord) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    macro_rules! put {
+        ($($f:ident),*) => { $( d.set_item(stringify!($f), r.$f)?; )* };
+    }
+    put!(
+        step,
+        requests,
+        layers,
+        selected,
+        pages,
+        ready,
+        loaded,
+        joined,
+        bytes_needed,
+        bytes_transferred,
+        bytes_needed_of_transferred,
+        load_submissions,
+        copy_segments,
+        backup_pages,
+        backup_submissions,
+        prefetch_predicted,
+        prefetch_hits,
+        prefetch_loaded,
+        prefetch_wasted,
+        prefetch_wasted_bytes,
+        prefetch_skipped,
+        failed_loads,
+        retried_loads,
+        failed_requests,
+        failed_backups,
+        queue_ns,
+        transfer_ns,
+        exposed_wait_ns,
+        cpu_ns,
+        device_used,
+        device_capacity,
+        pinned_peak,
+        prefetch_pinned_peak
+    );
+    d.set_item("read_amplification", r.read_amplification())?;
+    d.set_item("device_byte_hit_rate", r.device_byte_hit_rate())?;
+    d.set_item("prefetch_accuracy", r.prefetch_accuracy())?;
+    Ok(d)
+}
+
+fn counts_dict<'py>(py: Python<'py>, c: &PlanCounts) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("ready", c.ready)?;
+    d.set_item("loaded", c.loaded)?;
+    d.set_item("joined", c.joined)?;
+    d.set_item("exposed_wait_ns", c.exposed_wait_ns)?;
+    Ok(d)
+}
+
+#[pymethods]
+impl PyStepScheduler {
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(
+        signature = (device, host, engine, *, layers, device_reserve=None, prefetch=true, prefetch_depth=None),
+        text_signature = "(device, host, engine, *, layers, device_reserve=0, prefetch=True, prefetch_depth=1)"
+    )]
+    fn new(
+        py: Python<'_>,
+        device: Bound<'_, PyPageTransferBinding>,
+        host: Bound<'_, PyPageTransferBinding>,
+        engine: Bound<'_, PyTransferEngine>,
+        layers: &Bound<'_, PyAny>,
+        device_reserve: Option<&Bound<'_, PyAny>>,
+        prefetch: bool,
+        prefetch_depth: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let layers = u32_arg(py, layers, "layers", 1)?;
+        let layers = u16::try_from(layers)
+            .map_err(|_| to_py(py, Error::out_of_range("layers", layers, 1, 1 << 16)))?;
+        let reserve = opt_int(device_reserve, "device_reserve")?.unwrap_or(0);
+        let reserve = u32::try_from(reserve).map_err(|_| {
+            to_py(
+                py,
+                Error::config("device_reserve", reserve, "an integer >= 0"),
+            )
+        })?;
+        let depth = opt_int(prefetch_depth, "prefetch_depth")?.unwrap_or(1);
+        let depth = u16::try_from(depth)
+            .ok()
+            .filter(|&d| d >= 1)
+            .ok_or_else(|| {
+                to_py(
+                    py,
+                    Error::config("prefetch_depth", depth, "an integer >= 1"),
+                )
+            })?;
+        let (d, h, e) = (device.get(), host.get(), engine.get());
+        let cuda = e.needs_pinned();
+        let want = if cuda {
+            MemoryKind::Device
+        } else {
+            MemoryKind::Host
+        };
+        if d.inner.kind() != want {
+            return Err(to_py(
+                py,
+                Error::config(
+                    "device",
+                    format!("a {:?} tensor", d.inner.kind()).to_lowercase(),
+                    format!(
+                        "a {} tensor for the {} engine",
+                        if cuda { "cuda" } else { "cpu" },
+                        e.shared().name()
+                    ),
+                ),
+            ));
+        }
+        if h.inner.kind() != MemoryKind::Host || (cuda && !h.pinned) {
+            return Err(to_py(
+                py,
+                Error::config(
+                    "host",
+                    "a device or pageable tensor",
+                    "a cpu tensor (pinned, tensor.pin_memory(), for the kernel and direct engines)",
+                ),
+            ));
+        }
+        let cfg = SchedulerConfig {
+            layers,
+            page_size: d.inner.page_size(),
+            device_pages: d.inner.pages(),
+            device_reserve: reserve,
+            host_pages: h.inner.pages(),
+            prefetch,
+            prefetch_depth: depth,
+        };
+        let inner =
+            StepScheduler::new(cfg, d.inner.clone(), h.inner.clone(), e.shared()).py_err(py)?;
+        Ok(PyStepScheduler {
+            inner: Mutex::new(inner),
+            device: device.unbind(),
+            host: host.unbind(),
+            engine: engine.unbind(),
+        })
+    }
+
+    /// Model layers.
+    #[getter]
+    fn layers(&self) -> u16 {
+        self.inner.lock().config().layers
+    }
+
+    /// Tokens per page.
+    #[getter]
+    fn page_size(&self) -> u32 {
+        self.inner.lock().config().page_size
+    }
+
+    /// Bytes of one object (one page of one layer, K and V).
+    #[getter]
+    fn object_bytes(&self) -> u64 {
+        self.inner.lock().object_bytes()
+    }
+
+    /// The device and host bindings and the engine the scheduler was built over.
+    #[getter]
+    fn bindings(&self, py: Python<'_>) -> (Py<PyPageTransferBinding>, Py<PyPageTransferBinding>) {
+        (self.device.clone_ref(py), self.host.clone_ref(py))
+    }
+
+    /// The copy engine (arm cpu faults through `inject_faults`, not on the engine directly,
+    /// so they land on the scheduler's own submissions).
+    #[getter]
+    fn engine(&self, py: Python<'_>) -> Py<PyTransferEngine> {
+        self.engine.clone_ref(py)
+    }
+
+    /// The residency directory, shared (read its stats; the scheduler makes the transitions).
+    #[getter]
+    fn directory(&self) -> PyResidencyDirectory {
+        PyResidencyDirectory::shared(self.inner.lock().directory().clone())
+    }
+
+    /// Stores a shared prefix of `pages` whole pages: returns its slots `[layers, pages]` to
+    /// write before the next call; written through at the next `end_step`.
+    fn add_prompt<'py>(
+        &self,
+        py: Python<'py>,
+        namespace: &Bound<'py, PyAny>,
+        pages: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let ns = int(namespace, "namespace")?;
+        let ns = u64::try_from(ns)
+            .map_err(|_| to_py(py, Error::config("namespace", ns, "an integer >= 0")))?;
+        let pages = u32_arg(py, pages, "pages", 1)?;
+        let layers = self.layers() as usize;
+        let slots = py
+            .detach(|| self.inner.lock().add_prompt(ns, pages))
+            .py_err(py)?;
+        slots_2d(py, &slots, layers)
+    }
+
+    /// Ends a stored prefix (refused while a running request reads it).
+    fn drop_prompt(&self, py: Python<'_>, namespace: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ns = int(namespace, "namespace")?;
+        let ns = u64::try_from(ns)
+            .map_err(|_| to_py(py, Error::config("namespace", ns, "a stored prompt")))?;
+        self.inner.lock().drop_prompt(ns).py_err(py)
+    }
+
+    /// Admits a request of `tokens` prefilled tokens, optionally over `prefix = (namespace,
+    /// pages)`; returns its own pages' slots `[layers, own pages]` to write before the next
+    /// call.
+    #[pyo3(signature = (rid, tokens, prefix=None))]
+    fn add_request<'py>(
+        &self,
+        py: Python<'py>,
+        rid: &Bound<'py, PyAny>,
+        tokens: &Bound<'py, PyAny>,
+        prefix: Option<(i64, i64)>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let id = self::rid(rid)?;
+        let n = int(tokens, "tokens")?;
+        let n = u64::try_from(n)
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| to_py(py, Error::config("tokens", n, "an integer >= 1")))?;
+        let prefix = match prefix {
+            None => None,
+            Some((ns, pages)) => Some(Prefix {
+                namespace: u64::try_from(ns).map_err(|_| {
+                    to_py(
+                        py,
+                        Error::config("prefix", ns, "(namespace >= 0, pages >= 1)"),
+                    )
+                })?,
+                pages: u32::try_from(pages).map_err(|_| {
+                    to_py(
+                        py,
+                        Error::config("prefix", pages, "(namespace >= 0, pages >= 1)"),
+                    )
+                })?,
+            }),
+        };
+        let layers = self.layers() as usize;
+        let slots = py
+            .detach(|| self.inner.lock().add_request(id, n, prefix))
+            .py_err(py)?;
+        slots_2d(py, &slots, layers)
+    }
+
+    /// Appends `tokens` prefilled tokens to request `rid` (chunked prefill): returns `(first
+    /// page, slots [layers, pages touched])`; write the rows before the next call.
+    fn extend<'py>(
+        &self,
+        py: Python<'py>,
+        rid: &Bound<'py, PyAny>,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<(u32, Bound<'py, PyArray2<i32>>)> {
+        let id = self::rid(rid)?;
+        let n = int(tokens, "tokens")?;
+        let n = u64::try_from(n)
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| to_py(py, Error::config("tokens", n, "an integer >= 1")))?;
+        let layers = self.layers() as usize;
+        let (first, slots) = py.detach(|| self.inner.lock().extend(id, n)).py_err(py)?;
+        Ok((first, slots_2d(py, &slots, layers)?))
+    }
+
+    /// Ends a request: its objects go now or when the last pin or transfer on them ends.
+    fn finish_request(&self, py: Python<'_>, rid: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = self::rid(rid)?;
+        self.inner.lock().finish_request(id).py_err(py)
+    }
+
+    /// Tokens written for request `rid`.
+    fn request_len(&self, py: Python<'_>, rid: &Bound<'_, PyAny>) -> PyResult<u64> {
+        let id = self::rid(rid)?;
+        self.inner
+            .lock()
+            .request(id)
+            .map(|r| r.len)
+            .ok_or_else(|| to_py(py, Error::config("rid", id, "a running request")))
+    }
+
+    /// Starts a step: `(slots [B, layers], rows [B])` where the batch's new K/V rows go.
+    #[allow(clippy::type_complexity)]
+    fn append<'py>(
+        &self,
+        py: Python<'py>,
+        rids: &Bound<'py, PyAny>,
+    ) -> PyResult<(Bound<'py, PyArray2<i32>>, Bound<'py, PyArray1<i32>>)> {
+        let ids = rid_list(rids)?;
+        let (slots, rows) = py.detach(|| self.inner.lock().append(&ids)).py_err(py)?;
+        let rows: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
+        Ok((
+            slots_2d(py, &slots, ids.len())?,
+            PyArray1::from_vec(py, rows),
+        ))
+    }
+
+    /// Plans `layer` for the batch: `selection` is an int64 `[B, K]` array of entries (-1 =
+    /// none) of `unit` tokens each (block mode: block ids, `unit` = block size; token mode:
+    /// token indices, `unit` = 1). Returns `(plan, slot table [B, K * pages_per_entry])`.
+    fn plan<'py>(
+        &self,
+        py: Python<'py>,
+        layer: &Bound<'py, PyAny>,
+        rids: &Bound<'py, PyAny>,
+        selection: &Bound<'py, PyAny>,
+        unit: &Bound<'py, PyAny>,
+    ) -> PyResult<(u64, Bound<'py, PyArray2<i32>>)> {
+        let layer_v = int(layer, "layer")?;
+        let layer = u16::try_from(layer_v)
+            .map_err(|_| to_py(py, Error::out_of_range("layer", layer_v, 0, self.layers())))?;
+        let ids = rid_list(rids)?;
+        let sel: PyReadonlyArray2<'py, i64> = selection.extract().map_err(|_| {
+            to_py(
+                py,
+                Error::config(
+                    "selection",
+                    crate::py::args::short(selection),
+                    "a C-contiguous int64 numpy array of shape (B, K) (tensor.numpy() of a CPU \
+                     int64 tensor)",
+                ),
+            )
+        })?;
+        let shape = sel.shape();
+        if shape[0] != ids.len() {
+            return Err(to_py(
+                py,
+                Error::config(
+                    "selection.shape",
+                    format!("{shape:?}"),
+                    format!("({}, K): one row per request", ids.len()),
+                ),
+            ));
+        }
+        let k = shape[1];
+        let flat = sel.as_slice().map_err(|_| {
+            to_py(
+                py,
+                Error::config(
+                    "selection",
+                    "a non-contiguous array",
+                    "a C-contiguous array",
+                ),
+            )
+        })?;
+        let ps = self.page_size();
+        let unit = u32_arg(py, unit, "unit", 1)?;
+        let unit = SelectionUnit::new(unit, ps).py_err(py)?;
+        let rows = ids.len();
+        let (id, t) = py
+            .detach(|| {
+                let mut s = self.inner.lock();
+                s.plan(layer, &ids, flat, k, unit)
+                    .map(|(id, t)| (id, t.to_vec()))
+            })
+            .py_err(py)?;
+        Ok((id.raw(), table(py, &t, rows)?))
+    }
+
+    /// Makes plan `plan` readable (event wait; with `stream`, a CUDA stream wait instead).
+    /// Returns `(failed, table)`: `failed` lists `(row, rid, reason)` of requests whose loads
+    /// failed twice; `table` is the updated slot table when a retry moved objects, else None.
+    #[pyo3(signature = (plan, stream=None))]
+    #[allow(clippy::type_complexity)]
+    fn ready<'py>(
+        &self,
+        py: Python<'py>,
+        plan: &Bound<'py, PyAny>,
+        stream: Option<u64>,
+    ) -> PyResult<(Vec<(usize, u64, String)>, Option<Bound<'py, PyArray2<i32>>>)> {
+        let id = plan_id(plan)?;
+        let (out, t, rows) = py
+            .detach(|| {
+                let mut s = self.inner.lock();
+                let out = s.ready(id, stream)?;
+                let (t, rows) = if out.slots_changed {
+                    let t = s.table(id)?.to_vec();
+                    (Some(t), 0)
+                } else {
+                    (None, 0)
+                };
+                Ok::<_, Error>((out, t, rows))
+            })
+            .py_err(py)?;
+        let _ = rows;
+        let failed = out
+            .failed
+            .into_iter()
+            .map(|(b, r, why)| (b, r.raw(), why))
+            .collect();
+        let t = match t {
+            Some(t) => {
+                let rows = if t.is_empty() { 0 } else { self.plan_rows(id) };
+                Some(table(py, &t, rows)?)
+            }
+            None => None,
+        };
+        Ok((failed, t))
+    }
+
+    /// Releases the plan's pins; returns its counts (ready, loaded, joined, exposed_wait_ns).
+    fn finish<'py>(
+        &self,
+        py: Python<'py>,
+        plan: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let id = plan_id(plan)?;
+        let c = self.inner.lock().finish(id).py_err(py)?;
+        counts_dict(py, &c)
+    }
+
+    /// Ends the step (write-through of filled pages, settling, next prefetches); returns the
+    /// step's record.
+    fn end_step<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = py.detach(|| self.inner.lock().end_step()).py_err(py)?;
+        record_dict(py, &r)
+    }
+
+    /// Cumulative record: every finished step, plus what happened since the last one.
+    fn totals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.inner.lock().totals();
+        record_dict(py, &r)
+    }
+
+    /// Settles finished transfers.
+    fn poll(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.lock().poll()).py_err(py)
+    }
+
+    /// Waits for and settles every transfer in flight; releases unconsumed prefetches.
+    fn drain(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.lock().drain()).py_err(py)
+    }
+
+    /// Arms `count` failures of the next `kind` (`load` or `backup`) submissions, at `layer`
+    /// only if given; they fail inside the engine (cpu engine only).
+    #[pyo3(signature = (kind, count=None, layer=None), text_signature = "(kind, count=1, layer=None)")]
+    fn inject_faults(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        count: Option<&Bound<'_, PyAny>>,
+        layer: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let direction = match kind {
+            "load" => Direction::Load,
+            "backup" => Direction::Backup,
+            other => {
+                return Err(to_py(
+                    py,
+                    Error::config("kind", format!("{other:?}"), "load or backup"),
+                ))
+            }
+        };
+        if self.engine.get().needs_pinned() {
+            return Err(to_py(
+                py,
+                Error::config(
+                    "io_backend",
+                    "kernel/direct",
+                    "cpu: fault injection is a cpu-engine hook",
+                ),
+            ));
+        }
+        let count = match count {
+            Some(c) => u32_arg(py, c, "count", 1)?,
+            None => 1,
+        };
+        let layer = match opt_int(layer, "layer")? {
+            None => None,
+            Some(l) => Some(
+                u16::try_from(l)
+                    .ok()
+                    .filter(|&l| l < self.layers())
+                    .ok_or_else(|| to_py(py, Error::out_of_range("layer", l, 0, self.layers())))?,
+            ),
+        };
+        self.inner.lock().inject_faults(direction, count, layer);
+        Ok(())
+    }
+
+    /// Directory counts now (objects, pins, slots, ...), with cumulative totals.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.lock();
+        let d = stats_dict(py, &s.directory().stats())?;
+        let (loads, backups) = s.in_flight();
+        let (plans, prefetches) = s.outstanding();
+        d.set_item("loads_in_flight", loads)?;
+        d.set_item("backups_in_flight", backups)?;
+        d.set_item("plans_outstanding", plans)?;
+        d.set_item("prefetches_outstanding", prefetches)?;
+        d.set_item("requests", s.requests().count())?;
+        Ok(d)
+    }
+
+    /// Raises InvariantError if any invariant of the scheduler or its directory is broken.
+    fn validate(&self, py: Python<'_>) -> PyResult<()> {
+        self.inner
+            .lock()
+            .validate()
+            .map_err(|why| typed_error(py, "InvariantError", why, &PyDict::new(py)))
+    }
+}
+
+impl PyStepScheduler {
+    fn plan_rows(&self, id: LayerPlanId) -> usize {
+        self.inner.lock().plan_rows(id).unwrap_or(0)
+    }
+}
+
+impl Drop for PyStepScheduler {
+    fn drop(&mut self) {
+        // Copies in flight must end before the tensors they touch are released.
+        let _ = self.inner.get_mut().drain();
+    }
+}
