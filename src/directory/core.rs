@@ -146,7 +146,11 @@ pub struct Core {
     totals: Totals,
     t0: Instant,
     scratch: Vec<(usize, Class)>,
+    idx_scratch: Vec<usize>,
 }
+
+/// How many keys ahead `resolve` prefetches objects.
+const PREFETCH_AHEAD: usize = 16;
 
 impl Core {
     /// An empty directory.
@@ -179,6 +183,7 @@ impl Core {
             totals: Totals::default(),
             t0: Instant::now(),
             scratch: Vec::new(),
+            idx_scratch: Vec::new(),
         })
     }
 
@@ -295,12 +300,24 @@ impl Core {
     /// copy, joins Loading ones. All or nothing. `bytes_needed` overrides the default
     /// (distinct objects x object bytes) when the consumer needs less than whole objects.
     pub fn resolve(&mut self, keys: &[ObjectKey], bytes_needed: Option<u64>) -> Result<Resolved> {
+        self.resolve_hinted(keys, None, bytes_needed)
+    }
+
+    /// [`Self::resolve`] with `hints[i]`, where known, the object index of `keys[i]` (from
+    /// [`Self::index_of`]): it saves the hash probe. A hint is checked against the key, so a
+    /// stale one falls back to the index map instead of aliasing another object.
+    pub fn resolve_hinted(
+        &mut self,
+        keys: &[ObjectKey],
+        hints: Option<&[u32]>,
+        bytes_needed: Option<u64>,
+    ) -> Result<Resolved> {
         non_empty(keys)?;
         self.epoch += 1;
         let epoch = self.epoch;
         let mut scratch = std::mem::take(&mut self.scratch);
         scratch.clear();
-        let staged = self.stage_resolve(keys, epoch, &mut scratch);
+        let staged = self.stage_resolve(keys, hints, epoch, &mut scratch);
         let result = staged.and_then(|(loads, keep)| {
             let (free, evictable) = self.device_available(keep);
             if loads > free + evictable {
@@ -321,13 +338,46 @@ impl Core {
     fn stage_resolve(
         &mut self,
         keys: &[ObjectKey],
+        hints: Option<&[u32]>,
         epoch: u64,
         scratch: &mut Vec<(usize, Class)>,
     ) -> Result<(usize, usize)> {
         let mut loads = 0;
         let mut keep = 0;
-        for key in keys {
-            let idx = self.lookup(key)?;
+        // Two passes: every key's index first (independent hash probes overlap), then the
+        // objects, each prefetched a few keys ahead. In a directory of millions of objects
+        // each object is a cache miss; issued one after another behind a data-dependent
+        // branch they would not overlap.
+        let mut idxs = std::mem::take(&mut self.idx_scratch);
+        idxs.clear();
+        for (n, key) in keys.iter().enumerate() {
+            if let Some(&h) = hints.and_then(|h| h.get(n)) {
+                let h = h as usize;
+                if self
+                    .objects
+                    .get(h)
+                    .is_some_and(|o| o.key == *key && !o.dropped)
+                {
+                    idxs.push(h);
+                    continue;
+                }
+            }
+            match self.lookup(key) {
+                Ok(i) => idxs.push(i),
+                Err(e) => {
+                    self.idx_scratch = idxs;
+                    return Err(e);
+                }
+            }
+        }
+        for &i in idxs.iter().take(PREFETCH_AHEAD) {
+            self.prefetch_object(i);
+        }
+        for (n, key) in keys.iter().enumerate() {
+            if let Some(&ahead) = idxs.get(n + PREFETCH_AHEAD) {
+                self.prefetch_object(ahead);
+            }
+            let idx = idxs[n];
             let obj = &mut self.objects[idx];
             if obj.epoch == epoch {
                 scratch.push((idx, Class::Repeat));
@@ -346,15 +396,43 @@ impl Core {
                         Class::Load
                     }
                     _ => {
+                        self.idx_scratch = idxs;
                         return Err(Error::NotResident {
                             key: key.to_string(),
-                        })
+                        });
                     }
                 },
             };
             scratch.push((idx, class));
         }
+        self.idx_scratch = idxs;
         Ok((loads, keep))
+    }
+
+    /// The object index of each live key (`u32::MAX` where none): hints for
+    /// [`Self::resolve_hinted`].
+    pub fn index_of(&self, keys: &[ObjectKey]) -> Vec<u32> {
+        keys.iter()
+            .map(|k| self.index.get(k).map_or(u32::MAX, |&i| i as u32))
+            .collect()
+    }
+
+    /// Hints the CPU to fetch object `idx`, which the index map just returned (so it is live).
+    #[inline]
+    fn prefetch_object(&self, idx: usize) {
+        #[cfg(target_arch = "x86_64")]
+        {
+            debug_assert!(self.objects.contains(idx));
+            // SAFETY: `idx` came from `self.index`, which holds only live slab keys, so the
+            // entry is occupied; `get_unchecked` then computes the address without reading it.
+            // A prefetch never faults and changes nothing observable.
+            unsafe {
+                let p = self.objects.get_unchecked(idx) as *const Object as *const i8;
+                std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0);
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = idx;
     }
 
     fn commit_resolve(
@@ -823,6 +901,15 @@ impl Core {
     /// The object's states, if the key is live.
     pub fn state(&self, key: &ObjectKey) -> Option<&Object> {
         self.index.get(key).map(|&idx| &self.objects[idx])
+    }
+
+    /// Device slots held by objects and usable device slots, in O(1) (`stats` walks every
+    /// object).
+    pub fn device_usage(&self) -> (usize, usize) {
+        (
+            self.device.used_count() - self.quarantined_device,
+            self.device.capacity(),
+        )
     }
 
     /// Counts now, with cumulative totals.

@@ -73,6 +73,23 @@ impl Directory {
         self.core.lock().resolve(keys, bytes_needed)
     }
 
+    /// See [`core::Core::resolve_hinted`].
+    pub fn resolve_hinted(
+        &self,
+        keys: &[ObjectKey],
+        hints: &[u32],
+        bytes_needed: Option<u64>,
+    ) -> Result<Resolved> {
+        self.core
+            .lock()
+            .resolve_hinted(keys, Some(hints), bytes_needed)
+    }
+
+    /// See [`core::Core::index_of`].
+    pub fn index_of(&self, keys: &[ObjectKey]) -> Vec<u32> {
+        self.core.lock().index_of(keys)
+    }
+
     /// Resolves and returns a guard that releases the pins when dropped.
     pub fn resolve_guarded(&self, keys: &[ObjectKey]) -> Result<(Resolved, PinGuard<'_>)> {
         let r = self.resolve(keys, None)?;
@@ -173,6 +190,11 @@ impl Directory {
             pins: o.pins,
             stamp: o.stamp,
         })
+    }
+
+    /// See [`core::Core::device_usage`].
+    pub fn device_usage(&self) -> (usize, usize) {
+        self.core.lock().device_usage()
     }
 
     /// See [`core::Core::stats`].

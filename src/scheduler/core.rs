@@ -148,6 +148,7 @@ pub struct StepScheduler {
     token_bytes: u64,
     requests: FxHashMap<RequestId, RequestState>,
     prompts: FxHashMap<u64, u32>,
+    prompt_index: FxHashMap<u64, Vec<Vec<u32>>>,
     loads: FxHashMap<TransferId, Load>,
     backups: FxHashMap<TransferId, Backup>,
     pending_backups: Vec<ObjectKey>,
@@ -231,6 +232,7 @@ impl StepScheduler {
             object_bytes,
             requests: FxHashMap::default(),
             prompts: FxHashMap::default(),
+            prompt_index: FxHashMap::default(),
             loads: FxHashMap::default(),
             backups: FxHashMap::default(),
             pending_backups: Vec::new(),
@@ -323,6 +325,14 @@ impl StepScheduler {
             })
             .collect();
         let slots = self.allocate_with_room(&keys)?;
+        let idx = self.dir.index_of(&keys);
+        let per = pages as usize;
+        self.prompt_index.insert(
+            namespace,
+            (0..self.cfg.layers as usize)
+                .map(|l| idx[l * per..(l + 1) * per].to_vec())
+                .collect(),
+        );
         self.pending_backups.extend_from_slice(&keys);
         self.prompts.insert(namespace, pages);
         Ok(slots)
@@ -350,6 +360,7 @@ impl StepScheduler {
             ));
         }
         self.prompts.remove(&namespace);
+        self.prompt_index.remove(&namespace);
         self.pending_backups.retain(|k| k.namespace.id != namespace);
         self.dir
             .drop_namespace(crate::directory::Namespace {
@@ -392,7 +403,15 @@ impl StepScheduler {
         if tokens == 0 {
             return Err(Error::config("tokens", 0, "an integer >= 1"));
         }
-        let state = RequestState::new(id, from_prefix, prefix, self.cfg.layers as usize);
+        let mut state = RequestState::new(id, from_prefix, prefix, self.cfg.layers as usize);
+        if let (Some(p), Some(t)) = (
+            prefix,
+            prefix.and_then(|p| self.prompt_index.get(&p.namespace)),
+        ) {
+            for (l, idx) in t.iter().enumerate() {
+                state.set_index(l as u16, 0..p.pages, &idx[..p.pages as usize]);
+            }
+        }
         self.requests.insert(id, state);
         if tokens == from_prefix {
             return Ok(Vec::new());
@@ -437,6 +456,14 @@ impl StepScheduler {
         };
         let per = (last - fresh_from) as usize;
         let touched = (last - first) as usize;
+        if !keys.is_empty() {
+            let idx = self.dir.index_of(&keys);
+            let r = self.requests.get_mut(&id).expect("checked above");
+            for l in 0..layers {
+                let at = l as usize * per;
+                r.set_index(l, fresh_from..last, &idx[at..at + per]);
+            }
+        }
         let mut slots = Vec::with_capacity(touched * layers as usize);
         for l in 0..layers as usize {
             if partial {
@@ -542,12 +569,21 @@ impl StepScheduler {
         }
         if !fresh.is_empty() {
             let slots = self.allocate_with_room(&fresh)?;
+            let idx = self.dir.index_of(&fresh);
             let mut at = 0;
             for id in rids {
                 let r = self.requests.get_mut(id).expect("checked above");
                 if r.len % ps == 0 {
+                    let page = (r.len / ps) as u32;
                     r.tail.clear();
                     r.tail.extend_from_slice(&slots[at..at + layers as usize]);
+                    for l in 0..layers {
+                        r.set_index(
+                            l,
+                            page..page + 1,
+                            &idx[at + l as usize..at + l as usize + 1],
+                        );
+                    }
                     at += layers as usize;
                 }
             }
@@ -603,6 +639,7 @@ impl StepScheduler {
         let ppe = unit.pages_per_entry();
         let ps = self.cfg.page_size;
         let mut keys = Vec::with_capacity(selection.len());
+        let mut hints = Vec::with_capacity(selection.len());
         let mut key_row = Vec::with_capacity(selection.len());
         let mut needed: Vec<u32> = Vec::with_capacity(selection.len());
         let mut cells = vec![NONE; rids.len() * k * ppe];
@@ -652,6 +689,7 @@ impl StepScheduler {
                         None => {
                             cells[at] = next;
                             keys.push(r.key(page, layer));
+                            hints.push(r.hint(page, layer));
                             key_row.push(b as u32);
                             needed.push(tokens);
                             row_pages.push((page, next));
@@ -671,10 +709,10 @@ impl StepScheduler {
         }
         let needed_bytes: u64 =
             needed.iter().map(|&n| u64::from(n)).sum::<u64>() * self.token_bytes;
-        let res: Resolved = match self.dir.resolve(&keys, Some(needed_bytes)) {
+        let res: Resolved = match self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes)) {
             Err(Error::OutOfSlots { .. }) => {
                 self.make_room()?;
-                self.dir.resolve(&keys, Some(needed_bytes))?
+                self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes))?
             }
             r => r?,
         };
@@ -999,9 +1037,9 @@ impl StepScheduler {
             }
             self.last_batch = rids;
         }
-        let s = self.dir.stats();
-        self.rec.device_used = s.device_used as u64;
-        self.rec.device_capacity = s.device_capacity as u64;
+        let (used, capacity) = self.dir.device_usage();
+        self.rec.device_used = used as u64;
+        self.rec.device_capacity = capacity as u64;
         self.rec.step = self.steps;
         self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
         let rec = std::mem::take(&mut self.rec);

@@ -6,6 +6,7 @@
 //! completion, failure, retries, backups and prefetch happen here. See [`core`] for the
 //! invariants and the data flow of one step.
 
+pub mod bench;
 pub mod core;
 pub mod record;
 pub mod request;

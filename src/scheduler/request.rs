@@ -30,6 +30,9 @@ pub struct RequestState {
     pub last_selection: Vec<Vec<u32>>,
     /// The last batch (plan or append) that named it: refuses a request twice in one batch.
     pub batch_mark: u64,
+    /// Per layer, page -> the directory's object index (`u32::MAX` where unknown): resolve
+    /// hints that save a hash probe per selected page. Checked by the directory.
+    pub index: Vec<Vec<u32>>,
 }
 
 impl RequestState {
@@ -42,12 +45,31 @@ impl RequestState {
             tail: Vec::new(),
             last_selection: vec![Vec::new(); layers],
             batch_mark: 0,
+            index: vec![Vec::new(); layers],
         }
     }
 
     /// Pages holding at least one written token.
     pub fn pages(&self, page_size: u32) -> u32 {
         self.len.div_ceil(u64::from(page_size)) as u32
+    }
+
+    /// Records the directory's object indices of `pages` at `layer`.
+    pub fn set_index(&mut self, layer: u16, pages: std::ops::Range<u32>, idx: &[u32]) {
+        let t = &mut self.index[layer as usize];
+        if t.len() < pages.end as usize {
+            t.resize(pages.end as usize, u32::MAX);
+        }
+        t[pages.start as usize..pages.end as usize].copy_from_slice(idx);
+    }
+
+    /// The resolve hint of `page` at `layer`.
+    #[inline]
+    pub fn hint(&self, page: u32, layer: u16) -> u32 {
+        self.index[layer as usize]
+            .get(page as usize)
+            .copied()
+            .unwrap_or(u32::MAX)
     }
 
     /// The object of `page` at `layer`: in the prefix's namespace below its pages, else in the

@@ -1,0 +1,308 @@
+"""``sparsetier bench decode``: the CPU cost of scheduling one decode step, at DeepSeek-V3.2's
+shape, with a null compute model (no attention math, no model).
+
+Two identical stacks are built from the same seed: same contexts, same device budget, same
+synthetic selections. Each decode step runs on both, alternating in one process:
+
+- **A, the step scheduler**: `append`, then per layer `plan` (one resolve and one load
+  submission for the whole batch), `ready`, `finish`, then `end_step`: 3 calls per layer.
+- **B, today's call pattern** (the per-request loop the decode runtime had before the
+  scheduler): per request and layer, `ResidencyDirectory.resolve` of that request's pages,
+  a `PreparedPageTransfer` + submit + wait + `complete` for its misses, `release`; a page that
+  starts is allocated per request and layer, a page that fills is backed up and waited for.
+
+Both sides get the same numpy selections (int64 `[layers, B, K]`, generated before the timer)
+and pay their own conversions inside it. The figure is the CPU time spent inside those calls
+per step, with the time blocked waiting for copies taken out (the cpu engine copies on a worker
+thread; on a GPU that is DMA). Reported: each side's median, and the median of the per-step
+ratios B / A.
+
+Selections are synthetic with step-to-step locality: each selected block (or hot page, in token
+mode) stays from one step to the next with probability `locality`, else moves to a random one.
+Block mode always holds the sink block and the last block. Token mode draws `tokens` tokens from
+`token_pages` hot pages per request and layer (plus the current token), so the pages after
+dedup are at most `token_pages`.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+from sparsetier._core import (
+    PageTransferBinding,
+    PageTransferGroup,
+    PoolSpec,
+    PreparedPageTransfer,
+    StepScheduler,
+    TransferEngine,
+)
+from sparsetier.errors import ConfigError
+from sparsetier.keys import object_keys
+
+
+@dataclass
+class DecodeBenchConfig:
+    layers: int = 61
+    page_size: int = 64
+    batch: int = 64
+    context_min: int = 32 * 1024
+    context_max: int = 128 * 1024
+    budget: float = 0.25
+    mode: str = "block"
+    blocks: int = 32
+    tokens: int = 2048
+    token_pages: int = 512
+    locality: float = 0.9
+    steps: int = 10
+    warmup: int = 2
+    prefetch: bool = False
+    baseline: bool = True
+    seed: int = 0
+
+    def check(self) -> None:
+        checks = [
+            ("layers", self.layers >= 1, "an integer >= 1"),
+            ("page_size", self.page_size >= 1, "an integer >= 1"),
+            ("batch", self.batch >= 1, "an integer >= 1"),
+            ("context_min", 2 * self.page_size <= self.context_min <= self.context_max,
+             "2 x page_size <= context_min <= context_max"),
+            ("budget", 0.0 < self.budget <= 1.0, "0 < budget <= 1"),
+            ("mode", self.mode in ("block", "token"), "block or token"),
+            ("blocks", self.blocks >= 2, "an integer >= 2 (sink and local window)"),
+            ("tokens", self.tokens >= 2, "an integer >= 2"),
+            ("token_pages", self.token_pages >= 1, "an integer >= 1"),
+            ("locality", 0.0 <= self.locality <= 1.0, "0 <= locality <= 1"),
+            ("steps", self.steps >= 1, "an integer >= 1"),
+            ("warmup", self.warmup >= 0, "an integer >= 0"),
+        ]  # fmt: skip
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ConfigError.of(name, str(getattr(self, name)), allowed)
+
+
+class Selections:
+    """Synthetic selections with step-to-step locality, identical for both sides."""
+
+    def __init__(self, cfg: DecodeBenchConfig, lens: np.ndarray) -> None:
+        self.cfg, self.rng = cfg, np.random.default_rng(cfg.seed + 7)
+        self.lens = lens.copy()
+        pages = -(-self.lens // cfg.page_size)
+        k = cfg.blocks - 2 if cfg.mode == "block" else cfg.token_pages
+        shape = (cfg.layers, cfg.batch, k)
+        self.hot = (self.rng.random(shape) * (pages[None, :, None] - 1)).astype(np.int64)
+
+    def next(self) -> np.ndarray:
+        """The step's selection `[layers, B, K]` for requests of the current lengths."""
+        cfg, rng = self.cfg, self.rng
+        self.lens += 1  # the step's token is appended before the indexer runs
+        pages = -(-self.lens // cfg.page_size)
+        move = rng.random(self.hot.shape) >= cfg.locality
+        fresh = (rng.random(self.hot.shape) * (pages[None, :, None] - 1)).astype(np.int64)
+        self.hot = np.where(move, fresh, self.hot)
+        last = np.broadcast_to((pages - 1)[None, :, None], (cfg.layers, cfg.batch, 1))
+        if cfg.mode == "block":
+            sink = np.zeros((cfg.layers, cfg.batch, 1), dtype=np.int64)
+            sel = np.concatenate([sink, self.hot, last], axis=2)
+        else:
+            pick = rng.integers(0, self.hot.shape[2], (cfg.layers, cfg.batch, cfg.tokens - 1))
+            off = rng.integers(0, cfg.page_size, pick.shape)
+            tok = np.take_along_axis(self.hot, pick, axis=2) * cfg.page_size + off
+            cur = np.broadcast_to((self.lens - 1)[None, :, None], (cfg.layers, cfg.batch, 1))
+            sel = np.concatenate([tok, cur], axis=2)
+        return np.ascontiguousarray(np.sort(sel, axis=2))
+
+
+def _stack(cfg: DecodeBenchConfig, lens: np.ndarray, device_pages: int, host_pages: int):
+    spec = PoolSpec("KV", 1, 1, 1, "bf16", cfg.page_size, device_pages)
+    host_spec = spec.with_pages(host_pages)
+    dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
+    host = torch.zeros(host_spec.shape(), dtype=torch.bfloat16)
+    engine = TransferEngine("cpu", threads=1)
+    s = StepScheduler(
+        PageTransferBinding(dev, spec),
+        PageTransferBinding(host, host_spec),
+        engine,
+        layers=cfg.layers,
+        prefetch=cfg.prefetch,
+    )
+    for rid, n in enumerate(lens):
+        s.add_request(rid, int(n))
+    s.drain()
+    return s, engine
+
+
+def _step_scheduler(s: StepScheduler, rids: np.ndarray, sel: np.ndarray, unit: int) -> dict:
+    """One step through the scheduler; returns its call time and the record."""
+    pc = time.perf_counter
+    t = pc()
+    s.append(rids)
+    for layer in range(sel.shape[0]):
+        plan, _table = s.plan(layer, rids, sel[layer], unit)
+        s.ready(plan)
+        s.finish(plan)
+    rec = s.end_step()
+    wall = pc() - t
+    return {"wall_s": wall, "wait_s": rec["exposed_wait_ns"] / 1e9, "rec": rec}
+
+
+class Baseline:
+    """Today's call pattern over a directory: one resolve + release per request per layer."""
+
+    def __init__(self, cfg: DecodeBenchConfig, s: StepScheduler, engine: TransferEngine, lens):
+        self.cfg, self.d, self.engine = cfg, s.directory, engine
+        self.dev, self.host = s.bindings
+        self.lens = lens.copy()
+        self.loads = self.hits = self.distinct = 0
+
+    def step(self, rids: np.ndarray, sel: np.ndarray) -> dict:
+        cfg, d, ps = self.cfg, self.d, self.cfg.page_size
+        pc = time.perf_counter
+        wait = 0.0
+        t = pc()
+        for b, rid in enumerate(rids.tolist()):
+            n = int(self.lens[b])
+            page, row = divmod(n, ps)
+            for layer in range(cfg.layers):
+                key = object_keys(rid, [page], layer)
+                if row == 0:
+                    d.allocate(key)
+                d.state((rid, 0, page, layer))
+        self.lens += 1
+        for layer in range(cfg.layers):
+            for b, rid in enumerate(rids.tolist()):
+                row = sel[layer, b]
+                pages = np.unique(row // ps) if cfg.mode == "token" else row
+                res = d.resolve(object_keys(rid, pages, layer))
+                for lp in res.loads:
+                    tr = PreparedPageTransfer(self.host, self.dev, lp.host_slots, lp.device_slots)
+                    d.mark_submitted(lp.transfer_id)
+                    h = self.engine.submit(PageTransferGroup([tr]))
+                    w = pc()
+                    h.wait()
+                    wait += pc() - w
+                    d.complete(lp.transfer_id)
+                for tid in res.joined:
+                    w = pc()
+                    d.wait(tid)
+                    wait += pc() - w
+                m = d.release(res.handle)
+                self.hits += m["ready"]
+                self.distinct += m["distinct"]
+                self.loads += m["absent"]
+        for b, rid in enumerate(rids.tolist()):
+            if self.lens[b] % ps == 0:
+                for layer in range(cfg.layers):
+                    plan = d.backup(object_keys(rid, [int(self.lens[b]) // ps - 1], layer))
+                    if plan.transfer_id is None:
+                        continue
+                    tr = PreparedPageTransfer(
+                        self.dev, self.host, plan.device_slots, plan.host_slots,
+                        direction="backup",
+                    )  # fmt: skip
+                    h = self.engine.submit(PageTransferGroup([tr]))
+                    w = pc()
+                    h.wait()
+                    wait += pc() - w
+                    d.backup_complete(plan.transfer_id)
+        return {"wall_s": pc() - t, "wait_s": wait}
+
+
+def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
+    """Builds both stacks, runs `warmup + steps` alternating steps, returns the report."""
+    cfg.check()
+    rng = np.random.default_rng(cfg.seed)
+    lens = rng.integers(cfg.context_min, cfg.context_max + 1, cfg.batch)
+    steps_total = cfg.warmup + cfg.steps
+    pages = int((-(-(lens + steps_total) // cfg.page_size)).sum()) * cfg.layers
+    device_pages = max(
+        math.ceil(cfg.budget * pages),
+        cfg.batch * cfg.layers * 2 + cfg.batch * max(cfg.blocks, cfg.token_pages) * 2 + 16,
+    )
+    host_pages = pages + cfg.batch * cfg.layers
+    t0 = time.perf_counter()
+    a, _ = _stack(cfg, lens, device_pages, host_pages)
+    setup_s = time.perf_counter() - t0
+    base = None
+    if cfg.baseline:
+        sb, eb = _stack(cfg, lens, device_pages, host_pages)
+        base = Baseline(cfg, sb, eb, lens)
+    sels = Selections(cfg, lens)
+    rids = np.arange(cfg.batch, dtype=np.int64)
+    unit = cfg.page_size if cfg.mode == "block" else 1
+    rows = []
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps_total, desc=f"bench decode ({cfg.mode})", unit="step")
+    for i in range(steps_total):
+        sel = sels.next()
+        ra = _step_scheduler(a, rids, sel, unit)
+        rb = base.step(rids, sel) if base else None
+        if bar is not None:
+            bar.update(1)
+        if i < cfg.warmup:
+            continue
+        row = {
+            "scheduler_ms": (ra["wall_s"] - ra["wait_s"]) * 1e3,
+            "scheduler_wait_ms": ra["wait_s"] * 1e3,
+            "scheduler_core_cpu_ms": ra["rec"]["cpu_ns"] / 1e6,
+            "pages": ra["rec"]["pages"],
+            "loaded": ra["rec"]["loaded"],
+            "hit_rate": ra["rec"]["device_byte_hit_rate"],
+            "read_amplification": ra["rec"]["read_amplification"],
+            "prefetch_accuracy": ra["rec"]["prefetch_accuracy"],
+        }
+        if rb is not None:
+            row["baseline_ms"] = (rb["wall_s"] - rb["wait_s"]) * 1e3
+            row["baseline_wait_ms"] = rb["wait_s"] * 1e3
+            row["ratio"] = row["baseline_ms"] / row["scheduler_ms"]
+        rows.append(row)
+    if bar is not None:
+        bar.close()
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    return {
+        "config": asdict(cfg),
+        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, "
+        f"{torch.get_num_threads()} torch threads",
+        "date": time.strftime("%Y-%m-%d"),
+        "device_pages": device_pages,
+        "host_pages": host_pages,
+        "objects": pages,
+        "lookups_per_step": cfg.layers * cfg.batch * (cfg.blocks if cfg.mode == "block"
+                                                      else cfg.tokens),
+        "setup_s": setup_s,
+        "median": med,
+        "baseline_hit_rate": (base.hits / max(base.distinct, 1)) if base else None,
+        "steps": rows,
+    }
+
+
+def format_report(r: dict) -> str:
+    c, m = r["config"], r["median"]
+    lines = [
+        f"bench decode: {c['mode']} mode, {c['layers']} layers, batch {c['batch']}, "
+        f"pages of {c['page_size']} tokens, contexts {c['context_min']}-{c['context_max']}, "
+        f"device budget {c['budget']:.0%} ({r['device_pages']} of {r['objects']} objects), "
+        f"locality {c['locality']}, prefetch {'on' if c['prefetch'] else 'off'}",
+        f"  selection entries per step: {r['lookups_per_step']}; distinct pages per step "
+        f"(median): {m['pages']:.0f}; loaded: {m['loaded']:.0f}; hit rate {m['hit_rate']:.3f}; "
+        f"read amplification {m['read_amplification']:.3f}",
+        f"  step scheduler: {m['scheduler_ms']:.2f} ms CPU per step (median of "
+        f"{len(r['steps'])}; in-core share {m['scheduler_core_cpu_ms']:.2f} ms)",
+    ]
+    if "baseline_ms" in m:
+        lines.append(
+            f"  per-request calls (today's pattern): {m['baseline_ms']:.2f} ms CPU per step; "
+            f"hit rate {r['baseline_hit_rate']:.3f}"
+        )
+        lines.append(f"  ratio (median of per-step baseline / scheduler): {m['ratio']:.1f}x")
+    lines.append(f"  {r['machine']}, {r['date']}")
+    return "\n".join(lines)
