@@ -218,11 +218,56 @@ def test_demo_passes_and_writes_json_and_plot(tmp_path, capsys):
     assert p.stat().st_size > 1000
 
 
+@pytest.mark.parametrize("extra", [["--selection", "token", "--topk-tokens", "24"],
+                                   ["--block-size", "16", "--no-prefetch"]])  # fmt: skip
+def test_demo_selection_modes_pass(extra, capsys):
+    args = ["demo", "--requests", "3", "--concurrent", "2", "--steps", "6", "--context-min", "64",
+            "--context-max", "160", "--page-size", "8", "--topk", "3", "--quiet", *extra]  # fmt: skip
+    assert main(args) == 0
+    assert "PASS" in capsys.readouterr().out
+
+
+def test_demo_with_faults_reports_them_and_ends_clean(tmp_path, capsys):
+    j = tmp_path / "f.json"
+    args = ["demo", "--requests", "6", "--concurrent", "3", "--steps", "24", "--context-min",
+            "128", "--context-max", "256", "--page-size", "8", "--topk", "3", "--quiet",
+            "--faults", "--json", str(j)]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "PASS" in out and "failed loads" in out
+    t = json.loads(j.read_text())["totals"]
+    assert t["failed_loads"] >= 2 and t["retried_loads"] >= 1 and t["failed_backups"] == 1
+    assert t["failures"], "the layer whose load and retry fail must fail some request"
+    assert (t["end_pins"], t["end_quarantined_slots"], t["end_device_leaked"]) == (0, 0, 0)
+    assert t["end_transfers_in_flight"] == 0
+
+
+@pytest.mark.parametrize("mode", ["block", "token"])
+def test_bench_decode_runs_both_sides(mode, tmp_path, capsys):
+    out = tmp_path / "d.json"
+    args = ["bench", "decode", "--mode", mode, "--layers", "3", "--batch", "4", "--context-min",
+            "1024", "--context-max", "2048", "--steps", "3", "--tokens", "128", "--token-pages",
+            "16", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "ratio" in text and "ms CPU per step" in text
+    r = json.loads(out.read_text())
+    assert len(r["steps"]) == 3 and r["median"]["scheduler_ms"] > 0
+    assert r["median"]["pages"] > 0
+
+
 NO_GPU = [] if torch_cuda() else [["--device", "cuda"]]
 
 
 @pytest.mark.parametrize(
-    "extra", [["--budget", "0"], ["--topk", "1"], ["--device", "tpu"], *NO_GPU]
+    "extra",
+    [
+        ["--budget", "0"],
+        ["--topk", "1"],
+        ["--device", "tpu"],
+        ["--block-size", "12"],
+        *NO_GPU,
+    ],  # fmt: skip
 )
 def test_demo_bad_flags_exit_2(extra):
     r = subprocess.run(

@@ -276,8 +276,9 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         "device_pages": device_pages,
         "host_pages": host_pages,
         "objects": pages,
-        "lookups_per_step": cfg.layers * cfg.batch * (cfg.blocks if cfg.mode == "block"
-                                                      else cfg.tokens),
+        "lookups_per_step": cfg.layers
+        * cfg.batch
+        * (cfg.blocks if cfg.mode == "block" else cfg.tokens),
         "setup_s": setup_s,
         "median": med,
         "baseline_hit_rate": (base.hits / max(base.distinct, 1)) if base else None,

@@ -158,11 +158,35 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks, as ratios to a baseline from the same run")
     p.add_argument(
         "what",
-        choices=["directory", "transfer", "prefix"],
+        choices=["directory", "transfer", "prefix", "decode"],
         help="directory: binding overhead vs Rust; transfer: copy-engine GB/s vs baselines; "
-        "prefix: the prefix cache's serve loop (vs SGLang with --peers-python)",
+        "prefix: the prefix cache's serve loop (vs SGLang with --peers-python); decode: CPU "
+        "per decode step in the step scheduler vs per-request calls (DeepSeek-V3.2 shape)",
     )
-    p.add_argument("--page-size", type=int, default=1, help="prefix: tokens per page")
+    from sparsetier.bench_decode import DecodeBenchConfig
+
+    dd = DecodeBenchConfig()
+    p.add_argument("--mode", choices=["block", "token"], default=dd.mode, help="decode")
+    p.add_argument("--layers", type=int, default=dd.layers, help="decode: model layers")
+    p.add_argument("--batch", type=int, default=dd.batch, help="decode: requests per step")
+    p.add_argument("--context-min", type=int, default=dd.context_min, help="decode")
+    p.add_argument("--context-max", type=int, default=dd.context_max, help="decode")
+    p.add_argument("--budget", type=float, default=dd.budget, help="decode: device share")
+    p.add_argument("--blocks", type=int, default=dd.blocks, help="decode: blocks per request")
+    p.add_argument("--tokens", type=int, default=dd.tokens, help="decode: token mode top-k")
+    p.add_argument("--token-pages", type=int, default=dd.token_pages,
+                   help="decode: hot pages token mode draws from")  # fmt: skip
+    p.add_argument(
+        "--locality",
+        type=float,
+        default=dd.locality,
+        help="decode: chance a selected block stays from one step to the next",
+    )
+    p.add_argument("--steps", type=int, default=dd.steps, help="decode: timed steps")
+    p.add_argument("--prefetch", action="store_true", help="decode: prefetch on")
+    p.add_argument("--no-baseline", action="store_true", help="decode: skip the baseline")
+    p.add_argument("--page-size", type=int, default=None,
+                   help="prefix: tokens per page (1); decode: 64")  # fmt: skip
     p.add_argument("--num-seqs", type=int, default=500, help="prefix: fill sequences")
     p.add_argument("--num-queries", type=int, default=300, help="prefix: hot-match queries")
     p.add_argument("--serve-reqs", type=int, default=500, help="prefix: served requests")
@@ -180,6 +204,24 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 def _run_bench(args: argparse.Namespace) -> None:
     from sparsetier import bench
 
+    if args.what == "decode":
+        from sparsetier import bench_decode
+
+        cfg = bench_decode.DecodeBenchConfig(
+            layers=args.layers, page_size=args.page_size or 64, batch=args.batch,
+            context_min=args.context_min, context_max=args.context_max, budget=args.budget,
+            mode=args.mode, blocks=args.blocks, tokens=args.tokens,
+            token_pages=args.token_pages, locality=args.locality, steps=args.steps,
+            prefetch=args.prefetch, baseline=not args.no_baseline,
+        )  # fmt: skip
+        r = bench_decode.run(cfg, progress=True)
+        print(bench_decode.format_report(r))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(r, f, indent=2)
+        return
+    if args.page_size is None:
+        args.page_size = 1
     if args.what == "prefix":
         from sparsetier import bench_prefix
 
@@ -242,8 +284,32 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="sparse decode with tiered KV, checked against all-resident")
     p.add_argument("--device", default=d.device, help="cpu (cuda: not written yet)")
     p.add_argument("--budget", type=float, default=d.budget, help="device share of the main KV")
-    p.add_argument("--topk", type=int, default=d.topk, help="blocks each query reads")
-    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page and block")
+    p.add_argument(
+        "--selection",
+        choices=["block", "token"],
+        default=d.selection,
+        help="block: NSA-style top-k blocks; token: DSA-style top-k tokens",
+    )
+    p.add_argument("--topk", type=int, default=d.topk, help="blocks each query reads (block)")
+    p.add_argument(
+        "--topk-tokens",
+        type=int,
+        default=d.topk_tokens,
+        help="tokens each query reads (token mode)",
+    )
+    p.add_argument("--page-size", type=int, default=d.page_size, help="tokens per page")
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=d.block_size,
+        help="tokens per selection block (0: the page size); divides or is a "
+        "multiple of the page size",
+    )
+    p.add_argument(
+        "--faults",
+        action="store_true",
+        help="inject load and backup failures (cpu engine) and report them",
+    )
     p.add_argument("--requests", type=int, default=d.requests)
     p.add_argument("--concurrent", type=int, default=d.concurrent, help="requests decoding at once")
     p.add_argument("--steps", type=int, default=d.steps, help="decode steps per request (max)")
@@ -262,6 +328,8 @@ def _run_demo(args: argparse.Namespace) -> int:
     checks = [
         ("budget", args.budget, 0 < args.budget <= 1, "0 < budget <= 1"),
         ("topk", args.topk, args.topk >= 2, "an integer >= 2"),
+        ("topk_tokens", args.topk_tokens, args.topk_tokens >= 2, "an integer >= 2"),
+        ("block_size", args.block_size, args.block_size >= 0, "0 or an integer >= 1"),
         ("page_size", args.page_size, args.page_size >= 1, "an integer >= 1"),
         ("requests", args.requests, args.requests >= 1, "an integer >= 1"),
         ("concurrent", args.concurrent, args.concurrent >= 1, "an integer >= 1"),
@@ -280,6 +348,10 @@ def _run_demo(args: argparse.Namespace) -> int:
         context_max=args.context_max,
         page_size=args.page_size,
         topk=args.topk,
+        topk_tokens=args.topk_tokens,
+        selection=args.selection,
+        block_size=args.block_size,
+        faults=args.faults,
         budget=args.budget,
         prefetch=not args.no_prefetch,
         device=args.device,

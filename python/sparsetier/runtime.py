@@ -126,6 +126,12 @@ class DecodeRuntime:
         if selection not in MODES:
             raise ConfigError.of("selection", selection, "block or token")
         unit = (block_size or page_size) if selection == "block" else 1
+        if unit % page_size and page_size % unit:
+            raise ConfigError.of(
+                "block_size",
+                str(unit),
+                f"a divisor or a multiple of the page size {page_size}",
+            )
         if selection == "block" and topk < window + 1:
             raise ConfigError.of(
                 "topk",
@@ -346,10 +352,13 @@ class DecodeRuntime:
         self.aborted += 1
         log.info("request %d aborted", rid)
 
-    def inject_faults(self, kind: str, count: int = 1, layer: int | None = None) -> None:
+    def inject_faults(
+        self, kind: str, count: int = 1, layer: int | None = None, delay: float | None = None
+    ) -> None:
         """Arms `count` failures of the scheduler's next `kind` (load or backup) submissions,
-        at `layer` only if given: they fail inside the copy engine (cpu engine)."""
-        self.scheduler.inject_faults(kind, count, layer)
+        at `layer` only if given: they fail inside the copy engine (cpu engine). With `delay`
+        (seconds) those copies are slow instead."""
+        self.scheduler.inject_faults(kind, count, layer, delay)
 
     def _locs(self, r: Request, pos: torch.Tensor) -> torch.Tensor:
         return r.idx_pages[pos // self.ps] * self.ps + pos % self.ps

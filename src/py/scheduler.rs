@@ -529,14 +529,19 @@ impl PyStepScheduler {
     }
 
     /// Arms `count` failures of the next `kind` (`load` or `backup`) submissions, at `layer`
-    /// only if given; they fail inside the engine (cpu engine only).
-    #[pyo3(signature = (kind, count=None, layer=None), text_signature = "(kind, count=1, layer=None)")]
+    /// only if given; they fail inside the engine (cpu engine only). With `delay` (seconds)
+    /// those copies start that much later instead of failing.
+    #[pyo3(
+        signature = (kind, count=None, layer=None, delay=None),
+        text_signature = "($self, kind, count=1, layer=None, delay=None)"
+    )]
     fn inject_faults(
         &self,
         py: Python<'_>,
         kind: &str,
         count: Option<&Bound<'_, PyAny>>,
         layer: Option<&Bound<'_, PyAny>>,
+        delay: Option<f64>,
     ) -> PyResult<()> {
         let direction = match kind {
             "load" => Direction::Load,
@@ -571,7 +576,14 @@ impl PyStepScheduler {
                     .ok_or_else(|| to_py(py, Error::out_of_range("layer", l, 0, self.layers())))?,
             ),
         };
-        self.inner.lock().inject_faults(direction, count, layer);
+        let delay = match delay {
+            None => None,
+            Some(d) if d.is_finite() && d >= 0.0 => Some(std::time::Duration::from_secs_f64(d)),
+            Some(d) => return Err(to_py(py, Error::config("delay", d, "None or seconds >= 0"))),
+        };
+        self.inner
+            .lock()
+            .inject_faults(direction, count, layer, delay);
         Ok(())
     }
 

@@ -130,11 +130,12 @@ struct LayerPlan {
     ready: bool,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct ArmedFault {
     direction: Direction,
     layer: Option<u16>,
     remaining: u32,
+    delay: Option<Duration>,
 }
 
 /// The batched, asynchronous decode-step scheduler.
@@ -1089,13 +1090,21 @@ impl StepScheduler {
         }
     }
 
-    /// Arms `count` failures for the next load (or backup) submissions, at `layer` only if
-    /// given. Through the engine's fault hook, so the failure takes the real path.
-    pub fn inject_faults(&mut self, direction: Direction, count: u32, layer: Option<u16>) {
+    /// Arms `count` failures (or, with `delay`, slow copies) for the next load (or backup)
+    /// submissions, at `layer` only if given. Through the engine's fault hook, so the failure
+    /// takes the real path.
+    pub fn inject_faults(
+        &mut self,
+        direction: Direction,
+        count: u32,
+        layer: Option<u16>,
+        delay: Option<Duration>,
+    ) {
         self.faults.push(ArmedFault {
             direction,
             layer,
             remaining: count,
+            delay,
         });
     }
 
@@ -1105,10 +1114,14 @@ impl StepScheduler {
         });
         if let Some(f) = hit {
             f.remaining -= 1;
+            let action = match f.delay {
+                Some(d) => FaultAction::Delay(d),
+                None => FaultAction::Fail(format!("injected {} fault", direction.name())),
+            };
             self.engine.inject(Fault {
                 nth: self.engine.submitted(),
                 layer: None,
-                action: FaultAction::Fail(format!("injected {} fault", direction.name())),
+                action,
             })?;
         }
         self.faults.retain(|f| f.remaining > 0);

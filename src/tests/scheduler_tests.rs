@@ -319,7 +319,7 @@ fn one_failed_load_is_retried_and_nobody_fails() {
     for rid in 0..3 {
         h.add(rid, 40, None);
     }
-    h.s.inject_faults(Direction::Load, 1, None);
+    h.s.inject_faults(Direction::Load, 1, None, None);
     let mut retried = 0;
     for step in 0..4 {
         let (failed, rec) = h.step(&[0, 1, 2], PS, 4, &mut |r, l, len| {
@@ -348,7 +348,7 @@ fn a_layer_whose_loads_fail_twice_fails_only_the_requests_that_needed_them() {
             vec![0, 1, 2, n - 1]
         }
     };
-    h.s.inject_faults(Direction::Load, 2, Some(1));
+    h.s.inject_faults(Direction::Load, 2, Some(1), None);
     let (failed, rec) = h.step(&[0, 1, 2], PS, 4, &mut sel);
     assert_eq!(failed, vec![0, 1]);
     assert_eq!(rec.failed_requests, 2);
@@ -369,7 +369,7 @@ fn a_layer_whose_loads_fail_twice_fails_only_the_requests_that_needed_them() {
 #[test]
 fn a_failed_backup_is_retried_and_the_pages_become_evictable() {
     let mut h = Harness::new(40, 400, false);
-    h.s.inject_faults(Direction::Backup, 1, None);
+    h.s.inject_faults(Direction::Backup, 1, None, None);
     h.add(0, 16, None);
     for _ in 0..3 {
         h.step(&[0], PS, 2, &mut |_, _, len| blocks(1, len, PS, 2));
@@ -532,9 +532,9 @@ proptest! {
                     }
                 }
                 Op::LoadFault(l, twice) => {
-                    h.s.inject_faults(Direction::Load, 1 + u32::from(twice), Some(u16::from(l)));
+                    h.s.inject_faults(Direction::Load, 1 + u32::from(twice), Some(u16::from(l)), None);
                 }
-                Op::BackupFault => h.s.inject_faults(Direction::Backup, 1, None),
+                Op::BackupFault => h.s.inject_faults(Direction::Backup, 1, None, None),
             }
             h.s.validate().map_err(TestCaseError::fail)?;
         }
