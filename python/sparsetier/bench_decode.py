@@ -58,7 +58,7 @@ class DecodeBenchConfig:
     mode: str = "block"
     blocks: int = 32
     tokens: int = 2048
-    token_pages: int = 512
+    token_pages: int = 128
     locality: float = 0.9
     steps: int = 10
     warmup: int = 2

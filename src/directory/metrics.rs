@@ -35,8 +35,11 @@ pub struct ResolveMetrics {
 }
 
 impl ResolveMetrics {
-    /// Bytes transferred over bytes needed (0 when nothing was needed).
-    pub fn read_amplification(&self) -> f64 {
+    /// Bytes this batch moved over the bytes its consumer needs, hits included (0 when
+    /// nothing was needed). Not seed 002's read amplification (moved over needed *among what
+    /// moved*), which the step scheduler's record reports; the two agree only when every
+    /// selected page moved.
+    pub fn moved_per_needed(&self) -> f64 {
         ratio(self.bytes_transferred, self.bytes_needed)
     }
 

@@ -124,7 +124,7 @@ fn metrics_dict<'py>(py: Python<'py>, m: &ResolveMetrics) -> PyResult<Bound<'py,
     d.set_item("inflight_reuse", m.inflight_reuse)?;
     d.set_item("bytes_needed", m.bytes_needed)?;
     d.set_item("bytes_transferred", m.bytes_transferred)?;
-    d.set_item("read_amplification", m.read_amplification())?;
+    d.set_item("moved_per_needed", m.moved_per_needed())?;
     d.set_item("device_byte_hit_rate", m.device_byte_hit_rate())?;
     d.set_item("resolved_ns", m.resolved_ns)?;
     d.set_item("submitted_ns", m.submitted_ns)?;
@@ -193,7 +193,7 @@ pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &DirectoryStats) -> PyResult<B
     } else {
         t.ready as f64 / t.distinct as f64
     };
-    totals.set_item("read_amplification", ra)?;
+    totals.set_item("moved_per_needed", ra)?;
     totals.set_item("device_byte_hit_rate", hit)?;
     d.set_item("totals", totals)?;
     Ok(d)
