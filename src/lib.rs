@@ -21,6 +21,7 @@ pub mod ids;
 pub mod layout;
 pub mod plan;
 pub mod pool;
+pub mod prefetch;
 pub mod radix;
 pub mod scheduler;
 #[doc(hidden)]

@@ -12,6 +12,7 @@
 //! - a Loading object has exactly one in-flight load transfer, which lists it;
 //! - pin counts equal the number of live pin handles that hold the object.
 
+use super::arena::Arena;
 use super::key::{Namespace, ObjectKey};
 use super::lru::Lru;
 use super::metrics::{ResolveMetrics, Totals};
@@ -21,7 +22,6 @@ use crate::alloc::PageAllocator;
 use crate::error::{Error, Result};
 use crate::ids::{HostSlotId, PinHandleId, SlotId, TransferId};
 use rustc_hash::{FxHashMap, FxHashSet};
-use slab::Slab;
 use std::time::Instant;
 
 /// Sizes of a directory.
@@ -52,6 +52,8 @@ pub struct Resolved {
     pub handle: PinHandleId,
     /// This batch's record.
     pub metrics: ResolveMetrics,
+    /// Per key: whether this batch's load brings it (its first occurrence; repeats are false).
+    pub loaded: Vec<bool>,
 }
 
 /// Counts of a directory at one moment, with cumulative totals.
@@ -126,7 +128,7 @@ struct Quarantine {
 /// The residency directory's state and transitions.
 #[derive(Debug)]
 pub struct Core {
-    objects: Slab<Object>,
+    objects: Arena<Object>,
     index: FxHashMap<ObjectKey, usize>,
     namespaces: FxHashMap<Namespace, Vec<usize>>,
     dropped: FxHashSet<Namespace>,
@@ -163,7 +165,7 @@ impl Core {
             return Err(Error::config("object_bytes", 0, "an integer >= 1"));
         }
         Ok(Core {
-            objects: Slab::new(),
+            objects: Arena::new(),
             index: FxHashMap::default(),
             namespaces: FxHashMap::default(),
             dropped: FxHashSet::default(),
@@ -238,8 +240,7 @@ impl Core {
             return SlotId::of_page(p);
         }
         let victim = self
-            .lru
-            .pop_front()
+            .lru_pop()
             .expect("caller checked free + evictable >= needed");
         let obj = &mut self.objects[victim];
         let DeviceState::Ready { slot } = obj.device else {
@@ -288,6 +289,7 @@ impl Core {
                 epoch: 0,
                 dropped: false,
                 load_failed: false,
+                lru_mark: 0,
             });
             self.index.insert(*key, idx);
             self.namespaces.entry(key.namespace).or_default().push(idx);
@@ -350,6 +352,11 @@ impl Core {
         // branch they would not overlap.
         let mut idxs = std::mem::take(&mut self.idx_scratch);
         idxs.clear();
+        if let Some(h) = hints {
+            for &i in h {
+                self.objects.prefetch(i as usize);
+            }
+        }
         for (n, key) in keys.iter().enumerate() {
             if let Some(&h) = hints.and_then(|h| h.get(n)) {
                 let h = h as usize;
@@ -417,22 +424,10 @@ impl Core {
             .collect()
     }
 
-    /// Hints the CPU to fetch object `idx`, which the index map just returned (so it is live).
+    /// Hints the CPU to fetch object `idx` (a hint: any index is harmless).
     #[inline]
     fn prefetch_object(&self, idx: usize) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            debug_assert!(self.objects.contains(idx));
-            // SAFETY: `idx` came from `self.index`, which holds only live slab keys, so the
-            // entry is occupied; `get_unchecked` then computes the address without reading it.
-            // A prefetch never faults and changes nothing observable.
-            unsafe {
-                let p = self.objects.get_unchecked(idx) as *const Object as *const i8;
-                std::arch::x86_64::_mm_prefetch(p, std::arch::x86_64::_MM_HINT_T0);
-            }
-        }
-        #[cfg(not(target_arch = "x86_64"))]
-        let _ = idx;
+        self.objects.prefetch(idx);
     }
 
     fn commit_resolve(
@@ -453,9 +448,9 @@ impl Core {
         for &(idx, class) in scratch {
             match class {
                 Class::Ready | Class::Join(_) => {
-                    self.lru.remove(idx);
                     let stamp = self.tick();
                     let obj = &mut self.objects[idx];
+                    self.lru.remove(&mut obj.lru_mark);
                     obj.pins += 1;
                     obj.stamp = stamp;
                     objects.push(idx);
@@ -536,12 +531,17 @@ impl Core {
             },
         );
         self.totals.add(&m);
+        let loaded = scratch
+            .iter()
+            .map(|&(_, c)| matches!(c, Class::Load))
+            .collect();
         Resolved {
             slots,
             loads: plan.into_iter().collect(),
             joined,
             handle,
             metrics: m,
+            loaded,
         }
     }
 
@@ -693,17 +693,32 @@ impl Core {
     /// After a state change: put the object in the LRU list if it became evictable, or remove
     /// it if it was dropped and nothing refers to it any more.
     fn settle(&mut self, idx: usize) {
-        let obj = &self.objects[idx];
+        let obj = &mut self.objects[idx];
         if obj.evictable() {
-            self.lru.push_back(idx);
+            self.lru.push_back(idx, &mut obj.lru_mark);
+            let objects = &self.objects;
+            self.lru
+                .compact_if_needed(|i| objects.get(i).map_or(0, |o| o.lru_mark));
         } else if obj.reapable() {
             self.reap(idx);
         }
     }
 
+    /// Pops the least recently used evictable object.
+    fn lru_pop(&mut self) -> Option<usize> {
+        let objects = &mut self.objects;
+        self.lru.pop_front(|i, seq| match objects.get_mut(i) {
+            Some(o) if o.lru_mark == seq => {
+                o.lru_mark = 0;
+                true
+            }
+            _ => false,
+        })
+    }
+
     /// Removes a dropped object, freeing the slots it holds.
     fn reap(&mut self, idx: usize) {
-        self.lru.remove(idx);
+        self.lru.remove(&mut self.objects[idx].lru_mark);
         let obj = self.objects.remove(idx);
         if let DeviceState::Ready { slot } = obj.device {
             self.device
@@ -854,7 +869,7 @@ impl Core {
     pub fn evict(&mut self, n: usize) -> Vec<ObjectKey> {
         let mut out = Vec::with_capacity(n.min(self.lru.len()));
         while out.len() < n {
-            let Some(idx) = self.lru.pop_front() else {
+            let Some(idx) = self.lru_pop() else {
                 break;
             };
             let obj = &mut self.objects[idx];
@@ -887,7 +902,7 @@ impl Core {
             obj.dropped = true;
             let key = obj.key;
             self.index.remove(&key);
-            self.lru.remove(idx);
+            self.lru.remove(&mut self.objects[idx].lru_mark);
             if self.objects[idx].reapable() {
                 self.reap(idx);
                 now += 1;
@@ -953,13 +968,18 @@ impl Core {
 
     /// Checks every invariant; returns the first one broken.
     pub fn validate(&self) -> std::result::Result<(), String> {
+        self.objects
+            .validate()
+            .map_err(|e| format!("object arena: {e}"))?;
         self.device
             .validate()
             .map_err(|e| format!("device allocator: {e}"))?;
         self.host
             .validate()
             .map_err(|e| format!("host allocator: {e}"))?;
-        self.lru.validate().map_err(|e| format!("LRU list: {e}"))?;
+        self.lru
+            .validate(|i| self.objects.get(i).map_or(0, |o| o.lru_mark))
+            .map_err(|e| format!("LRU list: {e}"))?;
         let mut dev_owner: FxHashMap<SlotId, usize> = FxHashMap::default();
         let mut host_owner: FxHashMap<HostSlotId, usize> = FxHashMap::default();
         let mut pins: FxHashMap<usize, u32> = FxHashMap::default();
@@ -985,11 +1005,11 @@ impl Core {
                     return Err(format!("host slot {s} held by objects {other} and {idx}"));
                 }
             }
-            if self.lru.contains(idx) != o.evictable() {
+            if (o.lru_mark != 0) != o.evictable() {
                 return Err(format!(
                     "{}: in LRU list = {}, evictable = {} (pins {}, {}, {})",
                     o.key,
-                    self.lru.contains(idx),
+                    o.lru_mark != 0,
                     o.evictable(),
                     o.pins,
                     o.device,

@@ -1,46 +1,34 @@
-//! An intrusive LRU list over object indices: O(1) push, remove and pop.
+//! The LRU list of evictable objects: O(1) push, remove and pop, with lazy removal.
 //!
-//! Membership is exact: an object is in the list if and only if it is evictable now (device
+//! Membership is exact: an object is a member if and only if it is evictable now (device
 //! Ready, unpinned, host copy Ready, not dropped). The owner keeps that promise at every state
-//! change, so eviction never has to skip entries. Order is the order objects became evictable;
-//! the head is the least recently used.
+//! change. Order is the order objects became evictable; the front is the least recently used.
+//!
+//! Each member carries a *mark* in its own object: the sequence number of its live entry
+//! (0 = not a member). Removing an object clears its mark: one write to an object the caller
+//! is touching anyway, instead of relinking neighbours of a doubly linked list, which are cache
+//! misses in a directory of millions of objects. The queue keeps the stale entry until a pop
+//! meets it or a compaction drops it; compaction scans the queue in order and decides each
+//! entry without a branch, so the object reads overlap. Sequence numbers never repeat, so an
+//! entry of a removed object can never match the object that later reuses its index.
 
-const NIL: u32 = u32::MAX;
-
-#[derive(Debug, Clone, Copy)]
-struct Link {
-    prev: u32,
-    next: u32,
-    linked: bool,
-}
-
-const UNLINKED: Link = Link {
-    prev: NIL,
-    next: NIL,
-    linked: false,
-};
-
-/// Doubly linked list of indices, stored as arrays indexed by the object index.
+/// FIFO of (index, sequence) entries; an entry is live while its object's mark equals its
+/// sequence.
 #[derive(Debug, Default, Clone)]
 pub struct Lru {
-    links: Vec<Link>,
-    head: u32,
-    tail: u32,
+    queue: Vec<(u32, u64)>,
+    head: usize,
+    seq: u64,
     len: usize,
 }
 
 impl Lru {
     /// An empty list.
     pub fn new() -> Self {
-        Lru {
-            links: Vec::new(),
-            head: NIL,
-            tail: NIL,
-            len: 0,
-        }
+        Lru::default()
     }
 
-    /// Entries in the list.
+    /// Members.
     pub fn len(&self) -> usize {
         self.len
     }
@@ -50,106 +38,87 @@ impl Lru {
         self.len == 0
     }
 
-    /// Whether `idx` is in the list.
-    pub fn contains(&self, idx: usize) -> bool {
-        self.links.get(idx).is_some_and(|l| l.linked)
-    }
-
-    /// Appends `idx` as the most recently used entry. No-op if already linked.
-    pub fn push_back(&mut self, idx: usize) {
-        if idx >= self.links.len() {
-            self.links.resize(idx + 1, UNLINKED);
-        }
-        if self.links[idx].linked {
+    /// Appends object `idx`, whose mark is `mark`, as the most recently used member. No-op if
+    /// it is a member already.
+    #[inline]
+    pub fn push_back(&mut self, idx: usize, mark: &mut u64) {
+        if *mark != 0 {
             return;
         }
-        let i = idx as u32;
-        self.links[idx] = Link {
-            prev: self.tail,
-            next: NIL,
-            linked: true,
-        };
-        if self.tail == NIL {
-            self.head = i;
-        } else {
-            self.links[self.tail as usize].next = i;
-        }
-        self.tail = i;
+        self.seq += 1;
+        *mark = self.seq;
+        self.queue.push((idx as u32, self.seq));
         self.len += 1;
     }
 
-    /// Unlinks `idx`; returns whether it was linked.
-    pub fn remove(&mut self, idx: usize) -> bool {
-        let Some(&link) = self.links.get(idx) else {
-            return false;
-        };
-        if !link.linked {
+    /// Removes the member whose mark is `mark`; returns whether it was one.
+    #[inline]
+    pub fn remove(&mut self, mark: &mut u64) -> bool {
+        if *mark == 0 {
             return false;
         }
-        if link.prev == NIL {
-            self.head = link.next;
-        } else {
-            self.links[link.prev as usize].next = link.next;
-        }
-        if link.next == NIL {
-            self.tail = link.prev;
-        } else {
-            self.links[link.next as usize].prev = link.prev;
-        }
-        self.links[idx] = UNLINKED;
+        *mark = 0;
         self.len -= 1;
         true
     }
 
-    /// Unlinks and returns the least recently used entry.
-    pub fn pop_front(&mut self) -> Option<usize> {
-        if self.head == NIL {
-            return None;
-        }
-        let idx = self.head as usize;
-        self.remove(idx);
-        Some(idx)
-    }
-
-    /// Entries from least to most recently used.
-    pub fn iter(&self) -> impl Iterator<Item = usize> + '_ {
-        let mut cur = self.head;
-        std::iter::from_fn(move || {
-            if cur == NIL {
-                return None;
+    /// Removes and returns the least recently used member. `take(i, seq)` says whether
+    /// object `i`'s mark is `seq` (the entry is live) and, if so, clears it.
+    pub fn pop_front(&mut self, mut take: impl FnMut(usize, u64) -> bool) -> Option<usize> {
+        while self.head < self.queue.len() {
+            let (i, s) = self.queue[self.head];
+            self.head += 1;
+            if take(i as usize, s) {
+                self.len -= 1;
+                return Some(i as usize);
             }
-            let idx = cur as usize;
-            cur = self.links[idx].next;
-            Some(idx)
-        })
+        }
+        None
     }
 
-    /// Checks the links: both directions agree and the length matches.
-    pub fn validate(&self) -> Result<(), String> {
-        let forward: Vec<usize> = self.iter().take(self.len + 1).collect();
-        if forward.len() != self.len {
+    /// Drops stale entries once they outnumber the members (amortized O(1) per push).
+    pub fn compact_if_needed(&mut self, mark_of: impl Fn(usize) -> u64) {
+        let held = self.queue.len() - self.head;
+        if held <= 2 * self.len + 4096 {
+            return;
+        }
+        let mut w = 0;
+        for r in self.head..self.queue.len() {
+            let e = self.queue[r];
+            self.queue[w] = e;
+            // Branch-free: every entry's object read is independent, so they overlap.
+            w += usize::from(mark_of(e.0 as usize) == e.1);
+        }
+        self.queue.truncate(w);
+        self.head = 0;
+    }
+
+    /// Members from least to most recently used.
+    pub fn iter<'a>(
+        &'a self,
+        mark_of: impl Fn(usize) -> u64 + 'a,
+    ) -> impl Iterator<Item = usize> + 'a {
+        self.queue[self.head..]
+            .iter()
+            .filter(move |&&(i, s)| mark_of(i as usize) == s)
+            .map(|&(i, _)| i as usize)
+    }
+
+    /// Checks that the live entries are exactly `len`, each object at most once.
+    pub fn validate(&self, mark_of: impl Fn(usize) -> u64) -> Result<(), String> {
+        let live: Vec<usize> = self.iter(&mark_of).collect();
+        if live.len() != self.len {
             return Err(format!(
-                "list walks {} entries, len is {}",
-                forward.len(),
+                "queue holds {} live entries, len is {}",
+                live.len(),
                 self.len
             ));
         }
-        let linked = self.links.iter().filter(|l| l.linked).count();
-        if linked != self.len {
-            return Err(format!(
-                "{linked} entries flagged linked, len is {}",
-                self.len
-            ));
-        }
-        let mut prev = NIL;
-        for &idx in &forward {
-            if self.links[idx].prev != prev {
-                return Err(format!("entry {idx} has a broken back link"));
+        let mut seen = rustc_hash::FxHashSet::default();
+        for i in live {
+            if !seen.insert(i) {
+                return Err(format!("member {i} has two live entries"));
             }
-            prev = idx as u32;
-        }
-        if prev != self.tail {
-            return Err("tail does not end the list".into());
         }
         Ok(())
     }
@@ -160,21 +129,40 @@ mod tests {
     use super::*;
 
     #[test]
-    fn push_remove_pop_keep_order() {
+    fn push_remove_pop_keep_order_and_compaction_keeps_members() {
+        let mut marks = vec![0u64; 8];
         let mut l = Lru::new();
         for i in [3, 1, 4, 0, 5] {
-            l.push_back(i);
+            let m = &mut marks[i];
+            l.push_back(i, m);
         }
-        l.push_back(1); // already linked: no-op
-        assert!(l.remove(4));
-        assert!(!l.remove(4));
-        assert_eq!(l.iter().collect::<Vec<_>>(), vec![3, 1, 0, 5]);
-        assert_eq!(l.pop_front(), Some(3));
-        l.push_back(3);
-        assert_eq!(l.iter().collect::<Vec<_>>(), vec![1, 0, 5, 3]);
-        l.validate().unwrap();
-        while l.pop_front().is_some() {}
+        l.push_back(1, &mut marks[1]); // already a member: no-op
+        assert!(l.remove(&mut marks[4]));
+        assert!(!l.remove(&mut marks[4]));
+        let order = |l: &Lru, marks: &[u64]| l.iter(|i| marks[i]).collect::<Vec<_>>();
+        assert_eq!(order(&l, &marks), vec![3, 1, 0, 5]);
+        fn take(marks: &mut [u64]) -> impl FnMut(usize, u64) -> bool + '_ {
+            move |i, s| {
+                let live = marks[i] == s;
+                if live {
+                    marks[i] = 0;
+                }
+                live
+            }
+        }
+        assert_eq!(l.pop_front(take(&mut marks)), Some(3));
+        l.push_back(3, &mut marks[3]);
+        assert_eq!(order(&l, &marks), vec![1, 0, 5, 3]);
+        // Removing and re-adding leaves stale entries behind; order and members survive.
+        for _ in 0..5000 {
+            l.remove(&mut marks[0]);
+            l.push_back(0, &mut marks[0]);
+            l.compact_if_needed(|i| marks[i]);
+        }
+        assert_eq!(order(&l, &marks), vec![1, 5, 3, 0]);
+        l.validate(|i| marks[i]).unwrap();
+        while l.pop_front(take(&mut marks)).is_some() {}
         assert!(l.is_empty());
-        l.validate().unwrap();
+        l.validate(|i| marks[i]).unwrap();
     }
 }

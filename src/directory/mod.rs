@@ -15,6 +15,7 @@
 //! [`PinGuard`] releases its pins when dropped. Dropping the directory frees nothing outside
 //! itself: the slots it hands out are indices into pools it does not own.
 
+pub mod arena;
 pub mod bench;
 pub mod core;
 pub mod key;

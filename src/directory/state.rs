@@ -71,6 +71,8 @@ pub struct Object {
     pub dropped: bool,
     /// Its last load failed; the next load counts as a retry.
     pub load_failed: bool,
+    /// The sequence of its live LRU entry; 0 when it is not in the LRU list.
+    pub lru_mark: u64,
 }
 
 impl Object {

@@ -229,12 +229,16 @@ mod tests {
     #[test]
     #[ignore]
     fn full_shape_step_time() {
-        let mut w = DecodeWorkload::new(DecodeShape::deepseek_v32(), 40).unwrap();
+        let mut w = DecodeWorkload::new(DecodeShape::deepseek_v32(), 200).unwrap();
         w.run(3).unwrap();
-        let t = w.run(30).unwrap();
+        let steps: u64 = std::env::var("SPARSETIER_STEPS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(30);
+        let t = w.run(steps).unwrap();
         eprintln!(
             "{:.2} ms per step, {} lookups per step",
-            t.as_secs_f64() * 1e3 / 30.0,
+            t.as_secs_f64() * 1e3 / steps as f64,
             w.lookups_per_step()
         );
     }

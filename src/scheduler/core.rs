@@ -167,7 +167,6 @@ pub struct StepScheduler {
     totals: StepRecord,
     steps: u64,
     dedup: RowDedup,
-    mark: Vec<bool>,
 }
 
 impl std::fmt::Debug for StepScheduler {
@@ -251,7 +250,6 @@ impl StepScheduler {
             totals: StepRecord::default(),
             steps: 0,
             dedup: RowDedup::default(),
-            mark: vec![false; cfg.device_pages as usize],
         })
     }
 
@@ -654,6 +652,22 @@ impl StepScheduler {
                 format!("a selection unit over the scheduler's {ps}-token pages"),
             ));
         }
+        // The dense page -> object tables are cache misses at scale: ask for every row's
+        // entries first, so the misses overlap instead of coming one by one below.
+        let shift = unit.unit() / ps; // pages per entry, 0 when entries lie inside a page
+        for (b, id) in rids.iter().enumerate() {
+            if let Some(r) = self.requests.get(id) {
+                let t = &r.index[layer as usize];
+                for &e in &selection[b * k..(b + 1) * k] {
+                    let page = if shift > 0 {
+                        e.wrapping_mul(i64::from(shift))
+                    } else {
+                        e.wrapping_mul(i64::from(unit.unit())) / i64::from(ps)
+                    };
+                    crate::prefetch::prefetch(t.as_ptr().wrapping_add(page as usize));
+                }
+            }
+        }
         for (b, &id) in rids.iter().enumerate() {
             let r = mark_batch(&mut self.requests, id, batch)?;
             let len = r.len;
@@ -698,7 +712,9 @@ impl StepScheduler {
                     }
                 }
             }
-            row_pages.sort_unstable();
+            if !row_pages.is_sorted() {
+                row_pages.sort_unstable();
+            }
             rows_pages.push(row_pages);
         }
         if keys.is_empty() {
@@ -734,22 +750,13 @@ impl StepScheduler {
             joined: res.metrics.loading,
             exposed_wait_ns: 0,
         };
-        // Loaded keys: their slots are the load's destinations.
-        let mut needed_moved = 0u64;
-        if let Some(lp) = res.loads.first() {
-            for s in &lp.device_slots {
-                self.mark[s.raw() as usize] = true;
-            }
-            for (i, s) in res.slots.iter().enumerate() {
-                if self.mark[s.raw() as usize] {
-                    needed_moved += u64::from(needed[i]);
-                    self.mark[s.raw() as usize] = false; // count a repeated key once
-                }
-            }
-            for s in &lp.device_slots {
-                self.mark[s.raw() as usize] = false;
-            }
-        }
+        // Needed tokens inside the pages this plan's load moves.
+        let mut needed_moved: u64 = res
+            .loaded
+            .iter()
+            .zip(&needed)
+            .map(|(&l, &n)| if l { u64::from(n) } else { 0 })
+            .sum();
         // Prefetch accuracy: the prediction against the selection, row by row.
         if let Some(pf) = &prefetch {
             let mut wasted = 0u64;
@@ -1279,23 +1286,17 @@ impl StepScheduler {
             ..Default::default()
         };
         if let Some(lp) = res.loads.first() {
-            for s in &lp.device_slots {
-                self.mark[s.raw() as usize] = true;
-            }
             let mut i = 0;
             for id in rids {
                 let Some((predicted, loaded)) = rows.get_mut(id) else {
                     continue;
                 };
                 for &p in predicted.iter() {
-                    if self.mark[res.slots[i].raw() as usize] {
+                    if res.loaded[i] {
                         loaded.push(p);
                     }
                     i += 1;
                 }
-            }
-            for s in &lp.device_slots {
-                self.mark[s.raw() as usize] = false;
             }
             self.submit_load(
                 lp.transfer,
