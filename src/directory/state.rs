@@ -132,3 +132,4 @@ impl fmt::Display for HostState {
         }
     }
 }
+
