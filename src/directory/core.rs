@@ -314,6 +314,29 @@ impl Core {
         hints: Option<&[u32]>,
         bytes_needed: Option<u64>,
     ) -> Result<Resolved> {
+        self.resolve_inner(keys, hints, bytes_needed, true)
+    }
+
+    /// A prefetch: starts loads for the keys that are Absent with a Ready host copy, pinning
+    /// only those (until the handle is released); keys already Ready or Loading are left as
+    /// they are, neither pinned nor joined, so a prefetch costs one object read per present
+    /// key. `slots` is empty (the loads carry their slots; `loaded` says which keys load).
+    /// Keys with no copy anywhere are `NotResident`, as in `resolve`.
+    pub fn prefetch_loads(
+        &mut self,
+        keys: &[ObjectKey],
+        hints: Option<&[u32]>,
+    ) -> Result<Resolved> {
+        self.resolve_inner(keys, hints, None, false)
+    }
+
+    fn resolve_inner(
+        &mut self,
+        keys: &[ObjectKey],
+        hints: Option<&[u32]>,
+        bytes_needed: Option<u64>,
+        pin_present: bool,
+    ) -> Result<Resolved> {
         non_empty(keys)?;
         self.epoch += 1;
         let epoch = self.epoch;
@@ -330,7 +353,7 @@ impl Core {
                     evictable,
                 });
             }
-            Ok(self.commit_resolve(keys.len(), &scratch, loads, bytes_needed))
+            Ok(self.commit_resolve(keys.len(), &scratch, loads, bytes_needed, pin_present))
         });
         self.scratch = scratch;
         result
@@ -436,6 +459,7 @@ impl Core {
         scratch: &[(usize, Class)],
         loads: usize,
         bytes_needed: Option<u64>,
+        pin_present: bool,
     ) -> Resolved {
         let mut m = ResolveMetrics {
             selected: selected as u64,
@@ -447,6 +471,7 @@ impl Core {
         // Pass 1: pin what is on the device, so eviction in pass 2 cannot take it.
         for &(idx, class) in scratch {
             match class {
+                Class::Ready | Class::Join(_) if !pin_present => {}
                 Class::Ready | Class::Join(_) => {
                     let stamp = self.tick();
                     let obj = &mut self.objects[idx];
@@ -508,11 +533,16 @@ impl Core {
         m.distinct = objects.len() as u64;
         m.bytes_needed = bytes_needed.unwrap_or(m.distinct * self.object_bytes);
         m.bytes_transferred = m.absent * self.object_bytes;
-        // Slots in key order, repeats included.
-        let slots = scratch
-            .iter()
-            .map(|&(idx, _)| self.objects[idx].device_slot().expect("pinned on device"))
-            .collect();
+        // Slots in key order, repeats included. A prefetch pins only its loads (a present key
+        // may even have been evicted by them): it returns no slots.
+        let slots = if pin_present {
+            scratch
+                .iter()
+                .map(|&(idx, _)| self.objects[idx].device_slot().expect("pinned on device"))
+                .collect()
+        } else {
+            Vec::new()
+        };
         let own_load = plan.as_ref().map(|p| p.transfer);
         let mut transfers = joined.clone();
         transfers.extend(own_load);

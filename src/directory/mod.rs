@@ -86,6 +86,11 @@ impl Directory {
             .resolve_hinted(keys, Some(hints), bytes_needed)
     }
 
+    /// See [`core::Core::prefetch_loads`].
+    pub fn prefetch_loads(&self, keys: &[ObjectKey], hints: &[u32]) -> Result<Resolved> {
+        self.core.lock().prefetch_loads(keys, Some(hints))
+    }
+
     /// See [`core::Core::index_of`].
     pub fn index_of(&self, keys: &[ObjectKey]) -> Vec<u32> {
         self.core.lock().index_of(keys)

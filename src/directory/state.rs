@@ -132,4 +132,3 @@ impl fmt::Display for HostState {
         }
     }
 }
-

@@ -167,6 +167,7 @@ pub struct StepScheduler {
     totals: StepRecord,
     steps: u64,
     dedup: RowDedup,
+    started: Instant,
 }
 
 impl std::fmt::Debug for StepScheduler {
@@ -250,6 +251,7 @@ impl StepScheduler {
             totals: StepRecord::default(),
             steps: 0,
             dedup: RowDedup::default(),
+            started: Instant::now(),
         })
     }
 
@@ -817,6 +819,8 @@ impl StepScheduler {
         let id = LayerPlanId::new(self.next_plan);
         self.next_plan += 1;
         rec.queue_ns = submitted_at.map_or(0, |s| (s - t0).as_nanos() as u64);
+        rec.selection_done_ns = self.since(t0);
+        rec.submitted_ns = submitted_at.map_or(0, |s| self.since(s));
         self.plans.insert(
             id,
             LayerPlan {
@@ -846,6 +850,10 @@ impl StepScheduler {
         }
         self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
         Ok((id, &self.plans[&id].table))
+    }
+
+    fn since(&self, t: Instant) -> u64 {
+        t.saturating_duration_since(self.started).as_nanos() as u64
     }
 
     /// The slot table of an outstanding plan.
@@ -904,6 +912,7 @@ impl StepScheduler {
             self.rec.transfer_ns += s.elapsed().as_nanos() as u64;
         }
         self.rec.exposed_wait_ns += waited.as_nanos() as u64;
+        self.rec.ready_ns = self.since(Instant::now());
         self.rec.failed_requests += out.failed.len() as u64;
         self.rec.cpu_ns += (t0.elapsed() - waited).as_nanos() as u64;
         Ok(out)
@@ -1018,6 +1027,7 @@ impl StepScheduler {
         }
         let _ = plan.selected_at;
         self.rec.layers += 1;
+        self.rec.consumed_ns = self.since(Instant::now());
         self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
         Ok(plan.counts)
     }
@@ -1248,13 +1258,16 @@ impl StepScheduler {
     // -- prefetch -----------------------------------------------------------------------
 
     /// Loads (and pins until `plan(layer)` finishes) what each request of `rids` selected at
-    /// `layer` last step. Best effort: skipped when the device cannot hold it.
+    /// `layer` last step and is now on host only; pages still on the device are left alone
+    /// (not pinned: the plan pins them if they are still there). Best effort: skipped when the
+    /// device cannot hold it.
     fn prefetch(&mut self, layer: u16, rids: &[RequestId]) -> Result<()> {
         if self.prefetches.contains_key(&layer) {
             return Ok(());
         }
         let ps = self.cfg.page_size;
         let mut keys = Vec::new();
+        let mut hints = Vec::new();
         let mut rows = FxHashMap::default();
         for id in rids {
             let Some(r) = self.requests.get(id) else {
@@ -1267,12 +1280,13 @@ impl StepScheduler {
                 .filter(|&p| p < pages)
                 .collect();
             keys.extend(predicted.iter().map(|&p| r.key(p, layer)));
+            hints.extend(predicted.iter().map(|&p| r.hint(p, layer)));
             rows.insert(*id, (predicted, Vec::new()));
         }
         if keys.is_empty() {
             return Ok(());
         }
-        let res = match self.dir.resolve(&keys, None) {
+        let res = match self.dir.prefetch_loads(&keys, &hints) {
             Ok(r) => r,
             Err(Error::OutOfSlots { .. }) => {
                 self.rec.prefetch_skipped += 1;

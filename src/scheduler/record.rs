@@ -63,6 +63,14 @@ pub struct StepRecord {
     pub transfer_ns: u64,
     /// Time the consumer was blocked in `ready` (the wait prefetch and overlap did not hide), ns.
     pub exposed_wait_ns: u64,
+    /// When the step's first selection was handed to `plan` (ns since the scheduler started).
+    pub selection_done_ns: u64,
+    /// When the step's last load was submitted (0 if none).
+    pub submitted_ns: u64,
+    /// When the step's last plan became readable (`ready` returned).
+    pub ready_ns: u64,
+    /// When the step's last plan was consumed (`finish`).
+    pub consumed_ns: u64,
     /// CPU time spent inside the scheduler's step calls (plan, ready, finish, append, end_step),
     /// exposed wait excluded, ns.
     pub cpu_ns: u64,
@@ -131,6 +139,14 @@ impl StepRecord {
             cpu_ns
         );
         self.pinned_peak = self.pinned_peak.max(o.pinned_peak);
+        if self.selection_done_ns == 0
+            || (o.selection_done_ns != 0 && o.selection_done_ns < self.selection_done_ns)
+        {
+            self.selection_done_ns = o.selection_done_ns;
+        }
+        self.submitted_ns = self.submitted_ns.max(o.submitted_ns);
+        self.ready_ns = self.ready_ns.max(o.ready_ns);
+        self.consumed_ns = self.consumed_ns.max(o.consumed_ns);
         self.prefetch_pinned_peak = self.prefetch_pinned_peak.max(o.prefetch_pinned_peak);
         self.device_used = o.device_used;
         self.device_capacity = o.device_capacity;
