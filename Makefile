@@ -49,13 +49,16 @@ demo: build
 plan: build
 	sparsetier plan --layers 61 --kv-heads 8 --head-dim 128 --device-gb 40 --hicache-size 200
 
-# Criterion benches (alloc, directory, prefix), then the Python ones; figures: benches/RESULTS.md.
+# Criterion benches (alloc, directory, prefix, scheduler), then the Python ones; figures:
+# benches/RESULTS.md.
 bench: build
 	cargo bench
 	sparsetier bench directory
 	sparsetier bench transfer --device cpu
 	sparsetier bench prefix --page-size 1
 	sparsetier bench prefix --page-size 16
+	sparsetier bench decode --mode block
+	sparsetier bench decode --mode token --steps 6
 
 clean:
 	cargo clean

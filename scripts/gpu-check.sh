@@ -10,7 +10,9 @@
 #         env.txt             versions, GPU name, driver
 #         pytest.txt          tests/test_cuda.py (CUDA round trips, stream wait, NVRTC),
 #                             tests/test_transfer.py and tests/test_hicache.py (GPU round trips)
-#         demo_cuda.txt/.json `sparsetier demo --device cuda` (tiered == resident on the GPU)
+#         demo_cuda.txt/.json `sparsetier demo --device cuda` (tiered == resident on the GPU,
+#                             block mode, through the step scheduler with stream waits)
+#         demo_cuda_token.txt the same in token mode
 #         bench_transfer.txt  `sparsetier bench transfer --device cuda` table
 #         bench_transfer.json the same rows as JSON
 # Each step has its own timeout, so a hang leaves the others' results.
@@ -43,10 +45,14 @@ run)
     timeout 120 python3 -m sparsetier.cli demo --device cuda --quiet --json "$OUT/demo_cuda.json" \
         > "$OUT/demo_cuda.txt" 2>&1
     echo "exit $?" >> "$OUT/demo_cuda.txt"
+    timeout 90 python3 -m sparsetier.cli demo --device cuda --quiet --selection token \
+        > "$OUT/demo_cuda_token.txt" 2>&1
+    echo "exit $?" >> "$OUT/demo_cuda_token.txt"
     timeout 240 python3 -m sparsetier.cli bench transfer --device cuda --total-mb 256 \
         --json "$OUT/bench_transfer.json" > "$OUT/bench_transfer.txt" 2>&1
     echo "exit $?" >> "$OUT/bench_transfer.txt"
-    tail -n 5 "$OUT/pytest.txt" "$OUT/demo_cuda.txt" "$OUT/bench_transfer.txt"
+    tail -n 5 "$OUT/pytest.txt" "$OUT/demo_cuda.txt" "$OUT/demo_cuda_token.txt" \
+        "$OUT/bench_transfer.txt"
     ;;
 *)
     echo "usage: $0 build|run" >&2

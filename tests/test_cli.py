@@ -218,11 +218,18 @@ def test_demo_passes_and_writes_json_and_plot(tmp_path, capsys):
     assert p.stat().st_size > 1000
 
 
-@pytest.mark.parametrize("extra", [["--selection", "token", "--topk-tokens", "24"],
-                                   ["--block-size", "16", "--no-prefetch"]])  # fmt: skip
+SMALL_DEMO = (
+    "demo --requests 3 --concurrent 2 --steps 6 --context-min 64 --context-max 160 "
+    "--page-size 8 --topk 3 --quiet"
+).split()
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [["--selection", "token", "--topk-tokens", "24"], ["--block-size", "16", "--no-prefetch"]],
+)
 def test_demo_selection_modes_pass(extra, capsys):
-    args = ["demo", "--requests", "3", "--concurrent", "2", "--steps", "6", "--context-min", "64",
-            "--context-max", "160", "--page-size", "8", "--topk", "3", "--quiet", *extra]  # fmt: skip
+    args = [*SMALL_DEMO, *extra]
     assert main(args) == 0
     assert "PASS" in capsys.readouterr().out
 
@@ -267,7 +274,7 @@ NO_GPU = [] if torch_cuda() else [["--device", "cuda"]]
         ["--device", "tpu"],
         ["--block-size", "12"],
         *NO_GPU,
-    ],  # fmt: skip
+    ],
 )
 def test_demo_bad_flags_exit_2(extra):
     r = subprocess.run(

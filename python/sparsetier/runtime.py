@@ -284,10 +284,7 @@ class DecodeRuntime:
         decode_steps: int,
         shared: tuple[int, int] | None = None,
     ) -> None:
-        """Prefill. With `shared = (prompt id, prompt length)`, the whole pages of that system
-        prompt are stored once for every request over it: a request reads them through the
-        scheduler (from the device, or loaded back layer by layer as its prefill reaches each
-        layer), and prefills only the rest. Everything written is written through to host."""
+        """`add_request` without the budget error translation."""
         if not 0 <= rid < PROMPT_NAMESPACE:
             raise ConfigError.of("rid", str(rid), f"0 <= rid < {PROMPT_NAMESPACE}")
         if rid in self.requests:

@@ -84,6 +84,15 @@ fn table<'py>(py: Python<'py>, t: &[i32], rows: usize) -> PyResult<Bound<'py, Py
     PyArray1::from_slice(py, t).reshape([rows, cols])
 }
 
+/// A token count >= 1.
+fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let n = int(obj, "tokens")?;
+    u64::try_from(n)
+        .ok()
+        .filter(|&n| n >= 1)
+        .ok_or_else(|| to_py(obj.py(), Error::config("tokens", n, "an integer >= 1")))
+}
+
 fn plan_id(obj: &Bound<'_, PyAny>) -> PyResult<LayerPlanId> {
     let v = int(obj, "plan")?;
     u64::try_from(v)
@@ -94,48 +103,9 @@ fn plan_id(obj: &Bound<'_, PyAny>) -> PyResult<LayerPlanId> {
 /// The step record as a dict, with the derived rates.
 pub(crate) fn record_dict<'py>(py: Python<'py>, r: &StepRecord) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
-    macro_rules! put {
-        ($($f:ident),*) => { $( d.set_item(stringify!($f), r.$f)?; )* };
+    for (name, v) in r.pairs() {
+        d.set_item(name, v)?;
     }
-    put!(
-        step,
-        requests,
-        layers,
-        selected,
-        pages,
-        ready,
-        loaded,
-        joined,
-        bytes_needed,
-        bytes_transferred,
-        bytes_needed_of_transferred,
-        load_submissions,
-        copy_segments,
-        backup_pages,
-        backup_submissions,
-        prefetch_predicted,
-        prefetch_hits,
-        prefetch_loaded,
-        prefetch_wasted,
-        prefetch_wasted_bytes,
-        prefetch_skipped,
-        failed_loads,
-        retried_loads,
-        failed_requests,
-        failed_backups,
-        queue_ns,
-        transfer_ns,
-        exposed_wait_ns,
-        selection_done_ns,
-        submitted_ns,
-        ready_ns,
-        consumed_ns,
-        cpu_ns,
-        device_used,
-        device_capacity,
-        pinned_peak,
-        prefetch_pinned_peak
-    );
     d.set_item("read_amplification", r.read_amplification())?;
     d.set_item("device_byte_hit_rate", r.device_byte_hit_rate())?;
     d.set_item("prefetch_accuracy", r.prefetch_accuracy())?;
@@ -315,11 +285,7 @@ impl PyStepScheduler {
         prefix: Option<(i64, i64)>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
         let id = self::rid(rid)?;
-        let n = int(tokens, "tokens")?;
-        let n = u64::try_from(n)
-            .ok()
-            .filter(|&n| n >= 1)
-            .ok_or_else(|| to_py(py, Error::config("tokens", n, "an integer >= 1")))?;
+        let n = tokens_arg(tokens)?;
         let prefix = match prefix {
             None => None,
             Some((ns, pages)) => Some(Prefix {
@@ -353,11 +319,7 @@ impl PyStepScheduler {
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<(u32, Bound<'py, PyArray2<i32>>)> {
         let id = self::rid(rid)?;
-        let n = int(tokens, "tokens")?;
-        let n = u64::try_from(n)
-            .ok()
-            .filter(|&n| n >= 1)
-            .ok_or_else(|| to_py(py, Error::config("tokens", n, "an integer >= 1")))?;
+        let n = tokens_arg(tokens)?;
         let layers = self.layers() as usize;
         let (first, slots) = py.detach(|| self.inner.lock().extend(id, n)).py_err(py)?;
         Ok((first, slots_2d(py, &slots, layers)?))

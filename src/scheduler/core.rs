@@ -789,19 +789,8 @@ impl StepScheduler {
             last.clear();
             last.extend(rows_pages[b].iter().map(|&(p, _)| p));
         }
-        let mut transfers: Vec<TransferId> = res.joined.iter().copied().collect();
-        let mut submitted_at = None;
-        if let Some(lp) = res.loads.first() {
-            self.submit_load(
-                lp.transfer,
-                &lp.host_slots,
-                &lp.device_slots,
-                layer,
-                &mut rec,
-            );
-            transfers.push(lp.transfer);
-            submitted_at = Some(Instant::now());
-        }
+        let transfers = self.submit_resolved(&res, layer, &mut rec);
+        let submitted_at = (!res.loads.is_empty()).then(Instant::now);
         let table = cells
             .iter()
             .map(|&c| {
@@ -946,17 +935,7 @@ impl StepScheduler {
                 plan.pins += res.metrics.distinct;
                 self.pins += res.metrics.distinct;
                 let mut rec = StepRecord::default();
-                let mut deps: Vec<TransferId> = res.joined.iter().copied().collect();
-                if let Some(lp) = res.loads.first() {
-                    self.submit_load(
-                        lp.transfer,
-                        &lp.host_slots,
-                        &lp.device_slots,
-                        layer,
-                        &mut rec,
-                    );
-                    deps.push(lp.transfer);
-                }
+                let deps = self.submit_resolved(&res, layer, &mut rec);
                 rec.retried_loads = 1;
                 self.rec.fold(&rec);
                 let mut ok = true;
@@ -1164,6 +1143,22 @@ impl StepScheduler {
             PageTransferGroup::new(vec![t])?,
             segments * self.device.planes_per_layer() as u64,
         ))
+    }
+
+    /// Submits a resolve's load (if any); returns every transfer the batch now depends on: the
+    /// ones it joined, then its own.
+    fn submit_resolved(
+        &mut self,
+        res: &Resolved,
+        layer: u16,
+        rec: &mut StepRecord,
+    ) -> Vec<TransferId> {
+        let mut deps: Vec<TransferId> = res.joined.iter().copied().collect();
+        if let Some(lp) = res.loads.first() {
+            self.submit_load(lp.transfer, &lp.host_slots, &lp.device_slots, layer, rec);
+            deps.push(lp.transfer);
+        }
+        deps
     }
 
     /// Submits directory load `tid`; a submission the engine refuses fails the load at once.

@@ -103,6 +103,52 @@ impl StepRecord {
         ratio(self.prefetch_hits, self.pages)
     }
 
+    /// Every field by name, in declaration order (what the Python binding exports).
+    pub fn pairs(&self) -> Vec<(&'static str, u64)> {
+        macro_rules! pairs {
+            ($($f:ident),*) => { vec![$((stringify!($f), self.$f)),*] };
+        }
+        pairs!(
+            step,
+            requests,
+            layers,
+            selected,
+            pages,
+            ready,
+            loaded,
+            joined,
+            bytes_needed,
+            bytes_transferred,
+            bytes_needed_of_transferred,
+            load_submissions,
+            copy_segments,
+            backup_pages,
+            backup_submissions,
+            prefetch_predicted,
+            prefetch_hits,
+            prefetch_loaded,
+            prefetch_wasted,
+            prefetch_wasted_bytes,
+            prefetch_skipped,
+            failed_loads,
+            retried_loads,
+            failed_requests,
+            failed_backups,
+            queue_ns,
+            transfer_ns,
+            exposed_wait_ns,
+            selection_done_ns,
+            submitted_ns,
+            ready_ns,
+            consumed_ns,
+            cpu_ns,
+            device_used,
+            device_capacity,
+            pinned_peak,
+            prefetch_pinned_peak
+        )
+    }
+
     /// Adds the counters of `o` (peaks take the max; capacity and usage take `o`'s).
     pub fn fold(&mut self, o: &StepRecord) {
         macro_rules! add {
