@@ -1370,7 +1370,12 @@ impl StepScheduler {
     pub fn validate(&self) -> std::result::Result<(), String> {
         self.dir.validate()?;
         let s = self.dir.stats();
-        let held: u64 = self.plans.values().map(|p| p.pins).sum::<u64>()
+        // A plan holds its own pins and those of the prefetch it consumed.
+        let held: u64 = self
+            .plans
+            .values()
+            .map(|p| p.pins + p.prefetch.as_ref().map_or(0, |pf| pf.pins))
+            .sum::<u64>()
             + self.prefetches.values().map(|p| p.pins).sum::<u64>();
         if held != self.pins {
             return Err(format!(

@@ -178,6 +178,16 @@ impl Harness {
             let (id, _) = match self.s.plan(l, &ids, &flat, k, u) {
                 Ok(p) => p,
                 Err(e) => {
+                    // The step is abandoned, but every layer's new row is written before the
+                    // step ends (the append contract), as a runtime would.
+                    for later in l + 1..LAYERS {
+                        for b in 0..rids.len() {
+                            let page = ((lens[b] - 1) / u64::from(PS)) as u32;
+                            let ns = self.s.request(ids[b]).unwrap().key(page, 0).namespace.id;
+                            let slot = slots[b * LAYERS as usize + later as usize];
+                            self.write_row(slot, ns, page, later, rows[b]);
+                        }
+                    }
                     self.s.end_step().unwrap();
                     self.s.validate().unwrap();
                     return Err(e);
