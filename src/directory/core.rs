@@ -805,7 +805,14 @@ impl Core {
             }
         }
         m.ready_ns = ready;
-        for &idx in &h.objects {
+        // By release time the batch's objects have usually left the cache: fetch ahead.
+        for &idx in h.objects.iter().take(PREFETCH_AHEAD) {
+            self.objects.prefetch(idx);
+        }
+        for (n, &idx) in h.objects.iter().enumerate() {
+            if let Some(&ahead) = h.objects.get(n + PREFETCH_AHEAD) {
+                self.objects.prefetch(ahead);
+            }
             let stamp = self.tick();
             let obj = &mut self.objects[idx];
             obj.pins -= 1;
