@@ -168,6 +168,7 @@ pub struct StepScheduler {
     steps: u64,
     dedup: RowDedup,
     started: Instant,
+    failed_this_step: rustc_hash::FxHashSet<RequestId>,
 }
 
 impl std::fmt::Debug for StepScheduler {
@@ -252,6 +253,7 @@ impl StepScheduler {
             steps: 0,
             dedup: RowDedup::default(),
             started: Instant::now(),
+            failed_this_step: rustc_hash::FxHashSet::default(),
         })
     }
 
@@ -902,7 +904,12 @@ impl StepScheduler {
         }
         self.rec.exposed_wait_ns += waited.as_nanos() as u64;
         self.rec.ready_ns = self.since(Instant::now());
-        self.rec.failed_requests += out.failed.len() as u64;
+        // A request that fails at several layers of one step counts once.
+        for (_, rid, _) in &out.failed {
+            if self.failed_this_step.insert(*rid) {
+                self.rec.failed_requests += 1;
+            }
+        }
         self.rec.cpu_ns += (t0.elapsed() - waited).as_nanos() as u64;
         Ok(out)
     }
@@ -1040,6 +1047,7 @@ impl StepScheduler {
         self.rec.step = self.steps;
         self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
         let rec = std::mem::take(&mut self.rec);
+        self.failed_this_step.clear();
         self.totals.fold(&rec);
         self.steps += 1;
         self.rec.pinned_peak = self.pins;

@@ -53,7 +53,7 @@ pub struct StepRecord {
     pub failed_loads: u64,
     /// Retries submitted after a failed load.
     pub retried_loads: u64,
-    /// Requests reported failed after a retry failed too.
+    /// Distinct requests reported failed (after a retry failed too) this step.
     pub failed_requests: u64,
     /// Backup transfers that failed.
     pub failed_backups: u64,
@@ -84,77 +84,11 @@ pub struct StepRecord {
     pub prefetch_pinned_peak: u64,
 }
 
-impl StepRecord {
-    /// Bytes transferred / bytes needed among what was transferred (seed 002): 1 when whole
-    /// selected pages moved, above 1 when selected tokens sit sparsely in moved pages or
-    /// prefetch moved pages nobody read. 0 when nothing moved.
-    pub fn read_amplification(&self) -> f64 {
-        ratio(self.bytes_transferred, self.bytes_needed_of_transferred)
-    }
-
-    /// Share of the selected distinct pages already on the device (equal-size pages, so it is
-    /// also the byte hit rate).
-    pub fn device_byte_hit_rate(&self) -> f64 {
-        ratio(self.ready, self.pages)
-    }
-
-    /// Share of the selected pages that prefetch had predicted.
-    pub fn prefetch_accuracy(&self) -> f64 {
-        ratio(self.prefetch_hits, self.pages)
-    }
-
-    /// Every field by name, in declaration order (what the Python binding exports).
-    pub fn pairs(&self) -> Vec<(&'static str, u64)> {
-        macro_rules! pairs {
-            ($($f:ident),*) => { vec![$((stringify!($f), self.$f)),*] };
-        }
-        pairs!(
-            step,
-            requests,
-            layers,
-            selected,
-            pages,
-            ready,
-            loaded,
-            joined,
-            bytes_needed,
-            bytes_transferred,
-            bytes_needed_of_transferred,
-            load_submissions,
-            copy_segments,
-            backup_pages,
-            backup_submissions,
-            prefetch_predicted,
-            prefetch_hits,
-            prefetch_loaded,
-            prefetch_wasted,
-            prefetch_wasted_bytes,
-            prefetch_skipped,
-            failed_loads,
-            retried_loads,
-            failed_requests,
-            failed_backups,
-            queue_ns,
-            transfer_ns,
-            exposed_wait_ns,
-            selection_done_ns,
-            submitted_ns,
-            ready_ns,
-            consumed_ns,
-            cpu_ns,
-            device_used,
-            device_capacity,
-            pinned_peak,
-            prefetch_pinned_peak
-        )
-    }
-
-    /// Adds the counters of `o` (peaks take the max; capacity and usage take `o`'s).
-    pub fn fold(&mut self, o: &StepRecord) {
-        macro_rules! add {
-            ($($f:ident),*) => { $( self.$f += o.$f; )* };
-        }
-        add!(
+/// Calls `$m!` with the fields a step record sums across plans and steps (one list for `fold`
+/// and `pairs`).
+macro_rules! summed_counters {
+    ($m:ident) => {
+        $m!(
             requests,
             layers,
             selected,
@@ -183,7 +117,56 @@ impl StepRecord {
             transfer_ns,
             exposed_wait_ns,
             cpu_ns
-        );
+        )
+    };
+}
+
+impl StepRecord {
+    /// Bytes transferred / bytes needed among what was transferred (seed 002): 1 when whole
+    /// selected pages moved, above 1 when selected tokens sit sparsely in moved pages or
+    /// prefetch moved pages nobody read. 0 when nothing moved.
+    pub fn read_amplification(&self) -> f64 {
+        ratio(self.bytes_transferred, self.bytes_needed_of_transferred)
+    }
+
+    /// Share of the selected distinct pages already on the device (equal-size pages, so it is
+    /// also the byte hit rate).
+    pub fn device_byte_hit_rate(&self) -> f64 {
+        ratio(self.ready, self.pages)
+    }
+
+    /// Share of the selected pages that prefetch had predicted.
+    pub fn prefetch_accuracy(&self) -> f64 {
+        ratio(self.prefetch_hits, self.pages)
+    }
+
+    /// Every field by name (what the Python binding exports): the summed counters, then the
+    /// step number, timestamps, usage and peaks.
+    pub fn pairs(&self) -> Vec<(&'static str, u64)> {
+        macro_rules! pairs {
+            ($($f:ident),*) => { vec![$((stringify!($f), self.$f)),*] };
+        }
+        let mut v = summed_counters!(pairs);
+        v.extend(pairs!(
+            step,
+            selection_done_ns,
+            submitted_ns,
+            ready_ns,
+            consumed_ns,
+            device_used,
+            device_capacity,
+            pinned_peak,
+            prefetch_pinned_peak
+        ));
+        v
+    }
+
+    /// Adds the counters of `o` (peaks take the max; capacity and usage take `o`'s).
+    pub fn fold(&mut self, o: &StepRecord) {
+        macro_rules! add {
+            ($($f:ident),*) => { $( self.$f += o.$f; )* };
+        }
+        summed_counters!(add);
         self.pinned_peak = self.pinned_peak.max(o.pinned_peak);
         if self.selection_done_ns == 0
             || (o.selection_done_ns != 0 && o.selection_done_ns < self.selection_done_ns)
