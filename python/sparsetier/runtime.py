@@ -275,6 +275,11 @@ class DecodeRuntime:
             self._add_request(rid, prompt, decode_steps, shared)
         except OutOfPagesError as e:
             raise self._budget_error(e) from e
+        except ConfigError as e:
+            if e.field not in ("tokens", "pages"):
+                raise
+            # The scheduler refused a prefill larger than the whole device.
+            raise self._budget_error(e) from e
 
     @torch.no_grad()
     def _add_request(

@@ -322,6 +322,7 @@ impl StepScheduler {
         if pages == 0 {
             return Err(Error::config("pages", 0, "an integer >= 1"));
         }
+        self.check_fits("pages", pages, u64::from(pages))?;
         let keys: Vec<ObjectKey> = (0..self.cfg.layers)
             .flat_map(|l| {
                 (0..pages).map(move |p| ObjectKey::new(namespace, 0, p, LayerGroup::Layer(l)))
@@ -442,7 +443,10 @@ impl StepScheduler {
         if tokens == 0 {
             return Err(Error::config("tokens", 0, "an integer >= 1"));
         }
-        let (len, end) = (r.len, r.len + tokens);
+        let (len, end) = (r.len, r.len.saturating_add(tokens));
+        // Refuse what the device can never hold before building one key per page and layer.
+        let new_pages = end.div_ceil(ps) - len / ps;
+        self.check_fits("tokens", tokens, new_pages)?;
         let first = (len / ps) as u32;
         let partial = len % ps != 0;
         let fresh_from = first + u32::from(partial);
@@ -506,6 +510,25 @@ impl StepScheduler {
                 version: 0,
             })
             .map(|_| ())
+    }
+
+    /// Refuses `pages` new pages (for every layer) that exceed the usable device slots: they
+    /// could never be allocated at once, and building their keys could exhaust memory.
+    fn check_fits(&self, field: &str, value: impl std::fmt::Display, pages: u64) -> Result<()> {
+        let usable = u64::from(self.cfg.device_pages - self.cfg.device_reserve);
+        let need = pages.saturating_mul(u64::from(self.cfg.layers));
+        if need > usable {
+            return Err(Error::config(
+                field,
+                value,
+                format!(
+                    "a size whose new pages x {} layers fit the {usable} usable device slots \
+                     ({need} needed)",
+                    self.cfg.layers
+                ),
+            ));
+        }
+        Ok(())
     }
 
     fn request_mut(&mut self, id: RequestId, batch: u64) -> Result<&mut RequestState> {

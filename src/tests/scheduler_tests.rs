@@ -491,6 +491,15 @@ fn bad_input_is_refused_without_changing_anything() {
             })
         )
         .is_err());
+    // Sizes the device can never hold are refused before any key is built (a fuzz finding:
+    // 2^40 tokens aborted the process on the allocation).
+    assert!(matches!(
+        h.s.add_request(RequestId::new(7), 1 << 40, None),
+        Err(crate::Error::Config { .. })
+    ));
+    assert!(h.s.request(RequestId::new(7)).is_none());
+    assert!(h.s.extend(ids[0], u64::MAX).is_err());
+    assert!(h.s.add_prompt(99, u32::MAX).is_err());
     h.s.validate().unwrap();
     assert_eq!(h.s.directory().stats().pins, 0);
 }

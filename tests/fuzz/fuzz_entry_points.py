@@ -42,9 +42,53 @@ def spec(f: atheris.FuzzedDataProvider):
     )
 
 
+def scheduler_ops(f: atheris.FuzzedDataProvider) -> None:
+    """The step scheduler's entry points with arbitrary requests, selections and units."""
+    import torch
+
+    spec = st.PoolSpec("KV", 1, 1, 2, "bf16", 4, 24)
+    dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
+    host = torch.zeros(spec.with_pages(64).shape(), dtype=torch.bfloat16)
+    s = st.StepScheduler(
+        st.PageTransferBinding(dev, spec),
+        st.PageTransferBinding(host, spec.with_pages(64)),
+        st.TransferEngine("cpu", threads=1),
+        layers=f.ConsumeIntInRange(1, 3),
+        prefetch=f.ConsumeBool(),
+    )
+    for _ in range(f.ConsumeIntInRange(1, 12)):
+        op = f.ConsumeIntInRange(0, 6)
+        try:
+            if op == 0:
+                s.add_request(an_int(f), an_int(f))
+            elif op == 1:
+                rids = np.array([an_int(f) for _ in range(f.ConsumeIntInRange(0, 3))])
+                s.append(rids)
+            elif op == 2:
+                b, k = f.ConsumeIntInRange(0, 3), f.ConsumeIntInRange(0, 4)
+                rids = np.array([an_int(f) for _ in range(b)], dtype=np.int64)
+                sel = np.array([[an_int(f) for _ in range(k)] for _ in range(b)], dtype=np.int64)
+                plan, _ = s.plan(an_int(f), rids, sel.reshape(b, k), an_int(f))
+                s.ready(plan)
+                s.finish(plan)
+            elif op == 3:
+                s.end_step()
+            elif op == 4:
+                s.finish_request(an_int(f))
+            elif op == 5:
+                s.inject_faults(f.PickValueInList(["load", "backup", "x"]), an_int(f), None)
+            else:
+                s.extend(an_int(f), an_int(f))
+        except st.SparsetierError:
+            pass
+        s.validate()
+    s.drain()
+    s.validate()
+
+
 def one(data: bytes) -> None:
     f = atheris.FuzzedDataProvider(data)
-    what = f.ConsumeIntInRange(0, 3)
+    what = f.ConsumeIntInRange(0, 4)
     try:
         if what == 0:
             s = spec(f)
@@ -93,6 +137,8 @@ def one(data: bytes) -> None:
                 except st.SparsetierError:
                     pass
                 d.validate()
+        elif what == 4:
+            scheduler_ops(f)
         else:
             s = st.PoolSpec("KV", 2, 1, 4, "fp32", 4, 6)
             import torch
