@@ -431,20 +431,18 @@ impl PyStepScheduler {
         stream: Option<u64>,
     ) -> PyResult<(Vec<(usize, u64, String)>, Option<Bound<'py, PyArray2<i32>>>)> {
         let id = plan_id(plan)?;
-        let (out, t, rows) = py
+        let (out, t) = py
             .detach(|| {
                 let mut s = self.inner.lock();
                 let out = s.ready(id, stream)?;
-                let (t, rows) = if out.slots_changed {
-                    let t = s.table(id)?.to_vec();
-                    (Some(t), 0)
+                let t = if out.slots_changed {
+                    Some(s.table(id)?.to_vec())
                 } else {
-                    (None, 0)
+                    None
                 };
-                Ok::<_, Error>((out, t, rows))
+                Ok::<_, Error>((out, t))
             })
             .py_err(py)?;
-        let _ = rows;
         let failed = out
             .failed
             .into_iter()

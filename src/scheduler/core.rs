@@ -124,7 +124,6 @@ struct LayerPlan {
     table: Vec<i32>,
     transfers: Vec<TransferId>,
     pins: u64,
-    selected_at: Instant,
     submitted_at: Option<Instant>,
     counts: PlanCounts,
     ready: bool,
@@ -848,7 +847,6 @@ impl StepScheduler {
                 table,
                 transfers,
                 pins,
-                selected_at: t0,
                 submitted_at,
                 counts,
                 ready: false,
@@ -1034,7 +1032,6 @@ impl StepScheduler {
             self.pins -= pf.pins;
             self.prefetch_pins -= pf.pins;
         }
-        let _ = plan.selected_at;
         self.rec.layers += 1;
         self.rec.consumed_ns = self.since(Instant::now());
         self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
