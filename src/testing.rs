@@ -37,3 +37,27 @@ impl XorShift {
         (0..n).map(|_| (self.next_u64() >> 24) as u8).collect()
     }
 }
+
+/// A zeroed host buffer sized for `spec` and a layer-first binding over it.
+///
+/// # Safety
+/// The caller keeps the returned buffer alive, and touches it only where no transfer in
+/// flight reads or writes, for as long as the binding (or anything holding a copy of it, such
+/// as a scheduler) can submit transfers over it: `PageTransferBinding::new`'s contract.
+pub unsafe fn host_pool(
+    spec: &crate::pool::PoolSpec,
+) -> crate::Result<(Box<[u8]>, crate::transfer::PageTransferBinding)> {
+    let mut buf = vec![0u8; spec.total_bytes() as usize].into_boxed_slice();
+    // SAFETY: `buf` is one allocation of exactly the pool's bytes; moving the box out does
+    // not move its heap storage, and the caller's contract above keeps it valid.
+    let b = unsafe {
+        crate::transfer::PageTransferBinding::new(
+            buf.as_mut_ptr() as u64,
+            buf.len() as u64,
+            spec,
+            crate::layout::HostLayout::LayerFirst,
+            crate::transfer::MemoryKind::Host,
+        )
+    }?;
+    Ok((buf, b))
+}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,9 +71,7 @@ class Request:
     own_idx_pages: list[int] = field(default_factory=list)
     shared: SharedPrompt | None = None
     outputs: list[torch.Tensor] = field(default_factory=list)
-    arrived_s: float = 0.0
     ttft_s: float = 0.0
-    failed: str | None = None
 
     @property
     def shared_blocks(self) -> int:
@@ -198,13 +197,22 @@ class DecodeRuntime:
         self.device_kv[0, 0, slot, t % ps] = k
         self.device_kv[1, 0, slot, t % ps] = v
 
-    def _budget_error(self, e: Exception) -> ConfigError:
-        return ConfigError.of(
-            "device_slots",
-            str(self.kv_spec.pages),
-            "more device pages: the page being written of every layer of every running request "
-            f"stays on the device, plus each layer's selected pages for the batch ({e})",
-        )
+    @contextmanager
+    def _device_budget(self):
+        """Reports the scheduler's refusals of a device too small for the work (out of slots,
+        or a prefill larger than the whole device) as the runtime's `device_slots` error."""
+        try:
+            yield
+        except (OutOfPagesError, ConfigError) as e:
+            if isinstance(e, ConfigError) and e.field not in ("tokens", "pages"):
+                raise
+            raise ConfigError.of(
+                "device_slots",
+                str(self.kv_spec.pages),
+                "more device pages: the page being written of every layer of every running "
+                "request stays on the device, plus each layer's selected pages for the batch, "
+                f"and a prefill's pages for every layer ({e})",
+            ) from e
 
     def _alloc_idx(self, n: int) -> list[int]:
         try:
@@ -260,6 +268,7 @@ class DecodeRuntime:
         self.prefix_exposed_wait_s += counts["exposed_wait_ns"] / 1e9
         return k, v
 
+    @torch.no_grad()
     def add_request(
         self,
         rid: int,
@@ -271,73 +280,57 @@ class DecodeRuntime:
         prompt are stored once for every request over it: a request reads them through the
         scheduler (from the device, or loaded back layer by layer as its prefill reaches each
         layer), and prefills only the rest. Everything written is written through to host."""
-        try:
-            self._add_request(rid, prompt, decode_steps, shared)
-        except OutOfPagesError as e:
-            raise self._budget_error(e) from e
-        except ConfigError as e:
-            if e.field not in ("tokens", "pages"):
-                raise
-            # The scheduler refused a prefill larger than the whole device.
-            raise self._budget_error(e) from e
-
-    @torch.no_grad()
-    def _add_request(
-        self,
-        rid: int,
-        prompt: torch.Tensor,
-        decode_steps: int,
-        shared: tuple[int, int] | None = None,
-    ) -> None:
-        """`add_request` without the budget error translation."""
-        if not 0 <= rid < PROMPT_NAMESPACE:
-            raise ConfigError.of("rid", str(rid), f"0 <= rid < {PROMPT_NAMESPACE}")
-        if rid in self.requests:
-            raise ConfigError.of("rid", str(rid), "a request id not running")
-        t0 = time.perf_counter()
-        m, ps = self.model, self.ps
-        n = prompt.numel()
-        r = Request(rid, prompt, decode_steps, arrived_s=t0)
-        hit = False
-        if shared is not None and shared[1] // ps > 0 and shared[1] < n:
-            hit = shared[0] in self.prompts
-            r.shared = self._shared_prompt(shared[0], prompt[: shared[1]])
-        start = r.shared_blocks * ps
-        r.own_idx_pages = self._alloc_idx(-(-(n + decode_steps - start) // ps))
-        pages = (r.shared.idx_pages if r.shared else []) + r.own_idx_pages
-        r.idx_pages = torch.as_tensor(pages, dtype=torch.long, device=self.device)
-        src = prompt[start:].to(self.device)
-        if r.shared is None:
-            # No scheduler call during the prefill: register with every page at once.
-            per_layer, logits = m.prefill(src)
-            try:
-                slots = (0, self.scheduler.add_request(rid, n))
-            except BaseException:
-                self.indexer_alloc.free(r.own_idx_pages)
-                raise
-        else:
-            # Register over the prompt, read its K/V layer by layer through scheduler plans,
-            # then extend by the suffix once its K/V exist.
-            self.scheduler.add_request(rid, start, (r.shared.namespace, r.shared.blocks))
-            try:
-                per_layer, logits = m.prefill(
-                    src, start=start, past=lambda layer: self._past(r, layer, hit)
+        with self._device_budget():
+            if not 0 <= rid < PROMPT_NAMESPACE:
+                raise ConfigError.of("rid", str(rid), f"0 <= rid < {PROMPT_NAMESPACE}")
+            if rid in self.requests:
+                raise ConfigError.of("rid", str(rid), "a request id not running")
+            t0 = time.perf_counter()
+            m, ps = self.model, self.ps
+            n = prompt.numel()
+            r = Request(rid, prompt, decode_steps)
+            hit = False
+            if shared is not None and shared[1] // ps > 0 and shared[1] < n:
+                hit = shared[0] in self.prompts
+                r.shared = self._shared_prompt(shared[0], prompt[: shared[1]])
+            start = r.shared_blocks * ps
+            r.own_idx_pages = self._alloc_idx(-(-(n + decode_steps - start) // ps))
+            pages = (r.shared.idx_pages if r.shared else []) + r.own_idx_pages
+            r.idx_pages = torch.as_tensor(pages, dtype=torch.long, device=self.device)
+            src = prompt[start:].to(self.device)
+            if r.shared is None:
+                # No scheduler call during the prefill: register with every page at once.
+                per_layer, logits = m.prefill(src)
+                try:
+                    slots = (0, self.scheduler.add_request(rid, n))
+                except BaseException:
+                    self.indexer_alloc.free(r.own_idx_pages)
+                    raise
+            else:
+                # Register over the prompt, read its K/V layer by layer through scheduler plans,
+                # then extend by the suffix once its K/V exist.
+                self.scheduler.add_request(rid, start, (r.shared.namespace, r.shared.blocks))
+                try:
+                    per_layer, logits = m.prefill(
+                        src, start=start, past=lambda layer: self._past(r, layer, hit)
+                    )
+                    slots = self.scheduler.extend(rid, n - start)
+                except BaseException:
+                    self.scheduler.finish_request(rid)
+                    self.indexer_alloc.free(r.own_idx_pages)
+                    raise
+            first_page, page_slots = slots
+            pos = torch.arange(start, n, device=self.device)
+            for li, (k, v, hidden) in enumerate(per_layer):
+                m.layers[li].indexer.store_key(
+                    hidden, pos, self._locs(r, pos), self.indexer_pool, li
                 )
-                slots = self.scheduler.extend(rid, n - start)
-            except BaseException:
-                self.scheduler.finish_request(rid)
-                self.indexer_alloc.free(r.own_idx_pages)
-                raise
-        first_page, page_slots = slots
-        pos = torch.arange(start, n, device=self.device)
-        for li, (k, v, hidden) in enumerate(per_layer):
-            m.layers[li].indexer.store_key(hidden, pos, self._locs(r, pos), self.indexer_pool, li)
-            self._write_pages(page_slots[li], first_page, k, v, start)
-        r.pos = n
-        r.next_token = int(logits.argmax())
-        r.ttft_s = time.perf_counter() - t0
-        self.ttfts.append(r.ttft_s)
-        self.requests[rid] = r
+                self._write_pages(page_slots[li], first_page, k, v, start)
+            r.pos = n
+            r.next_token = int(logits.argmax())
+            r.ttft_s = time.perf_counter() - t0
+            self.ttfts.append(r.ttft_s)
+            self.requests[rid] = r
 
     def finish_request(self, rid: int) -> Request:
         r = self.requests.pop(rid)
@@ -370,76 +363,70 @@ class DecodeRuntime:
     def step(self) -> StepRecord:
         """One decode step of every running request; requests whose loads failed twice are
         reported in the record (and in `failures`) and ended after the step."""
-        try:
-            return self._step()
-        except OutOfPagesError as e:
-            raise self._budget_error(e) from e
-
-    def _step(self) -> StepRecord:
-        m, ps, dev = self.model, self.ps, self.device
-        reqs = [r for r in self.requests.values() if not r.done]
-        t_step = time.perf_counter()
-        if not reqs:
+        with self._device_budget():
+            m, ps, dev = self.model, self.ps, self.device
+            reqs = [r for r in self.requests.values() if not r.done]
+            t_step = time.perf_counter()
+            if not reqs:
+                core = self.scheduler.end_step()
+                rec = StepRecord(len(self.records), 0, time.perf_counter() - t_step, core)
+                self.records.append(rec)
+                return rec
+            # Per-step batch state (built once per step, not per layer).
+            rids_np = np.array([r.rid for r in reqs], dtype=np.int64)
+            pos = torch.tensor([r.pos for r in reqs], device=dev)
+            tokens = torch.tensor([r.next_token for r in reqs], device=dev)
+            idx_tbl = torch.nn.utils.rnn.pad_sequence([r.idx_pages for r in reqs], batch_first=True)
+            t_hist = int(pos.max()) + 1
+            t = torch.arange(t_hist, device=dev)
+            hist_locs = idx_tbl[:, (t // ps).clamp(max=idx_tbl.shape[1] - 1)] * ps + t % ps
+            my_locs = idx_tbl.gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps
+            slots_np, rows_np = self.scheduler.append(rids_np)
+            slots = torch.from_numpy(slots_np).to(dev, torch.long)
+            rows = torch.from_numpy(rows_np).to(dev, torch.long)
+            x = m.embed(tokens)
+            failed: dict[int, str] = {}
+            stream = self._stream()
+            for li, layer in enumerate(m.layers):
+                q, k, v = layer.qkv(x, pos)
+                self.device_kv[0, 0, slots[:, li], rows] = k
+                self.device_kv[1, 0, slots[:, li], rows] = v
+                h = rms(x)
+                layer.indexer.store_key(h, pos, my_locs, self.indexer_pool, li)
+                keys = self.indexer_pool[0, li].reshape(-1, m.c.indexer_dim)[hist_locs]
+                sel = layer.indexer.select(
+                    h, pos, keys, mode=self.mode, unit=self.unit, topk=self.topk,
+                    window=self.window, reduce=self.reduce,
+                )  # fmt: skip
+                plan, table = self.scheduler.plan(li, rids_np, sel.cpu().numpy(), self.unit)
+                bad, new = self.scheduler.ready(plan, stream)
+                if new is not None:
+                    table = new
+                for _, rid, why in bad:
+                    failed.setdefault(rid, why)
+                out = sparse_attention_batched(q, self.device_kv, self._table(table), sel, pos,
+                                               self.unit, ps)  # fmt: skip
+                x = layer.finish(x, out)
+                self.scheduler.finish(plan)
+            logits = m.logits(x)
+            nxt = logits.argmax(dim=-1).tolist()
+            out_cpu = logits.cpu()
+            for b, r in enumerate(reqs):
+                r.pos += 1
+                if r.rid in failed:
+                    continue
+                r.outputs.append(out_cpu[b])
+                r.next_token = nxt[b]
             core = self.scheduler.end_step()
-            rec = StepRecord(len(self.records), 0, time.perf_counter() - t_step, core)
+            rec = StepRecord(
+                len(self.records), len(reqs), time.perf_counter() - t_step, core, sorted(failed)
+            )
+            for rid, why in sorted(failed.items()):
+                log.warning("request %d failed at step %d: %s", rid, rec.step, why)
+                self.failures.append((rec.step, rid, why))
+                self.finish_request(rid)
             self.records.append(rec)
             return rec
-        # Per-step batch state (built once per step, not per layer).
-        rids_np = np.array([r.rid for r in reqs], dtype=np.int64)
-        pos = torch.tensor([r.pos for r in reqs], device=dev)
-        tokens = torch.tensor([r.next_token for r in reqs], device=dev)
-        idx_tbl = torch.nn.utils.rnn.pad_sequence([r.idx_pages for r in reqs], batch_first=True)
-        t_hist = int(pos.max()) + 1
-        t = torch.arange(t_hist, device=dev)
-        hist_locs = idx_tbl[:, (t // ps).clamp(max=idx_tbl.shape[1] - 1)] * ps + t % ps
-        my_locs = idx_tbl.gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps
-        slots_np, rows_np = self.scheduler.append(rids_np)
-        slots = torch.from_numpy(slots_np).to(dev, torch.long)
-        rows = torch.from_numpy(rows_np).to(dev, torch.long)
-        x = m.embed(tokens)
-        failed: dict[int, str] = {}
-        stream = self._stream()
-        for li, layer in enumerate(m.layers):
-            q, k, v = layer.qkv(x, pos)
-            self.device_kv[0, 0, slots[:, li], rows] = k
-            self.device_kv[1, 0, slots[:, li], rows] = v
-            h = rms(x)
-            layer.indexer.store_key(h, pos, my_locs, self.indexer_pool, li)
-            keys = self.indexer_pool[0, li].reshape(-1, m.c.indexer_dim)[hist_locs]
-            sel = layer.indexer.select(
-                h, pos, keys, mode=self.mode, unit=self.unit, topk=self.topk,
-                window=self.window, reduce=self.reduce,
-            )  # fmt: skip
-            plan, table = self.scheduler.plan(li, rids_np, sel.cpu().numpy(), self.unit)
-            bad, new = self.scheduler.ready(plan, stream)
-            if new is not None:
-                table = new
-            for _, rid, why in bad:
-                failed.setdefault(rid, why)
-            out = sparse_attention_batched(q, self.device_kv, self._table(table), sel, pos,
-                                           self.unit, ps)  # fmt: skip
-            x = layer.finish(x, out)
-            self.scheduler.finish(plan)
-        logits = m.logits(x)
-        nxt = logits.argmax(dim=-1).tolist()
-        out_cpu = logits.cpu()
-        for b, r in enumerate(reqs):
-            r.pos += 1
-            if r.rid in failed:
-                r.failed = failed[r.rid]
-                continue
-            r.outputs.append(out_cpu[b])
-            r.next_token = nxt[b]
-        core = self.scheduler.end_step()
-        rec = StepRecord(
-            len(self.records), len(reqs), time.perf_counter() - t_step, core, sorted(failed)
-        )
-        for rid, why in sorted(failed.items()):
-            log.warning("request %d failed at step %d: %s", rid, rec.step, why)
-            self.failures.append((rec.step, rid, why))
-            self.finish_request(rid)
-        self.records.append(rec)
-        return rec
 
     def drain(self) -> None:
         """Waits for every transfer in flight (what to call before reading final stats)."""

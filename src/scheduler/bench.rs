@@ -9,10 +9,10 @@
 use super::{SchedulerConfig, SelectionUnit, StepScheduler};
 use crate::error::Result;
 use crate::ids::RequestId;
-use crate::layout::{Component, Dtype, HostLayout};
+use crate::layout::{Component, Dtype};
 use crate::pool::PoolSpec;
 use crate::testing::XorShift;
-use crate::transfer::{CpuEngine, MemoryKind, PageTransferBinding};
+use crate::transfer::CpuEngine;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -93,21 +93,11 @@ impl DecodeWorkload {
             device_pages,
         )?;
         let host_spec = spec.with_pages(host_pages)?;
-        let mut dev = vec![0u8; spec.total_bytes() as usize].into_boxed_slice();
-        let mut host = vec![0u8; host_spec.total_bytes() as usize].into_boxed_slice();
-        let bind = |buf: &mut [u8], spec: &PoolSpec| {
-            // SAFETY: the workload owns both buffers for as long as the scheduler lives and
-            // never touches them itself.
-            unsafe {
-                PageTransferBinding::new(
-                    buf.as_mut_ptr() as u64,
-                    buf.len() as u64,
-                    spec,
-                    HostLayout::LayerFirst,
-                    MemoryKind::Host,
-                )
-            }
-        };
+        // SAFETY: the workload owns both buffers for as long as the scheduler lives and never
+        // touches them itself.
+        let (dev, d) = unsafe { crate::testing::host_pool(&spec)? };
+        // SAFETY: as above.
+        let (host, h) = unsafe { crate::testing::host_pool(&host_spec)? };
         let cfg = SchedulerConfig {
             layers: shape.layers,
             page_size: shape.page_size,
@@ -117,7 +107,6 @@ impl DecodeWorkload {
             prefetch: shape.prefetch,
             prefetch_depth: 1,
         };
-        let (d, h) = (bind(&mut dev, &spec)?, bind(&mut host, &host_spec)?);
         let mut sched = StepScheduler::new(cfg, d, h, Arc::new(CpuEngine::new(1)?))?;
         let rids: Vec<RequestId> = (0..shape.batch as u64).map(RequestId::new).collect();
         for (i, &n) in lens.iter().enumerate() {

@@ -4,10 +4,10 @@
 
 use super::*;
 use crate::ids::{RequestId, SlotId};
-use crate::layout::{Component, Dtype, HostLayout};
+use crate::layout::{Component, Dtype};
 use crate::pool::PoolSpec;
 use crate::testing::XorShift;
-use crate::transfer::{CpuEngine, Direction, MemoryKind, PageTransferBinding};
+use crate::transfer::{CpuEngine, Direction, PageTransferBinding};
 use proptest::prelude::*;
 use std::sync::Arc;
 
@@ -36,24 +36,11 @@ impl Harness {
     fn new(device_pages: u32, host_pages: u32, prefetch: bool) -> Self {
         let spec = PoolSpec::new(Component::Kv, 1, 2, 1, 4, Dtype::Bf16, PS, device_pages).unwrap();
         let host_spec = spec.with_pages(host_pages).unwrap();
-        let mut dev_buf = vec![0u8; spec.total_bytes() as usize].into_boxed_slice();
-        let mut host_buf = vec![0u8; host_spec.total_bytes() as usize].into_boxed_slice();
-        let bind = |buf: &mut [u8], spec: &PoolSpec| {
-            // SAFETY: the harness owns both buffers for as long as the scheduler lives and
-            // writes them only through `write_row`, into rows no transfer in flight touches.
-            unsafe {
-                PageTransferBinding::new(
-                    buf.as_mut_ptr() as u64,
-                    buf.len() as u64,
-                    spec,
-                    HostLayout::LayerFirst,
-                    MemoryKind::Host,
-                )
-            }
-            .unwrap()
-        };
-        let dev = bind(&mut dev_buf, &spec);
-        let host = bind(&mut host_buf, &host_spec);
+        // SAFETY: the harness owns both buffers for as long as the scheduler lives and writes
+        // them only through `write_row`, into rows no transfer in flight touches.
+        let (dev_buf, dev) = unsafe { crate::testing::host_pool(&spec) }.unwrap();
+        // SAFETY: as above.
+        let (host_buf, host) = unsafe { crate::testing::host_pool(&host_spec) }.unwrap();
         let cfg = SchedulerConfig {
             layers: LAYERS,
             page_size: PS,
