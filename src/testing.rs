@@ -47,6 +47,18 @@ impl XorShift {
 pub unsafe fn host_pool(
     spec: &crate::pool::PoolSpec,
 ) -> crate::Result<(Box<[u8]>, crate::transfer::PageTransferBinding)> {
+    // SAFETY: the caller's contract is this function's.
+    unsafe { host_pool_in(spec, crate::layout::HostLayout::LayerFirst) }
+}
+
+/// [`host_pool`] in `layout`.
+///
+/// # Safety
+/// As [`host_pool`].
+pub unsafe fn host_pool_in(
+    spec: &crate::pool::PoolSpec,
+    layout: crate::layout::HostLayout,
+) -> crate::Result<(Box<[u8]>, crate::transfer::PageTransferBinding)> {
     let mut buf = vec![0u8; spec.total_bytes() as usize].into_boxed_slice();
     // SAFETY: `buf` is one allocation of exactly the pool's bytes; moving the box out does
     // not move its heap storage, and the caller's contract above keeps it valid.
@@ -55,7 +67,7 @@ pub unsafe fn host_pool(
             buf.as_mut_ptr() as u64,
             buf.len() as u64,
             spec,
-            crate::layout::HostLayout::LayerFirst,
+            layout,
             crate::transfer::MemoryKind::Host,
         )
     }?;

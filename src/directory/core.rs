@@ -132,6 +132,8 @@ pub struct Core {
     index: FxHashMap<ObjectKey, usize>,
     namespaces: FxHashMap<Namespace, Vec<usize>>,
     dropped: FxHashSet<Namespace>,
+    /// Dropped namespaces whose objects are not all removed yet: how many remain.
+    lingering: FxHashMap<Namespace, usize>,
     device: PageAllocator,
     host: PageAllocator,
     lru: Lru,
@@ -169,6 +171,7 @@ impl Core {
             index: FxHashMap::default(),
             namespaces: FxHashMap::default(),
             dropped: FxHashSet::default(),
+            lingering: FxHashMap::default(),
             device,
             host,
             lru: Lru::new(),
@@ -253,6 +256,21 @@ impl Core {
 
     /// Creates objects for `keys`, each device-Ready in a fresh slot with no host copy.
     pub fn allocate(&mut self, keys: &[ObjectKey]) -> Result<Vec<SlotId>> {
+        self.allocate_at(keys, None)
+    }
+
+    /// As [`Self::allocate`], each object's host copy to be written at its home
+    /// (`homes[i]`, owned by the caller: see [`Object::home`]).
+    pub fn allocate_homed(
+        &mut self,
+        keys: &[ObjectKey],
+        homes: &[HostSlotId],
+    ) -> Result<Vec<SlotId>> {
+        same_len(keys, homes)?;
+        self.allocate_at(keys, Some(homes))
+    }
+
+    fn check_new(&self, keys: &[ObjectKey]) -> Result<()> {
         non_empty(keys)?;
         let mut seen = FxHashSet::default();
         for key in keys {
@@ -267,6 +285,15 @@ impl Core {
                 });
             }
         }
+        Ok(())
+    }
+
+    fn allocate_at(
+        &mut self,
+        keys: &[ObjectKey],
+        homes: Option<&[HostSlotId]>,
+    ) -> Result<Vec<SlotId>> {
+        self.check_new(keys)?;
         let (free, evictable) = self.device_available(0);
         if keys.len() > free + evictable {
             return Err(Error::OutOfSlots {
@@ -277,25 +304,73 @@ impl Core {
             });
         }
         let mut slots = Vec::with_capacity(keys.len());
-        for key in keys {
+        for (i, key) in keys.iter().enumerate() {
             let slot = self.take_device_slot();
-            let stamp = self.tick();
-            let idx = self.objects.insert(Object {
-                key: *key,
-                device: DeviceState::Ready { slot },
-                host: HostState::None,
-                pins: 0,
-                stamp,
-                epoch: 0,
-                dropped: false,
-                load_failed: false,
-                lru_mark: 0,
-            });
-            self.index.insert(*key, idx);
-            self.namespaces.entry(key.namespace).or_default().push(idx);
+            let home = homes.map(|h| h[i]);
+            self.insert_object(*key, DeviceState::Ready { slot }, HostState::None, home);
             slots.push(slot);
         }
         Ok(slots)
+    }
+
+    /// Registers objects whose only copy is already at their home on host (a prefix's KV
+    /// pages, written through by an earlier request): device Absent, host Ready, loaded when
+    /// selected. Keys already live are skipped when their home agrees (a prefix several
+    /// requests share). Returns how many were created.
+    pub fn register_host(&mut self, keys: &[ObjectKey], homes: &[HostSlotId]) -> Result<usize> {
+        same_len(keys, homes)?;
+        let mut fresh = Vec::new();
+        for (key, &home) in keys.iter().zip(homes) {
+            match self.index.get(key) {
+                Some(&idx) if self.objects[idx].home == Some(home) => {}
+                Some(_) => {
+                    return Err(Error::KeyExists {
+                        key: format!("{key} with another home than host slot {home}"),
+                    })
+                }
+                None => fresh.push((*key, home)),
+            }
+        }
+        let keys_new: Vec<ObjectKey> = fresh.iter().map(|&(k, _)| k).collect();
+        if keys_new.is_empty() {
+            return Ok(0);
+        }
+        self.check_new(&keys_new)?;
+        for &(key, home) in &fresh {
+            let idx = self.insert_object(
+                key,
+                DeviceState::Absent,
+                HostState::Ready { slot: home },
+                Some(home),
+            );
+            self.settle(idx);
+        }
+        Ok(fresh.len())
+    }
+
+    fn insert_object(
+        &mut self,
+        key: ObjectKey,
+        device: DeviceState,
+        host: HostState,
+        home: Option<HostSlotId>,
+    ) -> usize {
+        let stamp = self.tick();
+        let idx = self.objects.insert(Object {
+            key,
+            device,
+            host,
+            pins: 0,
+            stamp,
+            epoch: 0,
+            dropped: false,
+            load_failed: false,
+            lru_mark: 0,
+            home,
+        });
+        self.index.insert(key, idx);
+        self.namespaces.entry(key.namespace).or_default().push(idx);
+        idx
     }
 
     /// Resolves a batch: pins Ready objects, starts loads for Absent objects with a Ready host
@@ -673,7 +748,10 @@ impl Core {
                         unreachable!("a backup's objects are Writing until it ends")
                     };
                     obj.host = HostState::None;
-                    q.host.push(slot);
+                    // A home is its owner's to keep: only directory slots wait here.
+                    if obj.home.is_none() {
+                        q.host.push(slot);
+                    }
                 }
             }
         }
@@ -750,12 +828,18 @@ impl Core {
     fn reap(&mut self, idx: usize) {
         self.lru.remove(&mut self.objects[idx].lru_mark);
         let obj = self.objects.remove(idx);
+        if let Some(n) = self.lingering.get_mut(&obj.key.namespace) {
+            *n -= 1;
+            if *n == 0 {
+                self.lingering.remove(&obj.key.namespace);
+            }
+        }
         if let DeviceState::Ready { slot } = obj.device {
             self.device
                 .free(&[slot.page()])
                 .expect("a Ready object's slot is allocated");
         }
-        if let HostState::Ready { slot } = obj.host {
+        if let (HostState::Ready { slot }, None) = (obj.host, obj.home) {
             self.host
                 .free(&[slot.page()])
                 .expect("a Ready host copy's slot is allocated");
@@ -865,10 +949,14 @@ impl Core {
                 todo.push(idx);
             }
         }
-        if todo.len() > self.host.free_count() {
+        let owned = todo
+            .iter()
+            .filter(|&&i| self.objects[i].home.is_none())
+            .count();
+        if owned > self.host.free_count() {
             return Err(Error::OutOfSlots {
                 tier: "host",
-                requested: todo.len(),
+                requested: owned,
                 free: self.host.free_count(),
                 evictable: 0,
             });
@@ -887,7 +975,10 @@ impl Core {
             host_slots: Vec::with_capacity(todo.len()),
         };
         for &idx in &todo {
-            let hslot = HostSlotId::of_page(self.host.alloc_one().expect("counted above"));
+            let hslot = match self.objects[idx].home {
+                Some(home) => home,
+                None => HostSlotId::of_page(self.host.alloc_one().expect("counted above")),
+            };
             let obj = &mut self.objects[idx];
             obj.host = HostState::Writing {
                 slot: hslot,
@@ -947,7 +1038,16 @@ impl Core {
                 later += 1;
             }
         }
+        if later > 0 {
+            self.lingering.insert(ns, later);
+        }
         Ok((now, later))
+    }
+
+    /// Objects of dropped namespace `ns` not yet removed (a pin or a transfer still holds
+    /// them); 0 once whatever lives at their homes may be reused.
+    pub fn lingering(&self, ns: Namespace) -> usize {
+        self.lingering.get(&ns).copied().unwrap_or(0)
     }
 
     /// The object's states, if the key is live.
@@ -1019,6 +1119,7 @@ impl Core {
             .map_err(|e| format!("LRU list: {e}"))?;
         let mut dev_owner: FxHashMap<SlotId, usize> = FxHashMap::default();
         let mut host_owner: FxHashMap<HostSlotId, usize> = FxHashMap::default();
+        let mut home_owner: FxHashMap<HostSlotId, usize> = FxHashMap::default();
         let mut pins: FxHashMap<usize, u32> = FxHashMap::default();
         for h in self.handles.values() {
             for &idx in &h.objects {
@@ -1034,7 +1135,14 @@ impl Core {
                     return Err(format!("device slot {s} held by objects {other} and {idx}"));
                 }
             }
-            if let Some(s) = o.host_slot() {
+            if let Some(home) = o.home {
+                if o.host_slot().is_some_and(|s| s != home) {
+                    return Err(format!("{} holds a host slot other than its home", o.key));
+                }
+                if let Some(other) = home_owner.insert(home, idx) {
+                    return Err(format!("home {home} held by objects {other} and {idx}"));
+                }
+            } else if let Some(s) = o.host_slot() {
                 if !self.host.is_allocated(s.page()) {
                     return Err(format!("{} holds host slot {s}, which is free", o.key));
                 }
@@ -1186,5 +1294,17 @@ fn rename(e: Error, pages: &str, reserve: &str) -> Error {
             }
         }
         other => other,
+    }
+}
+
+fn same_len(keys: &[ObjectKey], homes: &[HostSlotId]) -> Result<()> {
+    if keys.len() == homes.len() {
+        Ok(())
+    } else {
+        Err(Error::config(
+            "homes",
+            format!("{} homes", homes.len()),
+            format!("{}: one per key", keys.len()),
+        ))
     }
 }

@@ -69,6 +69,24 @@ impl Directory {
         self.core.lock().allocate(keys)
     }
 
+    /// See [`core::Core::allocate_homed`].
+    pub fn allocate_homed(
+        &self,
+        keys: &[ObjectKey],
+        homes: &[crate::ids::HostSlotId],
+    ) -> Result<Vec<crate::ids::SlotId>> {
+        self.core.lock().allocate_homed(keys, homes)
+    }
+
+    /// See [`core::Core::register_host`].
+    pub fn register_host(
+        &self,
+        keys: &[ObjectKey],
+        homes: &[crate::ids::HostSlotId],
+    ) -> Result<usize> {
+        self.core.lock().register_host(keys, homes)
+    }
+
     /// See [`core::Core::resolve`].
     pub fn resolve(&self, keys: &[ObjectKey], bytes_needed: Option<u64>) -> Result<Resolved> {
         self.core.lock().resolve(keys, bytes_needed)
@@ -181,6 +199,11 @@ impl Directory {
     /// See [`core::Core::evict`].
     pub fn evict(&self, n: usize) -> Vec<ObjectKey> {
         self.core.lock().evict(n)
+    }
+
+    /// See [`core::Core::lingering`].
+    pub fn lingering(&self, ns: Namespace) -> usize {
+        self.core.lock().lingering(ns)
     }
 
     /// See [`core::Core::drop_namespace`].

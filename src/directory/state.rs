@@ -73,6 +73,9 @@ pub struct Object {
     pub load_failed: bool,
     /// The sequence of its live LRU entry; 0 when it is not in the LRU list.
     pub lru_mark: u64,
+    /// Its host copy's fixed place, owned outside the directory (a prefix-cache host page's
+    /// layer): backed up there, never taken from or freed to the directory's host allocator.
+    pub home: Option<HostSlotId>,
 }
 
 impl Object {

@@ -176,7 +176,7 @@ impl PyHiCache {
                 Some(w) => HitPolicy::Window(*w),
             };
             pairs.push(PoolPair {
-                device: d.inner.clone(),
+                device: Some(d.inner.clone()),
                 host: h.inner.clone(),
                 hit,
             });

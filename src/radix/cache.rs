@@ -31,8 +31,10 @@ use std::sync::Arc;
 /// One pool of the group on both tiers.
 #[derive(Debug, Clone)]
 pub struct PoolPair {
-    /// The device buffer (layer-first).
-    pub device: PageTransferBinding,
+    /// The device buffer (layer-first); `None` for a pool kept on host only, whose pages a
+    /// step scheduler loads layer by layer as selections pick them (main KV under sparse
+    /// attention, the joined mode).
+    pub device: Option<PageTransferBinding>,
     /// The host buffer.
     pub host: PageTransferBinding,
     /// ALL_PAGES, or WINDOW(w) for SWA.
@@ -126,6 +128,12 @@ pub struct HiCache {
     totals: CacheTotals,
     /// Fault injection: this many coming device allocations fail.
     failing_allocs: u32,
+    /// Host pages handed to callers by `alloc_host` and not yet inserted or freed.
+    outstanding_host: usize,
+    /// Host pages the tree let go (evicted, failed backup, dropped namespace), kept for the
+    /// owner of per-layer objects at those pages when `log_freed_host` is on.
+    freed_host: Vec<PageId>,
+    log_freed_host: bool,
 }
 
 impl HiCache {
@@ -151,19 +159,22 @@ impl HiCache {
             ));
         }
         for (i, p) in pools.iter().enumerate() {
-            if p.device.page_size() as usize != cfg.page_size
-                || p.host.page_size() as usize != cfg.page_size
-            {
+            let dev_ps = p
+                .device
+                .as_ref()
+                .map_or(p.host.page_size(), |d| d.page_size());
+            if dev_ps as usize != cfg.page_size || p.host.page_size() as usize != cfg.page_size {
                 return Err(Error::config(
                     format!("pools[{i}].page_size"),
-                    p.device.page_size(),
+                    dev_ps,
                     format!("{}", cfg.page_size),
                 ));
             }
-            if p.device.pages() != cfg.device_pages || p.host.pages() != cfg.host_pages {
+            let dev_pages = p.device.as_ref().map_or(cfg.device_pages, |d| d.pages());
+            if dev_pages != cfg.device_pages || p.host.pages() != cfg.host_pages {
                 return Err(Error::config(
                     format!("pools[{i}].pages"),
-                    format!("{}/{}", p.device.pages(), p.host.pages()),
+                    format!("{}/{}", dev_pages, p.host.pages()),
                     format!(
                         "{}/{}: the group's device/host page counts",
                         cfg.device_pages, cfg.host_pages
@@ -185,6 +196,9 @@ impl HiCache {
             outstanding: 0,
             totals: CacheTotals::default(),
             failing_allocs: 0,
+            outstanding_host: 0,
+            freed_host: Vec::new(),
+            log_freed_host: false,
         })
     }
 
@@ -282,6 +296,109 @@ impl HiCache {
         Ok(())
     }
 
+    /// Keeps a log of the host pages the tree lets go, for [`Self::take_freed_host`].
+    pub fn set_host_log(&mut self, on: bool) {
+        self.log_freed_host = on;
+    }
+
+    fn log_freed(&mut self, pages: Vec<PageId>) {
+        if self.log_freed_host {
+            self.freed_host.extend(pages);
+        }
+    }
+
+    /// Host pages the tree let go since the last call (with the log on): whoever keeps
+    /// objects at those pages drops them before the pages are handed out again.
+    pub fn take_freed_host(&mut self) -> Vec<PageId> {
+        std::mem::take(&mut self.freed_host)
+    }
+
+    /// `n` host pages for a request that writes its pages through itself (the joined mode),
+    /// evicting LRU host-only leaves if needed; all or nothing.
+    pub fn alloc_host(&mut self, n: usize) -> Result<Vec<PageId>> {
+        let Some(h) = self.host.as_ref() else {
+            return Err(Error::config("host_pages", 0, "a HiCache with a host tier"));
+        };
+        if n > h.capacity() {
+            return Err(Error::OutOfPages {
+                requested: n,
+                free: h.free_count(),
+                capacity: h.capacity(),
+            });
+        }
+        let short = n.saturating_sub(h.free_count());
+        if short > 0 {
+            self.evict_host(short);
+        }
+        let pages = self.host.as_mut().expect("checked").alloc(n)?;
+        self.outstanding_host += n;
+        Ok(pages)
+    }
+
+    /// Returns host pages from `alloc_host` that were not inserted.
+    pub fn free_host(&mut self, pages: &[PageId]) -> Result<()> {
+        if pages.len() > self.outstanding_host {
+            return Err(Error::config(
+                "host_pages",
+                pages.len(),
+                format!(
+                    "at most the {} host pages handed out and not inserted",
+                    self.outstanding_host
+                ),
+            ));
+        }
+        self.host
+            .as_mut()
+            .expect("outstanding pages imply a host tier")
+            .free(pages)?;
+        self.outstanding_host -= pages.len();
+        Ok(())
+    }
+
+    /// Host pages handed out by `alloc_host` and not yet inserted or freed.
+    pub fn outstanding_host(&self) -> usize {
+        self.outstanding_host
+    }
+
+    /// Inserts a request's pages whose host copies it wrote itself: device pages (from
+    /// `alloc_device` or the matched path) and host pages (from `alloc_host` or the matched
+    /// path), one of each per whole page. Nothing is queued for backup. Returns the insert
+    /// and the host pages the tree did not take; the device duplicates are freed here, the
+    /// spare host pages are the caller's to free (after dropping what it keeps at them).
+    pub fn insert_with_host(
+        &mut self,
+        ns: u32,
+        tokens: &[u32],
+        pages: &[PageId],
+        host_pages: &[PageId],
+    ) -> Result<(InsertResult, Vec<PageId>)> {
+        if let Some(p) = pages.iter().find(|p| !self.device.is_allocated(**p)) {
+            return Err(Error::config(
+                "device_pages",
+                p.raw(),
+                "pages from alloc_device (or the matched path's own pages)",
+            ));
+        }
+        let host = self
+            .host
+            .as_ref()
+            .ok_or_else(|| Error::config("host_pages", 0, "a HiCache with a host tier"))?;
+        if let Some(p) = host_pages.iter().find(|p| !host.is_allocated(**p)) {
+            return Err(Error::config(
+                "host_pages",
+                p.raw(),
+                "pages from alloc_host (or the matched path's own pages)",
+            ));
+        }
+        let (r, spare, taken) = self.tree.insert_with_host(ns, tokens, pages, host_pages)?;
+        self.outstanding = self.outstanding.saturating_sub(pages.len() - r.own);
+        self.outstanding_host -= taken;
+        self.device
+            .free(&r.duplicates)
+            .expect("duplicates were allocated");
+        Ok((r, spare))
+    }
+
     /// Evicts at least `n` device pages if it can; returns how many.
     pub fn evict_device(&mut self, n: usize) -> usize {
         let freed = self.tree.evict_device(n, self.drop_unbacked);
@@ -297,7 +414,9 @@ impl HiCache {
             h.free(&freed).expect("tree pages are allocated");
         }
         self.totals.host_evicted += freed.len() as u64;
-        freed.len()
+        let n = freed.len();
+        self.log_freed(freed);
+        n
     }
 
     /// The longest cached prefix of `tokens`.
@@ -342,6 +461,7 @@ impl HiCache {
             let host = self.host.as_mut().expect("checked");
             host.free(&freed).expect("tree pages are allocated");
             self.totals.host_evicted += freed.len() as u64;
+            self.log_freed(freed);
         }
         let host = self.host.as_mut().expect("checked");
         let Ok(hpages) = host.alloc(n) else {
@@ -466,6 +586,9 @@ impl HiCache {
     fn group(&self, p: &Pending, load: bool) -> Result<Option<PageTransferGroup>> {
         let mut members = Vec::new();
         for pool in &self.pools {
+            let Some(device) = pool.device.as_ref() else {
+                continue; // host only: loaded per layer by the step scheduler
+            };
             let pairs = match pool.hit {
                 HitPolicy::AllPages => &p.pairs,
                 HitPolicy::Window(_) if load => &p.window_pairs,
@@ -487,9 +610,9 @@ impl HiCache {
             };
             let map = PageTransferMap::new(Granularity::Page, &src, &dst)?;
             let (s, d) = if load {
-                (&pool.host, &pool.device)
+                (&pool.host, device)
             } else {
-                (&pool.device, &pool.host)
+                (device, &pool.host)
             };
             members.push(PreparedPageTransfer::new(
                 s.clone(),
@@ -585,6 +708,7 @@ impl HiCache {
                 if let Some(h) = self.host.as_mut() {
                     h.free(&freed).expect("writing pages are allocated");
                 }
+                self.log_freed(freed);
             }
         }
         Ok(())
@@ -608,7 +732,9 @@ impl HiCache {
         if let Some(h) = self.host.as_mut() {
             h.free(&host).expect("tree pages are allocated");
         }
-        Ok(dev.len() + host.len())
+        let n = dev.len() + host.len();
+        self.log_freed(host);
+        Ok(n)
     }
 
     /// Locks the path to `node`.
@@ -635,11 +761,12 @@ impl HiCache {
         }
         if let Some(h) = &self.host {
             h.validate()?;
-            if h.used_count() != self.tree.host_pages() {
+            if h.used_count() != self.tree.host_pages() + self.outstanding_host {
                 return Err(format!(
-                    "host: used {} != tree {}",
+                    "host: used {} != tree {} + outstanding {}",
                     h.used_count(),
-                    self.tree.host_pages()
+                    self.tree.host_pages(),
+                    self.outstanding_host
                 ));
             }
         }

@@ -501,6 +501,64 @@ impl RadixTree {
         })
     }
 
+    /// [`Self::insert`] for pages whose host copy the caller already wrote (the joined mode:
+    /// a request's main KV was written through layer by layer, its Indexer-K at its end):
+    /// every node of the path without a host copy takes the given host pages as Ready, so
+    /// nothing is queued for backup. Returns the insert, the given host pages the tree did not
+    /// take (positions that already had another host copy: the caller frees those) and how
+    /// many given host pages it took.
+    pub fn insert_with_host(
+        &mut self,
+        ns: u32,
+        tokens: &[u32],
+        pages: &[PageId],
+        host_pages: &[PageId],
+    ) -> Result<(InsertResult, Vec<PageId>, usize)> {
+        if host_pages.len() != pages.len() {
+            return Err(Error::config(
+                "host_pages",
+                format!("{} pages", host_pages.len()),
+                format!("{}: one per device page", pages.len()),
+            ));
+        }
+        let mut r = self.insert(ns, tokens, pages)?;
+        let mut path = Vec::new();
+        let mut idx = self.resolve(r.last_node)?;
+        while self.nodes[idx].parent != NIL {
+            path.push(idx);
+            idx = self.nodes[idx].parent;
+        }
+        path.reverse();
+        let ps = self.page_size;
+        let mut spare = Vec::new();
+        let mut taken = 0;
+        let mut at = 0;
+        for idx in path {
+            let k = self.nodes[idx].key.len() / ps;
+            let given = &host_pages[at..at + k];
+            if self.nodes[idx].host == HostCopy::None {
+                self.host_pages += k;
+                let n = &mut self.nodes[idx];
+                n.host_pages = given.to_vec();
+                n.host = HostCopy::Ready;
+                self.refresh(idx);
+                taken += k;
+            } else {
+                let mine = &self.nodes[idx].host_pages;
+                spare.extend(
+                    given
+                        .iter()
+                        .zip(mine)
+                        .filter(|(g, m)| g != m)
+                        .map(|(g, _)| *g),
+                );
+            }
+            at += k;
+        }
+        r.needs_backup.clear();
+        Ok((r, spare, taken))
+    }
+
     /// Increments the lock count of `node` and every ancestor: none of them is evicted while
     /// locked.
     pub fn lock(&mut self, node: NodeId) -> Result<()> {
@@ -540,6 +598,21 @@ impl RadixTree {
             .iter()
             .rev()
             .flat_map(|&i| self.nodes[i].device.iter().copied())
+            .collect())
+    }
+
+    /// Host pages of the path from the root to `node`, in order.
+    pub fn path_host_pages(&self, node: NodeId) -> Result<Vec<PageId>> {
+        let mut idx = self.resolve(node)?;
+        let mut parts = Vec::new();
+        while self.nodes[idx].parent != NIL {
+            parts.push(idx);
+            idx = self.nodes[idx].parent;
+        }
+        Ok(parts
+            .iter()
+            .rev()
+            .flat_map(|&i| self.nodes[i].host_pages.iter().copied())
             .collect())
     }
 

@@ -34,12 +34,15 @@
 //! keep their buffers alive only through the bindings' contract (the Python layer keeps the
 //! tensors alive in the engine).
 
+use super::prefix::{Finishing, PrefixTier, PrefixTotals};
 use super::record::StepRecord;
 use super::request::{Prefix, RequestState};
 use super::selection::{RowDedup, SelectionUnit};
+use crate::config::HitPolicy;
 use crate::directory::{Directory, DirectoryConfig, LayerGroup, ObjectKey, Resolved};
 use crate::error::{Error, Result};
-use crate::ids::{LayerPlanId, PinHandleId, RequestId, SlotId, TransferId};
+use crate::ids::{HostSlotId, LayerPlanId, PageId, PinHandleId, RequestId, SlotId, TransferId};
+use crate::radix::{HiCache, HiCacheConfig, PoolPair};
 use crate::transfer::{
     CopyEngine, Direction, Fault, FaultAction, Granularity, LayerStatus, PageTransferBinding,
     PageTransferGroup, PageTransferMap, PreparedPageTransfer, TransferEvents,
@@ -47,6 +50,9 @@ use crate::transfer::{
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+#[path = "joined.rs"]
+mod joined;
 
 const NONE: u32 = u32::MAX;
 
@@ -168,6 +174,8 @@ pub struct StepScheduler {
     dedup: RowDedup,
     started: Instant,
     failed_this_step: rustc_hash::FxHashSet<RequestId>,
+    /// The joined mode's prefix tier (host pages owned by the prefix cache).
+    prefix: Option<PrefixTier>,
 }
 
 impl std::fmt::Debug for StepScheduler {
@@ -215,11 +223,107 @@ impl StepScheduler {
                 ));
             }
         }
+        Self::assemble(cfg, device, host, engine, None)
+    }
+
+    /// A joined scheduler: main-KV objects live at the host pages of a radix prefix cache
+    /// (`host_kv`, the group's multi-layer KV host pool, in either layout) and are loaded
+    /// per layer into `device` slots as selections pick them; `sidecars` (Indexer-K, SWA,
+    /// draft) are whole-page pools of `sidecar_device_pages` device pages, restored by the
+    /// prefix cache on a hit (ALL_PAGES, or the SWA window) and written through when a request
+    /// ends. `cfg.host_pages` is the group's host page count.
+    pub fn joined(
+        cfg: SchedulerConfig,
+        device: PageTransferBinding,
+        host_kv: PageTransferBinding,
+        sidecars: Vec<PoolPair>,
+        sidecar_device_pages: u32,
+        engine: Arc<dyn CopyEngine>,
+    ) -> Result<Self> {
+        if cfg.layers == 0 {
+            return Err(Error::config("layers", 0, "an integer >= 1"));
+        }
+        if device.layers() != 1 || device.pages() != cfg.device_pages {
+            return Err(Error::config(
+                "device",
+                format!("{} layers x {} pages", device.layers(), device.pages()),
+                format!("a one-layer KV pool of {} slots", cfg.device_pages),
+            ));
+        }
+        if host_kv.layers() != cfg.layers as usize
+            || host_kv.pages() != cfg.host_pages
+            || host_kv.page_size() != cfg.page_size
+            || host_kv.planes_per_layer() != device.planes_per_layer()
+            || host_kv.page_bytes() != device.page_bytes()
+        {
+            return Err(Error::config(
+                "host_kv",
+                format!(
+                    "{} layers x {} pages of {} tokens",
+                    host_kv.layers(),
+                    host_kv.pages(),
+                    host_kv.page_size()
+                ),
+                format!(
+                    "the group's KV host pool: {} layers x {} pages of {} tokens, rows as the \
+                     device slots'",
+                    cfg.layers, cfg.host_pages, cfg.page_size
+                ),
+            ));
+        }
+        if sidecars.iter().any(|p| p.device.is_none()) {
+            return Err(Error::config(
+                "sidecars",
+                "a pool without a device buffer",
+                "Indexer-K / SWA / draft pools with device and host buffers",
+            ));
+        }
+        let (flat, order) = host_kv.flatten_layers()?;
+        let kv_page_bytes = host_kv.page_bytes() * host_kv.planes_per_layer() as u64;
+        let mut pools = vec![PoolPair {
+            device: None,
+            host: host_kv,
+            hit: HitPolicy::AllPages,
+        }];
+        pools.extend(sidecars.iter().cloned());
+        let cache = HiCache::new(
+            HiCacheConfig {
+                page_size: cfg.page_size as usize,
+                device_pages: sidecar_device_pages,
+                device_reserve: 0,
+                host_pages: cfg.host_pages,
+                host_reserve: 0,
+                drop_unbacked: false,
+            },
+            pools,
+            Some(engine.clone()),
+        )?;
+        let tier = PrefixTier::new(
+            cache,
+            sidecars,
+            order,
+            cfg.host_pages,
+            cfg.layers,
+            cfg.page_size,
+            kv_page_bytes,
+        );
+        Self::assemble(cfg, device, flat, engine, Some(tier))
+    }
+
+    fn assemble(
+        cfg: SchedulerConfig,
+        device: PageTransferBinding,
+        host: PageTransferBinding,
+        engine: Arc<dyn CopyEngine>,
+        prefix: Option<PrefixTier>,
+    ) -> Result<Self> {
         let object_bytes = device.page_bytes() * device.planes_per_layer() as u64;
         let dir = Directory::new(DirectoryConfig {
             device_pages: cfg.device_pages,
             device_reserve: cfg.device_reserve,
-            host_pages: cfg.host_pages,
+            // Joined: every object's host copy is at its home; the directory's own host
+            // allocator is left unused.
+            host_pages: if prefix.is_some() { 1 } else { cfg.host_pages },
             host_reserve: 0,
             object_bytes,
         })?;
@@ -253,6 +357,7 @@ impl StepScheduler {
             dedup: RowDedup::default(),
             started: Instant::now(),
             failed_this_step: rustc_hash::FxHashSet::default(),
+            prefix,
         })
     }
 
@@ -309,6 +414,7 @@ impl StepScheduler {
     /// allocated for every layer and returned layer-major (`[layer][page]`); the caller writes
     /// them before its next call, and they are written through to host at the next `end_step`.
     pub fn add_prompt(&mut self, namespace: u64, pages: u32) -> Result<Vec<SlotId>> {
+        self.not_joined("add_prompt")?;
         if self.prompts.contains_key(&namespace)
             || self.requests.contains_key(&RequestId::new(namespace))
         {
@@ -327,7 +433,7 @@ impl StepScheduler {
                 (0..pages).map(move |p| ObjectKey::new(namespace, 0, p, LayerGroup::Layer(l)))
             })
             .collect();
-        let slots = self.allocate_with_room(&keys)?;
+        let slots = self.allocate_with_room(&keys, None)?;
         let idx = self.dir.index_of(&keys);
         let per = pages as usize;
         self.prompt_index.insert(
@@ -382,6 +488,7 @@ impl StepScheduler {
         tokens: u64,
         prefix: Option<Prefix>,
     ) -> Result<Vec<SlotId>> {
+        self.not_joined("add_request")?;
         if self.requests.contains_key(&id) || self.prompts.contains_key(&id.raw()) {
             return Err(Error::KeyExists {
                 key: format!("request {id}"),
@@ -450,15 +557,11 @@ impl StepScheduler {
         let partial = len % ps != 0;
         let fresh_from = first + u32::from(partial);
         let last = end.div_ceil(ps) as u32;
-        let keys: Vec<ObjectKey> = (0..layers)
-            .flat_map(|l| (fresh_from..last).map(move |p| (p, l)))
-            .map(|(p, l)| r.key(p, l))
-            .collect();
         let tail = r.tail.clone();
-        let fresh = if keys.is_empty() {
-            Vec::new()
+        let (keys, fresh) = if fresh_from < last {
+            self.start_pages(&[(id, fresh_from..last)])?
         } else {
-            self.allocate_with_room(&keys)?
+            (Vec::new(), Vec::new())
         };
         let per = (last - fresh_from) as usize;
         let touched = (last - first) as usize;
@@ -497,6 +600,9 @@ impl StepScheduler {
     /// Ends request `id`: its objects go now, or when the last pin or transfer touching them
     /// ends. Shared prefixes stay.
     pub fn finish_request(&mut self, id: RequestId) -> Result<()> {
+        if self.prefix.is_some() {
+            return self.end_request(id, None);
+        }
         if self.requests.remove(&id).is_none() {
             return Err(Error::config("rid", id, "a running request"));
         }
@@ -530,17 +636,105 @@ impl StepScheduler {
         Ok(())
     }
 
+    fn not_joined(&self, what: &str) -> Result<()> {
+        if self.prefix.is_some() {
+            return Err(Error::config(
+                "mode",
+                "joined",
+                format!(
+                    "a scheduler without a prefix cache for {what} (a joined scheduler admits \
+                     requests by their tokens: admit)"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Creates every layer's object of the pages `starts` name (per start, layer-major) on
+    /// the device, returning their keys and slots. Joined: the pages first get host pages and
+    /// Indexer-K device pages from the prefix cache, and their objects a home there.
+    fn start_pages(
+        &mut self,
+        starts: &[(RequestId, std::ops::Range<u32>)],
+    ) -> Result<(Vec<ObjectKey>, Vec<SlotId>)> {
+        let layers = self.cfg.layers;
+        let n: usize = starts.iter().map(|(_, r)| r.len()).sum();
+        let mut taken: Option<(Vec<PageId>, Vec<PageId>)> = None;
+        if let Some(p) = self.prefix.as_mut() {
+            let host = p.alloc_host(&self.dir, n)?;
+            let idx = match p.cache.alloc_device(n) {
+                Ok(v) => v,
+                Err(e) => {
+                    p.cache.free_host(&host)?;
+                    return Err(e);
+                }
+            };
+            let homes = p.homes_of(&host);
+            let mut at = 0;
+            for (id, range) in starts {
+                let r = self.requests.get_mut(id).expect("checked by the caller");
+                debug_assert_eq!(r.homes.len(), range.start as usize);
+                r.homes.extend_from_slice(&homes[at..at + range.len()]);
+                r.idx_pages
+                    .extend(idx[at..at + range.len()].iter().map(|p| p.raw()));
+                at += range.len();
+            }
+            taken = Some((host, idx));
+        }
+        let mut keys = Vec::with_capacity(n * layers as usize);
+        let mut homes: Vec<HostSlotId> = Vec::new();
+        for (id, range) in starts {
+            let r = &self.requests[id];
+            for l in 0..layers {
+                for page in range.clone() {
+                    keys.push(r.key(page, l));
+                    if let Some(p) = &self.prefix {
+                        homes.push(p.home(r.homes[page as usize].0, l));
+                    }
+                }
+            }
+        }
+        let got = if self.prefix.is_some() {
+            self.allocate_with_room(&keys, Some(&homes))
+        } else {
+            self.allocate_with_room(&keys, None)
+        };
+        match got {
+            Ok(slots) => Ok((keys, slots)),
+            Err(e) => {
+                if let (Some(p), Some((host, idx))) = (self.prefix.as_mut(), taken) {
+                    for (id, range) in starts {
+                        let r = self.requests.get_mut(id).expect("checked by the caller");
+                        r.homes.truncate(range.start as usize);
+                        r.idx_pages.truncate(range.start as usize);
+                    }
+                    p.cache.free_host(&host)?;
+                    p.cache.free_device(&idx)?;
+                }
+                Err(e)
+            }
+        }
+    }
+
     fn request_mut(&mut self, id: RequestId, batch: u64) -> Result<&mut RequestState> {
         mark_batch(&mut self.requests, id, batch)
     }
 
     /// Allocates, and when the device is full of pages not yet written through, backs them up
     /// and settles first (the caller wrote them before this call, by contract).
-    fn allocate_with_room(&mut self, keys: &[ObjectKey]) -> Result<Vec<SlotId>> {
-        match self.dir.allocate(keys) {
+    fn allocate_with_room(
+        &mut self,
+        keys: &[ObjectKey],
+        homes: Option<&[HostSlotId]>,
+    ) -> Result<Vec<SlotId>> {
+        let alloc = |dir: &Directory| match homes {
+            Some(h) => dir.allocate_homed(keys, h),
+            None => dir.allocate(keys),
+        };
+        match alloc(&self.dir) {
             Err(Error::OutOfSlots { .. }) => {
                 self.make_room()?;
-                self.dir.allocate(keys)
+                alloc(&self.dir)
             }
             r => r,
         }
@@ -584,16 +778,16 @@ impl StepScheduler {
         let batch = self.batch;
         let layers = self.cfg.layers;
         let ps = u64::from(self.cfg.page_size);
-        let mut fresh = Vec::new();
+        let mut starts = Vec::new();
         for &id in rids {
             let r = self.request_mut(id, batch)?;
             if r.len % ps == 0 {
                 let page = (r.len / ps) as u32;
-                fresh.extend((0..layers).map(|l| r.key(page, l)));
+                starts.push((id, page..page + 1));
             }
         }
-        if !fresh.is_empty() {
-            let slots = self.allocate_with_room(&fresh)?;
+        if !starts.is_empty() {
+            let (fresh, slots) = self.start_pages(&starts)?;
             let idx = self.dir.index_of(&fresh);
             let mut at = 0;
             for id in rids {
@@ -667,6 +861,7 @@ impl StepScheduler {
         let mut hints = Vec::with_capacity(selection.len());
         let mut key_row = Vec::with_capacity(selection.len());
         let mut needed: Vec<u32> = Vec::with_capacity(selection.len());
+        let mut from_prefix: Vec<bool> = Vec::with_capacity(selection.len());
         let mut cells = vec![NONE; rids.len() * k * ppe];
         let mut rows_pages: Vec<Vec<(u32, u32)>> = Vec::with_capacity(rids.len());
         let mut pages_buf = vec![None; ppe];
@@ -732,6 +927,7 @@ impl StepScheduler {
                             keys.push(r.key(page, layer));
                             hints.push(r.hint(page, layer));
                             key_row.push(b as u32);
+                            from_prefix.push(page < r.matched);
                             needed.push(tokens);
                             row_pages.push((page, next));
                         }
@@ -760,6 +956,7 @@ impl StepScheduler {
             r => r?,
         };
         // Everything below commits: the resolve pinned the batch.
+        self.count_prefix_loads(&res.loaded, &from_prefix);
         let prefetch = self.prefetches.remove(&layer);
         let mut rec = StepRecord {
             selected,
@@ -862,6 +1059,18 @@ impl StepScheduler {
         }
         self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
         Ok((id, &self.plans[&id].table))
+    }
+
+    /// Joined mode: counts the main-KV bytes loaded for matched prefix pages.
+    fn count_prefix_loads(&mut self, loaded: &[bool], from_prefix: &[bool]) {
+        if let Some(p) = self.prefix.as_mut() {
+            let n = loaded
+                .iter()
+                .zip(from_prefix)
+                .filter(|&(&l, &f)| l && f)
+                .count() as u64;
+            p.totals.prefix_kv_bytes_loaded += n * self.object_bytes;
+        }
     }
 
     fn since(&self, t: Instant) -> u64 {
@@ -1046,6 +1255,11 @@ impl StepScheduler {
         self.pending_backups.append(&mut self.filled);
         self.submit_pending_backups()?;
         self.poll()?;
+        if let Some(p) = self.prefix.as_mut() {
+            p.cache.poll()?;
+            p.drop_freed(&self.dir)?;
+        }
+        self.progress_finishing()?;
         let stale: Vec<u16> = self.prefetches.keys().copied().collect();
         for l in stale {
             self.drop_prefetch(l)?;
@@ -1236,7 +1450,11 @@ impl StepScheduler {
     /// Writes through the pages that filled (attempt 0) and, separately, the pages whose
     /// backup failed (a retry).
     fn submit_pending_backups(&mut self) -> Result<()> {
-        let keys = std::mem::take(&mut self.pending_backups);
+        let mut keys = std::mem::take(&mut self.pending_backups);
+        if self.prefix.is_some() {
+            // Pages of a request that was let go are dropped objects by now.
+            keys.retain(|k| self.dir.state(k).is_some());
+        }
         self.submit_backup(keys)?;
         let retry: Vec<ObjectKey> = std::mem::take(&mut self.retry_backups)
             .into_iter()
@@ -1292,6 +1510,7 @@ impl StepScheduler {
         let mut keys = Vec::new();
         let mut hints = Vec::new();
         let mut rows = FxHashMap::default();
+        let mut from_prefix = Vec::new();
         for id in rids {
             let Some(r) = self.requests.get(id) else {
                 continue;
@@ -1304,6 +1523,7 @@ impl StepScheduler {
                 .collect();
             keys.extend(predicted.iter().map(|&p| r.key(p, layer)));
             hints.extend(predicted.iter().map(|&p| r.hint(p, layer)));
+            from_prefix.extend(predicted.iter().map(|&p| p < r.matched));
             rows.insert(*id, (predicted, Vec::new()));
         }
         if keys.is_empty() {
@@ -1317,6 +1537,7 @@ impl StepScheduler {
             }
             Err(e) => return Err(e),
         };
+        self.count_prefix_loads(&res.loaded, &from_prefix);
         let mut rec = StepRecord {
             prefetch_predicted: keys.len() as u64,
             prefetch_loaded: res.metrics.absent,
@@ -1391,12 +1612,29 @@ impl StepScheduler {
             self.wait_backups();
             self.poll()?;
         }
-        Ok(())
+        if let Some(p) = self.prefix.as_mut() {
+            p.cache.drain()?;
+            p.drop_freed(&self.dir)?;
+        }
+        // Ended requests: write through and insert (a failed write gets one more try).
+        for _ in 0..3 {
+            self.progress_finishing()?;
+            let waits: Vec<_> = self
+                .prefix
+                .as_ref()
+                .map(|p| p.finishing.iter().filter_map(|f| f.write.clone()).collect())
+                .unwrap_or_default();
+            for ev in waits {
+                let _ = ev.wait_all(None);
+            }
+        }
+        self.progress_finishing()
     }
 
     /// Checks the directory's invariants and the scheduler's own (module docs).
     pub fn validate(&self) -> std::result::Result<(), String> {
         self.dir.validate()?;
+        self.validate_prefix()?;
         let s = self.dir.stats();
         // A plan holds its own pins and those of the prefetch it consumed.
         let held: u64 = self

@@ -8,11 +8,13 @@
 
 pub mod bench;
 pub mod core;
+pub mod prefix;
 pub mod record;
 pub mod request;
 pub mod selection;
 
 pub use self::core::{PlanCounts, ReadyOutcome, SchedulerConfig, StepScheduler};
+pub use prefix::{Admission, PrefixTier, PrefixTotals, HOST_NS};
 pub use record::StepRecord;
 pub use request::{Prefix, RequestState};
 pub use selection::SelectionUnit;
@@ -20,3 +22,7 @@ pub use selection::SelectionUnit;
 #[cfg(test)]
 #[path = "../tests/scheduler_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "../tests/joined_tests.rs"]
+mod joined_tests;

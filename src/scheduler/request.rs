@@ -2,8 +2,12 @@
 //! exist, where the page being written sits, which shared prefix the first pages belong to,
 //! and what each layer selected last step (the prefetch prediction).
 
+use super::prefix::PrefixTier;
 use crate::directory::{LayerGroup, ObjectKey};
 use crate::ids::{RequestId, SlotId};
+use crate::radix::NodeId;
+use crate::transfer::TransferEvents;
+use std::sync::Arc;
 
 /// The namespace and whole-page count of a shared prefix (a system prompt stored once).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +37,20 @@ pub struct RequestState {
     /// Per layer, page -> the directory's object index (`u32::MAX` where unknown): resolve
     /// hints that save a hash probe per selected page. Checked by the directory.
     pub index: Vec<Vec<u32>>,
+    /// Joined mode: its pages live at prefix-cache host pages (see [`PrefixTier`]).
+    pub joined: bool,
+    /// Joined mode, per page: (host page, generation), the identity of its objects.
+    pub homes: Vec<(u32, u32)>,
+    /// Joined mode, per page: its Indexer-K (sidecar) device page.
+    pub idx_pages: Vec<u32>,
+    /// Joined mode: leading pages matched in the prefix cache (the tree's, locked by `node`).
+    pub matched: u32,
+    /// Joined mode: the locked last node of the match.
+    pub node: Option<NodeId>,
+    /// Joined mode: the prompt it was admitted with.
+    pub tokens: Vec<u32>,
+    /// Joined mode: the Indexer-K restores of the matched pages it waits on, layer by layer.
+    pub restores: Vec<Arc<TransferEvents>>,
 }
 
 impl RequestState {
@@ -46,6 +64,13 @@ impl RequestState {
             last_selection: vec![Vec::new(); layers],
             batch_mark: 0,
             index: vec![Vec::new(); layers],
+            joined: false,
+            homes: Vec::new(),
+            idx_pages: Vec::new(),
+            matched: 0,
+            node: None,
+            tokens: Vec::new(),
+            restores: Vec::new(),
         }
     }
 
@@ -73,9 +98,13 @@ impl RequestState {
     }
 
     /// The object of `page` at `layer`: in the prefix's namespace below its pages, else in the
-    /// request's own.
+    /// request's own; in the joined mode, the object at the page's host page.
     #[inline]
     pub fn key(&self, page: u32, layer: u16) -> ObjectKey {
+        if self.joined {
+            let (h, gen) = self.homes[page as usize];
+            return PrefixTier::key(h, gen, layer);
+        }
         let ns = match self.prefix {
             Some(p) if page < p.pages => p.namespace,
             _ => self.id.raw(),

@@ -82,14 +82,16 @@ impl Pools {
                 // it is drained), and only the engine writes them while transfers run.
                 unsafe {
                     PoolPair {
-                        device: PageTransferBinding::new(
-                            d.as_mut_ptr() as u64,
-                            d.len() as u64,
-                            &s,
-                            HostLayout::LayerFirst,
-                            MemoryKind::Host,
-                        )
-                        .unwrap(),
+                        device: Some(
+                            PageTransferBinding::new(
+                                d.as_mut_ptr() as u64,
+                                d.len() as u64,
+                                &s,
+                                HostLayout::LayerFirst,
+                                MemoryKind::Host,
+                            )
+                            .unwrap(),
+                        ),
                         host: PageTransferBinding::new(
                             h.as_mut_ptr() as u64,
                             h.len() as u64,

@@ -17,6 +17,33 @@ pub enum MemoryKind {
     Device,
 }
 
+/// How a layer-flattened view ([`PageTransferBinding::flatten_layers`]) numbers page `h` of
+/// layer `l`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerPageOrder {
+    /// `l * pages + h`.
+    LayerFirst {
+        /// Pages per layer.
+        pages: u32,
+    },
+    /// `h * layers + l`.
+    LayerPageFirst {
+        /// Layers.
+        layers: u32,
+    },
+}
+
+impl LayerPageOrder {
+    /// The flat page of page `page` at `layer`.
+    #[inline]
+    pub fn flat(self, page: u32, layer: u16) -> u32 {
+        match self {
+            LayerPageOrder::LayerFirst { pages } => u32::from(layer) * pages + page,
+            LayerPageOrder::LayerPageFirst { layers } => page * layers + u32::from(layer),
+        }
+    }
+}
+
 /// One pool buffer's planes: base address of each (layer, plane), page stride and sizes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageTransferBinding {
@@ -160,6 +187,51 @@ impl PageTransferBinding {
         (self.base, self.len)
     }
 
+    /// The same buffer seen as one layer of `pages x layers` pages, so that a copy engine can
+    /// move one layer of one page (a per-layer object) between it and a one-layer pool.
+    /// Returns the view and how page `h` of layer `l` is numbered in it. Works for both host
+    /// layouts: layer-first numbers it `l * pages + h`, layer-page-first `h * layers + l`.
+    pub fn flatten_layers(&self) -> Result<(PageTransferBinding, LayerPageOrder)> {
+        let layers = self.layers() as u64;
+        let pb = self.page_bytes();
+        let pages = u64::from(self.pages);
+        let order = if layers == 1 {
+            LayerPageOrder::LayerFirst { pages: self.pages }
+        } else {
+            let step = self.planes[self.planes_per_layer] - self.planes[0];
+            if self.page_stride == pb && step == pages * pb {
+                LayerPageOrder::LayerFirst { pages: self.pages }
+            } else if self.page_stride == layers * pb && step == pb {
+                LayerPageOrder::LayerPageFirst {
+                    layers: layers as u32,
+                }
+            } else {
+                return Err(Error::plan(
+                    "binding",
+                    format!("page stride {} and layer step {step}", self.page_stride),
+                    "a pool in layer_first or layer_page_first layout",
+                ));
+            }
+        };
+        let flat = pages * layers;
+        let flat_pages = u32::try_from(flat)
+            .map_err(|_| Error::plan("pages x layers", flat, "at most 2^32 - 1 pages"))?;
+        Ok((
+            PageTransferBinding {
+                planes: self.planes[..self.planes_per_layer].to_vec(),
+                planes_per_layer: self.planes_per_layer,
+                pages: flat_pages,
+                page_size: self.page_size,
+                token_bytes: self.token_bytes,
+                page_stride: pb,
+                base: self.base,
+                len: self.len,
+                kind: self.kind,
+            },
+            order,
+        ))
+    }
+
     /// Address of token row `token` of `page` in plane `plane`. Inputs are checked by the
     /// prepared transfer before it calls this.
     #[inline]
@@ -188,6 +260,31 @@ mod tests {
             )
         }
         .unwrap()
+    }
+
+    #[test]
+    fn flattened_layers_address_the_same_rows() {
+        for layout in [HostLayout::LayerFirst, HostLayout::LayerPageFirst] {
+            let spec = PoolSpec::new(Component::Kv, 3, 2, 1, 8, Dtype::Bf16, 4, 10).unwrap();
+            // SAFETY: a made-up address; only addresses are computed.
+            let b = unsafe {
+                PageTransferBinding::new(4096, spec.total_bytes(), &spec, layout, MemoryKind::Host)
+            }
+            .unwrap();
+            let (flat, order) = b.flatten_layers().unwrap();
+            assert_eq!((flat.layers(), flat.pages()), (1, 30));
+            for l in 0..3u16 {
+                for h in 0..10 {
+                    for plane in 0..2 {
+                        assert_eq!(
+                            flat.row_addr(plane, order.flat(h, l), 3),
+                            b.row_addr(l as usize * 2 + plane, h, 3),
+                            "{layout:?} page {h} layer {l}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

@@ -20,7 +20,7 @@ pub mod events;
 pub mod map;
 pub mod prepared;
 
-pub use binding::{MemoryKind, PageTransferBinding};
+pub use binding::{LayerPageOrder, MemoryKind, PageTransferBinding};
 pub use cpu::{CpuEngine, Fault, FaultAction};
 pub use engine::CopyEngine;
 pub use events::{LayerStatus, TransferEvents};

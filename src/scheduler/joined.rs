@@ -1,0 +1,436 @@
+//! The joined mode's request lifecycle on [`StepScheduler`]: admission by prefix match, the
+//! Indexer-K restore a prefill waits on layer by layer, and the end of a request (its pages
+//! written through and inserted into the prefix tree, or let go).
+//!
+//! # One request, joined
+//! `admit(tokens)`: the prefix cache matches the prompt's whole pages (at least one token is
+//! left to prefill) and locks the match; the host part's sidecars (Indexer-K: every page; SWA:
+//! its window) are restored into fresh device pages in one transfer with an event per layer;
+//! the main KV of every matched page stays on host and is registered in the directory as
+//! host-Ready objects at the pages' homes -> `extend` (the suffix, chunk by chunk: new host
+//! pages, Indexer-K device pages and per-layer device slots) -> per layer `wait_prefix`, then
+//! the usual plans (loading only the matched blocks the selections pick) -> decode steps ->
+//! `end_request(tokens)`: once its main KV is host-Ready and its own Indexer-K pages are
+//! written through, its whole pages are inserted into the tree (host copies taken as they
+//! are, nothing copied again), the partial last page is let go, and the match is unlocked.
+
+use super::{Finishing, PrefixTier, PrefixTotals, StepScheduler};
+use crate::directory::HostState;
+use crate::error::{Error, Result};
+use crate::ids::{PageId, RequestId};
+use crate::scheduler::request::RequestState;
+use crate::scheduler::Admission;
+use crate::transfer::{Direction, LayerStatus};
+
+impl StepScheduler {
+    fn tier(&mut self) -> Result<&mut PrefixTier> {
+        self.prefix.as_mut().ok_or_else(|| {
+            Error::config(
+                "mode",
+                "plain",
+                "a joined scheduler (StepScheduler.joined, with a prefix cache)",
+            )
+        })
+    }
+
+    /// Whether this scheduler runs the joined mode.
+    pub fn is_joined(&self) -> bool {
+        self.prefix.is_some()
+    }
+
+    /// The prefix tier (joined mode).
+    pub fn prefix_tier(&self) -> Option<&PrefixTier> {
+        self.prefix.as_ref()
+    }
+
+    /// Admits request `id` with prompt `tokens`: matches its whole pages in the prefix cache
+    /// (leaving at least one token to prefill), locks the match, starts the restore of the
+    /// host part's Indexer-K, and registers the matched pages' main KV as host-resident
+    /// objects. The request starts at the matched length; `extend` prefills the rest.
+    pub fn admit(&mut self, id: RequestId, tokens: &[u32]) -> Result<Admission> {
+        self.tier()?;
+        if self.requests.contains_key(&id) {
+            return Err(Error::KeyExists {
+                key: format!("request {id}"),
+            });
+        }
+        if tokens.is_empty() {
+            return Err(Error::config(
+                "tokens",
+                "an empty prompt",
+                "at least one token",
+            ));
+        }
+        let ps = self.cfg.page_size as usize;
+        let layers = self.cfg.layers as usize;
+        let dir = self.dir.clone();
+        let engine = self.engine.clone();
+        let p = self.prefix.as_mut().expect("checked");
+        p.cache.poll()?;
+        p.drop_freed(&dir)?;
+        let cap = (tokens.len() - 1) / ps * ps;
+        let m = p.cache.match_prefix(0, &tokens[..cap]);
+        let mut node = m.last_node;
+        let mut matched = (m.device_len + m.host_len) / ps;
+        let mut restored = 0;
+        let mut restores = Vec::new();
+        if matched > 0 {
+            p.cache.lock(node)?;
+        }
+        if m.host_len > 0 {
+            match p.cache.load_back(node) {
+                Ok(Some(lb)) => {
+                    if let Err(e) = p.cache.flush() {
+                        p.cache.unlock(node)?;
+                        return Err(e);
+                    }
+                    for t in lb.transfer.into_iter().chain(lb.joined) {
+                        if let Some(ev) = p.cache.events(t) {
+                            restores.push(ev);
+                        }
+                    }
+                    restored = m.host_len / ps;
+                }
+                Ok(None) => {
+                    // No device pages for the restore: use the device part only.
+                    p.cache.unlock(node)?;
+                    node = m.device_node;
+                    matched = m.device_len / ps;
+                    if matched > 0 {
+                        p.cache.lock(node)?;
+                    }
+                    p.totals.restores_refused += 1;
+                }
+                Err(e) => {
+                    p.cache.unlock(node)?;
+                    return Err(e);
+                }
+            }
+        }
+        let _ = engine;
+        let (idx_pages, host_pages) = if matched > 0 {
+            let t = p.cache.tree();
+            (t.path_device_pages(node)?, t.path_host_pages(node)?)
+        } else {
+            (Vec::new(), Vec::new())
+        };
+        debug_assert_eq!(idx_pages.len(), matched);
+        debug_assert_eq!(host_pages.len(), matched);
+        let homes = p.homes_of(&host_pages);
+        let (keys, at) = p.keys_of(&homes);
+        p.totals.requests += 1;
+        if matched > 0 {
+            p.totals.hits += 1;
+        }
+        let ps64 = ps as u64;
+        p.totals.device_hit_tokens += (matched - restored) as u64 * ps64;
+        p.totals.host_hit_tokens += restored as u64 * ps64;
+        p.totals.sidecar_bytes_restored += restored as u64 * p.sidecar_page_bytes();
+        p.totals.full_restore_bytes += restored as u64 * p.full_page_bytes();
+        let mut state = RequestState::new(id, (matched * ps) as u64, None, layers);
+        state.joined = true;
+        state.homes = homes;
+        state.idx_pages = idx_pages.iter().map(|p| p.raw()).collect();
+        state.matched = matched as u32;
+        state.node = (matched > 0).then_some(node);
+        state.tokens = tokens.to_vec();
+        state.restores = restores;
+        if !keys.is_empty() {
+            dir.register_host(&keys, &at)?;
+            let idx = dir.index_of(&keys);
+            for l in 0..layers {
+                state.set_index(
+                    l as u16,
+                    0..matched as u32,
+                    &idx[l * matched..(l + 1) * matched],
+                );
+            }
+        }
+        self.requests.insert(id, state);
+        Ok(Admission {
+            matched_pages: matched as u32,
+            device_pages: (matched - restored) as u32,
+            restored_pages: restored as u32,
+        })
+    }
+
+    /// Makes layer `layer` of request `id`'s restored Indexer-K readable: an event wait (cpu)
+    /// or a stream wait (CUDA). A failed restore is an error: the caller ends the request.
+    pub fn wait_prefix(&mut self, id: RequestId, layer: u16, stream: Option<u64>) -> Result<()> {
+        if layer >= self.cfg.layers {
+            return Err(Error::out_of_range("layer", layer, 0, self.cfg.layers));
+        }
+        let r = self
+            .requests
+            .get(&id)
+            .ok_or_else(|| Error::config("rid", id, "a running request"))?;
+        let t0 = std::time::Instant::now();
+        let out = PrefixTier::wait_restore(&self.engine, &r.restores, layer, stream);
+        self.rec.exposed_wait_ns += t0.elapsed().as_nanos() as u64;
+        if out.is_err() {
+            if let Some(p) = self.prefix.as_mut() {
+                p.totals.restores_failed += 1;
+            }
+        }
+        out
+    }
+
+    /// Indexer-K device pages of request `id`, one per page.
+    pub fn indexer_pages(&self, id: RequestId) -> Result<&[u32]> {
+        self.requests
+            .get(&id)
+            .map(|r| r.idx_pages.as_slice())
+            .ok_or_else(|| Error::config("rid", id, "a running request"))
+    }
+
+    /// Ends request `id`. With `tokens` (its prompt and generated tokens, at least its whole
+    /// pages' worth), its whole pages go into the prefix tree once written through; without,
+    /// its own pages are let go. Either way the match is unlocked when that is done.
+    pub fn end_request(&mut self, id: RequestId, tokens: Option<&[u32]>) -> Result<()> {
+        self.tier()?;
+        let r = self
+            .requests
+            .get(&id)
+            .ok_or_else(|| Error::config("rid", id, "a running request"))?;
+        let ps = self.cfg.page_size as usize;
+        let full = (r.len as usize / ps) as u32;
+        if let Some(t) = tokens {
+            let m = r.matched as usize * ps;
+            if t.len() < full as usize * ps || t[..m] != r.tokens[..m] {
+                return Err(Error::config(
+                    "tokens",
+                    format!("{} tokens", t.len()),
+                    format!(
+                        "the request's tokens: at least {} (its whole pages), starting with \
+                         the {m} it matched",
+                        full as usize * ps
+                    ),
+                ));
+            }
+        }
+        let r = self.requests.remove(&id).expect("checked");
+        let f = Finishing {
+            id,
+            tokens: tokens.map_or(Vec::new(), |t| t[..full as usize * ps].to_vec()),
+            homes: r.homes,
+            idx_pages: r.idx_pages,
+            matched: r.matched,
+            full,
+            node: r.node,
+            insert: tokens.is_some(),
+            write: None,
+            written: false,
+        };
+        if f.insert {
+            self.prefix.as_mut().expect("checked").finishing.push(f);
+            self.progress_finishing()
+        } else {
+            self.let_go(f, 0)
+        }
+    }
+
+    /// Lets go of a finishing request's own pages from `from` on (all of them when it is not
+    /// inserted) and unlocks its match.
+    fn let_go(&mut self, f: Finishing, from: u32) -> Result<()> {
+        let dir = self.dir.clone();
+        let p = self.prefix.as_mut().expect("joined");
+        let start = from.max(f.matched) as usize;
+        let mut idx = Vec::new();
+        for i in start..f.homes.len() {
+            let (h, gen) = f.homes[i];
+            p.release_page(&dir, h, gen)?;
+            idx.push(PageId::new(f.idx_pages[i]));
+        }
+        p.cache.free_device(&idx)?;
+        if let Some(node) = f.node {
+            p.cache.unlock(node)?;
+        }
+        p.free_settled(&dir)?;
+        Ok(())
+    }
+
+    /// Advances the requests that ended: submits their Indexer-K write-through, and inserts
+    /// those whose pages are all written through.
+    pub(crate) fn progress_finishing(&mut self) -> Result<()> {
+        let Some(p) = self.prefix.as_mut() else {
+            return Ok(());
+        };
+        if p.finishing.is_empty() {
+            return p.free_settled(&self.dir);
+        }
+        let list = std::mem::take(&mut p.finishing);
+        let mut keep = Vec::new();
+        for mut f in list {
+            if !f.written {
+                match &f.write {
+                    None => {
+                        let pairs: Vec<(u32, u32)> = (f.matched..f.full)
+                            .map(|i| (f.idx_pages[i as usize], f.homes[i as usize].0))
+                            .collect();
+                        self.arm(Direction::Backup, None)?;
+                        let p = self.prefix.as_ref().expect("joined");
+                        match p.write_through(&self.engine, &pairs) {
+                            Ok(Some(ev)) => f.write = Some(ev),
+                            Ok(None) => f.written = true,
+                            Err(_) => {
+                                self.prefix.as_mut().expect("joined").totals.writes_failed += 1
+                            }
+                        }
+                    }
+                    Some(ev) if ev.is_finished() => {
+                        let ok = ev
+                            .layers()
+                            .iter()
+                            .all(|&l| matches!(ev.status(l), Ok(LayerStatus::Done)));
+                        if ok {
+                            f.written = true;
+                        } else {
+                            self.prefix.as_mut().expect("joined").totals.writes_failed += 1;
+                        }
+                        f.write = None;
+                    }
+                    Some(_) => {}
+                }
+            }
+            if f.written && self.kv_written(&f) {
+                self.commit(f)?;
+            } else {
+                keep.push(f);
+            }
+        }
+        let p = self.prefix.as_mut().expect("joined");
+        keep.append(&mut p.finishing);
+        p.finishing = keep;
+        p.free_settled(&self.dir)
+    }
+
+    /// Whether every layer of the request's own whole pages is host-Ready.
+    fn kv_written(&self, f: &Finishing) -> bool {
+        (f.matched..f.full).all(|i| {
+            let (h, gen) = f.homes[i as usize];
+            (0..self.cfg.layers).all(|l| {
+                self.dir
+                    .state(&PrefixTier::key(h, gen, l))
+                    .is_some_and(|o| matches!(o.host, HostState::Ready { .. }))
+            })
+        })
+    }
+
+    /// Inserts a written-through request's whole pages and lets go of the rest.
+    fn commit(&mut self, f: Finishing) -> Result<()> {
+        let dir = self.dir.clone();
+        let p = self.prefix.as_mut().expect("joined");
+        let full = f.full as usize;
+        if full > 0 {
+            let dev: Vec<PageId> = f.idx_pages[..full]
+                .iter()
+                .map(|&x| PageId::new(x))
+                .collect();
+            let host: Vec<PageId> = f.homes[..full]
+                .iter()
+                .map(|&(h, _)| PageId::new(h))
+                .collect();
+            let (_, spare) = p.cache.insert_with_host(0, &f.tokens, &dev, &host)?;
+            p.totals.pages_inserted += u64::from(f.full - f.matched);
+            for s in spare {
+                let i = host.iter().position(|&h| h == s).expect("given");
+                let (h, gen) = f.homes[i];
+                p.release_page(&dir, h, gen)?;
+            }
+        }
+        self.let_go(f_tail(f), 0)
+    }
+
+    /// Prefix-tier counters (joined mode).
+    pub fn prefix_totals(&self) -> Option<PrefixTotals> {
+        self.prefix.as_ref().map(|p| p.totals)
+    }
+
+    /// Evicts prefix-cache pages: `device` Indexer-K device pages of unlocked nodes, then
+    /// `host` host pages of unlocked host-only nodes (whose main-KV objects go with them).
+    /// Returns (device pages freed, host pages freed).
+    pub fn evict_prefix(&mut self, device: usize, host: usize) -> Result<(usize, usize)> {
+        let dir = self.dir.clone();
+        let p = self.tier()?;
+        let d = p.cache.evict_device(device);
+        let h = p.cache.evict_host(host);
+        p.drop_freed(&dir)?;
+        Ok((d, h))
+    }
+
+    /// Requests that ended and wait for their pages to be written through.
+    pub fn finishing(&self) -> usize {
+        self.prefix.as_ref().map_or(0, |p| p.finishing.len())
+    }
+
+    /// Checks the prefix tier: the cache's invariants, and that every page the cache handed
+    /// out is held by exactly one running or finishing request, or waits in limbo.
+    pub(crate) fn validate_prefix(&self) -> std::result::Result<(), String> {
+        let Some(p) = &self.prefix else {
+            return Ok(());
+        };
+        p.cache.validate()?;
+        let ps = u64::from(self.cfg.page_size);
+        let mut own_dev = 0usize;
+        let mut own_host = 0usize;
+        let mut seen = rustc_hash::FxHashSet::default();
+        let owners = self
+            .requests
+            .values()
+            .map(|r| {
+                (
+                    r.id,
+                    r.matched as usize,
+                    &r.homes,
+                    &r.idx_pages,
+                    r.pages(self.cfg.page_size),
+                )
+            })
+            .chain(p.finishing.iter().map(|f| {
+                (
+                    f.id,
+                    f.matched as usize,
+                    &f.homes,
+                    &f.idx_pages,
+                    f.homes.len() as u32,
+                )
+            }));
+        for (id, matched, homes, idx, pages) in owners {
+            if homes.len() != pages as usize || idx.len() != pages as usize {
+                return Err(format!(
+                    "request {id}: {} homes, {} Indexer-K pages for {pages} pages",
+                    homes.len(),
+                    idx.len()
+                ));
+            }
+            own_dev += idx.len() - matched;
+            own_host += homes.len() - matched;
+            for &(h, _) in &homes[matched..] {
+                if !seen.insert(h) {
+                    return Err(format!("host page {h} held twice (request {id})"));
+                }
+            }
+        }
+        let _ = ps;
+        if own_dev != p.cache.outstanding() {
+            return Err(format!(
+                "Indexer-K device pages: requests hold {own_dev}, cache handed out {}",
+                p.cache.outstanding()
+            ));
+        }
+        if own_host + p.limbo_len() != p.cache.outstanding_host() {
+            return Err(format!(
+                "host pages: requests hold {own_host} + limbo {}, cache handed out {}",
+                p.limbo_len(),
+                p.cache.outstanding_host()
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The part of a committed request that was not inserted: its pages past the whole ones.
+fn f_tail(mut f: Finishing) -> Finishing {
+    f.matched = f.full.max(f.matched);
+    f
+}

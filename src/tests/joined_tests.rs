@@ -1,0 +1,297 @@
+//! The joined mode over real buffers on the cpu engine: a request's pages go into the prefix
+//! tree when it ends; the next request over the same prompt restores only Indexer-K and loads
+//! the main-KV blocks its selection picks, from the tree's host pages, in either host layout.
+//! Rows carry a stamp of (token page, layer, row, plane): equal prompts write equal stamps, as
+//! a deterministic model writes equal K/V.
+
+use super::*;
+use crate::config::HitPolicy;
+use crate::ids::{RequestId, SlotId};
+use crate::layout::{Component, Dtype, HostLayout};
+use crate::pool::PoolSpec;
+use crate::radix::PoolPair;
+use crate::transfer::{CpuEngine, Direction, PageTransferBinding};
+use std::sync::Arc;
+
+const PS: u32 = 4;
+const LAYERS: u16 = 3;
+
+struct Joined {
+    s: StepScheduler,
+    dev: PageTransferBinding,
+    idx_dev: PageTransferBinding,
+    _bufs: Vec<Box<[u8]>>,
+}
+
+fn stamp(page: u32, layer: u16, row: u32, plane: usize, tag: u8) -> [u8; 8] {
+    let mut b = [0u8; 8];
+    b[..4].copy_from_slice(&page.to_le_bytes());
+    b[4] = layer as u8;
+    b[5] = row as u8;
+    b[6] = plane as u8;
+    b[7] = tag;
+    b
+}
+
+const KV: u8 = 0xEE;
+const IDX: u8 = 0x1D;
+
+impl Joined {
+    fn new(device_slots: u32, idx_pages: u32, host_pages: u32, layout: HostLayout) -> Self {
+        let kv = PoolSpec::new(Component::Kv, 1, 2, 1, 4, Dtype::Bf16, PS, device_slots).unwrap();
+        let kv_host = PoolSpec::new(
+            Component::Kv,
+            LAYERS as u32,
+            2,
+            1,
+            4,
+            Dtype::Bf16,
+            PS,
+            host_pages,
+        )
+        .unwrap();
+        let ik = PoolSpec::new(
+            Component::Indexer,
+            LAYERS as u32,
+            1,
+            1,
+            4,
+            Dtype::Bf16,
+            PS,
+            idx_pages,
+        )
+        .unwrap();
+        let ik_host = ik.with_pages(host_pages).unwrap();
+        // SAFETY: the harness owns every buffer for as long as the scheduler lives and writes
+        // them only through `write`, into rows no transfer in flight touches.
+        let (b0, dev) = unsafe { crate::testing::host_pool(&kv) }.unwrap();
+        // SAFETY: as above.
+        let (b1, host_kv) = unsafe { crate::testing::host_pool_in(&kv_host, layout) }.unwrap();
+        // SAFETY: as above.
+        let (b2, idx_dev) = unsafe { crate::testing::host_pool(&ik) }.unwrap();
+        // SAFETY: as above.
+        let (b3, idx_host) = unsafe { crate::testing::host_pool_in(&ik_host, layout) }.unwrap();
+        let cfg = SchedulerConfig {
+            layers: LAYERS,
+            page_size: PS,
+            device_pages: device_slots,
+            device_reserve: 0,
+            host_pages,
+            prefetch: false,
+            prefetch_depth: 1,
+        };
+        let sidecars = vec![PoolPair {
+            device: Some(idx_dev.clone()),
+            host: idx_host,
+            hit: HitPolicy::AllPages,
+        }];
+        let engine = Arc::new(CpuEngine::new(2).unwrap());
+        let s =
+            StepScheduler::joined(cfg, dev.clone(), host_kv, sidecars, idx_pages, engine).unwrap();
+        Joined {
+            s,
+            dev,
+            idx_dev,
+            _bufs: vec![b0, b1, b2, b3],
+        }
+    }
+
+    fn poke(b: &PageTransferBinding, plane: usize, page: u32, row: u32, v: [u8; 8]) {
+        let addr = b.row_addr(plane, page, row);
+        // SAFETY: a row of a page the scheduler handed out, inside the buffer; no transfer
+        // touches it while its request writes it.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), addr as *mut u8, 8) };
+    }
+
+    fn peek(b: &PageTransferBinding, plane: usize, page: u32, row: u32) -> [u8; 8] {
+        let mut v = [0u8; 8];
+        let addr = b.row_addr(plane, page, row);
+        // SAFETY: as above; loads the caller waited for are complete.
+        unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), 8) };
+        v
+    }
+
+    /// Prefills request `id` from its admitted length to `len` tokens, stamping every row.
+    fn prefill(&mut self, id: u64, len: u64) {
+        let rid = RequestId::new(id);
+        let from = self.s.request(rid).unwrap().len;
+        let (first, slots) = self.s.extend(rid, len - from).unwrap();
+        let touched = slots.len() / LAYERS as usize;
+        let idx = self.s.indexer_pages(rid).unwrap().to_vec();
+        for t in from..len {
+            let page = (t / u64::from(PS)) as u32;
+            let row = (t % u64::from(PS)) as u32;
+            for l in 0..LAYERS {
+                let slot: SlotId = slots[l as usize * touched + (page - first) as usize];
+                for plane in 0..2 {
+                    Self::poke(
+                        &self.dev,
+                        plane,
+                        slot.raw(),
+                        row,
+                        stamp(page, l, row, plane, KV),
+                    );
+                }
+                Self::poke(
+                    &self.idx_dev,
+                    l as usize,
+                    idx[page as usize],
+                    row,
+                    stamp(page, l, row, 0, IDX),
+                );
+            }
+        }
+    }
+
+    /// Plans every layer over `pages` for request `id` and checks every row read.
+    fn read_back(&mut self, id: u64, pages: &[i64]) {
+        let rid = RequestId::new(id);
+        let unit = SelectionUnit::new(PS, PS).unwrap();
+        let len = self.s.request(rid).unwrap().len;
+        for l in 0..LAYERS {
+            self.s.wait_prefix(rid, l, None).unwrap();
+            let idx = self.s.indexer_pages(rid).unwrap().to_vec();
+            let (plan, table) = self.s.plan(l, &[rid], pages, pages.len(), unit).unwrap();
+            let table = table.to_vec();
+            let out = self.s.ready(plan, None).unwrap();
+            assert!(out.failed.is_empty(), "{:?}", out.failed);
+            let table = if out.slots_changed {
+                self.s.table(plan).unwrap().to_vec()
+            } else {
+                table
+            };
+            for (j, &p) in pages.iter().enumerate() {
+                for row in (0..PS).filter(|&r| u64::from(p as u32 * PS + r) < len) {
+                    for plane in 0..2 {
+                        assert_eq!(
+                            Self::peek(&self.dev, plane, table[j] as u32, row),
+                            stamp(p as u32, l, row, plane, KV),
+                            "KV page {p} layer {l} row {row}"
+                        );
+                    }
+                    assert_eq!(
+                        Self::peek(&self.idx_dev, l as usize, idx[p as usize], row),
+                        stamp(p as u32, l, row, 0, IDX),
+                        "Indexer-K page {p} layer {l} row {row}"
+                    );
+                }
+            }
+            self.s.finish(plan).unwrap();
+            self.s.validate().unwrap();
+        }
+    }
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| i * 7 + 1 + salt * (i / 40)).collect()
+}
+
+fn joined_round_trip(layout: HostLayout) {
+    let mut j = Joined::new(64, 32, 48, layout);
+    let shared = prompt(41, 0); // 10 whole pages + 1 token
+                                // A: no match; prefilled, decoded a little, ended with its tokens: inserted.
+    let a = j.s.admit(RequestId::new(1), &shared).unwrap();
+    assert_eq!(a.matched_pages, 0);
+    j.prefill(1, 41);
+    j.read_back(1, &[0, 3, 10]);
+    j.s.end_step().unwrap();
+    j.s.end_request(RequestId::new(1), Some(&shared)).unwrap();
+    j.s.drain().unwrap();
+    j.s.validate().unwrap();
+    assert_eq!(j.s.finishing(), 0);
+    assert_eq!(j.s.prefix_totals().unwrap().pages_inserted, 10);
+    // Evict the tree's Indexer-K device pages and every KV slot: B restores from host.
+    let (d, _) = j.s.evict_prefix(1000, 0).unwrap();
+    assert_eq!(d, 10);
+    j.s.directory().evict(1000);
+    j.s.validate().unwrap();
+    let mut b_tokens = shared[..40].to_vec();
+    b_tokens.extend(prompt(9, 3)[..9].iter().map(|t| t + 5000));
+    let b = j.s.admit(RequestId::new(2), &b_tokens).unwrap();
+    assert_eq!((b.matched_pages, b.restored_pages), (10, 10));
+    j.prefill(2, b_tokens.len() as u64);
+    let before = j.s.prefix_totals().unwrap();
+    j.read_back(2, &[0, 2, 9, 11]);
+    let after = j.s.prefix_totals().unwrap();
+    // Three prefix blocks per layer were loaded; the suffix page was on the device.
+    let obj = j.s.object_bytes();
+    assert_eq!(
+        after.prefix_kv_bytes_loaded - before.prefix_kv_bytes_loaded,
+        3 * 3 * obj
+    );
+    assert_eq!(
+        after.sidecar_bytes_restored,
+        10 * 3 * 2 * 8 * u64::from(PS) / 2
+    );
+    assert!(after.full_restore_bytes > after.sidecar_bytes_restored + after.prefix_kv_bytes_loaded);
+    // B is aborted: its own pages go, the tree keeps A's.
+    j.s.end_step().unwrap();
+    j.s.end_request(RequestId::new(2), None).unwrap();
+    j.s.drain().unwrap();
+    j.s.validate().unwrap();
+    // Host eviction takes the prefix and its objects; C over the same prompt misses.
+    let (_, h) = j.s.evict_prefix(1000, 1000).unwrap();
+    assert_eq!(h, 10);
+    j.s.validate().unwrap();
+    let c = j.s.admit(RequestId::new(3), &shared).unwrap();
+    assert_eq!(c.matched_pages, 0);
+    j.prefill(3, 41);
+    j.read_back(3, &[1, 10]);
+    j.s.end_request(RequestId::new(3), None).unwrap();
+    j.s.drain().unwrap();
+    j.s.validate().unwrap();
+}
+
+#[test]
+fn joined_round_trip_layer_first() {
+    joined_round_trip(HostLayout::LayerFirst);
+}
+
+#[test]
+fn joined_round_trip_layer_page_first() {
+    joined_round_trip(HostLayout::LayerPageFirst);
+}
+
+#[test]
+fn failed_indexer_restore_fails_the_request_only() {
+    let mut j = Joined::new(64, 32, 48, HostLayout::LayerFirst);
+    let shared = prompt(33, 0);
+    j.s.admit(RequestId::new(1), &shared).unwrap();
+    j.prefill(1, 33);
+    j.s.end_request(RequestId::new(1), Some(&shared)).unwrap();
+    j.s.drain().unwrap();
+    j.s.evict_prefix(1000, 0).unwrap();
+    // The restore is a load through the same engine: fail it there.
+    j.s.inject_faults(Direction::Load, 0, None, None);
+    j.s.engine()
+        .inject(crate::transfer::Fault {
+            nth: j.s.engine().submitted(),
+            layer: None,
+            action: crate::transfer::FaultAction::Fail("injected restore fault".into()),
+        })
+        .unwrap();
+    let b = j.s.admit(RequestId::new(2), &shared).unwrap();
+    assert_eq!(b.restored_pages, 8);
+    let err = j.s.wait_prefix(RequestId::new(2), 0, None).unwrap_err();
+    assert!(err.to_string().contains("injected restore fault"), "{err}");
+    j.s.end_request(RequestId::new(2), None).unwrap();
+    j.s.drain().unwrap();
+    j.s.validate().unwrap();
+    assert_eq!(j.s.prefix_totals().unwrap().restores_failed, 1);
+    // The prefix is host-only again and serves the next request.
+    let c = j.s.admit(RequestId::new(3), &shared).unwrap();
+    assert_eq!(c.restored_pages, 8);
+    j.prefill(3, 33);
+    j.read_back(3, &[0, 7, 8]);
+    j.s.end_request(RequestId::new(3), Some(&shared)).unwrap();
+    j.s.drain().unwrap();
+    j.s.validate().unwrap();
+}
+
+#[test]
+fn plain_calls_are_refused_in_joined_mode() {
+    let mut j = Joined::new(16, 8, 8, HostLayout::LayerFirst);
+    let e = j.s.add_request(RequestId::new(1), 8, None).unwrap_err();
+    assert!(e.to_string().contains("admit"), "{e}");
+    assert!(j.s.add_prompt(1 << 41, 2).is_err());
+}
