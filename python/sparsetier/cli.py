@@ -316,6 +316,13 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--context-min", type=int, default=d.context_min)
     p.add_argument("--context-max", type=int, default=d.context_max)
     p.add_argument("--no-prefetch", action="store_true", help="submit each load just before use")
+    p.add_argument("--turns", type=int, default=d.turns, help="most turns of a conversation")
+    p.add_argument(
+        "--layout",
+        choices=["layer_first", "layer_page_first"],
+        default=d.layout,
+        help="host pool layout (per-layer objects address (host page, layer) in it)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", metavar="PATH", help="write the full record (per step and totals)")
     p.add_argument("--plot", metavar="PATH", help="write a PNG: hit rate, bytes, exposed wait")
@@ -334,6 +341,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         ("requests", args.requests, args.requests >= 1, "an integer >= 1"),
         ("concurrent", args.concurrent, args.concurrent >= 1, "an integer >= 1"),
         ("steps", args.steps, args.steps >= 2, "an integer >= 2"),
+        ("turns", args.turns, args.turns >= 1, "an integer >= 1"),
         ("context_min", args.context_min, 16 <= args.context_min <= args.context_max,
          "16 <= context_min <= context_max"),
     ]  # fmt: skip
@@ -354,6 +362,8 @@ def _run_demo(args: argparse.Namespace) -> int:
         faults=args.faults,
         budget=args.budget,
         prefetch=not args.no_prefetch,
+        turns=args.turns,
+        layout=args.layout,
         device=args.device,
         seed=args.seed,
     )

@@ -1,9 +1,12 @@
 """``sparsetier demo``: decode steps of a sparse-attention model whose main KV does not fit on
 the device, checked against the same run with everything resident.
 
-Workload: requests over shared system prompts with Zipf popularity, each with a unique suffix;
-requests arrive and complete during the run. The tiered run keeps `budget` of the requests'
-main KV on the device; the resident run keeps all of it. Their outputs must be bit-identical.
+Workload: conversations over shared system prompts with Zipf popularity. A conversation's first
+request is a system prompt plus a unique user message; each later turn's prompt is the previous
+turn's prompt, its answer and a new message, so it hits the previous turn's pages in the prefix
+cache. Requests arrive and complete during the run. The tiered run keeps `budget` of the
+requests' main KV on the device; the resident run keeps all of it. Their outputs must be
+bit-identical.
 """
 
 from __future__ import annotations
@@ -37,13 +40,24 @@ class DemoConfig:
     topk_tokens: int = 64
     budget: float = 0.25
     prefetch: bool = True
-    share_prompts: bool = True
+    turns: int = 3  # most turns of one conversation
+    layout: str = "layer_first"
     faults: bool = False
     device: str = "cpu"
     seed: int = 0
 
 
-def _workload(cfg: DemoConfig, vocab: int) -> list[tuple[torch.Tensor, int, tuple | None]]:
+@dataclass
+class Turn:
+    """One request of a conversation: the new message, and how many tokens to decode."""
+
+    message: torch.Tensor
+    steps: int
+
+
+def _workload(cfg: DemoConfig, vocab: int) -> list[list[Turn]]:
+    """Conversations: the first turn's message is a system prompt plus a user suffix; later
+    turns add a short message after the previous prompt and answer."""
     wl = Workload(
         WorkloadSpec(
             num_seqs=cfg.requests,
@@ -57,12 +71,20 @@ def _workload(cfg: DemoConfig, vocab: int) -> list[tuple[torch.Tensor, int, tupl
         )
     )
     rng = np.random.default_rng(cfg.seed + 1)
-    out = []
-    for pid, toks in wl.stream(cfg.requests, 1):
-        steps = int(rng.integers(cfg.steps // 2, cfg.steps + 1))
-        shared = (pid, len(wl.prompts[pid])) if pid >= 0 and cfg.share_prompts else None
-        out.append((torch.from_numpy(toks % vocab), steps, shared))
-    return out
+    convs: list[list[Turn]] = []
+    left = cfg.requests
+    for _, toks in wl.stream(cfg.requests, 1):
+        if left == 0:
+            break
+        n = min(left, int(rng.integers(1, cfg.turns + 1)))
+        left -= n
+        turns = []
+        for i in range(n):
+            steps = int(rng.integers(cfg.steps // 2, cfg.steps + 1))
+            msg = toks if i == 0 else rng.integers(1, vocab, size=int(rng.integers(8, 64)))
+            turns.append(Turn(torch.from_numpy(msg % vocab), steps))
+        convs.append(turns)
+    return convs
 
 
 #: What `--faults` arms, by global decode step: one load failure (the retry succeeds), a
@@ -71,17 +93,17 @@ def _workload(cfg: DemoConfig, vocab: int) -> list[tuple[torch.Tensor, int, tupl
 FAULT_PLAN = {3: ("load", 1, None), 9: ("load", 2, 1), 15: ("backup", 1, None)}
 
 
-def _run(cfg: DemoConfig, model, work, device_slots, host_slots, progress, faults, aborts):
-    """Runs the workload; `faults` arms failures by step, `aborts` ends requests after a step
-    (how the resident reference replays the tiered run's failures)."""
-    ps = cfg.page_size
-    idx_pages = sum(-(-(len(t) + s) // ps) for t, s, _ in work) + 8
+def _run(cfg: DemoConfig, model, work, device_slots, sizes, progress, faults, aborts):
+    """Runs the conversations; `faults` arms failures by step, `aborts` ends requests after a
+    step (how the resident reference replays the tiered run's failures). A turn's follow-up
+    is queued when it finishes, with the answer in its prompt."""
+    host_pages, idx_pages = sizes
     token = cfg.selection == "token"
     rt = DecodeRuntime(
         model,
-        page_size=ps,
+        page_size=cfg.page_size,
         device_slots=device_slots,
-        host_slots=host_slots,
+        host_pages=host_pages,
         indexer_pages=idx_pages,
         topk=cfg.topk_tokens if token else cfg.topk,
         prefetch=cfg.prefetch,
@@ -89,13 +111,23 @@ def _run(cfg: DemoConfig, model, work, device_slots, host_slots, progress, fault
         device=cfg.device,
         selection=cfg.selection,
         block_size=cfg.block_size or None,
+        layout=cfg.layout,
     )
-    queue = list(enumerate(work))
+    prefill_bytes = 0  # matched-block KV first loaded by the suffix prefills
+    # (rid, conversation, turn, prompt); rids are numbered as turns are queued.
+    queue = [(c, 0, turns[0].message) for c, turns in enumerate(work)]
+    rids: dict[tuple[int, int], int] = {}
+    live: dict[int, tuple[int, int]] = {}
     outputs: dict[int, torch.Tensor] = {}
+    admissions: dict[int, dict] = {}
     while queue or rt.requests:
         while queue and len(rt.requests) < cfg.concurrent:
-            rid, (prompt, steps, shared) = queue.pop(0)
-            rt.add_request(rid, prompt, steps, shared)
+            c, i, prompt = queue.pop(0)
+            rid = rids.setdefault((c, i), len(rids))
+            before = rt.prefix_stats()["prefix_kv_bytes_first"]
+            admissions[rid] = rt.add_request(rid, prompt, work[c][i].steps)
+            prefill_bytes += rt.prefix_stats()["prefix_kv_bytes_first"] - before
+            live[rid] = (c, i)
         step = len(rt.records)
         if step in faults:
             rt.inject_faults(*faults[step])
@@ -106,9 +138,14 @@ def _run(cfg: DemoConfig, model, work, device_slots, host_slots, progress, fault
             if rid in rt.requests:
                 rt.abort(rid)
         for rid in [r.rid for r in rt.requests.values() if r.done]:
-            outputs[rid] = torch.stack(rt.finish_request(rid).outputs)
+            r = rt.finish_request(rid)
+            outputs[rid] = torch.stack(r.outputs)
+            c, i = live.pop(rid)
+            if i + 1 < len(work[c]):
+                nxt = torch.cat([torch.from_numpy(r.tokens()), work[c][i + 1].message])
+                queue.append((c, i + 1, nxt))
     rt.drain()
-    return rt, outputs
+    return rt, outputs, admissions, prefill_bytes
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -126,16 +163,23 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     model = TinySparseModel(ModelConfig(seed=cfg.seed)).to(cfg.device)
     work = _workload(cfg, model.c.vocab)
     ps, layers = cfg.page_size, model.c.layers
-    # Main KV objects are (request, page, layer): the most alive at once.
-    pages = [-(-(len(t) + s) // ps) for t, s, _ in work]
-    longest = sorted(pages, reverse=True)
-    peak = sum(longest[: cfg.concurrent]) * layers
-    host = sum(pages) * layers + 8
-    # Floor: a prefill allocates its pages for every layer at once, and each layer's plan
-    # pins the batch's selection next to every running request's page being written.
+    # Main KV objects are (page, layer) of running requests: the most alive at once. A turn's
+    # prompt grows by the previous answer and message (at most steps + 64 tokens a turn).
+    longest_conv = max(len(t) for t in work)
+    grow = (cfg.steps + 64) * (longest_conv - 1)
+    pages = sorted((-(-(len(t[0].message) + grow + cfg.steps) // ps) for t in work), reverse=True)
+    peak = sum(pages[: cfg.concurrent]) * layers
+    # Host pages hold every running request's pages and the prefix tree (evicted LRU when
+    # full); Indexer-K device pages the running requests' and the tree's device part.
+    host_pages = 2 * sum(pages[: cfg.concurrent]) + 16
+    idx_pages = sum(pages[: cfg.concurrent]) + 16
+    # Floor: a prefill chunk allocates its pages for every layer at once, and each layer's
+    # plan pins the chunk's or the batch's selection next to every running request's page
+    # being written.
     per_entry = max(1, (cfg.block_size or ps) // ps)
     read = cfg.topk_tokens if cfg.selection == "token" else cfg.topk * per_entry
-    floor = longest[0] * layers + cfg.concurrent * (2 * layers + 2 * read) + 1
+    chunk_pages = -(-256 // ps) + 1
+    floor = (chunk_pages + pages[0]) * layers + cfg.concurrent * (2 * layers + 2 * read) + 1
     device = max(math.ceil(cfg.budget * peak), floor)
     bar = None
     if progress:
@@ -144,7 +188,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         bar = tqdm(desc="tiered decode", unit="step")
     faults = FAULT_PLAN if cfg.faults else {}
     t0 = time.perf_counter()
-    rt, out = _run(cfg, model, work, device, host, bar, faults, {})
+    sizes = (host_pages, idx_pages)
+    rt, out, adms, prefill_bytes = _run(cfg, model, work, device, sizes, bar, faults, {})
     tiered_s = time.perf_counter() - t0
     if bar is not None:
         bar.close()
@@ -152,11 +197,17 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     aborts: dict[int, list[int]] = {}
     for step, rid, _ in rt.failures:
         aborts.setdefault(step, []).append(rid)
-    _, ref = _run(cfg, model, work, host, host, bar, {}, aborts)
+    resident = peak + 16 * layers
+    _, ref, ref_adms, _ = _run(cfg, model, work, max(resident, device), sizes, bar, {}, aborts)
     if bar is not None:
         bar.close()
     failed = sorted({rid for _, rid, _ in rt.failures})
     exact = out.keys() == ref.keys() and all(torch.equal(out[r], ref[r]) for r in ref)
+    # Both runs must have met the same prefix hits, or the check compares different work.
+    exact = exact and all(adms[r] == ref_adms.get(r) for r in adms)
+    px = rt.prefix_stats()
+    moved = px["indexer_bytes_restored"] + px["prefix_kv_bytes_loaded"]
+    needed = px["indexer_bytes_restored"] + px["prefix_kv_bytes_first"]
     # End state: every request ended; nothing pinned, in flight, quarantined or leaked.
     end = rt.scheduler.stats()
     rt.scheduler.validate()
@@ -166,14 +217,26 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     decode_tokens = sum(r.requests for r in recs)
     totals = {
         **{k: core[k] for k in core if k not in ("step", "device_used", "device_capacity")},
-        "requests": len(work),
+        "requests": len(adms),
         "steps": len(recs),
         "tokens": decode_tokens,
-        "prompt_tokens": int(sum(len(t) for t, _, _ in work)),
+        "conversations": len(work),
         "selection": cfg.selection,
-        "prefix_device_hits": rt.prefix_device_hits,
-        "prefix_host_hits": rt.prefix_host_hits,
-        "prefix_exposed_wait_s": rt.prefix_exposed_wait_s,
+        "prefix_hits": px["hits"],
+        "prefix_hit_tokens": px["device_hit_tokens"] + px["host_hit_tokens"],
+        "prefix_device_hit_tokens": px["device_hit_tokens"],
+        "prefix_host_hit_tokens": px["host_hit_tokens"],
+        "prefix_indexer_bytes_restored": px["indexer_bytes_restored"],
+        "prefix_kv_bytes_loaded": px["prefix_kv_bytes_loaded"],
+        "prefix_kv_bytes_first": px["prefix_kv_bytes_first"],
+        "prefix_kv_bytes_first_in_prefill": prefill_bytes,
+        "prefix_device_part_kv_bytes_loaded": px["device_part_kv_bytes_loaded"],
+        "prefix_full_restore_bytes": px["full_restore_bytes"],
+        "prefix_bytes_saved": px["full_restore_bytes"] - moved,
+        "prefix_restore_ratio": px["full_restore_bytes"] / moved if moved else 0.0,
+        "prefix_restore_ratio_first": px["full_restore_bytes"] / needed if needed else 0.0,
+        "prefix_pages_inserted": px["pages_inserted"],
+        "prefix_wait_s": rt.prefix_wait_s,
         "device_slots": device,
         "peak_objects": peak,
         "budget": cfg.budget,
@@ -248,9 +311,20 @@ def format_summary(r: dict) -> str:
             f"{t['tokens_per_s']:.0f} tokens/s",
         ),
         (
-            "prefix hits (device / host)",
-            f"{t['prefix_device_hits']} / {t['prefix_host_hits']} shared-prompt blocks"
-            f" (load-back wait {t['prefix_exposed_wait_s'] * 1e3:.2f} ms)",
+            "prefix hits",
+            f"{t['prefix_hits']} of {t['requests']} requests ({t['conversations']} "
+            f"conversations), {t['prefix_hit_tokens']} tokens ({t['prefix_device_hit_tokens']}"
+            f" with Indexer-K on the device, {t['prefix_host_hit_tokens']} restored)",
+        ),
+        (
+            "prefix bytes moved",
+            f"Indexer-K restored {_mib(t['prefix_indexer_bytes_restored'])} + KV blocks loaded "
+            f"{_mib(t['prefix_kv_bytes_loaded'])} ({_mib(t['prefix_kv_bytes_first'])} first "
+            f"loads, {_mib(t['prefix_kv_bytes_first_in_prefill'])} of them by the suffix "
+            f"prefill); a full restore: {_mib(t['prefix_full_restore_bytes'])} "
+            f"({t['prefix_restore_ratio']:.2f}x all loads, "
+            f"{t['prefix_restore_ratio_first']:.2f}x first loads; "
+            f"restore wait {t['prefix_wait_s'] * 1e3:.2f} ms)",
         ),
         (
             "faults",

@@ -9,12 +9,14 @@
 //! The scheduler holds both pool tensors (through their bindings) and the engine. Dropping it
 //! first drains every transfer in flight, so no copy outlives the tensors it touches.
 
+use crate::config::HitPolicy;
 use crate::error::Error;
 use crate::ids::{LayerPlanId, RequestId, SlotId};
 use crate::py::args::{int, int64_array, opt_int};
 use crate::py::directory::{stats_dict, PyResidencyDirectory};
 use crate::py::error::{to_py, typed_error, IntoPyResult};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
+use crate::radix::PoolPair;
 use crate::scheduler::{
     PlanCounts, Prefix, SchedulerConfig, SelectionUnit, StepRecord, StepScheduler,
 };
@@ -31,6 +33,9 @@ pub struct PyStepScheduler {
     device: Py<PyPageTransferBinding>,
     host: Py<PyPageTransferBinding>,
     engine: Py<PyTransferEngine>,
+    /// Joined mode: the sidecar bindings, held so their tensors outlive every copy.
+    #[allow(dead_code)]
+    sidecars: Vec<Py<PyPageTransferBinding>>,
 }
 
 fn rid_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
@@ -206,7 +211,242 @@ impl PyStepScheduler {
             device: device.unbind(),
             host: host.unbind(),
             engine: engine.unbind(),
+            sidecars: Vec::new(),
         })
+    }
+
+    /// A joined scheduler: `host_kv` is the group's multi-layer KV host pool (either layout),
+    /// whose pages the prefix cache owns; main-KV objects are loaded from there per layer
+    /// into the one-layer `device` slots. `indexer_device` / `indexer_host` are the Indexer-K
+    /// pools (whole pages, every layer), restored on a prefix hit and written through when a
+    /// request ends.
+    #[staticmethod]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(
+        signature = (device, host_kv, engine, *, indexer_device, indexer_host, device_reserve=None, prefetch=true, prefetch_depth=None),
+        text_signature = "(device, host_kv, engine, *, indexer_device, indexer_host, device_reserve=0, prefetch=True, prefetch_depth=1)"
+    )]
+    fn joined(
+        py: Python<'_>,
+        device: Bound<'_, PyPageTransferBinding>,
+        host_kv: Bound<'_, PyPageTransferBinding>,
+        engine: Bound<'_, PyTransferEngine>,
+        indexer_device: Bound<'_, PyPageTransferBinding>,
+        indexer_host: Bound<'_, PyPageTransferBinding>,
+        device_reserve: Option<&Bound<'_, PyAny>>,
+        prefetch: bool,
+        prefetch_depth: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let reserve = opt_int(device_reserve, "device_reserve")?.unwrap_or(0);
+        let reserve = u32::try_from(reserve).map_err(|_| {
+            to_py(
+                py,
+                Error::config("device_reserve", reserve, "an integer >= 0"),
+            )
+        })?;
+        let depth = opt_int(prefetch_depth, "prefetch_depth")?.unwrap_or(1);
+        let depth = u16::try_from(depth)
+            .ok()
+            .filter(|&d| d >= 1)
+            .ok_or_else(|| {
+                to_py(
+                    py,
+                    Error::config("prefetch_depth", depth, "an integer >= 1"),
+                )
+            })?;
+        let (d, h, e) = (device.get(), host_kv.get(), engine.get());
+        let (id, ih) = (indexer_device.get(), indexer_host.get());
+        let cuda = e.needs_pinned();
+        let want = if cuda {
+            MemoryKind::Device
+        } else {
+            MemoryKind::Host
+        };
+        for (field, b) in [("device", d), ("indexer_device", id)] {
+            if b.inner.kind() != want {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        field,
+                        format!("a {:?} tensor", b.inner.kind()).to_lowercase(),
+                        format!(
+                            "a {} tensor for the {} engine",
+                            if cuda { "cuda" } else { "cpu" },
+                            e.shared().name()
+                        ),
+                    ),
+                ));
+            }
+        }
+        for (field, b) in [("host_kv", h), ("indexer_host", ih)] {
+            if b.inner.kind() != MemoryKind::Host || (cuda && !b.pinned) {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        field,
+                        "a device or pageable tensor",
+                        "a cpu tensor (pinned, tensor.pin_memory(), for the kernel and direct \
+                         engines)",
+                    ),
+                ));
+            }
+        }
+        let layers = u16::try_from(h.inner.layers()).map_err(|_| {
+            to_py(
+                py,
+                Error::out_of_range("host_kv.layers", h.inner.layers() as u64, 1, 1 << 16),
+            )
+        })?;
+        let cfg = SchedulerConfig {
+            layers,
+            page_size: d.inner.page_size(),
+            device_pages: d.inner.pages(),
+            device_reserve: reserve,
+            host_pages: h.inner.pages(),
+            prefetch,
+            prefetch_depth: depth,
+        };
+        let sidecars = vec![PoolPair {
+            device: Some(id.inner.clone()),
+            host: ih.inner.clone(),
+            hit: HitPolicy::AllPages,
+        }];
+        let inner = StepScheduler::joined(
+            cfg,
+            d.inner.clone(),
+            h.inner.clone(),
+            sidecars,
+            id.inner.pages(),
+            e.shared(),
+        )
+        .py_err(py)?;
+        Ok(PyStepScheduler {
+            inner: Mutex::new(inner),
+            device: device.unbind(),
+            host: host_kv.unbind(),
+            engine: engine.unbind(),
+            sidecars: vec![indexer_device.unbind(), indexer_host.unbind()],
+        })
+    }
+
+    /// Whether this is a joined scheduler (with a prefix cache).
+    #[getter]
+    fn is_joined(&self) -> bool {
+        self.inner.lock().is_joined()
+    }
+
+    /// Joined mode: admits request `rid` with its prompt `tokens` (1-D integers in
+    /// [0, 2^32)): matches whole pages in the prefix cache (at least one token is left to
+    /// prefill), restores their Indexer-K in the background, and leaves their main KV on
+    /// host. Returns `{"matched_pages", "device_pages", "restored_pages"}`; the request
+    /// starts at `matched_pages * page_size` tokens.
+    fn admit<'py>(
+        &self,
+        py: Python<'py>,
+        rid: &Bound<'py, PyAny>,
+        tokens: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let id = self::rid(rid)?;
+        let arr = int64_array(tokens, "tokens", "token ids in [0, 2^32)")?;
+        let toks: Vec<u32> = arr
+            .as_array()
+            .iter()
+            .map(|&t| {
+                u32::try_from(t)
+                    .map_err(|_| to_py(py, Error::out_of_range("tokens", t, 0, 1i64 << 32)))
+            })
+            .collect::<PyResult<_>>()?;
+        let a = py
+            .detach(|| self.inner.lock().admit(id, &toks))
+            .py_err(py)?;
+        let d = PyDict::new(py);
+        d.set_item("matched_pages", a.matched_pages)?;
+        d.set_item("device_pages", a.device_pages)?;
+        d.set_item("restored_pages", a.restored_pages)?;
+        Ok(d)
+    }
+
+    /// Joined mode: makes layer `layer` of request `rid`'s restored Indexer-K readable (an
+    /// event wait, or with `stream` a CUDA stream wait). Raises TransferFailedError if the
+    /// restore failed; end the request then.
+    #[pyo3(signature = (rid, layer, stream=None))]
+    fn wait_prefix(
+        &self,
+        py: Python<'_>,
+        rid: &Bound<'_, PyAny>,
+        layer: &Bound<'_, PyAny>,
+        stream: Option<u64>,
+    ) -> PyResult<()> {
+        let id = self::rid(rid)?;
+        let l = u32_arg(py, layer, "layer", 0)?;
+        let l = u16::try_from(l)
+            .map_err(|_| to_py(py, Error::out_of_range("layer", l, 0, self.layers())))?;
+        py.detach(|| self.inner.lock().wait_prefix(id, l, stream))
+            .py_err(py)
+    }
+
+    /// Joined mode: request `rid`'s Indexer-K device pages, one per page (int64).
+    fn indexer_pages<'py>(
+        &self,
+        py: Python<'py>,
+        rid: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
+        let id = self::rid(rid)?;
+        let s = self.inner.lock();
+        let pages = s.indexer_pages(id).py_err(py)?;
+        Ok(PyArray1::from_iter(py, pages.iter().map(|&p| i64::from(p))))
+    }
+
+    /// Joined mode: writes through and inserts every ended request now, waiting for the
+    /// copies (so the next admission sees their pages).
+    fn flush_finished(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.inner.lock().flush_finished()).py_err(py)
+    }
+
+    /// Joined mode: evicts up to `device` Indexer-K device pages and `host` host pages of
+    /// unlocked prefixes (their main-KV objects go with their host pages). Returns (device
+    /// pages freed, host pages freed).
+    fn evict_prefix(
+        &self,
+        py: Python<'_>,
+        device: &Bound<'_, PyAny>,
+        host: &Bound<'_, PyAny>,
+    ) -> PyResult<(usize, usize)> {
+        let d = u32_arg(py, device, "device", 0)? as usize;
+        let h = u32_arg(py, host, "host", 0)? as usize;
+        self.inner.lock().evict_prefix(d, h).py_err(py)
+    }
+
+    /// Joined mode: prefix-tier counters (hits, bytes restored and loaded against a full
+    /// restore) and the prefix cache's page counts; None for a plain scheduler.
+    fn prefix_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let s = self.inner.lock();
+        let (Some(t), Some(p)) = (s.prefix_totals(), s.prefix_tier()) else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("requests", t.requests)?;
+        d.set_item("hits", t.hits)?;
+        d.set_item("device_hit_tokens", t.device_hit_tokens)?;
+        d.set_item("host_hit_tokens", t.host_hit_tokens)?;
+        d.set_item("indexer_bytes_restored", t.sidecar_bytes_restored)?;
+        d.set_item("prefix_kv_bytes_loaded", t.prefix_kv_bytes_loaded)?;
+        d.set_item("prefix_kv_bytes_first", t.prefix_kv_bytes_first)?;
+        d.set_item("device_part_kv_bytes_loaded", t.device_part_kv_bytes_loaded)?;
+        d.set_item("full_restore_bytes", t.full_restore_bytes)?;
+        d.set_item("restores_refused", t.restores_refused)?;
+        d.set_item("restores_failed", t.restores_failed)?;
+        d.set_item("pages_inserted", t.pages_inserted)?;
+        d.set_item("writes_failed", t.writes_failed)?;
+        let c = p.cache();
+        let (hf, hc) = c.host_free_capacity();
+        d.set_item("device_free", c.device_free())?;
+        d.set_item("device_capacity", c.device_capacity())?;
+        d.set_item("host_free", hf)?;
+        d.set_item("host_capacity", hc)?;
+        d.set_item("tree_nodes", c.tree().node_count())?;
+        d.set_item("finishing", s.finishing())?;
+        Ok(Some(d))
     }
 
     /// Model layers.
@@ -326,9 +566,29 @@ impl PyStepScheduler {
     }
 
     /// Ends a request: its objects go now or when the last pin or transfer on them ends.
-    fn finish_request(&self, py: Python<'_>, rid: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// Joined mode: with `tokens` (its prompt and generated tokens) its whole pages go into
+    /// the prefix tree once written through; without, its own pages are let go.
+    #[pyo3(signature = (rid, tokens=None))]
+    fn finish_request(
+        &self,
+        py: Python<'_>,
+        rid: &Bound<'_, PyAny>,
+        tokens: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
         let id = self::rid(rid)?;
-        self.inner.lock().finish_request(id).py_err(py)
+        let Some(tokens) = tokens else {
+            return self.inner.lock().finish_request(id).py_err(py);
+        };
+        let arr = int64_array(tokens, "tokens", "token ids in [0, 2^32)")?;
+        let toks: Vec<u32> = arr
+            .as_array()
+            .iter()
+            .map(|&t| {
+                u32::try_from(t)
+                    .map_err(|_| to_py(py, Error::out_of_range("tokens", t, 0, 1i64 << 32)))
+            })
+            .collect::<PyResult<_>>()?;
+        self.inner.lock().end_request(id, Some(&toks)).py_err(py)
     }
 
     /// Tokens written for request `rid`.
@@ -510,10 +770,11 @@ impl PyStepScheduler {
         let direction = match kind {
             "load" => Direction::Load,
             "backup" => Direction::Backup,
+            "restore" => Direction::Load,
             other => {
                 return Err(to_py(
                     py,
-                    Error::config("kind", format!("{other:?}"), "load or backup"),
+                    Error::config("kind", format!("{other:?}"), "load, backup or restore"),
                 ))
             }
         };
@@ -545,6 +806,20 @@ impl PyStepScheduler {
             Some(d) if d.is_finite() && d >= 0.0 => Some(std::time::Duration::from_secs_f64(d)),
             Some(d) => return Err(to_py(py, Error::config("delay", d, "None or seconds >= 0"))),
         };
+        if kind == "restore" {
+            if layer.is_some() || delay.is_some() {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        "layer/delay",
+                        "given",
+                        "None for restore faults (a restore fails as a whole)",
+                    ),
+                ));
+            }
+            self.inner.lock().inject_restore_faults(count);
+            return Ok(());
+        }
         self.inner
             .lock()
             .inject_faults(direction, count, layer, delay);

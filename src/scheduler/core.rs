@@ -861,7 +861,8 @@ impl StepScheduler {
         let mut hints = Vec::with_capacity(selection.len());
         let mut key_row = Vec::with_capacity(selection.len());
         let mut needed: Vec<u32> = Vec::with_capacity(selection.len());
-        let mut from_prefix: Vec<bool> = Vec::with_capacity(selection.len());
+        // Joined mode: per key, the request page if it is a matched prefix page, else NONE.
+        let mut from_prefix: Vec<u32> = Vec::with_capacity(selection.len());
         let mut cells = vec![NONE; rids.len() * k * ppe];
         let mut rows_pages: Vec<Vec<(u32, u32)>> = Vec::with_capacity(rids.len());
         let mut pages_buf = vec![None; ppe];
@@ -927,7 +928,7 @@ impl StepScheduler {
                             keys.push(r.key(page, layer));
                             hints.push(r.hint(page, layer));
                             key_row.push(b as u32);
-                            from_prefix.push(page < r.matched);
+                            from_prefix.push(if page < r.matched { page } else { NONE });
                             needed.push(tokens);
                             row_pages.push((page, next));
                         }
@@ -956,7 +957,10 @@ impl StepScheduler {
             r => r?,
         };
         // Everything below commits: the resolve pinned the batch.
-        self.count_prefix_loads(&res.loaded, &from_prefix);
+        if self.prefix.is_some() {
+            let key_rids: Vec<RequestId> = key_row.iter().map(|&b| rids[b as usize]).collect();
+            self.count_prefix_loads(layer, &res.loaded, &from_prefix, &key_rids);
+        }
         let prefetch = self.prefetches.remove(&layer);
         let mut rec = StepRecord {
             selected,
@@ -1061,15 +1065,40 @@ impl StepScheduler {
         Ok((id, &self.plans[&id].table))
     }
 
-    /// Joined mode: counts the main-KV bytes loaded for matched prefix pages.
-    fn count_prefix_loads(&mut self, loaded: &[bool], from_prefix: &[bool]) {
-        if let Some(p) = self.prefix.as_mut() {
-            let n = loaded
-                .iter()
-                .zip(from_prefix)
-                .filter(|&(&l, &f)| l && f)
-                .count() as u64;
-            p.totals.prefix_kv_bytes_loaded += n * self.object_bytes;
+    /// Joined mode: counts the main-KV bytes loaded for matched prefix pages, and those
+    /// loaded for the first time in their request.
+    fn count_prefix_loads(
+        &mut self,
+        layer: u16,
+        loaded: &[bool],
+        from_prefix: &[u32],
+        key_rids: &[RequestId],
+    ) {
+        let Some(p) = self.prefix.as_mut() else {
+            return;
+        };
+        let layers = self.cfg.layers as usize;
+        for (i, (&l, &page)) in loaded.iter().zip(from_prefix).enumerate() {
+            if !l || page == NONE {
+                continue;
+            }
+            let Some(r) = self.requests.get_mut(&key_rids[i]) else {
+                continue;
+            };
+            if page < r.restored_from {
+                // Indexer-K was on the device: a whole-prefix restore moves nothing here.
+                p.totals.device_part_kv_bytes_loaded += self.object_bytes;
+                continue;
+            }
+            p.totals.prefix_kv_bytes_loaded += self.object_bytes;
+            {
+                let bit = page as usize * layers + layer as usize;
+                let word = &mut r.prefix_seen[bit / 64];
+                if *word & (1 << (bit % 64)) == 0 {
+                    *word |= 1 << (bit % 64);
+                    p.totals.prefix_kv_bytes_first += self.object_bytes;
+                }
+            }
         }
     }
 
@@ -1511,6 +1540,7 @@ impl StepScheduler {
         let mut hints = Vec::new();
         let mut rows = FxHashMap::default();
         let mut from_prefix = Vec::new();
+        let mut key_rids = Vec::new();
         for id in rids {
             let Some(r) = self.requests.get(id) else {
                 continue;
@@ -1523,7 +1553,12 @@ impl StepScheduler {
                 .collect();
             keys.extend(predicted.iter().map(|&p| r.key(p, layer)));
             hints.extend(predicted.iter().map(|&p| r.hint(p, layer)));
-            from_prefix.extend(predicted.iter().map(|&p| p < r.matched));
+            from_prefix.extend(
+                predicted
+                    .iter()
+                    .map(|&p| if p < r.matched { p } else { NONE }),
+            );
+            key_rids.extend(predicted.iter().map(|_| *id));
             rows.insert(*id, (predicted, Vec::new()));
         }
         if keys.is_empty() {
@@ -1537,7 +1572,7 @@ impl StepScheduler {
             }
             Err(e) => return Err(e),
         };
-        self.count_prefix_loads(&res.loaded, &from_prefix);
+        self.count_prefix_loads(layer, &res.loaded, &from_prefix, &key_rids);
         let mut rec = StepRecord {
             prefetch_predicted: keys.len() as u64,
             prefetch_loaded: res.metrics.absent,
@@ -1616,18 +1651,8 @@ impl StepScheduler {
             p.cache.drain()?;
             p.drop_freed(&self.dir)?;
         }
-        // Ended requests: write through and insert (a failed write gets one more try).
-        for _ in 0..3 {
-            self.progress_finishing()?;
-            let waits: Vec<_> = self
-                .prefix
-                .as_ref()
-                .map(|p| p.finishing.iter().filter_map(|f| f.write.clone()).collect())
-                .unwrap_or_default();
-            for ev in waits {
-                let _ = ev.wait_all(None);
-            }
-        }
+        // Ended requests: write through and insert (a failed write gets more tries).
+        self.flush_finished()?;
         self.progress_finishing()
     }
 

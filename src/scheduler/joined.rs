@@ -80,6 +80,16 @@ impl StepScheduler {
         if m.host_len > 0 {
             match p.cache.load_back(node) {
                 Ok(Some(lb)) => {
+                    if p.restore_faults > 0 {
+                        p.restore_faults -= 1;
+                        engine.inject(crate::transfer::Fault {
+                            nth: engine.submitted(),
+                            layer: None,
+                            action: crate::transfer::FaultAction::Fail(
+                                "injected restore fault".into(),
+                            ),
+                        })?;
+                    }
                     if let Err(e) = p.cache.flush() {
                         p.cache.unlock(node)?;
                         return Err(e);
@@ -107,7 +117,6 @@ impl StepScheduler {
                 }
             }
         }
-        let _ = engine;
         let (idx_pages, host_pages) = if matched > 0 {
             let t = p.cache.tree();
             (t.path_device_pages(node)?, t.path_host_pages(node)?)
@@ -135,6 +144,8 @@ impl StepScheduler {
         state.node = (matched > 0).then_some(node);
         state.tokens = tokens.to_vec();
         state.restores = restores;
+        state.prefix_seen = vec![0; (matched * layers).div_ceil(64)];
+        state.restored_from = (matched - restored) as u32;
         if !keys.is_empty() {
             dir.register_host(&keys, &at)?;
             let idx = dir.index_of(&keys);
@@ -339,6 +350,40 @@ impl StepScheduler {
             }
         }
         self.let_go(f_tail(f), 0)
+    }
+
+    /// Arms `count` failures of the next Indexer-K restores (through the engine's fault hook).
+    pub fn inject_restore_faults(&mut self, count: u32) {
+        if let Some(p) = self.prefix.as_mut() {
+            p.restore_faults += count;
+        }
+    }
+
+    /// Writes through and inserts every request that ended, waiting for the copies (a retry
+    /// for a failed one included); what remains is still retried at every `end_step`. A
+    /// caller that wants the next admission to see these pages deterministically calls this
+    /// after `end_request`.
+    pub fn flush_finished(&mut self) -> Result<()> {
+        for _ in 0..3 {
+            if self.finishing() == 0 {
+                break;
+            }
+            self.pending_backups.append(&mut self.filled);
+            self.submit_pending_backups()?;
+            self.wait_backups();
+            self.poll()?;
+            self.progress_finishing()?;
+            let waits: Vec<_> = self
+                .prefix
+                .as_ref()
+                .map(|p| p.finishing.iter().filter_map(|f| f.write.clone()).collect())
+                .unwrap_or_default();
+            for ev in waits {
+                let _ = ev.wait_all(None);
+            }
+            self.progress_finishing()?;
+        }
+        Ok(())
     }
 
     /// Prefix-tier counters (joined mode).

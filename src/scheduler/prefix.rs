@@ -60,8 +60,15 @@ pub struct PrefixTotals {
     pub host_hit_tokens: u64,
     /// Indexer-K (and other sidecar) bytes restored for matched host pages.
     pub sidecar_bytes_restored: u64,
-    /// Main-KV bytes loaded for matched pages while their requests ran (selected blocks).
+    /// Main-KV bytes loaded for matched pages restored from host while their requests ran
+    /// (selected blocks; every load, re-loads after eviction included).
     pub prefix_kv_bytes_loaded: u64,
+    /// Of those, the first load of each (page, layer) in its request: the bytes of those
+    /// pages the request needed at all.
+    pub prefix_kv_bytes_first: u64,
+    /// Main-KV bytes loaded for matched pages whose Indexer-K was on the device (a
+    /// whole-prefix cache would have kept their KV on the device too).
+    pub device_part_kv_bytes_loaded: u64,
     /// What restoring every matched host page in every pool would have moved (a
     /// whole-prefix restore, as SGLang's HiCache does).
     pub full_restore_bytes: u64,
@@ -116,6 +123,8 @@ pub struct PrefixTier {
     pub(crate) finishing: Vec<Finishing>,
     limbo: Vec<Limbo>,
     pub(crate) totals: PrefixTotals,
+    /// Restores armed to fail (fault injection).
+    pub(crate) restore_faults: u32,
 }
 
 impl std::fmt::Debug for PrefixTier {
@@ -156,6 +165,7 @@ impl PrefixTier {
             finishing: Vec::new(),
             limbo: Vec::new(),
             totals: PrefixTotals::default(),
+            restore_faults: 0,
         }
     }
 
@@ -311,6 +321,11 @@ impl PrefixTier {
             self.cache.free_host(&free)?;
         }
         Ok(())
+    }
+
+    /// The prefix cache (for stats and checks).
+    pub fn cache(&self) -> &HiCache {
+        &self.cache
     }
 
     /// Pages in limbo.

@@ -51,6 +51,11 @@ pub struct RequestState {
     pub tokens: Vec<u32>,
     /// Joined mode: the Indexer-K restores of the matched pages it waits on, layer by layer.
     pub restores: Vec<Arc<TransferEvents>>,
+    /// Joined mode: matched pages from here on were restored from host (before: Indexer-K
+    /// already on the device).
+    pub restored_from: u32,
+    /// Joined mode: one bit per (matched page, layer) whose main KV it loaded already.
+    pub prefix_seen: Vec<u64>,
 }
 
 impl RequestState {
@@ -71,6 +76,8 @@ impl RequestState {
             node: None,
             tokens: Vec::new(),
             restores: Vec::new(),
+            prefix_seen: Vec::new(),
+            restored_from: 0,
         }
     }
 
