@@ -91,20 +91,31 @@ def test_sparse_attention_with_every_block_equals_dense():
     torch.testing.assert_close(out, full)
 
 
-def run(device_slots, prefetch=True, share=False, mode="block", steps=12, faults=None, aborts=None):
-    """Three requests (longest first-arrival last), `steps` decode steps. `faults` maps a step
-    to `(kind, count, layer)` armed before it; `aborts` maps a step to requests ended after it
-    (a reference run replays a faulty run's failures this way)."""
+SYSTEM = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(5))
+
+
+def run(device_slots, prefetch=True, share=False, mode="block", steps=12, faults=None, aborts=None,
+        layout="layer_first"):  # fmt: skip
+    """Three requests over a 37-token system prompt (4 whole pages of 8), `steps` decode steps.
+    With `share`, a first request over the prompt runs and ends before them, so they find its
+    pages in the prefix cache. `faults` maps a step to `(kind, count, layer)` armed before it;
+    `aborts` maps a step to requests ended after it (a reference run replays a faulty run's
+    failures this way)."""
     m = TinySparseModel(ModelConfig(seed=3))
     rt = DecodeRuntime(
-        m, page_size=8, device_slots=device_slots, host_slots=400, indexer_pages=120,
-        topk=4 if mode == "block" else 12, prefetch=prefetch, selection=mode,
+        m, page_size=8, device_slots=device_slots, host_pages=200, indexer_pages=80,
+        topk=4 if mode == "block" else 12, prefetch=prefetch, selection=mode, layout=layout,
     )  # fmt: skip
     g = torch.Generator().manual_seed(5)
-    system = torch.randint(0, 512, (37,), generator=g)  # 4 whole pages of 8, and 5 more
+    if share:
+        first = torch.cat([SYSTEM, torch.randint(0, 512, (11,), generator=g)])
+        rt.add_request(9, first, 2)
+        rt.step()
+        rt.step()
+        rt.finish_request(9)
     for rid in range(3):
         own = torch.randint(0, 512, (int(23 + 25 * rid),), generator=g)
-        rt.add_request(rid, torch.cat([system, own]), steps, (0, 37) if share else None)
+        rt.add_request(rid, torch.cat([SYSTEM, own]), steps)
     outs = {}
     for step in range(steps):
         if faults and step in faults:
@@ -118,6 +129,11 @@ def run(device_slots, prefetch=True, share=False, mode="block", steps=12, faults
     return rt, outs
 
 
+def tree_pages(rt):
+    p = rt.prefix_stats()
+    return p["host_capacity"] - p["host_free"]
+
+
 @pytest.mark.parametrize("mode", ["block", "token"])
 @pytest.mark.parametrize(("prefetch", "share"), [(True, False), (False, False), (True, True)])
 def test_tiered_decode_is_bit_identical_to_resident(prefetch, share, mode):
@@ -128,13 +144,17 @@ def test_tiered_decode_is_bit_identical_to_resident(prefetch, share, mode):
     assert all(torch.equal(a[r], b[r]) for r in a)
     if prefetch:
         assert sum(r.prefetch_hits for r in tiered.records) > 0
+    if share:
+        assert tiered.prefix_stats()["hits"] == 3
     tiered.drain()
     tiered.scheduler.validate()
     for rid in list(tiered.requests):
         tiered.finish_request(rid)
     s = tiered.scheduler.stats()
-    kept = 4 * 2 if share else 0  # a shared prompt outlives its requests (4 blocks x 2 layers)
-    assert (s["objects"], s["pins"], s["handles"], s["host_used"]) == (kept, 0, 0, kept)
+    # What stays: the pages the ended requests inserted into the prefix tree, every layer
+    # an object at its host page; nothing pinned.
+    assert (s["objects"], s["pins"], s["handles"]) == (tree_pages(tiered) * 2, 0, 0)
+    tiered.scheduler.validate()
 
 
 def test_a_step_makes_one_plan_per_layer_for_the_whole_batch():
@@ -225,7 +245,7 @@ def test_budget_too_small_is_a_config_error():
 
 def test_bad_selection_mode_is_a_config_error():
     with pytest.raises(st.ConfigError) as e:
-        DecodeRuntime(TinySparseModel(), device_slots=8, host_slots=8, indexer_pages=8,
+        DecodeRuntime(TinySparseModel(), device_slots=8, host_pages=8, indexer_pages=8,
                       selection="dense")  # fmt: skip
     assert e.value.field == "selection"
 
@@ -258,23 +278,69 @@ def test_exposed_wait_is_what_the_overlap_window_did_not_hide(load_ms, lo_ms, hi
     assert rec["transfer_ns"] >= rec["exposed_wait_ns"]
 
 
-def test_shared_system_prompt_is_stored_once_and_loaded_back_when_evicted():
-    rt, _ = run(40, share=True)
-    # Requests 1 and 2 found the prompt's 4 blocks x 2 layers stored by request 0's arrival.
-    assert rt.prefix_device_hits + rt.prefix_host_hits == 2 * 4 * 2
+@pytest.mark.parametrize("layout", ["layer_first", "layer_page_first"])
+def test_a_prefix_hit_restores_indexer_k_and_loads_only_selected_blocks(layout):
+    rt, _ = run(40, share=True, layout=layout, steps=4)
+    # The three requests found the prompt's 4 pages, stored once by request 9.
+    px = rt.prefix_stats()
+    assert px["hits"] == 3 and px["device_hit_tokens"] + px["host_hit_tokens"] == 3 * 32
     for rid in list(rt.requests):
         rt.finish_request(rid)
-    rt.drain()  # the next step's prefetch still pinned some of their pages
-    s = rt.directory.stats()
-    assert s["objects"] == 4 * 2  # only the shared prompt remains, once
-    # Under pressure the prompt leaves the device; a new request loads it back layer by layer.
+    rt.drain()
+    # Under pressure the prompt leaves the device, Indexer-K and KV; a new request over it
+    # restores Indexer-K (every page, every layer) and loads only the KV blocks it selects.
+    rt.scheduler.evict_prefix(1000, 0)
     rt.directory.evict(1000)
-    before = rt.prefix_host_hits
-    g = torch.Generator().manual_seed(9)
-    prompt = torch.cat([torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(5)),
-                        torch.randint(0, 512, (20,), generator=g)])  # fmt: skip
-    rt.add_request(7, prompt, 2, (0, 37))
-    assert rt.prefix_host_hits == before + 8
+    prompt = torch.cat([SYSTEM, torch.randint(0, 512, (20,), generator=torch.Generator())])
+    adm = rt.add_request(7, prompt, 2)
+    assert adm == {"matched_pages": 4, "device_pages": 0, "restored_pages": 4}
+    after = rt.prefix_stats()
+    ik_page = 8 * 16 * 2 * 2  # tokens x indexer_dim x bf16 x layers
+    assert after["indexer_bytes_restored"] - px["indexer_bytes_restored"] == 4 * ik_page
+    kv_page = 8 * 2 * 16 * 2 * 2 * 2  # tokens x kv heads x dim x bf16 x K/V x layers
+    assert after["full_restore_bytes"] - px["full_restore_bytes"] == 4 * (kv_page + ik_page)
+    assert after["prefix_kv_bytes_loaded"] > px["prefix_kv_bytes_loaded"]
+    rt.step()
+    rt.scheduler.validate()
+    # The same request in a fresh runtime, prefilled from scratch, decodes the same tokens.
+    fresh = DecodeRuntime(
+        TinySparseModel(ModelConfig(seed=3)), page_size=8, device_slots=400, host_pages=200,
+        indexer_pages=80, topk=4, layout=layout,
+    )  # fmt: skip
+    fresh.add_request(7, prompt, 2)
+    fresh.step()
+    assert fresh.requests[7].fed == rt.requests[7].fed
+    torch.testing.assert_close(fresh.requests[7].outputs[0], rt.requests[7].outputs[0])
+
+
+def test_a_failed_indexer_restore_fails_that_request_only():
+    rt, _ = run(40, share=True, steps=2)
+    for rid in list(rt.requests):
+        rt.finish_request(rid)
+    rt.drain()
+    rt.scheduler.evict_prefix(1000, 0)  # the prompt's Indexer-K is on host only
+    rt.add_request(4, torch.arange(200, 260), 4)  # another request, running throughout
+    prompt = torch.cat([SYSTEM, torch.arange(100, 140)])
+    rt.inject_faults("restore")
+    with pytest.raises(st.RequestFailedError) as e:
+        rt.add_request(6, prompt, 4)
+    assert e.value.rid == 6 and "restore" in e.value.reason
+    assert 6 not in rt.requests and rt.prefix_stats()["restores_failed"] == 1
+    rt.scheduler.validate()
+    rt.step()  # the request still running goes on
+    # The prefix is host-only again; the next request over it is served.
+    assert rt.add_request(8, prompt, 2)["restored_pages"] == 4
+    rt.step()
+    rt.scheduler.validate()
+
+
+def test_a_finished_turn_is_hit_by_the_next_turn():
+    rt, _ = run(40, steps=3)
+    r = rt.finish_request(1)
+    turn2 = torch.cat([torch.from_numpy(r.tokens()), torch.arange(5, 25)])
+    adm = rt.add_request(11, turn2, 2)
+    assert adm["matched_pages"] == r.pos // 8  # every whole page of turn 1, answer included
+    rt.step()
     rt.scheduler.validate()
 
 
@@ -289,6 +355,6 @@ def test_abort_between_steps_releases_everything_and_spares_sharers():
         rt.finish_request(rid)
     rt.drain()
     s = rt.directory.stats()
-    assert (s["objects"], s["pins"], s["handles"]) == (4 * 2, 0, 0)
+    assert (s["objects"], s["pins"], s["handles"]) == (tree_pages(rt) * 2, 0, 0)
     assert rt.aborted == 1
     rt.scheduler.validate()

@@ -111,6 +111,8 @@ class HiCacheMachine(RuleBasedStateMachine):
     def lock(self, data):
         seq = data.draw(st.sampled_from(self.seqs))
         m = self.c.match_prefix(seq)
+        if m["device_len"] + m["host_len"] == 0:
+            return  # evicted from both tiers: the root, whose lock holds nothing
         self.c.lock(m["last_node"])
         self.locks.append((m["last_node"], seq, m["device_len"], m["device_len"] + m["host_len"]))
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from sparsetier.errors import ConfigError
+from sparsetier.errors import ConfigError, RequestFailedError
 from sparsetier.model import ModelConfig, TinySparseModel
 from sparsetier.runtime import DecodeRuntime
 from sparsetier.workload import Workload, WorkloadSpec
@@ -88,15 +88,22 @@ def _workload(cfg: DemoConfig, vocab: int) -> list[list[Turn]]:
 
 
 #: What `--faults` arms, by global decode step: one load failure (the retry succeeds), a
-#: layer whose load and retry both fail (the requests that needed it fail), and a failed
-#: write-through (retried at the next step).
-FAULT_PLAN = {3: ("load", 1, None), 9: ("load", 2, 1), 15: ("backup", 1, None)}
+#: layer whose load and retry both fail (the requests that needed it fail), a failed
+#: write-through (retried at the next step), and a failed Indexer-K restore of the next prefix
+#: hit restored from host (that request fails in its prefill).
+FAULT_PLAN = {
+    1: ("restore", 1, None),
+    3: ("load", 1, None),
+    9: ("load", 2, 1),
+    15: ("backup", 1, None),
+}
 
 
-def _run(cfg: DemoConfig, model, work, device_slots, sizes, progress, faults, aborts):
+def _run(cfg: DemoConfig, model, work, device_slots, sizes, progress, faults, aborts, refused):
     """Runs the conversations; `faults` arms failures by step, `aborts` ends requests after a
-    step (how the resident reference replays the tiered run's failures). A turn's follow-up
-    is queued when it finishes, with the answer in its prompt."""
+    step and `refused` right after their prefill (how the resident reference replays the
+    tiered run's failures). A turn's follow-up is queued when it finishes, with the answer in
+    its prompt."""
     host_pages, idx_pages = sizes
     token = cfg.selection == "token"
     rt = DecodeRuntime(
@@ -125,12 +132,21 @@ def _run(cfg: DemoConfig, model, work, device_slots, sizes, progress, faults, ab
             c, i, prompt = queue.pop(0)
             rid = rids.setdefault((c, i), len(rids))
             before = rt.prefix_stats()["prefix_kv_bytes_first"]
-            admissions[rid] = rt.add_request(rid, prompt, work[c][i].steps)
+            step = len(rt.records)
+            if step in faults:
+                rt.inject_faults(*faults.pop(step))
+            try:
+                admissions[rid] = rt.add_request(rid, prompt, work[c][i].steps)
+            except RequestFailedError:
+                continue  # reported in rt.failures; its conversation ends here
             prefill_bytes += rt.prefix_stats()["prefix_kv_bytes_first"] - before
+            if rid in refused:
+                rt.abort(rid)
+                continue
             live[rid] = (c, i)
         step = len(rt.records)
         if step in faults:
-            rt.inject_faults(*faults[step])
+            rt.inject_faults(*faults.pop(step))
         rt.step()
         if progress is not None:
             progress.update(1)
@@ -186,19 +202,23 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(desc="tiered decode", unit="step")
-    faults = FAULT_PLAN if cfg.faults else {}
+    faults = dict(FAULT_PLAN) if cfg.faults else {}
     t0 = time.perf_counter()
     sizes = (host_pages, idx_pages)
-    rt, out, adms, prefill_bytes = _run(cfg, model, work, device, sizes, bar, faults, {})
+    rt, out, adms, prefill_bytes = _run(cfg, model, work, device, sizes, bar, faults, {}, set())
     tiered_s = time.perf_counter() - t0
     if bar is not None:
         bar.close()
         bar = tqdm(desc="resident check", unit="step")
+    refused = {rid for rid, _ in rt.admission_failures}
     aborts: dict[int, list[int]] = {}
     for step, rid, _ in rt.failures:
-        aborts.setdefault(step, []).append(rid)
+        if rid not in refused:
+            aborts.setdefault(step, []).append(rid)
     resident = peak + 16 * layers
-    _, ref, ref_adms, _ = _run(cfg, model, work, max(resident, device), sizes, bar, {}, aborts)
+    _, ref, ref_adms, _ = _run(
+        cfg, model, work, max(resident, device), sizes, bar, {}, aborts, refused
+    )
     if bar is not None:
         bar.close()
     failed = sorted({rid for _, rid, _ in rt.failures})
@@ -236,6 +256,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "prefix_restore_ratio": px["full_restore_bytes"] / moved if moved else 0.0,
         "prefix_restore_ratio_first": px["full_restore_bytes"] / needed if needed else 0.0,
         "prefix_pages_inserted": px["pages_inserted"],
+        "failed_restores": px["restores_failed"],
         "prefix_wait_s": rt.prefix_wait_s,
         "device_slots": device,
         "peak_objects": peak,
@@ -329,7 +350,8 @@ def format_summary(r: dict) -> str:
         (
             "faults",
             f"{t['failed_loads']} failed loads ({t['retried_loads']} retried), "
-            f"{t['failed_backups']} failed backups, failed requests {t['failed_requests_list']}",
+            f"{t['failed_backups']} failed backups, {t['failed_restores']} failed restores, "
+            f"failed requests {t['failed_requests_list']}",
         ),
         (
             "end state",

@@ -130,6 +130,15 @@ class TransferFailedError(SparsetierError, RuntimeError):
     reason: str
 
 
+class RequestFailedError(SparsetierError, RuntimeError):
+    """A request could not be served: a load its prefill needed (or its prefix's Indexer-K
+    restore) failed, and so did the retry. The request was ended with nothing leaked; the
+    others go on. Attributes: ``rid``, ``reason``."""
+
+    rid: int
+    reason: str
+
+
 class WaitTimeoutError(SparsetierError, TimeoutError):
     """A wait ran out of time. Attributes: ``transfer_id``, ``timeout_ms``."""
 

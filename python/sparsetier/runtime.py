@@ -32,13 +32,23 @@ import torch
 
 from sparsetier._core import PageTransferBinding, PoolSpec, StepScheduler, TransferEngine
 from sparsetier.attention import sparse_attention_batched
-from sparsetier.errors import ConfigError, OutOfPagesError
+from sparsetier.errors import (
+    ConfigError,
+    CopyFailedError,
+    OutOfPagesError,
+    RequestFailedError,
+    TransferFailedError,
+)
 from sparsetier.indexer import MODES
 from sparsetier.model import TinySparseModel, rms
 
 log = logging.getLogger("sparsetier.runtime")
 
 LAYOUTS = ("layer_first", "layer_page_first")
+
+
+class _LoadFailed(Exception):
+    """A prefill plan's loads failed twice (reported to the caller as RequestFailedError)."""
 
 
 @dataclass
@@ -160,9 +170,11 @@ class DecodeRuntime:
         )
         self.requests: dict[int, Request] = {}
         self.records: list[StepRecord] = []
+        self.prefill_records: list[dict] = []  # the scheduler's record of each prefill
         self.prefix_wait_s = 0.0  # blocked on Indexer-K restores during prefills
         self.aborted = 0
         self.failures: list[tuple[int, int, str]] = []  # (step, rid, reason)
+        self.admission_failures: list[tuple[int, str]] = []  # (rid, reason): failed prefills
         self.ttfts: list[float] = []
 
     @property
@@ -210,7 +222,9 @@ class DecodeRuntime:
         """Admits and prefills a request. Its prompt's whole pages are matched in the prefix
         cache: their Indexer-K comes back layer by layer while the suffix prefill runs, their
         main KV stays on host and only the blocks the prefill's selections pick are loaded.
-        Returns the admission (`matched_pages`, `device_pages`, `restored_pages`)."""
+        Returns the admission (`matched_pages`, `device_pages`, `restored_pages`). Raises
+        RequestFailedError (the request ended, the rest unaffected) when a load it needs fails
+        twice."""
         if rid < 0:
             raise ConfigError.of("rid", str(rid), "an integer >= 0")
         if rid in self.requests:
@@ -223,10 +237,23 @@ class DecodeRuntime:
             r.pos = r.matched_tokens = adm["matched_pages"] * self.ps
             try:
                 logits = self._prefill(r, restoring=adm["restored_pages"] > 0)
+            except (CopyFailedError, TransferFailedError, _LoadFailed) as e:
+                # Its loads (or its prefix's restore) failed twice: end it, keep serving.
+                self.scheduler.finish_request(rid)
+                why = str(e)
+                self.admission_failures.append((rid, why))
+                self.failures.append((len(self.records), rid, why))
+                log.warning("request %d failed in prefill: %s", rid, why)
+                raise RequestFailedError(
+                    f"request {rid} failed in prefill: {why}", rid=rid, reason=why
+                ) from e
             except BaseException:
                 self.scheduler.finish_request(rid)
                 raise
             r.next_token = int(logits.argmax())
+            # The prefill is a scheduling round of its own: its plans are recorded apart from
+            # the decode steps', and its filled pages are written through now.
+            self.prefill_records.append(self.scheduler.end_step())
             r.ttft_s = time.perf_counter() - t0
             self.ttfts.append(r.ttft_s)
             self.requests[rid] = r
@@ -279,7 +306,7 @@ class DecodeRuntime:
             table = new
         try:
             if failed:
-                raise ConfigError.of("request", str(rid), f"readable blocks ({failed[0][2]})")
+                raise _LoadFailed(failed[0][2])
             ppe = max(1, self.unit // self.ps)
             cells = self._table(table)[0].view(-1, ppe).to(self.device, torch.long)
             j = torch.searchsorted(entries, sel.clamp(min=0))
