@@ -49,14 +49,14 @@ def test_ratio_and_reserve_pages_make_tokens_differ_from_bytes():
     assert d["budget"]["actual_bytes"] == plan.actual_bytes
 
 
-def test_build_from_specs_makes_pools_and_allocators():
+def test_build_from_specs_makes_pools_and_the_prefix_cache():
     stack = build_sparse_stack([kv(), ik()], hicache_ratio=2.0, layout="layer_page_first")
     assert set(stack.device_pools) == set(stack.host_pools) == {"KV", "INDEXER"}
     assert stack.device_pools["KV"].shape == (2, 2, 16, 16, 2, 32)
     assert stack.host_pools["KV"].shape == (2, 30, 2, 16, 2, 32)  # [plane][page][layer]...
     assert stack.host_pools["INDEXER"].shape == (1, 30, 2, 16, 1, 64)
-    assert stack.device_allocator.capacity == 15
-    assert stack.host_allocator.capacity == 30
+    assert stack.hicache.stats()["device_capacity"] == 15
+    assert stack.hicache.stats()["host_capacity"] == 30
     assert stack.pinned == torch.cuda.is_available()
 
 

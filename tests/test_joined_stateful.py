@@ -111,8 +111,9 @@ class JoinedMachine(RuleBasedStateMachine):
         self.next_rid += 1
         adm = self.s.admit(rid, np.array(toks, dtype=np.int64))
         matched = adm["matched_pages"] * PS
-        assert matched < len(toks) and adm["device_pages"] + adm["restored_pages"] == (
-            adm["matched_pages"]
+        assert (
+            matched < len(toks)
+            and adm["device_pages"] + adm["restored_pages"] == (adm["matched_pages"])
         )
         self.running[rid] = toks[:matched]
         try:

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, Any
 
 from sparsetier._core import (
     HiCache,
-    PageAllocator,
     PageTransferBinding,
     Plan,
     PoolSpec,
@@ -39,17 +38,12 @@ class DevicePool:
 class SparseStack:
     """What ``build_sparse_stack`` returns: the plan, the pools of both tiers (by component),
     the copy engine, and the hierarchical prefix cache that owns the pages of both tiers (one
-    page index addresses every pool of a tier).
-
-    ``device_allocator`` and ``host_allocator`` are free-standing allocators of the same sizes
-    for callers that manage pages themselves instead of through ``hicache``; do not mix the
-    two on one stack."""
+    page index addresses every pool of a tier). The prefix cache is the one owner of pages on
+    both tiers: there is no second allocator to mix with it."""
 
     plan: Plan
     device_pools: dict[str, torch.Tensor]
     host_pools: dict[str, torch.Tensor]
-    device_allocator: PageAllocator
-    host_allocator: PageAllocator
     engine: TransferEngine
     hicache: HiCache
     pinned: bool = field(default=False)
@@ -177,8 +171,6 @@ def build_sparse_stack(
         plan=plan,
         device_pools=device_pools,
         host_pools=host_pools,
-        device_allocator=PageAllocator(plan.device_pages, plan.device_reserve),
-        host_allocator=PageAllocator(plan.host_pages, plan.host_reserve),
         engine=engine,
         hicache=hicache,
         pinned=pin,
