@@ -285,3 +285,18 @@ def test_demo_bad_flags_exit_2(extra):
     )
     assert r.returncode == 2
     assert "Traceback" not in r.stderr and "allowed" in r.stderr
+
+
+def test_plan_estimates_a_prefix_hit_for_deepseek_v32(capsys):
+    # 656 B/token/layer main KV and 132 B Indexer-K (FP8), top-2048 of a 32k prefix: the
+    # joined mode moves Indexer-K plus one step's selection, about 4.55x less than all of it.
+    args = ["plan", "--layers", "61", "--kv-heads", "1", "--head-dim", "328", "--dtype",
+            "fp8_e4m3", "--indexer-head-dim", "132", "--indexer-dtype", "fp8_e4m3",
+            "--device-pages", "100", "--context", "32768", "--topk", "2048", "--json"]  # fmt: skip
+    assert main(args) == 0
+    e = json.loads(capsys.readouterr().out)["prefix_hit_estimate"]
+    assert e["full_restore_bytes"] == 32768 * 61 * (656 + 132)
+    assert e["joined_bytes_ideal"] == 61 * (32768 * 132 + 2048 * 656)
+    assert e["ratio_ideal"] == pytest.approx(4.55, abs=0.01)
+    assert main(["plan", "--layers", "2", "--kv-heads", "1", "--head-dim", "8",
+                 "--device-pages", "4", "--context", "0"]) == 2  # fmt: skip

@@ -127,6 +127,50 @@ def format_plan(plan: Plan) -> str:
     return "\n".join(lines)
 
 
+def prefix_hit_estimate(plan: Plan, context: int, topk: int) -> dict:
+    """Bytes a prefix hit of `context` tokens moves to the device, per layer group of the plan:
+    a full restore (every pool of every matched page, SWA its window; SGLang's HiCache) against
+    the joined mode (Indexer-K and draft of every page, SWA its window, and the main KV of one
+    decode step's `topk` selected tokens per layer). The selected tokens packed into whole
+    pages is the ideal; one page per selected token the worst case."""
+    full = sparse = 0
+    kv_token = kv_page = 0
+    for p in plan.pools:
+        if p.tier != "host":
+            continue
+        per_token = p.bytes // max(p.tokens, 1)
+        tokens = min(p.window, context) if p.window else context
+        full += per_token * tokens
+        if p.component == "KV":
+            kv_token, kv_page = per_token, p.page_bytes
+        else:
+            sparse += per_token * tokens
+    sel = min(topk, context)
+    ideal = sparse + kv_token * sel
+    pages = min(sel, -(-context // plan.page_size))
+    worst = sparse + min(kv_page * pages, kv_token * context)
+    return {
+        "context": context,
+        "topk": topk,
+        "full_restore_bytes": full,
+        "joined_bytes_ideal": ideal,
+        "joined_bytes_worst": worst,
+        "ratio_ideal": full / ideal if ideal else 0.0,
+        "ratio_worst": full / worst if worst else 0.0,
+    }
+
+
+def format_estimate(e: dict) -> str:
+    return (
+        f"prefix hit of {e['context']} tokens, top-{e['topk']} per layer: a full restore moves "
+        f"{_human(e['full_restore_bytes'])}; the joined mode {_human(e['joined_bytes_ideal'])}"
+        f" ({e['ratio_ideal']:.2f}x fewer) with the selection packed in whole pages, up to "
+        f"{_human(e['joined_bytes_worst'])} ({e['ratio_worst']:.2f}x) with one page per "
+        "selected token. One decode step's selection: a suffix prefill reads the union of its "
+        "tokens' selections (see benches/RESULTS.md)."
+    )
+
+
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="show the pool layout across GPU and host memory")
     p.add_argument("--layers", type=int, required=True, help="main attention layers")
@@ -151,6 +195,10 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--io-backend", default="cpu", help="kernel, direct or cpu")
     p.add_argument("--device-reserve", type=int, default=1, help="reserved device pages")
     p.add_argument("--host-reserve", type=int, default=0, help="reserved host pages")
+    p.add_argument(
+        "--context", type=int, help="estimate the bytes a prefix hit of this many tokens moves"
+    )
+    p.add_argument("--topk", type=int, default=2048, help="with --context: tokens selected")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
@@ -390,7 +438,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.indexer_layers is None:
                 args.indexer_layers = args.layers
             plan = build_plan(args)
-            print(json.dumps(plan.to_dict(), indent=2) if args.json else format_plan(plan))
+            est = None
+            if args.context is not None:
+                for name in ("context", "topk"):
+                    if getattr(args, name) < 1:
+                        raise ConfigError.of(name, str(getattr(args, name)), "an integer >= 1")
+                est = prefix_hit_estimate(plan, args.context, args.topk)
+            if args.json:
+                d = plan.to_dict()
+                if est is not None:
+                    d["prefix_hit_estimate"] = est
+                print(json.dumps(d, indent=2))
+            else:
+                print(format_plan(plan))
+                if est is not None:
+                    print(format_estimate(est))
         elif args.command == "bench":
             _run_bench(args)
     except SparsetierError as e:
