@@ -51,6 +51,44 @@ fn rid_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
         .collect()
 }
 
+/// Token ids: a 1-D integer array of values in [0, 2^32).
+fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let py = obj.py();
+    let arr = int64_array(obj, "tokens", "token ids in [0, 2^32)")?;
+    arr.as_array()
+        .iter()
+        .map(|&t| {
+            u32::try_from(t).map_err(|_| to_py(py, Error::out_of_range("tokens", t, 0, 1i64 << 32)))
+        })
+        .collect()
+}
+
+/// `device_reserve` (>= 0, default 0) and `prefetch_depth` (>= 1, default 1).
+fn tuning(
+    py: Python<'_>,
+    device_reserve: Option<&Bound<'_, PyAny>>,
+    prefetch_depth: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(u32, u16)> {
+    let reserve = opt_int(device_reserve, "device_reserve")?.unwrap_or(0);
+    let reserve = u32::try_from(reserve).map_err(|_| {
+        to_py(
+            py,
+            Error::config("device_reserve", reserve, "an integer >= 0"),
+        )
+    })?;
+    let depth = opt_int(prefetch_depth, "prefetch_depth")?.unwrap_or(1);
+    let depth = u16::try_from(depth)
+        .ok()
+        .filter(|&d| d >= 1)
+        .ok_or_else(|| {
+            to_py(
+                py,
+                Error::config("prefetch_depth", depth, "an integer >= 1"),
+            )
+        })?;
+    Ok((reserve, depth))
+}
+
 fn rid(obj: &Bound<'_, PyAny>) -> PyResult<RequestId> {
     let v = int(obj, "rid")?;
     u64::try_from(v).map(RequestId::new).map_err(|_| {
@@ -147,23 +185,7 @@ impl PyStepScheduler {
         let layers = u32_arg(py, layers, "layers", 1)?;
         let layers = u16::try_from(layers)
             .map_err(|_| to_py(py, Error::out_of_range("layers", layers, 1, 1 << 16)))?;
-        let reserve = opt_int(device_reserve, "device_reserve")?.unwrap_or(0);
-        let reserve = u32::try_from(reserve).map_err(|_| {
-            to_py(
-                py,
-                Error::config("device_reserve", reserve, "an integer >= 0"),
-            )
-        })?;
-        let depth = opt_int(prefetch_depth, "prefetch_depth")?.unwrap_or(1);
-        let depth = u16::try_from(depth)
-            .ok()
-            .filter(|&d| d >= 1)
-            .ok_or_else(|| {
-                to_py(
-                    py,
-                    Error::config("prefetch_depth", depth, "an integer >= 1"),
-                )
-            })?;
+        let (reserve, depth) = tuning(py, device_reserve, prefetch_depth)?;
         let (d, h, e) = (device.get(), host.get(), engine.get());
         let cuda = e.needs_pinned();
         let want = if cuda {
@@ -237,23 +259,7 @@ impl PyStepScheduler {
         prefetch: bool,
         prefetch_depth: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let reserve = opt_int(device_reserve, "device_reserve")?.unwrap_or(0);
-        let reserve = u32::try_from(reserve).map_err(|_| {
-            to_py(
-                py,
-                Error::config("device_reserve", reserve, "an integer >= 0"),
-            )
-        })?;
-        let depth = opt_int(prefetch_depth, "prefetch_depth")?.unwrap_or(1);
-        let depth = u16::try_from(depth)
-            .ok()
-            .filter(|&d| d >= 1)
-            .ok_or_else(|| {
-                to_py(
-                    py,
-                    Error::config("prefetch_depth", depth, "an integer >= 1"),
-                )
-            })?;
+        let (reserve, depth) = tuning(py, device_reserve, prefetch_depth)?;
         let (d, h, e) = (device.get(), host_kv.get(), engine.get());
         let (id, ih) = (indexer_device.get(), indexer_host.get());
         let cuda = e.needs_pinned();
@@ -347,15 +353,7 @@ impl PyStepScheduler {
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let id = self::rid(rid)?;
-        let arr = int64_array(tokens, "tokens", "token ids in [0, 2^32)")?;
-        let toks: Vec<u32> = arr
-            .as_array()
-            .iter()
-            .map(|&t| {
-                u32::try_from(t)
-                    .map_err(|_| to_py(py, Error::out_of_range("tokens", t, 0, 1i64 << 32)))
-            })
-            .collect::<PyResult<_>>()?;
+        let toks = token_ids(tokens)?;
         let a = py
             .detach(|| self.inner.lock().admit(id, &toks))
             .py_err(py)?;
@@ -579,15 +577,7 @@ impl PyStepScheduler {
         let Some(tokens) = tokens else {
             return self.inner.lock().finish_request(id).py_err(py);
         };
-        let arr = int64_array(tokens, "tokens", "token ids in [0, 2^32)")?;
-        let toks: Vec<u32> = arr
-            .as_array()
-            .iter()
-            .map(|&t| {
-                u32::try_from(t)
-                    .map_err(|_| to_py(py, Error::out_of_range("tokens", t, 0, 1i64 << 32)))
-            })
-            .collect::<PyResult<_>>()?;
+        let toks = token_ids(tokens)?;
         self.inner.lock().end_request(id, Some(&toks)).py_err(py)
     }
 

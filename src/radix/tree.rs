@@ -588,21 +588,19 @@ impl RadixTree {
 
     /// Device pages of the path from the root to `node`, in order.
     pub fn path_device_pages(&self, node: NodeId) -> Result<Vec<PageId>> {
-        let mut idx = self.resolve(node)?;
-        let mut parts = Vec::new();
-        while self.nodes[idx].parent != NIL {
-            parts.push(idx);
-            idx = self.nodes[idx].parent;
-        }
-        Ok(parts
-            .iter()
-            .rev()
-            .flat_map(|&i| self.nodes[i].device.iter().copied())
-            .collect())
+        self.path_pages(node, |n| &n.device)
     }
 
     /// Host pages of the path from the root to `node`, in order.
     pub fn path_host_pages(&self, node: NodeId) -> Result<Vec<PageId>> {
+        self.path_pages(node, |n| &n.host_pages)
+    }
+
+    fn path_pages(
+        &self,
+        node: NodeId,
+        pages: impl Fn(&Node) -> &Vec<PageId>,
+    ) -> Result<Vec<PageId>> {
         let mut idx = self.resolve(node)?;
         let mut parts = Vec::new();
         while self.nodes[idx].parent != NIL {
@@ -612,7 +610,7 @@ impl RadixTree {
         Ok(parts
             .iter()
             .rev()
-            .flat_map(|&i| self.nodes[i].host_pages.iter().copied())
+            .flat_map(|&i| pages(&self.nodes[i]).iter().copied())
             .collect())
     }
 
