@@ -63,6 +63,53 @@ fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
         .collect()
 }
 
+/// Device-tier bindings must be where the engine's device memory is (cuda tensors for the
+/// CUDA engines, cpu tensors for the cpu engine); host-tier ones on the host, pinned for the
+/// CUDA engines.
+fn check_tiers(
+    py: Python<'_>,
+    e: &PyTransferEngine,
+    devices: &[(&str, &PyPageTransferBinding)],
+    hosts: &[(&str, &PyPageTransferBinding)],
+) -> PyResult<()> {
+    let cuda = e.needs_pinned();
+    let want = if cuda {
+        MemoryKind::Device
+    } else {
+        MemoryKind::Host
+    };
+    for (field, b) in devices {
+        if b.inner.kind() != want {
+            return Err(to_py(
+                py,
+                Error::config(
+                    *field,
+                    format!("a {:?} tensor", b.inner.kind()).to_lowercase(),
+                    format!(
+                        "a {} tensor for the {} engine",
+                        if cuda { "cuda" } else { "cpu" },
+                        e.shared().name()
+                    ),
+                ),
+            ));
+        }
+    }
+    for (field, b) in hosts {
+        if b.inner.kind() != MemoryKind::Host || (cuda && !b.pinned) {
+            return Err(to_py(
+                py,
+                Error::config(
+                    *field,
+                    "a device or pageable tensor",
+                    "a cpu tensor (pinned, tensor.pin_memory(), for the kernel and direct \
+                     engines)",
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// `device_reserve` (>= 0, default 0) and `prefetch_depth` (>= 1, default 1).
 fn tuning(
     py: Python<'_>,
@@ -187,36 +234,7 @@ impl PyStepScheduler {
             .map_err(|_| to_py(py, Error::out_of_range("layers", layers, 1, 1 << 16)))?;
         let (reserve, depth) = tuning(py, device_reserve, prefetch_depth)?;
         let (d, h, e) = (device.get(), host.get(), engine.get());
-        let cuda = e.needs_pinned();
-        let want = if cuda {
-            MemoryKind::Device
-        } else {
-            MemoryKind::Host
-        };
-        if d.inner.kind() != want {
-            return Err(to_py(
-                py,
-                Error::config(
-                    "device",
-                    format!("a {:?} tensor", d.inner.kind()).to_lowercase(),
-                    format!(
-                        "a {} tensor for the {} engine",
-                        if cuda { "cuda" } else { "cpu" },
-                        e.shared().name()
-                    ),
-                ),
-            ));
-        }
-        if h.inner.kind() != MemoryKind::Host || (cuda && !h.pinned) {
-            return Err(to_py(
-                py,
-                Error::config(
-                    "host",
-                    "a device or pageable tensor",
-                    "a cpu tensor (pinned, tensor.pin_memory(), for the kernel and direct engines)",
-                ),
-            ));
-        }
+        check_tiers(py, e, &[("device", d)], &[("host", h)])?;
         let cfg = SchedulerConfig {
             layers,
             page_size: d.inner.page_size(),
@@ -262,41 +280,12 @@ impl PyStepScheduler {
         let (reserve, depth) = tuning(py, device_reserve, prefetch_depth)?;
         let (d, h, e) = (device.get(), host_kv.get(), engine.get());
         let (id, ih) = (indexer_device.get(), indexer_host.get());
-        let cuda = e.needs_pinned();
-        let want = if cuda {
-            MemoryKind::Device
-        } else {
-            MemoryKind::Host
-        };
-        for (field, b) in [("device", d), ("indexer_device", id)] {
-            if b.inner.kind() != want {
-                return Err(to_py(
-                    py,
-                    Error::config(
-                        field,
-                        format!("a {:?} tensor", b.inner.kind()).to_lowercase(),
-                        format!(
-                            "a {} tensor for the {} engine",
-                            if cuda { "cuda" } else { "cpu" },
-                            e.shared().name()
-                        ),
-                    ),
-                ));
-            }
-        }
-        for (field, b) in [("host_kv", h), ("indexer_host", ih)] {
-            if b.inner.kind() != MemoryKind::Host || (cuda && !b.pinned) {
-                return Err(to_py(
-                    py,
-                    Error::config(
-                        field,
-                        "a device or pageable tensor",
-                        "a cpu tensor (pinned, tensor.pin_memory(), for the kernel and direct \
-                         engines)",
-                    ),
-                ));
-            }
-        }
+        check_tiers(
+            py,
+            e,
+            &[("device", d), ("indexer_device", id)],
+            &[("host_kv", h), ("indexer_host", ih)],
+        )?;
         let layers = u16::try_from(h.inner.layers()).map_err(|_| {
             to_py(
                 py,
