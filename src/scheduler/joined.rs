@@ -134,8 +134,10 @@ impl StepScheduler {
         let ps64 = ps as u64;
         p.totals.device_hit_tokens += (matched - restored) as u64 * ps64;
         p.totals.host_hit_tokens += restored as u64 * ps64;
-        p.totals.sidecar_bytes_restored += restored as u64 * p.sidecar_page_bytes();
-        p.totals.full_restore_bytes += restored as u64 * p.full_page_bytes();
+        let side =
+            p.sidecar_restore_bytes((matched - restored) as u32..matched as u32, matched as u32);
+        p.totals.sidecar_bytes_restored += side;
+        p.totals.full_restore_bytes += restored as u64 * p.kv_page_bytes() + side;
         let mut state = RequestState::new(id, (matched * ps) as u64, None, layers);
         state.joined = true;
         state.homes = homes;

@@ -23,6 +23,7 @@
 //!   and their Indexer-K write-through landed; pages it frees wait until no transfer touches
 //!   objects at them (`Directory::lingering`).
 
+use crate::config::HitPolicy;
 use crate::directory::{Directory, LayerGroup, Namespace, ObjectKey};
 use crate::error::Result;
 use crate::ids::{HostSlotId, PageId, RequestId};
@@ -58,7 +59,8 @@ pub struct PrefixTotals {
     pub device_hit_tokens: u64,
     /// Tokens matched, restored from host.
     pub host_hit_tokens: u64,
-    /// Indexer-K (and other sidecar) bytes restored for matched host pages.
+    /// Indexer-K (and other sidecar: draft every page, SWA its window) bytes restored for
+    /// matched host pages.
     pub sidecar_bytes_restored: u64,
     /// Main-KV bytes loaded for matched pages restored from host while their requests ran
     /// (selected blocks; every load, re-loads after eviction included).
@@ -70,7 +72,7 @@ pub struct PrefixTotals {
     /// whole-prefix cache would have kept their KV on the device too).
     pub device_part_kv_bytes_loaded: u64,
     /// What restoring every matched host page in every pool would have moved (a
-    /// whole-prefix restore, as SGLang's HiCache does).
+    /// whole-prefix restore, as SGLang's HiCache does: SWA its window only).
     pub full_restore_bytes: u64,
     /// Load-backs refused for lack of device pages (the request used the device part only).
     pub restores_refused: u64,
@@ -119,7 +121,6 @@ pub struct PrefixTier {
     layers: u16,
     page_size: u32,
     kv_page_bytes: u64,
-    sidecar_page_bytes: u64,
     pub(crate) finishing: Vec<Finishing>,
     limbo: Vec<Limbo>,
     pub(crate) totals: PrefixTotals,
@@ -149,10 +150,6 @@ impl PrefixTier {
         kv_page_bytes: u64,
     ) -> Self {
         cache.set_host_log(true);
-        let sidecar_page_bytes = sidecars
-            .iter()
-            .map(|p| p.host.page_bytes() * p.host.plane_count() as u64)
-            .sum();
         PrefixTier {
             cache,
             sidecars,
@@ -161,7 +158,6 @@ impl PrefixTier {
             layers,
             page_size,
             kv_page_bytes,
-            sidecar_page_bytes,
             finishing: Vec::new(),
             limbo: Vec::new(),
             totals: PrefixTotals::default(),
@@ -228,14 +224,31 @@ impl PrefixTier {
         pages
     }
 
-    /// Bytes of one host page of every pool (main KV of every layer plus the sidecars).
-    pub fn full_page_bytes(&self) -> u64 {
-        self.kv_page_bytes * u64::from(self.layers) + self.sidecar_page_bytes
+    /// Bytes of main KV of one page, every layer.
+    pub fn kv_page_bytes(&self) -> u64 {
+        self.kv_page_bytes * u64::from(self.layers)
     }
 
-    /// Bytes of one sidecar page, every layer.
-    pub fn sidecar_page_bytes(&self) -> u64 {
-        self.sidecar_page_bytes
+    /// Sidecar bytes a restore of pages `pages` of a `matched`-page prefix moves: every page
+    /// of an ALL_PAGES pool (Indexer-K, draft), the pages of a WINDOW(w) pool (SWA) that hold
+    /// one of the prefix's last `w` tokens.
+    pub fn sidecar_restore_bytes(&self, pages: std::ops::Range<u32>, matched: u32) -> u64 {
+        let ps = u64::from(self.page_size);
+        let end = u64::from(matched) * ps;
+        self.sidecars
+            .iter()
+            .map(|p| {
+                let bytes = p.host.page_bytes() * p.host.plane_count() as u64;
+                let n = match p.hit {
+                    HitPolicy::AllPages => pages.len() as u64,
+                    HitPolicy::Window(w) => pages
+                        .clone()
+                        .filter(|&i| (u64::from(i) + 1) * ps + u64::from(w) > end)
+                        .count() as u64,
+                };
+                n * bytes
+            })
+            .sum()
     }
 
     /// Tokens per page.

@@ -20,6 +20,7 @@ struct Joined {
     s: StepScheduler,
     dev: PageTransferBinding,
     idx_dev: PageTransferBinding,
+    swa_dev: Option<PageTransferBinding>,
     _bufs: Vec<Box<[u8]>>,
 }
 
@@ -35,9 +36,21 @@ fn stamp(page: u32, layer: u16, row: u32, plane: usize, tag: u8) -> [u8; 8] {
 
 const KV: u8 = 0xEE;
 const IDX: u8 = 0x1D;
+const SWA: u8 = 0x5A;
 
 impl Joined {
     fn new(device_slots: u32, idx_pages: u32, host_pages: u32, layout: HostLayout) -> Self {
+        Self::with_swa(device_slots, idx_pages, host_pages, layout, None)
+    }
+
+    /// With `swa = Some(w)`, an SWA sidecar of window `w` tokens beside Indexer-K.
+    fn with_swa(
+        device_slots: u32,
+        idx_pages: u32,
+        host_pages: u32,
+        layout: HostLayout,
+        swa: Option<u32>,
+    ) -> Self {
         let kv = PoolSpec::new(Component::Kv, 1, 2, 1, 4, Dtype::Bf16, PS, device_slots).unwrap();
         let kv_host = PoolSpec::new(
             Component::Kv,
@@ -80,11 +93,38 @@ impl Joined {
             prefetch: false,
             prefetch_depth: 1,
         };
-        let sidecars = vec![PoolPair {
+        let mut sidecars = vec![PoolPair {
             device: Some(idx_dev.clone()),
             host: idx_host,
             hit: HitPolicy::AllPages,
         }];
+        let mut bufs = vec![b0, b1, b2, b3];
+        let mut swa_dev = None;
+        if let Some(w) = swa {
+            let sw = PoolSpec::new(
+                Component::Swa,
+                LAYERS as u32,
+                2,
+                1,
+                4,
+                Dtype::Bf16,
+                PS,
+                idx_pages,
+            )
+            .unwrap();
+            // SAFETY: as above.
+            let (b4, d) = unsafe { crate::testing::host_pool(&sw) }.unwrap();
+            let sw_host = sw.with_pages(host_pages).unwrap();
+            // SAFETY: as above.
+            let (b5, h) = unsafe { crate::testing::host_pool_in(&sw_host, layout) }.unwrap();
+            sidecars.push(PoolPair {
+                device: Some(d.clone()),
+                host: h,
+                hit: HitPolicy::Window(w),
+            });
+            swa_dev = Some(d);
+            bufs.extend([b4, b5]);
+        }
         let engine = Arc::new(CpuEngine::new(2).unwrap());
         let s =
             StepScheduler::joined(cfg, dev.clone(), host_kv, sidecars, idx_pages, engine).unwrap();
@@ -92,7 +132,8 @@ impl Joined {
             s,
             dev,
             idx_dev,
-            _bufs: vec![b0, b1, b2, b3],
+            swa_dev,
+            _bufs: bufs,
         }
     }
 
@@ -139,6 +180,12 @@ impl Joined {
                     row,
                     stamp(page, l, row, 0, IDX),
                 );
+                if let Some(sw) = &self.swa_dev {
+                    for plane in 0..2 {
+                        let v = stamp(page, l, row, plane, SWA);
+                        Self::poke(sw, l as usize * 2 + plane, idx[page as usize], row, v);
+                    }
+                }
             }
         }
     }
@@ -294,4 +341,59 @@ fn plain_calls_are_refused_in_joined_mode() {
     let e = j.s.add_request(RequestId::new(1), 8, None).unwrap_err();
     assert!(e.to_string().contains("admit"), "{e}");
     assert!(j.s.add_prompt(1 << 41, 2).is_err());
+}
+
+#[test]
+fn swa_comes_back_for_its_window_only() {
+    // Window of 6 tokens over a 10-page prefix of 4-token pages: pages 8 and 9 hold it.
+    let mut j = Joined::with_swa(64, 32, 48, HostLayout::LayerPageFirst, Some(6));
+    let shared = prompt(41, 0);
+    j.s.admit(RequestId::new(1), &shared).unwrap();
+    j.prefill(1, 41);
+    j.s.end_request(RequestId::new(1), Some(&shared)).unwrap();
+    j.s.drain().unwrap();
+    j.s.evict_prefix(1000, 0).unwrap();
+    // Nothing stale on the device: every sidecar row read below was written by the restore.
+    for b in [&j.idx_dev, j.swa_dev.as_ref().unwrap()] {
+        let (base, len) = b.extent();
+        // SAFETY: the harness's own buffer; no transfer is in flight after drain.
+        unsafe { std::ptr::write_bytes(base as *mut u8, 0, len as usize) };
+    }
+    let before = j.s.prefix_totals().unwrap();
+    let b = j.s.admit(RequestId::new(2), &shared).unwrap();
+    assert_eq!(b.restored_pages, 10);
+    for l in 0..LAYERS {
+        j.s.wait_prefix(RequestId::new(2), l, None).unwrap();
+    }
+    let idx = j.s.indexer_pages(RequestId::new(2)).unwrap().to_vec();
+    let sw = j.swa_dev.clone().unwrap();
+    for (p, &page) in idx.iter().enumerate() {
+        for l in 0..LAYERS {
+            let got = Joined::peek(&sw, l as usize * 2, page, 0);
+            let want = if p >= 8 {
+                stamp(p as u32, l, 0, 0, SWA)
+            } else {
+                [0; 8]
+            };
+            assert_eq!(got, want, "SWA page {p} layer {l}");
+            let ik = Joined::peek(&j.idx_dev, l as usize, page, 0);
+            assert_eq!(
+                ik,
+                stamp(p as u32, l, 0, 0, IDX),
+                "Indexer-K page {p} layer {l}"
+            );
+        }
+    }
+    let t = j.s.prefix_totals().unwrap();
+    let page = 32 * u64::from(LAYERS); // 4 tokens x 4 dims x bf16, every layer
+    let restored = t.sidecar_bytes_restored - before.sidecar_bytes_restored;
+    assert_eq!(restored, 10 * page + 2 * 2 * page); // Indexer-K all, SWA (K and V) 2 pages
+    let kv = 10 * j.s.object_bytes() * u64::from(LAYERS);
+    assert_eq!(
+        t.full_restore_bytes - before.full_restore_bytes,
+        kv + restored
+    );
+    j.s.end_request(RequestId::new(2), None).unwrap();
+    j.s.drain().unwrap();
+    j.s.validate().unwrap();
 }
