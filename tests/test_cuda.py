@@ -45,9 +45,46 @@ def test_kernels_compile_with_nvrtc_13_0_for_sm_90():
     assert "ld.v4.u32" in ptx or "ld.global.v4.u32" in ptx, "16-byte vector loads expected"
 
 
+CUBIN = """
+import json, sys
+from sparsetier.cuda_libs import preload_nvrtc
+if preload_nvrtc() is None:
+    raise SystemExit("NVRTC not found")
+import sparsetier
+d = sys.argv[1]
+out = []
+for arch in ("sm_90", "sm_80", "sm_90"):
+    c = sparsetier.kernel_cubin(arch, d)
+    out.append({"arch": c["arch"], "elf": c["image"][:4] == b"\\x7fELF", "size": len(c["image"]),
+                "path": str(c["path"]), "from_cache": c["from_cache"]})
+open(out[0]["path"], "wb").write(b"not a cubin")  # a damaged cache file is compiled again
+c = sparsetier.kernel_cubin("sm_90", d)
+out.append({"from_cache": c["from_cache"], "elf": c["image"][:4] == b"\\x7fELF"})
+print(json.dumps(out))
+"""
+
+
+def test_kernel_compiles_to_a_cubin_per_arch_cached_on_disk(tmp_path):
+    # The engine loads a cubin for the device's own compute capability (PTX fails to load
+    # under an NVRTC newer than the driver); compiled once per (source, NVRTC, arch).
+    r = subprocess.run(
+        [sys.executable, "-c", CUBIN, str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert r.returncode == 0, r.stderr
+    first, other, again, damaged = json.loads(r.stdout)
+    assert first["elf"] and other["elf"] and first["size"] > 0
+    assert (first["from_cache"], other["from_cache"], again["from_cache"]) == (False, False, True)
+    assert first["path"] == again["path"] != other["path"]
+    assert "sm_90" in first["path"] and "nvrtc13.0" in first["path"]
+    assert damaged == {"from_cache": False, "elf": True}
+
+
 def test_bad_arch_is_refused():
     with pytest.raises(st.ConfigError):
         st.compile_cuda_kernels("sm_21")
+    with pytest.raises(st.ConfigError) as e:
+        st.kernel_cubin("compute_90")
+    assert e.value.field == "arch"
 
 
 @pytest.mark.skipif(HAS_GPU, reason="a GPU is present: the missing-driver path cannot happen")

@@ -28,6 +28,7 @@ __all__ = [
     "_bench_serve",
     "compile_cuda_kernels",
     "cuda_status",
+    "kernel_cubin",
     "plan_stack",
     "token_pages",
 ]
@@ -394,6 +395,7 @@ class StepScheduler:
 
 def cuda_status(kernel: bool = True) -> tuple[bool, str]: ...
 def compile_cuda_kernels(arch: str = "sm_90") -> str: ...
+def kernel_cubin(arch: Any, cache_dir: Any = None) -> dict[str, Any]: ...
 
 @final
 class HiCache:

@@ -43,5 +43,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<radix::PyHiCache>()?;
     m.add_function(wrap_pyfunction!(radix::_bench_serve, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::compile_cuda_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(transfer::kernel_cubin, m)?)?;
     Ok(())
 }

@@ -563,6 +563,28 @@ pub fn cuda_status(kernel: bool) -> (bool, String) {
     }
 }
 
+/// The copy kernel's cubin for `arch` (e.g. `sm_90`), compiled with NVRTC or read from the
+/// disk cache (`cache_dir`, default `$SPARSETIER_KERNEL_CACHE` or `~/.cache/sparsetier/kernels`):
+/// `{"arch", "image" (bytes), "path", "from_cache"}`. Needs libnvrtc only.
+#[pyfunction]
+#[pyo3(signature = (arch, cache_dir=None))]
+pub fn kernel_cubin<'py>(
+    py: Python<'py>,
+    arch: &Bound<'py, PyAny>,
+    cache_dir: Option<std::path::PathBuf>,
+) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+    let a = string(arch, "arch")?;
+    let c = py
+        .detach(|| crate::transfer::cubin::cubin(&a, cache_dir.as_deref()))
+        .py_err(py)?;
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("arch", c.arch)?;
+    d.set_item("image", pyo3::types::PyBytes::new(py, &c.image))?;
+    d.set_item("path", c.path)?;
+    d.set_item("from_cache", c.from_cache)?;
+    Ok(d)
+}
+
 /// Compiles the copy kernel with NVRTC for `arch` and returns the PTX (needs libnvrtc only).
 #[pyfunction]
 #[pyo3(signature = (arch=None), text_signature = "(arch='sm_90')")]

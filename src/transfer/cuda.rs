@@ -43,7 +43,8 @@ const THREADS_PER_BLOCK: u32 = 512;
 const BLOCKS_PER_SM: u32 = 4;
 
 const INSTALL_DRIVER: &str = "Install the NVIDIA driver (libcuda.so.1) or use io_backend='cpu'";
-const INSTALL_NVRTC: &str = "Install NVRTC: `pip install nvidia-cuda-nvrtc==13.0.*` (and preload \
+pub(crate) const INSTALL_NVRTC: &str =
+    "Install NVRTC: `pip install nvidia-cuda-nvrtc==13.0.*` (and preload \
      it with sparsetier.cuda_libs.preload_nvrtc()), or put libnvrtc.so.13 on LD_LIBRARY_PATH";
 
 /// Checks that libcuda, and libnvrtc when `nvrtc`, can be loaded, without touching cudarc's
@@ -151,7 +152,25 @@ pub struct CudaEngine {
     seq: AtomicU64,
 }
 
-static PTX_SM90: OnceLock<std::result::Result<String, String>> = OnceLock::new();
+/// Kernel images loaded in this process, per architecture (compiled or read from disk once).
+static CUBINS: OnceLock<Mutex<FxHashMap<String, std::result::Result<Vec<u8>, String>>>> =
+    OnceLock::new();
+
+/// The kernel's cubin for `arch`, once per process (see [`super::cubin`]).
+fn cubin_for(arch: &str) -> Result<Vec<u8>> {
+    let mut map = CUBINS.get_or_init(Default::default).lock();
+    map.entry(arch.to_owned())
+        .or_insert_with(|| {
+            super::cubin::cubin(arch, None)
+                .map(|c| c.image)
+                .map_err(|e| e.to_string())
+        })
+        .clone()
+        .map_err(|m| Error::Cuda {
+            call: "nvrtcCompileProgram",
+            message: m,
+        })
+}
 
 impl CudaEngine {
     /// An engine on device `ordinal`. Checks the libraries, creates the streams, and for the
@@ -185,15 +204,14 @@ impl CudaEngine {
             let write_stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
             let func = match mode {
                 CudaMode::Kernel { .. } => {
-                    let ptx = PTX_SM90
-                        .get_or_init(|| compile_kernels("sm_90").map_err(|e| e.to_string()))
-                        .clone()
-                        .map_err(|m| Error::Cuda {
-                            call: "nvrtcCompileProgram",
-                            message: m,
-                        })?;
+                    // A cubin for this device's own architecture: PTX would need the driver's
+                    // JIT and fails under an NVRTC newer than the driver.
+                    let (major, minor) = ctx
+                        .compute_capability()
+                        .map_err(cuda_err("cuDeviceGetAttribute"))?;
+                    let image = cubin_for(&super::cubin::arch_of(major, minor))?;
                     let module = ctx
-                        .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+                        .load_module(cudarc::nvrtc::Ptx::from_binary(image))
                         .map_err(cuda_err("cuModuleLoadData"))?;
                     Some(
                         module

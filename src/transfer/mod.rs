@@ -14,6 +14,7 @@
 
 pub mod binding;
 pub mod cpu;
+pub mod cubin;
 pub mod cuda;
 pub mod engine;
 pub mod events;
