@@ -153,8 +153,10 @@ pub struct CudaEngine {
 }
 
 /// Kernel images loaded in this process, per architecture (compiled or read from disk once).
-static CUBINS: OnceLock<Mutex<FxHashMap<String, std::result::Result<Vec<u8>, String>>>> =
-    OnceLock::new();
+static CUBINS: OnceLock<Mutex<FxHashMap<String, CachedImage>>> = OnceLock::new();
+
+/// A kernel image, or why it could not be made (kept so a failure is not retried per engine).
+type CachedImage = std::result::Result<Vec<u8>, String>;
 
 /// The kernel's cubin for `arch`, once per process (see [`super::cubin`]).
 fn cubin_for(arch: &str) -> Result<Vec<u8>> {
