@@ -95,11 +95,16 @@ def test_cuda_engine_without_driver_raises_typed_error(backend):
     assert "libcuda" in e.value.what and e.value.fix
 
 
-def gpu_round_trip(backend, layout, component, granularity, per_segment=False):
-    host_spec = st.PoolSpec(component, 3, 2, 64, "bf16", 16, 24)
+def gpu_round_trip(
+    backend, layout, component, granularity, per_segment=False, dim=64, dtype="bf16"
+):
+    host_spec = st.PoolSpec(component, 3, 2, dim, dtype, 16, 24)
     dev_spec = host_spec.with_pages(17)
-    host = torch.randn(host_spec.shape(layout)).to(torch.bfloat16).pin_memory()
-    dev = torch.full(dev_spec.shape(), -7.0, dtype=torch.bfloat16, device="cuda")
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.uint8  # fp8 rows moved as raw bytes
+    shape = host_spec.shape(layout)
+    host = torch.randn(shape).to(tdt) if dtype == "bf16" else torch.randint(0, 255, shape).to(tdt)
+    host = host.pin_memory()
+    dev = torch.full(dev_spec.shape(), 7, dtype=tdt, device="cuda")
     engine = st.TransferEngine(backend, per_segment=per_segment)
     ps = host_spec.page_size
     if granularity == "page":
@@ -125,7 +130,7 @@ def gpu_round_trip(backend, layout, component, granularity, per_segment=False):
             assert torch.equal(got[:, :, b], s[:, :, a])
         else:
             assert torch.equal(got[:, :, b // ps, b % ps], s[:, :, a // ps, a % ps])
-    back = torch.full(host_spec.shape(layout), -7.0, dtype=torch.bfloat16).pin_memory()
+    back = torch.full(host_spec.shape(layout), 7, dtype=tdt).pin_memory()
     backup = st.PreparedPageTransfer(
         st.PageTransferBinding(dev, dev_spec),
         st.PageTransferBinding(back, host_spec, layout),
@@ -139,6 +144,8 @@ def gpu_round_trip(backend, layout, component, granularity, per_segment=False):
     for a, d in zip(src_u, dst_u, strict=True):
         if granularity == "page":
             assert torch.equal(b[:, :, a], s[:, :, a]), d
+        else:  # token-granularity backups land row by row
+            assert torch.equal(b[:, :, a // ps, a % ps], s[:, :, a // ps, a % ps]), d
 
 
 @needs_gpu
@@ -148,6 +155,54 @@ def gpu_round_trip(backend, layout, component, granularity, per_segment=False):
 @pytest.mark.parametrize("granularity", ["page", "token"])
 def test_gpu_round_trip(backend, layout, component, granularity):
     gpu_round_trip(backend, layout, component, granularity)
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["kernel", "direct"])
+@pytest.mark.parametrize("granularity", ["page", "token"])
+def test_gpu_round_trip_of_132_byte_rows(backend, granularity):
+    # An FP8 Indexer-K row with its scale: 132 bytes, not a multiple of 16.
+    gpu_round_trip(backend, "layer_page_first", "INDEXER", granularity, dim=132, dtype="fp8_e4m3")
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["kernel", "direct"])
+def test_copies_follow_torchs_queued_writes(backend):
+    # A backup submitted right after torch queued the write of its source must copy the
+    # written values: the engine orders its copies after torch's current stream.
+    spec = st.PoolSpec("KV", 2, 8, 128, "bf16", 64, 512)
+    dev = torch.zeros(spec.shape(), dtype=torch.bfloat16, device="cuda")
+    host = torch.zeros(spec.shape(), dtype=torch.bfloat16).pin_memory()
+    e = st.TransferEngine(backend)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for _ in range(20):  # long enough that an unordered copy would race it
+            dev.mul_(0.0).add_(3.0)
+        t = st.PreparedPageTransfer(
+            st.PageTransferBinding(dev, spec), st.PageTransferBinding(host, spec),
+            list(range(512)), list(range(512)), direction="backup",
+        )  # fmt: skip
+        e.submit(st.PageTransferGroup([t])).wait(timeout=60)
+    assert bool((host == 3.0).all())
+
+
+@needs_gpu
+def test_engine_defaults_to_torchs_device_and_refuses_another():
+    assert st.PageTransferBinding(
+        torch.zeros(st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 4).shape(), dtype=torch.bfloat16,
+                    device="cuda"), st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 4),
+    ).device_index == torch.cuda.current_device()  # fmt: skip
+    if torch.cuda.device_count() < 2:
+        pytest.skip("one GPU: the other-device refusal is tested in Rust (transfer_edges)")
+    spec = st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 4)
+    a = torch.zeros(spec.shape(), dtype=torch.bfloat16, device="cuda:1")
+    host = torch.zeros(spec.shape(), dtype=torch.bfloat16).pin_memory()
+    t = st.PreparedPageTransfer(
+        st.PageTransferBinding(host, spec), st.PageTransferBinding(a, spec), [0], [1]
+    )
+    with pytest.raises(st.ConfigError) as err:
+        st.TransferEngine("kernel", device=0).submit(st.PageTransferGroup([t]))
+    assert err.value.field == "tensor.device"
 
 
 @needs_gpu

@@ -81,6 +81,16 @@ def bench_transfer_cuda(total_mb: int = 256, repeats: int = 5) -> list[TransferR
         )
         g = PageTransferGroup([t])
         secs = _timed(lambda: engine.submit(g).wait(), repeats)
+        # A figure for wrong bytes is no figure: check a sample of the units moved.
+        unit = page_bytes // (TOKENS_PER_PAGE if granular else 1)
+        a, b = (host, dev) if direction == "h2d" else (dev, host)
+        for i in rng.choice(n, size=min(16, n), replace=False):
+            s0, d0 = int(s_u[i]) * unit, int(d_u[i]) * unit
+            if not torch.equal(b[d0 : d0 + unit].cpu(), a[s0 : s0 + unit].cpu()):
+                raise AssertionError(
+                    f"{label or engine.name} {direction} {pattern} {page_bytes} B: unit "
+                    f"{int(s_u[i])} -> {int(d_u[i])} holds wrong bytes"
+                )
         rows.append(
             TransferRow(
                 label or engine.name,

@@ -83,6 +83,7 @@ type PoolArg<'py> = (
 pub struct PyHiCache {
     inner: Mutex<HiCache>,
     _tensors: Vec<Py<PyAny>>,
+    engine: Option<Py<PyTransferEngine>>,
 }
 
 impl Drop for PyHiCache {
@@ -183,11 +184,12 @@ impl PyHiCache {
             tensors.push(d.tensor.clone_ref(py));
             tensors.push(h.tensor.clone_ref(py));
         }
-        let engine = engine.map(|e| e.shared());
-        let inner = HiCache::new(cfg, pairs, engine).py_err(py)?;
+        let shared = engine.as_ref().map(|e| e.shared());
+        let inner = HiCache::new(cfg, pairs, shared).py_err(py)?;
         Ok(PyHiCache {
             inner: Mutex::new(inner),
             _tensors: tensors,
+            engine: engine.map(|e| e.into()),
         })
     }
 
@@ -360,6 +362,9 @@ impl PyHiCache {
     /// Submits this step's queued backups and loads (at most one transfer each); returns their
     /// ids.
     fn flush(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        if let Some(e) = &self.engine {
+            e.get().follow_torch_stream(py)?; // copies follow torch's queued writes
+        }
         self.inner.lock().flush().py_err(py)
     }
 

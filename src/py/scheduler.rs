@@ -341,6 +341,7 @@ impl PyStepScheduler {
         rid: &Bound<'py, PyAny>,
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        self.follow(py)?;
         let id = self::rid(rid)?;
         let toks = token_ids(tokens)?;
         let a = py
@@ -387,6 +388,7 @@ impl PyStepScheduler {
     /// Joined mode: writes through and inserts every ended request now, waiting for the
     /// copies (so the next admission sees their pages).
     fn flush_finished(&self, py: Python<'_>) -> PyResult<()> {
+        self.follow(py)?;
         py.detach(|| self.inner.lock().flush_finished()).py_err(py)
     }
 
@@ -481,6 +483,7 @@ impl PyStepScheduler {
         namespace: &Bound<'py, PyAny>,
         pages: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        self.follow(py)?;
         let ns = int(namespace, "namespace")?;
         let ns = u64::try_from(ns)
             .map_err(|_| to_py(py, Error::config("namespace", ns, "an integer >= 0")))?;
@@ -511,6 +514,7 @@ impl PyStepScheduler {
         tokens: &Bound<'py, PyAny>,
         prefix: Option<(i64, i64)>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        self.follow(py)?;
         let id = self::rid(rid)?;
         let n = tokens_arg(tokens)?;
         let prefix = match prefix {
@@ -545,6 +549,7 @@ impl PyStepScheduler {
         rid: &Bound<'py, PyAny>,
         tokens: &Bound<'py, PyAny>,
     ) -> PyResult<(u32, Bound<'py, PyArray2<i32>>)> {
+        self.follow(py)?;
         let id = self::rid(rid)?;
         let n = tokens_arg(tokens)?;
         let layers = self.layers() as usize;
@@ -562,6 +567,7 @@ impl PyStepScheduler {
         rid: &Bound<'_, PyAny>,
         tokens: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        self.follow(py)?;
         let id = self::rid(rid)?;
         let Some(tokens) = tokens else {
             return self.inner.lock().finish_request(id).py_err(py);
@@ -587,6 +593,7 @@ impl PyStepScheduler {
         py: Python<'py>,
         rids: &Bound<'py, PyAny>,
     ) -> PyResult<(Bound<'py, PyArray2<i32>>, Bound<'py, PyArray1<i32>>)> {
+        self.follow(py)?;
         let ids = rid_list(rids)?;
         let (slots, rows) = py.detach(|| self.inner.lock().append(&ids)).py_err(py)?;
         let rows: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
@@ -607,6 +614,7 @@ impl PyStepScheduler {
         selection: &Bound<'py, PyAny>,
         unit: &Bound<'py, PyAny>,
     ) -> PyResult<(u64, Bound<'py, PyArray2<i32>>)> {
+        self.follow(py)?;
         let layer_v = int(layer, "layer")?;
         let layer = u16::try_from(layer_v)
             .map_err(|_| to_py(py, Error::out_of_range("layer", layer_v, 0, self.layers())))?;
@@ -669,6 +677,7 @@ impl PyStepScheduler {
         plan: &Bound<'py, PyAny>,
         stream: Option<u64>,
     ) -> PyResult<(Vec<(usize, u64, String)>, Option<Bound<'py, PyArray2<i32>>>)> {
+        self.follow(py)?;
         let id = plan_id(plan)?;
         let (out, t) = py
             .detach(|| {
@@ -711,6 +720,7 @@ impl PyStepScheduler {
     /// Ends the step (write-through of filled pages, settling, next prefetches); returns the
     /// step's record.
     fn end_step<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.follow(py)?;
         let r = py.detach(|| self.inner.lock().end_step()).py_err(py)?;
         record_dict(py, &r)
     }
@@ -728,6 +738,7 @@ impl PyStepScheduler {
 
     /// Waits for and settles every transfer in flight; releases unconsumed prefetches.
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
+        self.follow(py)?;
         py.detach(|| self.inner.lock().drain()).py_err(py)
     }
 
@@ -829,6 +840,12 @@ impl PyStepScheduler {
 }
 
 impl PyStepScheduler {
+    /// CUDA engines: the copies submitted by the call about to run follow torch's queued
+    /// writes on its current stream.
+    fn follow(&self, py: Python<'_>) -> PyResult<()> {
+        self.engine.get().follow_torch_stream(py)
+    }
+
     fn plan_rows(&self, id: LayerPlanId) -> usize {
         self.inner.lock().plan_rows(id).unwrap_or(0)
     }

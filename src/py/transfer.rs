@@ -56,8 +56,12 @@ impl PyPageTransferBinding {
         // SAFETY: `tensor` was checked to be a contiguous buffer of exactly `len` bytes with
         // the spec's dtype and shape; we hold a reference to it for as long as this binding
         // lives, and the engine keeps one until every transfer over it has finished.
-        let inner =
+        let mut inner =
             unsafe { PageTransferBinding::new(ptr, len, &spec.inner, layout, kind) }.py_err(py)?;
+        if kind == MemoryKind::Device {
+            let index: Option<u32> = tensor.getattr("device")?.getattr("index")?.extract()?;
+            inner = inner.on_device(index.unwrap_or(0));
+        }
         Ok(PyPageTransferBinding {
             inner,
             tensor: tensor.clone().unbind(),
@@ -92,6 +96,11 @@ impl PyPageTransferBinding {
     #[getter]
     fn pinned(&self) -> bool {
         self.pinned
+    }
+    /// The CUDA device index of a device buffer; None for host memory.
+    #[getter]
+    fn device_index(&self) -> Option<u32> {
+        self.inner.device()
     }
 
     /// Planes `(start, count)` of `layer`, or of every layer for None.
@@ -388,6 +397,22 @@ impl PyTransferEngine {
         matches!(self.inner, Engine::Cuda(_))
     }
 
+    /// CUDA engines: orders the next submissions after the work queued so far on torch's
+    /// current stream of the engine's device (the producer of what they copy). A no-op for
+    /// the cpu engine, whose tensors are written when the writing call returns.
+    pub fn follow_torch_stream(&self, py: Python<'_>) -> PyResult<()> {
+        let Engine::Cuda(e) = &self.inner else {
+            return Ok(());
+        };
+        let stream: u64 = py
+            .import("torch")?
+            .getattr("cuda")?
+            .call_method1("current_stream", (e.ordinal(),))?
+            .getattr("cuda_stream")?
+            .extract()?;
+        e.set_producer(Some(stream)).py_err(py)
+    }
+
     /// Releases the tensors of finished submissions; returns how many are still in flight.
     fn prune(&self) -> usize {
         let mut keep = self.keepalive.lock();
@@ -412,7 +437,12 @@ impl PyTransferEngine {
         per_segment: bool,
     ) -> PyResult<Self> {
         let backend = crate::config::IoBackend::parse("io_backend", io_backend).py_err(py)?;
-        let device = opt_int(device, "device")?.unwrap_or(0);
+        let device = match opt_int(device, "device")? {
+            Some(d) => d,
+            // The CUDA engines default to torch's current device, as the tensors do.
+            None if backend != crate::config::IoBackend::Cpu => torch_current_device(py),
+            None => 0,
+        };
         let device = usize::try_from(device).map_err(|_| {
             to_py(
                 py,
@@ -463,6 +493,7 @@ impl PyTransferEngine {
     ) -> PyResult<PyTransferHandle> {
         let py = slf.py();
         let this = slf.get();
+        this.follow_torch_stream(py)?; // copies follow torch's queued writes
         if matches!(this.inner, Engine::Cuda(_)) && !group.pinned {
             return Err(to_py(
                 py,
@@ -561,6 +592,13 @@ pub fn cuda_status(kernel: bool) -> (bool, String) {
         Ok(()) => (true, String::new()),
         Err(e) => (false, e.to_string()),
     }
+}
+
+/// torch's current CUDA device, or 0 when torch or CUDA is not there.
+fn torch_current_device(py: Python<'_>) -> i64 {
+    py.import("torch")
+        .and_then(|t| t.getattr("cuda")?.call_method0("current_device")?.extract())
+        .unwrap_or(0)
 }
 
 /// The copy kernel's cubin for `arch` (e.g. `sm_90`), compiled with NVRTC or read from the

@@ -56,9 +56,22 @@ pub struct PageTransferBinding {
     base: u64,
     len: u64,
     kind: MemoryKind,
+    /// The CUDA device ordinal of device memory, when known.
+    device: Option<u32>,
 }
 
 impl PageTransferBinding {
+    /// The binding, marked as memory of CUDA device `ordinal` (what the engines check).
+    pub fn on_device(mut self, ordinal: u32) -> Self {
+        self.device = Some(ordinal);
+        self
+    }
+
+    /// The CUDA device ordinal of device memory, when known.
+    pub fn device(&self) -> Option<u32> {
+        self.device
+    }
+
     /// Describes the buffer `[base, base + len)` holding a pool of geometry `spec` in `layout`.
     ///
     /// # Safety
@@ -119,6 +132,7 @@ impl PageTransferBinding {
             base,
             len,
             kind,
+            device: None,
         })
     }
 
@@ -227,6 +241,7 @@ impl PageTransferBinding {
                 base: self.base,
                 len: self.len,
                 kind: self.kind,
+                device: self.device,
             },
             order,
         ))

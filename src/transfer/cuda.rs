@@ -19,7 +19,7 @@
 //! own stream wait on the CUDA event ([`CudaEngine::stream_wait`]) without blocking the CPU.
 
 use super::engine::{submission_layers, CopyEngine};
-use super::events::TransferEvents;
+use super::events::{LayerStatus, TransferEvents};
 use super::prepared::{CopyOp, Direction, PageTransferGroup};
 use crate::error::{Error, Result};
 use crossbeam_channel::{unbounded, Sender};
@@ -133,6 +133,9 @@ pub enum CudaMode {
 
 struct InFlight {
     events: Arc<Vec<CudaEvent>>,
+    /// A submission that failed part-way: the layer it failed at (every later layer fails
+    /// too) and why. The launched layers before it still run and are published.
+    fail_from: Option<(usize, String)>,
     /// Device-side op tables of the kernel path; freed when the transfer has finished.
     _tables: Vec<CudaSlice<u64>>,
     cpu: Arc<TransferEvents>,
@@ -150,6 +153,8 @@ pub struct CudaEngine {
     watcher_tx: Option<Sender<InFlight>>,
     watcher: Option<JoinHandle<()>>,
     seq: AtomicU64,
+    /// The stream whose queued work every copy waits for (torch's current stream).
+    producer: Mutex<Option<u64>>,
 }
 
 /// Kernel images loaded in this process, per architecture (compiled or read from disk once).
@@ -178,6 +183,29 @@ impl CudaEngine {
     /// An engine on device `ordinal`. Checks the libraries, creates the streams, and for the
     /// kernel mode compiles (once per process) and loads the kernel.
     pub fn new(ordinal: usize, mode: CudaMode) -> Result<Self> {
+        check_libraries(matches!(mode, CudaMode::Kernel { .. }))?;
+        // Making the context current (cudarc does) must not change the caller's device.
+        let mut previous: sys::CUcontext = std::ptr::null_mut();
+        let had = guarded("cuCtxGetCurrent", || {
+            // SAFETY: libcuda is loadable (checked above); a live out-pointer. Before `cuInit`
+            // this fails and leaves null, and nothing is restored.
+            let r = unsafe { sys::cuCtxGetCurrent(&mut previous) };
+            Ok(r == sys::CUresult::CUDA_SUCCESS)
+        })?;
+        let engine = Self::create(ordinal, mode);
+        if had {
+            // SAFETY: `previous` was this thread's current context (or null).
+            let _ = unsafe { sys::cuCtxSetCurrent(previous) };
+        }
+        engine
+    }
+
+    /// The device ordinal the engine copies on.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    fn create(ordinal: usize, mode: CudaMode) -> Result<Self> {
         check_libraries(matches!(mode, CudaMode::Kernel { .. }))?;
         if let CudaMode::Kernel { sm_limit } = mode {
             if sm_limit == 0 {
@@ -248,6 +276,7 @@ impl CudaEngine {
                 watcher_tx: Some(tx),
                 watcher: Some(watcher),
                 seq: AtomicU64::new(0),
+                producer: Mutex::new(None),
             })
         })
     }
@@ -262,9 +291,7 @@ impl CudaEngine {
         let ev = events.get(layer_index).ok_or_else(|| {
             Error::out_of_range("layer_index", layer_index as u64, 0, events.len() as u64)
         })?;
-        self.ctx
-            .bind_to_thread()
-            .map_err(cuda_err("cuCtxSetCurrent"))?;
+        let _ctx = CurrentContext::bind(&self.ctx)?;
         // SAFETY: `stream` is a live CUstream of this context (the caller's contract, checked
         // by the binding against torch's current device) and `ev` a live event of ours.
         let r = unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, ev.cu_event(), 0) };
@@ -364,7 +391,8 @@ fn check(r: sys::CUresult, call: &'static str) -> Result<()> {
     }
 }
 
-/// Synchronizes a transfer's layer events in order and publishes them to its CPU events.
+/// Synchronizes a transfer's layer events in order and publishes them to its CPU events; a
+/// submission that failed part-way then fails its unlaunched layers.
 fn watch(job: &InFlight) {
     for (i, ev) in job.events.iter().enumerate() {
         match ev.synchronize() {
@@ -375,6 +403,46 @@ fn watch(job: &InFlight) {
             }
         }
     }
+    if let Some((i, why)) = &job.fail_from {
+        job.cpu.record_failed_from(*i, why);
+    }
+}
+
+/// Whether `layer` of a transfer is written (`true`), still pending (`false`), or failed (the
+/// error a consumer must get instead of the data).
+pub fn layer_outcome(events: &TransferEvents, layer: usize) -> Result<bool> {
+    match events.status(layer)? {
+        LayerStatus::Failed(reason) => Err(Error::TransferFailed {
+            id: events.seq(),
+            reason,
+        }),
+        LayerStatus::Done => Ok(true),
+        LayerStatus::Pending => Ok(false),
+    }
+}
+
+/// Refuses a group whose device memory is on another CUDA device than `ordinal`: the copy would
+/// read or write through addresses of another device's context.
+pub fn check_devices(group: &PageTransferGroup, ordinal: usize) -> Result<()> {
+    for m in group.members() {
+        let (src, dst) = m.bindings();
+        for b in [src, dst] {
+            if b.kind() != super::binding::MemoryKind::Device {
+                continue;
+            }
+            match b.device() {
+                Some(d) if d as usize == ordinal => {}
+                other => {
+                    return Err(Error::config(
+                        "tensor.device",
+                        other.map_or_else(|| "cuda (unknown index)".to_owned(), |d| format!("cuda:{d}")),
+                        format!("cuda:{ordinal}: the engine's device (make the engine on the tensors' device)"),
+                    ))
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Splits ranges longer than `chunk` bytes.
@@ -404,7 +472,22 @@ impl CopyEngine for CudaEngine {
     }
 
     fn stream_wait(&self, events: &TransferEvents, layer_index: usize, stream: u64) -> Result<()> {
-        CudaEngine::stream_wait(self, events.seq(), layer_index, stream)
+        let layer = *events.layers().get(layer_index).ok_or_else(|| {
+            Error::out_of_range(
+                "layer_index",
+                layer_index as u64,
+                0,
+                events.layers().len() as u64,
+            )
+        })?;
+        // A failed layer must reach the consumer as an error, never as stale data: the
+        // watcher forgets a transfer's CUDA events once it finished, failed or not.
+        if layer_outcome(events, layer)? {
+            return Ok(());
+        }
+        CudaEngine::stream_wait(self, events.seq(), layer_index, stream)?;
+        // The watcher may have settled it between the two looks: check once more.
+        layer_outcome(events, layer).map(|_| ())
     }
 
     fn submitted(&self) -> u64 {
@@ -417,28 +500,37 @@ impl CopyEngine for CudaEngine {
         layer: Option<usize>,
     ) -> Result<Arc<TransferEvents>> {
         let layers = submission_layers(&group, layer)?;
+        check_devices(&group, self.ordinal())?;
         let stream = match group.direction() {
             Direction::Load => &self.load_stream,
             Direction::Backup => &self.write_stream,
         };
+        // Everything that can be checked is checked before anything is launched.
+        let per_layer: Vec<Vec<CopyOp>> = layers
+            .iter()
+            .map(|&l| {
+                group.layer_ops(l).map(|ops| match self.mode {
+                    CudaMode::Kernel { .. } => chunked(&ops, KERNEL_CHUNK_BYTES),
+                    CudaMode::Direct { .. } => ops,
+                })
+            })
+            .collect::<Result<_>>()?;
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let cpu = Arc::new(TransferEvents::new(seq, self.name(), layers.clone()));
+        let producer = *self.producer.lock();
         guarded("CUDA submit", || {
-            self.ctx
-                .bind_to_thread()
-                .map_err(cuda_err("cuCtxSetCurrent"))?;
-            let mut events = Vec::with_capacity(layers.len());
+            let _ctx = CurrentContext::bind(&self.ctx)?;
+            // The copies come after the producer's queued work (torch's writes of the pages a
+            // backup reads, or of the slots a load overwrites): the copy stream waits on an
+            // event recorded on the producer stream now.
+            if let Some(p) = producer {
+                order_after(p, stream.cu_stream())?;
+            }
             let mut tables = Vec::new();
+            let mut events = Vec::with_capacity(layers.len());
+            let mut failed: Option<(usize, Error)> = None;
             match (self.mode, &self.func) {
                 (CudaMode::Kernel { sm_limit }, Some(func)) => {
-                    let per_layer: Vec<Vec<CopyOp>> = layers
-                        .iter()
-                        .map(|&l| {
-                            group
-                                .layer_ops(l)
-                                .map(|ops| chunked(&ops, KERNEL_CHUNK_BYTES))
-                        })
-                        .collect::<Result<_>>()?;
                     let flat: Vec<&CopyOp> = per_layer.iter().flatten().collect();
                     let upload =
                         |v: Vec<u64>| stream.clone_htod(&v).map_err(cuda_err("cuMemcpyHtoDAsync"));
@@ -448,32 +540,52 @@ impl CopyEngine for CudaEngine {
                         upload(flat.iter().map(|o| o.len).collect())?,
                     ];
                     let mut offset = 0;
-                    for ops in &per_layer {
-                        self.kernel_layer(stream, func, &t, offset, ops.len(), sm_limit)?;
+                    for (i, ops) in per_layer.iter().enumerate() {
+                        let launched = self
+                            .kernel_layer(stream, func, &t, offset, ops.len(), sm_limit)
+                            .and_then(|()| {
+                                stream.record_event(None).map_err(cuda_err("cuEventRecord"))
+                            });
+                        match launched {
+                            Ok(ev) => events.push(ev),
+                            Err(e) => {
+                                failed = Some((i, e));
+                                break;
+                            }
+                        }
                         offset += ops.len();
-                        events.push(
-                            stream
-                                .record_event(None)
-                                .map_err(cuda_err("cuEventRecord"))?,
-                        );
                     }
                     tables.extend(t);
                 }
                 (CudaMode::Direct { per_segment }, _) => {
-                    for &l in &layers {
-                        self.direct_layer(stream, &group.layer_ops(l)?, per_segment)?;
-                        events.push(
-                            stream
-                                .record_event(None)
-                                .map_err(cuda_err("cuEventRecord"))?,
-                        );
+                    for (i, ops) in per_layer.iter().enumerate() {
+                        let launched = self.direct_layer(stream, ops, per_segment).and_then(|()| {
+                            stream.record_event(None).map_err(cuda_err("cuEventRecord"))
+                        });
+                        match launched {
+                            Ok(ev) => events.push(ev),
+                            Err(e) => {
+                                failed = Some((i, e));
+                                break;
+                            }
+                        }
                     }
                 }
                 (CudaMode::Kernel { .. }, None) => {
                     unreachable!("kernel mode always loads its function")
                 }
             }
-            // Stream waits read the events until the watcher has synchronized them all.
+            if let (true, Some((_, e))) = (events.is_empty(), &failed) {
+                // Nothing was launched (a failed first layer may have started copies, but the
+                // tables and group stay alive until the stream passes this point).
+                stream
+                    .synchronize()
+                    .map_err(cuda_err("cuStreamSynchronize"))?;
+                return Err(e.clone());
+            }
+            // Part of it is launched: hand back a handle whose later layers fail, and keep
+            // every buffer alive until the launched layers have ended.
+            let fail_from = failed.map(|(i, e)| (i, e.to_string()));
             let events = Arc::new(events);
             self.events.lock().insert(seq, Arc::clone(&events));
             let tx = self
@@ -482,6 +594,7 @@ impl CopyEngine for CudaEngine {
                 .expect("watcher lives as long as the engine");
             tx.send(InFlight {
                 events,
+                fail_from,
                 _tables: tables,
                 cpu: Arc::clone(&cpu),
                 _group: group,
@@ -493,6 +606,59 @@ impl CopyEngine for CudaEngine {
             Ok(())
         })?;
         Ok(cpu)
+    }
+
+    fn set_producer(&self, stream: Option<u64>) -> Result<()> {
+        *self.producer.lock() = stream;
+        Ok(())
+    }
+}
+
+/// Makes `copy` wait for the work queued on `producer` so far (an event recorded now).
+fn order_after(producer: u64, copy: sys::CUstream) -> Result<()> {
+    let mut ev: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: `ev` is a live out-pointer; the flags are valid.
+    let r =
+        unsafe { sys::cuEventCreate(&mut ev, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32) };
+    check(r, "cuEventCreate")?;
+    // SAFETY: `producer` is a live CUstream of the current context (the caller's contract:
+    // torch's current stream on the engine's device); `ev` was just created.
+    let r = unsafe { sys::cuEventRecord(ev, producer as sys::CUstream) };
+    let r = if r == sys::CUresult::CUDA_SUCCESS {
+        // SAFETY: both handles are live; the wait is enqueued before the event is destroyed,
+        // and a destroyed event's pending wait still completes (the driver frees it later).
+        unsafe { sys::cuStreamWaitEvent(copy, ev, 0) }
+    } else {
+        r
+    };
+    // SAFETY: created above, destroyed once.
+    unsafe { sys::cuEventDestroy_v2(ev) };
+    check(r, "cuEventRecord/cuStreamWaitEvent")
+}
+
+/// Binds the engine's context to this thread and puts the caller's back on drop, so a call
+/// into the engine never changes which device torch (or anyone else) is using.
+struct CurrentContext {
+    previous: sys::CUcontext,
+}
+
+impl CurrentContext {
+    fn bind(ctx: &CudaContext) -> Result<Self> {
+        let mut previous: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: a live out-pointer.
+        check(
+            unsafe { sys::cuCtxGetCurrent(&mut previous) },
+            "cuCtxGetCurrent",
+        )?;
+        ctx.bind_to_thread().map_err(cuda_err("cuCtxSetCurrent"))?;
+        Ok(CurrentContext { previous })
+    }
+}
+
+impl Drop for CurrentContext {
+    fn drop(&mut self) {
+        // SAFETY: `previous` was this thread's current context (or null) before `bind`.
+        let _ = unsafe { sys::cuCtxSetCurrent(self.previous) };
     }
 }
 

@@ -47,6 +47,15 @@ pub trait CopyEngine: Send + Sync {
 
     /// Submissions so far: the next one is number `submitted()`.
     fn submitted(&self) -> u64;
+
+    /// The CUDA stream (a raw `CUstream`) whose queued work every later submission's copies
+    /// must follow: the stream that writes the pages a backup reads and the slots a load
+    /// overwrites (torch's current stream). Engines on the CPU need none: a CPU tensor write
+    /// has finished when the call that made it returns.
+    fn set_producer(&self, stream: Option<u64>) -> Result<()> {
+        let _ = stream;
+        Ok(())
+    }
 }
 
 /// The layers a submission moves.

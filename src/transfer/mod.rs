@@ -31,3 +31,7 @@ pub use prepared::{CopyOp, Direction, PageTransferGroup, PreparedPageTransfer};
 #[cfg(test)]
 #[path = "../tests/transfer_cpu.rs"]
 mod cpu_tests;
+
+#[cfg(test)]
+#[path = "../tests/transfer_edges.rs"]
+mod edge_tests;
