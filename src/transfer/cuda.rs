@@ -13,10 +13,32 @@
 //! `catch_unwind` as a backstop, turning a panic into [`Error::CudaUnavailable`].
 //!
 //! # Streams and events
-//! Loads run on the engine's load stream, backups on its write stream. Each layer ends with a
-//! recorded CUDA event; a watcher thread synchronizes those events in order and publishes them
-//! to the transfer's [`TransferEvents`] for CPU-side waiters, while GPU consumers make their
-//! own stream wait on the CUDA event ([`CudaEngine::stream_wait`]) without blocking the CPU.
+//! Loads run on the engine's load stream, backups on its write stream. Before its copies, a
+//! submission makes its stream wait on an event recorded on the producer stream (torch's
+//! current stream, set through [`CopyEngine::set_producer`] by every Python call that may
+//! submit), so a backup never copies a page torch has not finished writing and a load never
+//! lands before a queued torch write of the same slots. Each layer ends with a recorded
+//! blocking-sync CUDA event; one watcher thread per stream synchronizes those events in order
+//! and publishes them to the transfer's [`TransferEvents`] for CPU-side waiters, while GPU
+//! consumers make their own stream wait on the CUDA event ([`CudaEngine::stream_wait`]) without
+//! blocking the CPU; a layer that failed is an error for them, never stale data.
+//!
+//! # Checks before launch
+//! A submission checks everything it can before launching anything: the layers' copy ops, that
+//! device memory is on the engine's device, and (once per buffer) that host memory is pinned
+//! and mapped for the device. If a launch fails part-way, the handle is still returned: its
+//! later layers report the failure, and every buffer stays alive until the launched layers
+//! end. An `Err` from `submit` means nothing was launched.
+//!
+//! # Kernel image
+//! The kernel is loaded as a cubin for the device's own compute capability, compiled with
+//! NVRTC once and cached on disk ([`super::cubin`]); PTX would need the driver's JIT and fails
+//! under an NVRTC newer than the driver.
+//!
+//! # Context
+//! The engine uses the device's primary context with cudarc's event tracking off (it orders
+//! its own buffers), so creating it does not synchronize the context; every call that binds
+//! the context puts the caller's current context back.
 
 use super::engine::{submission_layers, CopyEngine};
 use super::events::{LayerStatus, TransferEvents};
@@ -131,13 +153,20 @@ pub enum CudaMode {
     },
 }
 
+#[derive(Default)]
+struct Staging {
+    buf: Option<cudarc::driver::PinnedHostSlice<u64>>,
+    last_upload: Option<CudaEvent>,
+}
+
 struct InFlight {
     events: Arc<Vec<CudaEvent>>,
     /// A submission that failed part-way: the layer it failed at (every later layer fails
     /// too) and why. The launched layers before it still run and are published.
     fail_from: Option<(usize, String)>,
-    /// Device-side op tables of the kernel path; freed when the transfer has finished.
-    _tables: Vec<CudaSlice<u64>>,
+    /// The device-side op table of the kernel path; freed (on its stream) once the transfer
+    /// has finished.
+    _table: Option<CudaSlice<u64>>,
     cpu: Arc<TransferEvents>,
     _group: Arc<PageTransferGroup>,
 }
@@ -150,8 +179,15 @@ pub struct CudaEngine {
     write_stream: Arc<CudaStream>,
     func: Option<CudaFunction>,
     events: Arc<Mutex<FxHashMap<u64, Arc<Vec<CudaEvent>>>>>,
-    watcher_tx: Option<Sender<InFlight>>,
-    watcher: Option<JoinHandle<()>>,
+    /// One watcher per stream (loads, backups), so a load's completion never waits behind
+    /// earlier backups.
+    watcher_tx: [Option<Sender<InFlight>>; 2],
+    watchers: Vec<JoinHandle<()>>,
+    /// Per stream: the pinned staging buffer op tables are uploaded from, and the event of
+    /// its last upload (the buffer is rewritten only after it).
+    staging: [Mutex<Staging>; 2],
+    /// Host buffers already checked to be pinned and mapped for the device, by base address.
+    mapped: Mutex<rustc_hash::FxHashSet<u64>>,
     seq: AtomicU64,
     /// The stream whose queued work every copy waits for (torch's current stream).
     producer: Mutex<Option<u64>>,
@@ -230,6 +266,13 @@ impl CudaEngine {
         }
         guarded("CUDA engine setup", || {
             let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+            // SAFETY: the engine orders its own work: every buffer a stream uses (op tables,
+            // staging, the group's pools) stays alive until that stream's events for the
+            // transfer have been synchronized, and device tables are freed on the stream that
+            // read them. Without cudarc's tracking, making the streams does not synchronize
+            // the whole context (stalling torch's work in flight), and an upload costs no
+            // tracking events.
+            unsafe { ctx.disable_event_tracking() };
             let load_stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
             let write_stream = ctx.new_stream().map_err(cuda_err("cuStreamCreate"))?;
             let func = match mode {
@@ -252,20 +295,29 @@ impl CudaEngine {
                 CudaMode::Direct { .. } => None,
             };
             let events: Arc<Mutex<FxHashMap<u64, Arc<Vec<CudaEvent>>>>> = Arc::default();
-            let (tx, rx) = unbounded::<InFlight>();
-            let watch_events = Arc::clone(&events);
-            let watcher = std::thread::Builder::new()
-                .name("sparsetier-cuda-events".into())
-                .spawn(move || {
-                    for job in rx {
-                        watch(&job);
-                        watch_events.lock().remove(&job.cpu.seq());
-                    }
-                })
-                .map_err(|e| Error::Cuda {
-                    call: "spawn watcher",
-                    message: e.to_string(),
-                })?;
+            let mut senders = [None, None];
+            let mut watchers = Vec::new();
+            for (i, name) in ["sparsetier-cuda-loads", "sparsetier-cuda-backups"]
+                .iter()
+                .enumerate()
+            {
+                let (tx, rx) = unbounded::<InFlight>();
+                let watch_events = Arc::clone(&events);
+                let w = std::thread::Builder::new()
+                    .name((*name).into())
+                    .spawn(move || {
+                        for job in rx {
+                            watch(&job);
+                            watch_events.lock().remove(&job.cpu.seq());
+                        }
+                    })
+                    .map_err(|e| Error::Cuda {
+                        call: "spawn watcher",
+                        message: e.to_string(),
+                    })?;
+                senders[i] = Some(tx);
+                watchers.push(w);
+            }
             Ok(CudaEngine {
                 mode,
                 ctx,
@@ -273,12 +325,91 @@ impl CudaEngine {
                 write_stream,
                 func,
                 events,
-                watcher_tx: Some(tx),
-                watcher: Some(watcher),
+                watcher_tx: senders,
+                watchers,
+                staging: Default::default(),
+                mapped: Mutex::new(Default::default()),
                 seq: AtomicU64::new(0),
                 producer: Mutex::new(None),
             })
         })
+    }
+
+    /// Uploads the op table of `per_layer` (sources, destinations, lengths: three arrays of
+    /// `total` u64) in one device allocation, from the stream's pinned staging buffer, so the
+    /// upload is truly asynchronous (from pageable memory it would wait for the stream).
+    fn upload_table(
+        &self,
+        stream: &Arc<CudaStream>,
+        dir: usize,
+        per_layer: &[Vec<CopyOp>],
+        total: usize,
+    ) -> Result<CudaSlice<u64>> {
+        let n = 3 * total.max(1);
+        let mut st = self.staging[dir].lock();
+        if let Some(ev) = st.last_upload.take() {
+            ev.synchronize().map_err(cuda_err("cuEventSynchronize"))?; // usually long done
+        }
+        if st.buf.as_ref().is_none_or(|b| b.len() < n) {
+            let cap = n.next_power_of_two().max(4096);
+            // SAFETY: u64 is valid for any bits; the buffer is written below before any use.
+            st.buf = Some(
+                unsafe { self.ctx.alloc_pinned::<u64>(cap) }.map_err(cuda_err("cuMemHostAlloc"))?,
+            );
+        }
+        let buf = st.buf.as_mut().expect("allocated above");
+        let host = buf.as_mut_slice().map_err(cuda_err("cuEventSynchronize"))?;
+        let ops = per_layer.iter().flatten();
+        for (i, op) in ops.enumerate() {
+            host[i] = op.src;
+            host[total + i] = op.dst;
+            host[2 * total + i] = op.len;
+        }
+        // SAFETY: u64 is valid for any bits and the upload below writes all `n` before the
+        // kernels (queued after it on the same stream) read them.
+        let mut dev = unsafe { stream.alloc::<u64>(n) }.map_err(cuda_err("cuMemAllocAsync"))?;
+        let (dst, _g) = cudarc::driver::DevicePtrMut::device_ptr_mut(&mut dev, stream);
+        // SAFETY: `host[..n]` is pinned memory that stays untouched until `last_upload` (recorded
+        // right after) has completed; `dst` holds `n` u64.
+        unsafe { cudarc::driver::result::memcpy_htod_async(dst, &host[..n], stream.cu_stream()) }
+            .map_err(cuda_err("cuMemcpyHtoDAsync"))?;
+        drop(_g);
+        st.last_upload = Some(record(stream)?);
+        Ok(dev)
+    }
+
+    /// Checks, once per buffer, that the group's host buffers are pinned and mapped for the
+    /// device at the same address: an unmapped address in the kernel is an illegal access
+    /// that poisons the whole CUDA context (torch's included).
+    fn check_host_mapped(&self, group: &PageTransferGroup) -> Result<()> {
+        let mut seen = self.mapped.lock();
+        for m in group.members() {
+            let (src, dst) = m.bindings();
+            for b in [src, dst] {
+                let (base, _) = b.extent();
+                if b.kind() != super::binding::MemoryKind::Host || seen.contains(&base) {
+                    continue;
+                }
+                let mut dev: sys::CUdeviceptr = 0;
+                // SAFETY: a live out-pointer of the attribute's size; `base` is any address.
+                let r = unsafe {
+                    sys::cuPointerGetAttribute(
+                        &mut dev as *mut sys::CUdeviceptr as *mut std::ffi::c_void,
+                        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+                        base,
+                    )
+                };
+                if r != sys::CUresult::CUDA_SUCCESS || dev != base {
+                    return Err(Error::config(
+                        "host tensor",
+                        format!("memory at {base:#x} ({r:?})"),
+                        "pinned host memory mapped for the device (tensor.pin_memory())",
+                    ));
+                }
+                seen.insert(base);
+            }
+        }
+        Ok(())
     }
 
     /// Makes the CUDA stream `stream` (a raw `CUstream`, e.g. torch's
@@ -298,11 +429,15 @@ impl CudaEngine {
         check(r, "cuStreamWaitEvent")
     }
 
+    /// Launches the kernel over `n_ops` ops from `offset` of the op table at `table` (three
+    /// arrays of `total` u64: sources, destinations, lengths).
+    #[allow(clippy::too_many_arguments)]
     fn kernel_layer(
         &self,
         stream: &Arc<CudaStream>,
         func: &CudaFunction,
-        tables: &[CudaSlice<u64>; 3],
+        table: u64,
+        total: usize,
         offset: usize,
         n_ops: usize,
         sm_limit: u32,
@@ -310,14 +445,8 @@ impl CudaEngine {
         if n_ops == 0 {
             return Ok(());
         }
-        let (s, _g1) = cudarc::driver::DevicePtr::device_ptr(&tables[0], stream);
-        let (d, _g2) = cudarc::driver::DevicePtr::device_ptr(&tables[1], stream);
-        let (l, _g3) = cudarc::driver::DevicePtr::device_ptr(&tables[2], stream);
-        let (s, d, l) = (
-            s + 8 * offset as u64,
-            d + 8 * offset as u64,
-            l + 8 * offset as u64,
-        );
+        let at = |array: usize| table + 8 * (array * total + offset) as u64;
+        let (s, d, l) = (at(0), at(1), at(2));
         let n = n_ops as u32;
         let blocks = n.min(sm_limit * BLOCKS_PER_SM).max(1);
         let cfg = LaunchConfig {
@@ -327,10 +456,11 @@ impl CudaEngine {
         };
         let mut b = stream.launch_builder(func);
         b.arg(&s).arg(&d).arg(&l).arg(&n);
-        // SAFETY: the tables hold `n_ops` ranges from `offset` on, each inside buffers that a
-        // PreparedPageTransfer checked and that the caller keeps alive until the transfer's
-        // events are finished (we hold the group until then). Host sources are pinned memory
-        // reachable over unified addressing.
+        // SAFETY: the table holds `n_ops` ranges from `offset` on (uploaded on this stream
+        // before the launch), each inside buffers that a PreparedPageTransfer checked and that
+        // the caller keeps alive until the transfer's events are finished (we hold the group
+        // until then). Host sources are pinned memory mapped for the device (checked once per
+        // buffer by `check_host_mapped`).
         unsafe { b.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
         Ok(())
     }
@@ -389,6 +519,13 @@ fn check(r: sys::CUresult, call: &'static str) -> Result<()> {
             message: format!("{r:?}"),
         })
     }
+}
+
+/// Records a blocking-sync event on `stream` (a waiting watcher sleeps instead of spinning).
+fn record(stream: &Arc<CudaStream>) -> Result<CudaEvent> {
+    stream
+        .record_event(Some(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC))
+        .map_err(cuda_err("cuEventRecord"))
 }
 
 /// Synchronizes a transfer's layer events in order and publishes them to its CPU events; a
@@ -501,9 +638,9 @@ impl CopyEngine for CudaEngine {
     ) -> Result<Arc<TransferEvents>> {
         let layers = submission_layers(&group, layer)?;
         check_devices(&group, self.ordinal())?;
-        let stream = match group.direction() {
-            Direction::Load => &self.load_stream,
-            Direction::Backup => &self.write_stream,
+        let (stream, dir) = match group.direction() {
+            Direction::Load => (&self.load_stream, 0),
+            Direction::Backup => (&self.write_stream, 1),
         };
         // Everything that can be checked is checked before anything is launched.
         let per_layer: Vec<Vec<CopyOp>> = layers
@@ -520,32 +657,29 @@ impl CopyEngine for CudaEngine {
         let producer = *self.producer.lock();
         guarded("CUDA submit", || {
             let _ctx = CurrentContext::bind(&self.ctx)?;
+            self.check_host_mapped(&group)?;
             // The copies come after the producer's queued work (torch's writes of the pages a
             // backup reads, or of the slots a load overwrites): the copy stream waits on an
             // event recorded on the producer stream now.
             if let Some(p) = producer {
                 order_after(p, stream.cu_stream())?;
             }
-            let mut tables = Vec::new();
+            let mut table = None;
             let mut events = Vec::with_capacity(layers.len());
             let mut failed: Option<(usize, Error)> = None;
             match (self.mode, &self.func) {
                 (CudaMode::Kernel { sm_limit }, Some(func)) => {
-                    let flat: Vec<&CopyOp> = per_layer.iter().flatten().collect();
-                    let upload =
-                        |v: Vec<u64>| stream.clone_htod(&v).map_err(cuda_err("cuMemcpyHtoDAsync"));
-                    let t = [
-                        upload(flat.iter().map(|o| o.src).collect())?,
-                        upload(flat.iter().map(|o| o.dst).collect())?,
-                        upload(flat.iter().map(|o| o.len).collect())?,
-                    ];
+                    let total: usize = per_layer.iter().map(Vec::len).sum();
+                    let t = self.upload_table(stream, dir, &per_layer, total)?;
+                    let base = {
+                        let (p, _g) = cudarc::driver::DevicePtr::device_ptr(&t, stream);
+                        p
+                    };
                     let mut offset = 0;
                     for (i, ops) in per_layer.iter().enumerate() {
                         let launched = self
-                            .kernel_layer(stream, func, &t, offset, ops.len(), sm_limit)
-                            .and_then(|()| {
-                                stream.record_event(None).map_err(cuda_err("cuEventRecord"))
-                            });
+                            .kernel_layer(stream, func, base, total, offset, ops.len(), sm_limit)
+                            .and_then(|()| record(stream));
                         match launched {
                             Ok(ev) => events.push(ev),
                             Err(e) => {
@@ -555,13 +689,13 @@ impl CopyEngine for CudaEngine {
                         }
                         offset += ops.len();
                     }
-                    tables.extend(t);
+                    table = Some(t);
                 }
                 (CudaMode::Direct { per_segment }, _) => {
                     for (i, ops) in per_layer.iter().enumerate() {
-                        let launched = self.direct_layer(stream, ops, per_segment).and_then(|()| {
-                            stream.record_event(None).map_err(cuda_err("cuEventRecord"))
-                        });
+                        let launched = self
+                            .direct_layer(stream, ops, per_segment)
+                            .and_then(|()| record(stream));
                         match launched {
                             Ok(ev) => events.push(ev),
                             Err(e) => {
@@ -588,14 +722,13 @@ impl CopyEngine for CudaEngine {
             let fail_from = failed.map(|(i, e)| (i, e.to_string()));
             let events = Arc::new(events);
             self.events.lock().insert(seq, Arc::clone(&events));
-            let tx = self
-                .watcher_tx
+            let tx = self.watcher_tx[dir]
                 .as_ref()
-                .expect("watcher lives as long as the engine");
+                .expect("watchers live as long as the engine");
             tx.send(InFlight {
                 events,
                 fail_from,
-                _tables: tables,
+                _table: table,
                 cpu: Arc::clone(&cpu),
                 _group: group,
             })
@@ -664,8 +797,10 @@ impl Drop for CurrentContext {
 
 impl Drop for CudaEngine {
     fn drop(&mut self) {
-        self.watcher_tx.take();
-        if let Some(w) = self.watcher.take() {
+        for tx in &mut self.watcher_tx {
+            tx.take();
+        }
+        for w in self.watchers.drain(..) {
             let _ = w.join();
         }
     }
