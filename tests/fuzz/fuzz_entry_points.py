@@ -86,9 +86,65 @@ def scheduler_ops(f: atheris.FuzzedDataProvider) -> None:
     s.validate()
 
 
+def joined_ops(f: atheris.FuzzedDataProvider) -> None:
+    """The joined scheduler's entry points: admissions with arbitrary tokens (shared prefixes
+    included), prefill, waits, plans, ends with and without tokens, evictions."""
+    import torch
+
+    kv = st.PoolSpec("KV", 1, 1, 2, "bf16", 4, 24)
+    kv_host = st.PoolSpec("KV", 2, 1, 2, "bf16", 4, 16)
+    ik = st.PoolSpec("INDEXER", 2, 1, 2, "bf16", 4, 16)
+    layout = f.PickValueInList(LAYOUTS)
+    s = st.StepScheduler.joined(
+        st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv),
+        st.PageTransferBinding(
+            torch.zeros(kv_host.shape(layout), dtype=torch.bfloat16), kv_host, layout
+        ),
+        st.TransferEngine("cpu", threads=1),
+        indexer_device=st.PageTransferBinding(torch.zeros(ik.shape(), dtype=torch.bfloat16), ik),
+        indexer_host=st.PageTransferBinding(
+            torch.zeros(ik.shape(layout), dtype=torch.bfloat16), ik, layout
+        ),
+        prefetch=f.ConsumeBool(),
+    )
+    prompts = [np.arange(1, 14), np.arange(1, 9)]
+    for _ in range(f.ConsumeIntInRange(1, 12)):
+        op = f.ConsumeIntInRange(0, 7)
+        rid = f.ConsumeIntInRange(0, 4) if f.ConsumeBool() else an_int(f)
+        try:
+            if op == 0:
+                base = prompts[f.ConsumeIntInRange(0, 1)]
+                extra = [an_int(f) for _ in range(f.ConsumeIntInRange(0, 6))]
+                s.admit(rid, np.concatenate([base, np.array(extra, dtype=np.int64)]))
+            elif op == 1:
+                s.extend(rid, an_int(f))
+            elif op == 2:
+                s.wait_prefix(rid, an_int(f))
+            elif op == 3:
+                k = f.ConsumeIntInRange(0, 3)
+                sel = np.array([[an_int(f) for _ in range(k)]], dtype=np.int64)
+                plan, _ = s.plan(an_int(f), np.array([rid]), sel, an_int(f))
+                s.ready(plan)
+                s.finish(plan)
+            elif op == 4:
+                toks = [an_int(f) for _ in range(f.ConsumeIntInRange(0, 20))]
+                s.finish_request(rid, np.array(toks, dtype=np.int64) if f.ConsumeBool() else None)
+            elif op == 5:
+                s.evict_prefix(an_int(f), an_int(f))
+            elif op == 6:
+                s.append(np.array([rid]))
+            else:
+                s.end_step()
+        except st.SparsetierError:
+            pass
+        s.validate()
+    s.drain()
+    s.validate()
+
+
 def one(data: bytes) -> None:
     f = atheris.FuzzedDataProvider(data)
-    what = f.ConsumeIntInRange(0, 4)
+    what = f.ConsumeIntInRange(0, 5)
     try:
         if what == 0:
             s = spec(f)
@@ -139,6 +195,8 @@ def one(data: bytes) -> None:
                 d.validate()
         elif what == 4:
             scheduler_ops(f)
+        elif what == 5:
+            joined_ops(f)
         else:
             s = st.PoolSpec("KV", 2, 1, 4, "fp32", 4, 6)
             import torch
