@@ -23,6 +23,7 @@ pub mod plan;
 pub mod pool;
 pub mod prefetch;
 pub mod radix;
+pub mod replay;
 pub mod scheduler;
 #[doc(hidden)]
 pub mod testing;

@@ -160,7 +160,13 @@ class JoinedMachine(RuleBasedStateMachine):
                 entries = -(-n // unit)
                 pick = rng.choice(entries, size=min(k, entries), replace=False)
                 sel[b, : len(pick)] = np.sort(pick)
-            plan, table = self.s.plan(layer, rids, sel, unit)
+            try:
+                plan, table = self.s.plan(layer, rids, sel, unit)
+            except sp.OutOfPagesError:
+                # Only failing write-throughs can fill this device: room cannot be made.
+                assert self.faults, "a plan found no room with no fault armed"
+                self.s.end_step()
+                return
             bad, new = self.s.ready(plan)
             if new is not None:
                 table = new

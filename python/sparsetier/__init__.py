@@ -28,7 +28,9 @@ from sparsetier._core import (
     cuda_status,
     kernel_cubin,
     plan_stack,
+    replay_trace,
     token_pages,
+    trace_peak_live,
 )
 from sparsetier.builder import DevicePool, SparseStack, build_sparse_stack
 from sparsetier.errors import (
@@ -106,5 +108,7 @@ __all__ = [
     "kernel_cubin",
     "object_keys",
     "plan_stack",
+    "replay_trace",
     "token_pages",
+    "trace_peak_live",
 ]

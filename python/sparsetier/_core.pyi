@@ -30,7 +30,9 @@ __all__ = [
     "cuda_status",
     "kernel_cubin",
     "plan_stack",
+    "replay_trace",
     "token_pages",
+    "trace_peak_live",
 ]
 
 __version__: str
@@ -216,6 +218,8 @@ class ResolveResult:
 
 @final
 class ResidencyDirectory:
+    def start_journal(self) -> None: ...
+    def take_journal(self) -> dict[str, Any] | None: ...
     def __new__(
         cls,
         device_pages: int,
@@ -398,6 +402,8 @@ class StepScheduler:
 def cuda_status(kernel: bool = True) -> tuple[bool, str]: ...
 def compile_cuda_kernels(arch: str = "sm_90") -> str: ...
 def kernel_cubin(arch: Any, cache_dir: Any = None) -> dict[str, Any]: ...
+def replay_trace(trace: dict[str, Any], budget: int, policy: Any = None) -> dict[str, Any]: ...
+def trace_peak_live(trace: dict[str, Any]) -> int: ...
 
 @final
 class HiCache:

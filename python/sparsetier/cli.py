@@ -206,10 +206,11 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks, as ratios to a baseline from the same run")
     p.add_argument(
         "what",
-        choices=["directory", "transfer", "prefix", "decode"],
+        choices=["directory", "transfer", "prefix", "decode", "replay"],
         help="directory: binding overhead vs Rust; transfer: copy-engine GB/s vs baselines; "
         "prefix: the prefix cache's serve loop (vs SGLang with --peers-python); decode: CPU "
-        "per decode step in the step scheduler vs per-request calls (DeepSeek-V3.2 shape)",
+        "per decode step in the step scheduler vs per-request calls (DeepSeek-V3.2 shape); "
+        "replay: seconds to replay a 1M-key trace at 10 budgets, LRU and MIN",
     )
     from sparsetier.bench_decode import DecodeBenchConfig
 
@@ -252,6 +253,18 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
 def _run_bench(args: argparse.Namespace) -> None:
     from sparsetier import bench
 
+    if args.what == "replay":
+        from sparsetier.replay import bench as bench_replay
+
+        r = bench_replay()
+        print(
+            f"replay of a {r['keys']}-key synthetic trace at {r['budgets']} budgets: "
+            f"LRU (the directory) {r['lru_s']:.2f} s, MIN {r['min_s']:.2f} s"
+        )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(r, f, indent=2)
+        return
     if args.what == "decode":
         from sparsetier import bench_decode
 
@@ -373,8 +386,27 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", metavar="PATH", help="write the full record (per step and totals)")
+    p.add_argument("--trace", metavar="PATH", help="write the tiered run's trace (.npz) for replay")
     p.add_argument("--plot", metavar="PATH", help="write a PNG: hit rate, bytes, exposed wait")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _replay_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="replay a recorded trace at other device budgets: LRU (the directory) vs MIN",
+    )
+    p.add_argument("trace", help="a .npz trace (sparsetier demo --trace PATH)")
+    p.add_argument(
+        "--budgets",
+        default="5,10,15,20,25,30,40,50,60,70,80,90,100",
+        help="device budgets, %% of the peak live pages, comma-separated",
+    )
+    p.add_argument("--bandwidth", type=float, help="link GB/s: transfer time per step")
+    p.add_argument("--window-ms", type=float, help="with --bandwidth: overlap per step, ms")
+    p.add_argument("--hit-rate", type=float, default=0.9, help="the sizing line's target")
+    p.add_argument("--json", metavar="PATH", help="write every row")
+    p.add_argument("--plot", metavar="PNG", help="hit rate against budget, per policy")
 
 
 def _run_demo(args: argparse.Namespace) -> int:
@@ -412,6 +444,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         prefetch=not args.no_prefetch,
         turns=args.turns,
         layout=args.layout,
+        trace=args.trace,
         device=args.device,
         seed=args.seed,
     )
@@ -430,10 +463,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     _plan_parser(sub)
     _bench_parser(sub)
     _demo_parser(sub)
+    _replay_parser(sub)
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
             return _run_demo(args)
+        if args.command == "replay":
+            from sparsetier import replay
+
+            return replay.run(args)
         if args.command == "plan":
             if args.indexer_layers is None:
                 args.indexer_layers = args.layers

@@ -43,6 +43,7 @@ class DemoConfig:
     turns: int = 3  # most turns of one conversation
     layout: str = "layer_first"
     faults: bool = False
+    trace: str | None = None  # write the tiered run's directory trace here (.npz)
     device: str = "cpu"
     seed: int = 0
 
@@ -99,7 +100,10 @@ FAULT_PLAN = {
 }
 
 
-def _run(cfg: DemoConfig, model, work, device_slots, sizes, progress, faults, aborts, refused):
+def _run(
+    cfg: DemoConfig, model, work, device_slots, sizes, progress, faults, aborts, refused,
+    trace=None,
+):  # fmt: skip
     """Runs the conversations; `faults` arms failures by step, `aborts` ends requests after a
     step and `refused` right after their prefill (how the resident reference replays the
     tiered run's failures). A turn's follow-up is queued when it finishes, with the answer in
@@ -121,6 +125,8 @@ def _run(cfg: DemoConfig, model, work, device_slots, sizes, progress, faults, ab
         layout=cfg.layout,
     )
     prefill_bytes = 0  # matched-block KV first loaded by the suffix prefills
+    if trace:
+        rt.scheduler.directory.start_journal()
     # (rid, conversation, turn, prompt); rids are numbered as turns are queued.
     queue = [(c, 0, turns[0].message) for c, turns in enumerate(work)]
     rids: dict[tuple[int, int], int] = {}
@@ -161,6 +167,10 @@ def _run(cfg: DemoConfig, model, work, device_slots, sizes, progress, faults, ab
                 nxt = torch.cat([torch.from_numpy(r.tokens()), work[c][i + 1].message])
                 queue.append((c, i + 1, nxt))
     rt.drain()
+    if trace:
+        from sparsetier.replay import save_trace
+
+        save_trace(trace, rt.scheduler.directory.take_journal())
     return rt, outputs, admissions, prefill_bytes
 
 
@@ -205,7 +215,9 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     faults = dict(FAULT_PLAN) if cfg.faults else {}
     t0 = time.perf_counter()
     sizes = (host_pages, idx_pages)
-    rt, out, adms, prefill_bytes = _run(cfg, model, work, device, sizes, bar, faults, {}, set())
+    rt, out, adms, prefill_bytes = _run(
+        cfg, model, work, device, sizes, bar, faults, {}, set(), trace=cfg.trace
+    )
     tiered_s = time.perf_counter() - t0
     if bar is not None:
         bar.close()

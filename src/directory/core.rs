@@ -13,6 +13,7 @@
 //! - pin counts equal the number of live pin handles that hold the object.
 
 use super::arena::Arena;
+use super::journal::{Journal, Op};
 use super::key::{Namespace, ObjectKey};
 use super::lru::Lru;
 use super::metrics::{ResolveMetrics, Totals};
@@ -151,6 +152,8 @@ pub struct Core {
     t0: Instant,
     scratch: Vec<(usize, Class)>,
     idx_scratch: Vec<usize>,
+    /// The calls served, when recording (`start_journal`).
+    journal: Option<Journal>,
 }
 
 /// How many keys ahead `resolve` prefetches objects.
@@ -189,6 +192,7 @@ impl Core {
             t0: Instant::now(),
             scratch: Vec::new(),
             idx_scratch: Vec::new(),
+            journal: None,
         })
     }
 
@@ -310,6 +314,9 @@ impl Core {
             self.insert_object(*key, DeviceState::Ready { slot }, HostState::None, home);
             slots.push(slot);
         }
+        if let Some(j) = self.journal.as_mut() {
+            j.push(Op::Alloc, 0, 0, keys, homes);
+        }
         Ok(slots)
     }
 
@@ -332,6 +339,12 @@ impl Core {
             }
         }
         let keys_new: Vec<ObjectKey> = fresh.iter().map(|&(k, _)| k).collect();
+        if let Some(j) = self.journal.as_mut() {
+            let homes_new: Vec<HostSlotId> = fresh.iter().map(|&(_, h)| h).collect();
+            if !keys_new.is_empty() {
+                j.push(Op::Register, 0, 0, &keys_new, Some(&homes_new));
+            }
+        }
         if keys_new.is_empty() {
             return Ok(0);
         }
@@ -431,6 +444,20 @@ impl Core {
             Ok(self.commit_resolve(keys.len(), &scratch, loads, bytes_needed, pin_present))
         });
         self.scratch = scratch;
+        if let (Ok(r), Some(j)) = (&result, self.journal.as_mut()) {
+            let ord = j.resolves;
+            j.resolves += 1;
+            j.handle_ord.insert(r.handle, ord);
+            if let Some(lp) = r.loads.first() {
+                j.load_ord.insert(lp.transfer, ord);
+            }
+            let op = if pin_present {
+                Op::Resolve
+            } else {
+                Op::Prefetch
+            };
+            j.push(op, ord, 0, keys, None);
+        }
         result
     }
 
@@ -688,6 +715,7 @@ impl Core {
     /// Loading -> Ready for every object of load `id`; wakes its waiters.
     pub fn complete(&mut self, id: TransferId) -> Result<()> {
         self.in_flight_of(id, TransferKind::Load, "complete")?;
+        self.journal_transfer(Op::Complete, id, 0);
         let objects = std::mem::take(&mut self.transfers.get_mut(&id).expect("checked").objects);
         for &idx in &objects {
             let stamp = self.tick();
@@ -708,6 +736,7 @@ impl Core {
     /// Writing -> Ready for every host copy of backup `id`.
     pub fn backup_complete(&mut self, id: TransferId) -> Result<()> {
         self.in_flight_of(id, TransferKind::Backup, "backup_complete")?;
+        self.journal_transfer(Op::BackupDone, id, 0);
         let objects = std::mem::take(&mut self.transfers.get_mut(&id).expect("checked").objects);
         for &idx in &objects {
             let obj = &mut self.objects[idx];
@@ -728,8 +757,13 @@ impl Core {
     /// when `ended` says the transfer can no longer write them.
     pub fn fail(&mut self, id: TransferId, reason: &str, ended: bool) -> Result<()> {
         self.in_flight(id, "fail")?;
+        let kind = self.transfers[&id].kind;
+        let op = match kind {
+            TransferKind::Load => Op::FailLoad,
+            TransferKind::Backup => Op::FailBackup,
+        };
+        self.journal_transfer(op, id, u32::from(ended));
         let t = self.transfers.get_mut(&id).expect("checked");
-        let kind = t.kind;
         let objects = std::mem::take(&mut t.objects);
         let mut q = Quarantine::default();
         for &idx in &objects {
@@ -785,6 +819,11 @@ impl Core {
                 None => Error::UnknownTransfer { id: id.raw() },
             });
         };
+        let is_backup = self
+            .transfers
+            .get(&id)
+            .is_some_and(|t| t.kind == TransferKind::Backup);
+        self.journal_transfer(Op::Ended, id, u32::from(is_backup));
         self.quarantined_device -= q.device.len();
         self.quarantined_host -= q.host.len();
         let dev: Vec<_> = q.device.iter().map(|s| s.page()).collect();
@@ -868,6 +907,11 @@ impl Core {
             .handles
             .remove(&handle)
             .ok_or(Error::UnknownHandle { id: handle.raw() })?;
+        if let Some(j) = self.journal.as_mut() {
+            if let Some(ord) = j.handle_ord.remove(&handle) {
+                j.push(Op::Release, ord, 0, &[], None);
+            }
+        }
         let mut m = h.metrics;
         m.consumed_ns = Some(self.now_ns());
         let mut ready = Some(m.resolved_ns);
@@ -961,6 +1005,11 @@ impl Core {
                 evictable: 0,
             });
         }
+        if let Some(j) = self.journal.as_mut() {
+            let ord = j.backups;
+            j.backups += 1;
+            j.push(Op::Backup, ord, 0, keys, None);
+        }
         if todo.is_empty() {
             return Ok(BackupPlan {
                 transfer: None,
@@ -969,6 +1018,9 @@ impl Core {
             });
         }
         let tid = self.new_transfer(TransferKind::Backup);
+        if let Some(j) = self.journal.as_mut() {
+            j.backup_ord.insert(tid, j.backups - 1);
+        }
         let mut plan = BackupPlan {
             transfer: Some(tid),
             device_slots: Vec::with_capacity(todo.len()),
@@ -995,6 +1047,9 @@ impl Core {
 
     /// Evicts up to `n` least recently used evictable objects; returns their keys.
     pub fn evict(&mut self, n: usize) -> Vec<ObjectKey> {
+        if let Some(j) = self.journal.as_mut() {
+            j.push(Op::Evict, n as u64, 0, &[], None);
+        }
         let mut out = Vec::with_capacity(n.min(self.lru.len()));
         while out.len() < n {
             let Some(idx) = self.lru_pop() else {
@@ -1024,6 +1079,9 @@ impl Core {
             });
         }
         self.totals.namespaces_dropped += 1;
+        if let Some(j) = self.journal.as_mut() {
+            j.push(Op::Drop, ns.id, ns.version, &[], None);
+        }
         let (mut now, mut later) = (0, 0);
         for idx in self.namespaces.remove(&ns).unwrap_or_default() {
             let obj = &mut self.objects[idx];
@@ -1042,6 +1100,54 @@ impl Core {
             self.lingering.insert(ns, later);
         }
         Ok((now, later))
+    }
+
+    /// Keys of live objects on the device with no host copy yet (what a make-room writes
+    /// through first).
+    pub fn unbacked_keys(&self) -> Vec<ObjectKey> {
+        self.objects
+            .iter()
+            .filter(|(_, o)| {
+                !o.dropped
+                    && matches!(o.device, DeviceState::Ready { .. })
+                    && matches!(o.host, HostState::None)
+            })
+            .map(|(_, o)| o.key)
+            .collect()
+    }
+
+    /// Starts recording every call into a fresh journal (see [`Journal`]).
+    pub fn start_journal(&mut self) {
+        self.journal = Some(Journal::new(
+            self.object_bytes,
+            self.device.capacity() as u64,
+        ));
+    }
+
+    /// Stops recording and returns the journal, if one was recording.
+    pub fn take_journal(&mut self) -> Option<Journal> {
+        self.journal.take()
+    }
+
+    /// Marks the end of a decode step in the journal.
+    pub fn journal_step(&mut self) {
+        if let Some(j) = self.journal.as_mut() {
+            j.push(Op::Step, 0, 0, &[], None);
+        }
+    }
+
+    fn journal_transfer(&mut self, op: Op, id: TransferId, flag: u32) {
+        if let Some(j) = self.journal.as_mut() {
+            let ord = match op {
+                Op::Complete | Op::FailLoad => j.load_ord.get(&id),
+                Op::BackupDone | Op::FailBackup => j.backup_ord.get(&id),
+                _ if flag == 1 => j.backup_ord.get(&id),
+                _ => j.load_ord.get(&id),
+            };
+            if let Some(&ord) = ord {
+                j.push(op, ord, flag, &[], None);
+            }
+        }
     }
 
     /// Objects of dropped namespace `ns` not yet removed (a pin or a transfer still holds

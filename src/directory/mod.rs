@@ -18,6 +18,7 @@
 pub mod arena;
 pub mod bench;
 pub mod core;
+pub mod journal;
 pub mod key;
 pub mod lru;
 pub mod metrics;
@@ -199,6 +200,21 @@ impl Directory {
     /// See [`core::Core::evict`].
     pub fn evict(&self, n: usize) -> Vec<ObjectKey> {
         self.core.lock().evict(n)
+    }
+
+    /// See [`core::Core::start_journal`].
+    pub fn start_journal(&self) {
+        self.core.lock().start_journal()
+    }
+
+    /// See [`core::Core::take_journal`].
+    pub fn take_journal(&self) -> Option<journal::Journal> {
+        self.core.lock().take_journal()
+    }
+
+    /// See [`core::Core::journal_step`].
+    pub fn journal_step(&self) {
+        self.core.lock().journal_step()
     }
 
     /// See [`core::Core::lingering`].

@@ -273,6 +273,19 @@ impl PyResidencyDirectory {
 
 #[pymethods]
 impl PyResidencyDirectory {
+    /// Starts recording every call the directory serves (for `sparsetier replay`).
+    fn start_journal(&self) {
+        self.inner.start_journal()
+    }
+
+    /// Stops recording and returns the journal as a dict of numpy arrays, or None.
+    fn take_journal<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        match self.inner.take_journal() {
+            Some(j) => crate::py::replay::journal_dict(py, &j).map(Some),
+            None => Ok(None),
+        }
+    }
+
     #[new]
     #[pyo3(
         signature = (device_pages, host_pages, *, object_bytes, device_reserve=None, host_reserve=None),

@@ -12,6 +12,7 @@ mod error;
 mod plan;
 mod pool;
 mod radix;
+mod replay;
 mod scheduler;
 mod tensor;
 mod transfer;
@@ -44,5 +45,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(radix::_bench_serve, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::compile_cuda_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::kernel_cubin, m)?)?;
+    m.add_function(wrap_pyfunction!(replay::replay_trace, m)?)?;
+    m.add_function(wrap_pyfunction!(replay::trace_peak_live, m)?)?;
     Ok(())
 }

@@ -1309,6 +1309,7 @@ impl StepScheduler {
         self.rec.device_capacity = capacity as u64;
         self.rec.step = self.steps;
         self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
+        self.dir.journal_step();
         let rec = std::mem::take(&mut self.rec);
         self.failed_this_step.clear();
         self.totals.fold(&rec);
