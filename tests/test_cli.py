@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
+import sparsetier as st
 from sparsetier.cli import main
+from sparsetier.replay import load_trace
 
 
 def torch_cuda() -> bool:
@@ -261,6 +263,18 @@ def test_bench_decode_runs_both_sides(mode, tmp_path, capsys):
     r = json.loads(out.read_text())
     assert len(r["steps"]) == 3 and r["median"]["scheduler_ms"] > 0
     assert r["median"]["pages"] > 0
+
+
+def test_bench_decode_writes_a_trace_the_replay_reproduces(tmp_path, capsys):
+    trace = tmp_path / "b.npz"
+    args = ["bench", "decode", "--layers", "2", "--batch", "3", "--context-min", "512",
+            "--context-max", "1024", "--steps", "3", "--no-baseline",
+            "--trace", str(trace)]  # fmt: skip
+    assert main(args) == 0
+    t = load_trace(str(trace))
+    r = st.replay_trace(t, t["device_slots"], "lru")
+    assert r["feasible"] and r["accesses"] > 0
+    assert st.replay_trace(t, t["device_slots"], "min")["hits"] >= r["hits"]
 
 
 NO_GPU = [] if torch_cuda() else [["--device", "cuda"]]

@@ -65,6 +65,7 @@ class DecodeBenchConfig:
     prefetch: bool = False
     baseline: bool = True
     seed: int = 0
+    trace: str | None = None  # write the scheduler's directory trace (.npz; costs time)
 
     def check(self) -> None:
         checks = [
@@ -119,7 +120,13 @@ class Selections:
         return np.ascontiguousarray(np.sort(sel, axis=2))
 
 
-def _stack(cfg: DecodeBenchConfig, lens: np.ndarray, device_pages: int, host_pages: int):
+def _stack(
+    cfg: DecodeBenchConfig,
+    lens: np.ndarray,
+    device_pages: int,
+    host_pages: int,
+    journal: bool = False,
+):
     spec = PoolSpec("KV", 1, 1, 1, "bf16", cfg.page_size, device_pages)
     host_spec = spec.with_pages(host_pages)
     dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
@@ -132,6 +139,8 @@ def _stack(cfg: DecodeBenchConfig, lens: np.ndarray, device_pages: int, host_pag
         layers=cfg.layers,
         prefetch=cfg.prefetch,
     )
+    if journal:
+        s.directory.start_journal()  # before the prefills: a replay needs every allocation
     for rid, n in enumerate(lens):
         s.add_request(rid, int(n))
     s.drain()
@@ -227,7 +236,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     )
     host_pages = pages + cfg.batch * cfg.layers
     t0 = time.perf_counter()
-    a, _ = _stack(cfg, lens, device_pages, host_pages)
+    a, _ = _stack(cfg, lens, device_pages, host_pages, journal=cfg.trace is not None)
     setup_s = time.perf_counter() - t0
     base = None
     if cfg.baseline:
@@ -267,6 +276,11 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         rows.append(row)
     if bar is not None:
         bar.close()
+    if cfg.trace is not None:
+        from sparsetier.replay import save_trace
+
+        a.drain()
+        save_trace(cfg.trace, a.directory.take_journal())
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     return {
         "config": asdict(cfg),

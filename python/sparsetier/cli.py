@@ -204,6 +204,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks, as ratios to a baseline from the same run")
+    p.add_argument("--trace", metavar="PATH", help="decode: write the scheduler's trace (.npz)")
     p.add_argument(
         "what",
         choices=["directory", "transfer", "prefix", "decode", "replay"],
@@ -273,7 +274,7 @@ def _run_bench(args: argparse.Namespace) -> None:
             context_min=args.context_min, context_max=args.context_max, budget=args.budget,
             mode=args.mode, blocks=args.blocks, tokens=args.tokens,
             token_pages=args.token_pages, locality=args.locality, steps=args.steps,
-            prefetch=args.prefetch, baseline=not args.no_baseline,
+            prefetch=args.prefetch, baseline=not args.no_baseline, trace=args.trace,
         )  # fmt: skip
         r = bench_decode.run(cfg, progress=True)
         print(bench_decode.format_report(r))
