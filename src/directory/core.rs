@@ -10,7 +10,9 @@
 //! - an object is in the LRU list iff it is evictable (Ready, unpinned, host Ready, live), so a
 //!   pinned object is never evicted;
 //! - a Loading object has exactly one in-flight load transfer, which lists it;
-//! - pin counts equal the number of live pin handles that hold the object.
+//! - pin counts equal the number of live pin handles that hold the object;
+//! - a home (a host slot owned outside the directory) holds at most one live object; a dropped
+//!   object may linger at a reused home until its pins and reads end, but never writes it.
 
 use super::arena::Arena;
 use super::journal::{Journal, Op};
@@ -1245,8 +1247,13 @@ impl Core {
                 if o.host_slot().is_some_and(|s| s != home) {
                     return Err(format!("{} holds a host slot other than its home", o.key));
                 }
-                if let Some(other) = home_owner.insert(home, idx) {
-                    return Err(format!("home {home} held by objects {other} and {idx}"));
+                // One live object per home. A dropped one may linger there (a load reading the
+                // old page), but never write it: only a Writing object writes its home.
+                let writes = matches!(o.host, HostState::Writing { .. });
+                if !o.dropped || writes {
+                    if let Some(other) = home_owner.insert(home, idx) {
+                        return Err(format!("home {home} held by objects {other} and {idx}"));
+                    }
                 }
             } else if let Some(s) = o.host_slot() {
                 if !self.host.is_allocated(s.page()) {
