@@ -135,6 +135,8 @@ pub struct Core {
     index: FxHashMap<ObjectKey, usize>,
     namespaces: FxHashMap<Namespace, Vec<usize>>,
     dropped: FxHashSet<Namespace>,
+    /// `dropped` in drop order: the oldest are forgotten past [`DROPPED_REMEMBERED`].
+    dropped_order: std::collections::VecDeque<Namespace>,
     /// Dropped namespaces whose objects are not all removed yet: how many remain.
     lingering: FxHashMap<Namespace, usize>,
     device: PageAllocator,
@@ -158,6 +160,12 @@ pub struct Core {
     journal: Option<Journal>,
 }
 
+/// How many dropped namespaces the directory remembers (so that a late key of one is
+/// `NamespaceDropped`, not `NotResident`, and cannot be recreated by mistake). Older ones are
+/// forgotten, unless objects of theirs still linger: memory stays bounded however many
+/// requests a process serves.
+pub const DROPPED_REMEMBERED: usize = 1 << 16;
+
 /// How many keys ahead `resolve` prefetches objects.
 const PREFETCH_AHEAD: usize = 16;
 
@@ -176,6 +184,7 @@ impl Core {
             index: FxHashMap::default(),
             namespaces: FxHashMap::default(),
             dropped: FxHashSet::default(),
+            dropped_order: Default::default(),
             lingering: FxHashMap::default(),
             device,
             host,
@@ -1084,6 +1093,8 @@ impl Core {
         if let Some(j) = self.journal.as_mut() {
             j.push(Op::Drop, ns.id, ns.version, &[], None);
         }
+        self.dropped_order.push_back(ns);
+        self.forget_old_drops();
         let (mut now, mut later) = (0, 0);
         for idx in self.namespaces.remove(&ns).unwrap_or_default() {
             let obj = &mut self.objects[idx];
@@ -1102,6 +1113,29 @@ impl Core {
             self.lingering.insert(ns, later);
         }
         Ok((now, later))
+    }
+
+    /// Forgets the oldest dropped namespaces past [`DROPPED_REMEMBERED`], keeping those whose
+    /// objects still linger (their count is keyed by the namespace).
+    fn forget_old_drops(&mut self) {
+        let mut tries = self.dropped_order.len();
+        while self.dropped_order.len() > DROPPED_REMEMBERED && tries > 0 {
+            tries -= 1;
+            let ns = self
+                .dropped_order
+                .pop_front()
+                .expect("longer than the bound");
+            if self.lingering.contains_key(&ns) {
+                self.dropped_order.push_back(ns);
+            } else {
+                self.dropped.remove(&ns);
+            }
+        }
+    }
+
+    /// Dropped namespaces remembered now.
+    pub fn dropped_remembered(&self) -> usize {
+        self.dropped.len()
     }
 
     /// Keys of live objects on the device with no host copy yet (what a make-room writes
@@ -1319,6 +1353,14 @@ impl Core {
                     o.key
                 ));
             }
+        }
+        if self.dropped.len() != self.dropped_order.len() {
+            return Err("dropped set and its order disagree".into());
+        }
+        if let Some(ns) = self.lingering.keys().find(|ns| !self.dropped.contains(ns)) {
+            return Err(format!(
+                "namespace {ns} lingers but is not remembered as dropped"
+            ));
         }
         let (mut qd, mut qh) = (0, 0);
         for q in self.quarantine.values() {

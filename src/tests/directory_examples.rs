@@ -357,3 +357,50 @@ fn hammered_from_threads_keeps_every_invariant() {
     );
     let _ = SlotId::new(0);
 }
+
+#[test]
+fn dropped_namespaces_are_remembered_boundedly() {
+    // A long-running server drops one namespace per request: the directory remembers the
+    // most recent ones (late keys are NamespaceDropped) and forgets the oldest.
+    use crate::directory::core::{Core, DROPPED_REMEMBERED};
+    let mut c = Core::new(DirectoryConfig {
+        device_pages: 4,
+        device_reserve: 0,
+        host_pages: 4,
+        host_reserve: 0,
+        object_bytes: 64,
+    })
+    .unwrap();
+    let n = DROPPED_REMEMBERED as u64 + 5000;
+    // One namespace still pinned while the others come and go: it must not be forgotten.
+    let pinned = ObjectKey::new(0, 0, 0, LayerGroup::Layer(0));
+    c.allocate(&[pinned]).unwrap();
+    let h = c.resolve(&[pinned], None).unwrap().handle;
+    c.drop_namespace(pinned.namespace).unwrap();
+    for id in 1..n {
+        let k = ObjectKey::new(id, 0, 0, LayerGroup::Layer(0));
+        c.allocate(&[k]).unwrap();
+        c.drop_namespace(k.namespace).unwrap();
+    }
+    assert!(c.dropped_remembered() <= DROPPED_REMEMBERED + 1);
+    c.validate().unwrap();
+    let recent = ObjectKey::new(n - 1, 0, 0, LayerGroup::Layer(0));
+    assert!(matches!(
+        c.resolve(&[recent], None),
+        Err(Error::NamespaceDropped { .. })
+    ));
+    // The oldest unpinned one is forgotten: a new namespace of that id may start again.
+    let old = ObjectKey::new(1, 0, 0, LayerGroup::Layer(0));
+    assert!(matches!(
+        c.resolve(&[old], None),
+        Err(Error::NotResident { .. })
+    ));
+    c.allocate(&[old]).unwrap();
+    // The pinned one lingers, so it is still remembered and still refuses recreation.
+    assert!(matches!(
+        c.allocate(&[pinned]),
+        Err(Error::NamespaceDropped { .. })
+    ));
+    c.release(h).unwrap();
+    c.validate().unwrap();
+}
