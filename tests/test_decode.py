@@ -358,3 +358,18 @@ def test_abort_between_steps_releases_everything_and_spares_sharers():
     assert (s["objects"], s["pins"], s["handles"]) == (tree_pages(rt) * 2, 0, 0)
     assert rt.aborted == 1
     rt.scheduler.validate()
+
+
+def test_step_records_are_a_bounded_window():
+    m = TinySparseModel(ModelConfig(seed=3))
+    rt = DecodeRuntime(m, page_size=8, device_slots=200, host_pages=100, indexer_pages=40,
+                       topk=4, keep_records=2)  # fmt: skip
+    rt.add_request(0, torch.arange(1, 30), 5)
+    for _ in range(4):
+        rt.step()
+    assert rt.steps == 4 and [r.step for r in rt.records] == [2, 3]
+    assert len(rt.prefill_records) == 1
+    assert rt.scheduler.totals()["requests"] == 4  # the counts stay cumulative in Rust
+    with pytest.raises(st.ConfigError) as e:
+        DecodeRuntime(m, device_slots=8, host_pages=8, indexer_pages=8, keep_records=0)
+    assert e.value.field == "keep_records"

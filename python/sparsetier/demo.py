@@ -123,6 +123,7 @@ def _run(
         selection=cfg.selection,
         block_size=cfg.block_size or None,
         layout=cfg.layout,
+        keep_records=None,  # every step goes into the summary and the JSON
     )
     prefill_bytes = 0  # matched-block KV first loaded by the suffix prefills
     if trace:
@@ -138,7 +139,7 @@ def _run(
             c, i, prompt = queue.pop(0)
             rid = rids.setdefault((c, i), len(rids))
             before = rt.prefix_stats()["prefix_kv_bytes_first"]
-            step = len(rt.records)
+            step = rt.steps
             if step in faults:
                 rt.inject_faults(*faults.pop(step))
             try:
@@ -150,7 +151,7 @@ def _run(
                 rt.abort(rid)
                 continue
             live[rid] = (c, i)
-        step = len(rt.records)
+        step = rt.steps
         if step in faults:
             rt.inject_faults(*faults.pop(step))
         rt.step()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -114,6 +115,7 @@ class DecodeRuntime:
         reduce: str = "max",
         layout: str = "layer_first",
         prefill_chunk: int = 256,
+        keep_records: int | None = 4096,
     ) -> None:
         c = model.c
         if selection not in MODES:
@@ -169,8 +171,13 @@ class DecodeRuntime:
             prefetch=prefetch,
         )
         self.requests: dict[int, Request] = {}
-        self.records: list[StepRecord] = []
-        self.prefill_records: list[dict] = []  # the scheduler's record of each prefill
+        if keep_records is not None and keep_records < 1:
+            raise ConfigError.of("keep_records", str(keep_records), "None (all) or >= 1")
+        # The latest records only (a serving process lives for weeks); the scheduler's
+        # `totals()` keeps the cumulative counts. `None` keeps every one (the demo's JSON).
+        self.records: deque[StepRecord] = deque(maxlen=keep_records)
+        self.prefill_records: deque[dict] = deque(maxlen=keep_records)
+        self.steps = 0  # decode steps run
         self.prefix_wait_s = 0.0  # blocked on Indexer-K restores during prefills
         self.aborted = 0
         self.failures: list[tuple[int, int, str]] = []  # (step, rid, reason)
@@ -242,7 +249,7 @@ class DecodeRuntime:
                 self.scheduler.finish_request(rid)
                 why = str(e)
                 self.admission_failures.append((rid, why))
-                self.failures.append((len(self.records), rid, why))
+                self.failures.append((self.steps, rid, why))
                 log.warning("request %d failed in prefill: %s", rid, why)
                 raise RequestFailedError(
                     f"request {rid} failed in prefill: {why}", rid=rid, reason=why
@@ -358,8 +365,9 @@ class DecodeRuntime:
             t_step = time.perf_counter()
             if not reqs:
                 core = self.scheduler.end_step()
-                rec = StepRecord(len(self.records), 0, time.perf_counter() - t_step, core)
+                rec = StepRecord(self.steps, 0, time.perf_counter() - t_step, core)
                 self.records.append(rec)
+                self.steps += 1
                 return rec
             rids_np = np.array([r.rid for r in reqs], dtype=np.int64)
             slots_np, rows_np = self.scheduler.append(rids_np)
@@ -411,7 +419,7 @@ class DecodeRuntime:
                 r.next_token = nxt[b]
             core = self.scheduler.end_step()
             rec = StepRecord(
-                len(self.records), len(reqs), time.perf_counter() - t_step, core, sorted(failed)
+                self.steps, len(reqs), time.perf_counter() - t_step, core, sorted(failed)
             )
             for rid, why in sorted(failed.items()):
                 log.warning("request %d failed at step %d: %s", rid, rec.step, why)
@@ -419,6 +427,7 @@ class DecodeRuntime:
                 self.requests.pop(rid)
                 self.scheduler.finish_request(rid)
             self.records.append(rec)
+            self.steps += 1
             return rec
 
     def prefix_stats(self) -> dict:
