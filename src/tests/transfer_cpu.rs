@@ -39,7 +39,11 @@ fn binding(buf: &[u8], spec: &PoolSpec, layout: HostLayout) -> PageTransferBindi
 }
 
 /// A destination binding: the pointer comes from a unique borrow, since the engine writes it.
-fn binding_mut(buf: &mut [u8], spec: &PoolSpec, layout: HostLayout) -> PageTransferBinding {
+pub(super) fn binding_mut(
+    buf: &mut [u8],
+    spec: &PoolSpec,
+    layout: HostLayout,
+) -> PageTransferBinding {
     // SAFETY: as for `binding`; the test reads `buf` again only after the transfer finished.
     unsafe {
         PageTransferBinding::new(

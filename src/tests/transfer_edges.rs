@@ -10,20 +10,7 @@ use crate::testing::XorShift;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// A binding over `buf`, which the test keeps alive and touches only once transfers ended.
-fn bind(buf: &mut [u8], spec: &PoolSpec, layout: HostLayout) -> PageTransferBinding {
-    // SAFETY: the caller keeps `buf` alive and untouched until every transfer over it ended.
-    unsafe {
-        PageTransferBinding::new(
-            buf.as_mut_ptr() as u64,
-            buf.len() as u64,
-            spec,
-            layout,
-            MemoryKind::Host,
-        )
-    }
-    .unwrap()
-}
+use super::cpu_tests::binding_mut as bind;
 
 #[test]
 fn rows_of_132_bytes_round_trip_exactly() {

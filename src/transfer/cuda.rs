@@ -521,6 +521,22 @@ fn check(r: sys::CUresult, call: &'static str) -> Result<()> {
     }
 }
 
+/// Launches every layer in order, collecting each layer's event; stops at the first layer
+/// that cannot be launched and returns it with the error.
+fn launch_layers(
+    per_layer: &[Vec<CopyOp>],
+    events: &mut Vec<CudaEvent>,
+    mut launch: impl FnMut(&[CopyOp]) -> Result<CudaEvent>,
+) -> Option<(usize, Error)> {
+    for (i, ops) in per_layer.iter().enumerate() {
+        match launch(ops) {
+            Ok(ev) => events.push(ev),
+            Err(e) => return Some((i, e)),
+        }
+    }
+    None
+}
+
 /// Records a blocking-sync event on `stream` (a waiting watcher sleeps instead of spinning).
 fn record(stream: &Arc<CudaStream>) -> Result<CudaEvent> {
     stream
@@ -666,7 +682,7 @@ impl CopyEngine for CudaEngine {
             }
             let mut table = None;
             let mut events = Vec::with_capacity(layers.len());
-            let mut failed: Option<(usize, Error)> = None;
+            let failed: Option<(usize, Error)>;
             match (self.mode, &self.func) {
                 (CudaMode::Kernel { sm_limit }, Some(func)) => {
                     let total: usize = per_layer.iter().map(Vec::len).sum();
@@ -676,34 +692,26 @@ impl CopyEngine for CudaEngine {
                         p
                     };
                     let mut offset = 0;
-                    for (i, ops) in per_layer.iter().enumerate() {
-                        let launched = self
-                            .kernel_layer(stream, func, base, total, offset, ops.len(), sm_limit)
-                            .and_then(|()| record(stream));
-                        match launched {
-                            Ok(ev) => events.push(ev),
-                            Err(e) => {
-                                failed = Some((i, e));
-                                break;
-                            }
-                        }
+                    failed = launch_layers(&per_layer, &mut events, |ops| {
+                        let r = self.kernel_layer(
+                            stream,
+                            func,
+                            base,
+                            total,
+                            offset,
+                            ops.len(),
+                            sm_limit,
+                        );
                         offset += ops.len();
-                    }
+                        r.and_then(|()| record(stream))
+                    });
                     table = Some(t);
                 }
                 (CudaMode::Direct { per_segment }, _) => {
-                    for (i, ops) in per_layer.iter().enumerate() {
-                        let launched = self
-                            .direct_layer(stream, ops, per_segment)
-                            .and_then(|()| record(stream));
-                        match launched {
-                            Ok(ev) => events.push(ev),
-                            Err(e) => {
-                                failed = Some((i, e));
-                                break;
-                            }
-                        }
-                    }
+                    failed = launch_layers(&per_layer, &mut events, |ops| {
+                        self.direct_layer(stream, ops, per_segment)
+                            .and_then(|()| record(stream))
+                    });
                 }
                 (CudaMode::Kernel { .. }, None) => {
                     unreachable!("kernel mode always loads its function")
