@@ -373,3 +373,16 @@ def test_step_records_are_a_bounded_window():
     with pytest.raises(st.ConfigError) as e:
         DecodeRuntime(m, device_slots=8, host_pages=8, indexer_pages=8, keep_records=0)
     assert e.value.field == "keep_records"
+
+
+def test_metrics_in_prometheus_text_format():
+    rt, _ = run(40, share=True, steps=3)
+    text = rt.metrics_text()
+    lines = {ln.split(" ")[0]: ln.split(" ")[-1] for ln in text.splitlines() if ln[:1] != "#"}
+    tot = rt.scheduler.totals()
+    assert float(lines["sparsetier_loaded_total"]) == tot["loaded"]
+    assert float(lines["sparsetier_decode_steps_total"]) == rt.steps  # request 9's included
+    assert float(lines["sparsetier_prefix_hits_total"]) == 3
+    assert float(lines["sparsetier_decode_step_seconds_count"]) == rt.steps
+    assert float(lines["sparsetier_prefill_seconds_count"]) == 4
+    assert 'sparsetier_decode_step_seconds_bucket{le="0.1"}' in lines

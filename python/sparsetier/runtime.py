@@ -43,6 +43,11 @@ from sparsetier.errors import (
 from sparsetier.indexer import MODES
 from sparsetier.model import TinySparseModel, rms
 
+try:
+    from sparsetier.metrics import RuntimeMetrics
+except ImportError:  # prometheus-client is optional (sparsetier[metrics])
+    RuntimeMetrics = None
+
 log = logging.getLogger("sparsetier.runtime")
 
 LAYOUTS = ("layer_first", "layer_page_first")
@@ -178,6 +183,7 @@ class DecodeRuntime:
         self.records: deque[StepRecord] = deque(maxlen=keep_records)
         self.prefill_records: deque[dict] = deque(maxlen=keep_records)
         self.steps = 0  # decode steps run
+        self.metrics = RuntimeMetrics(self) if RuntimeMetrics is not None else None
         self.prefix_wait_s = 0.0  # blocked on Indexer-K restores during prefills
         self.aborted = 0
         self.failures: list[tuple[int, int, str]] = []  # (step, rid, reason)
@@ -263,6 +269,8 @@ class DecodeRuntime:
             self.prefill_records.append(self.scheduler.end_step())
             r.ttft_s = time.perf_counter() - t0
             self.ttfts.append(r.ttft_s)
+            if self.metrics is not None:
+                self.metrics.prefill_seconds.observe(r.ttft_s)
             self.requests[rid] = r
             return adm
 
@@ -428,7 +436,18 @@ class DecodeRuntime:
                 self.scheduler.finish_request(rid)
             self.records.append(rec)
             self.steps += 1
+            if self.metrics is not None:
+                self.metrics.step_seconds.observe(rec.step_s)
             return rec
+
+    def metrics_text(self) -> str:
+        """Every counter, gauge and latency histogram in Prometheus' text format (constant
+        memory however long the runtime runs). Needs `prometheus-client`."""
+        if self.metrics is None:
+            raise ConfigError.of(
+                "metrics", "prometheus-client missing", "pip install 'sparsetier[metrics]'"
+            )
+        return self.metrics.text()
 
     def prefix_stats(self) -> dict:
         """The prefix tier's counters: hits, Indexer-K bytes restored, main-KV bytes loaded for
