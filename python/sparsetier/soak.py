@@ -1,0 +1,179 @@
+"""``sparsetier soak``: a long run of the joined step scheduler (prefix cache and per-layer
+residency together) with no model: requests over Zipf-popular system prompts and their next
+turns, decode steps with random selections, ends with and without insertion, random faults.
+Every `--every` requests it prints (and writes as a JSON line) the RSS, live objects, tree
+nodes, the p50/p99 latency of each call since the last report, and the fault counters; it ends
+with every invariant checked. It shows whether memory and latency stay flat over millions of
+requests (issue 17); CI runs a short one and asserts flat RSS after warm-up.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparsetier._core import PageTransferBinding, PoolSpec, StepScheduler, TransferEngine
+from sparsetier.errors import ConfigError, OutOfPagesError, SparsetierError
+
+
+@dataclass
+class SoakConfig:
+    requests: int = 100_000
+    concurrent: int = 8
+    layers: int = 4
+    page_size: int = 16
+    device_slots: int = 20_000
+    host_pages: int = 100_000
+    indexer_pages: int = 8_000
+    prompts: int = 2_000
+    steps: int = 8
+    faults: float = 0.01  # chance per step of arming a fault
+    every: int = 10_000
+    seed: int = 0
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 / 2**20
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q) * 1e6) if xs else 0.0
+
+
+def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
+    """Runs the soak; returns the reports (and writes them to `out` as JSON lines)."""
+    for field in ("requests", "concurrent", "layers", "steps", "every", "prompts"):
+        if getattr(cfg, field) < 1:
+            raise ConfigError.of(field, str(getattr(cfg, field)), "an integer >= 1")
+    rng = np.random.default_rng(cfg.seed)
+    ps, layers = cfg.page_size, cfg.layers
+    kv = PoolSpec("KV", 1, 1, 8, "bf16", ps, cfg.device_slots)
+    kv_host = PoolSpec("KV", layers, 1, 8, "bf16", ps, cfg.host_pages)
+    ik = PoolSpec("INDEXER", layers, 1, 8, "bf16", ps, cfg.indexer_pages)
+    ik_host = ik.with_pages(cfg.host_pages)
+    z = lambda s: torch.zeros(s, dtype=torch.bfloat16)  # noqa: E731
+    s = StepScheduler.joined(
+        PageTransferBinding(z(kv.shape()), kv),
+        PageTransferBinding(z(kv_host.shape()), kv_host),
+        TransferEngine("cpu", threads=1),
+        indexer_device=PageTransferBinding(z(ik.shape()), ik),
+        indexer_host=PageTransferBinding(z(ik_host.shape()), ik_host),
+        prefetch=False,
+    )  # fmt: skip
+    w = 1.0 / np.arange(1, cfg.prompts + 1) ** 1.1
+    w /= w.sum()
+    sys_len = rng.integers(64, 512, cfg.prompts)
+    running: dict[int, list] = {}  # rid -> [tokens, steps left]
+    turns: list[np.ndarray] = []  # finished conversations, for next turns (bounded)
+    lat: dict[str, list[float]] = {"admit": [], "plan": [], "end_step": [], "finish": []}
+    reports: list[dict] = []
+    done = failed = 0
+    next_rid = 0
+    t0 = time.perf_counter()
+
+    def timed(name, f, *a):
+        t = time.perf_counter()
+        r = f(*a)
+        lat[name].append(time.perf_counter() - t)
+        return r
+
+    while done < cfg.requests:
+        while len(running) < cfg.concurrent:
+            rid, next_rid = next_rid, next_rid + 1
+            if turns and rng.random() < 0.3:
+                base = turns[int(rng.integers(len(turns)))]
+            else:
+                p = int(rng.choice(cfg.prompts, p=w))
+                base = (np.arange(sys_len[p]) * 7919 + p * 104729) % 50_000
+            toks = np.concatenate([base, rng.integers(0, 50_000, int(rng.integers(8, 64)))])
+            try:
+                adm = timed("admit", s.admit, rid, toks)
+            except OutOfPagesError:
+                failed, done = failed + 1, done + 1
+                continue
+            try:
+                for layer in range(layers):
+                    s.wait_prefix(rid, layer)  # a failed restore ends the request
+                s.extend(rid, len(toks) - adm["matched_pages"] * ps)
+                running[rid] = [list(toks), cfg.steps]
+            except SparsetierError:
+                s.finish_request(rid)
+                failed, done = failed + 1, done + 1
+        if rng.random() < cfg.faults:
+            s.inject_faults(["load", "backup", "restore"][int(rng.integers(3))], 1)
+        rids = np.array(sorted(running), dtype=np.int64)
+        try:
+            s.append(rids)
+            for rid in rids.tolist():
+                running[rid][0].append(int(rng.integers(0, 50_000)))
+            bad: set[int] = set()
+            for layer in range(layers):
+                k = 4
+                sel = np.full((len(rids), k), -1, dtype=np.int64)
+                for b, rid in enumerate(rids.tolist()):
+                    n = -(-len(running[rid][0]) // ps)
+                    pick = np.sort(rng.choice(n, size=min(k, n), replace=False))
+                    sel[b, : len(pick)] = pick
+                plan, _ = timed("plan", s.plan, layer, rids, sel, ps)
+                failed_rows, _ = s.ready(plan)
+                bad |= {r for _, r, _ in failed_rows}
+                s.finish(plan)
+            timed("end_step", s.end_step)
+        except OutOfPagesError:
+            bad = set(running)  # the device holds too much not yet written through
+        for rid in rids.tolist():
+            running[rid][1] -= 1
+            if rid in bad or running[rid][1] <= 0:
+                toks = running.pop(rid)[0]
+                insert = rid not in bad and rng.random() < 0.9
+                timed("finish", s.finish_request, rid, np.array(toks) if insert else None)
+                if insert and len(turns) < 256:
+                    turns.append(np.array(toks))
+                elif insert:
+                    turns[int(rng.integers(len(turns)))] = np.array(toks)
+                failed += rid in bad
+                done += 1
+                if done % cfg.every == 0:
+                    st = s.stats()
+                    px = s.prefix_stats()
+                    rep = {
+                        "requests": done,
+                        "seconds": time.perf_counter() - t0,
+                        "rss_mib": rss_mib(),
+                        "objects": st["objects"],
+                        "tree_nodes": px["tree_nodes"],
+                        "finishing": px["finishing"],
+                        "failed_requests": failed,
+                        "failed_loads": s.totals()["failed_loads"],
+                        "failed_backups": s.totals()["failed_backups"],
+                        "restores_failed": px["restores_failed"],
+                        **{f"{k}_p50_us": _pct(v, 50) for k, v in lat.items()},
+                        **{f"{k}_p99_us": _pct(v, 99) for k, v in lat.items()},
+                    }
+                    lat = {k: [] for k in lat}
+                    reports.append(rep)
+                    if out is not None:
+                        out.write(json.dumps(rep) + "\n")
+                        out.flush()
+                    if not quiet:
+                        print(
+                            f"{done} requests  rss {rep['rss_mib']:.1f} MiB  objects "
+                            f"{rep['objects']}  nodes {rep['tree_nodes']}  plan p99 "
+                            f"{rep['plan_p99_us']:.0f} us  failed {failed}"
+                        )
+    for rid in list(running):
+        s.finish_request(rid)
+    s.drain()
+    s.validate()
+    st = s.stats()
+    if st["pins"] or st["handles"] or st["transfers_in_flight"]:
+        raise AssertionError(f"soak ended with pins/handles/transfers: {st}")
+    return reports
+
+
+__all__ = ["SoakConfig", "rss_mib", "run"]
