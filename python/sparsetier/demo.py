@@ -236,8 +236,12 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         bar.close()
     failed = sorted({rid for _, rid, _ in rt.failures})
     exact = out.keys() == ref.keys() and all(torch.equal(out[r], ref[r]) for r in ref)
-    # Both runs must have met the same prefix hits, or the check compares different work.
-    exact = exact and all(adms[r] == ref_adms.get(r) for r in adms)
+    # Both runs must have matched the same prefixes, or the check compares different work.
+    # (Whether a match's Indexer-K was still on the device may differ: a failed restore in
+    # the tiered run leaves that prefix on host only, where the resident run restored it.)
+    exact = exact and all(
+        adms[r]["matched_pages"] == ref_adms.get(r, {}).get("matched_pages") for r in adms
+    )
     px = rt.prefix_stats()
     moved = px["indexer_bytes_restored"] + px["prefix_kv_bytes_loaded"]
     needed = px["indexer_bytes_restored"] + px["prefix_kv_bytes_first"]

@@ -186,9 +186,10 @@ class DecodeRuntime:
         self.metrics = RuntimeMetrics(self) if RuntimeMetrics is not None else None
         self.prefix_wait_s = 0.0  # blocked on Indexer-K restores during prefills
         self.aborted = 0
-        self.failures: list[tuple[int, int, str]] = []  # (step, rid, reason)
-        self.admission_failures: list[tuple[int, str]] = []  # (rid, reason): failed prefills
-        self.ttfts: list[float] = []
+        # The latest ones, like the records (the metrics histograms keep the whole run).
+        self.failures: deque[tuple[int, int, str]] = deque(maxlen=keep_records)
+        self.admission_failures: deque[tuple[int, str]] = deque(maxlen=keep_records)
+        self.ttfts: deque[float] = deque(maxlen=keep_records)
 
     @property
     def directory(self):
