@@ -110,12 +110,17 @@ fn check_tiers(
     Ok(())
 }
 
-/// `device_reserve` (>= 0, default 0) and `prefetch_depth` (>= 1, default 1).
-fn tuning(
+/// The scheduler's configuration from the device slots `d`, the host pool `h` and the
+/// arguments: `device_reserve` (>= 0, default 0) and `prefetch_depth` (>= 1, default 1).
+fn scheduler_config(
     py: Python<'_>,
+    layers: u16,
+    d: &PyPageTransferBinding,
+    h: &PyPageTransferBinding,
     device_reserve: Option<&Bound<'_, PyAny>>,
+    prefetch: bool,
     prefetch_depth: Option<&Bound<'_, PyAny>>,
-) -> PyResult<(u32, u16)> {
+) -> PyResult<SchedulerConfig> {
     let reserve = opt_int(device_reserve, "device_reserve")?.unwrap_or(0);
     let reserve = u32::try_from(reserve).map_err(|_| {
         to_py(
@@ -133,7 +138,15 @@ fn tuning(
                 Error::config("prefetch_depth", depth, "an integer >= 1"),
             )
         })?;
-    Ok((reserve, depth))
+    Ok(SchedulerConfig {
+        layers,
+        page_size: d.inner.page_size(),
+        device_pages: d.inner.pages(),
+        device_reserve: reserve,
+        host_pages: h.inner.pages(),
+        prefetch,
+        prefetch_depth: depth,
+    })
 }
 
 fn rid(obj: &Bound<'_, PyAny>) -> PyResult<RequestId> {
@@ -232,18 +245,9 @@ impl PyStepScheduler {
         let layers = u32_arg(py, layers, "layers", 1)?;
         let layers = u16::try_from(layers)
             .map_err(|_| to_py(py, Error::out_of_range("layers", layers, 1, 1 << 16)))?;
-        let (reserve, depth) = tuning(py, device_reserve, prefetch_depth)?;
         let (d, h, e) = (device.get(), host.get(), engine.get());
         check_tiers(py, e, &[("device", d)], &[("host", h)])?;
-        let cfg = SchedulerConfig {
-            layers,
-            page_size: d.inner.page_size(),
-            device_pages: d.inner.pages(),
-            device_reserve: reserve,
-            host_pages: h.inner.pages(),
-            prefetch,
-            prefetch_depth: depth,
-        };
+        let cfg = scheduler_config(py, layers, d, h, device_reserve, prefetch, prefetch_depth)?;
         let inner =
             StepScheduler::new(cfg, d.inner.clone(), h.inner.clone(), e.shared()).py_err(py)?;
         Ok(PyStepScheduler {
@@ -277,7 +281,6 @@ impl PyStepScheduler {
         prefetch: bool,
         prefetch_depth: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let (reserve, depth) = tuning(py, device_reserve, prefetch_depth)?;
         let (d, h, e) = (device.get(), host_kv.get(), engine.get());
         let (id, ih) = (indexer_device.get(), indexer_host.get());
         check_tiers(
@@ -292,15 +295,7 @@ impl PyStepScheduler {
                 Error::out_of_range("host_kv.layers", h.inner.layers() as u64, 1, 1 << 16),
             )
         })?;
-        let cfg = SchedulerConfig {
-            layers,
-            page_size: d.inner.page_size(),
-            device_pages: d.inner.pages(),
-            device_reserve: reserve,
-            host_pages: h.inner.pages(),
-            prefetch,
-            prefetch_depth: depth,
-        };
+        let cfg = scheduler_config(py, layers, d, h, device_reserve, prefetch, prefetch_depth)?;
         let sidecars = vec![PoolPair {
             device: Some(id.inner.clone()),
             host: ih.inner.clone(),
