@@ -1,7 +1,7 @@
 //! The configuration boundary: what a stack is built with, and what this integration refuses.
 //!
 //! Strings are parsed into enums here, once. Every refusal is an [`Error::Config`] naming the
-//! field, the value given and what is allowed. The limits (no L3 storage backend, no deferred
+//! field, the value given and what is allowed. The limits (no deferred
 //! layer loading, no pipeline parallelism, write-through only) are limits of this integration,
 //! not of sparse attention.
 
@@ -75,6 +75,39 @@ impl WritePolicy {
     }
 }
 
+/// The L3 store under the host tier (its pages are written and fetched by a Python backend,
+/// planned by the cache: `radix::storage`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum StorageKind {
+    /// A local directory, one checksummed file per page (embedded, no server).
+    File,
+    /// Mooncake Store (a master and clients, TCP or RDMA).
+    Mooncake,
+}
+
+impl StorageKind {
+    /// Canonical name.
+    pub const fn name(self) -> &'static str {
+        match self {
+            StorageKind::File => "file",
+            StorageKind::Mooncake => "mooncake",
+        }
+    }
+
+    /// Parses a backend name.
+    pub fn parse(field: &str, s: &str) -> Result<Self> {
+        match s.trim() {
+            "file" => Ok(StorageKind::File),
+            "mooncake" => Ok(StorageKind::Mooncake),
+            _ => Err(Error::config(
+                field,
+                format!("{s:?}"),
+                "None, 'file' or 'mooncake'",
+            )),
+        }
+    }
+}
+
 /// How a sidecar pool of a group decides whether a prefix page is a hit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum HitPolicy {
@@ -113,6 +146,8 @@ pub struct StackConfig {
     pub device_reserve: u32,
     /// Reserved pages at the front of every host pool.
     pub host_reserve: u32,
+    /// The L3 store, if any.
+    pub storage_backend: Option<StorageKind>,
 }
 
 /// Unchecked builder inputs, as a user or a CLI gives them.
@@ -130,7 +165,7 @@ pub struct RawStackConfig<'a> {
     pub io_backend: &'a str,
     /// Write policy name.
     pub write_policy: &'a str,
-    /// L3 storage backend: must be absent.
+    /// L3 storage backend name, if any.
     pub storage_backend: Option<&'a str>,
     /// Deferred loading end layer: must be absent.
     pub load_end_layer: Option<i64>,
@@ -163,13 +198,10 @@ impl Default for RawStackConfig<'_> {
 impl RawStackConfig<'_> {
     /// Checks every field and returns the parsed configuration.
     pub fn check(&self) -> Result<StackConfig> {
-        if let Some(backend) = self.storage_backend {
-            return Err(Error::config(
-                "storage_backend",
-                format!("{backend:?}"),
-                "None: an L3 storage backend is not supported yet",
-            ));
-        }
+        let storage_backend = self
+            .storage_backend
+            .map(|b| StorageKind::parse("storage_backend", b))
+            .transpose()?;
         if let Some(layer) = self.load_end_layer {
             return Err(Error::config(
                 "load_end_layer",
@@ -229,6 +261,7 @@ impl RawStackConfig<'_> {
             write_policy,
             device_reserve,
             host_reserve,
+            storage_backend,
         })
     }
 }
@@ -274,7 +307,7 @@ mod tests {
         let cases: Vec<(RawStackConfig, &str)> = vec![
             (
                 RawStackConfig {
-                    storage_backend: Some("file"),
+                    storage_backend: Some("s3"),
                     ..ok
                 },
                 "storage_backend",

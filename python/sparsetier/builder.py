@@ -22,6 +22,8 @@ from sparsetier._core import (
 if TYPE_CHECKING:
     import torch
 
+    from sparsetier.l3 import StorageController
+
 _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_e4m3": "uint8"}
 
 
@@ -47,6 +49,9 @@ class SparseStack:
     engine: TransferEngine
     hicache: HiCache
     pinned: bool = field(default=False)
+    #: The L3 tier's executor when ``storage_backend`` was given (call its ``poll()`` in the
+    #: serving loop, ``close()`` at the end).
+    storage: StorageController | None = field(default=None)
 
     @property
     def page_size(self) -> int:
@@ -77,6 +82,7 @@ def build_sparse_stack(
     io_backend: str = "cpu",
     write_policy: str = "write_through",
     storage_backend: str | None = None,
+    storage_config: dict[str, Any] | None = None,
     load_end_layer: int | None = None,
     pp_size: int = 1,
     swa_window: int | None = None,
@@ -91,6 +97,13 @@ def build_sparse_stack(
     ``(component, tensor)`` pair). ``hicache_size`` is the host budget in decimal GB;
     ``hicache_ratio`` sizes host pages as device pages x ratio (default 2). Host pools are pinned
     when CUDA is available unless ``pin_memory`` says otherwise.
+
+    ``storage_backend`` (``"file"`` or ``"mooncake"``) puts an L3 store under the host tier;
+    ``storage_config`` holds its settings: ``write_policy`` (``"write_back"``, the default, or
+    ``"write_through"``), ``salt`` (model version / LoRA, part of every page key),
+    ``prefetch_policy`` (``"best_effort"``, ``"wait_complete"``, ``"timeout"``),
+    ``prefetch_timeout``, ``chunk_pages``, and the backend's own (``path`` for ``file``;
+    ``master``, ``metadata_server``, ``protocol``... for ``mooncake``).
 
     Raises :class:`sparsetier.ConfigError` naming the field, the value and what is allowed.
     """
@@ -167,6 +180,13 @@ def build_sparse_stack(
         pools=pairs,
         engine=engine,
     )
+    storage = None
+    if plan.storage_backend is not None:
+        storage = _storage(plan.storage_backend, dict(storage_config or {}), hicache, host_pools)
+    elif storage_config:
+        from sparsetier.errors import ConfigError
+
+        raise ConfigError.of("storage_config", sorted(storage_config), "None without a backend")
     return SparseStack(
         plan=plan,
         device_pools=device_pools,
@@ -174,7 +194,24 @@ def build_sparse_stack(
         engine=engine,
         hicache=hicache,
         pinned=pin,
+        storage=storage,
     )
+
+
+def _storage(
+    kind: str, cfg: dict[str, Any], hicache: HiCache, host_pools: dict[str, torch.Tensor]
+) -> StorageController:
+    from sparsetier.l3 import StorageController, make_backend
+
+    hicache.enable_storage(
+        write_policy=cfg.pop("write_policy", "write_back"), salt=str(cfg.pop("salt", ""))
+    )
+    ctl = {
+        k: cfg.pop(k) for k in ("prefetch_policy", "prefetch_timeout", "chunk_pages") if k in cfg
+    }
+    backend = make_backend(kind, cfg)
+    buffers = [(t.data_ptr(), t.numel() * t.element_size()) for t in host_pools.values()]
+    return StorageController(hicache, backend, host_buffers=buffers, **ctl)
 
 
 def _pair(i: int, pool: Any) -> tuple[str, Any]:

@@ -76,6 +76,7 @@ def build_plan(args: argparse.Namespace) -> Plan:
         device_reserve=args.device_reserve,
         host_reserve=args.host_reserve,
         swa_window=args.swa_window,
+        storage_backend=args.storage_backend,
     )
 
 
@@ -124,6 +125,13 @@ def format_plan(plan: Plan) -> str:
         f"page_size {plan.page_size}, layout {plan.layout}, io_backend {plan.io_backend}, "
         f"reserve pages: device {plan.device_reserve}, host {plan.host_reserve}"
     )
+    if plan.storage_backend is not None:
+        host_page = sum(p.page_bytes for p in plan.pools if p.tier == "host")
+        lines.append(
+            f"L3: {plan.storage_backend} store under the host tier, {host_page} B per page "
+            f"(every host pool of a page as one unit), written back on host eviction by "
+            f"default; capacity is the store's"
+        )
     return "\n".join(lines)
 
 
@@ -195,6 +203,9 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--io-backend", default="cpu", help="kernel, direct or cpu")
     p.add_argument("--device-reserve", type=int, default=1, help="reserved device pages")
     p.add_argument("--host-reserve", type=int, default=0, help="reserved host pages")
+    p.add_argument(
+        "--storage-backend", choices=["file", "mooncake"], help="an L3 store under the host tier"
+    )
     p.add_argument(
         "--context", type=int, help="estimate the bytes a prefix hit of this many tokens moves"
     )

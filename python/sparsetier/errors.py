@@ -205,6 +205,14 @@ class NotLockedError(SparsetierError, RuntimeError):
     allowed: str
 
 
+class StoreUnavailableError(SparsetierError, ConnectionError):
+    """The L3 store cannot be reached (master gone, timeout). The L3 tier turns itself off;
+    L1/L2 keep serving. Attributes: ``backend``, ``detail``."""
+
+    backend: str
+    detail: str
+
+
 __all__ = [
     "AllocatorError",
     "ConfigError",
@@ -221,6 +229,7 @@ __all__ = [
     "OutOfRangeError",
     "PlanError",
     "SparsetierError",
+    "StoreUnavailableError",
     "TransferFailedError",
     "TransferStateError",
     "UnknownHandleError",

@@ -161,6 +161,11 @@ impl PyPlan {
     fn write_policy(&self) -> &'static str {
         self.config.write_policy.name()
     }
+    /// The L3 store under the host tier (None, "file" or "mooncake").
+    #[getter]
+    fn storage_backend(&self) -> Option<&'static str> {
+        self.config.storage_backend.map(|s| s.name())
+    }
     /// Reserved pages per device pool.
     #[getter]
     fn device_reserve(&self) -> u32 {
@@ -198,6 +203,10 @@ impl PyPlan {
         config.set_item("layout", self.config.layout.name())?;
         config.set_item("io_backend", self.config.io_backend.name())?;
         config.set_item("write_policy", self.config.write_policy.name())?;
+        config.set_item(
+            "storage_backend",
+            self.config.storage_backend.map(|s| s.name()),
+        )?;
         let out = PyDict::new(py);
         out.set_item("pools", pools)?;
         out.set_item("totals", totals)?;

@@ -11,7 +11,8 @@ use crate::py::alloc::{page_array, page_ids};
 use crate::py::args::{int, int64_array, opt_int};
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
-use crate::radix::{HiCache, HiCacheConfig, NodeId, PoolPair};
+use crate::radix::storage::L3State;
+use crate::radix::{HiCache, HiCacheConfig, NodeId, PageKey, PoolPair, WritePolicy};
 use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -69,6 +70,20 @@ fn node(obj: &Bound<'_, PyAny>) -> PyResult<NodeId> {
     u64::try_from(v)
         .map(NodeId::from_raw)
         .map_err(|_| to_py(obj.py(), Error::UnknownNode { id: v as u64 }))
+}
+
+/// A storage plan as Python gets it: (id, keys, host pages).
+type PlanTuple<'py> = (u64, Vec<String>, Bound<'py, PyArray1<i64>>);
+
+fn parse_key(s: &str) -> Option<PageKey> {
+    if s.len() != 32 || !s.is_ascii() {
+        return None;
+    }
+    let mut k = [0u8; 16];
+    for (i, b) in k.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(PageKey(k))
 }
 
 /// One pool as the constructor takes it: (device binding, host binding, SWA window).
@@ -191,6 +206,12 @@ impl PyHiCache {
             _tensors: tensors,
             engine: engine.map(|e| e.into()),
         })
+    }
+
+    /// Tokens per page.
+    #[getter]
+    fn page_size(&self) -> usize {
+        self.inner.lock().tree().page_size()
     }
 
     /// The longest cached prefix: `{"device_len", "host_len", "device_pages", "device_node",
@@ -339,8 +360,8 @@ impl PyHiCache {
     }
 
     /// Evicts at least `n` host pages of nodes no longer on the device and not locked.
-    fn evict_host(&self, n: usize) -> usize {
-        self.inner.lock().evict_host(n)
+    fn evict_host(&self, py: Python<'_>, n: usize) -> PyResult<usize> {
+        self.inner.lock().evict_host(n).py_err(py)
     }
 
     /// Queues a restore of the host part of the prefix ending at `node` into fresh device pages
@@ -458,6 +479,185 @@ impl PyHiCache {
         );
         d.set_item("totals", totals)?;
         Ok(d)
+    }
+
+    /// Puts an L3 tier under the host tier (see `sparsetier.l3`): the core plans writes
+    /// (`write_policy` `"write_back"`, the default: when host eviction would drop a page the
+    /// store lacks; `"write_through"`: when a host copy becomes Ready) and prefetches; a
+    /// backend runs them. Page keys are a hash chain over tokens, salted with `salt` (model
+    /// version, LoRA) and the namespace. `remember` bounds the keys kept as known stored.
+    #[pyo3(signature = (*, write_policy="write_back", salt="", remember=1 << 20))]
+    fn enable_storage(
+        &self,
+        py: Python<'_>,
+        write_policy: &str,
+        salt: &str,
+        remember: usize,
+    ) -> PyResult<()> {
+        let policy = WritePolicy::parse(write_policy).ok_or_else(|| {
+            to_py(
+                py,
+                Error::config(
+                    "write_policy",
+                    format!("{write_policy:?}"),
+                    "'write_back' or 'write_through'",
+                ),
+            )
+        })?;
+        if remember == 0 {
+            return Err(to_py(py, Error::config("remember", 0, ">= 1 keys")));
+        }
+        self.inner
+            .lock()
+            .enable_storage(policy, salt.to_owned(), remember)
+            .py_err(py)
+    }
+
+    /// The store keys (32 hex digits) of the whole pages of `tokens`.
+    #[pyo3(signature = (tokens, namespace=None))]
+    fn storage_keys(
+        &self,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Vec<String>> {
+        let py = tokens.py();
+        let ns = self::namespace(namespace)?;
+        let c = self.inner.lock();
+        let keys = with_tokens(tokens, |t| c.storage_keys(ns, t).py_err(py))?;
+        Ok(keys.iter().map(ToString::to_string).collect())
+    }
+
+    /// What this cache knows of each key: "unknown", "stored", "writing" or "prefetching".
+    fn storage_states(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<&'static str>> {
+        let c = self.inner.lock();
+        let t = c.storage().ok_or_else(|| {
+            to_py(
+                py,
+                Error::config("storage_backend", "None", "a HiCache with an L3 tier"),
+            )
+        })?;
+        keys.iter()
+            .map(|k| {
+                let key = parse_key(k).ok_or_else(|| {
+                    to_py(
+                        py,
+                        Error::config("keys", k, "32 hex digits (from storage_keys)"),
+                    )
+                })?;
+                Ok(match t.state(&key) {
+                    L3State::Unknown => "unknown",
+                    L3State::Stored => "stored",
+                    L3State::Writing => "writing",
+                    L3State::Prefetching => "prefetching",
+                })
+            })
+            .collect()
+    }
+
+    /// Turns the store on or off (off: unreachable; no new plans, write-back evicts without
+    /// writing).
+    fn set_storage_online(&self, py: Python<'_>, online: bool) -> PyResult<()> {
+        self.inner.lock().set_storage_online(online).py_err(py)
+    }
+
+    /// Write plans queued since the last call: `(id, keys, host_pages)` each.
+    fn take_storage_writes<'py>(&self, py: Python<'py>) -> PyResult<Vec<PlanTuple<'py>>> {
+        let plans = self.inner.lock().take_storage_writes().py_err(py)?;
+        Ok(plans
+            .into_iter()
+            .map(|p| {
+                let keys = p.keys.iter().map(ToString::to_string).collect();
+                (p.id, keys, page_array(py, &p.host_pages))
+            })
+            .collect())
+    }
+
+    /// Ends write `plan_id`: `ok[i]` says whether its page i was stored.
+    fn storage_write_done(&self, py: Python<'_>, plan_id: u64, ok: Vec<bool>) -> PyResult<()> {
+        self.inner
+            .lock()
+            .storage_write_done(plan_id, &ok)
+            .py_err(py)
+    }
+
+    /// Plans a prefetch of pages `start_page..start_page + n_pages` of `tokens` from the store
+    /// into host pages: `(id, keys, host_pages)` (possibly fewer pages), or None.
+    #[pyo3(signature = (tokens, start_page, n_pages, namespace=None))]
+    fn plan_prefetch<'py>(
+        &self,
+        tokens: &Bound<'py, PyAny>,
+        start_page: usize,
+        n_pages: usize,
+        namespace: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Option<PlanTuple<'py>>> {
+        let py = tokens.py();
+        let ns = self::namespace(namespace)?;
+        let mut c = self.inner.lock();
+        let plan = with_tokens(tokens, |t| {
+            c.plan_prefetch(ns, t, start_page, n_pages).py_err(py)
+        })?;
+        Ok(plan.map(|p| {
+            let keys = p.keys.iter().map(ToString::to_string).collect();
+            (p.id, keys, page_array(py, &p.host_pages))
+        }))
+    }
+
+    /// Inserts the first `arrived` pages of prefetch `plan_id` (complete, verified) as host
+    /// copies; returns how many the tree took. Once per prefetch, before `prefetch_end`.
+    fn prefetch_commit(&self, py: Python<'_>, plan_id: u64, arrived: usize) -> PyResult<usize> {
+        self.inner
+            .lock()
+            .prefetch_commit(plan_id, arrived)
+            .py_err(py)
+    }
+
+    /// Ends prefetch `plan_id` once no read writes its pages: frees what was not committed.
+    fn prefetch_end(&self, py: Python<'_>, plan_id: u64) -> PyResult<()> {
+        self.inner.lock().prefetch_end(plan_id).py_err(py)
+    }
+
+    /// Byte ranges `(address, length)` of host page `page` in every pool, in store order.
+    fn host_segments(&self, py: Python<'_>, page: u32) -> PyResult<Vec<(u64, u64)>> {
+        self.inner
+            .lock()
+            .host_segments(PageId::new(page))
+            .py_err(py)
+    }
+
+    /// The L3 tier's state and counters, or None without one.
+    fn storage_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let c = self.inner.lock();
+        let Some(s) = c.storage() else {
+            return Ok(None);
+        };
+        let d = PyDict::new(py);
+        d.set_item("online", s.online())?;
+        d.set_item(
+            "write_policy",
+            match s.policy() {
+                WritePolicy::WriteBack => "write_back",
+                WritePolicy::WriteThrough => "write_through",
+            },
+        )?;
+        d.set_item("writes_in_flight", s.writes_in_flight())?;
+        d.set_item("prefetches_in_flight", s.prefetches_in_flight())?;
+        d.set_item("stored_known", s.stored_len())?;
+        let t = s.totals();
+        macro_rules! put {
+            ($($f:ident),*) => { $( d.set_item(stringify!($f), t.$f)?; )* };
+        }
+        put!(
+            writes_planned,
+            pages_written,
+            write_failures,
+            evicted_unstored,
+            prefetches_planned,
+            pages_prefetched,
+            prefetch_missed,
+            prefetch_spare,
+            offline_events
+        );
+        Ok(Some(d))
     }
 
     /// Raises InvariantError if the tree or page conservation is broken.

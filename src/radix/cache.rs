@@ -16,6 +16,7 @@
 //! - `poll` settles finished transfers: host copies become hit sources, loaded pages become
 //!   readable; a failed copy's pages are freed only then, when it can no longer write them.
 
+use super::storage::StorageTier;
 use super::tree::{InsertResult, MatchResult, NodeId, RadixTree};
 use crate::alloc::PageAllocator;
 use crate::config::HitPolicy;
@@ -134,7 +135,12 @@ pub struct HiCache {
     /// owner of per-layer objects at those pages when `log_freed_host` is on.
     freed_host: Vec<PageId>,
     log_freed_host: bool,
+    /// The L3 tier, when enabled.
+    pub(crate) storage: Option<StorageTier>,
 }
+
+#[path = "cache_l3.rs"]
+mod l3;
 
 impl HiCache {
     /// A cache over `pools` moved by `engine`. With no pools (and no engine) it is a
@@ -199,6 +205,7 @@ impl HiCache {
             outstanding_host: 0,
             freed_host: Vec::new(),
             log_freed_host: false,
+            storage: None,
         })
     }
 
@@ -328,7 +335,8 @@ impl HiCache {
         }
         let short = n.saturating_sub(h.free_count());
         if short > 0 {
-            self.evict_host(short);
+            let freed = self.evict_host_tree(short)?;
+            self.release_host(freed);
         }
         let pages = self.host.as_mut().expect("checked").alloc(n)?;
         self.outstanding_host += n;
@@ -396,6 +404,7 @@ impl HiCache {
         self.device
             .free(&r.duplicates)
             .expect("duplicates were allocated");
+        self.write_through_path(r.last_node)?;
         Ok((r, spare))
     }
 
@@ -407,16 +416,22 @@ impl HiCache {
         freed.len()
     }
 
-    /// Evicts at least `n` host pages if it can; returns how many.
-    pub fn evict_host(&mut self, n: usize) -> usize {
-        let freed = self.tree.evict_host(n);
+    /// Evicts at least `n` host pages if it can; returns how many. Under an L3 write-back
+    /// tier, victims the store lacks are written first and leave on a later call.
+    pub fn evict_host(&mut self, n: usize) -> Result<usize> {
+        let freed = self.evict_host_tree(n)?;
+        let n = freed.len();
+        self.release_host(freed);
+        Ok(n)
+    }
+
+    /// Gives host pages the tree let go back to the allocator.
+    pub(crate) fn release_host(&mut self, freed: Vec<PageId>) {
         if let Some(h) = self.host.as_mut() {
             h.free(&freed).expect("tree pages are allocated");
         }
         self.totals.host_evicted += freed.len() as u64;
-        let n = freed.len();
         self.log_freed(freed);
-        n
     }
 
     /// The longest cached prefix of `tokens`.
@@ -457,11 +472,8 @@ impl HiCache {
         let host = self.host.as_mut().expect("pools imply a host tier");
         if host.free_count() < n {
             let short = n - host.free_count();
-            let freed = self.tree.evict_host(short);
-            let host = self.host.as_mut().expect("checked");
-            host.free(&freed).expect("tree pages are allocated");
-            self.totals.host_evicted += freed.len() as u64;
-            self.log_freed(freed);
+            let freed = self.evict_host_tree(short)?;
+            self.release_host(freed);
         }
         let host = self.host.as_mut().expect("checked");
         let Ok(hpages) = host.alloc(n) else {
@@ -709,6 +721,9 @@ impl HiCache {
                     h.free(&freed).expect("writing pages are allocated");
                 }
                 self.log_freed(freed);
+                if ok {
+                    self.write_through_path(node)?;
+                }
             }
         }
         Ok(())
@@ -761,9 +776,10 @@ impl HiCache {
         }
         if let Some(h) = &self.host {
             h.validate()?;
-            if h.used_count() != self.tree.host_pages() + self.outstanding_host {
+            let held = self.storage_held_host();
+            if h.used_count() != self.tree.host_pages() + self.outstanding_host + held {
                 return Err(format!(
-                    "host: used {} != tree {} + outstanding {}",
+                    "host: used {} != tree {} + outstanding {} + prefetching {held}",
                     h.used_count(),
                     self.tree.host_pages(),
                     self.outstanding_host

@@ -3,9 +3,11 @@
 
 pub mod bench;
 pub mod cache;
+pub mod storage;
 pub mod tree;
 
 pub use cache::{HiCache, HiCacheConfig, LoadBack, PoolPair};
+pub use storage::{PageKey, PrefetchPlan, StorageTier, StorageTotals, WritePlan, WritePolicy};
 pub use tree::{HostCopy, InsertResult, MatchResult, NodeId, RadixTree};
 
 #[cfg(test)]

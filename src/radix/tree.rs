@@ -24,6 +24,9 @@ use std::collections::BTreeSet;
 
 const NIL: usize = usize::MAX;
 
+#[path = "tree_l3.rs"]
+mod l3;
+
 /// A node id as handed out: slab index and generation, so a stale id misses instead of
 /// aliasing the node that reused the slot.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -400,7 +400,7 @@ impl StepScheduler {
         let dir = self.dir.clone();
         let p = self.tier()?;
         let d = p.cache.evict_device(device);
-        let h = p.cache.evict_host(host);
+        let h = p.cache.evict_host(host)?;
         p.drop_freed(&dir)?;
         Ok((d, h))
     }

@@ -228,7 +228,7 @@ fn soak_prefix_cache_with_faults() {
                 cache.evict_device(rng.below(6) as usize);
             }
             7 => {
-                cache.evict_host(rng.below(6) as usize);
+                cache.evict_host(rng.below(6) as usize).unwrap();
             }
             8 => {
                 let seq = &prompts[rng.below(4) as usize];

@@ -1,0 +1,259 @@
+"""``StorageController``: runs the L3 plans of one ``HiCache`` on a backend.
+
+The Rust core decides what is written and fetched (write plans under the write policy,
+prefetch plans into host pages it allocates); this class only executes them on a worker
+thread and reports back on the caller's thread, so the cache is only ever called from one
+thread. A store that stops answering turns L3 off (one log line, the ``offline_events``
+counter); L1/L2 are untouched and requests keep being served. It is probed again every
+``retry_interval`` seconds and used again once it answers.
+
+Prefetch policies (SGLang's names): ``best_effort`` takes what arrived when the request is
+scheduled, ``wait_complete`` waits for the whole prefetch, ``timeout`` waits up to
+``prefetch_timeout`` seconds. Only a leading run of pages that arrived complete and verified
+is inserted into the tree.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from sparsetier._core import HiCache
+from sparsetier.errors import ConfigError, StoreUnavailableError
+from sparsetier.l3.backend import Segments, StorageBackend
+
+log = logging.getLogger("sparsetier.l3")
+
+POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass
+class Prefetch:
+    """A prefetch in flight: ``arrived`` leading pages are in host memory and verified."""
+
+    plan_id: int
+    start_page: int
+    pages: int
+    arrived: int = 0
+    cancelled: bool = False
+    failed: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+    committed: int | None = None
+
+
+class StorageController:
+    """Executes ``cache``'s L3 plans on ``backend``."""
+
+    def __init__(
+        self,
+        cache: HiCache,
+        backend: StorageBackend,
+        *,
+        prefetch_policy: str = "best_effort",
+        prefetch_timeout: float = 0.5,
+        chunk_pages: int = 16,
+        retry_interval: float = 1.0,
+        host_buffers: Sequence[tuple[int, int]] = (),
+    ) -> None:
+        if prefetch_policy not in POLICIES:
+            raise ConfigError.of("prefetch_policy", repr(prefetch_policy), " | ".join(POLICIES))
+        if chunk_pages < 1:
+            raise ConfigError.of("chunk_pages", chunk_pages, ">= 1 pages")
+        if cache.storage_stats() is None:
+            raise ConfigError.of("cache", "a HiCache without L3", "cache.enable_storage() first")
+        self.cache = cache
+        self.backend = backend
+        self.prefetch_policy = prefetch_policy
+        self.prefetch_timeout = prefetch_timeout
+        self.chunk_pages = chunk_pages
+        self.retry_interval = retry_interval
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsetier-l3")
+        self._writes: dict[int, Future[list[bool]]] = {}
+        self._prefetches: dict[int, Prefetch] = {}
+        self._lost: list[str] = []  # why the store went away, reported on the caller's thread
+        self._next_probe = 0.0
+        for address, length in host_buffers:
+            backend.register(address, length)
+
+    # -- what the caller's loop calls ---------------------------------------------------
+
+    def match_prefix(self, tokens: Any, namespace: int | None = None, **kw: Any) -> dict[str, Any]:
+        """``HiCache.match_prefix`` plus ``storage_pages``: how many further whole pages the
+        store holds right after the cached prefix (0 while L3 is off)."""
+        m = self.cache.match_prefix(tokens, namespace, **kw)
+        m["storage_pages"] = self.storage_pages(tokens, m["device_len"] + m["host_len"], namespace)
+        return m
+
+    def storage_pages(self, tokens: Any, cached_tokens: int, namespace: int | None = None) -> int:
+        """The leading run of whole pages after `cached_tokens` that the store holds."""
+        if not self.online:
+            return 0
+        keys = self.cache.storage_keys(tokens, namespace)
+        start = cached_tokens // self._page_size()
+        rest = keys[start:]
+        if not rest:
+            return 0
+        try:
+            have = self.backend.exists(rest)
+        except StoreUnavailableError as e:
+            self._go_offline(str(e))
+            return 0
+        n = 0
+        for h in have:
+            if not h:
+                break
+            n += 1
+        return n
+
+    def prefetch(
+        self, tokens: Any, start_page: int, n_pages: int, namespace: int | None = None
+    ) -> Prefetch | None:
+        """Starts fetching pages `start_page..start_page + n_pages` of `tokens` into host
+        pages. None when nothing can be fetched now (L3 off, no host page)."""
+        plan = self.cache.plan_prefetch(tokens, start_page, n_pages, namespace)
+        if plan is None:
+            return None
+        plan_id, keys, pages = plan
+        p = Prefetch(plan_id=plan_id, start_page=start_page, pages=len(keys))
+        self._prefetches[plan_id] = p
+        segs = [self.cache.host_segments(int(h)) for h in pages]
+        self._pool.submit(self._run_prefetch, p, keys, segs)
+        return p
+
+    def finish_prefetch(self, p: Prefetch, policy: str | None = None) -> int:
+        """Applies the prefetch policy at scheduling time and inserts the pages that arrived.
+        Returns the pages inserted into the tree (now host hits)."""
+        policy = policy or self.prefetch_policy
+        if policy not in POLICIES:
+            raise ConfigError.of("policy", repr(policy), " | ".join(POLICIES))
+        if p.committed is not None:
+            return p.committed
+        if policy == "wait_complete":
+            p.done.wait()
+        elif policy == "timeout":
+            p.done.wait(self.prefetch_timeout)
+        p.cancelled = True  # the worker stops after the chunk it is reading
+        p.committed = self.cache.prefetch_commit(p.plan_id, p.arrived)
+        if p.done.is_set():
+            self._end_prefetch(p)
+        return p.committed
+
+    def flush(self) -> int:
+        """Hands the write plans queued by the cache to the worker; returns how many."""
+        plans = self.cache.take_storage_writes()
+        for plan_id, keys, pages in plans:
+            segs = [self.cache.host_segments(int(h)) for h in pages]
+            self._writes[plan_id] = self._pool.submit(self._run_write, keys, segs)
+        return len(plans)
+
+    def poll(self) -> int:
+        """Settles finished writes and prefetches, handles a lost store, and probes an
+        offline one. Returns the plans settled."""
+        self.flush()
+        settled = 0
+        for plan_id, fut in list(self._writes.items()):
+            if fut.done():
+                del self._writes[plan_id]
+                self.cache.storage_write_done(plan_id, fut.result())
+                settled += 1
+        for p in list(self._prefetches.values()):
+            if p.done.is_set() and p.committed is not None:
+                self._end_prefetch(p)
+                settled += 1
+        while self._lost:
+            self._go_offline(self._lost.pop())
+        if not self.online and time.monotonic() >= self._next_probe:
+            self._next_probe = time.monotonic() + self.retry_interval
+            if self.backend.healthy():
+                self.cache.set_storage_online(True)
+                log.warning("sparsetier L3: %s store answers again; L3 on", self.backend.name)
+        return settled
+
+    def drain(self) -> None:
+        """Waits for every write and prefetch, commits what the prefetches fetched, and
+        settles everything."""
+        self.flush()
+        for p in list(self._prefetches.values()):
+            if p.committed is None:
+                self.finish_prefetch(p, "wait_complete")
+        for fut in list(self._writes.values()):
+            fut.result()
+        for p in list(self._prefetches.values()):
+            p.done.wait()
+        self.poll()
+
+    def close(self) -> None:
+        """Drains, stops the worker and closes the backend."""
+        self.drain()
+        self._pool.shutdown(wait=True)
+        self.backend.close()
+
+    @property
+    def online(self) -> bool:
+        stats = self.cache.storage_stats()
+        return bool(stats and stats["online"])
+
+    def stats(self) -> dict[str, Any]:
+        """The core's L3 counters plus what is in flight here."""
+        s = dict(self.cache.storage_stats() or {})
+        s["backend"] = self.backend.name
+        s["prefetch_policy"] = self.prefetch_policy
+        return s
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _page_size(self) -> int:
+        return int(self.cache.page_size)
+
+    def _go_offline(self, why: str) -> None:
+        if self.online:
+            self.cache.set_storage_online(False)
+            log.warning(
+                "sparsetier L3: %s store unreachable (%s); L3 off, serving from L1/L2",
+                self.backend.name,
+                why,
+            )
+        self._next_probe = time.monotonic() + self.retry_interval
+
+    def _end_prefetch(self, p: Prefetch) -> None:
+        if p.plan_id in self._prefetches:
+            del self._prefetches[p.plan_id]
+            self.cache.prefetch_end(p.plan_id)
+
+    # Worker thread: backend calls only; the cache is never touched here.
+
+    def _run_write(self, keys: list[str], segs: list[Segments]) -> list[bool]:
+        try:
+            return [bool(x) for x in self.backend.put(keys, segs)]
+        except StoreUnavailableError as e:
+            self._lost.append(str(e))
+            return [False] * len(keys)
+
+    def _run_prefetch(self, p: Prefetch, keys: list[str], segs: list[Segments]) -> None:
+        try:
+            for at in range(0, len(keys), self.chunk_pages):
+                if p.cancelled:
+                    break
+                end = min(at + self.chunk_pages, len(keys))
+                ok = self.backend.get(keys[at:end], segs[at:end])
+                run = next((i for i, good in enumerate(ok) if not good), len(ok))
+                p.arrived = at + run
+                if run < len(ok):
+                    break
+        except StoreUnavailableError as e:
+            p.failed = True
+            self._lost.append(str(e))
+        finally:
+            p.done.set()
+
+
+def as_u32(tokens: Any) -> np.ndarray:
+    """Tokens as the cache's zero-copy form."""
+    return np.ascontiguousarray(tokens, dtype=np.uint32)

@@ -1,0 +1,105 @@
+"""``file``: the embedded L3 backend, one checksummed file per page in a local directory.
+
+An object is a 24-byte header (magic, version, CRC-32 of the payload, payload length) and
+the page's segments back to back. Writes go to a temporary name and are renamed into place,
+so a reader sees a whole object or none. A read that finds a bad header, a wrong length or a
+wrong checksum is a miss, and the object is removed so that it is written again.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+from sparsetier.l3.backend import Segments, view
+
+_HEADER = struct.Struct("<8sIIQ")
+_MAGIC = b"STIERL3\0"
+_VERSION = 1
+
+
+class FileStore:
+    """Pages as files under ``root`` (created if missing), fanned out by key prefix."""
+
+    name = "file"
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.corrupt = 0
+
+    def _path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}.page"
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        return [self._path(k).is_file() for k in keys]
+
+    def put(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
+        return [self._put_one(k, segs) for k, segs in zip(keys, pages, strict=True)]
+
+    def _put_one(self, key: str, segs: Segments) -> bool:
+        path = self._path(key)
+        if path.is_file():
+            return True  # same key, same prefix: the stored page is this page
+        views = [view(a, n) for a, n in segs]
+        crc = 0
+        for v in views:
+            crc = zlib.crc32(v, crc)
+        total = sum(n for _, n in segs)
+        path.parent.mkdir(exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_HEADER.pack(_MAGIC, _VERSION, crc, total))
+                for v in views:
+                    f.write(v)
+            os.replace(tmp, path)
+        except OSError:
+            tmp.unlink(missing_ok=True)
+            return False
+        return True
+
+    def get(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
+        return [self._get_one(k, segs) for k, segs in zip(keys, pages, strict=True)]
+
+    def _get_one(self, key: str, segs: Segments) -> bool:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(_HEADER.size)
+                if len(head) != _HEADER.size:
+                    return self._bad(path)
+                magic, version, crc, total = _HEADER.unpack(head)
+                if (magic, version) != (_MAGIC, _VERSION) or total != sum(n for _, n in segs):
+                    return self._bad(path)
+                got = 0
+                for a, n in segs:
+                    v = view(a, n)
+                    r = f.readinto(v)
+                    if r != n:
+                        return self._bad(path)
+                    got = zlib.crc32(v, got)
+                if f.read(1) or got != crc:
+                    return self._bad(path)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return False
+        return True
+
+    def _bad(self, path: Path) -> bool:
+        self.corrupt += 1
+        path.unlink(missing_ok=True)
+        return False
+
+    def register(self, address: int, length: int) -> None:
+        del address, length  # plain file I/O needs no registration
+
+    def healthy(self) -> bool:
+        return self.root.is_dir() and os.access(self.root, os.W_OK)
+
+    def close(self) -> None:
+        pass

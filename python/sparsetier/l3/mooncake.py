@@ -1,0 +1,282 @@
+"""``mooncake``: Mooncake Store, the distributed KV-cache store SGLang HiCache and vLLM use.
+
+Each page is stored as one object per segment (``<key>.<i>``, put from and got into host
+memory registered with the store: zero copy) and, written last, a manifest ``<key>.m`` with
+the segment lengths and CRC-32s. A page exists once its manifest does, and is read only
+whole and verified. Return codes below zero other than "not found" mean the store is
+unreachable: :class:`~sparsetier.errors.StoreUnavailableError`, which turns L3 off.
+
+``MooncakeMaster`` starts a real ``mooncake_master`` (with its HTTP metadata server) on free
+localhost ports, for tests, benchmarks and single-machine use. Across machines, point
+``master`` and ``metadata_server`` at the shared master and set ``protocol="rdma"``.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import struct
+import subprocess
+import time
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from sparsetier.errors import ConfigError, StoreUnavailableError
+from sparsetier.l3.backend import Segments, view
+
+# Mooncake's ErrorCode values that mean "no such object" rather than "store unreachable".
+_NOT_FOUND = {-704, -703, -706}
+_EXISTS = -705
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class MooncakeMaster:
+    """A ``mooncake_master`` process on localhost with its built-in HTTP metadata server."""
+
+    def __init__(self) -> None:
+        exe = shutil.which("mooncake_master")
+        if exe is None:
+            raise ConfigError.of(
+                "storage_backend",
+                "'mooncake'",
+                "an installed mooncake_master (pip install mooncake-transfer-engine-non-cuda)",
+            )
+        self.rpc_port = _free_port()
+        self.http_port = _free_port()
+        self.metrics_port = _free_port()
+        self._cmd = [
+            exe,
+            f"--rpc_port={self.rpc_port}",
+            "--rpc_address=127.0.0.1",
+            "--enable_http_metadata_server=true",
+            "--http_metadata_server_host=127.0.0.1",
+            f"--http_metadata_server_port={self.http_port}",
+            f"--metrics_port={self.metrics_port}",
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    @property
+    def master(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    @property
+    def metadata_server(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/metadata"
+
+    def start(self, timeout: float = 20.0) -> None:
+        """Starts (or restarts) the master and waits until both ports accept connections."""
+        self.proc = subprocess.Popen(
+            self._cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.monotonic() + timeout
+        for port in (self.rpc_port, self.http_port):
+            while True:
+                if self.proc.poll() is not None:
+                    raise StoreUnavailableError(
+                        f"mooncake_master exited with {self.proc.returncode}",
+                        backend="mooncake",
+                        detail=" ".join(self._cmd),
+                    )
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        self.stop()
+                        raise StoreUnavailableError(
+                            f"mooncake_master did not listen on {port}",
+                            backend="mooncake",
+                            detail=" ".join(self._cmd),
+                        ) from None
+                    time.sleep(0.05)
+
+    def kill(self) -> None:
+        """Kills the master at once (a crash, for fault tests)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self) -> None:
+        """Stops the master."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> MooncakeMaster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class MooncakeStore:
+    """A Mooncake Store client (``MooncakeDistributedStore``) over TCP by default.
+
+    ``global_segment_size`` is the memory this client lends to the store (the store's
+    capacity on one machine); ``local_buffer_size`` its transfer buffer.
+    """
+
+    name = "mooncake"
+
+    def __init__(
+        self,
+        *,
+        master: str,
+        metadata_server: str,
+        local_hostname: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_name: str = "",
+        global_segment_size: int = 256 << 20,
+        local_buffer_size: int = 64 << 20,
+        **extra: Any,
+    ) -> None:
+        if extra:
+            raise ConfigError.of(
+                "storage_config",
+                sorted(extra),
+                "master, metadata_server, local_hostname, protocol, device_name, "
+                "global_segment_size, local_buffer_size",
+            )
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as e:
+            raise ConfigError.of(
+                "storage_backend",
+                "'mooncake'",
+                "an installed mooncake wheel (pip install mooncake-transfer-engine-non-cuda)",
+            ) from e
+        self._store = MooncakeDistributedStore()
+        rc = self._store.setup(
+            local_hostname,
+            metadata_server,
+            global_segment_size,
+            local_buffer_size,
+            protocol,
+            device_name,
+            master,
+        )
+        if rc != 0:
+            raise StoreUnavailableError(
+                f"Mooncake Store setup failed ({rc}) with master {master}",
+                backend="mooncake",
+                detail=f"setup returned {rc}",
+            )
+        self._registered: list[tuple[int, int]] = []
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc < 0 and rc not in _NOT_FOUND and rc != _EXISTS:
+            raise StoreUnavailableError(
+                f"Mooncake Store {what} failed ({rc})", backend="mooncake", detail=str(rc)
+            )
+
+    def exists(self, keys: Sequence[str]) -> list[bool]:
+        if not keys:
+            return []
+        rcs = self._store.batch_is_exist([f"{k}.m" for k in keys])
+        for rc in rcs:
+            self._check(rc, "exists")
+        return [rc == 1 for rc in rcs]
+
+    def put(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
+        if not keys:
+            return []
+        names, ptrs, sizes = [], [], []
+        for k, segs in zip(keys, pages, strict=True):
+            for i, (a, n) in enumerate(segs):
+                names.append(f"{k}.{i}")
+                ptrs.append(a)
+                sizes.append(n)
+        rcs = self._store.batch_put_from(names, ptrs, sizes)
+        for rc in rcs:
+            self._check(rc, "put")
+        ok = []
+        at = 0
+        for k, segs in zip(keys, pages, strict=True):
+            part = rcs[at : at + len(segs)]
+            at += len(segs)
+            if any(rc < 0 and rc != _EXISTS for rc in part):
+                ok.append(False)
+                continue
+            manifest = struct.pack(f"<I{2 * len(segs)}Q", len(segs), *_lens_crcs(segs))
+            rc = self._store.put(f"{k}.m", manifest)
+            self._check(rc, "put")
+            ok.append(rc == 0 or rc == _EXISTS)
+        return ok
+
+    def get(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
+        if not keys:
+            return []
+        manifests = [self._store.get(f"{k}.m") for k in keys]
+        names, ptrs, sizes, want = [], [], [], []
+        for k, segs, m in zip(keys, pages, manifests, strict=True):
+            want.append(_parse_manifest(m, len(segs)))
+            for i, (a, n) in enumerate(segs):
+                names.append(f"{k}.{i}")
+                ptrs.append(a)
+                sizes.append(n)
+        rcs = self._store.batch_get_into(names, ptrs, sizes)
+        for rc in rcs:
+            self._check(rc, "get")
+        ok = []
+        at = 0
+        for segs, w in zip(pages, want, strict=True):
+            part = rcs[at : at + len(segs)]
+            at += len(segs)
+            good = (
+                w is not None
+                and all(rc == n for rc, (_, n) in zip(part, segs, strict=True))
+                and list(_lens_crcs(segs)) == w
+            )
+            ok.append(good)
+        return ok
+
+    def register(self, address: int, length: int) -> None:
+        rc = self._store.register_buffer(address, length)
+        if rc != 0:
+            raise StoreUnavailableError(
+                f"Mooncake Store register_buffer failed ({rc})",
+                backend="mooncake",
+                detail=str(rc),
+            )
+        self._registered.append((address, length))
+
+    def healthy(self) -> bool:
+        # health_check() reports the local client; a round trip to the master says more.
+        try:
+            rc = self._store.batch_is_exist(["sparsetier-health-probe"])[0]
+        except Exception:
+            return False
+        return rc >= 0
+
+    def close(self) -> None:
+        for a, _ in self._registered:
+            self._store.unregister_buffer(a)
+        self._registered.clear()
+        self._store.close()
+
+
+def _lens_crcs(segs: Segments) -> list[int]:
+    out: list[int] = []
+    for a, n in segs:
+        out += [n, zlib.crc32(view(a, n))]
+    return out
+
+
+def _parse_manifest(m: bytes, n_segs: int) -> list[int] | None:
+    if len(m) != 4 + 16 * n_segs:
+        return None
+    (n,) = struct.unpack_from("<I", m)
+    if n != n_segs:
+        return None
+    return list(struct.unpack_from(f"<{2 * n}Q", m, 4))
