@@ -12,7 +12,7 @@ export SPARSETIER_NVRTC_DIR := $(NVRTC_DIR)/nvidia/cu13/lib
 export VIRTUAL_ENV := $(VENV)
 export PATH := $(VENV)/bin:$(PATH)
 
-.PHONY: test demo venv build lint rust-test py-test plan bench clean
+.PHONY: test demo venv sysdeps build lint rust-test py-test plan bench clean
 
 test: venv build lint rust-test py-test
 
@@ -25,7 +25,17 @@ $(STAMP): requirements-dev.txt | $(PY)
 	$(PY) -m pip install --quiet --upgrade --target $(NVRTC_DIR) "nvidia-cuda-nvrtc>=13.0,<13.1"
 	touch $@
 
-venv: $(STAMP)
+venv: $(STAMP) sysdeps
+
+# Mooncake Store's master needs libibverbs even over TCP: installed as root (CI); elsewhere
+# the Mooncake tests skip and say why.
+sysdeps:
+	@if ! (ldconfig -p 2>/dev/null || /sbin/ldconfig -p) | grep -q libibverbs.so.1; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			(apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null) || \
+			echo "warning: could not install libibverbs1: Mooncake tests will skip"; \
+		else echo "note: libibverbs1 missing and not root: Mooncake tests will skip"; fi; \
+	fi
 
 build: venv
 	maturin develop --release --quiet
