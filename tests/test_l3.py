@@ -16,7 +16,6 @@ from l3_support import (
     Gate,
     controller,
     insert,
-    master,  # noqa: F401 - fixture
     push_to_l3,
     restore,
     same,
@@ -128,7 +127,7 @@ def _gated(tmp_path, **kw):
 
 
 def test_best_effort_takes_what_arrived(tmp_path):
-    s, t, want, gate, ctl = _gated(tmp_path)
+    s, t, _, gate, ctl = _gated(tmp_path)
     p = ctl.prefetch(t, 0, 8)
     gate.release(1)  # one chunk of 2 pages may arrive
     deadline = time.monotonic() + 10
@@ -157,7 +156,7 @@ def test_wait_complete_waits_for_everything(tmp_path):
 
 
 def test_timeout_waits_up_to_the_deadline(tmp_path):
-    s, t, want, gate, ctl = _gated(tmp_path, prefetch_timeout=0.3)
+    s, t, _, gate, ctl = _gated(tmp_path, prefetch_timeout=0.3)
     p = ctl.prefetch(t, 0, 8)
     gate.release(2)  # two chunks, then the store hangs past the deadline
     t0 = time.monotonic()

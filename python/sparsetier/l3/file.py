@@ -14,6 +14,7 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
+from sparsetier.errors import StoreUnavailableError
 from sparsetier.l3.backend import Segments, view
 
 _HEADER = struct.Struct("<8sIIQ")
@@ -34,10 +35,19 @@ class FileStore:
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.page"
 
+    def _reachable(self) -> None:
+        # A missing root is an unmounted or removed store, not a miss per page.
+        if not self.root.is_dir():
+            raise StoreUnavailableError(
+                f"L3 directory {self.root} is gone", backend="file", detail=str(self.root)
+            )
+
     def exists(self, keys: Sequence[str]) -> list[bool]:
+        self._reachable()
         return [self._path(k).is_file() for k in keys]
 
     def put(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
+        self._reachable()
         return [self._put_one(k, segs) for k, segs in zip(keys, pages, strict=True)]
 
     def _put_one(self, key: str, segs: Segments) -> bool:
@@ -63,6 +73,7 @@ class FileStore:
         return True
 
     def get(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
+        self._reachable()
         return [self._get_one(k, segs) for k, segs in zip(keys, pages, strict=True)]
 
     def _get_one(self, key: str, segs: Segments) -> bool:
