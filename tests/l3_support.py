@@ -9,11 +9,10 @@ import subprocess
 import threading
 
 import numpy as np
-import pytest
 import torch
 
 import sparsetier as st
-from sparsetier.l3 import MooncakeMaster, StorageController
+from sparsetier.l3 import StorageController
 
 PS = 4
 
@@ -195,13 +194,3 @@ def controller(s, backend, **kw) -> StorageController:
     s.storage.drain()
     # The same client as the builder's: its host memory is registered already.
     return StorageController(s.hicache, backend, **kw)
-
-
-@pytest.fixture
-def master():
-    why = mooncake_skip_reason()
-    if why:
-        pytest.skip(why)
-    m = MooncakeMaster()
-    yield m
-    m.stop()
