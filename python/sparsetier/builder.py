@@ -102,7 +102,8 @@ def build_sparse_stack(
     ``storage_config`` holds its settings: ``write_policy`` (``"write_back"``, the default, or
     ``"write_through"``), ``salt`` (model version / LoRA, part of every page key),
     ``prefetch_policy`` (``"best_effort"``, ``"wait_complete"``, ``"timeout"``),
-    ``prefetch_timeout``, ``chunk_pages``, and the backend's own (``path`` for ``file``;
+    ``prefetch_timeout``, ``chunk_pages``, ``write_ahead`` (the share of host pages kept clean
+    under write-back), ``retry_interval``, and the backend's own (``path`` for ``file``;
     ``master``, ``metadata_server``, ``protocol``... for ``mooncake``).
 
     Raises :class:`sparsetier.ConfigError` naming the field, the value and what is allowed.
@@ -206,9 +207,8 @@ def _storage(
     hicache.enable_storage(
         write_policy=cfg.pop("write_policy", "write_back"), salt=str(cfg.pop("salt", ""))
     )
-    ctl = {
-        k: cfg.pop(k) for k in ("prefetch_policy", "prefetch_timeout", "chunk_pages") if k in cfg
-    }
+    own = ("prefetch_policy", "prefetch_timeout", "chunk_pages", "write_ahead", "retry_interval")
+    ctl = {k: cfg.pop(k) for k in own if k in cfg}
     backend = make_backend(kind, cfg)
     buffers = [(t.data_ptr(), t.numel() * t.element_size()) for t in host_pools.values()]
     return StorageController(hicache, backend, host_buffers=buffers, **ctl)

@@ -218,11 +218,12 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", metavar="PATH", help="decode: write the scheduler's trace (.npz)")
     p.add_argument(
         "what",
-        choices=["directory", "transfer", "prefix", "decode", "replay"],
+        choices=["directory", "transfer", "prefix", "decode", "replay", "l3"],
         help="directory: binding overhead vs Rust; transfer: copy-engine GB/s vs baselines; "
         "prefix: the prefix cache's serve loop (vs SGLang with --peers-python); decode: CPU "
         "per decode step in the step scheduler vs per-request calls (DeepSeek-V3.2 shape); "
-        "replay: seconds to replay a 1M-key trace at 10 budgets, LRU and MIN",
+        "replay: seconds to replay a 1M-key trace at 10 budgets, LRU and MIN; l3: put/get "
+        "throughput of the L3 backends vs memcpy, and the serve loop's hits with and without L3",
     )
     from sparsetier.bench_decode import DecodeBenchConfig
 
@@ -259,6 +260,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--total-mb", type=int, default=128, help="transfer: bytes per copy, MiB")
     p.add_argument("--batches", type=int, nargs="+", default=[64, 2048, 16384])
     p.add_argument("--hit-rates", type=float, nargs="+", default=[1.0, 0.9, 0.5])
+    p.add_argument("--l3-backends", nargs="+", choices=["file", "mooncake"],
+                   default=["file", "mooncake"], help="l3: the backends to run")  # fmt: skip
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
 
 
@@ -273,6 +276,17 @@ def _run_bench(args: argparse.Namespace) -> None:
             f"replay of a {r['keys']}-key synthetic trace at {r['budgets']} budgets: "
             f"LRU (the directory) {r['lru_s']:.2f} s, MIN {r['min_s']:.2f} s"
         )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(r, f, indent=2)
+        return
+    if args.what == "l3":
+        from sparsetier import bench_l3
+
+        if args.serve_reqs < 1:
+            raise ConfigError.of("serve_reqs", str(args.serve_reqs), "an integer >= 1")
+        r = bench_l3.run(args.l3_backends, requests=args.serve_reqs)
+        print(bench_l3.format_report(r))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(r, f, indent=2)

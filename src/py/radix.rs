@@ -560,6 +560,12 @@ impl PyHiCache {
         self.inner.lock().set_storage_online(online).py_err(py)
     }
 
+    /// Write-back ahead of need: plans writes for the least recently used host pages the store
+    /// lacks, until `pages` of them are clean or being written. Returns the pages planned.
+    fn storage_write_ahead(&self, py: Python<'_>, pages: usize) -> PyResult<usize> {
+        self.inner.lock().storage_write_ahead(pages).py_err(py)
+    }
+
     /// Write plans queued since the last call: `(id, keys, host_pages)` each.
     fn take_storage_writes<'py>(&self, py: Python<'py>) -> PyResult<Vec<PlanTuple<'py>>> {
         let plans = self.inner.lock().take_storage_writes().py_err(py)?;

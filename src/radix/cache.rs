@@ -137,6 +137,8 @@ pub struct HiCache {
     log_freed_host: bool,
     /// The L3 tier, when enabled.
     pub(crate) storage: Option<StorageTier>,
+    /// Nodes whose backup found no host page, retried at the next flush.
+    skipped_backups: Vec<NodeId>,
 }
 
 #[path = "cache_l3.rs"]
@@ -206,6 +208,7 @@ impl HiCache {
             freed_host: Vec::new(),
             log_freed_host: false,
             storage: None,
+            skipped_backups: Vec::new(),
         })
     }
 
@@ -477,7 +480,11 @@ impl HiCache {
         }
         let host = self.host.as_mut().expect("checked");
         let Ok(hpages) = host.alloc(n) else {
+            // Retried at the next flush: a node left without a host copy could never leave
+            // the device (drop_unbacked off), and under L3 write-back host pages free up only
+            // once their writes land.
             self.totals.backups_skipped += 1;
+            self.skipped_backups.push(node);
             return Ok(());
         };
         let id = match &self.pending_backup {
@@ -646,6 +653,7 @@ impl HiCache {
     /// Submits the step's queued backups and loads: at most one transfer each. Returns the
     /// ids submitted.
     pub fn flush(&mut self) -> Result<Vec<u64>> {
+        self.retry_skipped_backups()?;
         let mut ids = Vec::new();
         for load in [true, false] {
             let pending = if load {
@@ -674,6 +682,23 @@ impl HiCache {
             }
         }
         Ok(ids)
+    }
+
+    /// Queues again the backups skipped for want of host pages, for nodes still on the device
+    /// without a host copy (the others went away or got one meanwhile).
+    fn retry_skipped_backups(&mut self) -> Result<()> {
+        if self.skipped_backups.is_empty() || self.pools.is_empty() {
+            return Ok(());
+        }
+        let nodes = std::mem::take(&mut self.skipped_backups);
+        for node in nodes {
+            let still = self.tree.host_copy(node).ok() == Some(super::tree::HostCopy::None)
+                && self.tree.device_pages_of(node).is_ok_and(|d| !d.is_empty());
+            if still {
+                self.queue_backup(node)?;
+            }
+        }
+        Ok(())
     }
 
     /// The per-layer events of submitted transfer `id`.

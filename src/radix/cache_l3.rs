@@ -67,6 +67,9 @@ impl HiCache {
         if t.online && !on {
             t.totals.offline_events += 1;
         }
+        if !t.online && on {
+            t.clear_failed();
+        }
         t.online = on;
         Ok(())
     }
@@ -102,17 +105,22 @@ impl HiCache {
         Ok(())
     }
 
-    /// Locks `node` and plans a write of its pages the store lacks. Returns whether it did.
+    /// Pins `node`'s host pages and plans a write of its pages the store lacks. Returns whether it did.
     fn queue_write(&mut self, node: NodeId, keys: &[PageKey]) -> Result<bool> {
         let t = self.storage.as_ref().expect("caller checked");
-        let need = t.unstored(keys);
+        // Keys whose write failed are not tried again until they leave (no livelock).
+        let need: Vec<usize> = t
+            .unstored(keys)
+            .into_iter()
+            .filter(|&i| !t.gave_up(&keys[i]))
+            .collect();
         if need.is_empty() {
             return Ok(false);
         }
         let host = self.tree.host_pages_of(node)?;
         let pages: Vec<PageId> = need.iter().map(|&i| host[i]).collect();
         let keys: Vec<PageKey> = need.iter().map(|&i| keys[i]).collect();
-        self.tree.lock(node)?;
+        self.tree.pin_host(node)?;
         self.storage
             .as_mut()
             .expect("caller checked")
@@ -121,7 +129,7 @@ impl HiCache {
     }
 
     /// Host eviction as the L3 policy wants it: under an online write-back tier a victim the
-    /// store lacks is written first (locked meanwhile) and leaves on a later eviction; the rest
+    /// store lacks is written first (pinned meanwhile) and leaves on a later eviction; the rest
     /// leave now. Returns the host pages freed from the tree (not yet given to the allocator).
     pub(crate) fn evict_host_tree(&mut self, n: usize) -> Result<Vec<PageId>> {
         let write_back = self
@@ -163,12 +171,42 @@ impl HiCache {
         Ok(freed)
     }
 
+    /// Write-back ahead of need: plans writes for the least recently used host-evictable
+    /// pages the store lacks until `pages` of them are stored or being written, so that host
+    /// eviction finds clean victims instead of waiting for writes. Returns the pages planned.
+    pub fn storage_write_ahead(&mut self, pages: usize) -> Result<usize> {
+        let t = self.tier()?;
+        if !t.online || t.policy != WritePolicy::WriteBack || pages == 0 {
+            return Ok(0);
+        }
+        let mut covered = 0;
+        let mut planned = 0;
+        // Victims being written are locked and leave the LRU set: look a bounded way ahead.
+        for v in self.tree.host_victims(pages) {
+            if covered >= pages {
+                break;
+            }
+            let keys = self.node_keys(v)?;
+            covered += keys.len();
+            let t = self.storage.as_ref().expect("checked");
+            let need = t
+                .unstored(&keys)
+                .into_iter()
+                .filter(|&i| !t.gave_up(&keys[i]))
+                .count();
+            if need > 0 && self.queue_write(v, &keys)? {
+                planned += need;
+            }
+        }
+        Ok(planned)
+    }
+
     /// Write plans queued since the last call, for the backend to run.
     pub fn take_storage_writes(&mut self) -> Result<Vec<WritePlan>> {
         Ok(self.tier_mut()?.take_plans())
     }
 
-    /// Ends write `id`: `ok[i]` says whether page i was stored. Unlocks the node.
+    /// Ends write `id`: `ok[i]` says whether page i was stored. Unpins the node.
     pub fn storage_write_done(&mut self, id: u64, ok: &[bool]) -> Result<()> {
         let t = self.tier_mut()?;
         let pages = t
@@ -185,7 +223,7 @@ impl HiCache {
             ));
         }
         let op = t.end_write(id, ok).expect("checked");
-        self.tree.unlock(op.node)
+        self.tree.unpin_host(op.node)
     }
 
     /// Plans a prefetch of pages `start_page..start_page + n_pages` of `tokens` from the store

@@ -5,7 +5,8 @@
 //! directory or Mooncake Store) only runs the plans and reports back. What the core keeps:
 //! - **page keys**: a hash chain over each page's tokens and its parent's key, under a salt
 //!   (model version, LoRA) and the namespace, stable across processes and machines;
-//! - **being written**: the node is locked (host eviction cannot free a page under a write);
+//! - **being written**: the node's host pages are pinned (host eviction cannot free a page
+//!   under a write; device eviction and the node's ancestors are unaffected);
 //! - **being prefetched**: host pages held by the prefetch until it is committed or ended;
 //! - **stored**: keys this process wrote or fetched, a bounded memory of recent ones (the
 //!   store itself is the truth: another server's pages are found by asking it).
@@ -138,7 +139,7 @@ pub struct StorageTotals {
 }
 
 pub(crate) struct WriteOp {
-    /// Locked until the write ends: its host pages cannot leave meanwhile.
+    /// Pinned until the write ends: its host pages cannot leave meanwhile.
     pub node: NodeId,
     pub keys: Vec<PageKey>,
     pub host_pages: Vec<PageId>,
@@ -298,6 +299,11 @@ impl StorageTier {
                 })
             })
             .collect()
+    }
+
+    /// Forgets every failed write (the store came back: they may succeed now).
+    pub(crate) fn clear_failed(&mut self) {
+        self.failed = RecentKeys::new(self.failed.cap);
     }
 
     /// Whether a write-back of `key` failed before (then it is evicted without a retry).

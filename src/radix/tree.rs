@@ -10,7 +10,8 @@
 //! - `device_children` counts the children with device pages;
 //! - a node is in the device LRU set iff it is device-evictable (device pages, not loading,
 //!   unlocked, no child on the device) and in the host LRU set iff host-evictable (host copy
-//!   Ready, no device pages, unlocked, no children): locked nodes are never evicted;
+//!   Ready, no device pages, unlocked, not pinned by an L3 write, no children): locked nodes
+//!   are never evicted;
 //! - lock counts equal the number of outstanding locks whose path passes through the node.
 //!
 //! The tree owns no pages: it hands page ids back (evicted, duplicate) and the cache above it
@@ -76,6 +77,10 @@ struct Node {
     host_pages: Vec<PageId>,
     host: HostCopy,
     lock_ref: u32,
+    /// L3 writes reading the host pages: the node stays off the host LRU set (its device
+    /// pages and its ancestors are unaffected; an ancestor has this child, so it is no host
+    /// leaf either).
+    storage_pins: u32,
     hits: u64,
     stamp: u64,
     children: FxHashMap<Box<[u32]>, usize>,
@@ -209,6 +214,7 @@ impl RadixTree {
             host_pages: Vec::new(),
             host: HostCopy::None,
             lock_ref: 0,
+            storage_pins: 0,
             hits: 0,
             stamp: 0,
             children: FxHashMap::default(),
@@ -258,6 +264,7 @@ impl RadixTree {
             && !n.on_device()
             && n.loading.is_none()
             && n.lock_ref == 0
+            && n.storage_pins == 0
             && n.children.is_empty();
         let stamp = n.stamp;
         let (in_dev, in_host) = (n.in_device_lru, n.in_host_lru);
@@ -797,7 +804,10 @@ impl RadixTree {
         while let Some(i) = stack.pop() {
             let n = &self.nodes[i];
             if n.parent != NIL
-                && (n.lock_ref > 0 || n.loading.is_some() || matches!(n.host, HostCopy::Writing(_)))
+                && (n.lock_ref > 0
+                    || n.storage_pins > 0
+                    || n.loading.is_some()
+                    || matches!(n.host, HostCopy::Writing(_)))
             {
                 return Err(Error::config(
                     "namespace",
@@ -895,6 +905,7 @@ impl RadixTree {
                 && !n.on_device()
                 && n.loading.is_none()
                 && n.lock_ref == 0
+                && n.storage_pins == 0
                 && n.children.is_empty();
             if dev_ok
                 != n.in_device_lru

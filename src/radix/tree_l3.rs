@@ -29,6 +29,15 @@ impl RadixTree {
         Ok((ns, tokens))
     }
 
+    /// Up to `max` host-evictable nodes, least recently used first.
+    pub fn host_victims(&self, max: usize) -> Vec<NodeId> {
+        self.host_lru
+            .iter()
+            .take(max)
+            .map(|&(_, idx)| self.id(idx))
+            .collect()
+    }
+
     /// The least recently used host-evictable node, if any.
     pub fn host_victim(&self) -> Option<NodeId> {
         self.host_lru.iter().next().map(|&(_, idx)| self.id(idx))
@@ -118,6 +127,25 @@ impl RadixTree {
         }
         out.reverse();
         Ok(out)
+    }
+
+    /// Pins the host pages of `node` for an L3 write: it cannot leave the host tier.
+    pub fn pin_host(&mut self, node: NodeId) -> Result<()> {
+        let idx = self.resolve(node)?;
+        self.nodes[idx].storage_pins += 1;
+        self.refresh(idx);
+        Ok(())
+    }
+
+    /// Undoes one [`Self::pin_host`].
+    pub fn unpin_host(&mut self, node: NodeId) -> Result<()> {
+        let idx = self.resolve(node)?;
+        if self.nodes[idx].storage_pins == 0 {
+            return Err(Error::NotLocked { id: node.raw() });
+        }
+        self.nodes[idx].storage_pins -= 1;
+        self.refresh(idx);
+        Ok(())
     }
 
     /// The host copy state of `node`.

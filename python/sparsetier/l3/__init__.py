@@ -20,9 +20,6 @@ from sparsetier.l3.mooncake import MooncakeMaster, MooncakeStore
 #: Where the file backend stores pages unless ``storage_config["path"]`` says otherwise.
 DEFAULT_FILE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "sparsetier", "l3")
 
-#: ``storage_config`` keys the controller and the core take; the rest go to the backend.
-CONTROLLER_KEYS = ("write_policy", "salt", "prefetch_policy", "prefetch_timeout", "chunk_pages")
-
 
 def make_backend(kind: str, config: dict[str, Any]) -> StorageBackend:
     """The backend `kind` ("file" or "mooncake") from its part of ``storage_config``."""
@@ -46,7 +43,6 @@ def make_backend(kind: str, config: dict[str, Any]) -> StorageBackend:
 
 
 __all__ = [
-    "CONTROLLER_KEYS",
     "DEFAULT_FILE_DIR",
     "POLICIES",
     "FileStore",

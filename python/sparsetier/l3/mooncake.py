@@ -1,10 +1,11 @@
 """``mooncake``: Mooncake Store, the distributed KV-cache store SGLang HiCache and vLLM use.
 
-Each page is stored as one object per segment (``<key>.<i>``, put from and got into host
-memory registered with the store: zero copy) and, written last, a manifest ``<key>.m`` with
-the segment lengths and CRC-32s. A page exists once its manifest does, and is read only
-whole and verified. Return codes below zero other than "not found" mean the store is
-unreachable: :class:`~sparsetier.errors.StoreUnavailableError`, which turns L3 off.
+Each page is stored as one object ``<key>`` gathered from its segments (every pool and layer
+of the page, put from and got into host memory registered with the store: zero copy) and,
+written last, a manifest ``<key>.m`` with the segment lengths and CRC-32s. A page exists once
+its manifest does, and is read only whole and verified. Return codes below zero other than
+"not found" mean the store is unreachable: :class:`~sparsetier.errors.StoreUnavailableError`,
+which turns L3 off.
 
 ``MooncakeMaster`` starts a real ``mooncake_master`` (with its HTTP metadata server) on free
 localhost ports, for tests, benchmarks and single-machine use. Across machines, point
@@ -191,55 +192,40 @@ class MooncakeStore:
     def put(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
         if not keys:
             return []
-        names, ptrs, sizes = [], [], []
-        for k, segs in zip(keys, pages, strict=True):
-            for i, (a, n) in enumerate(segs):
-                names.append(f"{k}.{i}")
-                ptrs.append(a)
-                sizes.append(n)
-        rcs = self._store.batch_put_from(names, ptrs, sizes)
+        ptrs = [[a for a, _ in segs] for segs in pages]
+        sizes = [[n for _, n in segs] for segs in pages]
+        # One object per page, gathered from its segments (zero copy from registered memory).
+        rcs = self._store.batch_put_from_multi_buffers(list(keys), ptrs, sizes)
         for rc in rcs:
             self._check(rc, "put")
-        ok = []
-        at = 0
-        for k, segs in zip(keys, pages, strict=True):
-            part = rcs[at : at + len(segs)]
-            at += len(segs)
-            if any(rc < 0 and rc != _EXISTS for rc in part):
-                ok.append(False)
-                continue
-            manifest = struct.pack(f"<I{2 * len(segs)}Q", len(segs), *_lens_crcs(segs))
-            rc = self._store.put(f"{k}.m", manifest)
+        ok = [rc == 0 or rc == _EXISTS for rc in rcs]
+        done = [i for i, good in enumerate(ok) if good]
+        if done:
+            # The manifests last: a page exists once its manifest does.
+            manifests = [_manifest(pages[i]) for i in done]
+            rc = self._store.put_batch([f"{keys[i]}.m" for i in done], manifests)
             self._check(rc, "put")
-            ok.append(rc == 0 or rc == _EXISTS)
+            if rc < 0 and rc != _EXISTS:
+                return [False] * len(keys)
         return ok
 
     def get(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
         if not keys:
             return []
-        manifests = [self._store.get(f"{k}.m") for k in keys]
-        names, ptrs, sizes, want = [], [], [], []
-        for k, segs, m in zip(keys, pages, manifests, strict=True):
-            want.append(_parse_manifest(m, len(segs)))
-            for i, (a, n) in enumerate(segs):
-                names.append(f"{k}.{i}")
-                ptrs.append(a)
-                sizes.append(n)
-        rcs = self._store.batch_get_into(names, ptrs, sizes)
+        manifests = self._store.get_batch([f"{k}.m" for k in keys])
+        if len(manifests) != len(keys):
+            raise StoreUnavailableError(
+                "Mooncake Store get_batch failed", backend="mooncake", detail="short answer"
+            )
+        ptrs = [[a for a, _ in segs] for segs in pages]
+        sizes = [[n for _, n in segs] for segs in pages]
+        rcs = self._store.batch_get_into_multi_buffers(list(keys), ptrs, sizes)
         for rc in rcs:
             self._check(rc, "get")
-        ok = []
-        at = 0
-        for segs, w in zip(pages, want, strict=True):
-            part = rcs[at : at + len(segs)]
-            at += len(segs)
-            good = (
-                w is not None
-                and all(rc == n for rc, (_, n) in zip(part, segs, strict=True))
-                and list(_lens_crcs(segs)) == w
-            )
-            ok.append(good)
-        return ok
+        return [
+            rc == sum(sz) and m == _manifest(segs)
+            for rc, sz, m, segs in zip(rcs, sizes, manifests, pages, strict=True)
+        ]
 
     def register(self, address: int, length: int) -> None:
         rc = self._store.register_buffer(address, length)
@@ -266,17 +252,9 @@ class MooncakeStore:
         self._store.close()
 
 
-def _lens_crcs(segs: Segments) -> list[int]:
-    out: list[int] = []
+def _manifest(segs: Segments) -> bytes:
+    """Segment count, then (length, CRC-32) per segment, of the page in host memory."""
+    out = [len(segs)]
     for a, n in segs:
         out += [n, zlib.crc32(view(a, n))]
-    return out
-
-
-def _parse_manifest(m: bytes, n_segs: int) -> list[int] | None:
-    if len(m) != 4 + 16 * n_segs:
-        return None
-    (n,) = struct.unpack_from("<I", m)
-    if n != n_segs:
-        return None
-    return list(struct.unpack_from(f"<{2 * n}Q", m, 4))
+    return struct.pack(f"<I{2 * len(segs)}Q", *out)
