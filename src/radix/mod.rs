@@ -13,3 +13,7 @@ pub use tree::{HostCopy, InsertResult, MatchResult, NodeId, RadixTree};
 #[cfg(test)]
 #[path = "../tests/radix_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "../tests/storage_tests.rs"]
+mod storage_tests;

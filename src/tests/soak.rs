@@ -26,9 +26,9 @@ fn ops() -> usize {
         .unwrap_or(100_000)
 }
 
-const PS: usize = 2;
-const DEV: u32 = 24;
-const HOST: u32 = 40;
+pub(crate) const PS: usize = 2;
+pub(crate) const DEV: u32 = 24;
+pub(crate) const HOST: u32 = 40;
 
 fn pattern(prefix: &[u32], salt: u8) -> u8 {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325 ^ u64::from(salt);
@@ -38,14 +38,14 @@ fn pattern(prefix: &[u32], salt: u8) -> u8 {
     (h >> 24) as u8
 }
 
-struct Pools {
+pub(crate) struct Pools {
     specs: [PoolSpec; 2],
     dev: Vec<Vec<u8>>,
     host: Vec<Vec<u8>>,
 }
 
 impl Pools {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         let kv = PoolSpec::new(Component::Kv, 2, 2, 1, 4, Dtype::Fp8E4m3, PS as u32, DEV).unwrap();
         let ik = PoolSpec::new(
             Component::Indexer,
@@ -73,7 +73,7 @@ impl Pools {
         }
     }
 
-    fn pairs(&mut self) -> Vec<PoolPair> {
+    pub(crate) fn pairs(&mut self) -> Vec<PoolPair> {
         (0..2)
             .map(|i| {
                 let (d, h) = (&mut self.dev[i], &mut self.host[i]);
