@@ -365,3 +365,17 @@ def test_a_skipped_backup_is_retried():
     c.drain()
     assert c.evict_device(4) == 4
     c.validate()
+
+
+def test_bench_l3_runs_and_l3_only_adds_hits(tmp_path):
+    from sparsetier import bench_l3
+
+    rows = bench_l3.throughput(["file"], pages=16, reps=2)
+    assert [r["op"] for r in rows] == ["put", "get"]
+    assert all(r["gbps"] > 0 and r["segments_per_page"] >= 1 for r in rows)
+    none, file = bench_l3.serve(["file"], requests=40, device_pages=256, host_pages=512)
+    assert none["l3_hit"] == 0 and none["failed"] == 0 and file["failed"] == 0
+    # Same stream, same tiers above: L3 can only add hits (device and host hit the same).
+    assert file["hit"] >= none["hit"]
+    assert file["recompute_pages_mean"] <= none["recompute_pages_mean"]
+    assert "serve loop" in bench_l3.format_report({"throughput": rows, "serve": [none, file]})

@@ -99,6 +99,8 @@ def _throughput_one(s: st.SparseStack, name: str, pages: int, batch: int, reps: 
                 ok = getattr(backend, op)(keys[at : at + batch], segs[at : at + batch])
                 assert all(ok), f"{name} {op} failed"
             store_s.append(time.perf_counter() - t0)
+            if op == "put" and r > 0:
+                backend.remove(keys)  # the store's capacity holds one repetition
             t0 = time.perf_counter()
             for _ in range(0, pages, batch):
                 np.copyto(dst, src)
@@ -175,12 +177,13 @@ def _serve_one(s: st.SparseStack, name: str, stream: list[np.ndarray], ps: int) 
                 fresh = c.alloc_device(n - m2["device_len"] // ps)
                 break
             except OutOfPagesError:
-                if attempt or l3 is None:
+                if attempt:
                     break
-                # Backpressure: device pages free up once their backups land, which under
-                # write-back waits for host pages whose L3 writes are still running.
+                # Backpressure (both runs alike): device pages free up once their backups
+                # land, which under write-back waits for host pages whose L3 writes run.
                 waits += 1
-                l3.drain()
+                if l3 is not None:
+                    l3.drain()
                 c.flush()
                 c.drain()
                 c.evict_host(n)

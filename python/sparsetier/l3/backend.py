@@ -39,6 +39,10 @@ class StorageBackend(Protocol):
         complete and intact (a missing or corrupt object is ``False``, never bad data)."""
         ...
 
+    def remove(self, keys: Sequence[str]) -> None:
+        """Deletes the pages (missing ones are ignored)."""
+        ...
+
     def register(self, address: int, length: int) -> None:
         """Host memory that plans will name (a zero-copy backend registers it)."""
         ...

@@ -106,6 +106,11 @@ class FileStore:
         path.unlink(missing_ok=True)
         return False
 
+    def remove(self, keys: Sequence[str]) -> None:
+        self._reachable()
+        for k in keys:
+            self._path(k).unlink(missing_ok=True)
+
     def register(self, address: int, length: int) -> None:
         del address, length  # plain file I/O needs no registration
 

@@ -227,6 +227,14 @@ class MooncakeStore:
             for rc, sz, m, segs in zip(rcs, sizes, manifests, pages, strict=True)
         ]
 
+    def remove(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+        # The manifests first: a page without its manifest no longer exists.
+        for names in ([f"{k}.m" for k in keys], list(keys)):
+            for rc in self._store.batch_remove(names, True):
+                self._check(rc, "remove")
+
     def register(self, address: int, length: int) -> None:
         rc = self._store.register_buffer(address, length)
         if rc != 0:
