@@ -72,7 +72,7 @@ def test_build_from_tensors():
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [
-        ({"storage_backend": "file"}, "storage_backend"),
+        ({"storage_backend": "s3"}, "storage_backend"),
         ({"load_end_layer": 3}, "load_end_layer"),
         ({"pp_size": 2}, "pp_size"),
         ({"write_policy": "write_back"}, "write_policy"),
