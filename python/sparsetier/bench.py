@@ -119,6 +119,8 @@ class TransferRow:
     seconds: float
     baseline: str
     baseline_gbps: float
+    #: The median of per-repetition ratios engine / baseline, when the two alternated.
+    paired_ratio: float | None = None
 
     @property
     def gbps(self) -> float:
@@ -126,6 +128,8 @@ class TransferRow:
 
     @property
     def ratio(self) -> float:
+        if self.paired_ratio is not None:
+            return self.paired_ratio
         return self.gbps / self.baseline_gbps
 
 
@@ -137,13 +141,17 @@ def _pool(page_bytes: int, pages: int, granular: bool) -> PoolSpec:
     return PoolSpec("INDEXER", 1, 1, page_bytes // ps, "fp8_e4m3", ps, pages)
 
 
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
+def _paired(a, b, repeats: int) -> tuple[float, float, float]:
+    """Runs `a` and `b` alternately (a, b, a, b...): their best times and the median of the
+    per-repetition ratios time(b) / time(a) (a's speed relative to b's)."""
+    ta, tb = [], []
     for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
+        for fn, out in ((a, ta), (b, tb)):
+            t = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t)
+    ratios = sorted(y / x for x, y in zip(ta, tb, strict=True))
+    return min(ta), min(tb), ratios[len(ratios) // 2]
 
 
 def _units(pattern: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -154,7 +162,8 @@ def _units(pattern: str, n: int, rng: np.random.Generator) -> tuple[np.ndarray, 
 
 def bench_transfer_cpu(total_mb: int = 128, repeats: int = 5) -> list[TransferRow]:
     """The cpu engine (one worker: one copy thread) against one large single-threaded memcpy
-    of the same bytes (numpy copyto), for each page size and pattern."""
+    of the same bytes (numpy copyto), for each page size and pattern; the two alternate within
+    each row and the row's ratio is the median of the paired ratios."""
     import torch
 
     from sparsetier._core import (
@@ -167,7 +176,7 @@ def bench_transfer_cpu(total_mb: int = 128, repeats: int = 5) -> list[TransferRo
     total = total_mb << 20
     src_np = np.random.default_rng(0).integers(0, 255, size=total, dtype=np.uint8)
     dst_np = np.empty_like(src_np)
-    memcpy = total / _best(lambda: np.copyto(dst_np, src_np), repeats) / 1e9
+    base_np = np.empty_like(src_np)
     engine = TransferEngine("cpu", threads=1)
     rng = np.random.default_rng(1)
     rows = []
@@ -188,9 +197,14 @@ def bench_transfer_cpu(total_mb: int = 128, repeats: int = 5) -> list[TransferRo
                 granularity="token" if granular else "page",
             )
             group = PageTransferGroup([t])
-            secs = _best(lambda g=group: engine.submit(g).wait(), repeats)
+            secs, base, ratio = _paired(
+                lambda g=group: engine.submit(g).wait(),
+                lambda: np.copyto(base_np, src_np),
+                repeats,
+            )
+            memcpy = total / base / 1e9
             rows.append(
-                TransferRow("cpu", "h2h", pattern, page_bytes, total, secs, "memcpy", memcpy)
+                TransferRow("cpu", "h2h", pattern, page_bytes, total, secs, "memcpy", memcpy, ratio)
             )
             unit = page_bytes // TOKENS_PER_PAGE if granular else page_bytes
             for i in rng.integers(0, n, size=8):  # one layer, one plane: units are linear

@@ -11,10 +11,12 @@ mod directory;
 mod error;
 mod plan;
 mod pool;
+mod prefix_result;
 mod radix;
 mod replay;
 mod scheduler;
 mod tensor;
+mod tokens;
 mod transfer;
 
 use pyo3::prelude::*;
@@ -42,6 +44,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(transfer::cuda_status, m)?)?;
     m.add_class::<scheduler::PyStepScheduler>()?;
     m.add_class::<radix::PyHiCache>()?;
+    m.add_class::<prefix_result::PyPrefixMatch>()?;
+    m.add_class::<prefix_result::PyPrefixInsert>()?;
     m.add_function(wrap_pyfunction!(radix::_bench_serve, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::compile_cuda_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::kernel_cubin, m)?)?;

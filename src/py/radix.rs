@@ -8,48 +8,18 @@ use crate::config::HitPolicy;
 use crate::error::Error;
 use crate::ids::PageId;
 use crate::py::alloc::{page_array, page_ids};
-use crate::py::args::{int, int64_array, opt_int};
+use crate::py::args::{int, opt_int};
 use crate::py::error::{to_py, IntoPyResult};
+use crate::py::prefix_result::{PyPrefixInsert, PyPrefixMatch};
+use crate::py::tokens::with_tokens;
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::storage::L3State;
 use crate::radix::{HiCache, HiCacheConfig, NodeId, PageKey, PoolPair, WritePolicy};
-use numpy::{PyArray1, PyReadonlyArray1, PyUntypedArrayMethods};
+use numpy::PyArray1;
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::time::Duration;
-
-/// Token ids: a uint32 array is borrowed as is; anything else is converted (checking range).
-fn with_tokens<R>(obj: &Bound<'_, PyAny>, f: impl FnOnce(&[u32]) -> PyResult<R>) -> PyResult<R> {
-    if let Ok(a) = obj.extract::<PyReadonlyArray1<'_, u32>>() {
-        if let Ok(slice) = a.as_slice() {
-            return f(slice);
-        }
-    }
-    f(&tokens(obj)?)
-}
-
-fn tokens(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    let py = obj.py();
-    let arr = int64_array(obj, "tokens", "token ids")?;
-    if arr.ndim() != 1 {
-        return Err(to_py(
-            py,
-            Error::config("tokens", format!("{} dims", arr.ndim()), "a 1-D array"),
-        ));
-    }
-    arr.as_array()
-        .iter()
-        .map(|&t| {
-            u32::try_from(t).map_err(|_| {
-                to_py(
-                    py,
-                    Error::out_of_range("tokens", t, 0, i128::from(u32::MAX) + 1),
-                )
-            })
-        })
-        .collect()
-}
 
 fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<u32> {
     match opt_int(obj, "namespace")? {
@@ -113,10 +83,12 @@ impl PyHiCache {
     /// A cache of `device_pages` (and `host_pages`) pages of `page_size` tokens. With `pools`
     /// (a list of `(device_binding, host_binding, window)`, window None but for SWA) and an
     /// `engine`, pages move between the tiers; without, it is a device-only prefix cache.
+    /// `drop_unbacked` (default: True exactly when there are no pools) lets device eviction drop
+    /// leaves that have no host copy; False with no pools is refused (nothing could be evicted).
     #[new]
     #[pyo3(
-        signature = (page_size, device_pages, *, host_pages=None, device_reserve=None, host_reserve=None, pools=None, engine=None, drop_unbacked=false),
-        text_signature = "(page_size, device_pages, *, host_pages=0, device_reserve=0, host_reserve=0, pools=None, engine=None, drop_unbacked=False)"
+        signature = (page_size, device_pages, *, host_pages=None, device_reserve=None, host_reserve=None, pools=None, engine=None, drop_unbacked=None),
+        text_signature = "(page_size, device_pages, *, host_pages=0, device_reserve=0, host_reserve=0, pools=None, engine=None, drop_unbacked=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -128,8 +100,11 @@ impl PyHiCache {
         host_reserve: Option<&Bound<'_, PyAny>>,
         pools: Option<Vec<PoolArg<'_>>>,
         engine: Option<PyRef<'_, PyTransferEngine>>,
-        drop_unbacked: bool,
+        drop_unbacked: Option<bool>,
     ) -> PyResult<Self> {
+        // Default: a cache that backs pages up keeps them until backed up; a device-only one
+        // (no pools) drops them, or it could never evict.
+        let drop_unbacked = drop_unbacked.unwrap_or(pools.as_ref().is_none_or(Vec::is_empty));
         use crate::config::{non_negative_u32, positive_u32};
         let cfg = HiCacheConfig {
             page_size: positive_u32("page_size", int(page_size, "page_size")?).py_err(py)? as usize,
@@ -214,24 +189,25 @@ impl PyHiCache {
         self.inner.lock().tree().page_size()
     }
 
-    /// The longest cached prefix: `{"device_len", "host_len", "device_pages", "device_node",
-    /// "last_node"}`. Lock `device_node` to keep the device pages; `load_back(last_node)`
-    /// restores the host part. With `lock`, `device_node` is locked in the same call; with
-    /// `alloc` (which implies `lock`), device pages for the rest of the tokens are allocated
-    /// too (evicting as needed) and returned as `"new_pages"`, all or nothing: on
-    /// `OutOfPagesError` nothing stays locked or allocated.
+    /// The longest cached prefix, as a `PrefixMatch` (`device_len`, `host_len`, `device_pages`,
+    /// `device_node`, `last_node`; also readable as `m["device_len"]`...). Lock `device_node` to
+    /// keep the device pages; `load_back(last_node)` restores the host part. With `lock`,
+    /// `device_node` is locked in the same call; with `alloc` (which implies `lock`), device
+    /// pages for the rest of the tokens are allocated too (evicting as needed) and returned as
+    /// `new_pages`, all or nothing: on `OutOfPagesError` nothing stays locked or allocated.
+    /// Pass the match itself to `insert` as its pages.
     #[pyo3(signature = (tokens, namespace=None, *, lock=false, alloc=false))]
-    fn match_prefix<'py>(
+    fn match_prefix(
         &self,
-        tokens: &Bound<'py, PyAny>,
-        namespace: Option<&Bound<'py, PyAny>>,
+        tokens: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
         lock: bool,
         alloc: bool,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    ) -> PyResult<PyPrefixMatch> {
         let py = tokens.py();
         let ns = self::namespace(namespace)?;
         let mut c = self.inner.lock();
-        let (m, new, n_tokens) = with_tokens(tokens, |t| {
+        with_tokens(tokens, |t| {
             let m = c.match_prefix(ns, t);
             let mut new = None;
             if lock || alloc {
@@ -247,38 +223,31 @@ impl PyHiCache {
                     }
                 }
             }
-            Ok((m, new, t.len()))
-        })?;
-        drop(c);
-        let _ = n_tokens;
-        let d = PyDict::new(py);
-        d.set_item("device_len", m.device_len)?;
-        d.set_item("host_len", m.host_len)?;
-        d.set_item("device_pages", page_array(py, &m.device_pages))?;
-        d.set_item("device_node", m.device_node.raw())?;
-        d.set_item("last_node", m.last_node.raw())?;
-        if let Some(p) = new {
-            d.set_item("new_pages", page_array(py, &p))?;
-        }
-        Ok(d)
+            Ok(PyPrefixMatch::new(m, new))
+        })
     }
 
     /// Inserts `tokens` with one device page per whole page (fresh pages from
-    /// `alloc_device`, or the matched path's own pages for the prefix). Duplicates are freed
-    /// here; write-through backups are queued. With `lock`, the new path is locked; `unlock`
-    /// names a node to unlock in the same call (the match's lock). Returns `{"prefix_len",
-    /// "duplicates", "last_node"}`.
+    /// `alloc_device`, or the matched path's own pages for the prefix): `device_pages` is an
+    /// array of page ids, or the `PrefixMatch` of `match_prefix(..., alloc=True)` (its pages,
+    /// without building an array). Duplicates are freed here; write-through backups are
+    /// queued. With `lock`, the new path is locked; `unlock` names a node to unlock in the same
+    /// call (the match's lock). Returns a `PrefixInsert` (`prefix_len`, `duplicates`,
+    /// `last_node`).
     #[pyo3(signature = (tokens, device_pages, namespace=None, *, lock=false, unlock=None))]
-    fn insert<'py>(
+    fn insert(
         &self,
-        tokens: &Bound<'py, PyAny>,
-        device_pages: &Bound<'py, PyAny>,
-        namespace: Option<&Bound<'py, PyAny>>,
+        tokens: &Bound<'_, PyAny>,
+        device_pages: &Bound<'_, PyAny>,
+        namespace: Option<&Bound<'_, PyAny>>,
         lock: bool,
-        unlock: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<Bound<'py, PyDict>> {
+        unlock: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PyPrefixInsert> {
         let py = tokens.py();
-        let pages = page_ids(device_pages, "device_pages")?;
+        let pages = match device_pages.cast::<PyPrefixMatch>() {
+            Ok(m) => m.get().page_ids().to_vec(),
+            Err(_) => page_ids(device_pages, "device_pages")?,
+        };
         let ns = self::namespace(namespace)?;
         let unlock = unlock.map(node).transpose()?;
         let mut c = self.inner.lock();
@@ -289,12 +258,7 @@ impl PyHiCache {
         if let Some(u) = unlock {
             c.unlock(u).py_err(py)?;
         }
-        drop(c);
-        let d = PyDict::new(py);
-        d.set_item("prefix_len", r.prefix_len)?;
-        d.set_item("duplicates", page_array(py, &r.duplicates))?;
-        d.set_item("last_node", r.last_node.raw())?;
-        Ok(d)
+        Ok(PyPrefixInsert::new(&r))
     }
 
     /// `n` device pages for a request (evicting LRU device leaves if needed), all or nothing.
@@ -453,7 +417,13 @@ impl PyHiCache {
         d.set_item("device_free", c.device_free())?;
         d.set_item("device_in_tree", c.tree().device_pages())?;
         d.set_item("device_outstanding", c.outstanding())?;
-        d.set_item("device_evictable", c.evictable_device_pages())?;
+        // Leaves evictable right now (a lower bound of what one eviction call frees), and every
+        // unlocked device page (SGLang's evictable_size: what admission should count).
+        d.set_item("device_evictable_now", c.evictable_device_pages())?;
+        d.set_item(
+            "device_evictable_total",
+            c.tree().evictable_device_pages_total(),
+        )?;
         d.set_item("host_capacity", hc)?;
         d.set_item("host_free", hf)?;
         d.set_item("host_in_tree", c.tree().host_pages())?;
@@ -684,7 +654,10 @@ pub fn _bench_serve(
     capacity_pages: u32,
     inflight: usize,
 ) -> PyResult<(Vec<u64>, u64, u64, u64)> {
-    let seqs: Vec<Vec<u32>> = seqs.iter().map(tokens).collect::<PyResult<_>>()?;
+    let seqs: Vec<Vec<u32>> = seqs
+        .iter()
+        .map(|s| with_tokens(s, |t| Ok(t.to_vec())))
+        .collect::<PyResult<_>>()?;
     let st = py
         .detach(|| crate::radix::bench::serve(&seqs, page_size, capacity_pages, inflight))
         .py_err(py)?;

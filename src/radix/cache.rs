@@ -159,6 +159,14 @@ impl HiCache {
         } else {
             None
         };
+        if pools.is_empty() && !cfg.drop_unbacked {
+            return Err(Error::config(
+                "drop_unbacked",
+                "False",
+                "True for a cache without pools: with no host copy to keep, no page could \
+                 ever leave the device",
+            ));
+        }
         if !pools.is_empty() && (engine.is_none() || host.is_none()) {
             return Err(Error::config(
                 "engine",
@@ -241,7 +249,7 @@ impl HiCache {
 
     /// Device pages eviction could free now.
     pub fn evictable_device_pages(&self) -> usize {
-        self.tree.evictable_device_pages(self.drop_unbacked)
+        self.tree.evictable_device_pages_now(self.drop_unbacked)
     }
 
     /// Transfers submitted and not yet settled.

@@ -145,6 +145,8 @@ pub struct RadixTree {
     host_lru: BTreeSet<(u64, usize)>,
     device_pages: usize,
     host_pages: usize,
+    /// Device pages of locked nodes (kept by `lock`, `unlock` and `set_device`).
+    locked_device_pages: usize,
 }
 
 impl RadixTree {
@@ -167,6 +169,7 @@ impl RadixTree {
             host_lru: BTreeSet::new(),
             device_pages: 0,
             host_pages: 0,
+            locked_device_pages: 0,
         })
     }
 
@@ -193,13 +196,20 @@ impl RadixTree {
     /// Device pages eviction could free now: nodes with a Ready host copy, and with
     /// `drop_unbacked` childless ones without. (Dropping a leaf can free its parent in turn;
     /// that is not counted, so this is a lower bound.)
-    pub fn evictable_device_pages(&self, drop_unbacked: bool) -> usize {
+    pub fn evictable_device_pages_now(&self, drop_unbacked: bool) -> usize {
         self.device_lru
             .iter()
             .map(|&(_, i)| &self.nodes[i])
             .filter(|n| n.host == HostCopy::Ready || (drop_unbacked && n.children.is_empty()))
             .map(|n| n.device.len())
             .sum()
+    }
+
+    /// Device pages of every unlocked node: what eviction can free once the nodes below them
+    /// are gone too (SGLang's `evictable_size`). The figure admission wants ("free + evictable
+    /// >= need"); a load in flight counts (it becomes evictable when it lands).
+    pub fn evictable_device_pages_total(&self) -> usize {
+        self.device_pages - self.locked_device_pages
     }
 
     fn new_node(&mut self, parent: usize, key: Vec<u32>) -> usize {
@@ -301,6 +311,10 @@ impl RadixTree {
         let old = std::mem::replace(&mut self.nodes[idx].device, pages);
         let now = self.nodes[idx].on_device();
         self.device_pages = self.device_pages - old.len() + self.nodes[idx].device.len();
+        if self.nodes[idx].lock_ref > 0 {
+            self.locked_device_pages =
+                self.locked_device_pages - old.len() + self.nodes[idx].device.len();
+        }
         let parent = self.nodes[idx].parent;
         if was != now && parent != NIL {
             if now {
@@ -575,6 +589,9 @@ impl RadixTree {
         let mut idx = self.resolve(node)?;
         while self.nodes[idx].parent != NIL {
             self.nodes[idx].lock_ref += 1;
+            if self.nodes[idx].lock_ref == 1 {
+                self.locked_device_pages += self.nodes[idx].device.len();
+            }
             self.refresh(idx);
             idx = self.nodes[idx].parent;
         }
@@ -590,6 +607,9 @@ impl RadixTree {
         let mut idx = start;
         while self.nodes[idx].parent != NIL {
             self.nodes[idx].lock_ref -= 1;
+            if self.nodes[idx].lock_ref == 0 {
+                self.locked_device_pages -= self.nodes[idx].device.len();
+            }
             self.refresh(idx);
             idx = self.nodes[idx].parent;
         }
@@ -947,6 +967,18 @@ impl RadixTree {
             != self.host_lru.len()
         {
             return Err("host LRU set holds stale entries".into());
+        }
+        let locked: usize = self
+            .nodes
+            .iter()
+            .filter(|(_, n)| n.lock_ref > 0)
+            .map(|(_, n)| n.device.len())
+            .sum();
+        if locked != self.locked_device_pages {
+            return Err(format!(
+                "locked device pages {locked} != counter {}",
+                self.locked_device_pages
+            ));
         }
         if (dev, host) != (self.device_pages, self.host_pages) {
             return Err(format!(

@@ -91,11 +91,12 @@ class StorageController:
     # -- what the caller's loop calls ---------------------------------------------------
 
     def match_prefix(self, tokens: Any, namespace: int | None = None, **kw: Any) -> dict[str, Any]:
-        """``HiCache.match_prefix`` plus ``storage_pages``: how many further whole pages the
-        store holds right after the cached prefix (0 while L3 is off)."""
+        """``HiCache.match_prefix`` as a dict, plus ``storage_pages``: how many further whole
+        pages the store holds right after the cached prefix (0 while L3 is off)."""
         m = self.cache.match_prefix(tokens, namespace, **kw)
-        m["storage_pages"] = self.storage_pages(tokens, m["device_len"] + m["host_len"], namespace)
-        return m
+        d = m.to_dict()
+        d["storage_pages"] = self.storage_pages(tokens, m.device_len + m.host_len, namespace)
+        return d
 
     def storage_pages(self, tokens: Any, cached_tokens: int, namespace: int | None = None) -> int:
         """The leading run of whole pages after `cached_tokens` that the store holds."""

@@ -1,0 +1,205 @@
+//! What `HiCache.match_prefix` and `HiCache.insert` return: small immutable objects instead of
+//! dicts. Page ids stay in the cache's own form until Python asks for them; then they are
+//! widened to int64 once per result, and every access returns a numpy view of that buffer (no
+//! copy per access). `insert(tokens, match)` takes the match's pages without any array. Both
+//! also answer `result["field"]` as the dicts they replace did.
+
+use crate::ids::PageId;
+use numpy::ndarray::{s, Array1};
+use numpy::PyArray1;
+use pyo3::exceptions::PyKeyError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use std::sync::OnceLock;
+
+/// A numpy view of `pages[range]` kept alive by `owner`.
+fn view<'py>(
+    owner: &Bound<'py, PyAny>,
+    pages: &Array1<i64>,
+    range: std::ops::Range<usize>,
+) -> Bound<'py, PyArray1<i64>> {
+    let part = pages.slice(s![range]);
+    // SAFETY: `pages` lives in `owner`, a frozen pyclass whose int64 buffer is never resized
+    // or moved once made; the view holds a reference to `owner`, so the buffer outlives it. The
+    // view stays writable (torch warns on read-only arrays): a caller writing into it changes
+    // only that buffer, not the pages `insert` takes from the result.
+    unsafe { PyArray1::borrow_from_array(&part, owner.clone()) }
+}
+
+fn to_i64(pages: impl IntoIterator<Item = PageId>) -> Array1<i64> {
+    pages.into_iter().map(|p| i64::from(p.raw())).collect()
+}
+
+/// The longest cached prefix of a request.
+#[pyclass(name = "PrefixMatch", module = "sparsetier._core", frozen)]
+pub struct PyPrefixMatch {
+    #[pyo3(get)]
+    device_len: usize,
+    #[pyo3(get)]
+    host_len: usize,
+    #[pyo3(get)]
+    device_node: u64,
+    #[pyo3(get)]
+    last_node: u64,
+    /// Device pages of the match, then (with `alloc`) the new pages for the rest.
+    pages: Vec<PageId>,
+    n_device: usize,
+    allocated: bool,
+    /// `pages` as int64, made on the first access from Python.
+    wide: OnceLock<Array1<i64>>,
+}
+
+impl PyPrefixMatch {
+    pub fn new(m: crate::radix::MatchResult, new_pages: Option<Vec<PageId>>) -> PyPrefixMatch {
+        let allocated = new_pages.is_some();
+        let n_device = m.device_pages.len();
+        let mut pages = m.device_pages;
+        pages.extend(new_pages.unwrap_or_default());
+        PyPrefixMatch {
+            device_len: m.device_len,
+            host_len: m.host_len,
+            device_node: m.device_node.raw(),
+            last_node: m.last_node.raw(),
+            pages,
+            n_device,
+            allocated,
+            wide: OnceLock::new(),
+        }
+    }
+
+    /// Every page of the result (matched device pages, then new ones), for `insert`: the
+    /// pages the cache returned (writing into a view does not change them).
+    pub fn page_ids(&self) -> &[PageId] {
+        &self.pages
+    }
+
+    fn wide(&self) -> &Array1<i64> {
+        self.wide.get_or_init(|| to_i64(self.pages.iter().copied()))
+    }
+}
+
+#[pymethods]
+impl PyPrefixMatch {
+    /// Device pages of the matched prefix, in order (a view of the result's buffer).
+    #[getter]
+    fn device_pages<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyArray1<i64>> {
+        let me = slf.get();
+        view(slf.as_any(), me.wide(), 0..me.n_device)
+    }
+
+    /// With `alloc=True`: the device pages allocated for the rest of the tokens; else None.
+    #[getter]
+    fn new_pages<'py>(slf: &Bound<'py, Self>) -> Option<Bound<'py, PyArray1<i64>>> {
+        let me = slf.get();
+        me.allocated
+            .then(|| view(slf.as_any(), me.wide(), me.n_device..me.pages.len()))
+    }
+
+    /// The matched device pages followed by the new ones: what `insert` takes (pass the match
+    /// itself to `insert` to skip this array).
+    #[getter]
+    fn pages<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyArray1<i64>> {
+        let me = slf.get();
+        view(slf.as_any(), me.wide(), 0..me.pages.len())
+    }
+
+    fn __getitem__<'py>(slf: &Bound<'py, Self>, key: &str) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let me = slf.get();
+        Ok(match key {
+            "device_len" => me.device_len.into_pyobject(py)?.into_any(),
+            "host_len" => me.host_len.into_pyobject(py)?.into_any(),
+            "device_node" => me.device_node.into_pyobject(py)?.into_any(),
+            "last_node" => me.last_node.into_pyobject(py)?.into_any(),
+            "device_pages" => Self::device_pages(slf).into_any(),
+            "new_pages" if me.allocated => Self::new_pages(slf).into_pyobject(py)?.into_any(),
+            _ => return Err(PyKeyError::new_err(key.to_owned())),
+        })
+    }
+
+    fn __contains__(&self, key: &str) -> bool {
+        matches!(
+            key,
+            "device_len" | "host_len" | "device_node" | "last_node" | "device_pages"
+        ) || (key == "new_pages" && self.allocated)
+    }
+
+    /// The fields as a dict (what `match_prefix` returned before).
+    fn to_dict<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(slf.py());
+        for k in [
+            "device_len",
+            "host_len",
+            "device_pages",
+            "device_node",
+            "last_node",
+        ] {
+            d.set_item(k, Self::__getitem__(slf, k)?)?;
+        }
+        if slf.get().allocated {
+            d.set_item("new_pages", Self::__getitem__(slf, "new_pages")?)?;
+        }
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "PrefixMatch(device_len={}, host_len={}, device_node={}, last_node={}, pages={})",
+            self.device_len,
+            self.host_len,
+            self.device_node,
+            self.last_node,
+            self.pages.len()
+        )
+    }
+}
+
+/// What an insert did.
+#[pyclass(name = "PrefixInsert", module = "sparsetier._core", frozen)]
+pub struct PyPrefixInsert {
+    #[pyo3(get)]
+    prefix_len: usize,
+    #[pyo3(get)]
+    last_node: u64,
+    duplicates: Array1<i64>,
+}
+
+impl PyPrefixInsert {
+    pub fn new(r: &crate::radix::InsertResult) -> PyPrefixInsert {
+        PyPrefixInsert {
+            prefix_len: r.prefix_len,
+            last_node: r.last_node.raw(),
+            duplicates: to_i64(r.duplicates.iter().copied()),
+        }
+    }
+}
+
+#[pymethods]
+impl PyPrefixInsert {
+    /// Given pages that duplicated pages already cached (freed by the insert).
+    #[getter]
+    fn duplicates<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyArray1<i64>> {
+        let me = slf.get();
+        view(slf.as_any(), &me.duplicates, 0..me.duplicates.len())
+    }
+
+    fn __getitem__<'py>(slf: &Bound<'py, Self>, key: &str) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let me = slf.get();
+        Ok(match key {
+            "prefix_len" => me.prefix_len.into_pyobject(py)?.into_any(),
+            "last_node" => me.last_node.into_pyobject(py)?.into_any(),
+            "duplicates" => Self::duplicates(slf).into_any(),
+            _ => return Err(PyKeyError::new_err(key.to_owned())),
+        })
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "PrefixInsert(prefix_len={}, last_node={}, duplicates={})",
+            self.prefix_len,
+            self.last_node,
+            self.duplicates.len()
+        )
+    }
+}

@@ -1,0 +1,146 @@
+"""The prefix cache from Python: every common token container (zero-copy or one narrowing),
+result objects instead of dicts, defaults that cannot trap, and both evictable figures."""
+
+from __future__ import annotations
+
+from array import array
+
+import numpy as np
+import pytest
+import torch
+
+import sparsetier as st
+
+SEQ = np.random.default_rng(0).integers(1, 32000, size=40)
+
+
+def containers(seq: np.ndarray) -> dict[str, object]:
+    return {
+        "numpy uint32": seq.astype(np.uint32),
+        "numpy int64": seq.astype(np.int64),
+        "numpy int32": seq.astype(np.int32),
+        "numpy uint64": seq.astype(np.uint64),
+        "array q": array("q", seq.tolist()),
+        "array i": array("i", seq.tolist()),
+        "array I": array("I", seq.tolist()),
+        "torch int64": torch.from_numpy(seq.astype(np.int64)),
+        "torch int32": torch.from_numpy(seq.astype(np.int32)),
+        "bytes": seq.astype("<u4").tobytes(),
+        "bytearray": bytearray(seq.astype("<u4").tobytes()),
+        "memoryview": memoryview(seq.astype("<u4").tobytes()),
+        "list": seq.tolist(),
+        "strided numpy": np.repeat(seq, 2)[::2],
+    }
+
+
+@pytest.mark.parametrize("kind", list(containers(SEQ)))
+def test_every_token_container_gives_the_same_answers(kind):
+    toks = containers(SEQ)[kind]
+    ref = st.HiCache(4, 64)
+    m = ref.match_prefix(SEQ.astype(np.uint32), alloc=True)
+    ref.insert(SEQ.astype(np.uint32), m, unlock=m.device_node)
+    c = st.HiCache(4, 64)
+    m = c.match_prefix(toks, alloc=True)
+    r = c.insert(toks, m, unlock=m.device_node)
+    assert r.prefix_len == 0
+    # Each container finds what the uint32 one inserted, and vice versa.
+    assert c.match_prefix(SEQ.astype(np.uint32)).device_len == 40
+    assert ref.match_prefix(toks).device_len == 40
+    assert c.match_prefix(toks[: len(toks) // 2] if kind != "memoryview" else toks).device_len
+
+
+@pytest.mark.parametrize(
+    ("toks", "value"),
+    [
+        (np.array([1, -1], dtype=np.int64), "-1"),
+        (array("q", [1, 2**32]), str(2**32)),
+        (torch.tensor([5, -7]), "-7"),
+        ([3, 2**40], str(2**40)),
+    ],
+)
+def test_tokens_out_of_range_name_the_value(toks, value):
+    c = st.HiCache(1, 8)
+    with pytest.raises(st.OutOfRangeError) as e:
+        c.match_prefix(toks)
+    assert e.value.field == "tokens" and str(e.value.value) == value
+
+
+def test_bad_token_containers_are_refused():
+    c = st.HiCache(1, 8)
+    with pytest.raises(st.ConfigError) as e:
+        c.match_prefix(b"abc")  # not whole uint32s
+    assert e.value.field == "tokens"
+    with pytest.raises(st.ConfigError):
+        c.match_prefix(np.zeros((2, 2), dtype=np.int64))
+    with pytest.raises(st.ConfigError):
+        c.match_prefix("hello")
+
+
+def test_results_are_objects_that_still_read_like_dicts():
+    c = st.HiCache(2, 16)
+    toks = np.arange(1, 9, dtype=np.uint32)
+    m = c.match_prefix(toks, alloc=True)
+    assert isinstance(m, st.PrefixMatch)
+    assert (m.device_len, m["device_len"], m.host_len) == (0, 0, 0)
+    assert len(m.new_pages) == 4 and len(m.device_pages) == 0
+    assert list(m.pages) == list(m["new_pages"])
+    assert "new_pages" in m and "storage_pages" not in m
+    assert set(m.to_dict()) == {
+        "device_len", "host_len", "device_pages", "device_node", "last_node", "new_pages"
+    }  # fmt: skip
+    with pytest.raises(KeyError):
+        m["nope"]
+    r = c.insert(toks, m, lock=True, unlock=m.device_node)
+    assert isinstance(r, st.PrefixInsert)
+    assert (r.prefix_len, r["prefix_len"], len(r.duplicates)) == (0, 0, 0)
+    m2 = c.match_prefix(toks)
+    assert m2.new_pages is None and "new_pages" not in m2
+    assert list(m2.device_pages) == list(m.pages)
+    # The page views share the result's buffer (no copy) and outlive their result.
+    pages = m2.device_pages
+    assert pages.base is not None
+    del m2
+    assert list(pages) == list(m.pages)
+    c.unlock(r.last_node)
+
+
+def test_writing_into_a_view_does_not_change_what_insert_takes():
+    c = st.HiCache(1, 8)
+    m = c.match_prefix(np.arange(1, 4), alloc=True)
+    given = list(m.pages)
+    m.pages[0] = -5  # the view is the caller's
+    c.insert(np.arange(1, 4), m, unlock=m.device_node)
+    assert list(c.match_prefix(np.arange(1, 4)).device_pages) == given
+    c.validate()
+
+
+def test_a_device_only_cache_evicts_by_default():
+    c = st.HiCache(1, 8)
+    for i in range(4):
+        toks = np.arange(10 * i + 1, 10 * i + 5)
+        m = c.match_prefix(toks, alloc=True)
+        c.insert(toks, m, unlock=m.device_node)
+    # 16 of 8 pages were needed: the cache evicted unbacked leaves on its own.
+    assert c.evict_device(100) > 0
+    with pytest.raises(st.ConfigError) as e:
+        st.HiCache(1, 8, drop_unbacked=False)
+    assert e.value.field == "drop_unbacked"
+
+
+def test_both_evictable_figures():
+    c = st.HiCache(1, 32)
+    a = np.arange(1, 9)
+    m = c.match_prefix(a, alloc=True)
+    c.insert(a, m, unlock=m.device_node)
+    b = np.concatenate([a[:4], np.arange(100, 104)])  # shares 4 pages with a: a is split
+    m = c.match_prefix(b, alloc=True)
+    r = c.insert(b, m, lock=True, unlock=m.device_node)
+    s = c.stats()
+    # Unlocked: a's own tail (4 pages). Locked: the shared head and b's tail.
+    assert s["device_evictable_total"] == 4
+    assert s["device_evictable_now"] == 4
+    c.unlock(r.last_node)
+    s = c.stats()
+    assert s["device_evictable_total"] == 12, "every unlocked page, as SGLang counts"
+    assert s["device_evictable_now"] == 8, "the leaves only: the shared head waits for them"
+    c.validate()
