@@ -90,29 +90,59 @@ fn typed<T: Element>(buf: &PyUntypedBuffer) -> Option<&[T]> {
     Some(unsafe { ptr.as_ref() })
 }
 
-/// Narrows `src` into the scratch buffer, refusing values outside `0..2^32`. Two passes the
-/// compiler vectorizes: an OR of every value's 64-bit pattern (a negative value or one of 2^32
-/// and above sets a high bit), then the casts.
+/// Narrows `src` into the scratch buffer, refusing values outside `0..2^32`: one pass that
+/// casts and ORs every value's 64-bit pattern (a negative value, or one of 2^32 and above, sets
+/// a high bit), which the compiler vectorizes; the offending value is looked up only on error.
 fn narrow<T, R>(py: Python<'_>, src: &[T], f: impl FnOnce(&[u32]) -> PyResult<R>) -> PyResult<R>
 where
     T: Copy + Into<i128> + Token,
 {
-    let high = src.iter().fold(0u64, |acc, &v| acc | v.bits()) >> 32;
-    if high != 0 {
-        let bad = src
-            .iter()
-            .copied()
-            .find(|v| v.bits() >> 32 != 0)
-            .expect("a high bit was set");
-        return Err(to_py(
-            py,
-            Error::out_of_range("tokens", bad.into(), 0, i128::from(u32::MAX) + 1),
-        ));
-    }
     with_scratch(|dst| {
-        dst.extend(src.iter().map(|&v| v.bits() as u32));
+        dst.resize(src.len(), 0);
+        let high = cast_or_fast(src, dst) >> 32;
+        if high != 0 {
+            let bad = src
+                .iter()
+                .copied()
+                .find(|v| v.bits() >> 32 != 0)
+                .expect("a high bit set");
+            return Err(to_py(
+                py,
+                Error::out_of_range("tokens", bad.into(), 0, i128::from(u32::MAX) + 1),
+            ));
+        }
         f(dst)
     })
+}
+
+/// [`cast_or`] compiled for AVX2 where the CPU has it (the wheel targets baseline x86-64).
+fn cast_or_fast<T: Token>(src: &[T], dst: &mut [u32]) -> u64 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 (checked just above); the function only reads
+            // `src` and writes `dst`, both valid slices.
+            return unsafe { cast_or_avx2(src, dst) };
+        }
+    }
+    cast_or(src, dst)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn cast_or_avx2<T: Token>(src: &[T], dst: &mut [u32]) -> u64 {
+    cast_or(src, dst)
+}
+
+#[inline(always)]
+fn cast_or<T: Token>(src: &[T], dst: &mut [u32]) -> u64 {
+    let mut acc = 0u64;
+    for (d, &s) in dst.iter_mut().zip(src) {
+        let b = s.bits();
+        acc |= b;
+        *d = b as u32;
+    }
+    acc
 }
 
 /// An integer type tokens arrive in.
