@@ -8,6 +8,8 @@ from array import array
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as hst
 
 import sparsetier as st
 
@@ -60,9 +62,17 @@ def test_every_token_container_gives_the_same_answers(kind):
 )
 def test_tokens_out_of_range_name_the_value(toks, value):
     c = st.HiCache(1, 8)
+    # Refused before anything is allocated or inserted.
     with pytest.raises(st.OutOfRangeError) as e:
-        c.match_prefix(toks)
+        c.match_prefix(toks, alloc=True)
     assert e.value.field == "tokens" and str(e.value.value) == value
+    with pytest.raises(st.OutOfRangeError):
+        c.insert(toks, np.arange(1, 1 + len(toks)))
+    assert c.stats()["device_free"] == c.stats()["device_capacity"]
+    c.validate()
+    # A plain lookup reads only as far as it matches: an id no token can have ends the match.
+    if not isinstance(toks, list):
+        assert c.match_prefix(toks).device_len == 0
 
 
 def test_bad_token_containers_are_refused():
@@ -144,3 +154,27 @@ def test_both_evictable_figures():
     assert s["device_evictable_total"] == 12, "every unlocked page, as SGLang counts"
     assert s["device_evictable_now"] == 8, "the leaves only: the shared head waits for them"
     c.validate()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ps=hst.sampled_from([1, 2, 4]),
+    seqs=hst.lists(hst.lists(hst.integers(0, 5), min_size=0, max_size=24), min_size=1, max_size=6),
+    query=hst.lists(hst.integers(0, 5), max_size=24),
+    big=hst.booleans(),
+)
+def test_int64_lookups_match_uint32_lookups(ps, seqs, query, big):
+    """Lookups compared in int64 (no narrowing pass) find exactly what uint32 ones find,
+    splits included, on two caches that saw the same inserts."""
+    off = 2**32 - 8 if big else 0  # ids near the top of the range too
+    a, b = st.HiCache(ps, 512), st.HiCache(ps, 512)
+    for s in seqs:
+        toks = np.array(s, dtype=np.int64) + off
+        for c in (a, b):
+            m = c.match_prefix(toks.astype(np.uint32), alloc=True)
+            c.insert(toks.astype(np.uint32), m, unlock=m.device_node)
+    q = np.array(query, dtype=np.int64) + off
+    ma, mb = a.match_prefix(q.astype(np.uint32)), b.match_prefix(array("q", q.tolist()))
+    assert (ma.device_len, list(ma.device_pages)) == (mb.device_len, list(mb.device_pages))
+    a.validate()
+    b.validate()

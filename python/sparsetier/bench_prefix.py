@@ -18,13 +18,14 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from sparsetier import _core
 from sparsetier._core import HiCache
 from sparsetier.errors import OutOfPagesError
-from sparsetier.workload import Workload, WorkloadSpec, load_stream
+from sparsetier.workload import Workload, WorkloadSpec, as_tokens, load_stream
 
 
 def _stats(ns: list[int] | np.ndarray) -> dict[str, float]:
@@ -52,10 +53,9 @@ def _serve_python(seqs, ps: int, cap_pages: int, inflight: int):
             failed += 1
             lat[i] = clock() - t
             continue
-        # Finish: insert, lock the full path, drop the match's lock: one call.
-        pages = np.concatenate([m["device_pages"], m["new_pages"]])
-        r = c.insert(s, pages, lock=True, unlock=m["device_node"])
-        held.append(r["last_node"])
+        # Finish: insert (the match's pages), lock the full path, drop the match's lock.
+        r = c.insert(s, m, lock=True, unlock=m.device_node)
+        held.append(r.last_node)
         if len(held) > inflight:
             c.unlock(held.popleft())
         lat[i] = clock() - t
@@ -74,15 +74,20 @@ def run(
     capacity_frac: float = 0.25,
     followup_frac: float = 0.0,
     stream: str | None = None,
+    token_type: str = "q",
 ) -> dict:
     ps = page_size
     wl = Workload(WorkloadSpec(num_seqs=num_seqs, followup_frac=followup_frac, align=ps))
     fill = [t for _, t in wl.stream(num_seqs, 1)]
     fresh = [t for _, t in wl.stream(num_queries, 2)]
     serve = load_stream(stream) if stream else [t for _, t in wl.stream(serve_reqs, 3)]
-    # Token ids as uint32, converted before timing (the peers convert theirs before too).
-    fill, fresh, serve = ([t.astype(np.uint32) for t in x] for x in (fill, fresh, serve))
-    out: dict = {"page_size": ps, "num_seqs": num_seqs, "serve_reqs": len(serve), "stream": stream}
+    # Token ids in the container users hold (array('q'), SGLang's, by default); any conversion
+    # happens inside the timed calls, as it does for the peers.
+    fill, fresh, serve = ([as_tokens(token_type, t) for t in x] for x in (fill, fresh, serve))
+    out: dict = {
+        "page_size": ps, "num_seqs": num_seqs, "serve_reqs": len(serve), "stream": stream,
+        "token_type": token_type,
+    }  # fmt: skip
     total = sum(len(s) // ps for s in fill)
     c = HiCache(ps, total + 16, drop_unbacked=True)
     t_match, t_ins, nodes = [], [], []
@@ -187,3 +192,30 @@ def format_report(r: dict, peers: dict[str, dict] | None = None) -> str:
                 f"vs {name} {k}: {o['mean_us']:.2f} us -> {o['mean_us'] / ours:.1f}x faster{extra}"
             )
     return "\n".join(lines)
+
+
+def run_paired(args: Any) -> str:
+    """``bench prefix --paired``: `sparsetier.bench_prefix_paired` in the peers' python, with
+    this package importable there; returns its report."""
+    import os
+    import sys
+
+    import sparsetier
+
+    env = dict(os.environ)
+    here = str(Path(sparsetier.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [
+        args.peers_python, "-W", "ignore", "-m", "sparsetier.bench_prefix_paired",
+        "--peers-dir", str(Path(args.peers_dir).resolve()), "--page-size", str(args.page_size),
+        "--num-seqs", str(args.num_seqs), "--num-queries", str(args.num_queries),
+        "--serve-reqs", str(args.serve_reqs), "--reps", str(args.reps),
+        "--tokens", args.token_type, "--max-len", str(args.max_len),
+    ]  # fmt: skip
+    if args.json:
+        cmd += ["--json", args.json]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    if r.returncode != 0:
+        print(r.stderr[-4000:], file=sys.stderr)
+        raise RuntimeError(f"the paired run failed ({r.returncode})")
+    return r.stdout

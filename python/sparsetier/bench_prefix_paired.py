@@ -26,28 +26,11 @@ import platform
 import statistics
 import sys
 import time
-from array import array
 from typing import Any
-
-import numpy as np
 
 from sparsetier._core import HiCache
 from sparsetier.errors import OutOfPagesError
-from sparsetier.workload import Workload, WorkloadSpec
-
-TOKENS = ("q", "numpy", "uint32", "list")
-
-
-def _as(kind: str, t: np.ndarray) -> Any:
-    if kind == "q":
-        a = array("q")
-        a.frombytes(np.ascontiguousarray(t, dtype=np.int64).tobytes())
-        return a
-    if kind == "numpy":
-        return np.ascontiguousarray(t, dtype=np.int64)
-    if kind == "uint32":
-        return np.ascontiguousarray(t, dtype=np.uint32)
-    return t.tolist()
+from sparsetier.workload import TOKEN_TYPES, Workload, WorkloadSpec, as_tokens
 
 
 def serve_sparsetier(seqs: list, ps: int, cap_tokens: int, inflight: int) -> tuple[float, int]:
@@ -142,9 +125,9 @@ def run(args: argparse.Namespace) -> dict:
     ps = args.page_size
     spec = WorkloadSpec(num_seqs=args.num_seqs, max_len=args.max_len, align=ps)
     wl = Workload(spec)
-    fill = [_as(args.tokens, t) for _, t in wl.stream(args.num_seqs, 1)]
-    fresh = [_as(args.tokens, t) for _, t in wl.stream(args.num_queries, 2)]
-    serve = [_as(args.tokens, t) for _, t in wl.stream(args.serve_reqs, 3)]
+    fill = [as_tokens(args.tokens, t) for _, t in wl.stream(args.num_seqs, 1)]
+    fresh = [as_tokens(args.tokens, t) for _, t in wl.stream(args.num_queries, 2)]
+    serve = [as_tokens(args.tokens, t) for _, t in wl.stream(args.serve_reqs, 3)]
     total = sum(len(s) for s in fill)
     probe = fill_sparsetier(fill, ps, total // ps + 16)
     cached = probe.stats()["device_in_tree"] * ps
@@ -232,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity-frac", type=float, default=0.25)
     p.add_argument("--inflight", type=int, default=32)
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--tokens", choices=TOKENS, default="q")
+    p.add_argument("--tokens", choices=TOKEN_TYPES, default="q")
     p.add_argument("--json")
     args = p.parse_args(argv)
     r = run(args)

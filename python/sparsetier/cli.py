@@ -256,6 +256,13 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stream", help="prefix: replay a stream from the peers' workload.py --dump")
     p.add_argument("--peers-python", help="prefix: python of the peers venv, to run SGLang too")
     p.add_argument("--peers-dir", default="../shared/peers", help="prefix: the peer scripts")
+    p.add_argument("--paired", action="store_true",
+                   help="prefix: SGLang and sparsetier alternately in one process (the peers' "
+                   "python, --peers-python), median and spread of the paired ratios")  # fmt: skip
+    p.add_argument("--token-type", choices=["q", "numpy", "uint32", "list"], default="q",
+                   help="prefix: the token container both sides get (q: array('q'))")  # fmt: skip
+    p.add_argument("--reps", type=int, default=7, help="prefix --paired: repetitions")
+    p.add_argument("--max-len", type=int, default=4096, help="prefix --paired: longest prompt")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="transfer only")
     p.add_argument("--total-mb", type=int, default=128, help="transfer: bytes per copy, MiB")
     p.add_argument("--batches", type=int, nargs="+", default=[64, 2048, 16384])
@@ -323,7 +330,12 @@ def _run_bench(args: argparse.Namespace) -> None:
             "serve_reqs": args.serve_reqs,
             "followup_frac": args.followup_frac,
         }
-        r = bench_prefix.run(**kw, stream=args.stream)
+        if args.paired:
+            if not args.peers_python:
+                raise ConfigError.of("peers_python", "None", "the peers' python for --paired")
+            print(bench_prefix.run_paired(args))
+            return
+        r = bench_prefix.run(**kw, stream=args.stream, token_type=args.token_type)
         peers = {}
         if args.peers_python:
             for impl in ("unified-rust", "radix"):

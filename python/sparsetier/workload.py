@@ -9,8 +9,10 @@ on, and a stream dumped there (`--dump FILE.npz`) can be replayed with `load_str
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -77,3 +79,23 @@ def load_stream(path: str) -> list[np.ndarray]:
     z = np.load(path)
     tokens, offsets = z["tokens"], z["offsets"]
     return [tokens[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
+
+
+#: The token containers the benchmarks can feed: ``q`` is ``array('q')`` (SGLang's own), then
+#: numpy int64 (this generator's), numpy uint32 (sparsetier's tree width) and a Python list.
+TOKEN_TYPES = ("q", "numpy", "uint32", "list")
+
+
+def as_tokens(kind: str, toks: np.ndarray) -> Any:
+    """`toks` in the container `kind` (one of :data:`TOKEN_TYPES`)."""
+    if kind == "q":
+        a = array("q")
+        a.frombytes(np.ascontiguousarray(toks, dtype=np.int64).tobytes())
+        return a
+    if kind == "numpy":
+        return np.ascontiguousarray(toks, dtype=np.int64)
+    if kind == "uint32":
+        return np.ascontiguousarray(toks, dtype=np.uint32)
+    if kind == "list":
+        return toks.tolist()
+    raise ValueError(f"token type {kind!r}: one of {TOKEN_TYPES}")

@@ -11,7 +11,7 @@ use crate::py::alloc::{page_array, page_ids};
 use crate::py::args::{int, opt_int};
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::prefix_result::{PyPrefixInsert, PyPrefixMatch};
-use crate::py::tokens::with_tokens;
+use crate::py::tokens::{check_ids, with_lookup, with_tokens, Lookup};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::storage::L3State;
 use crate::radix::{HiCache, HiCacheConfig, NodeId, PageKey, PoolPair, WritePolicy};
@@ -207,15 +207,27 @@ impl PyHiCache {
         let py = tokens.py();
         let ns = self::namespace(namespace)?;
         let mut c = self.inner.lock();
-        with_tokens(tokens, |t| {
-            let m = c.match_prefix(ns, t);
+        with_lookup(tokens, |t| {
+            let n = t.len();
+            let m = match t {
+                Lookup::U32(t) => c.match_prefix(ns, t),
+                Lookup::I64(t) => {
+                    let m = c.match_prefix(ns, t);
+                    if alloc {
+                        // Pages are allocated for the rest: refuse a bad id there first (the
+                        // matched part holds tree ids).
+                        check_ids(py, &t[m.device_len..])?;
+                    }
+                    m
+                }
+            };
             let mut new = None;
             if lock || alloc {
                 c.lock(m.device_node).py_err(py)?;
             }
             if alloc {
                 let ps = c.tree().page_size();
-                match c.alloc_device(t.len() / ps - m.device_len / ps) {
+                match c.alloc_device(n / ps - m.device_len / ps) {
                     Ok(p) => new = Some(p),
                     Err(e) => {
                         c.unlock(m.device_node).py_err(py)?;

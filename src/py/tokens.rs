@@ -21,6 +21,69 @@ thread_local! {
     static SCRATCH: RefCell<Vec<u32>> = const { RefCell::new(Vec::new()) };
 }
 
+/// Tokens for a lookup: the tree's width, or int64 compared as is.
+pub enum Lookup<'a> {
+    /// `u32` token ids.
+    U32(&'a [u32]),
+    /// `int64` values (`array('q')`, numpy int64, torch int64): read only as far as a match
+    /// goes, no narrowing pass.
+    I64(&'a [i64]),
+}
+
+impl Lookup<'_> {
+    /// Number of tokens.
+    pub fn len(&self) -> usize {
+        match self {
+            Lookup::U32(s) => s.len(),
+            Lookup::I64(s) => s.len(),
+        }
+    }
+}
+
+/// Runs `f` over the tokens of `obj` for a lookup (`match_prefix`): int64 buffers are passed
+/// as they are, the rest as by [`with_tokens`].
+pub fn with_lookup<R>(
+    obj: &Bound<'_, PyAny>,
+    f: impl FnOnce(Lookup<'_>) -> PyResult<R>,
+) -> PyResult<R> {
+    let torch_numpy;
+    let src = if is_torch_tensor(obj) {
+        match obj.call_method0("numpy") {
+            Ok(a) => {
+                torch_numpy = a;
+                &torch_numpy
+            }
+            Err(_) => return with_tokens(obj, |t| f(Lookup::U32(t))),
+        }
+    } else {
+        obj
+    };
+    if let Ok(buf) = PyUntypedBuffer::get(src) {
+        if buf.dimensions() <= 1 && buf.is_c_contiguous() && !src.is_instance_of::<PyBytes>() {
+            if let Some(s) = typed::<i64>(&buf) {
+                return f(Lookup::I64(s));
+            }
+        }
+    }
+    with_tokens(obj, |t| f(Lookup::U32(t)))
+}
+
+/// Refuses any value of `src` that is no token id (`0..2^32`), naming it.
+pub fn check_ids(py: Python<'_>, src: &[i64]) -> PyResult<()> {
+    if src.iter().fold(0u64, |acc, &v| acc | v.bits()) >> 32 == 0 {
+        return Ok(());
+    }
+    let bad = src
+        .iter()
+        .copied()
+        .find(|v| v.bits() >> 32 != 0)
+        .expect("a high bit set");
+    Err(to_py(
+        py,
+        Error::out_of_range("tokens", bad, 0, i128::from(u32::MAX) + 1),
+    ))
+}
+
 /// Runs `f` over the tokens of `obj` as `u32`.
 pub fn with_tokens<R>(
     obj: &Bound<'_, PyAny>,

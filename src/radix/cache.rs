@@ -446,7 +446,7 @@ impl HiCache {
     }
 
     /// The longest cached prefix of `tokens`.
-    pub fn match_prefix(&mut self, ns: u32, tokens: &[u32]) -> MatchResult {
+    pub fn match_prefix<T: super::tree::TokenId>(&mut self, ns: u32, tokens: &[T]) -> MatchResult {
         let m = self.tree.match_prefix(ns, tokens);
         self.totals.matches += 1;
         self.totals.match_tokens += tokens.len() as u64;

@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::ids::PageId;
 use rustc_hash::FxHashMap;
 use slab::Slab;
+use smallvec::SmallVec;
 use std::collections::BTreeSet;
 
 const NIL: usize = usize::MAX;
@@ -380,14 +381,20 @@ impl RadixTree {
 
     /// Walks the path of `tokens` (whole pages only), splitting the last node when the match
     /// ends inside it. Returns the path's nodes and the tokens they cover.
-    fn walk(&mut self, ns: u32, tokens: &[u32]) -> (Vec<usize>, usize) {
+    fn walk<T: TokenId>(&mut self, ns: u32, tokens: &[T]) -> (Vec<usize>, usize) {
         let ps = self.page_size;
         let len = tokens.len() / ps * ps;
         let mut node = self.root(ns);
         let mut path = Vec::new();
         let mut pos = 0;
+        let mut page: SmallVec<[u32; 16]> = SmallVec::new();
         while pos < len {
-            let Some(&child) = self.nodes[node].children.get(&tokens[pos..pos + ps]) else {
+            // The page as the tree stores it; a value no token id can have matches nothing.
+            page.clear();
+            if !T::ids(&tokens[pos..pos + ps], &mut page) {
+                break;
+            }
+            let Some(&child) = self.nodes[node].children.get(&page[..]) else {
                 break;
             };
             // Touched before any split, as SGLang does: the tail of a split keeps this access.
@@ -398,7 +405,7 @@ impl RadixTree {
             // First differing token, rounded down to whole pages (the first page matched: it
             // is the child's key).
             let limit = max_pages * ps;
-            let common = common_prefix(&key[..limit], &tokens[pos..pos + limit]);
+            let common = T::common_prefix(&key[..limit], &tokens[pos..pos + limit]);
             let same = (common / ps).max(1);
             let matched = same * ps;
             let target = if matched < node_len {
@@ -418,7 +425,10 @@ impl RadixTree {
 
     /// The longest cached prefix of `tokens` in namespace `ns`: its device part, then the part
     /// restorable from host. Touches the path (LRU) and counts a hit on its last node.
-    pub fn match_prefix(&mut self, ns: u32, tokens: &[u32]) -> MatchResult {
+    ///
+    /// Tokens may come in any [`TokenId`] width: they are compared as they are, and only up to
+    /// the first mismatch (the rest of a long prompt is never read).
+    pub fn match_prefix<T: TokenId>(&mut self, ns: u32, tokens: &[T]) -> MatchResult {
         let (path, _) = self.walk(ns, tokens);
         let root = self.root(ns);
         let mut device_len = 0;
@@ -989,6 +999,60 @@ impl RadixTree {
         Ok(())
     }
 }
+
+/// A token id as a caller holds it: the tree's own `u32`, or a wider or signed integer whose
+/// value is compared without narrowing the whole sequence first.
+pub trait TokenId: Copy {
+    /// Appends `src` as tree token ids to `out`; false when a value is no token id.
+    fn ids(src: &[Self], out: &mut SmallVec<[u32; 16]>) -> bool;
+    /// Length of the common prefix of `key` and `toks` (equally long).
+    fn common_prefix(key: &[u32], toks: &[Self]) -> usize;
+}
+
+impl TokenId for u32 {
+    fn ids(src: &[u32], out: &mut SmallVec<[u32; 16]>) -> bool {
+        out.extend_from_slice(src);
+        true
+    }
+    fn common_prefix(key: &[u32], toks: &[u32]) -> usize {
+        common_prefix(key, toks)
+    }
+}
+
+macro_rules! token_id {
+    ($($t:ty),*) => {$(
+        impl TokenId for $t {
+            fn ids(src: &[$t], out: &mut SmallVec<[u32; 16]>) -> bool {
+                for &v in src {
+                    match u32::try_from(v) {
+                        Ok(id) => out.push(id),
+                        Err(_) => return false,
+                    }
+                }
+                true
+            }
+            fn common_prefix(key: &[u32], toks: &[$t]) -> usize {
+                // Blocks of 64 compared branch-free, then the first differing block by token.
+                const BLOCK: usize = 64;
+                let mut at = 0;
+                while at + BLOCK <= key.len()
+                    && key[at..at + BLOCK]
+                        .iter()
+                        .zip(&toks[at..at + BLOCK])
+                        .fold(true, |same, (&k, &t)| same & (<$t>::from(k) == t))
+                {
+                    at += BLOCK;
+                }
+                at + key[at..]
+                    .iter()
+                    .zip(&toks[at..])
+                    .position(|(&k, &t)| <$t>::from(k) != t)
+                    .unwrap_or(key.len() - at)
+            }
+        }
+    )*};
+}
+token_id!(i64, u64);
 
 /// Length of the common prefix of two equally long slices: compared in blocks with `==`
 /// (which the compiler turns into a vectorized memcmp), then token by token in the first
