@@ -263,7 +263,10 @@ impl PyHiCache {
         let ns = self::namespace(namespace)?;
         let unlock = unlock.map(node).transpose()?;
         let mut c = self.inner.lock();
-        let r = with_tokens(tokens, |t| c.insert(ns, t, &pages).py_err(py))?;
+        let r = with_lookup(tokens, |t| match t {
+            Lookup::U32(t) => c.insert(ns, t, &pages).py_err(py),
+            Lookup::I64(t) => c.insert(ns, t, &pages).py_err(py),
+        })?;
         if lock {
             c.lock(r.last_node).py_err(py)?;
         }

@@ -457,7 +457,12 @@ impl HiCache {
 
     /// Inserts a request's tokens with its device pages (from `alloc_device`); frees the
     /// duplicates and queues the write-through backup.
-    pub fn insert(&mut self, ns: u32, tokens: &[u32], pages: &[PageId]) -> Result<InsertResult> {
+    pub fn insert<T: super::tree::TokenId>(
+        &mut self,
+        ns: u32,
+        tokens: &[T],
+        pages: &[PageId],
+    ) -> Result<InsertResult> {
         if let Some(p) = pages.iter().find(|p| !self.device.is_allocated(**p)) {
             return Err(Error::config(
                 "device_pages",

@@ -474,7 +474,14 @@ impl RadixTree {
     /// page per token page. Positions already on the device hand their given page back as a
     /// duplicate; host-only nodes on the path take the given pages (they were written afresh);
     /// the rest becomes a new leaf.
-    pub fn insert(&mut self, ns: u32, tokens: &[u32], pages: &[PageId]) -> Result<InsertResult> {
+    /// Tokens may come in any [`TokenId`] width; the new part is stored as `u32` (a value that
+    /// is no token id is refused before anything changes).
+    pub fn insert<T: TokenId>(
+        &mut self,
+        ns: u32,
+        tokens: &[T],
+        pages: &[PageId],
+    ) -> Result<InsertResult> {
         let ps = self.page_size;
         let n_pages = tokens.len() / ps;
         if pages.len() != n_pages {
@@ -488,6 +495,10 @@ impl RadixTree {
             ));
         }
         let (path, pos) = self.walk(ns, &tokens[..n_pages * ps]);
+        // The new part as the tree stores it, before anything changes (the walk's splits
+        // leave an equivalent tree).
+        let mut suffix = Vec::with_capacity(n_pages * ps - pos);
+        T::extend_ids(&tokens[pos..n_pages * ps], &mut suffix)?;
         let mut duplicates = Vec::new();
         let mut own = 0;
         let mut needs_backup = Vec::new();
@@ -517,8 +528,8 @@ impl RadixTree {
             None => self.root(ns),
         };
         if pos < n_pages * ps {
-            let leaf = self.new_node(last, tokens[pos..n_pages * ps].to_vec());
-            let first: Box<[u32]> = tokens[pos..pos + ps].into();
+            let first: Box<[u32]> = suffix[..ps].into();
+            let leaf = self.new_node(last, suffix);
             self.nodes[last].children.insert(first, leaf);
             self.refresh(last);
             self.set_device(leaf, pages[at..].to_vec());
@@ -1007,6 +1018,8 @@ pub trait TokenId: Copy {
     fn ids(src: &[Self], out: &mut SmallVec<[u32; 16]>) -> bool;
     /// Length of the common prefix of `key` and `toks` (equally long).
     fn common_prefix(key: &[u32], toks: &[Self]) -> usize;
+    /// Appends `src` as tree token ids to `out`, refusing (naming) a value that is none.
+    fn extend_ids(src: &[Self], out: &mut Vec<u32>) -> Result<()>;
 }
 
 impl TokenId for u32 {
@@ -1017,10 +1030,14 @@ impl TokenId for u32 {
     fn common_prefix(key: &[u32], toks: &[u32]) -> usize {
         common_prefix(key, toks)
     }
+    fn extend_ids(src: &[u32], out: &mut Vec<u32>) -> Result<()> {
+        out.extend_from_slice(src);
+        Ok(())
+    }
 }
 
 macro_rules! token_id {
-    ($($t:ty),*) => {$(
+    ($($t:ty => $w:ty),*) => {$(
         impl TokenId for $t {
             fn ids(src: &[$t], out: &mut SmallVec<[u32; 16]>) -> bool {
                 for &v in src {
@@ -1034,25 +1051,46 @@ macro_rules! token_id {
             fn common_prefix(key: &[u32], toks: &[$t]) -> usize {
                 // Blocks of 64 compared branch-free, then the first differing block by token.
                 const BLOCK: usize = 64;
+                let same = |k: u32, t: $t| <$w>::from(k) == <$w>::from(t);
                 let mut at = 0;
                 while at + BLOCK <= key.len()
                     && key[at..at + BLOCK]
                         .iter()
                         .zip(&toks[at..at + BLOCK])
-                        .fold(true, |same, (&k, &t)| same & (<$t>::from(k) == t))
+                        .fold(true, |all, (&k, &t)| all & same(k, t))
                 {
                     at += BLOCK;
                 }
                 at + key[at..]
                     .iter()
                     .zip(&toks[at..])
-                    .position(|(&k, &t)| <$t>::from(k) != t)
+                    .position(|(&k, &t)| !same(k, t))
                     .unwrap_or(key.len() - at)
+            }
+            fn extend_ids(src: &[$t], out: &mut Vec<u32>) -> Result<()> {
+                // Cast and OR in one pass (vectorized); a high bit marks a bad value.
+                let start = out.len();
+                let mut high = 0u64;
+                out.extend(src.iter().map(|&v| {
+                    high |= (<$w>::from(v) as u64) >> 32;
+                    v as u32
+                }));
+                if high != 0 {
+                    out.truncate(start);
+                    let bad = src.iter().copied().find(|&v| u32::try_from(v).is_err());
+                    return Err(Error::out_of_range(
+                        "tokens",
+                        bad.map_or(0, i128::from),
+                        0,
+                        i128::from(u32::MAX) + 1,
+                    ));
+                }
+                Ok(())
             }
         }
     )*};
 }
-token_id!(i64, u64);
+token_id!(i64 => i64, u64 => u64, i32 => i64);
 
 /// Length of the common prefix of two equally long slices: compared in blocks with `==`
 /// (which the compiler turns into a vectorized memcmp), then token by token in the first

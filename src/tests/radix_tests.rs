@@ -14,7 +14,7 @@ fn insert_match_split_and_align() {
     let r = t.insert(0, &a, &pages(0..4)).unwrap();
     assert_eq!((r.prefix_len, r.duplicates.len()), (0, 0));
     // A query sharing 5 tokens matches 4: whole pages only, and splits the node.
-    let q = [1, 2, 3, 4, 5, 99, 7];
+    let q: [u32; 7] = [1, 2, 3, 4, 5, 99, 7];
     let m = t.match_prefix(0, &q);
     assert_eq!(m.device_len, 4);
     assert_eq!(m.device_pages, pages(0..2));
