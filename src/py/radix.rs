@@ -11,7 +11,7 @@ use crate::py::alloc::{page_array, page_ids};
 use crate::py::args::{int, opt_int};
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::prefix_result::{PyPrefixInsert, PyPrefixMatch};
-use crate::py::tokens::{check_ids, with_lookup, with_tokens, Lookup};
+use crate::py::tokens::{with_lookup, with_tokens, Lookup};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::storage::L3State;
 use crate::radix::{HiCache, HiCacheConfig, NodeId, PageKey, PoolPair, WritePolicy};
@@ -211,15 +211,9 @@ impl PyHiCache {
             let n = t.len();
             let m = match t {
                 Lookup::U32(t) => c.match_prefix(ns, t),
-                Lookup::I64(t) => {
-                    let m = c.match_prefix(ns, t);
-                    if alloc {
-                        // Pages are allocated for the rest: refuse a bad id there first (the
-                        // matched part holds tree ids).
-                        check_ids(py, &t[m.device_len..])?;
-                    }
-                    m
-                }
+                // Read only as far as the match goes: a bad id after it is refused by
+                // `insert`, which then inserts nothing (the caller frees the new pages).
+                Lookup::I64(t) => c.match_prefix(ns, t),
             };
             let mut new = None;
             if lock || alloc {

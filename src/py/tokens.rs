@@ -40,48 +40,23 @@ impl Lookup<'_> {
     }
 }
 
-/// Runs `f` over the tokens of `obj` for a lookup (`match_prefix`): int64 buffers are passed
-/// as they are, the rest as by [`with_tokens`].
+/// Runs `f` over the tokens of `obj` for a lookup or an insert: int64 and uint32 buffers are
+/// passed as they are, the rest as by [`with_tokens`].
 pub fn with_lookup<R>(
     obj: &Bound<'_, PyAny>,
     f: impl FnOnce(Lookup<'_>) -> PyResult<R>,
 ) -> PyResult<R> {
-    let torch_numpy;
-    let src = if is_torch_tensor(obj) {
-        match obj.call_method0("numpy") {
-            Ok(a) => {
-                torch_numpy = a;
-                &torch_numpy
-            }
-            Err(_) => return with_tokens(obj, |t| f(Lookup::U32(t))),
-        }
-    } else {
-        obj
-    };
-    if let Ok(buf) = PyUntypedBuffer::get(src) {
-        if buf.dimensions() <= 1 && buf.is_c_contiguous() && !src.is_instance_of::<PyBytes>() {
+    if let Some(buf) = buffer(obj)? {
+        if buf.dimensions() <= 1 && buf.is_c_contiguous() && !is_raw_bytes(obj) {
             if let Some(s) = typed::<i64>(&buf) {
                 return f(Lookup::I64(s));
+            }
+            if let Some(s) = typed::<u32>(&buf) {
+                return f(Lookup::U32(s));
             }
         }
     }
     with_tokens(obj, |t| f(Lookup::U32(t)))
-}
-
-/// Refuses any value of `src` that is no token id (`0..2^32`), naming it.
-pub fn check_ids(py: Python<'_>, src: &[i64]) -> PyResult<()> {
-    if src.iter().fold(0u64, |acc, &v| acc | v.bits()) >> 32 == 0 {
-        return Ok(());
-    }
-    let bad = src
-        .iter()
-        .copied()
-        .find(|v| v.bits() >> 32 != 0)
-        .expect("a high bit set");
-    Err(to_py(
-        py,
-        Error::out_of_range("tokens", bad, 0, i128::from(u32::MAX) + 1),
-    ))
 }
 
 /// Runs `f` over the tokens of `obj` as `u32`.
@@ -90,28 +65,9 @@ pub fn with_tokens<R>(
     f: impl FnOnce(&[u32]) -> PyResult<R>,
 ) -> PyResult<R> {
     let py = obj.py();
-    let torch_numpy;
-    let src = if is_torch_tensor(obj) {
-        torch_numpy = obj.call_method0("numpy").map_err(|_| {
-            to_py(
-                py,
-                Error::config(
-                    "tokens",
-                    crate::py::args::short(obj),
-                    "a CPU tensor of token ids",
-                ),
-            )
-        })?;
-        &torch_numpy
-    } else {
-        obj
-    };
-    let raw_bytes = src.is_instance_of::<PyBytes>()
-        || src.is_instance_of::<PyByteArray>()
-        || src.is_instance_of::<PyMemoryView>();
-    if let Ok(buf) = PyUntypedBuffer::get(src) {
+    if let Some(buf) = buffer(obj)? {
         if buf.dimensions() <= 1 && buf.is_c_contiguous() {
-            if raw_bytes && buf.item_size() == 1 {
+            if is_raw_bytes(obj) && buf.item_size() == 1 {
                 return narrow_le_bytes(py, &buf, f);
             }
             if let Some(s) = typed::<u32>(&buf) {
@@ -135,6 +91,35 @@ pub fn with_tokens<R>(
         }
     }
     slow(obj, f)
+}
+
+/// The buffer `obj` exports, or for a torch CPU tensor (which exports none) the buffer of its
+/// `.numpy()` view, which shares the tensor's memory (the buffer keeps the view alive).
+fn buffer(obj: &Bound<'_, PyAny>) -> PyResult<Option<PyUntypedBuffer>> {
+    if let Ok(b) = PyUntypedBuffer::get(obj) {
+        return Ok(Some(b));
+    }
+    if !is_torch_tensor(obj) {
+        return Ok(None);
+    }
+    let view = obj.call_method0("numpy").map_err(|_| {
+        to_py(
+            obj.py(),
+            Error::config(
+                "tokens",
+                crate::py::args::short(obj),
+                "a CPU tensor of token ids",
+            ),
+        )
+    })?;
+    Ok(PyUntypedBuffer::get(&view).ok())
+}
+
+/// `bytes`, `bytearray` and `memoryview`s: read as little-endian uint32 token ids.
+fn is_raw_bytes(obj: &Bound<'_, PyAny>) -> bool {
+    obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyByteArray>()
+        || obj.is_instance_of::<PyMemoryView>()
 }
 
 fn is_torch_tensor(obj: &Bound<'_, PyAny>) -> bool {
