@@ -3,8 +3,8 @@ alternating (A, B, A, B...), on the same token objects.
 
 Runs in a Python where both import: the peers' venv (``../shared/peers/setup_venv.sh``) with
 this package on ``PYTHONPATH`` (the CLI arranges it). Both sides get the same sequences as the
-same objects, ``array('q')`` by default (SGLang's own container; ``--tokens`` picks numpy
-int64, numpy uint32 or lists), and pay any conversion inside their timers. Per repetition:
+same objects, ``array('q')`` (SGLang's own container, and the only one its Rust tree core
+accepts), and pay any conversion inside their timers. Per repetition:
 
 - **serve**: the peers' phase 5 (pool = 25 % of the tokens the fill cached, 32 requests kept
   locked; match, lock, evict on demand, alloc, insert, re-lock) over a fresh cache each side;
@@ -30,7 +30,7 @@ from typing import Any
 
 from sparsetier._core import HiCache
 from sparsetier.errors import OutOfPagesError
-from sparsetier.workload import TOKEN_TYPES, Workload, WorkloadSpec, as_tokens
+from sparsetier.workload import Workload, WorkloadSpec, as_tokens
 
 
 def serve_sparsetier(seqs: list, ps: int, cap_tokens: int, inflight: int) -> tuple[float, int]:
@@ -215,7 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity-frac", type=float, default=0.25)
     p.add_argument("--inflight", type=int, default=32)
     p.add_argument("--reps", type=int, default=7)
-    p.add_argument("--tokens", choices=TOKEN_TYPES, default="q")
+    # SGLang's Rust tree core accepts array('q') only (its assert_int64_array): the paired
+    # comparison feeds both sides that; other containers are timed for sparsetier alone by
+    # `sparsetier bench prefix --token-type`.
+    p.add_argument("--tokens", choices=["q"], default="q")
     p.add_argument("--json")
     args = p.parse_args(argv)
     r = run(args)

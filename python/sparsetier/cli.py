@@ -333,6 +333,12 @@ def _run_bench(args: argparse.Namespace) -> None:
         if args.paired:
             if not args.peers_python:
                 raise ConfigError.of("peers_python", "None", "the peers' python for --paired")
+            if args.token_type != "q":
+                raise ConfigError.of(
+                    "token_type",
+                    args.token_type,
+                    "q with --paired (SGLang accepts array('q') only)",
+                )
             print(bench_prefix.run_paired(args))
             return
         r = bench_prefix.run(**kw, stream=args.stream, token_type=args.token_type)
