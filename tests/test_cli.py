@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import sparsetier as st
@@ -314,3 +315,63 @@ def test_plan_estimates_a_prefix_hit_for_deepseek_v32(capsys):
     assert e["ratio_ideal"] == pytest.approx(4.55, abs=0.01)
     assert main(["plan", "--layers", "2", "--kv-heads", "1", "--head-dim", "8",
                  "--device-pages", "4", "--context", "0"]) == 2  # fmt: skip
+
+
+def test_plan_model_deepseek_v32_gives_its_row_and_page_bytes(capsys):
+    args = ["plan", "--model", "deepseek-v3.2", "--device-gb", "40", "--hicache-size", "200"]
+    assert main([*args, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    kv, ik = d["model"]["KV"], d["model"]["INDEXER"]
+    assert (kv["token_bytes"], ik["token_bytes"]) == (656, 132)
+    assert (kv["page_bytes"], ik["page_bytes"]) == (41_984, 8_448)
+    assert ik["page_layout"] == "values_then_scales"
+    assert [p["bytes"] for p in kv["parts"]] == [512, 16, 128]
+    pools = {(p["component"], p["tier"]): p for p in d["pools"]}
+    # Device: 40 GB over 61 layers of both rows per 64-token page.
+    per_page = 61 * (41_984 + 8_448)
+    assert pools["KV", "device"]["pages"] == 40_000_000_000 // per_page
+    assert pools["KV", "device"]["page_bytes"] == 61 * 41_984
+    # Host: 200 GB split between the pools in proportion to their bytes (seed 000), the same
+    # page count in both.
+    host = pools["KV", "host"]["pages"]
+    assert pools["INDEXER", "host"]["pages"] == host
+    assert host == int(200e9 * 656 / (656 + 132)) // (61 * 41_984)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "656 B per token per layer" in out and "8,448 B per page per layer" in out
+    assert main([*args, "--layers", "4"]) == 2, "a shape and a model together are refused"
+
+
+def test_a_preset_stack_round_trips_its_packed_pages_exactly():
+    import torch
+
+    import sparsetier as st
+    from sparsetier.presets import DEEPSEEK_V32
+
+    s = st.build_sparse_stack(DEEPSEEK_V32.specs(pages=4), hicache_ratio=1.0, device_reserve=1)
+    c = s.hicache
+    toks = np.arange(1, 3 * 64 + 1)
+    m = c.match_prefix(toks, alloc=True)
+    g = torch.Generator().manual_seed(0)
+    want = {}
+    for comp, t in s.device_pools.items():
+        idx = torch.as_tensor(np.asarray(m.pages), dtype=torch.long)
+        data = torch.randint(0, 256, t[:, :, idx].shape, generator=g, dtype=torch.uint8)
+        t[:, :, idx] = data.view(t.dtype)
+        want[comp] = data
+    c.insert(toks, m, unlock=m.device_node)
+    c.flush()
+    c.drain()
+    c.evict_device(10)
+    for t in s.device_pools.values():
+        t.view(torch.uint8).fill_(0xEE)
+    lb = c.load_back(c.match_prefix(toks).last_node)
+    assert lb is not None
+    c.flush()
+    c.drain()
+    m = c.match_prefix(toks)
+    assert m.device_len == 3 * 64
+    for comp, t in s.device_pools.items():
+        got = t[:, :, torch.as_tensor(np.asarray(m.device_pages), dtype=torch.long)]
+        assert torch.equal(got.view(torch.uint8), want[comp]), comp
+    c.validate()

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from sparsetier._core import Plan, PoolSpec, plan_stack
 from sparsetier.errors import ConfigError, SparsetierError
+from sparsetier.presets import PRESETS, ModelPreset
 
 
 def _human(n: int) -> str:
@@ -23,6 +24,8 @@ def _human(n: int) -> str:
 
 
 def _specs(args: argparse.Namespace, pages: int) -> list[PoolSpec]:
+    if args.model is not None:
+        return PRESETS[args.model].specs(pages)
     ps = args.page_size
     specs = [PoolSpec("KV", args.layers, args.kv_heads, args.head_dim, args.dtype, ps, pages)]
     if args.indexer_layers:
@@ -78,6 +81,35 @@ def build_plan(args: argparse.Namespace) -> Plan:
         swa_window=args.swa_window,
         storage_backend=args.storage_backend,
     )
+
+
+def _plan_shape(args: argparse.Namespace) -> None:
+    """Fills in the shape from --model, or checks that it was given."""
+    if args.model is not None:
+        preset = PRESETS[args.model]
+        given = [f for f in ("layers", "kv_heads", "head_dim") if getattr(args, f) is not None]
+        if given:
+            raise ConfigError.of(given[0], str(getattr(args, given[0])), "unset with --model")
+        args.page_size = preset.page_size
+        args.layers = preset.layers
+        return
+    for f in ("layers", "kv_heads", "head_dim"):
+        if getattr(args, f) is None:
+            raise ConfigError.of(f, "None", "an integer >= 1 (or --model)")
+    if args.indexer_layers is None:
+        args.indexer_layers = args.layers
+
+
+def format_model(m: ModelPreset) -> str:
+    """A preset's rows: parts, bytes per token per layer and per page per layer."""
+    lines = [f"model {m.name}: {m.layers} layers, {m.page_size}-token pages ({m.source})"]
+    for comp, row in (("KV", m.kv), ("INDEXER", m.indexer)):
+        parts = " + ".join(f"{p.count} {p.dtype} {p.name}" for p in row.parts)
+        lines.append(
+            f"  {comp}: {row.bytes} B per token per layer ({parts}), "
+            f"{row.page_bytes(m.page_size):,} B per page per layer, {row.page_layout}"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def format_plan(plan: Plan) -> str:
@@ -181,9 +213,12 @@ def format_estimate(e: dict) -> str:
 
 def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plan", help="show the pool layout across GPU and host memory")
-    p.add_argument("--layers", type=int, required=True, help="main attention layers")
-    p.add_argument("--kv-heads", type=int, required=True, help="KV heads (GQA: not query heads)")
-    p.add_argument("--head-dim", type=int, required=True)
+    p.add_argument(
+        "--model", choices=sorted(PRESETS), help="a model's cache formats (instead of the shape)"
+    )
+    p.add_argument("--layers", type=int, help="main attention layers")
+    p.add_argument("--kv-heads", type=int, help="KV heads (GQA: not query heads)")
+    p.add_argument("--head-dim", type=int)
     p.add_argument("--dtype", default="bf16", help="bf16, fp16, fp32 or fp8_e4m3")
     p.add_argument("--indexer-layers", type=int, default=None, help="default: --layers; 0: none")
     p.add_argument("--indexer-heads", type=int, default=1)
@@ -566,8 +601,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "soak":
             return _run_soak(args)
         if args.command == "plan":
-            if args.indexer_layers is None:
-                args.indexer_layers = args.layers
+            _plan_shape(args)
             plan = build_plan(args)
             est = None
             if args.context is not None:
@@ -577,10 +611,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 est = prefix_hit_estimate(plan, args.context, args.topk)
             if args.json:
                 d = plan.to_dict()
+                if args.model is not None:
+                    d["model"] = PRESETS[args.model].to_dict()
                 if est is not None:
                     d["prefix_hit_estimate"] = est
                 print(json.dumps(d, indent=2))
             else:
+                if args.model is not None:
+                    print(format_model(PRESETS[args.model]))
                 print(format_plan(plan))
                 if est is not None:
                     print(format_estimate(est))

@@ -1,0 +1,116 @@
+"""Model presets: the cache formats of models whose shapes can be cited.
+
+A preset names each pool's per-token row as parts (values, scales, RoPE) with their dtypes, and
+its page layout: ``interleaved`` (each token's row whole, one after another) or
+``values_then_scales`` (all the page's values, then all its scales, as SGLang's DSA Indexer-K
+page is laid out). The pools themselves are byte pools of that row size (``fp8_e4m3``, one
+byte per element, one plane per layer): plan, budget, bindings and whole-page transfers see a
+page as one byte range per layer, whatever its inner layout.
+
+Not yet: token-granular transfers of a ``values_then_scales`` page (a token's value and scale
+sit in two places of the page), and the indexer quantizing its keys to this format; see the
+README's DeepSeek-V3.2 section.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sparsetier._core import PoolSpec
+
+_ITEMSIZE = {"fp8_e4m3": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+
+
+@dataclass(frozen=True)
+class RowPart:
+    """A named run of `count` elements of `dtype` in a token's row."""
+
+    name: str
+    dtype: str
+    count: int
+
+    @property
+    def bytes(self) -> int:
+        return _ITEMSIZE[self.dtype] * self.count
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """A pool's per-token row (per layer) and how a page lays its rows out."""
+
+    parts: tuple[RowPart, ...]
+    page_layout: str = "interleaved"  # or "values_then_scales"
+
+    @property
+    def bytes(self) -> int:
+        return sum(p.bytes for p in self.parts)
+
+    def page_bytes(self, page_size: int) -> int:
+        return self.bytes * page_size
+
+    def to_dict(self, page_size: int) -> dict:
+        return {
+            "parts": [
+                {"name": p.name, "dtype": p.dtype, "count": p.count, "bytes": p.bytes}
+                for p in self.parts
+            ],
+            "page_layout": self.page_layout,
+            "token_bytes": self.bytes,
+            "page_bytes": self.page_bytes(page_size),
+        }
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    name: str
+    layers: int
+    page_size: int
+    kv: RowFormat
+    indexer: RowFormat
+    source: str
+
+    def specs(self, pages: int) -> list[PoolSpec]:
+        """The pool specs: byte pools of the rows' sizes, one plane per layer (MLA has no
+        separate V; the Indexer-K is K only)."""
+        return [
+            PoolSpec("KV", self.layers, 1, self.kv.bytes, "fp8_e4m3", self.page_size, pages,
+                     planes_per_layer=1),
+            PoolSpec("INDEXER", self.layers, 1, self.indexer.bytes, "fp8_e4m3", self.page_size,
+                     pages, planes_per_layer=1),
+        ]  # fmt: skip
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "layers": self.layers,
+            "page_size": self.page_size,
+            "KV": self.kv.to_dict(self.page_size),
+            "INDEXER": self.indexer.to_dict(self.page_size),
+            "source": self.source,
+        }
+
+
+#: DeepSeek-V3.2 (DSA), as SGLang's DSA pools store it on CUDA: 61 layers, 64-token pages;
+#: main KV (MLA, FP8) 656 B per token per layer = 512 FP8 latent values, 4 fp32 scales (one
+#: per 128 values), 64 bf16 RoPE dims; Indexer-K 128 FP8 values and one fp32 scale per token
+#: (quant block 128), each 64-token page stored as 64 x 128 values then 64 scales (8,448 B).
+DEEPSEEK_V32 = ModelPreset(
+    name="deepseek-v3.2",
+    layers=61,
+    page_size=64,
+    kv=RowFormat(
+        (
+            RowPart("latent", "fp8_e4m3", 512),
+            RowPart("scales", "fp32", 4),
+            RowPart("rope", "bf16", 64),
+        )
+    ),
+    indexer=RowFormat(
+        (RowPart("values", "fp8_e4m3", 128), RowPart("scale", "fp32", 1)),
+        page_layout="values_then_scales",
+    ),
+    source="SGLang's DSA token-to-KV pools (kv_cache_dim 656; index_head_dim 128, "
+    "quant block 128, 64-token pages), DeepSeek-V3.2-Exp config (61 layers)",
+)
+
+PRESETS = {p.name: p for p in (DEEPSEEK_V32,)}
