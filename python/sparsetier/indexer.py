@@ -97,6 +97,25 @@ class SparseIndexer(nn.Module):
         rows = pool[0, layer].reshape(-1, self.head_dim)
         rows[out_cache_loc] = k.to(pool.dtype)
 
+    def store_key_fp8(
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        pages: torch.Tensor,
+    ) -> None:
+        """Writes Indexer-K of `hidden` as DeepSeek-V3.2 stores it: FP8 e4m3 values and one
+        fp32 scale per 128-value block, into one layer's byte pages `pages` [P, page_bytes]
+        laid out values-then-scales (`sparsetier.fp8`), at token `slots` (page * page_size +
+        token). Score from them with `scores(..., fp8.load(pages, head_dim)[...])`."""
+        from sparsetier import fp8
+
+        k = self.key(hidden, positions)
+        if torch.isnan(k).any():
+            raise ConfigError.of("hidden", "NaN", "finite values")
+        values, scales = fp8.quantize(k)
+        fp8.store(pages, slots, values, scales)
+
     def scores(
         self, hidden: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
     ) -> torch.Tensor:
