@@ -4,10 +4,24 @@
 //
 // Compiled at first use with NVRTC (no nvcc at build time). Each block takes ops in a strided
 // loop; the host side splits large ranges into chunks so the work spreads over the blocks.
-// Where source and destination are both 16-byte aligned the block copies with 16-byte vector
-// loads and stores, then finishes the tail byte by byte; otherwise it copies byte by byte.
+// Each op is copied with the widest word both ends are aligned to (16, 8 or 4 bytes), then
+// its tail with 4-byte words where aligned, and only the last < 4 bytes (or a range aligned
+// to nothing) byte by byte. Packed token rows that are not multiples of 16 bytes (DeepSeek-V3.2's
+// 132-byte Indexer-K rows start 4-byte aligned; its 656-byte KV rows 16-byte aligned) thus move
+// in words, not bytes.
 
 typedef unsigned long long u64;
+
+template <typename W>
+__device__ __forceinline__ u64 copy_words(const unsigned char* s, unsigned char* d, u64 len) {
+    const u64 n = len / sizeof(W);
+    const W* sw = reinterpret_cast<const W*>(s);
+    W* dw = reinterpret_cast<W*>(d);
+    for (u64 i = threadIdx.x; i < n; i += blockDim.x) {
+        dw[i] = sw[i];
+    }
+    return n * sizeof(W);
+}
 
 extern "C" __global__ void sparsetier_copy_ops(const u64* __restrict__ srcs,
                                                const u64* __restrict__ dsts,
@@ -17,15 +31,16 @@ extern "C" __global__ void sparsetier_copy_ops(const u64* __restrict__ srcs,
         const unsigned char* s = reinterpret_cast<const unsigned char*>(srcs[op]);
         unsigned char* d = reinterpret_cast<unsigned char*>(dsts[op]);
         const u64 len = lens[op];
+        const u64 align = reinterpret_cast<u64>(s) | reinterpret_cast<u64>(d);
         u64 done = 0;
-        if (((reinterpret_cast<u64>(s) | reinterpret_cast<u64>(d)) & 15ull) == 0) {
-            const u64 nvec = len >> 4;
-            const uint4* s4 = reinterpret_cast<const uint4*>(s);
-            uint4* d4 = reinterpret_cast<uint4*>(d);
-            for (u64 i = threadIdx.x; i < nvec; i += blockDim.x) {
-                d4[i] = s4[i];
-            }
-            done = nvec << 4;
+        if ((align & 15ull) == 0) {
+            done = copy_words<uint4>(s, d, len);
+        } else if ((align & 7ull) == 0) {
+            done = copy_words<u64>(s, d, len);
+        }
+        if ((align & 3ull) == 0) {
+            // The tail of a wider copy starts aligned too (done is a multiple of 16 or 8).
+            done += copy_words<unsigned int>(s + done, d + done, len - done);
         }
         for (u64 i = done + threadIdx.x; i < len; i += blockDim.x) {
             d[i] = s[i];

@@ -43,6 +43,9 @@ def test_kernels_compile_with_nvrtc_13_0_for_sm_90():
     assert ".target sm_90" in ptx
     assert ".entry sparsetier_copy_ops(" in ptx
     assert "ld.v4.u32" in ptx or "ld.global.v4.u32" in ptx, "16-byte vector loads expected"
+    # Rows aligned to 8 or 4 bytes only (132-byte Indexer-K rows) move in words, not bytes.
+    assert "ld.global.u64" in ptx or "ld.u64" in ptx, "8-byte word loads expected"
+    assert "ld.global.u32" in ptx or "ld.u32" in ptx, "4-byte word loads expected"
 
 
 CUBIN = """
