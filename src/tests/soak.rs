@@ -44,6 +44,18 @@ pub(crate) struct Pools {
     host: Vec<Vec<u8>>,
 }
 
+/// The cache configuration over [`Pools`]: no reserve pages, unbacked pages kept.
+pub(crate) fn config() -> HiCacheConfig {
+    HiCacheConfig {
+        page_size: PS,
+        device_pages: DEV,
+        device_reserve: 0,
+        host_pages: HOST,
+        host_reserve: 0,
+        drop_unbacked: false,
+    }
+}
+
 impl Pools {
     pub(crate) fn new() -> Self {
         let kv = PoolSpec::new(Component::Kv, 2, 2, 1, 4, Dtype::Fp8E4m3, PS as u32, DEV).unwrap();
@@ -148,16 +160,8 @@ impl Pools {
 fn soak_prefix_cache_with_faults() {
     let mut pools = Pools::new();
     let engine = Arc::new(CpuEngine::new(2).unwrap());
-    let cfg = HiCacheConfig {
-        page_size: PS,
-        device_pages: DEV,
-        device_reserve: 0,
-        host_pages: HOST,
-        host_reserve: 0,
-        drop_unbacked: false,
-    };
     let mut cache = HiCache::new(
-        cfg,
+        config(),
         pools.pairs(),
         Some(engine.clone() as Arc<dyn crate::transfer::CopyEngine>),
     )

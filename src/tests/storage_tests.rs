@@ -1,22 +1,14 @@
 //! The L3 tier's plans and states in the core (no store: plans are ended by hand, as a backend
 //! would report them). The stores themselves are tested from Python on the real backends.
 
-use crate::radix::{HiCache, HiCacheConfig, WritePolicy};
-use crate::soak::{Pools, DEV, HOST, PS};
+use crate::radix::{HiCache, WritePolicy};
+use crate::soak::{config, Pools, PS};
 use crate::transfer::CpuEngine;
 use std::sync::Arc;
 
 fn cache(pools: &mut Pools, policy: WritePolicy) -> HiCache {
-    let cfg = HiCacheConfig {
-        page_size: PS,
-        device_pages: DEV,
-        device_reserve: 0,
-        host_pages: HOST,
-        host_reserve: 0,
-        drop_unbacked: false,
-    };
     let engine = Arc::new(CpuEngine::new(1).unwrap());
-    let mut c = HiCache::new(cfg, pools.pairs(), Some(engine as _)).unwrap();
+    let mut c = HiCache::new(config(), pools.pairs(), Some(engine as _)).unwrap();
     c.enable_storage(policy, "test".into(), 1024).unwrap();
     c
 }
