@@ -1049,23 +1049,15 @@ macro_rules! token_id {
                 true
             }
             fn common_prefix(key: &[u32], toks: &[$t]) -> usize {
-                // Blocks of 64 compared branch-free, then the first differing block by token.
-                const BLOCK: usize = 64;
-                let same = |k: u32, t: $t| <$w>::from(k) == <$w>::from(t);
-                let mut at = 0;
-                while at + BLOCK <= key.len()
-                    && key[at..at + BLOCK]
-                        .iter()
-                        .zip(&toks[at..at + BLOCK])
-                        .fold(true, |all, (&k, &t)| all & same(k, t))
+                #[cfg(target_arch = "x86_64")]
                 {
-                    at += BLOCK;
+                    if std::arch::is_x86_feature_detected!("avx2") {
+                        // SAFETY: the CPU supports AVX2 (checked just above); the function
+                        // only reads the two slices.
+                        return unsafe { wide_common_prefix_avx2(key, toks) };
+                    }
                 }
-                at + key[at..]
-                    .iter()
-                    .zip(&toks[at..])
-                    .position(|(&k, &t)| !same(k, t))
-                    .unwrap_or(key.len() - at)
+                wide_common_prefix(key, toks)
             }
             fn extend_ids(src: &[$t], out: &mut Vec<u32>) -> Result<()> {
                 // Cast and OR in one pass (vectorized); a high bit marks a bad value.
@@ -1091,6 +1083,61 @@ macro_rules! token_id {
     )*};
 }
 token_id!(i64 => i64, u64 => u64, i32 => i64);
+
+/// A caller's token compared with a tree token, in the caller's width.
+trait WideToken: Copy {
+    fn same(self, id: u32) -> bool;
+}
+
+impl WideToken for i64 {
+    #[inline(always)]
+    fn same(self, id: u32) -> bool {
+        i64::from(id) == self
+    }
+}
+
+impl WideToken for u64 {
+    #[inline(always)]
+    fn same(self, id: u32) -> bool {
+        u64::from(id) == self
+    }
+}
+
+impl WideToken for i32 {
+    #[inline(always)]
+    fn same(self, id: u32) -> bool {
+        i64::from(id) == i64::from(self)
+    }
+}
+
+/// [`common_prefix`] between tree tokens and wider caller tokens: blocks of 64 compared
+/// branch-free (vectorized), then the first differing block token by token.
+#[inline(always)]
+fn wide_common_prefix<T: WideToken>(key: &[u32], toks: &[T]) -> usize {
+    const BLOCK: usize = 64;
+    let mut at = 0;
+    while at + BLOCK <= key.len()
+        && key[at..at + BLOCK]
+            .iter()
+            .zip(&toks[at..at + BLOCK])
+            .fold(true, |all, (&k, &t)| all & t.same(k))
+    {
+        at += BLOCK;
+    }
+    at + key[at..]
+        .iter()
+        .zip(&toks[at..])
+        .position(|(&k, &t)| !t.same(k))
+        .unwrap_or(key.len() - at)
+}
+
+/// [`wide_common_prefix`] compiled for AVX2 (64-bit lane compares), where the CPU has it: the
+/// wheel targets baseline x86-64, whose SSE2 has no 64-bit compare.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn wide_common_prefix_avx2<T: WideToken>(key: &[u32], toks: &[T]) -> usize {
+    wide_common_prefix(key, toks)
+}
 
 /// Length of the common prefix of two equally long slices: compared in blocks with `==`
 /// (which the compiler turns into a vectorized memcmp), then token by token in the first
