@@ -307,6 +307,9 @@ def test_bad_configuration_is_refused(tmp_path):
         )
     assert e.value.field == "storage_config"
     with pytest.raises(st.ConfigError) as e:
+        stack("file", tmp_path, write_ahead=2.0)
+    assert e.value.field == "write_ahead"
+    with pytest.raises(st.ConfigError) as e:
         stack("file", tmp_path, prefetch_policy="eventually")
     assert e.value.field == "prefetch_policy"
     s = stack("file", tmp_path)

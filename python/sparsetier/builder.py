@@ -205,9 +205,11 @@ def _storage(
     from sparsetier.l3 import StorageController, make_backend
 
     hicache.enable_storage(
-        write_policy=cfg.pop("write_policy", "write_back"), salt=str(cfg.pop("salt", ""))
+        write_policy=cfg.pop("write_policy", "write_back"),
+        salt=str(cfg.pop("salt", "")),
+        write_ahead=float(cfg.pop("write_ahead", 0.1)),
     )
-    own = ("prefetch_policy", "prefetch_timeout", "chunk_pages", "write_ahead", "retry_interval")
+    own = ("prefetch_policy", "prefetch_timeout", "chunk_pages", "retry_interval")
     ctl = {k: cfg.pop(k) for k in own if k in cfg}
     backend = make_backend(kind, cfg)
     buffers = [(t.data_ptr(), t.numel() * t.element_size()) for t in host_pools.values()]

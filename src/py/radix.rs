@@ -464,14 +464,16 @@ impl PyHiCache {
     /// (`write_policy` `"write_back"`, the default: when host eviction would drop a page the
     /// store lacks; `"write_through"`: when a host copy becomes Ready) and prefetches; a
     /// backend runs them. Page keys are a hash chain over tokens, salted with `salt` (model
-    /// version, LoRA) and the namespace. `remember` bounds the keys kept as known stored.
-    #[pyo3(signature = (*, write_policy="write_back", salt="", remember=1 << 20))]
+    /// version, LoRA) and the namespace. `remember` bounds the keys kept as known stored;
+    /// `write_ahead` is the share of host pages kept clean under write-back.
+    #[pyo3(signature = (*, write_policy="write_back", salt="", remember=1 << 20, write_ahead=0.1))]
     fn enable_storage(
         &self,
         py: Python<'_>,
         write_policy: &str,
         salt: &str,
         remember: usize,
+        write_ahead: f64,
     ) -> PyResult<()> {
         let policy = WritePolicy::parse(write_policy).ok_or_else(|| {
             to_py(
@@ -488,7 +490,7 @@ impl PyHiCache {
         }
         self.inner
             .lock()
-            .enable_storage(policy, salt.to_owned(), remember)
+            .enable_storage(policy, salt.to_owned(), remember, write_ahead)
             .py_err(py)
     }
 
@@ -539,10 +541,11 @@ impl PyHiCache {
         self.inner.lock().set_storage_online(online).py_err(py)
     }
 
-    /// Write-back ahead of need: plans writes for the least recently used host pages the store
-    /// lacks, until `pages` of them are clean or being written. Returns the pages planned.
-    fn storage_write_ahead(&self, py: Python<'_>, pages: usize) -> PyResult<usize> {
-        self.inner.lock().storage_write_ahead(pages).py_err(py)
+    /// Write-back ahead of need: while fewer than `write_ahead` of the host pages are free,
+    /// plans writes for the least recently used host pages the store lacks. Returns the pages
+    /// planned.
+    fn storage_write_ahead(&self, py: Python<'_>) -> PyResult<usize> {
+        self.inner.lock().storage_write_ahead().py_err(py)
     }
 
     /// Write plans queued since the last call: `(id, keys, host_pages)` each.

@@ -12,13 +12,22 @@ use crate::radix::HiCache;
 
 impl HiCache {
     /// Puts an L3 tier under the host tier: writes under `policy`, page keys salted with
-    /// `salt` (model version, LoRA), up to `remember` stored keys remembered.
+    /// `salt` (model version, LoRA), up to `remember` stored keys remembered, and under
+    /// write-back `write_ahead` (a share in [0, 1]) of the host tier kept clean.
     pub fn enable_storage(
         &mut self,
         policy: WritePolicy,
         salt: String,
         remember: usize,
+        write_ahead: f64,
     ) -> Result<()> {
+        if !(0.0..=1.0).contains(&write_ahead) {
+            return Err(Error::config(
+                "write_ahead",
+                write_ahead,
+                "a share of host pages in [0, 1]",
+            ));
+        }
         if self.pools.is_empty() || self.host.is_none() {
             return Err(Error::config(
                 "storage_backend",
@@ -33,7 +42,7 @@ impl HiCache {
                 "one L3 tier per cache",
             ));
         }
-        self.storage = Some(StorageTier::new(policy, salt, remember));
+        self.storage = Some(StorageTier::new(policy, salt, remember, write_ahead));
         Ok(())
     }
 
@@ -171,12 +180,19 @@ impl HiCache {
         Ok(freed)
     }
 
-    /// Write-back ahead of need: plans writes for the least recently used host-evictable
-    /// pages the store lacks until `pages` of them are stored or being written, so that host
-    /// eviction finds clean victims instead of waiting for writes. Returns the pages planned.
-    pub fn storage_write_ahead(&mut self, pages: usize) -> Result<usize> {
+    /// Write-back ahead of need: while fewer than the tier's `write_ahead` share of host
+    /// pages are free, plans writes for the least recently used host-evictable pages the store
+    /// lacks, until the shortfall is stored or being written, so that host eviction finds
+    /// clean victims instead of waiting for writes. Returns the pages planned.
+    pub fn storage_write_ahead(&mut self) -> Result<usize> {
         let t = self.tier()?;
-        if !t.online || t.policy != WritePolicy::WriteBack || pages == 0 {
+        if !t.online || t.policy != WritePolicy::WriteBack {
+            return Ok(0);
+        }
+        let h = self.host.as_ref().expect("storage implies a host tier");
+        let target = (t.write_ahead * h.capacity() as f64).ceil() as usize;
+        let pages = target.saturating_sub(h.free_count());
+        if pages == 0 {
             return Ok(0);
         }
         let mut covered = 0;

@@ -201,6 +201,8 @@ impl RecentKeys {
 /// The L3 tier of a [`crate::radix::HiCache`].
 pub struct StorageTier {
     pub(crate) policy: WritePolicy,
+    /// Under write-back, the share of host pages kept clean (free, or stored in L3).
+    pub(crate) write_ahead: f64,
     pub(crate) salt: String,
     pub(crate) online: bool,
     pub(crate) writes: FxHashMap<u64, WriteOp>,
@@ -218,10 +220,11 @@ pub struct StorageTier {
 
 impl StorageTier {
     /// A tier writing under `policy`, keys salted with `salt`, remembering up to `remember`
-    /// stored keys.
-    pub fn new(policy: WritePolicy, salt: String, remember: usize) -> Self {
+    /// stored keys, keeping `write_ahead` of the host tier clean under write-back.
+    pub fn new(policy: WritePolicy, salt: String, remember: usize, write_ahead: f64) -> Self {
         StorageTier {
             policy,
+            write_ahead,
             salt,
             online: true,
             writes: FxHashMap::default(),

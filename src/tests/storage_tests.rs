@@ -9,7 +9,7 @@ use std::sync::Arc;
 fn cache(pools: &mut Pools, policy: WritePolicy) -> HiCache {
     let engine = Arc::new(CpuEngine::new(1).unwrap());
     let mut c = HiCache::new(config(), pools.pairs(), Some(engine as _)).unwrap();
-    c.enable_storage(policy, "test".into(), 1024).unwrap();
+    c.enable_storage(policy, "test".into(), 1024, 0.1).unwrap();
     c
 }
 

@@ -3,9 +3,9 @@
 The Rust core decides what is written and fetched (write plans under the write policy,
 prefetch plans into host pages it allocates); this class only executes them on a worker
 thread and reports back on the caller's thread, so the cache is only ever called from one
-thread. Under write-back it also writes the coldest host pages ahead of need (``write_ahead``
-of the host tier), so that host eviction finds pages it can drop at once. A store that stops
-answering turns L3 off (one log line, the ``offline_events``
+thread. Under write-back the core also plans writes of the coldest host pages ahead of need
+(``write_ahead`` of the host tier), so that host eviction finds pages it can drop at once. A
+store that stops answering turns L3 off (one log line, the ``offline_events``
 counter); L1/L2 are untouched and requests keep being served. It is probed again every
 ``retry_interval`` seconds and used again once it answers.
 
@@ -62,13 +62,10 @@ class StorageController:
         prefetch_timeout: float = 0.5,
         chunk_pages: int = 16,
         retry_interval: float = 1.0,
-        write_ahead: float = 0.1,
         host_buffers: Sequence[tuple[int, int]] = (),
     ) -> None:
         if prefetch_policy not in POLICIES:
             raise ConfigError.of("prefetch_policy", repr(prefetch_policy), " | ".join(POLICIES))
-        if not 0.0 <= write_ahead <= 1.0:
-            raise ConfigError.of("write_ahead", write_ahead, "a share of host pages in [0, 1]")
         if chunk_pages < 1:
             raise ConfigError.of("chunk_pages", chunk_pages, ">= 1 pages")
         if cache.storage_stats() is None:
@@ -79,7 +76,6 @@ class StorageController:
         self.prefetch_timeout = prefetch_timeout
         self.chunk_pages = chunk_pages
         self.retry_interval = retry_interval
-        self.write_ahead = write_ahead
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sparsetier-l3")
         self._writes: dict[int, Future[list[bool]]] = {}
         self._prefetches: dict[int, Prefetch] = {}
@@ -162,10 +158,11 @@ class StorageController:
 
     def poll(self) -> int:
         """Settles finished writes and prefetches, handles a lost store, and probes an
-        offline one. Under write-back, keeps ``write_ahead`` of the host tier clean (free, or
-        stored in L3) so that host eviction never waits for a write. Returns the plans
+        offline one. Asks the core for its write-ahead (under write-back it keeps a share of the
+        host tier clean so that host eviction never waits for a write). Returns the plans
         settled."""
-        self._write_ahead()
+        if self.online:
+            self.cache.storage_write_ahead()
         self.flush()
         settled = 0
         for plan_id, fut in list(self._writes.items()):
@@ -218,14 +215,6 @@ class StorageController:
         return s
 
     # -- internals ------------------------------------------------------------------------
-
-    def _write_ahead(self) -> None:
-        if self.write_ahead <= 0.0 or not self.online:
-            return
-        s = self.cache.stats()
-        target = int(self.write_ahead * s["host_capacity"] + 0.999)
-        if s["host_free"] < target:
-            self.cache.storage_write_ahead(target - s["host_free"])
 
     def _page_size(self) -> int:
         return int(self.cache.page_size)
