@@ -375,3 +375,11 @@ def test_a_preset_stack_round_trips_its_packed_pages_exactly():
         got = t[:, :, torch.as_tensor(np.asarray(m.device_pages), dtype=torch.long)]
         assert torch.equal(got.view(torch.uint8), want[comp]), comp
     c.validate()
+
+
+def test_bench_prefix_compares_token_containers(capsys):
+    args = ["bench", "prefix", "--containers", "--page-size", "16", "--serve-reqs", "20"]
+    assert main([*args, "--num-seqs", "20", "--reps", "1"]) == 0
+    out = capsys.readouterr().out
+    for kind in ("q", "numpy", "uint32", "list"):
+        assert f"\n{kind} " in out

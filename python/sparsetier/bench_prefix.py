@@ -219,3 +219,54 @@ def run_paired(args: Any) -> str:
         print(r.stderr[-4000:], file=sys.stderr)
         raise RuntimeError(f"the paired run failed ({r.returncode})")
     return r.stdout
+
+
+def compare_containers(
+    page_size: int = 16, serve_reqs: int = 500, reps: int = 5, num_seqs: int = 500
+) -> dict:
+    """The serve loop on the same workload with the tokens in each container, alternating
+    containers within each repetition in one process: µs per request (medians) and the median
+    paired ratio to uint32 (the tree's own width, borrowed as is)."""
+    import statistics
+
+    from sparsetier.bench_prefix_paired import fill_sparsetier, serve_sparsetier
+    from sparsetier.workload import TOKEN_TYPES
+
+    ps = page_size
+    wl = Workload(WorkloadSpec(num_seqs=num_seqs, align=ps))
+    fill = [t for _, t in wl.stream(num_seqs, 1)]
+    serve = [t for _, t in wl.stream(serve_reqs, 3)]
+    probe = fill_sparsetier([as_tokens("uint32", t) for t in fill], ps, sum(map(len, fill)) + 16)
+    cap = int(0.25 * probe.stats()["device_in_tree"] * ps)
+    streams = {k: [as_tokens(k, t) for t in serve] for k in TOKEN_TYPES}
+    us: dict[str, list[float]] = {k: [] for k in TOKEN_TYPES}
+    for _ in range(reps):
+        gc.collect()
+        gc.disable()
+        try:
+            for k in TOKEN_TYPES:
+                us[k].append(serve_sparsetier(streams[k], ps, cap, 32)[0])
+        finally:
+            gc.enable()
+    return {
+        "page_size": ps,
+        "reps": reps,
+        "serve_us": {k: statistics.median(v) for k, v in us.items()},
+        "ratio_to_uint32": {
+            k: statistics.median(a / b for a, b in zip(v, us["uint32"], strict=True))
+            for k, v in us.items()
+        },
+    }
+
+
+def format_containers(r: dict) -> str:
+    lines = [
+        f"serve loop by token container, page_size {r['page_size']}, {r['reps']} alternating "
+        "repetitions",
+        "",
+        "container  us/request  time / uint32 (median paired ratio)",
+        "---------  ----------  -----------------------------------",
+    ]
+    for k, v in r["serve_us"].items():
+        lines.append(f"{k:<9}  {v:>10.2f}  {r['ratio_to_uint32'][k]:>6.2f}x")
+    return "\n".join(lines)

@@ -297,6 +297,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--token-type", choices=["q", "numpy", "uint32", "list"], default="q",
                    help="prefix: the token container both sides get (q: array('q'))")  # fmt: skip
     p.add_argument("--reps", type=int, default=7, help="prefix --paired: repetitions")
+    p.add_argument("--containers", action="store_true",
+                   help="prefix: the serve loop per token container, alternating")  # fmt: skip
     p.add_argument("--max-len", type=int, default=4096, help="prefix --paired: longest prompt")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="transfer only")
     p.add_argument("--total-mb", type=int, default=128, help="transfer: bytes per copy, MiB")
@@ -365,6 +367,12 @@ def _run_bench(args: argparse.Namespace) -> None:
             "serve_reqs": args.serve_reqs,
             "followup_frac": args.followup_frac,
         }
+        if args.containers:
+            rc = bench_prefix.compare_containers(
+                args.page_size, args.serve_reqs, args.reps, args.num_seqs
+            )
+            print(bench_prefix.format_containers(rc))
+            return
         if args.paired:
             if not args.peers_python:
                 raise ConfigError.of("peers_python", "None", "the peers' python for --paired")
