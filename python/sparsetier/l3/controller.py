@@ -25,8 +25,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from sparsetier._core import HiCache
 from sparsetier.errors import ConfigError, StoreUnavailableError
 from sparsetier.l3.backend import Segments, StorageBackend
@@ -259,8 +257,3 @@ class StorageController:
             self._lost.append(str(e))
         finally:
             p.done.set()
-
-
-def as_u32(tokens: Any) -> np.ndarray:
-    """Tokens as the cache's zero-copy form."""
-    return np.ascontiguousarray(tokens, dtype=np.uint32)
