@@ -382,3 +382,16 @@ def test_bench_l3_runs_and_l3_only_adds_hits(tmp_path):
     assert file["hit"] >= none["hit"]
     assert file["recompute_pages_mean"] <= none["recompute_pages_mean"]
     assert "serve loop" in bench_l3.format_report({"throughput": rows, "serve": [none, file]})
+
+
+def test_drain_leaves_nothing_in_flight_even_when_settling_plans_more(tmp_path):
+    s = stack("file", tmp_path, write_ahead=1.0)  # every settle may plan more write-ahead
+    c = s.hicache
+    for i in range(3):
+        insert(s, tokens(4 * PS, seed=i))
+    c.evict_device(10**6)
+    s.storage.drain()
+    st_ = c.storage_stats()
+    assert st_["writes_in_flight"] == 0 and st_["prefetches_in_flight"] == 0
+    assert st_["pages_written"] == 12
+    s.storage.close()

@@ -183,16 +183,21 @@ class StorageController:
 
     def drain(self) -> None:
         """Waits for every write and prefetch, commits what the prefetches fetched, and
-        settles everything."""
-        self.flush()
-        for p in list(self._prefetches.values()):
-            if p.committed is None:
-                self.finish_prefetch(p, "wait_complete")
-        for fut in list(self._writes.values()):
-            fut.result()
-        for p in list(self._prefetches.values()):
-            p.done.wait()
-        self.poll()
+        settles everything, until nothing is in flight (settling can plan more: write-ahead
+        after a store comes back, write-through of what just landed)."""
+        while True:
+            self.flush()
+            for p in list(self._prefetches.values()):
+                if p.committed is None:
+                    self.finish_prefetch(p, "wait_complete")
+            for fut in list(self._writes.values()):
+                fut.result()
+            for p in list(self._prefetches.values()):
+                p.done.wait()
+            self.poll()
+            stats = self.cache.storage_stats() or {}
+            if not stats.get("writes_in_flight") and not stats.get("prefetches_in_flight"):
+                return
 
     def close(self) -> None:
         """Drains, stops the worker and closes the backend."""
