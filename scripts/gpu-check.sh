@@ -9,12 +9,15 @@
 #       CUDA 13.0, hypothesis and pytest, and no network), then writes under $OUT:
 #         env.txt             versions, GPU name, driver
 #         pytest.txt          tests/test_cuda.py (CUDA round trips, stream wait, NVRTC),
-#                             tests/test_transfer.py and tests/test_hicache.py (GPU round trips)
-#         demo_cuda.txt/.json `sparsetier demo --device cuda` (tiered == resident on the GPU,
-#                             block mode, through the step scheduler with stream waits)
-#         demo_cuda_token.txt the same in token mode
+#                             tests/test_hicache.py (GPU round trips) and
+#                             tests/test_gpu_runtime.py (the decode runtime on the GPU)
+#         demo_cuda.txt       `sparsetier demo --device cuda` (tiered == resident on the GPU,
+#                             through the step scheduler with stream waits), block and token
+#                             selection, with and without prefetch
+#         demo_block.json, demo_token.json   the runs with prefetch, as JSON
 #         bench_transfer.txt  `sparsetier bench transfer --device cuda` table
 #         bench_transfer.json the same rows as JSON
+#         sanitizer.txt       compute-sanitizer memcheck over scripts/gpu_sanitize.py
 # Each step has its own timeout, so a hang leaves the others' results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,6 +27,7 @@ build)
     set -e
     VENV=${SPARSETIER_VENV:-$HOME/.cache/sparsetier/venv}
     "$VENV/bin/python" -m pip install -q ziglang
+    export PATH="$VENV/bin:$PATH"  # maturin finds zig as `python3 -m ziglang`
     rm -rf .whl && mkdir -p .whl
     "$VENV/bin/maturin" build --release --zig --compatibility manylinux_2_28 -i python3.11 --out .whl
     ls -la .whl
@@ -37,22 +41,33 @@ run)
     {
         date -u
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+        lscpu | grep -E "Model name|^CPU\(s\)" || true
         python3 -c "import sparsetier, torch; print('sparsetier', sparsetier.__version__, 'torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name()); print('cuda_status', sparsetier.cuda_status())"
     } > "$OUT/env.txt" 2>&1
-    timeout 200 python3 -m pytest -q -rs -p no:cacheprovider tests/test_cuda.py tests/test_transfer.py \
-        tests/test_hicache.py > "$OUT/pytest.txt" 2>&1
+    # The checks in order of worth; each has its own timeout so a hang leaves the others.
+    per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=60)
+    timeout 170 python3 -m pytest -q -rs -p no:cacheprovider $per_test tests/test_cuda.py \
+        tests/test_hicache.py tests/test_gpu_runtime.py > "$OUT/pytest.txt" 2>&1
     echo "exit $?" >> "$OUT/pytest.txt"
-    timeout 120 python3 -m sparsetier.cli demo --device cuda --quiet --json "$OUT/demo_cuda.json" \
-        > "$OUT/demo_cuda.txt" 2>&1
-    echo "exit $?" >> "$OUT/demo_cuda.txt"
-    timeout 90 python3 -m sparsetier.cli demo --device cuda --quiet --selection token \
-        > "$OUT/demo_cuda_token.txt" 2>&1
-    echo "exit $?" >> "$OUT/demo_cuda_token.txt"
-    timeout 240 python3 -m sparsetier.cli bench transfer --device cuda --total-mb 256 \
+    for mode in block token; do
+        for pf in prefetch no-prefetch; do
+            # JSON of the runs with prefetch (8 files at most come back).
+            flag=$([ "$pf" = no-prefetch ] && echo --no-prefetch || echo --json "$OUT/demo_$mode.json")
+            timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet --selection "$mode" \
+                $flag >> "$OUT/demo_cuda.txt" 2>&1
+            echo "demo $mode $pf: exit $?" >> "$OUT/demo_cuda.txt"
+        done
+    done
+    timeout 150 python3 -m sparsetier.cli bench transfer --device cuda --total-mb 256 \
         --json "$OUT/bench_transfer.json" > "$OUT/bench_transfer.txt" 2>&1
     echo "exit $?" >> "$OUT/bench_transfer.txt"
-    tail -n 5 "$OUT/pytest.txt" "$OUT/demo_cuda.txt" "$OUT/demo_cuda_token.txt" \
-        "$OUT/bench_transfer.txt"
+    # Out-of-bounds or misaligned accesses of the copy kernel and the direct engine.
+    command -v compute-sanitizer >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
+    timeout 100 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
+        python3 scripts/gpu_sanitize.py > "$OUT/sanitizer.txt" 2>&1
+    echo "exit $?" >> "$OUT/sanitizer.txt"
+    tail -n 4 "$OUT/pytest.txt" "$OUT/bench_transfer.txt" "$OUT/sanitizer.txt"
+    grep -E "exit|correctness|end state" "$OUT/demo_cuda.txt"
     ;;
 *)
     echo "usage: $0 build|run" >&2
