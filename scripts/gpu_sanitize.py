@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from test_cuda import gpu_round_trip  # noqa: E402
+from test_cuda import gpu_round_trip
 
 for backend in ("kernel", "direct"):
     for granularity in ("page", "token"):
