@@ -14,10 +14,11 @@
 #         demo_cuda.txt       `sparsetier demo --device cuda` (tiered == resident on the GPU,
 #                             through the step scheduler with stream waits), block and token
 #                             selection, with and without prefetch
-#         demo_block.json, demo_token.json   the runs with prefetch, as JSON
+#         demo_block.json     the block-mode run with prefetch, as JSON
 #         bench_transfer.txt  `sparsetier bench transfer --device cuda` table
 #         bench_transfer.json the same rows as JSON
 #         sanitizer.txt       compute-sanitizer memcheck over scripts/gpu_sanitize.py
+#         bench_decode.txt    `sparsetier bench decode` (block mode) on the machine's CPU
 # Each step has its own timeout, so a hang leaves the others' results.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,8 +52,9 @@ run)
     echo "exit $?" >> "$OUT/pytest.txt"
     for mode in block token; do
         for pf in prefetch no-prefetch; do
-            # JSON of the runs with prefetch (8 files at most come back).
-            flag=$([ "$pf" = no-prefetch ] && echo --no-prefetch || echo --json "$OUT/demo_$mode.json")
+            # JSON of the block run with prefetch only (8 files at most come back).
+            flag=$([ "$pf" = no-prefetch ] && echo --no-prefetch)
+            [ "$mode$pf" = blockprefetch ] && flag="--json $OUT/demo_block.json"
             timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet --selection "$mode" \
                 $flag >> "$OUT/demo_cuda.txt" 2>&1
             echo "demo $mode $pf: exit $?" >> "$OUT/demo_cuda.txt"
@@ -66,7 +68,12 @@ run)
     timeout 100 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
         python3 scripts/gpu_sanitize.py > "$OUT/sanitizer.txt" 2>&1
     echo "exit $?" >> "$OUT/sanitizer.txt"
-    tail -n 4 "$OUT/pytest.txt" "$OUT/bench_transfer.txt" "$OUT/sanitizer.txt"
+    # The decode step's CPU time (issue 10) on this machine's server CPU (no GPU in it).
+    timeout 90 python3 -m sparsetier.cli bench decode --steps 10 --mode block \
+        > "$OUT/bench_decode.txt" 2>&1
+    echo "exit $?" >> "$OUT/bench_decode.txt"
+    tail -n 4 "$OUT/pytest.txt" "$OUT/sanitizer.txt" "$OUT/bench_decode.txt"
+    tail -n 12 "$OUT/bench_transfer.txt"
     grep -E "exit|correctness|end state" "$OUT/demo_cuda.txt"
     ;;
 *)

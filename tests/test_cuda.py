@@ -99,7 +99,7 @@ def test_cuda_engine_without_driver_raises_typed_error(backend):
 
 
 def gpu_round_trip(
-    backend, layout, component, granularity, per_segment=False, dim=64, dtype="bf16"
+    backend, layout, component, granularity, per_segment=False, dim=64, dtype="bf16", lanes=None
 ):
     host_spec = st.PoolSpec(component, 3, 2, dim, dtype, 16, 24)
     dev_spec = host_spec.with_pages(17)
@@ -108,7 +108,8 @@ def gpu_round_trip(
     host = torch.randn(shape).to(tdt) if dtype == "bf16" else torch.randint(0, 255, shape).to(tdt)
     host = host.pin_memory()
     dev = torch.full(dev_spec.shape(), 7, dtype=tdt, device="cuda")
-    engine = st.TransferEngine(backend, per_segment=per_segment)
+    extra = {"lanes": lanes} if lanes else {}
+    engine = st.TransferEngine(backend, per_segment=per_segment, **extra)
     ps = host_spec.page_size
     if granularity == "page":
         src_u, dst_u = [3, 4, 5, 11, 20], [0, 1, 2, 9, 16]
@@ -166,6 +167,19 @@ def test_gpu_round_trip(backend, layout, component, granularity):
 def test_gpu_round_trip_of_132_byte_rows(backend, granularity):
     # An FP8 Indexer-K row with its scale: 132 bytes, not a multiple of 16.
     gpu_round_trip(backend, "layer_page_first", "INDEXER", granularity, dim=132, dtype="fp8_e4m3")
+
+
+@needs_gpu
+@pytest.mark.parametrize("lanes", [4, 32, 512])
+@pytest.mark.parametrize("granularity", ["page", "token"])
+def test_kernel_round_trip_at_any_lane_count(lanes, granularity):
+    # Threads per op follow the op length by default; a forced count, from 4 threads on a
+    # 64 KiB page to a whole block on a 132-byte row, must copy the same bytes.
+    gpu_round_trip("kernel", "layer_first", "KV", granularity, dim=128, lanes=lanes)
+    gpu_round_trip(
+        "kernel", "layer_page_first", "INDEXER", granularity, dim=132, dtype="fp8_e4m3",
+        lanes=lanes,
+    )  # fmt: skip
 
 
 @needs_gpu

@@ -224,6 +224,9 @@ BAD_INPUT = [
     ("plan_stack pool not a spec", lambda: st.plan_stack(["KV"]), st.ConfigError, "pools[0]"),
     ("compile_cuda_kernels arch", lambda: st.compile_cuda_kernels(90), st.ConfigError, "arch"),
     ("TransferEngine device", lambda: st.TransferEngine("kernel", device=-1), st.ConfigError, "device"),
+    ("TransferEngine lanes not a power of two", lambda: st.TransferEngine("kernel", lanes=48), st.ConfigError, "lanes"),
+    ("TransferEngine lanes too many", lambda: st.TransferEngine("kernel", lanes=1024), st.ConfigError, "lanes"),
+    ("TransferEngine lanes negative", lambda: st.TransferEngine("kernel", lanes=-4), st.ConfigError, "lanes"),
     ("object keys wrong width", lambda: _dir().resolve([[1, 2, 3]]), st.ConfigError, "keys.shape"),
 ]  # fmt: skip
 

@@ -317,6 +317,7 @@ class TransferEngine:
         device: int = 0,
         sm_limit: int = 8,
         per_segment: bool = False,
+        lanes: int | None = None,
     ) -> TransferEngine: ...
     @property
     def name(self) -> str: ...

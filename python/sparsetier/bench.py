@@ -121,6 +121,8 @@ class TransferRow:
     baseline_gbps: float
     #: The median of per-repetition ratios engine / baseline, when the two alternated.
     paired_ratio: float | None = None
+    #: The CPU time of one submission (planning the ops and launching), best of the repeats.
+    submit_seconds: float | None = None
 
     @property
     def gbps(self) -> float:
@@ -219,12 +221,18 @@ def format_transfer(rows: list[TransferRow]) -> str:
         "engine  dir  pattern     page     GB/s   baseline        GB/s  ratio",
         "------  ---  ----------  -------  -----  ----------  -------  -----",
     )
-    lines = list(head)
+    submits = any(r.submit_seconds is not None for r in rows)
+    lines = [h + ("  submit ms" if submits else "") for h in head]
+    if submits:
+        lines[1] = head[1] + "  ---------"
     for r in rows:
-        lines.append(
+        line = (
             f"{r.engine:<6}  {r.direction:<3}  {r.pattern:<10}  {r.page_bytes >> 10:>4} KiB  "
             f"{r.gbps:>5.1f}  {r.baseline:<10}  {r.baseline_gbps:>7.1f}  {r.ratio:>4.0%}"
         )
+        if r.submit_seconds is not None:
+            line += f"  {r.submit_seconds * 1e3:>9.2f}"
+        lines.append(line)
     return "\n".join(lines)
 
 

@@ -8,7 +8,13 @@ NOT YET RUN ON A GPU: no GPU has been lent to this project's tasks so far. It ru
 - three baselines: a per-page copy loop (one ``cudaMemcpyAsync`` per page, through torch),
   torch ``index_select`` + ``index_copy_`` between pinned and device tensors, and one large
   contiguous pinned copy (the link's peak, the ratio's denominator);
-- how many SMs the kernel needs: 16 KiB scattered H2D with ``sm_limit`` 1 to 32.
+- how many SMs the kernel needs: 16 KiB scattered H2D with ``sm_limit`` 1 to 32;
+- the kernel's threads per op chosen by op length against a whole block per op
+  (``lanes=512``), alternating in one process, on token rows and on DeepSeek-V3.2's rows
+  (656-byte KV rows and 132-byte Indexer-K rows, 64 tokens a page).
+
+Each engine row also gives the CPU time of one submission (building the copy ops and
+launching): what a decode step pays on its thread.
 """
 
 from __future__ import annotations
@@ -17,7 +23,12 @@ import time
 
 import numpy as np
 
-from sparsetier.bench import PAGE_SIZES, TOKENS_PER_PAGE, TransferRow, _pool, _units
+from sparsetier.bench import PAGE_SIZES, TransferRow, _paired, _pool, _units
+
+#: DeepSeek-V3.2's token rows: packed FP8 main KV (656 B) and FP8 Indexer-K with its scale
+#: (132 B); 64 tokens a page.
+DEEPSEEK_ROWS = (656, 132)
+DEEPSEEK_PAGE_TOKENS = 64
 
 
 def _timed(fn, repeats: int) -> float:
@@ -39,6 +50,7 @@ def bench_transfer_cuda(total_mb: int = 256, repeats: int = 5) -> list[TransferR
     from sparsetier._core import (
         PageTransferBinding,
         PageTransferGroup,
+        PoolSpec,
         PreparedPageTransfer,
         TransferEngine,
         cuda_status,
@@ -62,12 +74,12 @@ def bench_transfer_cuda(total_mb: int = 256, repeats: int = 5) -> list[TransferR
     rng = np.random.default_rng(1)
     rows: list[TransferRow] = []
 
-    def run(engine, direction, pattern, page_bytes, label=None):
+    def group(direction, pattern, page_bytes, spec=None):
         granular = pattern == "token"
-        pages = total // page_bytes
-        spec = _pool(page_bytes, pages, granular)
-        h, d = host.view(spec.shape()), dev.view(spec.shape())
-        n = pages * (TOKENS_PER_PAGE if granular else 1)
+        spec = spec or _pool(page_bytes, total // page_bytes, granular)
+        size = spec.total_bytes  # the whole buffer, or a prefix of it for odd rows
+        h, d = host[:size].view(spec.shape()), dev[:size].view(spec.shape())
+        n = spec.pages * (spec.page_size if granular else 1)
         s_u, d_u = _units("contiguous" if pattern == "contiguous" else "scattered", n, rng)
         hb, db = PageTransferBinding(h, spec), PageTransferBinding(d, spec)
         src, dst = (hb, db) if direction == "h2d" else (db, hb)
@@ -79,18 +91,33 @@ def bench_transfer_cuda(total_mb: int = 256, repeats: int = 5) -> list[TransferR
             direction="load" if direction == "h2d" else "backup",
             granularity="token" if granular else "page",
         )
-        g = PageTransferGroup([t])
-        secs = _timed(lambda: engine.submit(g).wait(), repeats)
+        return PageTransferGroup([t]), s_u, d_u, size // n
+
+    def check(label, direction, pattern, page_bytes, s_u, d_u, unit):
         # A figure for wrong bytes is no figure: check a sample of the units moved.
-        unit = page_bytes // (TOKENS_PER_PAGE if granular else 1)
         a, b = (host, dev) if direction == "h2d" else (dev, host)
-        for i in rng.choice(n, size=min(16, n), replace=False):
+        for i in rng.choice(len(s_u), size=min(16, len(s_u)), replace=False):
             s0, d0 = int(s_u[i]) * unit, int(d_u[i]) * unit
             if not torch.equal(b[d0 : d0 + unit].cpu(), a[s0 : s0 + unit].cpu()):
                 raise AssertionError(
-                    f"{label or engine.name} {direction} {pattern} {page_bytes} B: unit "
+                    f"{label} {direction} {pattern} {page_bytes} B: unit "
                     f"{int(s_u[i])} -> {int(d_u[i])} holds wrong bytes"
                 )
+
+    def submit_time(engine, g):
+        best = float("inf")
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            h = engine.submit(g)
+            best = min(best, time.perf_counter() - t)
+            h.wait()
+        return best
+
+    def run(engine, direction, pattern, page_bytes, label=None):
+        g, s_u, d_u, unit = group(direction, pattern, page_bytes)
+        secs = _timed(lambda: engine.submit(g).wait(), repeats)
+        check(label or engine.name, direction, pattern, page_bytes, s_u, d_u, unit)
         rows.append(
             TransferRow(
                 label or engine.name,
@@ -101,6 +128,30 @@ def bench_transfer_cuda(total_mb: int = 256, repeats: int = 5) -> list[TransferR
                 secs,
                 "peak",
                 peak[direction],
+                submit_seconds=submit_time(engine, g),
+            )
+        )
+
+    def lanes_pair(auto, block, direction, pattern, page_bytes, spec=None):
+        # The kernel as built (threads per op by op length) against a whole block per op,
+        # alternating: the paired ratio is block time / auto time (> 1: auto is faster).
+        g, s_u, d_u, unit = group(direction, pattern, page_bytes, spec)
+        moved = len(s_u) * unit
+        ta, tb, ratio = _paired(
+            lambda: auto.submit(g).wait(), lambda: block.submit(g).wait(), repeats
+        )
+        check("kernel", direction, pattern, page_bytes, s_u, d_u, unit)
+        rows.append(
+            TransferRow(
+                "kernel",
+                direction,
+                pattern,
+                page_bytes,
+                moved,
+                ta,
+                "lanes=512",
+                moved / tb / 1e9,
+                paired_ratio=ratio,
             )
         )
 
@@ -112,6 +163,16 @@ def bench_transfer_cuda(total_mb: int = 256, repeats: int = 5) -> list[TransferR
                     run(engine, direction, pattern, page_bytes)
     for sm in (1, 2, 4, 8, 16, 32):
         run(TransferEngine("kernel", sm_limit=sm), "h2d", "scattered", 16 << 10, f"kernel-sm{sm}")
+
+    auto, block = TransferEngine("kernel"), TransferEngine("kernel", lanes=512)
+    for direction in ("h2d", "d2h"):
+        for page_bytes in PAGE_SIZES[:3]:
+            lanes_pair(auto, block, direction, "token", page_bytes)
+        for row in DEEPSEEK_ROWS:
+            pages = total // (row * DEEPSEEK_PAGE_TOKENS)
+            spec = PoolSpec("INDEXER", 1, 1, row, "fp8_e4m3", DEEPSEEK_PAGE_TOKENS, pages)
+            lanes_pair(auto, block, direction, "token", spec.page_bytes, spec)
+            rows[-1].pattern = f"token-{row}B"
 
     for page_bytes in PAGE_SIZES:
         pages = total // page_bytes

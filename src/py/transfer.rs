@@ -425,8 +425,8 @@ impl PyTransferEngine {
 impl PyTransferEngine {
     #[new]
     #[pyo3(
-        signature = (io_backend="cpu", *, threads=None, device=None, sm_limit=None, per_segment=false),
-        text_signature = "(io_backend='cpu', *, threads=2, device=0, sm_limit=8, per_segment=False)"
+        signature = (io_backend="cpu", *, threads=None, device=None, sm_limit=None, per_segment=false, lanes=None),
+        text_signature = "(io_backend='cpu', *, threads=2, device=0, sm_limit=8, per_segment=False, lanes=None)"
     )]
     fn new(
         py: Python<'_>,
@@ -435,6 +435,7 @@ impl PyTransferEngine {
         device: Option<&Bound<'_, PyAny>>,
         sm_limit: Option<&Bound<'_, PyAny>>,
         per_segment: bool,
+        lanes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let backend = crate::config::IoBackend::parse("io_backend", io_backend).py_err(py)?;
         let device = match opt_int(device, "device")? {
@@ -462,9 +463,19 @@ impl PyTransferEngine {
                     .ok()
                     .filter(|&s| s >= 1)
                     .ok_or_else(|| to_py(py, Error::config("sm_limit", s, "an integer >= 1")))?;
+                let lanes = match opt_int(lanes, "lanes")? {
+                    None => None,
+                    Some(l) => Some(u32::try_from(l).map_err(|_| {
+                        to_py(
+                            py,
+                            Error::config("lanes", l, "a power of two from 4 to 512"),
+                        )
+                    })?),
+                };
+                crate::transfer::cuda::check_lanes(lanes).py_err(py)?;
+                let mode = CudaMode::Kernel { sm_limit: s, lanes };
                 Engine::Cuda(Arc::new(
-                    py.detach(|| CudaEngine::new(device, CudaMode::Kernel { sm_limit: s }))
-                        .py_err(py)?,
+                    py.detach(|| CudaEngine::new(device, mode)).py_err(py)?,
                 ))
             }
             crate::config::IoBackend::Direct => Engine::Cuda(Arc::new(

@@ -177,3 +177,26 @@ fn a_failed_layer_is_an_error_for_its_consumer() {
         }
     }
 }
+
+#[test]
+fn kernel_lanes_follow_the_op_length() {
+    // About one 16-byte word a thread, a power of two from 4 to the block of 512.
+    for (len, lanes) in [
+        (0, 4),
+        (64, 4),
+        (132, 8),
+        (256, 16),
+        (656, 32),
+        (4096, 256),
+        (16 << 10, 512),
+        (64 << 10, 512),
+    ] {
+        assert_eq!(cuda::lanes_for(len), lanes, "{len} bytes");
+    }
+    // Groups fill blocks: 128 groups of 4 per block; capped at 4 blocks per allowed SM.
+    assert_eq!(cuda::blocks_for(128, 4, 8), 1);
+    assert_eq!(cuda::blocks_for(129, 4, 8), 2);
+    assert_eq!(cuda::blocks_for(1_000_000, 4, 8), 32);
+    assert_eq!(cuda::blocks_for(3, 512, 8), 3);
+    assert_eq!(cuda::blocks_for(0, 512, 8), 1);
+}

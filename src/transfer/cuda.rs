@@ -63,6 +63,44 @@ pub const KERNEL_NAME: &str = "sparsetier_copy_ops";
 pub const KERNEL_CHUNK_BYTES: u64 = 64 * 1024;
 const THREADS_PER_BLOCK: u32 = 512;
 const BLOCKS_PER_SM: u32 = 4;
+/// The fewest threads that copy one op together (four 16-byte words: a 64-byte row).
+const MIN_LANES: u32 = 4;
+
+/// Threads per op for a launch whose longest op is `max_len` bytes: about one 16-byte word
+/// each, a power of two from [`MIN_LANES`] to a whole block. Small token rows then keep many
+/// ops in flight at once (the link's latency, not its width, bounds a copy of a few hundred
+/// bytes), and a 64 KiB chunk still gets a whole block.
+pub fn lanes_for(max_len: u64) -> u32 {
+    let words = (max_len / 16).clamp(1, u64::from(THREADS_PER_BLOCK));
+    // The largest power of two <= words, then clamped.
+    let pow = 1u64 << (63 - words.leading_zeros());
+    (pow as u32).clamp(MIN_LANES, THREADS_PER_BLOCK)
+}
+
+/// Refuses a `lanes` the kernel's group arithmetic cannot use.
+pub fn check_lanes(lanes: Option<u32>) -> Result<()> {
+    match lanes {
+        Some(l) if !(l.is_power_of_two() && (MIN_LANES..=THREADS_PER_BLOCK).contains(&l)) => {
+            Err(Error::config(
+                "lanes",
+                l,
+                format!(
+                    "None (by op length) or a power of two from {MIN_LANES} to {THREADS_PER_BLOCK}"
+                ),
+            ))
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Blocks for `n_ops` ops of `lanes` threads each, at most `sm_limit` SMs' worth.
+pub fn blocks_for(n_ops: usize, lanes: u32, sm_limit: u32) -> u32 {
+    let per_block = (THREADS_PER_BLOCK / lanes) as u64;
+    let needed = (n_ops as u64).div_ceil(per_block);
+    needed
+        .min(u64::from(sm_limit.saturating_mul(BLOCKS_PER_SM)))
+        .max(1) as u32
+}
 
 const INSTALL_DRIVER: &str = "Install the NVIDIA driver (libcuda.so.1) or use io_backend='cpu'";
 pub(crate) const INSTALL_NVRTC: &str =
@@ -144,6 +182,8 @@ pub enum CudaMode {
     Kernel {
         /// SMs to spread the blocks over.
         sm_limit: u32,
+        /// Threads per op, or `None` to follow each launch's op length ([`lanes_for`]).
+        lanes: Option<u32>,
     },
     /// `cuMemcpyBatchAsync` over merged segments, or one `cuMemcpyAsync` per segment when
     /// `per_segment` (chosen by the user, never as a silent fallback).
@@ -243,10 +283,11 @@ impl CudaEngine {
 
     fn create(ordinal: usize, mode: CudaMode) -> Result<Self> {
         check_libraries(matches!(mode, CudaMode::Kernel { .. }))?;
-        if let CudaMode::Kernel { sm_limit } = mode {
+        if let CudaMode::Kernel { sm_limit, lanes } = mode {
             if sm_limit == 0 {
                 return Err(Error::config("sm_limit", 0, "an integer >= 1"));
             }
+            check_lanes(lanes)?;
         }
         if let CudaMode::Direct { per_segment: false } = mode {
             // SAFETY: culib() is loadable (checked above); `get` only looks the symbol up.
@@ -429,8 +470,8 @@ impl CudaEngine {
         check(r, "cuStreamWaitEvent")
     }
 
-    /// Launches the kernel over `n_ops` ops from `offset` of the op table at `table` (three
-    /// arrays of `total` u64: sources, destinations, lengths).
+    /// Launches the kernel over `ops` (the layer's ranges, at `offset` of the op table at
+    /// `table`: three arrays of `total` u64, sources, destinations, lengths).
     #[allow(clippy::too_many_arguments)]
     fn kernel_layer(
         &self,
@@ -439,28 +480,31 @@ impl CudaEngine {
         table: u64,
         total: usize,
         offset: usize,
-        n_ops: usize,
+        ops: &[CopyOp],
         sm_limit: u32,
+        lanes: Option<u32>,
     ) -> Result<()> {
-        if n_ops == 0 {
+        if ops.is_empty() {
             return Ok(());
         }
         let at = |array: usize| table + 8 * (array * total + offset) as u64;
         let (s, d, l) = (at(0), at(1), at(2));
-        let n = n_ops as u32;
-        let blocks = n.min(sm_limit * BLOCKS_PER_SM).max(1);
+        let n = ops.len() as u32;
+        let lanes =
+            lanes.unwrap_or_else(|| lanes_for(ops.iter().map(|o| o.len).max().unwrap_or(0)));
         let cfg = LaunchConfig {
-            grid_dim: (blocks, 1, 1),
+            grid_dim: (blocks_for(ops.len(), lanes, sm_limit), 1, 1),
             block_dim: (THREADS_PER_BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
         let mut b = stream.launch_builder(func);
-        b.arg(&s).arg(&d).arg(&l).arg(&n);
-        // SAFETY: the table holds `n_ops` ranges from `offset` on (uploaded on this stream
+        b.arg(&s).arg(&d).arg(&l).arg(&n).arg(&lanes);
+        // SAFETY: the table holds `ops.len()` ranges from `offset` on (uploaded on this stream
         // before the launch), each inside buffers that a PreparedPageTransfer checked and that
         // the caller keeps alive until the transfer's events are finished (we hold the group
         // until then). Host sources are pinned memory mapped for the device (checked once per
-        // buffer by `check_host_mapped`).
+        // buffer by `check_host_mapped`). `lanes` is a power of two dividing the block size,
+        // as the kernel's group arithmetic requires.
         unsafe { b.launch(cfg) }.map_err(cuda_err("cuLaunchKernel"))?;
         Ok(())
     }
@@ -684,7 +728,7 @@ impl CopyEngine for CudaEngine {
             let mut events = Vec::with_capacity(layers.len());
             let failed: Option<(usize, Error)>;
             match (self.mode, &self.func) {
-                (CudaMode::Kernel { sm_limit }, Some(func)) => {
+                (CudaMode::Kernel { sm_limit, lanes }, Some(func)) => {
                     let total: usize = per_layer.iter().map(Vec::len).sum();
                     let t = self.upload_table(stream, dir, &per_layer, total)?;
                     let base = {
@@ -693,15 +737,8 @@ impl CopyEngine for CudaEngine {
                     };
                     let mut offset = 0;
                     failed = launch_layers(&per_layer, &mut events, |ops| {
-                        let r = self.kernel_layer(
-                            stream,
-                            func,
-                            base,
-                            total,
-                            offset,
-                            ops.len(),
-                            sm_limit,
-                        );
+                        let r = self
+                            .kernel_layer(stream, func, base, total, offset, ops, sm_limit, lanes);
                         offset += ops.len();
                         r.and_then(|()| record(stream))
                     });
