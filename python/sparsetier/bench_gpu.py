@@ -1,7 +1,7 @@
 """``sparsetier bench transfer --device cuda``: the kernel and direct engines on a GPU.
 
-NOT YET RUN ON A GPU: no GPU has been lent to this project's tasks so far. It runs from
-``scripts/gpu-check.sh`` on the device machine. In one run it measures, for pages of 4 KiB to
+It runs from ``scripts/gpu-check.sh`` on the device machine (figures from an H200 in
+``benches/RESULTS.md``). In one run it measures, for pages of 4 KiB to
 1 MiB, contiguous, scattered and token-granularity copies in both directions (H2D, D2H):
 
 - the kernel and direct engines;

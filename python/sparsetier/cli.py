@@ -430,7 +430,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
 
     d = DemoConfig()
     p = sub.add_parser("demo", help="sparse decode with tiered KV, checked against all-resident")
-    p.add_argument("--device", default=d.device, help="cpu (cuda: not written yet)")
+    p.add_argument("--device", default=d.device, help="cpu or cuda (device pools on the GPU, the kernel engine)")
     p.add_argument("--budget", type=float, default=d.budget, help="device share of the main KV")
     p.add_argument(
         "--selection",
