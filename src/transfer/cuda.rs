@@ -642,10 +642,13 @@ pub fn check_devices(group: &PageTransferGroup, ordinal: usize) -> Result<()> {
     Ok(())
 }
 
-/// Splits ranges longer than `chunk` bytes.
-fn chunked(ops: &[CopyOp], chunk: u64) -> Vec<CopyOp> {
+/// Splits ranges longer than `chunk` bytes (the list as it is when none is).
+fn chunked(ops: Vec<CopyOp>, chunk: u64) -> Vec<CopyOp> {
+    if ops.iter().all(|op| op.len <= chunk) {
+        return ops;
+    }
     let mut out = Vec::with_capacity(ops.len());
-    for op in ops {
+    for op in &ops {
         let mut off = 0;
         while off < op.len {
             let len = chunk.min(op.len - off);
@@ -707,7 +710,7 @@ impl CopyEngine for CudaEngine {
             .iter()
             .map(|&l| {
                 group.layer_ops(l).map(|ops| match self.mode {
-                    CudaMode::Kernel { .. } => chunked(&ops, KERNEL_CHUNK_BYTES),
+                    CudaMode::Kernel { .. } => chunked(ops, KERNEL_CHUNK_BYTES),
                     CudaMode::Direct { .. } => ops,
                 })
             })

@@ -162,6 +162,9 @@ impl PreparedPageTransfer {
     pub fn ops(&self, layer: Option<usize>, out: &mut Vec<CopyOp>) -> Result<()> {
         let unit = self.unit_bytes();
         for plane in self.src.plane_range(layer)? {
+            // At most one op per unit: one reservation instead of doublings (a restore of
+            // token rows can be a million ops); merged ranges leave the rest unused.
+            out.reserve(self.map.pairs().len());
             let first = out.len();
             for &(s, d) in self.map.pairs() {
                 let (src, dst) = (
