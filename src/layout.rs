@@ -13,6 +13,7 @@
 //! crate goes through [`BufferGeometry`].
 
 use crate::error::{Error, Result};
+use crate::row::RowFormat;
 
 /// Element type of a pool. fp8 e4m3 is carried as raw bytes: the runtime never does arithmetic
 /// on it, only moves it.
@@ -168,6 +169,8 @@ pub struct BufferGeometry {
     pub page_size: u64,
     /// Dimension order.
     pub layout: HostLayout,
+    /// The token row's parts and how a page lays them out.
+    pub row: RowFormat,
 }
 
 impl BufferGeometry {
@@ -194,10 +197,26 @@ impl BufferGeometry {
         Ok(self.page_offset_unchecked(plane, layer, page))
     }
 
-    /// Byte offset of token row `token` of `page` in (`plane`, `layer`). Arguments are checked.
+    /// Byte offset of token row `token` of `page` in (`plane`, `layer`) (of its first part, in a
+    /// split page). Arguments are checked.
     pub fn token_offset(&self, plane: u64, layer: u64, page: u64, token: u64) -> Result<u64> {
+        self.part_offset(plane, layer, page, token, 0)
+    }
+
+    /// Byte offset of part `part` of token `token`'s row of `page` in (`plane`, `layer`): in a
+    /// split page (values, then scales) a token's row is one range per part. Checked.
+    pub fn part_offset(
+        &self,
+        plane: u64,
+        layer: u64,
+        page: u64,
+        token: u64,
+        part: u64,
+    ) -> Result<u64> {
         check("token", token, self.page_size)?;
-        Ok(self.page_offset(plane, layer, page)? + token * self.token_bytes)
+        check("part", part, self.row.parts().len() as u64)?;
+        Ok(self.page_offset(plane, layer, page)?
+            + self.row.part_offset(self.page_size, token, part as usize))
     }
 
     /// [`Self::page_offset`] without the range checks, for hot loops whose inputs were checked.
@@ -255,6 +274,7 @@ mod tests {
             token_bytes: 8,
             page_size: 4,
             layout,
+            row: RowFormat::plain(Dtype::Bf16, 4),
         }
     }
 

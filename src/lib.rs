@@ -24,6 +24,7 @@ pub mod pool;
 pub mod prefetch;
 pub mod radix;
 pub mod replay;
+pub mod row;
 pub mod scheduler;
 #[doc(hidden)]
 pub mod testing;

@@ -6,6 +6,7 @@
 
 use crate::error::{Error, Result};
 use crate::layout::{BufferGeometry, Component, Dtype, HostLayout};
+use crate::row::{PageLayout, RowFormat, RowPart};
 
 /// Largest accepted buffer, in bytes (1 PiB): sizes above it are surely a typo, and the limit
 /// keeps every product of the geometry inside `u64`.
@@ -30,6 +31,8 @@ pub struct PoolSpec {
     pub page_size: u32,
     /// Pages in the buffer, reserve pages included.
     pub pages: u32,
+    /// The token row's parts and page layout: one plain part unless [`Self::with_row`] packs it.
+    pub row: RowFormat,
 }
 
 impl PoolSpec {
@@ -73,6 +76,7 @@ impl PoolSpec {
             dtype,
             page_size,
             pages,
+            row: RowFormat::plain(dtype, heads.saturating_mul(head_dim)),
         };
         // u32 factors: every product below is at most 2^32 * ... so compute in u128 once.
         let total = u128::from(spec.page_bytes_all_layers()) * u128::from(pages);
@@ -88,9 +92,9 @@ impl PoolSpec {
         Ok(spec)
     }
 
-    /// The same geometry with another page count.
+    /// The same geometry (row format included) with another page count.
     pub fn with_pages(&self, pages: u32) -> Result<Self> {
-        PoolSpec::new(
+        let spec = PoolSpec::new(
             self.component,
             self.layers,
             self.planes_per_layer,
@@ -99,7 +103,21 @@ impl PoolSpec {
             self.dtype,
             self.page_size,
             pages,
-        )
+        )?;
+        Ok(PoolSpec {
+            row: self.row,
+            ..spec
+        })
+    }
+
+    /// The same pool with its token row packed as `parts` in `layout` (DeepSeek-V3.2's FP8
+    /// rows). The parts must add up to the row's bytes; sizes and transfers are unchanged, only
+    /// a token's place in a split page is.
+    pub fn with_row(&self, parts: &[RowPart], layout: PageLayout) -> Result<Self> {
+        Ok(PoolSpec {
+            row: RowFormat::new(parts, layout, self.token_bytes())?,
+            ..*self
+        })
     }
 
     /// Bytes of one token row in one plane of one layer: `heads x head_dim x itemsize`.
@@ -141,6 +159,7 @@ impl PoolSpec {
             token_bytes: self.token_bytes(),
             page_size: u64::from(self.page_size),
             layout,
+            row: self.row,
         }
     }
 }

@@ -1,15 +1,13 @@
 """Model presets: the cache formats of models whose shapes can be cited.
 
-A preset names each pool's per-token row as parts (values, scales, RoPE) with their dtypes, and
-its page layout: ``interleaved`` (each token's row whole, one after another) or
-``values_then_scales`` (all the page's values, then all its scales, as SGLang's DSA Indexer-K
-page is laid out). The pools themselves are byte pools of that row size (``fp8_e4m3``, one
-byte per element, one plane per layer): plan, budget, bindings and whole-page transfers see a
-page as one byte range per layer, whatever its inner layout.
-
-Not yet: token-granular transfers of a ``values_then_scales`` page (a token's value and scale
-sit in two places of the page), and the indexer quantizing its keys to this format; see the
-README's DeepSeek-V3.2 section.
+A preset names each pool's per-token row as parts (``values``, ``scales``, ``rope``) with
+their dtypes, and its page layout: ``interleaved`` (each token's row whole, one after another)
+or ``values_then_scales`` (all the page's values, then all its scales, as SGLang's DSA
+Indexer-K page is laid out). The pools are byte pools of that row size (``fp8_e4m3``, one byte
+per element, one plane per layer) carrying the row format (``PoolSpec(row_parts=...,
+page_layout=...)``): plan, budget, bindings and whole-page transfers see a page as one byte
+range per layer, and a token-granular transfer moves each part of a token's row from where the
+core's geometry puts it.
 """
 
 from __future__ import annotations
@@ -48,6 +46,10 @@ class RowFormat:
     def page_bytes(self, page_size: int) -> int:
         return self.bytes * page_size
 
+    def core_parts(self) -> list[tuple[str, str, int]]:
+        """The parts as ``PoolSpec(row_parts=...)`` takes them."""
+        return [(p.name, p.dtype, p.count) for p in self.parts]
+
     def to_dict(self, page_size: int) -> dict:
         return {
             "parts": [
@@ -73,10 +75,10 @@ class ModelPreset:
         """The pool specs: byte pools of the rows' sizes, one plane per layer (MLA has no
         separate V; the Indexer-K is K only)."""
         return [
-            PoolSpec("KV", self.layers, 1, self.kv.bytes, "fp8_e4m3", self.page_size, pages,
-                     planes_per_layer=1),
-            PoolSpec("INDEXER", self.layers, 1, self.indexer.bytes, "fp8_e4m3", self.page_size,
-                     pages, planes_per_layer=1),
+            PoolSpec(comp, self.layers, 1, row.bytes, "fp8_e4m3", self.page_size, pages,
+                     planes_per_layer=1, row_parts=row.core_parts(),
+                     page_layout=row.page_layout)
+            for comp, row in (("KV", self.kv), ("INDEXER", self.indexer))
         ]  # fmt: skip
 
     def to_dict(self) -> dict:
@@ -92,21 +94,22 @@ class ModelPreset:
 
 #: DeepSeek-V3.2 (DSA), as SGLang's DSA pools store it on CUDA: 61 layers, 64-token pages;
 #: main KV (MLA, FP8) 656 B per token per layer = 512 FP8 latent values, 4 fp32 scales (one
-#: per 128 values), 64 bf16 RoPE dims; Indexer-K 128 FP8 values and one fp32 scale per token
-#: (quant block 128), each 64-token page stored as 64 x 128 values then 64 scales (8,448 B).
+#: per 128 values), 64 bf16 RoPE dims, each token's row whole; Indexer-K 128 FP8 values and
+#: one fp32 scale per token (quant block 128), each 64-token page stored as 64 x 128 values
+#: then 64 scales (8,448 B).
 DEEPSEEK_V32 = ModelPreset(
     name="deepseek-v3.2",
     layers=61,
     page_size=64,
     kv=RowFormat(
         (
-            RowPart("latent", "fp8_e4m3", 512),
+            RowPart("values", "fp8_e4m3", 512),  # the MLA latent
             RowPart("scales", "fp32", 4),
             RowPart("rope", "bf16", 64),
         )
     ),
     indexer=RowFormat(
-        (RowPart("values", "fp8_e4m3", 128), RowPart("scale", "fp32", 1)),
+        (RowPart("values", "fp8_e4m3", 128), RowPart("scales", "fp32", 1)),
         page_layout="values_then_scales",
     ),
     source="SGLang's DSA token-to-KV pools (kv_cache_dim 656; index_head_dim 128, "

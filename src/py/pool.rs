@@ -6,6 +6,7 @@ use crate::pool::PoolSpec;
 use crate::py::args::{int, opt_int, string};
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::tensor::TensorInfo;
+use crate::row::{PageLayout, PartKind, RowPart};
 use pyo3::prelude::*;
 
 /// The geometry of one pool: component, layers, planes, heads, head_dim, dtype, page size and
@@ -34,6 +35,62 @@ fn index_arg(obj: &Bound<'_, PyAny>, field: &'static str, hi: u64) -> PyResult<u
     }
 }
 
+/// `row_parts`: a sequence of `(name, dtype, count)`, e.g. `[("values", "fp8_e4m3", 128),
+/// ("scales", "fp32", 1)]`.
+fn row_parts_arg(obj: &Bound<'_, PyAny>) -> PyResult<Vec<RowPart>> {
+    let py = obj.py();
+    let bad = |field: String, what: String| {
+        to_py(
+            py,
+            Error::config(
+                field,
+                what,
+                "a (name, dtype, count) tuple, e.g. (\"values\", \"fp8_e4m3\", 128)",
+            ),
+        )
+    };
+    if obj.is_instance_of::<pyo3::types::PyString>() {
+        return Err(bad("row_parts".into(), crate::py::args::repr(obj)));
+    }
+    let items: Vec<Bound<'_, PyAny>> = obj
+        .try_iter()
+        .map_err(|_| bad("row_parts".into(), crate::py::args::repr(obj)))?
+        .collect::<PyResult<_>>()?;
+    let mut parts = Vec::with_capacity(items.len());
+    for (i, item) in items.iter().enumerate() {
+        let field = format!("row_parts[{i}]");
+        let t: Vec<Bound<'_, PyAny>> = match item.try_iter() {
+            Ok(it) if !item.is_instance_of::<pyo3::types::PyString>() => {
+                it.collect::<PyResult<_>>()?
+            }
+            _ => return Err(bad(field, crate::py::args::repr(item))),
+        };
+        if t.len() != 3 {
+            return Err(bad(field, crate::py::args::repr(item)));
+        }
+        let kind = PartKind::parse(
+            &format!("{field}.name"),
+            &string(&t[0], &format!("{field}.name"))?,
+        )
+        .py_err(py)?;
+        let dtype =
+            crate::layout::Dtype::parse(&format!("{field}.dtype"), &t[1].str()?.to_string())
+                .py_err(py)?;
+        let count = int(&t[2], &format!("{field}.count"))?;
+        let count = u32::try_from(count)
+            .ok()
+            .filter(|&c| c >= 1)
+            .ok_or_else(|| {
+                to_py(
+                    py,
+                    Error::config(format!("{field}.count"), count, "an integer >= 1"),
+                )
+            })?;
+        parts.push(RowPart { kind, dtype, count });
+    }
+    Ok(parts)
+}
+
 impl PyPoolSpec {
     /// `check_tensor` with a parsed layout, for the other bindings.
     pub fn check_tensor_in(
@@ -58,8 +115,8 @@ impl PyPoolSpec {
 impl PyPoolSpec {
     #[new]
     #[pyo3(
-        signature = (component, layers, heads, head_dim, dtype=None, page_size=None, pages=None, planes_per_layer=None),
-        text_signature = "(component, layers, heads, head_dim, dtype='bf16', page_size=64, pages=1, planes_per_layer=None)"
+        signature = (component, layers, heads, head_dim, dtype=None, page_size=None, pages=None, planes_per_layer=None, row_parts=None, page_layout=None),
+        text_signature = "(component, layers, heads, head_dim, dtype='bf16', page_size=64, pages=1, planes_per_layer=None, row_parts=None, page_layout=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -71,6 +128,8 @@ impl PyPoolSpec {
         page_size: Option<&Bound<'_, PyAny>>,
         pages: Option<&Bound<'_, PyAny>>,
         planes_per_layer: Option<&Bound<'_, PyAny>>,
+        row_parts: Option<&Bound<'_, PyAny>>,
+        page_layout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let py = component.py();
         let component =
@@ -102,6 +161,31 @@ impl PyPoolSpec {
             pages,
         )
         .py_err(py)?;
+        let layout = match page_layout {
+            Some(l) if !l.is_none() => {
+                Some(PageLayout::parse("page_layout", &string(l, "page_layout")?).py_err(py)?)
+            }
+            _ => None,
+        };
+        let inner = match row_parts {
+            Some(r) if !r.is_none() => inner
+                .with_row(
+                    &row_parts_arg(r)?,
+                    layout.unwrap_or(PageLayout::Interleaved),
+                )
+                .py_err(py)?,
+            _ if layout == Some(PageLayout::ValuesThenScales) => {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        "page_layout",
+                        "values_then_scales",
+                        "interleaved, unless row_parts names the parts to split",
+                    ),
+                ))
+            }
+            _ => inner,
+        };
         Ok(PyPoolSpec { inner })
     }
 
@@ -239,7 +323,8 @@ impl PyPoolSpec {
         g.page_offset(plane, layer, page).py_err(layout.py())
     }
 
-    /// Byte offset of token row `token` of `page` of (`plane`, `layer`) in `layout`.
+    /// Byte offset of token row `token` of `page` of (`plane`, `layer`) in `layout` (of its
+    /// first part, in a `values_then_scales` page).
     fn token_offset(
         &self,
         layout: &Bound<'_, PyAny>,
@@ -248,10 +333,73 @@ impl PyPoolSpec {
         page: &Bound<'_, PyAny>,
         token: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
+        let zero = 0u32.into_pyobject(layout.py())?.into_any();
+        self.part_offset(layout, plane, layer, page, token, &zero)
+    }
+
+    /// Byte offset of part `part` (an index into `row_parts`) of token `token`'s row of
+    /// `page` of (`plane`, `layer`) in `layout`: in a `values_then_scales` page a token's
+    /// values and scales sit in two places.
+    #[allow(clippy::too_many_arguments)]
+    fn part_offset(
+        &self,
+        layout: &Bound<'_, PyAny>,
+        plane: &Bound<'_, PyAny>,
+        layer: &Bound<'_, PyAny>,
+        page: &Bound<'_, PyAny>,
+        token: &Bound<'_, PyAny>,
+        part: &Bound<'_, PyAny>,
+    ) -> PyResult<u64> {
         let g = self.inner.geometry(layout_arg(layout)?);
+        let plane = index_arg(plane, "plane", g.planes)?;
+        let layer = index_arg(layer, "layer", g.layers)?;
+        let page = index_arg(page, "page", g.pages)?;
         let token = index_arg(token, "token", g.page_size)?;
-        let base = self.page_offset(layout, plane, layer, page)?;
-        Ok(base + token * g.token_bytes)
+        let part = index_arg(part, "part", self.inner.row.parts().len() as u64)?;
+        g.part_offset(plane, layer, page, token, part)
+            .py_err(layout.py())
+    }
+
+    /// The parts of a token's row: `[{name, dtype, count, bytes}]` (one `values` part for a
+    /// plain pool).
+    #[getter]
+    fn row_parts<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, pyo3::types::PyDict>>> {
+        self.inner
+            .row
+            .parts()
+            .iter()
+            .map(|p| {
+                let d = pyo3::types::PyDict::new(py);
+                d.set_item("name", p.kind.name())?;
+                d.set_item("dtype", p.dtype.name())?;
+                d.set_item("count", p.count)?;
+                d.set_item("bytes", p.bytes())?;
+                Ok(d)
+            })
+            .collect()
+    }
+
+    /// `interleaved` or `values_then_scales`.
+    #[getter]
+    fn page_layout(&self) -> &'static str {
+        self.inner.row.layout().name()
+    }
+
+    /// Where token `t`'s row sits in a page: `[(part name, base, bytes)]`, the part at
+    /// `base + t * bytes` of the page (one whole-row entry unless the page is split).
+    #[getter]
+    fn token_pieces(&self) -> Vec<(&'static str, u64, u64)> {
+        let row = &self.inner.row;
+        let pieces = row.pieces(u64::from(self.inner.page_size));
+        if row.is_split() {
+            row.parts()
+                .iter()
+                .zip(pieces)
+                .map(|(p, x)| (p.kind.name(), x.base, x.bytes))
+                .collect()
+        } else {
+            vec![("row", pieces[0].base, pieces[0].bytes)]
+        }
     }
 
     /// The same geometry with another page count.
@@ -331,8 +479,23 @@ impl PyPoolSpec {
 
     fn __repr__(&self) -> String {
         let s = &self.inner;
+        let packed = if s.row.parts().len() > 1 || s.row.is_split() {
+            let parts: Vec<String> = s
+                .row
+                .parts()
+                .iter()
+                .map(|p| format!("('{}', '{}', {})", p.kind.name(), p.dtype.name(), p.count))
+                .collect();
+            format!(
+                ", row_parts=[{}], page_layout='{}'",
+                parts.join(", "),
+                s.row.layout().name()
+            )
+        } else {
+            String::new()
+        };
         format!(
-            "PoolSpec(component='{}', layers={}, heads={}, head_dim={}, dtype='{}', page_size={}, pages={}, planes_per_layer={})",
+            "PoolSpec(component='{}', layers={}, heads={}, head_dim={}, dtype='{}', page_size={}, pages={}, planes_per_layer={}{packed})",
             s.component.name(),
             s.layers,
             s.heads,

@@ -200,3 +200,117 @@ fn kernel_lanes_follow_the_op_length() {
     assert_eq!(cuda::blocks_for(3, 512, 8), 3);
     assert_eq!(cuda::blocks_for(0, 512, 8), 1);
 }
+
+#[test]
+fn split_pages_move_each_tokens_parts_exactly() {
+    // DeepSeek-V3.2's Indexer-K page: every token's 128 FP8 values, then every token's fp32
+    // scale. A token's row is two ranges of its page; a token copy must move both, and touch
+    // nothing else.
+    use crate::row::{PageLayout, PartKind, RowPart};
+    let parts = [
+        RowPart {
+            kind: PartKind::Values,
+            dtype: Dtype::Fp8E4m3,
+            count: 128,
+        },
+        RowPart {
+            kind: PartKind::Scales,
+            dtype: Dtype::F32,
+            count: 1,
+        },
+    ];
+    let engine = CpuEngine::new(2).unwrap();
+    let mut rng = XorShift::new(8448);
+    for layout in [HostLayout::LayerFirst, HostLayout::LayerPageFirst] {
+        let host_spec = PoolSpec::new(Component::Indexer, 3, 1, 1, 132, Dtype::Fp8E4m3, 4, 10)
+            .unwrap()
+            .with_row(&parts, PageLayout::ValuesThenScales)
+            .unwrap();
+        let dev_spec = host_spec.with_pages(6).unwrap();
+        assert_eq!(dev_spec.row, host_spec.row, "with_pages keeps the format");
+        let original = rng.bytes(host_spec.total_bytes() as usize);
+        let mut host = original.clone();
+        let mut dev = vec![0u8; dev_spec.total_bytes() as usize];
+        // Runs of consecutive tokens (8, 9, 10 -> 5, 6, 7) and lone ones.
+        let (src, dst) = (vec![29u64, 8, 9, 10, 37], vec![0u64, 5, 6, 7, 23]);
+        let h = bind(&mut host, &host_spec, layout);
+        let d = bind(&mut dev, &dev_spec, HostLayout::LayerFirst);
+        let map = PageTransferMap::new(Granularity::Token, &src, &dst).unwrap();
+        let p = PreparedPageTransfer::new(h.clone(), d.clone(), map, Direction::Load).unwrap();
+        // Per layer: values of the run and of each lone token, then scales the same way.
+        assert_eq!(p.map().units(), 5);
+        let ops = PageTransferGroup::new(vec![p])
+            .unwrap()
+            .layer_ops(0)
+            .unwrap();
+        assert_eq!(ops.len(), 2 * 3, "{ops:?}");
+        let g = Arc::new(
+            PageTransferGroup::new(vec![PreparedPageTransfer::new(
+                h,
+                d,
+                PageTransferMap::new(Granularity::Token, &src, &dst).unwrap(),
+                Direction::Load,
+            )
+            .unwrap()])
+            .unwrap(),
+        );
+        engine
+            .submit(g, None)
+            .unwrap()
+            .wait_all(Some(Duration::from_secs(10)))
+            .unwrap();
+        let gs = host_spec.geometry(layout);
+        let gd = dev_spec.geometry(HostLayout::LayerFirst);
+        let mut expected = vec![0u8; dev.len()];
+        for (&s, &t) in src.iter().zip(&dst) {
+            for layer in 0..3 {
+                for (part, len) in [(0u64, 128usize), (1, 4)] {
+                    let so = gs.part_offset(0, layer, s / 4, s % 4, part).unwrap() as usize;
+                    let dof = gd.part_offset(0, layer, t / 4, t % 4, part).unwrap() as usize;
+                    expected[dof..dof + len].copy_from_slice(&original[so..so + len]);
+                }
+            }
+        }
+        assert!(
+            dev == expected,
+            "{layout:?}: a part landed elsewhere or was missed"
+        );
+    }
+}
+
+#[test]
+fn a_split_page_does_not_mix_with_an_interleaved_one() {
+    use crate::row::{PageLayout, PartKind, RowPart};
+    let plain = PoolSpec::new(Component::Indexer, 1, 1, 1, 132, Dtype::Fp8E4m3, 4, 4).unwrap();
+    let split = plain
+        .with_row(
+            &[
+                RowPart {
+                    kind: PartKind::Values,
+                    dtype: Dtype::Fp8E4m3,
+                    count: 128,
+                },
+                RowPart {
+                    kind: PartKind::Scales,
+                    dtype: Dtype::F32,
+                    count: 1,
+                },
+            ],
+            PageLayout::ValuesThenScales,
+        )
+        .unwrap();
+    let mut a = vec![0u8; plain.total_bytes() as usize];
+    let mut b = vec![0u8; split.total_bytes() as usize];
+    let map = PageTransferMap::new(Granularity::Page, &[0], &[1]).unwrap();
+    let e = PreparedPageTransfer::new(
+        bind(&mut a, &plain, HostLayout::LayerFirst),
+        bind(&mut b, &split, HostLayout::LayerFirst),
+        map,
+        Direction::Load,
+    )
+    .unwrap_err();
+    assert!(
+        matches!(e, Error::Plan { ref field, .. } if field == "dst.row_format"),
+        "{e:?}"
+    );
+}

@@ -6,6 +6,7 @@
 use crate::error::{Error, Result};
 use crate::layout::HostLayout;
 use crate::pool::PoolSpec;
+use crate::row::{Piece, RowFormat};
 use std::ops::Range;
 
 /// Where a buffer lives, which decides which engines may touch it.
@@ -52,6 +53,9 @@ pub struct PageTransferBinding {
     pages: u32,
     page_size: u32,
     token_bytes: u64,
+    row: RowFormat,
+    /// Where a token's row sits in a page: one piece, or one per part of a split page.
+    pieces: Vec<Piece>,
     page_stride: u64,
     base: u64,
     len: u64,
@@ -128,6 +132,8 @@ impl PageTransferBinding {
             pages: spec.pages,
             page_size: spec.page_size,
             token_bytes: spec.token_bytes(),
+            row: spec.row,
+            pieces: spec.row.pieces(u64::from(spec.page_size)),
             page_stride,
             base,
             len,
@@ -179,6 +185,16 @@ impl PageTransferBinding {
     /// Bytes of one token row of one plane.
     pub fn token_bytes(&self) -> u64 {
         self.token_bytes
+    }
+
+    /// The token row's format.
+    pub fn row(&self) -> &RowFormat {
+        &self.row
+    }
+
+    /// The byte ranges of a token's row within a page (one unless the page is split).
+    pub fn pieces(&self) -> &[Piece] {
+        &self.pieces
     }
 
     /// Bytes of one page of one plane.
@@ -237,6 +253,8 @@ impl PageTransferBinding {
                 pages: flat_pages,
                 page_size: self.page_size,
                 token_bytes: self.token_bytes,
+                row: self.row,
+                pieces: self.pieces.clone(),
                 page_stride: pb,
                 base: self.base,
                 len: self.len,

@@ -5,6 +5,7 @@
 use super::binding::{MemoryKind, PageTransferBinding};
 use super::map::{Granularity, PageTransferMap};
 use crate::error::{Error, Result};
+use crate::row::Piece;
 
 /// Which way a transfer goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -85,6 +86,14 @@ impl PreparedPageTransfer {
             u64::from(dst.page_size()),
         )?;
         same("token_bytes", src.token_bytes(), dst.token_bytes())?;
+        if src.row() != dst.row() {
+            // A split page moved as bytes is exact only between pools of one row format.
+            return Err(Error::plan(
+                "dst.row_format",
+                dst.row().to_string(),
+                format!("{}: the source's row format", src.row()),
+            ));
+        }
         let per = |b: &PageTransferBinding| match map.granularity() {
             Granularity::Page => u64::from(b.pages()),
             Granularity::Token => u64::from(b.pages()) * u64::from(b.page_size()),
@@ -148,39 +157,54 @@ impl PreparedPageTransfer {
         Ok(self.map.units() as u64 * self.unit_bytes() * planes)
     }
 
-    fn addr(&self, b: &PageTransferBinding, plane: usize, unit: u64) -> u64 {
+    /// Address of `unit`'s first byte, or, at token granularity, of its row's `piece` (the
+    /// whole row unless the page is split into values, then scales).
+    fn addr(&self, b: &PageTransferBinding, plane: usize, unit: u64, piece: Piece) -> u64 {
         match self.map.granularity() {
             Granularity::Page => b.row_addr(plane, unit as u32, 0),
             Granularity::Token => {
                 let ps = u64::from(b.page_size());
-                b.row_addr(plane, (unit / ps) as u32, (unit % ps) as u32)
+                b.row_addr(plane, (unit / ps) as u32, 0) + piece.base + (unit % ps) * piece.bytes
             }
         }
     }
 
     /// Contiguous copies for `layer` (or every layer), merged wherever both sides continue.
     pub fn ops(&self, layer: Option<usize>, out: &mut Vec<CopyOp>) -> Result<()> {
-        let unit = self.unit_bytes();
+        let whole = [Piece {
+            base: 0,
+            bytes: self.unit_bytes(),
+        }];
+        // A token's row in a split page is one range per part: each part's rows are moved in
+        // their own pass, so consecutive tokens still merge into one copy per part.
+        let pieces = match self.map.granularity() {
+            Granularity::Page => &whole[..],
+            Granularity::Token => self.src.pieces(),
+        };
         for plane in self.src.plane_range(layer)? {
-            // At most one op per unit: one reservation instead of doublings (a restore of
-            // token rows can be a million ops); merged ranges leave the rest unused.
-            out.reserve(self.map.pairs().len());
-            let first = out.len();
-            for &(s, d) in self.map.pairs() {
-                let (src, dst) = (
-                    self.addr(&self.src, plane, s),
-                    self.addr(&self.dst, plane, d),
-                );
-                let mergeable = out.len() > first;
-                match out.last_mut() {
-                    Some(op) if mergeable && op.src + op.len == src && op.dst + op.len == dst => {
-                        op.len += unit
+            for &piece in pieces {
+                // At most one op per unit: one reservation instead of doublings (a restore of
+                // token rows can be a million ops); merged ranges leave the rest unused.
+                out.reserve(self.map.pairs().len());
+                let first = out.len();
+                for &(s, d) in self.map.pairs() {
+                    let (src, dst) = (
+                        self.addr(&self.src, plane, s, piece),
+                        self.addr(&self.dst, plane, d, piece),
+                    );
+                    let mergeable = out.len() > first;
+                    match out.last_mut() {
+                        Some(op)
+                            if mergeable && op.src + op.len == src && op.dst + op.len == dst =>
+                        {
+                            op.len += piece.bytes
+                        }
+                        _ => out.push(CopyOp {
+                            src,
+                            dst,
+                            len: piece.bytes,
+                        }),
                     }
-                    _ => out.push(CopyOp {
-                        src,
-                        dst,
-                        len: unit,
-                    }),
                 }
             }
         }
