@@ -10,10 +10,11 @@
 #         env.txt             versions, GPU name, driver
 #         pytest.txt          tests/test_cuda.py (CUDA round trips, stream wait, NVRTC),
 #                             tests/test_hicache.py (GPU round trips) and
-#                             tests/test_gpu_runtime.py (the decode runtime on the GPU)
+#                             tests/test_gpu_runtime.py (the decode runtime on the GPU) and
+#                             tests/test_packed.py (packed FP8 rows through both engines)
 #         demo_cuda.txt       `sparsetier demo --device cuda` (tiered == resident on the GPU,
 #                             through the step scheduler with stream waits), block and token
-#                             selection, with and without prefetch
+#                             selection, with and without prefetch, and in FP8 (--kv-format)
 #         demo_block.json     the block-mode run with prefetch, as JSON
 #         bench_transfer.txt  `sparsetier bench transfer --device cuda` table
 #         bench_transfer.json the same rows as JSON
@@ -48,8 +49,12 @@ run)
     # The checks in order of worth; each has its own timeout so a hang leaves the others.
     per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=60)
     timeout 170 python3 -m pytest -q -rs -p no:cacheprovider $per_test tests/test_cuda.py \
-        tests/test_hicache.py tests/test_gpu_runtime.py > "$OUT/pytest.txt" 2>&1
+        tests/test_hicache.py tests/test_gpu_runtime.py tests/test_packed.py \
+        > "$OUT/pytest.txt" 2>&1
     echo "exit $?" >> "$OUT/pytest.txt"
+    timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet --kv-format fp8 \
+        >> "$OUT/demo_cuda.txt" 2>&1
+    echo "demo block prefetch fp8: exit $?" >> "$OUT/demo_cuda.txt"
     for mode in block token; do
         for pf in prefetch no-prefetch; do
             # JSON of the block run with prefetch only (8 files at most come back).

@@ -95,7 +95,7 @@ SYSTEM = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(5)
 
 
 def run(device_slots, prefetch=True, share=False, mode="block", steps=12, faults=None, aborts=None,
-        layout="layer_first"):  # fmt: skip
+        layout="layer_first", kv_format="bf16"):  # fmt: skip
     """Three requests over a 37-token system prompt (4 whole pages of 8), `steps` decode steps.
     With `share`, a first request over the prompt runs and ends before them, so they find its
     pages in the prefix cache. `faults` maps a step to `(kind, count, layer)` armed before it;
@@ -105,6 +105,7 @@ def run(device_slots, prefetch=True, share=False, mode="block", steps=12, faults
     rt = DecodeRuntime(
         m, page_size=8, device_slots=device_slots, host_pages=200, indexer_pages=80,
         topk=4 if mode == "block" else 12, prefetch=prefetch, selection=mode, layout=layout,
+        kv_format=kv_format,
     )  # fmt: skip
     g = torch.Generator().manual_seed(5)
     if share:
@@ -155,6 +156,24 @@ def test_tiered_decode_is_bit_identical_to_resident(prefetch, share, mode):
     # an object at its host page; nothing pinned.
     assert (s["objects"], s["pins"], s["handles"]) == (tree_pages(tiered) * 2, 0, 0)
     tiered.scheduler.validate()
+
+
+@pytest.mark.parametrize("mode", ["block", "token"])
+@pytest.mark.parametrize("layout", ["layer_first", "layer_page_first"])
+def test_fp8_caches_tier_bit_identically(mode, layout):
+    # DeepSeek-V3.2's formats on the tiny model: FP8 K/V rows with per-head scales, Indexer-K
+    # in values-then-scales pages. Prefix hits restore split Indexer-K pages.
+    tiered, a = run(40, True, True, mode, layout=layout, kv_format="fp8")
+    _, b = run(400, True, True, mode, layout=layout, kv_format="fp8")
+    assert tiered.device_kv.dtype == torch.uint8 and tiered.kv_spec.page_layout == "interleaved"
+    assert tiered.scheduler.totals()["bytes_transferred"] > 0
+    assert tiered.prefix_stats()["hits"] == 3
+    assert all(torch.equal(a[r], b[r]) for r in a)
+    # A K row of 2 heads x 16 dims: 32 FP8 values + 2 fp32 scales = 40 B (64 B in bf16); an
+    # Indexer-K row: 16 values + 1 scale = 20 B, the scales after all the page's values.
+    assert tiered.kv_spec.token_bytes == 40
+    assert tiered.indexer_pool.shape[-1] == 20
+    finish_all(tiered)
 
 
 def test_a_step_makes_one_plan_per_layer_for_the_whole_batch():
@@ -278,9 +297,12 @@ def test_exposed_wait_is_what_the_overlap_window_did_not_hide(load_ms, lo_ms, hi
     assert rec["transfer_ns"] >= rec["exposed_wait_ns"]
 
 
-@pytest.mark.parametrize("layout", ["layer_first", "layer_page_first"])
-def test_a_prefix_hit_restores_indexer_k_and_loads_only_selected_blocks(layout):
-    rt, _ = run(40, share=True, layout=layout, steps=4)
+@pytest.mark.parametrize(
+    ("layout", "kv_format"),
+    [("layer_first", "bf16"), ("layer_page_first", "bf16"), ("layer_page_first", "fp8")],
+)
+def test_a_prefix_hit_restores_indexer_k_and_loads_only_selected_blocks(layout, kv_format):
+    rt, _ = run(40, share=True, layout=layout, steps=4, kv_format=kv_format)
     # The three requests found the prompt's 4 pages, stored once by request 9.
     px = rt.prefix_stats()
     assert px["hits"] == 3 and px["device_hit_tokens"] + px["host_hit_tokens"] == 3 * 32
@@ -295,9 +317,11 @@ def test_a_prefix_hit_restores_indexer_k_and_loads_only_selected_blocks(layout):
     adm = rt.add_request(7, prompt, 2)
     assert adm == {"matched_pages": 4, "device_pages": 0, "restored_pages": 4}
     after = rt.prefix_stats()
-    ik_page = 8 * 16 * 2 * 2  # tokens x indexer_dim x bf16 x layers
+    # tokens x row x layers: bf16 16 dims; fp8 16 values and a scale, values-then-scales
+    ik_page = 8 * (16 * 2 if kv_format == "bf16" else 16 + 4) * 2
     assert after["indexer_bytes_restored"] - px["indexer_bytes_restored"] == 4 * ik_page
-    kv_page = 8 * 2 * 16 * 2 * 2 * 2  # tokens x kv heads x dim x bf16 x K/V x layers
+    # tokens x row (2 heads x 16 dims) x K/V x layers; fp8 rows carry a scale per head
+    kv_page = 8 * (2 * 16 * 2 if kv_format == "bf16" else 2 * 16 + 2 * 4) * 2 * 2
     assert after["full_restore_bytes"] - px["full_restore_bytes"] == 4 * (kv_page + ik_page)
     assert after["prefix_kv_bytes_loaded"] > px["prefix_kv_bytes_loaded"]
     rt.step()
@@ -305,7 +329,7 @@ def test_a_prefix_hit_restores_indexer_k_and_loads_only_selected_blocks(layout):
     # The same request in a fresh runtime, prefilled from scratch, decodes the same tokens.
     fresh = DecodeRuntime(
         TinySparseModel(ModelConfig(seed=3)), page_size=8, device_slots=400, host_pages=200,
-        indexer_pages=80, topk=4, layout=layout,
+        indexer_pages=80, topk=4, layout=layout, kv_format=kv_format,
     )  # fmt: skip
     fresh.add_request(7, prompt, 2)
     fresh.step()

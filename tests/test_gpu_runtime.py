@@ -18,14 +18,14 @@ SYSTEM = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(5)
 
 
 def run(device_slots, io, mode="block", prefetch=True, share=False, layout="layer_first",
-        steps=10):  # fmt: skip
+        steps=10, kv_format="bf16"):  # fmt: skip
     """Three requests over a shared 37-token prompt; with `share`, a first request over the
     prompt ends before them so they hit the prefix cache."""
     m = TinySparseModel(ModelConfig(seed=3)).to("cuda")
     rt = DecodeRuntime(
         m, page_size=8, device_slots=device_slots, host_pages=200, indexer_pages=80,
         topk=4 if mode == "block" else 12, prefetch=prefetch, selection=mode, layout=layout,
-        io_backend=io, device="cuda",
+        io_backend=io, device="cuda", kv_format=kv_format,
     )  # fmt: skip
     g = torch.Generator().manual_seed(5)
     if share:
@@ -55,21 +55,25 @@ def finish_all(rt):
 
 
 CASES = [
-    ("kernel", "block", True, False, "layer_first"),
-    ("kernel", "block", False, False, "layer_first"),
-    ("kernel", "token", True, False, "layer_first"),
-    ("kernel", "token", False, False, "layer_page_first"),
-    ("kernel", "block", True, True, "layer_page_first"),
-    ("direct", "block", True, False, "layer_first"),
-    ("direct", "token", True, True, "layer_first"),
+    ("kernel", "block", True, False, "layer_first", "bf16"),
+    ("kernel", "block", False, False, "layer_first", "bf16"),
+    ("kernel", "token", True, False, "layer_first", "bf16"),
+    ("kernel", "token", False, False, "layer_page_first", "bf16"),
+    ("kernel", "block", True, True, "layer_page_first", "bf16"),
+    ("direct", "block", True, False, "layer_first", "bf16"),
+    ("direct", "token", True, True, "layer_first", "bf16"),
+    # DeepSeek-V3.2's formats: FP8 rows with scales, Indexer-K in values-then-scales pages.
+    ("kernel", "block", True, True, "layer_page_first", "fp8"),
+    ("kernel", "token", False, True, "layer_first", "fp8"),
+    ("direct", "block", True, True, "layer_first", "fp8"),
 ]
 
 
-@pytest.mark.parametrize(("io", "mode", "prefetch", "share", "layout"), CASES)
+@pytest.mark.parametrize(("io", "mode", "prefetch", "share", "layout", "kv_format"), CASES)
 def test_tiered_decode_on_the_gpu_is_bit_identical_to_resident(io, mode, prefetch, share,
-                                                               layout):  # fmt: skip
-    tiered, a = run(40, io, mode, prefetch, share, layout)
-    _, b = run(400, io, mode, prefetch, share, layout)
+                                                               layout, kv_format):  # fmt: skip
+    tiered, a = run(40, io, mode, prefetch, share, layout, kv_format=kv_format)
+    _, b = run(400, io, mode, prefetch, share, layout, kv_format=kv_format)
     assert tiered.device_kv.is_cuda and tiered.host_kv.is_pinned()
     assert sum(r.loaded for r in tiered.records) > 0, "the budget must force loads"
     assert a.keys() == b.keys()
@@ -81,8 +85,9 @@ def test_tiered_decode_on_the_gpu_is_bit_identical_to_resident(io, mode, prefetc
     finish_all(tiered)
 
 
-def test_a_prefix_hit_restores_indexer_k_on_the_gpu():
-    rt, _ = run(40, "kernel", share=True, steps=3)
+@pytest.mark.parametrize("kv_format", ["bf16", "fp8"])
+def test_a_prefix_hit_restores_indexer_k_on_the_gpu(kv_format):
+    rt, _ = run(40, "kernel", share=True, steps=3, kv_format=kv_format)
     for rid in list(rt.requests):
         rt.finish_request(rid)
     rt.drain()
@@ -95,6 +100,7 @@ def test_a_prefix_hit_restores_indexer_k_on_the_gpu():
     fresh = DecodeRuntime(
         TinySparseModel(ModelConfig(seed=3)).to("cuda"), page_size=8, device_slots=400,
         host_pages=200, indexer_pages=80, topk=4, io_backend="kernel", device="cuda",
+        kv_format=kv_format,
     )  # fmt: skip
     fresh.add_request(7, prompt, 2)
     fresh.step()

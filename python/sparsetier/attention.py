@@ -48,6 +48,7 @@ def sparse_attention_batched(
     positions: torch.Tensor,
     unit: int,
     page_size: int,
+    fmt=None,
 ) -> torch.Tensor:
     """Attention of a batch of query tokens over their selections, in one tensor program.
 
@@ -55,11 +56,12 @@ def sparse_attention_batched(
     [B, K * max(1, unit // page_size)] the device slot of each entry's pages, as the step
     scheduler returned it (-1 where there is none); `kv_pool` [2, 1, slots, page_size, Hkv, D];
     `positions` [B] the queries' positions (later tokens are masked). Computed in float32;
-    returns [B, Hq, D]. A row with nothing to read (a failed request) returns zeros.
+    returns [B, Hq, D]. A row with nothing to read (a failed request) returns zeros. `fmt` (a
+    `sparsetier.kv_format.KvFormat`) reads packed pools, dequantizing only the gathered rows.
     """
     b, k = selection.shape
     dev = kv_pool.device
-    hkv, d = kv_pool.shape[-2:]
+    hkv, d = (fmt.heads, fmt.dim) if fmt is not None else kv_pool.shape[-2:]
     ppe = max(1, unit // page_size)
     sel = selection.to(dev)
     off = torch.arange(unit, device=dev)
@@ -68,10 +70,11 @@ def sparse_attention_batched(
     slot = table.to(dev, torch.long).gather(1, cell.reshape(1, -1).expand(b, -1)).view(b, k, unit)
     mask = (sel[:, :, None] >= 0) & (slot >= 0) & (tok <= positions.to(dev)[:, None, None])
     rows = (slot.clamp(min=0) * page_size + tok.clamp(min=0) % page_size).reshape(b, -1)
-    flat_k = kv_pool[0, 0].reshape(-1, hkv, d)
-    flat_v = kv_pool[1, 0].reshape(-1, hkv, d)
-    kk = flat_k[rows].to(torch.float32)  # [B, N, Hkv, D]
-    vv = flat_v[rows].to(torch.float32)
+    if fmt is None:
+        kk = kv_pool[0, 0].reshape(-1, hkv, d)[rows].to(torch.float32)  # [B, N, Hkv, D]
+        vv = kv_pool[1, 0].reshape(-1, hkv, d)[rows].to(torch.float32)
+    else:
+        kk, vv = fmt.gather_kv(kv_pool, 0, rows), fmt.gather_kv(kv_pool, 1, rows)
     mask = mask.reshape(b, -1)
     group = q.shape[1] // hkv
     kk = kk.repeat_interleave(group, dim=2)

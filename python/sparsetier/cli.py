@@ -430,7 +430,11 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
 
     d = DemoConfig()
     p = sub.add_parser("demo", help="sparse decode with tiered KV, checked against all-resident")
-    p.add_argument("--device", default=d.device, help="cpu or cuda (device pools on the GPU, the kernel engine)")
+    p.add_argument(
+        "--device",
+        default=d.device,
+        help="cpu or cuda (device pools on the GPU, the kernel engine)",
+    )
     p.add_argument("--budget", type=float, default=d.budget, help="device share of the main KV")
     p.add_argument(
         "--selection",
@@ -470,6 +474,13 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         choices=["layer_first", "layer_page_first"],
         default=d.layout,
         help="host pool layout (per-layer objects address (host page, layer) in it)",
+    )
+    p.add_argument(
+        "--kv-format",
+        choices=["bf16", "fp8"],
+        default=d.kv_format,
+        help="fp8: main KV as FP8 values + fp32 scales per row, Indexer-K in FP8 "
+        "values-then-scales pages (DeepSeek-V3.2's formats)",
     )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", metavar="PATH", help="write the full record (per step and totals)")
@@ -577,6 +588,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         prefetch=not args.no_prefetch,
         turns=args.turns,
         layout=args.layout,
+        kv_format=args.kv_format,
         trace=args.trace,
         device=args.device,
         seed=args.seed,

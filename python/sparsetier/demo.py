@@ -42,6 +42,7 @@ class DemoConfig:
     prefetch: bool = True
     turns: int = 3  # most turns of one conversation
     layout: str = "layer_first"
+    kv_format: str = "bf16"  # or fp8: DeepSeek-V3.2's packed FP8 rows and Indexer-K pages
     faults: bool = False
     trace: str | None = None  # write the tiered run's directory trace here (.npz)
     device: str = "cpu"
@@ -123,6 +124,7 @@ def _run(
         selection=cfg.selection,
         block_size=cfg.block_size or None,
         layout=cfg.layout,
+        kv_format=cfg.kv_format,
         keep_records=None,  # every step goes into the summary and the JSON
     )
     prefill_bytes = 0  # matched-block KV first loaded by the suffix prefills
@@ -259,6 +261,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "tokens": decode_tokens,
         "conversations": len(work),
         "selection": cfg.selection,
+        "kv_format": cfg.kv_format,
         "prefix_hits": px["hits"],
         "prefix_hit_tokens": px["device_hit_tokens"] + px["host_hit_tokens"],
         "prefix_device_hit_tokens": px["device_hit_tokens"],
@@ -314,7 +317,7 @@ def format_summary(r: dict) -> str:
     t = r["totals"]
     rows = [
         ("requests / steps / tokens decoded", f"{t['requests']} / {t['steps']} / {t['tokens']}"),
-        ("selection", f"{t['selection']} mode"),
+        ("selection", f"{t['selection']} mode, {t['kv_format']} caches"),
         (
             "device budget",
             f"{t['device_slots']} KV pages, {t['budget']:.0%} of the {t['peak_objects']} the"

@@ -72,3 +72,18 @@ def load(pages: torch.Tensor, head_dim: int, block: int = BLOCK) -> torch.Tensor
     values = pages[..., : ps * head_dim].reshape(*lead, ps, head_dim)
     scales = pages[..., ps * head_dim :].contiguous().view(torch.float32).reshape(*lead, ps, nb)
     return dequantize(values, scales)
+
+
+def gather(pages: torch.Tensor, slots: torch.Tensor, head_dim: int, block: int = BLOCK):
+    """Token rows at `slots` (any shape; page * page_size + token) of byte pages [P,
+    page_bytes] (values-then-scales), dequantized to float32 [*slots.shape, head_dim]: only the
+    gathered rows are read."""
+    nb = max(head_dim // block, 1)
+    ps = pages.shape[1] // (head_dim + 4 * nb)
+    flat = slots.reshape(-1)
+    page, tok = flat // ps, flat % ps
+    vcols = tok[:, None] * head_dim + torch.arange(head_dim, device=slots.device)
+    scols = ps * head_dim + tok[:, None] * 4 * nb + torch.arange(4 * nb, device=slots.device)
+    values = pages[page[:, None], vcols]
+    scales = pages[page[:, None], scols].contiguous().view(torch.float32)
+    return dequantize(values, scales).view(*slots.shape, head_dim)

@@ -41,6 +41,7 @@ from sparsetier.errors import (
     TransferFailedError,
 )
 from sparsetier.indexer import MODES
+from sparsetier.kv_format import kv_format as make_kv_format
 from sparsetier.model import TinySparseModel, rms
 
 try:
@@ -121,6 +122,7 @@ class DecodeRuntime:
         layout: str = "layer_first",
         prefill_chunk: int = 256,
         keep_records: int | None = 4096,
+        kv_format: str = "bf16",
     ) -> None:
         c = model.c
         if selection not in MODES:
@@ -152,19 +154,21 @@ class DecodeRuntime:
             raise ConfigError.of(
                 "io_backend", io_backend, "cpu with device cpu; kernel or direct with device cuda"
             )
-        kv = PoolSpec("KV", 1, c.kv_heads, c.head_dim, "bf16", page_size, device_slots)
-        kv_host = PoolSpec("KV", c.layers, c.kv_heads, c.head_dim, "bf16", page_size, host_pages)
-        ik = PoolSpec("INDEXER", c.layers, 1, c.indexer_dim, "bf16", page_size, indexer_pages)
+        # bf16 heads, or FP8 values with fp32 scales in packed rows (DeepSeek-V3.2's formats).
+        self.fmt = fmt = make_kv_format(kv_format, c.kv_heads, c.head_dim, c.indexer_dim)
+        kv = fmt.kv_spec(1, page_size, device_slots)
+        kv_host = fmt.kv_spec(c.layers, page_size, host_pages)
+        ik = fmt.indexer_spec(c.layers, page_size, indexer_pages)
         ik_host = ik.with_pages(host_pages)
         self.kv_spec = kv
         cuda = self.device.type == "cuda"
 
         def host(spec: PoolSpec) -> torch.Tensor:
-            t = torch.zeros(spec.shape(layout), dtype=torch.bfloat16)
+            t = torch.zeros(spec.shape(layout), dtype=fmt.dtype)
             return t.pin_memory() if cuda else t
 
-        self.device_kv = torch.zeros(kv.shape(), dtype=torch.bfloat16, device=self.device)
-        self.indexer_pool = torch.zeros(ik.shape(), dtype=torch.bfloat16, device=self.device)
+        self.device_kv = torch.zeros(kv.shape(), dtype=fmt.dtype, device=self.device)
+        self.indexer_pool = torch.zeros(ik.shape(), dtype=fmt.dtype, device=self.device)
         self.host_kv, self.indexer_host = host(kv_host), host(ik_host)
         self.engine = TransferEngine(io_backend)
         self.scheduler = StepScheduler.joined(
@@ -292,15 +296,16 @@ class DecodeRuntime:
             x = m.embed(r.prompt[c0:c1].to(dev))
             for li, layer in enumerate(m.layers):
                 q, k, v = layer.qkv(x, pos)
-                self.device_kv[0, 0, slot[li], pos % ps] = k
-                self.device_kv[1, 0, slot[li], pos % ps] = v
+                self.fmt.write_kv(self.device_kv, 0, slot[li], pos % ps, k)
+                self.fmt.write_kv(self.device_kv, 1, slot[li], pos % ps, v)
                 h = rms(x)
-                layer.indexer.store_key(h, pos, self._locs(r, pos), self.indexer_pool, li)
+                self.fmt.write_keys(layer.indexer, h, pos, self._locs(r, pos), self.indexer_pool,
+                                    li)  # fmt: skip
                 if restoring:
                     t = time.perf_counter()
                     sched.wait_prefix(r.rid, li, stream)
                     self.prefix_wait_s += time.perf_counter() - t
-                keys = self.indexer_pool[0, li].reshape(-1, m.c.indexer_dim)[hist]
+                keys = self.fmt.gather_keys(self.indexer_pool, li, hist)
                 sel = layer.indexer.select(
                     h, pos, keys, mode=self.mode, unit=self.unit, topk=self.topk,
                     window=self.window, reduce=self.reduce,
@@ -329,7 +334,7 @@ class DecodeRuntime:
             tok_table = cells[j.clamp(max=entries.numel() - 1)].reshape(sel.shape[0], -1)
             tok_table = tok_table.masked_fill((sel < 0).repeat_interleave(ppe, dim=1), -1)
             return sparse_attention_batched(
-                q, self.device_kv, tok_table, sel, pos, self.unit, self.ps
+                q, self.device_kv, tok_table, sel, pos, self.unit, self.ps, self.fmt
             )
         finally:
             sched.finish(plan)
@@ -397,11 +402,11 @@ class DecodeRuntime:
             stream = self._stream()
             for li, layer in enumerate(m.layers):
                 q, k, v = layer.qkv(x, pos)
-                self.device_kv[0, 0, slots[:, li], rows] = k
-                self.device_kv[1, 0, slots[:, li], rows] = v
+                self.fmt.write_kv(self.device_kv, 0, slots[:, li], rows, k)
+                self.fmt.write_kv(self.device_kv, 1, slots[:, li], rows, v)
                 h = rms(x)
-                layer.indexer.store_key(h, pos, my_locs, self.indexer_pool, li)
-                keys = self.indexer_pool[0, li].reshape(-1, m.c.indexer_dim)[hist_locs]
+                self.fmt.write_keys(layer.indexer, h, pos, my_locs, self.indexer_pool, li)
+                keys = self.fmt.gather_keys(self.indexer_pool, li, hist_locs)
                 sel = layer.indexer.select(
                     h, pos, keys, mode=self.mode, unit=self.unit, topk=self.topk,
                     window=self.window, reduce=self.reduce,
@@ -413,7 +418,7 @@ class DecodeRuntime:
                 for _, rid, why in bad:
                     failed.setdefault(rid, why)
                 out = sparse_attention_batched(q, self.device_kv, self._table(table), sel, pos,
-                                               self.unit, ps)  # fmt: skip
+                                               self.unit, ps, self.fmt)  # fmt: skip
                 x = layer.finish(x, out)
                 self.scheduler.finish(plan)
             logits = m.logits(x)
