@@ -5,6 +5,9 @@ geometry (`PoolSpec.part_offset`) says, which is where `sparsetier.fp8` writes t
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import settings as st_settings
+from hypothesis import strategies as hyp
 
 import sparsetier as st
 from sparsetier import fp8
@@ -120,3 +123,72 @@ def test_a_split_page_cannot_be_moved_into_an_interleaved_pool():
             st.PageTransferBinding(a, split), st.PageTransferBinding(b, plain), [0], [1]
         )
     assert e.value.field == "dst.row_format"
+
+
+ITEM = {"fp8_e4m3": 1, "bf16": 2, "fp32": 4}
+
+
+def reference_offset(parts, split, page_size, layers, pages, layer, page, token, part, lpf):
+    """An independent model of where part `part` of a token's row sits in a one-plane pool:
+    whole rows one after another, or (split) each part's rows together in part order."""
+    sizes = [ITEM[d] * n for _, d, n in parts]
+    row = sum(sizes)
+    page_bytes = row * page_size
+    flat = page * layers + layer if lpf else layer * pages + page
+    before = sum(sizes[:part])
+    inner = page_size * before + token * sizes[part] if split else token * row + before
+    return flat * page_bytes + inner
+
+
+@st_settings(max_examples=60, deadline=None)
+@given(data=hyp.data())
+def test_any_packed_row_moves_exactly_where_the_reference_says(data):
+    kinds = data.draw(hyp.permutations(["values", "scales", "rope"]))
+    n_parts = data.draw(hyp.integers(1, 3))
+    parts = [
+        (k, data.draw(hyp.sampled_from(sorted(ITEM))), data.draw(hyp.integers(1, 9)))
+        for k in kinds[:n_parts]
+    ]
+    split = data.draw(hyp.booleans())
+    ps = data.draw(hyp.integers(1, 5))
+    layers = data.draw(hyp.integers(1, 2))
+    layout = data.draw(hyp.sampled_from(["layer_first", "layer_page_first"]))
+    gran = data.draw(hyp.sampled_from(["page", "token"]))
+    row = sum(ITEM[d] * n for _, d, n in parts)
+
+    def spec(pages):
+        pl = "values_then_scales" if split else "interleaved"
+        return st.PoolSpec("INDEXER", layers, 1, row, "fp8_e4m3", ps, pages, planes_per_layer=1,
+                           row_parts=parts, page_layout=pl)  # fmt: skip
+
+    hs, ds = spec(data.draw(hyp.integers(2, 5))), spec(data.draw(hyp.integers(2, 5)))
+    per = (lambda s: s.pages) if gran == "page" else (lambda s: s.pages * ps)
+    n = data.draw(hyp.integers(1, min(per(hs), per(ds))))
+    src = data.draw(hyp.permutations(range(per(hs))))[:n]
+    dst = data.draw(hyp.permutations(range(per(ds))))[:n]
+    g = torch.Generator().manual_seed(n)
+    host = torch.randint(0, 256, tuple(hs.shape(layout)), generator=g, dtype=torch.uint8)
+    dev = torch.zeros(tuple(ds.shape()), dtype=torch.uint8)
+    hb, db = st.PageTransferBinding(host, hs, layout), st.PageTransferBinding(dev, ds)
+    t = st.PreparedPageTransfer(hb, db, src, dst, granularity=gran)
+    st.TransferEngine("cpu").submit(st.PageTransferGroup([t])).wait(timeout=30)
+    want = torch.zeros(dev.numel(), dtype=torch.uint8)
+    hflat = host.view(-1)
+    lpf = layout == "layer_page_first"
+    for s, d in zip(src, dst, strict=True):
+        toks = (
+            [(s, k, d, k) for k in range(ps)]
+            if gran == "page"
+            else [(*divmod(s, ps), *divmod(d, ps))]
+        )
+        for sp, stok, dp, dtok in toks:
+            for layer in range(layers):
+                for part, (_, dt, cnt) in enumerate(parts):
+                    size = ITEM[dt] * cnt
+                    so = reference_offset(parts, split, ps, layers, hs.pages, layer, sp, stok,
+                                          part, lpf)  # fmt: skip
+                    do = reference_offset(parts, split, ps, layers, ds.pages, layer, dp, dtok,
+                                          part, False)  # fmt: skip
+                    assert so == hs.part_offset(layout, 0, layer, sp, stok, part)
+                    want[do : do + size] = hflat[so : so + size]
+    assert torch.equal(dev.view(-1), want)
