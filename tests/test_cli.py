@@ -377,6 +377,29 @@ def test_a_preset_stack_round_trips_its_packed_pages_exactly():
     c.validate()
 
 
+def test_an_existing_packed_device_pool_keeps_its_row_format():
+    import torch
+
+    import sparsetier as st
+    from sparsetier.presets import DEEPSEEK_V32
+
+    kv, ik = DEEPSEEK_V32.specs(pages=4)
+    pools = [
+        st.DevicePool("KV", torch.zeros(kv.shape(), dtype=torch.uint8), kv),
+        st.DevicePool("INDEXER", torch.zeros(ik.shape(), dtype=torch.uint8), ik),
+    ]
+    s = st.build_sparse_stack(pools, hicache_ratio=1.0)
+    host_ik = next(p for p in s.plan.pools if p.component == "INDEXER" and p.tier == "host")
+    assert host_ik.spec.page_layout == "values_then_scales"
+    assert host_ik.spec.token_pieces == ik.token_pieces
+    with pytest.raises(st.ConfigError) as e:
+        st.build_sparse_stack([st.DevicePool("KV", pools[1].tensor, ik)])
+    assert e.value.field == "pools[0].spec"
+    with pytest.raises(st.ConfigError) as e:  # the tensor must fit the spec
+        st.build_sparse_stack([st.DevicePool("KV", torch.zeros(8, dtype=torch.uint8), kv)])
+    assert e.value.field.startswith("pools[0].tensor")
+
+
 def test_bench_prefix_compares_token_containers(capsys):
     args = ["bench", "prefix", "--containers", "--page-size", "16", "--serve-reqs", "20"]
     assert main([*args, "--num-seqs", "20", "--reps", "1"]) == 0

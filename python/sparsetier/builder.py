@@ -30,10 +30,13 @@ _TORCH_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8_
 @dataclass(frozen=True)
 class DevicePool:
     """An existing device pool: ``tensor`` has shape
-    ``[planes, layers, pages, page_size, heads, head_dim]`` (layer-first)."""
+    ``[planes, layers, pages, page_size, heads, head_dim]`` (layer-first). A packed row format
+    (``PoolSpec(row_parts=..., page_layout=...)``) cannot be read off a tensor: pass ``spec``
+    for such a pool (the tensor is checked against it)."""
 
     component: str
     tensor: torch.Tensor
+    spec: PoolSpec | None = None
 
 
 @dataclass
@@ -119,7 +122,18 @@ def build_sparse_stack(
         component, tensor = (
             (pool.component, pool.tensor) if isinstance(pool, DevicePool) else _pair(i, pool)
         )
-        specs.append(PoolSpec.from_tensor(component, tensor, field=f"pools[{i}].tensor"))
+        spec = pool.spec if isinstance(pool, DevicePool) else None
+        if spec is not None:
+            if spec.component != component.upper():
+                from sparsetier.errors import ConfigError
+
+                raise ConfigError.of(
+                    f"pools[{i}].spec", spec.component, f"a {component.upper()} pool spec"
+                )
+            spec.check_tensor(tensor, field=f"pools[{i}].tensor")
+        else:
+            spec = PoolSpec.from_tensor(component, tensor, field=f"pools[{i}].tensor")
+        specs.append(spec)
         given[i] = tensor
     plan = plan_stack(
         specs,
