@@ -1,6 +1,11 @@
 """A short soak of the joined scheduler: memory flat once the host tier is full, latency
-reported, invariants checked at the end (the long run is `sparsetier soak`, outside CI)."""
+reported, data patterns and invariants checked (the long run is `sparsetier soak`, outside
+CI)."""
 
+import numpy as np
+import pytest
+
+from sparsetier import soak
 from sparsetier.cli import main
 from sparsetier.soak import SoakConfig, run
 
@@ -15,6 +20,28 @@ def test_short_soak_keeps_memory_flat_after_warm_up():
     assert all(r["objects"] <= cfg.host_pages * cfg.layers for r in reports)
     assert reports[-1]["rss_mib"] - reports[3]["rss_mib"] < 8.0, reports
     assert reports[-1]["plan_p99_us"] > 0
+    # Every selected page's rows and every admitted prefix's Indexer-K were compared.
+    assert reports[-1]["rows_checked"] > reports[0]["rows_checked"] > 0
+    assert reports[-1]["restores_failed"] + reports[-1]["failed_loads"] > 0, "faults ran"
+
+
+def test_the_soak_catches_a_row_that_went_wrong(monkeypatch):
+    # A planted bug: one K row in 500 written with a flipped byte, as a torn copy or a slot
+    # reused too early would leave it. The soak must fail on it, not count it as checked.
+    real = soak._Patterns.write_kv
+    n = {"calls": 0}
+
+    def torn(self, slots, rows, toks, pos, layer):
+        real(self, slots, rows, toks, pos, layer)
+        n["calls"] += 1
+        if n["calls"] % 500 == 0:
+            self.kv[0, 0, np.atleast_1d(slots)[0], np.atleast_1d(rows)[0], 0, 0] ^= 0xFF
+
+    monkeypatch.setattr(soak._Patterns, "write_kv", torn)
+    cfg = SoakConfig(requests=2000, every=500, device_slots=3000, host_pages=1500,
+                     indexer_pages=1200, prompts=100, faults=0.0)  # fmt: skip
+    with pytest.raises(AssertionError, match="data pattern broken"):
+        run(cfg, quiet=True)
 
 
 def test_soak_command(tmp_path, capsys):

@@ -3,7 +3,14 @@ residency together) with no model: requests over Zipf-popular system prompts and
 turns, decode steps with random selections, ends with and without insertion, random faults.
 Every `--every` requests it prints (and writes as a JSON line) the RSS, live objects, tree
 nodes, the p50/p99 latency of each call since the last report, and the fault counters; it ends
-with every invariant checked. It shows whether memory and latency stay flat over millions of
+with every invariant checked.
+
+Data patterns: every K, V and Indexer-K row written gets bytes derived from (token, position,
+layer, plane), so a prefix's rows are the same whoever wrote them. Every page a plan selects is
+read back through its slot table after `ready` and compared, and every admitted request's
+Indexer-K (found on the device or restored from host) is compared after its restore: a load,
+backup, restore or eviction that moved the wrong bytes, or a slot reused too early, fails the
+soak. It shows whether memory and latency stay flat over millions of
 requests (issue 17); CI runs a short one and asserts flat RSS after warm-up.
 """
 
@@ -45,6 +52,70 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q) * 1e6) if xs else 0.0
 
 
+ROW = 8  # bytes per token row per plane: small pools, all of them checked
+
+
+def pattern(tokens: np.ndarray, positions: np.ndarray, layer, plane: int) -> np.ndarray:
+    """The bytes [..., ROW] of the rows of `tokens` at `positions` (same shapes; `layer`
+    broadcasts with them) in `plane` (0 K, 1 V, 2 Indexer-K)."""
+    base = (
+        tokens.astype(np.uint64) * np.uint64(0x9E3779B1)
+        + positions.astype(np.uint64) * np.uint64(0x85EBCA77)
+        + np.asarray(layer, dtype=np.uint64) * np.uint64(0xC2B2AE3D)
+        + np.uint64(plane * 0x27D4EB2F)
+    )
+    k = np.arange(ROW, dtype=np.uint64)
+    return ((base[..., None] + k * np.uint64(0x165667B1)) >> np.uint64(17)).astype(np.uint8)
+
+
+class _Patterns:
+    """Writes and checks the rows of the soak's pools (see the module)."""
+
+    def __init__(self, s, kv: torch.Tensor, ik: torch.Tensor, ps: int, layers: int) -> None:
+        self.s, self.kv, self.ik, self.ps, self.layers = s, kv.numpy(), ik.numpy(), ps, layers
+        self.rows_checked = 0
+
+    def write_kv(self, slots: np.ndarray, rows: np.ndarray, toks, pos, layer: int) -> None:
+        for plane in (0, 1):
+            self.kv[plane, 0, slots, rows, 0] = pattern(toks, pos, layer, plane)
+
+    def write_keys(self, rid: int, toks: np.ndarray, pos: np.ndarray) -> None:
+        pages = self.s.indexer_pages(rid)[pos // self.ps]
+        for layer in range(self.layers):
+            self.ik[0, layer, pages, pos % self.ps, 0] = pattern(toks, pos, layer, 2)
+
+    def check_keys(self, rid: int, toks: np.ndarray, upto: int) -> None:
+        pos = np.arange(upto)
+        if not upto:
+            return
+        pages = self.s.indexer_pages(rid)[pos // self.ps]
+        for layer in range(self.layers):
+            got = self.ik[0, layer, pages, pos % self.ps, 0]
+            self._same(got, pattern(toks[:upto], pos, layer, 2), f"Indexer-K of {rid}")
+
+    def check_plan(self, table, sel, lens, tokmat, layer: int, skip: set[int]) -> None:
+        """The selected pages' rows, read through the slot table, hold their tokens' rows:
+        the whole batch at once. `tokmat` [B, longest] holds each row's tokens, `lens` [B]
+        how many have rows written; rows in `skip` (failed loads) are not read."""
+        pos = sel[:, :, None] * self.ps + np.arange(self.ps)  # [B, K, ps]
+        valid = (sel >= 0)[:, :, None] & (pos < lens[:, None, None])
+        if skip:
+            valid[sorted(skip)] = False
+        b = np.broadcast_to(np.arange(len(sel))[:, None, None], pos.shape)[valid]
+        slot = np.broadcast_to(table[:, :, None], pos.shape)[valid]
+        p = pos[valid]
+        for plane in (0, 1):
+            got = self.kv[plane, 0, slot, p % self.ps, 0]
+            want = pattern(tokmat[b, p], p, layer, plane)
+            self._same(got, want, f"layer {layer} plane {plane}")
+
+    def _same(self, got: np.ndarray, want: np.ndarray, what: str) -> None:
+        if not np.array_equal(got, want):
+            bad = int(np.flatnonzero((got != want).any(axis=-1))[0])
+            raise AssertionError(f"soak data pattern broken: {what}, row {bad}")
+        self.rows_checked += len(got)
+
+
 def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
     """Runs the soak; returns the reports (and writes them to `out` as JSON lines)."""
     for field in ("requests", "concurrent", "layers", "steps", "every", "prompts"):
@@ -52,19 +123,21 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
             raise ConfigError.of(field, str(getattr(cfg, field)), "an integer >= 1")
     rng = np.random.default_rng(cfg.seed)
     ps, layers = cfg.page_size, cfg.layers
-    kv = PoolSpec("KV", 1, 1, 8, "bf16", ps, cfg.device_slots)
-    kv_host = PoolSpec("KV", layers, 1, 8, "bf16", ps, cfg.host_pages)
-    ik = PoolSpec("INDEXER", layers, 1, 8, "bf16", ps, cfg.indexer_pages)
+    kv = PoolSpec("KV", 1, 1, ROW, "fp8_e4m3", ps, cfg.device_slots)
+    kv_host = PoolSpec("KV", layers, 1, ROW, "fp8_e4m3", ps, cfg.host_pages)
+    ik = PoolSpec("INDEXER", layers, 1, ROW, "fp8_e4m3", ps, cfg.indexer_pages)
     ik_host = ik.with_pages(cfg.host_pages)
-    z = lambda s: torch.zeros(s, dtype=torch.bfloat16)  # noqa: E731
+    z = lambda s: torch.zeros(s, dtype=torch.uint8)  # noqa: E731
+    dev_kv, dev_ik = z(kv.shape()), z(ik.shape())
     s = StepScheduler.joined(
-        PageTransferBinding(z(kv.shape()), kv),
+        PageTransferBinding(dev_kv, kv),
         PageTransferBinding(z(kv_host.shape()), kv_host),
         TransferEngine("cpu", threads=1),
-        indexer_device=PageTransferBinding(z(ik.shape()), ik),
+        indexer_device=PageTransferBinding(dev_ik, ik),
         indexer_host=PageTransferBinding(z(ik_host.shape()), ik_host),
         prefetch=False,
     )  # fmt: skip
+    data = _Patterns(s, dev_kv, dev_ik, ps, layers)
     w = 1.0 / np.arange(1, cfg.prompts + 1) ** 1.1
     w /= w.sum()
     sys_len = rng.integers(64, 512, cfg.prompts)
@@ -99,7 +172,13 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
             try:
                 for layer in range(layers):
                     s.wait_prefix(rid, layer)  # a failed restore ends the request
-                s.extend(rid, len(toks) - adm["matched_pages"] * ps)
+                start = adm["matched_pages"] * ps
+                data.check_keys(rid, toks, start)  # found on the device or restored
+                first, slots = s.extend(rid, len(toks) - start)
+                pos = np.arange(start, len(toks))
+                for layer in range(layers):
+                    data.write_kv(slots[layer, pos // ps - first], pos % ps, toks[pos], pos, layer)
+                data.write_keys(rid, toks[pos], pos)
                 running[rid] = [list(toks), cfg.steps]
             except SparsetierError:
                 s.finish_request(rid)
@@ -108,9 +187,19 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
             s.inject_faults(["load", "backup", "restore"][int(rng.integers(3))], 1)
         rids = np.array(sorted(running), dtype=np.int64)
         try:
-            s.append(rids)
-            for rid in rids.tolist():
-                running[rid][0].append(int(rng.integers(0, 50_000)))
+            slots_np, rows_np = s.append(rids)
+            new = rng.integers(0, 50_000, len(rids))
+            pos = np.array([len(running[rid][0]) for rid in rids.tolist()])
+            for b, rid in enumerate(rids.tolist()):
+                running[rid][0].append(int(new[b]))
+            for layer in range(layers):
+                data.write_kv(slots_np[:, layer], rows_np, new, pos, layer)
+            for b, rid in enumerate(rids.tolist()):
+                data.write_keys(rid, new[b : b + 1], pos[b : b + 1])
+            lens = pos + 1
+            tokmat = np.zeros((len(rids), int(lens.max())), dtype=np.int64)
+            for b, rid in enumerate(rids.tolist()):
+                tokmat[b, : lens[b]] = running[rid][0]
             bad: set[int] = set()
             for layer in range(layers):
                 k = 4
@@ -119,9 +208,12 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
                     n = -(-len(running[rid][0]) // ps)
                     pick = np.sort(rng.choice(n, size=min(k, n), replace=False))
                     sel[b, : len(pick)] = pick
-                plan, _ = timed("plan", s.plan, layer, rids, sel, ps)
-                failed_rows, _ = s.ready(plan)
+                plan, table = timed("plan", s.plan, layer, rids, sel, ps)
+                failed_rows, again = s.ready(plan)
+                table = table if again is None else again
                 bad |= {r for _, r, _ in failed_rows}
+                skip = {int(np.flatnonzero(rids == r)[0]) for r in bad}
+                data.check_plan(table, sel, lens, tokmat, layer, skip)
                 s.finish(plan)
             timed("end_step", s.end_step)
         except OutOfPagesError:
@@ -152,6 +244,7 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
                         "failed_loads": s.totals()["failed_loads"],
                         "failed_backups": s.totals()["failed_backups"],
                         "restores_failed": px["restores_failed"],
+                        "rows_checked": data.rows_checked,
                         **{f"{k}_p50_us": _pct(v, 50) for k, v in lat.items()},
                         **{f"{k}_p99_us": _pct(v, 99) for k, v in lat.items()},
                     }
@@ -164,7 +257,8 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
                         print(
                             f"{done} requests  rss {rep['rss_mib']:.1f} MiB  objects "
                             f"{rep['objects']}  nodes {rep['tree_nodes']}  plan p99 "
-                            f"{rep['plan_p99_us']:.0f} us  failed {failed}"
+                            f"{rep['plan_p99_us']:.0f} us  failed {failed}  rows checked "
+                            f"{data.rows_checked}"
                         )
     for rid in list(running):
         s.finish_request(rid)
