@@ -193,6 +193,13 @@ def _dir():
     return st.ResidencyDirectory(4, 4, object_bytes=8)
 
 
+def _runtime(**kw):
+    from sparsetier.model import TinySparseModel
+    from sparsetier.runtime import DecodeRuntime
+
+    return DecodeRuntime(TinySparseModel(), device_slots=64, host_pages=64, indexer_pages=64, **kw)
+
+
 BAD_INPUT = [
     # (entry point, call, expected error, field or None)
     ("HiCache.match_prefix 2-D tokens", lambda: _cache().match_prefix(np.zeros((2, 4))), st.ConfigError, "tokens"),
@@ -224,6 +231,11 @@ BAD_INPUT = [
     ("plan_stack pool not a spec", lambda: st.plan_stack(["KV"]), st.ConfigError, "pools[0]"),
     ("compile_cuda_kernels arch", lambda: st.compile_cuda_kernels(90), st.ConfigError, "arch"),
     ("TransferEngine device", lambda: st.TransferEngine("kernel", device=-1), st.ConfigError, "device"),
+    ("DecodeRuntime kv_format", lambda: _runtime(kv_format="int4"), st.ConfigError, "kv_format"),
+    ("PoolSpec row_parts sum", lambda: st.PoolSpec("INDEXER", 1, 1, 132, "fp8", row_parts=[("values", "fp8", 128)]), st.ConfigError, "row_parts"),
+    ("PoolSpec row_parts name", lambda: st.PoolSpec("INDEXER", 1, 1, 4, "fp8", row_parts=[("latent", "fp8", 4)]), st.ConfigError, "row_parts[0].name"),
+    ("PoolSpec page_layout", lambda: st.PoolSpec("INDEXER", 1, 1, 4, "fp8", page_layout="scales_first"), st.ConfigError, "page_layout"),
+    ("PoolSpec part_offset part", lambda: st.PoolSpec("KV", 1, 1, 8).part_offset("layer_first", 0, 0, 0, 0, 1), st.OutOfRangeError, "part"),
     ("TransferEngine lanes not a power of two", lambda: st.TransferEngine("kernel", lanes=48), st.ConfigError, "lanes"),
     ("TransferEngine lanes too many", lambda: st.TransferEngine("kernel", lanes=1024), st.ConfigError, "lanes"),
     ("TransferEngine lanes negative", lambda: st.TransferEngine("kernel", lanes=-4), st.ConfigError, "lanes"),
