@@ -26,16 +26,16 @@ def test_short_soak_keeps_memory_flat_after_warm_up():
 
 
 def test_the_soak_catches_a_row_that_went_wrong(monkeypatch):
-    # A planted bug: one K row in 500 written with a flipped byte, as a torn copy or a slot
+    # A planted bug: one K row in 500 writes with a flipped byte, as a torn copy or a slot
     # reused too early would leave it. The soak must fail on it, not count it as checked.
     real = soak._Patterns.write_kv
     n = {"calls": 0}
 
-    def torn(self, slots, rows, toks, pos, layer):
-        real(self, slots, rows, toks, pos, layer)
+    def torn(self, slots, rows, toks, pos):
+        real(self, slots, rows, toks, pos)
         n["calls"] += 1
-        if n["calls"] % 500 == 0:
-            self.kv[0, 0, np.atleast_1d(slots)[0], np.atleast_1d(rows)[0], 0, 0] ^= 0xFF
+        if n["calls"] % 500 == 0:  # K of the call's first row at the last layer
+            self.kv[0, 0, slots[-1].flat[0], np.atleast_1d(rows)[0], 0, 0] ^= 0xFF
 
     monkeypatch.setattr(soak._Patterns, "write_kv", torn)
     cfg = SoakConfig(requests=2000, every=500, device_slots=3000, host_pages=1500,

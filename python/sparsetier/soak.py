@@ -55,43 +55,48 @@ def _pct(xs: list[float], q: float) -> float:
 ROW = 8  # bytes per token row per plane: small pools, all of them checked
 
 
-def pattern(tokens: np.ndarray, positions: np.ndarray, layer, plane: int) -> np.ndarray:
-    """The bytes [..., ROW] of the rows of `tokens` at `positions` (same shapes; `layer`
-    broadcasts with them) in `plane` (0 K, 1 V, 2 Indexer-K)."""
-    base = (
-        tokens.astype(np.uint64) * np.uint64(0x9E3779B1)
-        + positions.astype(np.uint64) * np.uint64(0x85EBCA77)
-        + np.asarray(layer, dtype=np.uint64) * np.uint64(0xC2B2AE3D)
-        + np.uint64(plane * 0x27D4EB2F)
-    )
-    k = np.arange(ROW, dtype=np.uint64)
-    return ((base[..., None] + k * np.uint64(0x165667B1)) >> np.uint64(17)).astype(np.uint8)
+_K = np.arange(ROW, dtype=np.uint32) * np.uint32(0x165667B1)
+
+
+def pattern(tokens, positions, layer, plane) -> np.ndarray:
+    """The bytes [..., ROW] of the rows of `tokens` at `positions` in `layer` and `plane` (0 K,
+    1 V, 2 Indexer-K); the four broadcast together. uint32 arithmetic, wrapping."""
+    with np.errstate(over="ignore"):
+        base = (
+            np.asarray(tokens, dtype=np.uint32) * np.uint32(0x9E3779B1)
+            + np.asarray(positions, dtype=np.uint32) * np.uint32(0x85EBCA77)
+            + np.asarray(layer, dtype=np.uint32) * np.uint32(0xC2B2AE3D)
+            + np.asarray(plane, dtype=np.uint32) * np.uint32(0x27D4EB2F)
+        )
+        return ((base[..., None] + _K) >> np.uint32(17)).astype(np.uint8)
 
 
 class _Patterns:
-    """Writes and checks the rows of the soak's pools (see the module)."""
+    """Writes and checks the rows of the soak's pools (see the module): every layer and both
+    K/V planes in one numpy call each."""
 
     def __init__(self, s, kv: torch.Tensor, ik: torch.Tensor, ps: int, layers: int) -> None:
         self.s, self.kv, self.ik, self.ps, self.layers = s, kv.numpy(), ik.numpy(), ps, layers
+        self.lay = np.arange(layers)[:, None]  # [layers, 1]
+        self.kv_planes = np.array([0, 1])[:, None, None]  # [2, 1, 1]
         self.rows_checked = 0
 
-    def write_kv(self, slots: np.ndarray, rows: np.ndarray, toks, pos, layer: int) -> None:
-        for plane in (0, 1):
-            self.kv[plane, 0, slots, rows, 0] = pattern(toks, pos, layer, plane)
+    def write_kv(self, slots: np.ndarray, rows: np.ndarray, toks, pos) -> None:
+        """Rows of `toks` at `pos` [N] into device `slots` [layers, N] at page rows `rows`."""
+        want = pattern(toks, pos, self.lay, self.kv_planes)  # [2, layers, N, ROW]
+        self.kv[:, 0, slots, rows, 0] = want
 
-    def write_keys(self, rid: int, toks: np.ndarray, pos: np.ndarray) -> None:
-        pages = self.s.indexer_pages(rid)[pos // self.ps]
-        for layer in range(self.layers):
-            self.ik[0, layer, pages, pos % self.ps, 0] = pattern(toks, pos, layer, 2)
+    def write_keys(self, pages: np.ndarray, toks, pos) -> None:
+        """Indexer-K rows of `toks` at `pos` [N] into Indexer-K `pages` [N], every layer."""
+        self.ik[0, self.lay, pages, pos % self.ps, 0] = pattern(toks, pos, self.lay, 2)
 
     def check_keys(self, rid: int, toks: np.ndarray, upto: int) -> None:
-        pos = np.arange(upto)
         if not upto:
             return
+        pos = np.arange(upto)
         pages = self.s.indexer_pages(rid)[pos // self.ps]
-        for layer in range(self.layers):
-            got = self.ik[0, layer, pages, pos % self.ps, 0]
-            self._same(got, pattern(toks[:upto], pos, layer, 2), f"Indexer-K of {rid}")
+        got = self.ik[0, self.lay, pages, pos % self.ps, 0]  # [layers, N, ROW]
+        self._same(got, pattern(toks[:upto], pos, self.lay, 2), f"Indexer-K of {rid}")
 
     def check_plan(self, table, sel, lens, tokmat, layer: int, skip: set[int]) -> None:
         """The selected pages' rows, read through the slot table, hold their tokens' rows:
@@ -104,16 +109,29 @@ class _Patterns:
         b = np.broadcast_to(np.arange(len(sel))[:, None, None], pos.shape)[valid]
         slot = np.broadcast_to(table[:, :, None], pos.shape)[valid]
         p = pos[valid]
-        for plane in (0, 1):
-            got = self.kv[plane, 0, slot, p % self.ps, 0]
-            want = pattern(tokmat[b, p], p, layer, plane)
-            self._same(got, want, f"layer {layer} plane {plane}")
+        got = self.kv[:, 0, slot, p % self.ps, 0]  # [2, N, ROW]
+        want = pattern(tokmat[b, p], p, layer, self.kv_planes[:, 0])
+        self._same(got, want, f"layer {layer}")
 
     def _same(self, got: np.ndarray, want: np.ndarray, what: str) -> None:
         if not np.array_equal(got, want):
-            bad = int(np.flatnonzero((got != want).any(axis=-1))[0])
-            raise AssertionError(f"soak data pattern broken: {what}, row {bad}")
-        self.rows_checked += len(got)
+            bad = np.argwhere((got != want).any(axis=-1))[0].tolist()
+            raise AssertionError(f"soak data pattern broken: {what}, at {bad}")
+        self.rows_checked += got.size // ROW
+
+
+def _pick(rng: np.random.Generator, n: np.ndarray, k: int, layers: int) -> np.ndarray:
+    """For each layer and row b, `min(k, n[b])` distinct pages of `n[b]`, ascending, -1
+    padded: [layers, B, k]."""
+    keys = rng.random((layers, len(n), int(n.max())))
+    keys[:, np.arange(keys.shape[2]) >= n[:, None]] = np.inf
+    kk = min(k, keys.shape[2])
+    pick = np.sort(np.argpartition(keys, kk - 1, axis=2)[:, :, :kk], axis=2)
+    ok = np.take_along_axis(keys, pick, axis=2) < np.inf
+    out = np.full((layers, len(n), k), -1, dtype=np.int64)
+    # Padding keys belong to indices >= n[b], so after the sort they come last.
+    out[:, :, :kk] = np.where(ok, pick, -1)
+    return out
 
 
 def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
@@ -138,6 +156,7 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
         prefetch=False,
     )  # fmt: skip
     data = _Patterns(s, dev_kv, dev_ik, ps, layers)
+    idx: dict[int, np.ndarray] = {}  # rid -> its Indexer-K device pages
     w = 1.0 / np.arange(1, cfg.prompts + 1) ** 1.1
     w /= w.sum()
     sys_len = rng.integers(64, 512, cfg.prompts)
@@ -176,11 +195,12 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
                 data.check_keys(rid, toks, start)  # found on the device or restored
                 first, slots = s.extend(rid, len(toks) - start)
                 pos = np.arange(start, len(toks))
-                for layer in range(layers):
-                    data.write_kv(slots[layer, pos // ps - first], pos % ps, toks[pos], pos, layer)
-                data.write_keys(rid, toks[pos], pos)
+                data.write_kv(slots[:, pos // ps - first], pos % ps, toks[pos], pos)
+                idx[rid] = s.indexer_pages(rid)
+                data.write_keys(idx[rid][pos // ps], toks[pos], pos)
                 running[rid] = [list(toks), cfg.steps]
             except SparsetierError:
+                idx.pop(rid, None)
                 s.finish_request(rid)
                 failed, done = failed + 1, done + 1
         if rng.random() < cfg.faults:
@@ -190,24 +210,22 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
             slots_np, rows_np = s.append(rids)
             new = rng.integers(0, 50_000, len(rids))
             pos = np.array([len(running[rid][0]) for rid in rids.tolist()])
+            ik_pages = np.empty(len(rids), dtype=np.int64)
             for b, rid in enumerate(rids.tolist()):
                 running[rid][0].append(int(new[b]))
-            for layer in range(layers):
-                data.write_kv(slots_np[:, layer], rows_np, new, pos, layer)
-            for b, rid in enumerate(rids.tolist()):
-                data.write_keys(rid, new[b : b + 1], pos[b : b + 1])
+                if rows_np[b] == 0:  # a page started: its Indexer-K page is new
+                    idx[rid] = s.indexer_pages(rid)
+                ik_pages[b] = idx[rid][pos[b] // ps]
+            data.write_kv(slots_np.T, rows_np, new, pos)
+            data.write_keys(ik_pages, new, pos)
             lens = pos + 1
             tokmat = np.zeros((len(rids), int(lens.max())), dtype=np.int64)
             for b, rid in enumerate(rids.tolist()):
                 tokmat[b, : lens[b]] = running[rid][0]
             bad: set[int] = set()
+            sels = _pick(rng, -(-lens // ps), 4, layers)
             for layer in range(layers):
-                k = 4
-                sel = np.full((len(rids), k), -1, dtype=np.int64)
-                for b, rid in enumerate(rids.tolist()):
-                    n = -(-len(running[rid][0]) // ps)
-                    pick = np.sort(rng.choice(n, size=min(k, n), replace=False))
-                    sel[b, : len(pick)] = pick
+                sel = sels[layer]
                 plan, table = timed("plan", s.plan, layer, rids, sel, ps)
                 failed_rows, again = s.ready(plan)
                 table = table if again is None else again
@@ -222,6 +240,7 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
             running[rid][1] -= 1
             if rid in bad or running[rid][1] <= 0:
                 toks = running.pop(rid)[0]
+                idx.pop(rid, None)
                 insert = rid not in bad and rng.random() < 0.9
                 timed("finish", s.finish_request, rid, np.array(toks) if insert else None)
                 if insert and len(turns) < 256:
