@@ -11,7 +11,8 @@
 #         pytest.txt          tests/test_cuda.py (CUDA round trips, stream wait, NVRTC),
 #                             tests/test_hicache.py (GPU round trips) and
 #                             tests/test_gpu_runtime.py (the decode runtime on the GPU) and
-#                             tests/test_packed.py (packed FP8 rows through both engines)
+#                             tests/test_packed.py (packed FP8 rows through both engines),
+#                             tests/test_decode.py (its prefix-restore test on the GPU too)
 #         demo_cuda.txt       `sparsetier demo --device cuda` (tiered == resident on the GPU,
 #                             through the step scheduler with stream waits), block and token
 #                             selection, with and without prefetch, and in FP8 (--kv-format)
@@ -50,6 +51,7 @@ run)
     per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=60)
     timeout 170 python3 -m pytest -q -rs -p no:cacheprovider $per_test tests/test_cuda.py \
         tests/test_hicache.py tests/test_gpu_runtime.py tests/test_packed.py \
+        tests/test_decode.py \
         > "$OUT/pytest.txt" 2>&1
     echo "exit $?" >> "$OUT/pytest.txt"
     timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet --kv-format fp8 \

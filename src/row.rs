@@ -235,6 +235,21 @@ impl RowFormat {
     }
 }
 
+/// DeepSeek-V3.2's Indexer-K row: 128 FP8 e4m3 values and one fp32 scale (132 bytes), whose
+/// pages are laid out values, then scales.
+pub const DEEPSEEK_V32_INDEXER: [RowPart; 2] = [
+    RowPart {
+        kind: PartKind::Values,
+        dtype: Dtype::Fp8E4m3,
+        count: 128,
+    },
+    RowPart {
+        kind: PartKind::Scales,
+        dtype: Dtype::F32,
+        count: 1,
+    },
+];
+
 impl std::fmt::Display for RowFormat {
     /// `values fp8_e4m3 x128 + scales fp32 x1 (values_then_scales)`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -251,23 +266,7 @@ mod tests {
     use super::*;
 
     fn indexer() -> RowFormat {
-        RowFormat::new(
-            &[
-                RowPart {
-                    kind: PartKind::Values,
-                    dtype: Dtype::Fp8E4m3,
-                    count: 128,
-                },
-                RowPart {
-                    kind: PartKind::Scales,
-                    dtype: Dtype::F32,
-                    count: 1,
-                },
-            ],
-            PageLayout::ValuesThenScales,
-            132,
-        )
-        .unwrap()
+        RowFormat::new(&DEEPSEEK_V32_INDEXER, PageLayout::ValuesThenScales, 132).unwrap()
     }
 
     #[test]

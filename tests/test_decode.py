@@ -95,17 +95,18 @@ SYSTEM = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(5)
 
 
 def run(device_slots, prefetch=True, share=False, mode="block", steps=12, faults=None, aborts=None,
-        layout="layer_first", kv_format="bf16"):  # fmt: skip
+        layout="layer_first", kv_format="bf16", io="cpu"):  # fmt: skip
     """Three requests over a 37-token system prompt (4 whole pages of 8), `steps` decode steps.
     With `share`, a first request over the prompt runs and ends before them, so they find its
     pages in the prefix cache. `faults` maps a step to `(kind, count, layer)` armed before it;
     `aborts` maps a step to requests ended after it (a reference run replays a faulty run's
-    failures this way)."""
-    m = TinySparseModel(ModelConfig(seed=3))
+    failures this way). `io` "kernel" or "direct" runs it on the GPU."""
+    device = "cpu" if io == "cpu" else "cuda"
+    m = TinySparseModel(ModelConfig(seed=3)).to(device)
     rt = DecodeRuntime(
         m, page_size=8, device_slots=device_slots, host_pages=200, indexer_pages=80,
         topk=4 if mode == "block" else 12, prefetch=prefetch, selection=mode, layout=layout,
-        kv_format=kv_format,
+        kv_format=kv_format, io_backend=io, device=device,
     )  # fmt: skip
     g = torch.Generator().manual_seed(5)
     if share:
@@ -298,11 +299,15 @@ def test_exposed_wait_is_what_the_overlap_window_did_not_hide(load_ms, lo_ms, hi
 
 
 @pytest.mark.parametrize(
-    ("layout", "kv_format"),
-    [("layer_first", "bf16"), ("layer_page_first", "bf16"), ("layer_page_first", "fp8")],
-)
-def test_a_prefix_hit_restores_indexer_k_and_loads_only_selected_blocks(layout, kv_format):
-    rt, _ = run(40, share=True, layout=layout, steps=4, kv_format=kv_format)
+    ("layout", "kv_format", "io"),
+    [("layer_first", "bf16", "cpu"), ("layer_page_first", "bf16", "cpu"),
+     ("layer_page_first", "fp8", "cpu"), ("layer_first", "bf16", "kernel"),
+     ("layer_page_first", "fp8", "kernel")],
+)  # fmt: skip
+def test_a_prefix_hit_restores_indexer_k_and_loads_only_selected_blocks(layout, kv_format, io):
+    if io != "cpu" and not (torch.cuda.is_available() and st.cuda_status()[0]):
+        pytest.skip(f"the {io} engine needs a CUDA GPU: {st.cuda_status()[1]}")
+    rt, _ = run(40, share=True, layout=layout, steps=4, kv_format=kv_format, io=io)
     # The three requests found the prompt's 4 pages, stored once by request 9.
     px = rt.prefix_stats()
     assert px["hits"] == 3 and px["device_hit_tokens"] + px["host_hit_tokens"] == 3 * 32
@@ -327,9 +332,11 @@ def test_a_prefix_hit_restores_indexer_k_and_loads_only_selected_blocks(layout, 
     rt.step()
     rt.scheduler.validate()
     # The same request in a fresh runtime, prefilled from scratch, decodes the same tokens.
+    device = "cpu" if io == "cpu" else "cuda"
     fresh = DecodeRuntime(
-        TinySparseModel(ModelConfig(seed=3)), page_size=8, device_slots=400, host_pages=200,
-        indexer_pages=80, topk=4, layout=layout, kv_format=kv_format,
+        TinySparseModel(ModelConfig(seed=3)).to(device), page_size=8, device_slots=400,
+        host_pages=200, indexer_pages=80, topk=4, layout=layout, kv_format=kv_format,
+        io_backend=io, device=device,
     )  # fmt: skip
     fresh.add_request(7, prompt, 2)
     fresh.step()

@@ -206,19 +206,7 @@ fn split_pages_move_each_tokens_parts_exactly() {
     // DeepSeek-V3.2's Indexer-K page: every token's 128 FP8 values, then every token's fp32
     // scale. A token's row is two ranges of its page; a token copy must move both, and touch
     // nothing else.
-    use crate::row::{PageLayout, PartKind, RowPart};
-    let parts = [
-        RowPart {
-            kind: PartKind::Values,
-            dtype: Dtype::Fp8E4m3,
-            count: 128,
-        },
-        RowPart {
-            kind: PartKind::Scales,
-            dtype: Dtype::F32,
-            count: 1,
-        },
-    ];
+    use crate::row::{PageLayout, DEEPSEEK_V32_INDEXER as parts};
     let engine = CpuEngine::new(2).unwrap();
     let mut rng = XorShift::new(8448);
     for layout in [HostLayout::LayerFirst, HostLayout::LayerPageFirst] {
@@ -280,24 +268,10 @@ fn split_pages_move_each_tokens_parts_exactly() {
 
 #[test]
 fn a_split_page_does_not_mix_with_an_interleaved_one() {
-    use crate::row::{PageLayout, PartKind, RowPart};
+    use crate::row::{PageLayout, DEEPSEEK_V32_INDEXER};
     let plain = PoolSpec::new(Component::Indexer, 1, 1, 1, 132, Dtype::Fp8E4m3, 4, 4).unwrap();
     let split = plain
-        .with_row(
-            &[
-                RowPart {
-                    kind: PartKind::Values,
-                    dtype: Dtype::Fp8E4m3,
-                    count: 128,
-                },
-                RowPart {
-                    kind: PartKind::Scales,
-                    dtype: Dtype::F32,
-                    count: 1,
-                },
-            ],
-            PageLayout::ValuesThenScales,
-        )
+        .with_row(&DEEPSEEK_V32_INDEXER, PageLayout::ValuesThenScales)
         .unwrap();
     let mut a = vec![0u8; plain.total_bytes() as usize];
     let mut b = vec![0u8; split.total_bytes() as usize];
