@@ -288,3 +288,40 @@ fn a_split_page_does_not_mix_with_an_interleaved_one() {
         "{e:?}"
     );
 }
+
+/// The CPU cost of building a token-granular copy list, for profiling (the CUDA engines build
+/// it on the submitting thread): `cargo test --release --lib token_ops_cost -- --ignored
+/// --nocapture`.
+#[test]
+#[ignore]
+fn token_ops_cost() {
+    let spec = PoolSpec::new(Component::Indexer, 1, 1, 1, 256, Dtype::Fp8E4m3, 16, 65_536).unwrap();
+    let n = spec.token_slots() as usize;
+    let mut a = vec![0u8; spec.total_bytes() as usize];
+    let mut b = vec![0u8; spec.total_bytes() as usize];
+    let mut rng = XorShift::new(7);
+    let mut src: Vec<u64> = (0..n as u64).collect();
+    let mut dst = src.clone();
+    for v in [&mut src, &mut dst] {
+        for i in (1..n).rev() {
+            v.swap(i, rng.below(i as u64 + 1) as usize);
+        }
+    }
+    let map = PageTransferMap::new(Granularity::Token, &src, &dst).unwrap();
+    let p = PreparedPageTransfer::new(
+        bind(&mut a, &spec, HostLayout::LayerFirst),
+        bind(&mut b, &spec, HostLayout::LayerFirst),
+        map,
+        Direction::Load,
+    )
+    .unwrap();
+    let g = PageTransferGroup::new(vec![p]).unwrap();
+    let mut best = f64::MAX;
+    for _ in 0..10 {
+        let t = std::time::Instant::now();
+        let ops = g.layer_ops(0).unwrap();
+        best = best.min(t.elapsed().as_secs_f64());
+        assert!(ops.len() > n / 2, "random rows rarely merge");
+    }
+    eprintln!("{:.1} ns per token row ({n} rows)", best * 1e9 / n as f64);
+}
