@@ -61,7 +61,11 @@ def sparse_attention_batched(
     """
     b, k = selection.shape
     dev = kv_pool.device
-    hkv, d = (fmt.heads, fmt.dim) if fmt is not None else kv_pool.shape[-2:]
+    if fmt is None:  # a plain pool [2, 1, slots, page_size, Hkv, D]
+        from sparsetier.kv_format import KvFormat
+
+        fmt = KvFormat(kv_pool.shape[-2], kv_pool.shape[-1], 0)
+    hkv, d = fmt.heads, fmt.dim
     ppe = max(1, unit // page_size)
     sel = selection.to(dev)
     off = torch.arange(unit, device=dev)
@@ -70,11 +74,7 @@ def sparse_attention_batched(
     slot = table.to(dev, torch.long).gather(1, cell.reshape(1, -1).expand(b, -1)).view(b, k, unit)
     mask = (sel[:, :, None] >= 0) & (slot >= 0) & (tok <= positions.to(dev)[:, None, None])
     rows = (slot.clamp(min=0) * page_size + tok.clamp(min=0) % page_size).reshape(b, -1)
-    if fmt is None:
-        kk = kv_pool[0, 0].reshape(-1, hkv, d)[rows].to(torch.float32)  # [B, N, Hkv, D]
-        vv = kv_pool[1, 0].reshape(-1, hkv, d)[rows].to(torch.float32)
-    else:
-        kk, vv = fmt.gather_kv(kv_pool, 0, rows), fmt.gather_kv(kv_pool, 1, rows)
+    kk, vv = fmt.gather_kv(kv_pool, 0, rows), fmt.gather_kv(kv_pool, 1, rows)  # [B, N, Hkv, D]
     mask = mask.reshape(b, -1)
     group = q.shape[1] // hkv
     kk = kk.repeat_interleave(group, dim=2)

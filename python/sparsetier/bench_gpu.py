@@ -7,14 +7,15 @@ It runs from ``scripts/gpu-check.sh`` on the device machine (figures from an H20
 - the kernel and direct engines;
 - three baselines: a per-page copy loop (one ``cudaMemcpyAsync`` per page, through torch),
   torch ``index_select`` + ``index_copy_`` between pinned and device tensors, and one large
-  contiguous pinned copy (the link's peak, the ratio's denominator);
+  contiguous pinned copy of the same bytes (the link's peak, the ratio's denominator);
 - how many SMs the kernel needs: 16 KiB scattered H2D with ``sm_limit`` 1 to 32;
 - the kernel's threads per op chosen by op length against a whole block per op
   (``lanes=512``), alternating in one process, on token rows and on DeepSeek-V3.2's rows
   (656-byte KV rows and 132-byte Indexer-K rows, 64 tokens a page).
 
-Each engine row also gives the CPU time of one submission (building the copy ops and
-launching): what a decode step pays on its thread.
+Every row alternates with its baseline in one process (row, peak, row, peak...) and its ratio
+is the median of the paired ratios. Each engine row also gives the CPU time of one submission
+(building the copy ops and launching): what a decode step pays on its thread.
 """
 
 from __future__ import annotations
@@ -31,17 +32,15 @@ DEEPSEEK_ROWS = (656, 132)
 DEEPSEEK_PAGE_TOKENS = 64
 
 
-def _timed(fn, repeats: int) -> float:
+def _synced(fn):
+    """`fn`, then wait until the GPU has finished it (a timed call is the whole copy)."""
     import torch
 
-    best = float("inf")
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
+    def run():
         fn()
         torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t)
-    return best
+
+    return run
 
 
 def bench_transfer_cuda(total_mb: int = 256, repeats: int = 5) -> list[TransferRow]:
@@ -67,10 +66,18 @@ def bench_transfer_cuda(total_mb: int = 256, repeats: int = 5) -> list[TransferR
     total = total_mb << 20
     host = torch.randint(0, 255, (total,), dtype=torch.uint8).pin_memory()
     dev = torch.empty(total, dtype=torch.uint8, device="cuda")
+    # The link's peak: one contiguous pinned copy of the whole buffer, each way.
     peak = {
-        "h2d": total / _timed(lambda: dev.copy_(host, non_blocking=True), repeats) / 1e9,
-        "d2h": total / _timed(lambda: host.copy_(dev, non_blocking=True), repeats) / 1e9,
+        "h2d": _synced(lambda: dev.copy_(host, non_blocking=True)),
+        "d2h": _synced(lambda: host.copy_(dev, non_blocking=True)),
     }
+
+    def paired_row(label, direction, pattern, page_bytes, fn, reps, **extra):
+        torch.cuda.synchronize()
+        ta, tb, ratio = _paired(fn, peak[direction], reps)
+        rows.append(TransferRow(label, direction, pattern, page_bytes, total, ta, "peak",
+                                total / tb / 1e9, paired_ratio=ratio, **extra))  # fmt: skip
+
     rng = np.random.default_rng(1)
     rows: list[TransferRow] = []
 
@@ -116,21 +123,11 @@ def bench_transfer_cuda(total_mb: int = 256, repeats: int = 5) -> list[TransferR
 
     def run(engine, direction, pattern, page_bytes, label=None):
         g, s_u, d_u, unit = group(direction, pattern, page_bytes)
-        secs = _timed(lambda: engine.submit(g).wait(), repeats)
-        check(label or engine.name, direction, pattern, page_bytes, s_u, d_u, unit)
-        rows.append(
-            TransferRow(
-                label or engine.name,
-                direction,
-                pattern,
-                page_bytes,
-                total,
-                secs,
-                "peak",
-                peak[direction],
-                submit_seconds=submit_time(engine, g),
-            )
-        )
+        label = label or engine.name
+        paired_row(label, direction, pattern, page_bytes, lambda: engine.submit(g).wait(),
+                   repeats, submit_seconds=submit_time(engine, g))  # fmt: skip
+        engine.submit(g).wait()  # the peak copy ran last and overwrote the destination
+        check(label, direction, pattern, page_bytes, s_u, d_u, unit)
 
     def lanes_pair(auto, block, direction, pattern, page_bytes, spec=None):
         # The kernel as built (threads per op by op length) against a whole block per op,
@@ -191,8 +188,5 @@ def bench_transfer_cuda(total_mb: int = 256, repeats: int = 5) -> list[TransferR
             dp.index_copy_(0, d_t, hp.index_select(0, s_t).pin_memory().cuda(non_blocking=True))
 
         for label, fn in (("torch-loop", loop), ("torch-index", index)):
-            secs = _timed(fn, max(2, repeats // 2))
-            rows.append(
-                TransferRow(label, "h2d", "scattered", page_bytes, total, secs, "peak", peak["h2d"])
-            )
+            paired_row(label, "h2d", "scattered", page_bytes, _synced(fn), max(2, repeats // 2))
     return rows

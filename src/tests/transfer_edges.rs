@@ -224,24 +224,12 @@ fn split_pages_move_each_tokens_parts_exactly() {
         let h = bind(&mut host, &host_spec, layout);
         let d = bind(&mut dev, &dev_spec, HostLayout::LayerFirst);
         let map = PageTransferMap::new(Granularity::Token, &src, &dst).unwrap();
-        let p = PreparedPageTransfer::new(h.clone(), d.clone(), map, Direction::Load).unwrap();
+        let p = PreparedPageTransfer::new(h, d, map, Direction::Load).unwrap();
         // Per layer: values of the run and of each lone token, then scales the same way.
         assert_eq!(p.map().units(), 5);
-        let ops = PageTransferGroup::new(vec![p])
-            .unwrap()
-            .layer_ops(0)
-            .unwrap();
+        let g = Arc::new(PageTransferGroup::new(vec![p]).unwrap());
+        let ops = g.layer_ops(0).unwrap();
         assert_eq!(ops.len(), 2 * 3, "{ops:?}");
-        let g = Arc::new(
-            PageTransferGroup::new(vec![PreparedPageTransfer::new(
-                h,
-                d,
-                PageTransferMap::new(Granularity::Token, &src, &dst).unwrap(),
-                Direction::Load,
-            )
-            .unwrap()])
-            .unwrap(),
-        );
         engine
             .submit(g, None)
             .unwrap()
