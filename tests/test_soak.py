@@ -10,10 +10,11 @@ from sparsetier.cli import main
 from sparsetier.soak import SoakConfig, run
 
 
-def test_short_soak_keeps_memory_flat_after_warm_up():
+@pytest.mark.parametrize("engine", soak.ENGINES)
+def test_short_soak_keeps_memory_flat_after_warm_up(engine):
     cfg = SoakConfig(requests=4000, every=400, device_slots=3000, host_pages=1500,
                      indexer_pages=1200, prompts=300, faults=0.02)  # fmt: skip
-    reports = run(cfg, quiet=True)
+    reports = run(cfg, quiet=True, engine=engine)
     assert len(reports) == 10
     # Objects are bounded by the host tier (every layer of every host page), whatever the
     # request count; RSS stays flat from the 40 % mark on.
@@ -52,3 +53,51 @@ def test_soak_command(tmp_path, capsys):
     assert len(j.read_text().splitlines()) == 2
     assert "invariants checked" in capsys.readouterr().out
     assert main(["soak", "--requests", "0"]) == 2
+
+
+def test_the_rust_soak_reports_as_it_goes_and_stops_on_request(tmp_path):
+    seen = []
+
+    def stop(rep):
+        seen.append(rep["requests"])
+        if len(seen) == 2:
+            raise KeyboardInterrupt  # what Ctrl-C in the callback looks like
+
+    cfg = SoakConfig(requests=100_000, every=100, device_slots=2000, host_pages=1000,
+                     indexer_pages=800, prompts=50)  # fmt: skip
+    with pytest.raises(KeyboardInterrupt):
+        run_soak_with(cfg, stop)
+    assert len(seen) == 2 and 100 <= seen[0] < seen[1] < 1000
+
+
+def run_soak_with(cfg, cb):
+    from dataclasses import asdict
+
+    from sparsetier._core import run_soak
+
+    return run_soak(**asdict(cfg), on_report=cb)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("engine", "go"), ("faults", 1.5), ("page_size", 0), ("requests", 0)],
+)
+def test_bad_soak_settings_name_the_field(field, value):
+    from sparsetier.errors import ConfigError
+
+    cfg = SoakConfig(requests=10)
+    kw = {"engine": value} if field == "engine" else {}
+    if field != "engine":
+        setattr(cfg, field, value)
+    with pytest.raises(ConfigError, match=field):
+        run(cfg, quiet=True, **kw)
+
+
+def test_the_rust_soak_refuses_sizes_it_cannot_hold():
+    from dataclasses import asdict
+
+    from sparsetier._core import run_soak
+    from sparsetier.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="layers"):
+        run_soak(**{**asdict(SoakConfig()), "layers": 70_000})

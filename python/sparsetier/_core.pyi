@@ -1,7 +1,7 @@
 # Type stubs for the Rust extension sparsetier._core. Keep in step with src/py/;
 # tests/test_stub.py checks them against the built module with mypy's stubtest.
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, final
 
 import numpy as np
@@ -34,6 +34,7 @@ __all__ = [
     "kernel_cubin",
     "plan_stack",
     "replay_trace",
+    "run_soak",
     "token_pages",
     "trace_peak_live",
 ]
@@ -421,6 +422,22 @@ def compile_cuda_kernels(arch: str = "sm_90") -> str: ...
 def kernel_cubin(arch: Any, cache_dir: Any = None) -> dict[str, Any]: ...
 def replay_trace(trace: dict[str, Any], budget: int, policy: Any = None) -> dict[str, Any]: ...
 def trace_peak_live(trace: dict[str, Any]) -> int: ...
+def run_soak(
+    *,
+    requests: int,
+    concurrent: int,
+    layers: int,
+    page_size: int,
+    device_slots: int,
+    host_pages: int,
+    indexer_pages: int,
+    prompts: int,
+    steps: int,
+    faults: float,
+    every: int,
+    seed: int,
+    on_report: Callable[[dict[str, Any]], object] | None = None,
+) -> list[dict[str, Any]]: ...
 
 @final
 class PrefixMatch:

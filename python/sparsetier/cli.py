@@ -516,6 +516,13 @@ def _soak_parser(sub: argparse._SubParsersAction) -> None:
                  "indexer_pages", "prompts", "steps", "every", "seed"):  # fmt: skip
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name))
     p.add_argument("--faults", type=float, default=d.faults, help="fault chance per step")
+    p.add_argument("--page-size", type=int, default=d.page_size)
+    p.add_argument(
+        "--engine",
+        choices=("python", "rust"),
+        default="rust",
+        help="the loop: rust (about 10x faster, for long runs) or python (through the bindings)",
+    )
     p.add_argument("--json", metavar="PATH", help="write every report as a JSON line")
     p.add_argument("--plot", metavar="PNG", help="RSS and plan p99 over requests")
 
@@ -524,11 +531,11 @@ def _run_soak(args: argparse.Namespace) -> int:
     from sparsetier import soak
 
     names = ("requests", "concurrent", "layers", "device_slots", "host_pages", "indexer_pages",
-             "prompts", "steps", "every", "seed", "faults")  # fmt: skip
+             "prompts", "steps", "every", "seed", "faults", "page_size")  # fmt: skip
     cfg = soak.SoakConfig(**{n: getattr(args, n) for n in names})
     out = open(args.json, "w") if args.json else None
     try:
-        reports = soak.run(cfg, out)
+        reports = soak.run(cfg, out, engine=args.engine)
     finally:
         if out is not None:
             out.close()

@@ -12,18 +12,31 @@ Indexer-K (found on the device or restored from host) is compared after its rest
 backup, restore or eviction that moved the wrong bytes, or a slot reused too early, fails the
 soak. It shows whether memory and latency stay flat over millions of
 requests (issue 17); CI runs a short one and asserts flat RSS after warm-up.
+
+Two engines run the same workload with the same patterns and report the same fields:
+`python` (this module's loop, through the bindings: what a Python caller of the scheduler
+does, about 440 requests/s) and `rust` (`sparsetier._core.run_soak`, the loop of
+`src/scheduler/soak.rs` over the same core calls without the interpreter, for runs of ten
+million requests). Their random streams differ, so their runs are not request-for-request
+equal.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
 
-from sparsetier._core import PageTransferBinding, PoolSpec, StepScheduler, TransferEngine
+from sparsetier._core import (
+    PageTransferBinding,
+    PoolSpec,
+    StepScheduler,
+    TransferEngine,
+    run_soak,
+)
 from sparsetier.errors import ConfigError, OutOfPagesError, SparsetierError
 
 
@@ -134,11 +147,37 @@ def _pick(rng: np.random.Generator, n: np.ndarray, k: int, layers: int) -> np.nd
     return out
 
 
-def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
-    """Runs the soak; returns the reports (and writes them to `out` as JSON lines)."""
-    for field in ("requests", "concurrent", "layers", "steps", "every", "prompts"):
+ENGINES = ("python", "rust")
+
+
+def _emit(rep: dict, out, quiet: bool) -> None:
+    if out is not None:
+        out.write(json.dumps(rep) + "\n")
+        out.flush()
+    if not quiet:
+        print(
+            f"{rep['requests']} requests  rss {rep['rss_mib']:.1f} MiB  objects "
+            f"{rep['objects']}  nodes {rep['tree_nodes']}  plan p99 "
+            f"{rep['plan_p99_us']:.0f} us  failed {rep['failed_requests']}  rows checked "
+            f"{rep['rows_checked']}",
+            flush=True,
+        )
+
+
+def run(cfg: SoakConfig, out=None, quiet: bool = False, engine: str = "python") -> list[dict]:
+    """Runs the soak on `engine` (`python` or `rust`, see the module); returns the reports
+    (and writes them to `out` as JSON lines). A row read back that differs from what was
+    written, or a broken invariant, raises (InvariantError from the rust engine,
+    AssertionError from the python one; InvariantError is an AssertionError)."""
+    for field in ("requests", "concurrent", "layers", "steps", "every", "prompts", "page_size"):
         if getattr(cfg, field) < 1:
             raise ConfigError.of(field, str(getattr(cfg, field)), "an integer >= 1")
+    if not 0.0 <= cfg.faults <= 1.0:
+        raise ConfigError.of("faults", str(cfg.faults), "a chance in [0, 1]")
+    if engine not in ENGINES:
+        raise ConfigError.of("engine", repr(engine), "python or rust")
+    if engine == "rust":
+        return run_soak(**asdict(cfg), on_report=lambda rep: _emit(rep, out, quiet))
     rng = np.random.default_rng(cfg.seed)
     ps, layers = cfg.page_size, cfg.layers
     kv = PoolSpec("KV", 1, 1, ROW, "fp8_e4m3", ps, cfg.device_slots)
@@ -269,16 +308,7 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
                     }
                     lat = {k: [] for k in lat}
                     reports.append(rep)
-                    if out is not None:
-                        out.write(json.dumps(rep) + "\n")
-                        out.flush()
-                    if not quiet:
-                        print(
-                            f"{done} requests  rss {rep['rss_mib']:.1f} MiB  objects "
-                            f"{rep['objects']}  nodes {rep['tree_nodes']}  plan p99 "
-                            f"{rep['plan_p99_us']:.0f} us  failed {failed}  rows checked "
-                            f"{data.rows_checked}"
-                        )
+                    _emit(rep, out, quiet)
     for rid in list(running):
         s.finish_request(rid)
     s.drain()
@@ -289,4 +319,4 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False) -> list[dict]:
     return reports
 
 
-__all__ = ["SoakConfig", "rss_mib", "run"]
+__all__ = ["ENGINES", "SoakConfig", "rss_mib", "run"]

@@ -15,6 +15,7 @@ mod prefix_result;
 mod radix;
 mod replay;
 mod scheduler;
+mod soak;
 mod tensor;
 mod tokens;
 mod transfer;
@@ -51,5 +52,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(transfer::kernel_cubin, m)?)?;
     m.add_function(wrap_pyfunction!(replay::replay_trace, m)?)?;
     m.add_function(wrap_pyfunction!(replay::trace_peak_live, m)?)?;
+    m.add_function(wrap_pyfunction!(soak::run_soak, m)?)?;
     Ok(())
 }

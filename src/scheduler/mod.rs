@@ -12,6 +12,7 @@ pub mod prefix;
 pub mod record;
 pub mod request;
 pub mod selection;
+pub mod soak;
 
 pub use self::core::{PlanCounts, ReadyOutcome, SchedulerConfig, StepScheduler};
 pub use prefix::{Admission, PrefixTier, PrefixTotals, HOST_NS};
