@@ -9,6 +9,9 @@ use crate::error::{Error, Result};
 use parking_lot::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+/// How long a wait spins before it parks.
+const SPIN: Duration = Duration::from_micros(30);
+
 /// State of one layer of a transfer.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LayerStatus {
@@ -146,7 +149,18 @@ impl TransferEvents {
         timeout: Option<Duration>,
         ready: impl Fn(&[LayerStatus]) -> Option<Result<()>>,
     ) -> Result<()> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        let start = Instant::now();
+        let deadline = timeout.map(|t| start + t);
+        // Most copies a step waits for are short: spin a few microseconds before parking, so
+        // the wait does not pay a sleep and a wake-up (two context switches) for them.
+        while start.elapsed() < timeout.map_or(SPIN, |t| t.min(SPIN)) {
+            if let Some(r) = ready(&self.status.lock().0) {
+                return r;
+            }
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+        }
         let mut s = self.status.lock();
         loop {
             if let Some(r) = ready(&s.0) {
