@@ -14,7 +14,13 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 
 import sparsetier as sp
 
@@ -29,6 +35,12 @@ def stamp(ns: int, page: int, layer: int, row: int) -> float:
 class SchedulerMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
+        self._build(prefetch=True)
+        self.lens: dict[int, int] = {}
+        self.next_rid = 0
+        self.backup_faults = False
+
+    def _build(self, prefetch: bool) -> None:
         spec = sp.PoolSpec("KV", 1, HEADS, DIM, "bf16", PS, 36)
         self.dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
         host = torch.zeros(spec.with_pages(2000).shape(), dtype=torch.bfloat16)
@@ -37,11 +49,20 @@ class SchedulerMachine(RuleBasedStateMachine):
             sp.PageTransferBinding(host, spec.with_pages(2000)),
             sp.TransferEngine("cpu"),
             layers=LAYERS,
-            prefetch=True,
+            prefetch=prefetch,
         )
-        self.lens: dict[int, int] = {}
-        self.next_rid = 0
-        self.backup_faults = False
+
+    @initialize(prefetch=st.booleans())
+    def configure(self, prefetch):
+        # Without prefetch, block steps keep their selections pinned to the next step.
+        self._build(prefetch)
+
+    @rule(on=st.booleans())
+    def keep_selections(self, on):
+        self.s.keep_selections = on
+        assert self.s.keep_selections == on
+        if not on:
+            assert self.s.stats()["kept_pins"] == 0
 
     def write(self, slot: int, ns: int, page: int, layer: int, rows) -> None:
         for row in rows:

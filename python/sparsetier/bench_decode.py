@@ -6,6 +6,9 @@ synthetic selections. Each decode step runs on both, alternating in one process:
 
 - **A, the step scheduler**: `append`, then per layer `plan` (one resolve and one load
   submission for the whole batch), `ready`, `finish`, then `end_step`: 3 calls per layer.
+- **A0, the step scheduler without kept selections** (`keep_selections = False`: every
+  selected page resolved and released each step; what the scheduler did before them), block
+  mode only, with `unkept`;
 - **B, today's call pattern** (the per-request loop the decode runtime had before the
   scheduler): per request and layer, `ResidencyDirectory.resolve` of that request's pages,
   a `PreparedPageTransfer` + submit + wait + `complete` for its misses, `release`; a page that
@@ -64,6 +67,9 @@ class DecodeBenchConfig:
     warmup: int = 2
     prefetch: bool = False
     baseline: bool = True
+    # A third stack, the scheduler with kept selections off (every selected page resolved
+    # each step), alternated with the others: what kept selections save, paired.
+    unkept: bool = True
     seed: int = 0
     trace: str | None = None  # write the scheduler's directory trace (.npz; costs time)
 
@@ -126,6 +132,7 @@ def _stack(
     device_pages: int,
     host_pages: int,
     journal: bool = False,
+    keep: bool = True,
 ):
     spec = PoolSpec("KV", 1, 1, 1, "bf16", cfg.page_size, device_pages)
     host_spec = spec.with_pages(host_pages)
@@ -139,6 +146,7 @@ def _stack(
         layers=cfg.layers,
         prefetch=cfg.prefetch,
     )
+    s.keep_selections = keep
     if journal:
         s.directory.start_journal()  # before the prefills: a replay needs every allocation
     for rid, n in enumerate(lens):
@@ -242,6 +250,9 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     if cfg.baseline:
         sb, eb = _stack(cfg, lens, device_pages, host_pages)
         base = Baseline(cfg, sb, eb, lens)
+    a0 = None
+    if cfg.unkept and cfg.mode == "block" and not cfg.prefetch:
+        a0, _ = _stack(cfg, lens, device_pages, host_pages, keep=False)
     sels = Selections(cfg, lens)
     rids = np.arange(cfg.batch, dtype=np.int64)
     unit = cfg.page_size if cfg.mode == "block" else 1
@@ -254,6 +265,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     for i in range(steps_total):
         sel = sels.next()
         ra = _step_scheduler(a, rids, sel, unit)
+        r0 = _step_scheduler(a0, rids, sel, unit) if a0 is not None else None
         rb = base.step(rids, sel) if base else None
         if bar is not None:
             bar.update(1)
@@ -269,6 +281,10 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
             "read_amplification": ra["rec"]["read_amplification"],
             "prefetch_accuracy": ra["rec"]["prefetch_accuracy"],
         }
+        if r0 is not None:
+            row["unkept_ms"] = (r0["wall_s"] - r0["wait_s"]) * 1e3
+            row["unkept_hit_rate"] = r0["rec"]["device_byte_hit_rate"]
+            row["kept_ratio"] = row["unkept_ms"] / row["scheduler_ms"]
         if rb is not None:
             row["baseline_ms"] = (rb["wall_s"] - rb["wait_s"]) * 1e3
             row["baseline_wait_ms"] = rb["wait_s"] * 1e3
@@ -313,6 +329,12 @@ def format_report(r: dict) -> str:
         f"  step scheduler: {m['scheduler_ms']:.2f} ms CPU per step (median of "
         f"{len(r['steps'])}; in-core share {m['scheduler_core_cpu_ms']:.2f} ms)",
     ]
+    if "unkept_ms" in m:
+        lines.append(
+            f"  kept selections off: {m['unkept_ms']:.2f} ms CPU per step (hit rate "
+            f"{m['unkept_hit_rate']:.3f}); kept selections save {m['kept_ratio']:.1f}x (median "
+            "of per-step ratios)"
+        )
     if "baseline_ms" in m:
         lines.append(
             f"  per-request calls (today's pattern): {m['baseline_ms']:.2f} ms CPU per step; "

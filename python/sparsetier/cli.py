@@ -282,6 +282,8 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=dd.steps, help="decode: timed steps")
     p.add_argument("--prefetch", action="store_true", help="decode: prefetch on")
     p.add_argument("--no-baseline", action="store_true", help="decode: skip the baseline")
+    p.add_argument("--no-unkept", action="store_true",
+                   help="decode: skip the stack without kept selections")  # fmt: skip
     p.add_argument("--page-size", type=int, default=None,
                    help="prefix: tokens per page (1); decode: 64")  # fmt: skip
     p.add_argument("--num-seqs", type=int, default=500, help="prefix: fill sequences")
@@ -344,6 +346,7 @@ def _run_bench(args: argparse.Namespace) -> None:
             mode=args.mode, blocks=args.blocks, tokens=args.tokens,
             token_pages=args.token_pages, locality=args.locality, steps=args.steps,
             prefetch=args.prefetch, baseline=not args.no_baseline, trace=args.trace,
+            unkept=not args.no_unkept,
         )  # fmt: skip
         r = bench_decode.run(cfg, progress=True)
         print(bench_decode.format_report(r))

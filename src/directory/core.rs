@@ -57,6 +57,8 @@ pub struct Resolved {
     pub metrics: ResolveMetrics,
     /// Per key: whether this batch's load brings it (its first occurrence; repeats are false).
     pub loaded: Vec<bool>,
+    /// Per key: the object's index (for [`Core::hold`]); empty for a prefetch.
+    pub indices: Vec<u32>,
 }
 
 /// Counts of a directory at one moment, with cumulative totals.
@@ -390,6 +392,7 @@ impl Core {
             dropped: false,
             load_failed: false,
             lru_mark: 0,
+            held: 0,
             home,
         });
         self.index.insert(key, idx);
@@ -678,6 +681,11 @@ impl Core {
             .iter()
             .map(|&(_, c)| matches!(c, Class::Load))
             .collect();
+        let indices = if pin_present {
+            scratch.iter().map(|&(idx, _)| idx as u32).collect()
+        } else {
+            Vec::new()
+        };
         Resolved {
             slots,
             loads: plan.into_iter().collect(),
@@ -685,6 +693,7 @@ impl Core {
             handle,
             metrics: m,
             loaded,
+            indices,
         }
     }
 
@@ -960,6 +969,80 @@ impl Core {
         }
         self.totals.releases += 1;
         Ok(m)
+    }
+
+    /// Pins the objects at `objects` (indices from [`Resolved::indices`]) outside any handle,
+    /// one pin each until [`Self::unhold`]: what the step scheduler keeps of a selection for
+    /// the next step. Only objects Ready on the device are held (a load may still be in
+    /// flight on a CUDA stream, and may yet fail); `held[i]` says which were. Unknown indices
+    /// are an error, and nothing is held then.
+    pub fn hold(&mut self, objects: &[u32], held: &mut Vec<bool>) -> Result<()> {
+        if let Some(&bad) = objects.iter().find(|&&i| {
+            self.objects
+                .get(i as usize)
+                .is_none_or(|o| o.held == u16::MAX)
+        }) {
+            return Err(Error::config(
+                "objects",
+                bad,
+                "live object indices from a resolve, each held fewer than 65535 times",
+            ));
+        }
+        held.clear();
+        for &i in objects {
+            let obj = &mut self.objects[i as usize];
+            let ok = matches!(obj.device, DeviceState::Ready { .. });
+            if ok {
+                self.lru.remove(&mut obj.lru_mark);
+                obj.pins += 1;
+                obj.held += 1;
+            }
+            held.push(ok);
+        }
+        Ok(())
+    }
+
+    /// Drops one held pin of each object at `objects` (see [`Self::hold`]); an object left
+    /// unpinned becomes evictable (most recently used) or, dropped, goes. An index not held
+    /// (as often as it appears) is an error, and nothing changes then.
+    pub fn unhold(&mut self, objects: &[u32]) -> Result<()> {
+        // Stage: take the held counts, putting them back if one is refused.
+        for (n, &i) in objects.iter().enumerate() {
+            match self.objects.get_mut(i as usize) {
+                Some(o) if o.held > 0 => o.held -= 1,
+                _ => {
+                    for &j in &objects[..n] {
+                        self.objects[j as usize].held += 1;
+                    }
+                    return Err(Error::config("objects", i, "objects this directory holds"));
+                }
+            }
+        }
+        for &i in objects.iter().take(PREFETCH_AHEAD) {
+            self.objects.prefetch(i as usize);
+        }
+        for (n, &i) in objects.iter().enumerate() {
+            if let Some(&ahead) = objects.get(n + PREFETCH_AHEAD) {
+                self.objects.prefetch(ahead as usize);
+            }
+            let stamp = self.tick();
+            let obj = &mut self.objects[i as usize];
+            obj.pins -= 1;
+            obj.stamp = stamp;
+            self.settle(i as usize);
+        }
+        Ok(())
+    }
+
+    /// Pins held outside handles ([`Self::hold`]), all objects together (walks every object).
+    pub fn held_pins(&self) -> u64 {
+        self.objects.iter().map(|(_, o)| u64::from(o.held)).sum()
+    }
+
+    /// Whether a journal is being recorded (held pins are not journaled: a caller that
+    /// holds pins should not while one is).
+    pub fn journaling(&self) -> bool {
+        self.journal.is_some()
     }
 
     /// The state of transfer `id`: `None` while in flight, else its outcome. Unknown ids are
@@ -1308,11 +1391,14 @@ impl Core {
                     o.host
                 ));
             }
-            if pins.get(&idx).copied().unwrap_or(0) != o.pins {
+            if pins.get(&idx).copied().unwrap_or(0) + u32::from(o.held) != o.pins {
                 return Err(format!(
-                    "{}: pin count {} disagrees with handles",
-                    o.key, o.pins
+                    "{}: pin count {} disagrees with handles and {} held",
+                    o.key, o.pins, o.held
                 ));
+            }
+            if o.held > 0 && !matches!(o.device, DeviceState::Ready { .. }) {
+                return Err(format!("{} held, but {}", o.key, o.device));
             }
             if let DeviceState::Loading { transfer, .. } = o.device {
                 let t = self.transfers.get(&transfer).ok_or_else(|| {

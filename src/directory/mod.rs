@@ -130,6 +130,26 @@ impl Directory {
         self.core.lock().release(handle)
     }
 
+    /// See [`core::Core::hold`].
+    pub fn hold(&self, objects: &[u32], held: &mut Vec<bool>) -> Result<()> {
+        self.core.lock().hold(objects, held)
+    }
+
+    /// See [`core::Core::unhold`].
+    pub fn unhold(&self, objects: &[u32]) -> Result<()> {
+        self.core.lock().unhold(objects)
+    }
+
+    /// See [`core::Core::held_pins`].
+    pub fn held_pins(&self) -> u64 {
+        self.core.lock().held_pins()
+    }
+
+    /// See [`core::Core::journaling`].
+    pub fn journaling(&self) -> bool {
+        self.core.lock().journaling()
+    }
+
     /// See [`core::Core::mark_submitted`].
     pub fn mark_submitted(&self, id: TransferId) -> Result<()> {
         self.core.lock().mark_submitted(id)

@@ -61,8 +61,11 @@ pub struct Object {
     pub device: DeviceState,
     /// Host tier.
     pub host: HostState,
-    /// Outstanding pins (one per pin handle that holds it).
+    /// Outstanding pins (one per pin handle that holds it, plus `held`).
     pub pins: u32,
+    /// Pins held outside any handle ([`crate::directory::Directory::hold`]): the step
+    /// scheduler's kept selections.
+    pub held: u16,
     /// Logical time of the last access (resolve, release, or becoming evictable).
     pub stamp: u64,
     /// Batch number of the last batch that saw it: dedups keys inside one batch in O(1).

@@ -433,6 +433,19 @@ impl PyStepScheduler {
         Ok(Some(d))
     }
 
+    /// Block-mode plans keep each row's selected pages pinned to the next step and read the
+    /// pages selected again from there, without a directory call (the default); False gives
+    /// every kept page back and resolves every selected page each step.
+    #[getter]
+    fn keep_selections(&self) -> bool {
+        self.inner.lock().keeps_selections()
+    }
+
+    #[setter]
+    fn set_keep_selections(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        self.inner.lock().set_keep_selections(on).py_err(py)
+    }
+
     /// Model layers.
     #[getter]
     fn layers(&self) -> u16 {
@@ -822,6 +835,7 @@ impl PyStepScheduler {
         d.set_item("plans_outstanding", plans)?;
         d.set_item("prefetches_outstanding", prefetches)?;
         d.set_item("requests", s.requests().count())?;
+        d.set_item("kept_pins", s.kept_pins())?;
         Ok(d)
     }
 

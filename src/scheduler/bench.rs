@@ -138,6 +138,11 @@ impl DecodeWorkload {
         &self.sched
     }
 
+    /// The scheduler, to change its switches.
+    pub fn scheduler_mut(&mut self) -> &mut StepScheduler {
+        &mut self.sched
+    }
+
     /// Selection entries per step.
     pub fn lookups_per_step(&self) -> usize {
         self.shape.layers as usize * self.shape.batch * self.shape.blocks
@@ -218,7 +223,19 @@ mod tests {
     #[test]
     #[ignore]
     fn full_shape_step_time() {
-        let mut w = DecodeWorkload::new(DecodeShape::deepseek_v32(), 200).unwrap();
+        // SPARSETIER_LOCALITY: the chance a block stays (0.9).
+        let locality = std::env::var("SPARSETIER_LOCALITY")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0.9);
+        let shape = DecodeShape {
+            locality,
+            ..DecodeShape::deepseek_v32()
+        };
+        let mut w = DecodeWorkload::new(shape, 200).unwrap();
+        // SPARSETIER_KEEP=0: every selected page through the directory (no kept selections).
+        let keep = std::env::var("SPARSETIER_KEEP").map_or(true, |v| v != "0");
+        w.scheduler_mut().set_keep_selections(keep).unwrap();
         w.run(3).unwrap();
         let steps: u64 = std::env::var("SPARSETIER_STEPS")
             .ok()

@@ -36,7 +36,7 @@
 
 use super::prefix::{Finishing, PrefixTier, PrefixTotals};
 use super::record::StepRecord;
-use super::request::{Prefix, RequestState};
+use super::request::{Kept, Prefix, RequestState};
 use super::selection::{RowDedup, SelectionUnit};
 use crate::config::HitPolicy;
 use crate::directory::{Directory, DirectoryConfig, LayerGroup, ObjectKey, Resolved};
@@ -53,8 +53,15 @@ use std::time::{Duration, Instant};
 
 #[path = "joined.rs"]
 mod joined;
+#[path = "kept.rs"]
+mod kept;
+#[path = "rows.rs"]
+mod rows;
+use rows::Rows;
 
 const NONE: u32 = u32::MAX;
+/// A slot-table cell read from the row's kept pages: `KEPT | position in the row's kept`.
+const KEPT: u32 = 1 << 31;
 
 /// Sizes and switches of a scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -125,8 +132,16 @@ struct LayerPlan {
     prefetch: Option<Prefetch>,
     keys: Vec<ObjectKey>,
     key_row: Vec<u32>,
-    /// Per slot-table cell: the key index, or NONE.
+    /// Per slot-table cell: the key index, `KEPT | kept position`, or NONE.
     cells: Vec<u32>,
+    /// Per key: the first cell that names it.
+    key_cell: Vec<u32>,
+    /// Per key: the directory's object index.
+    indices: Vec<u32>,
+    /// Kept-selection plans: their rows (`rows::KeptRows`).
+    rows: Option<rows::KeptRows>,
+    /// Rows whose loads failed twice.
+    failed: Vec<u32>,
     table: Vec<i32>,
     transfers: Vec<TransferId>,
     pins: u64,
@@ -176,6 +191,12 @@ pub struct StepScheduler {
     failed_this_step: rustc_hash::FxHashSet<RequestId>,
     /// The joined mode's prefix tier (host pages owned by the prefix cache).
     prefix: Option<PrefixTier>,
+    /// Block selections keep their pages pinned from one step to the next (`kept.rs`).
+    keep: bool,
+    /// Pins held for kept pages.
+    kept_pins: u64,
+    /// Reused by `refresh_kept`.
+    kept_scratch: Vec<Kept>,
 }
 
 impl std::fmt::Debug for StepScheduler {
@@ -358,6 +379,9 @@ impl StepScheduler {
             started: Instant::now(),
             failed_this_step: rustc_hash::FxHashSet::default(),
             prefix,
+            keep: true,
+            kept_pins: 0,
+            kept_scratch: Vec::new(),
         })
     }
 
@@ -603,9 +627,10 @@ impl StepScheduler {
         if self.prefix.is_some() {
             return self.end_request(id, None);
         }
-        if self.requests.remove(&id).is_none() {
+        let Some(mut r) = self.requests.remove(&id) else {
             return Err(Error::config("rid", id, "a running request"));
-        }
+        };
+        self.release_kept_of(&mut r.kept)?;
         self.pending_backups.retain(|k| k.namespace.id != id.raw());
         self.filled.retain(|k| k.namespace.id != id.raw());
         self.retry_backups.retain(|k| k.namespace.id != id.raw());
@@ -758,6 +783,7 @@ impl StepScheduler {
             self.drop_prefetch(l)?;
             self.rec.prefetch_skipped += 1;
         }
+        self.release_all_kept()?;
         // Loads nobody pins any more still hold their slots until settled.
         for ld in self.loads.values() {
             let _ = ld.events.wait_all(None);
@@ -855,18 +881,7 @@ impl StepScheduler {
         }
         self.batch += 1;
         let batch = self.batch;
-        let ppe = unit.pages_per_entry();
         let ps = self.cfg.page_size;
-        let mut keys = Vec::with_capacity(selection.len());
-        let mut hints = Vec::with_capacity(selection.len());
-        let mut key_row = Vec::with_capacity(selection.len());
-        let mut needed: Vec<u32> = Vec::with_capacity(selection.len());
-        // Joined mode: per key, the request page if it is a matched prefix page, else NONE.
-        let mut from_prefix: Vec<u32> = Vec::with_capacity(selection.len());
-        let mut cells = vec![NONE; rids.len() * k * ppe];
-        let mut rows_pages: Vec<Vec<(u32, u32)>> = Vec::with_capacity(rids.len());
-        let mut pages_buf = vec![None; ppe];
-        let mut selected = 0u64;
         if unit.page_size() != ps {
             return Err(Error::config(
                 "unit",
@@ -874,73 +889,29 @@ impl StepScheduler {
                 format!("a selection unit over the scheduler's {ps}-token pages"),
             ));
         }
-        // The dense page -> object tables are cache misses at scale: ask for every row's
-        // entries first, so the misses overlap instead of coming one by one below.
-        let shift = unit.unit() / ps; // pages per entry, 0 when entries lie inside a page
-        for (b, id) in rids.iter().enumerate() {
-            if let Some(r) = self.requests.get(id) {
-                let t = &r.index[layer as usize];
-                for &e in &selection[b * k..(b + 1) * k] {
-                    let page = if shift > 0 {
-                        e.wrapping_mul(i64::from(shift))
-                    } else {
-                        e.wrapping_mul(i64::from(unit.unit())) / i64::from(ps)
-                    };
-                    crate::prefetch::prefetch(t.as_ptr().wrapping_add(page as usize));
-                }
-            }
-        }
-        for (b, &id) in rids.iter().enumerate() {
-            let r = mark_batch(&mut self.requests, id, batch)?;
-            let len = r.len;
-            let pages = r.pages(ps);
-            self.dedup.begin_row(pages);
-            let mut row_pages = Vec::with_capacity(k);
-            for j in 0..k {
-                let e = selection[b * k + j];
-                if e < 0 {
-                    continue;
-                }
-                if e as u64 >= unit.entries(len) {
-                    return Err(Error::out_of_range(
-                        format!("selection[{b}][{j}]"),
-                        e,
-                        -1,
-                        unit.entries(len),
-                    ));
-                }
-                unit.entry_pages(e as u64, len, &mut pages_buf);
-                for (i, cell) in pages_buf.iter().enumerate() {
-                    let Some((page, tokens)) = *cell else {
-                        continue;
-                    };
-                    selected += 1;
-                    let at = b * k * ppe + j * ppe + i;
-                    let next = keys.len() as u32;
-                    match self.dedup.seen_or_insert(page, next) {
-                        Some(idx) => {
-                            cells[at] = idx;
-                            let n = &mut needed[idx as usize];
-                            *n = (*n + tokens).min(ps);
-                        }
-                        None => {
-                            cells[at] = next;
-                            keys.push(r.key(page, layer));
-                            hints.push(r.hint(page, layer));
-                            key_row.push(b as u32);
-                            from_prefix.push(if page < r.matched { page } else { NONE });
-                            needed.push(tokens);
-                            row_pages.push((page, next));
-                        }
-                    }
-                }
-            }
-            if !row_pages.is_sorted() {
-                row_pages.sort_unstable();
-            }
-            rows_pages.push(row_pages);
-        }
-        if keys.is_empty() {
+        // Block selections keep their pages pinned to the next step (`kept.rs`): a page the
+        // row kept is read from its kept slot, without a directory call.
+        let fast = self.keeps(layer, unit);
+        let Rows {
+            keys,
+            hints,
+            key_row,
+            key_cell,
+            needed,
+            from_prefix,
+            cells,
+            mut table,
+            rows_pages,
+            kept_rows,
+            selected,
+            kept_hits,
+            kept_needed,
+        } = if fast {
+            self.kept_rows(layer, rids, selection, k, batch)?
+        } else {
+            self.selection_rows(layer, rids, selection, k, unit, batch)?
+        };
+        if keys.is_empty() && kept_hits == 0 {
             return Err(Error::config(
                 "selection",
                 "no entry naming a page",
@@ -949,13 +920,34 @@ impl StepScheduler {
         }
         let needed_bytes: u64 =
             needed.iter().map(|&n| u64::from(n)).sum::<u64>() * self.token_bytes;
-        let res: Resolved = match self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes)) {
-            Err(Error::OutOfSlots { .. }) => {
-                self.make_room()?;
-                self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes))?
+        let res: Option<Resolved> = if keys.is_empty() {
+            None
+        } else {
+            match self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes)) {
+                Err(Error::OutOfSlots { .. }) => {
+                    // Makes room, kept pages included: a plan that read kept slots starts
+                    // over (nothing of it is committed yet).
+                    self.make_room()?;
+                    if kept_hits > 0 {
+                        return self.plan(layer, rids, selection, k, unit);
+                    }
+                    Some(self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes))?)
+                }
+                r => Some(r?),
             }
-            r => r?,
         };
+        let needed_bytes = needed_bytes + kept_needed * self.token_bytes;
+        // Every page kept: no directory call, no handle.
+        let handles: Vec<PinHandleId> = res.iter().map(|r| r.handle).collect();
+        let res = res.unwrap_or_else(|| Resolved {
+            slots: Vec::new(),
+            loads: Vec::new(),
+            joined: Default::default(),
+            handle: PinHandleId::new(0),
+            metrics: Default::default(),
+            loaded: Vec::new(),
+            indices: Vec::new(),
+        });
         // Everything below commits: the resolve pinned the batch.
         if self.prefix.is_some() {
             let key_rids: Vec<RequestId> = key_row.iter().map(|&b| rids[b as usize]).collect();
@@ -964,15 +956,15 @@ impl StepScheduler {
         let prefetch = self.prefetches.remove(&layer);
         let mut rec = StepRecord {
             selected,
-            pages: res.metrics.distinct,
-            ready: res.metrics.ready,
+            pages: res.metrics.distinct + kept_hits,
+            ready: res.metrics.ready + kept_hits,
             loaded: res.metrics.absent,
             joined: res.metrics.loading,
             bytes_needed: needed_bytes,
             ..Default::default()
         };
         let mut counts = PlanCounts {
-            ready: res.metrics.ready,
+            ready: res.metrics.ready + kept_hits,
             loaded: res.metrics.absent,
             joined: res.metrics.loading,
             exposed_wait_ns: 0,
@@ -1007,8 +999,9 @@ impl StepScheduler {
             rec.prefetch_wasted_bytes += wasted * self.object_bytes;
         }
         rec.bytes_needed_of_transferred = needed_moved * self.token_bytes;
-        // The next prediction: this step's distinct pages, sorted.
-        for (b, id) in rids.iter().enumerate() {
+        // The next prediction: this step's distinct pages, sorted (prefetch reads it; a
+        // kept-selection plan runs without prefetch).
+        for (b, id) in rids.iter().enumerate().filter(|_| !fast) {
             let r = self.requests.get_mut(id).expect("checked above");
             let last = &mut r.last_selection[layer as usize];
             last.clear();
@@ -1016,19 +1009,15 @@ impl StepScheduler {
         }
         let transfers = self.submit_resolved(&res, layer, &mut rec);
         let submitted_at = (!res.loads.is_empty()).then(Instant::now);
-        let table = cells
-            .iter()
-            .map(|&c| {
-                if c == NONE {
-                    -1
-                } else {
-                    res.slots[c as usize].raw() as i32
-                }
-            })
-            .collect();
+        // Kept cells hold their slots already.
+        for (t, &c) in table.iter_mut().zip(&cells) {
+            if c & KEPT == 0 {
+                *t = res.slots[c as usize].raw() as i32;
+            }
+        }
         let pins = res.metrics.distinct;
         self.pins += pins;
-        self.rec.pinned_peak = self.rec.pinned_peak.max(self.pins);
+        self.rec.pinned_peak = self.rec.pinned_peak.max(self.pins + self.kept_pins);
         counts.loaded = res.metrics.absent;
         let id = LayerPlanId::new(self.next_plan);
         self.next_plan += 1;
@@ -1040,11 +1029,15 @@ impl StepScheduler {
             LayerPlan {
                 layer,
                 rids: rids.to_vec(),
-                handles: vec![res.handle],
+                handles,
                 prefetch,
                 keys,
                 key_row,
                 cells,
+                key_cell,
+                indices: res.indices,
+                rows: kept_rows,
+                failed: Vec::new(),
                 table,
                 transfers,
                 pins,
@@ -1232,7 +1225,7 @@ impl StepScheduler {
                     new_slot[i as usize] = slots[n].raw() as i32;
                 }
                 for (c, &ki) in plan.cells.iter().enumerate() {
-                    if ki != NONE && new_slot[ki as usize] >= 0 {
+                    if ki & KEPT == 0 && new_slot[ki as usize] >= 0 {
                         plan.table[c] = new_slot[ki as usize];
                     }
                 }
@@ -1244,6 +1237,7 @@ impl StepScheduler {
                 rows.sort_unstable();
                 rows.dedup();
                 for &b in &rows {
+                    plan.failed.push(b);
                     let b = b as usize;
                     plan.table[b * width..(b + 1) * width].fill(-1);
                     out.failed.push((b, plan.rids[b], reason.clone()));
@@ -1261,6 +1255,7 @@ impl StepScheduler {
             .plans
             .remove(&id)
             .ok_or_else(|| Error::config("plan", id, "an outstanding layer plan (not finished)"))?;
+        self.refresh_kept(&plan)?;
         for h in &plan.handles {
             self.dir.release(*h)?;
         }
@@ -1675,7 +1670,11 @@ impl StepScheduler {
                 self.pins
             ));
         }
-        if self.plans.is_empty() && self.prefetches.is_empty() && (s.pins != 0 || s.handles != 0) {
+        self.validate_kept()?;
+        if self.plans.is_empty()
+            && self.prefetches.is_empty()
+            && (s.pins != self.kept_pins || s.handles != 0)
+        {
             return Err(format!(
                 "no plan or prefetch outstanding, yet {} pins in {} handles",
                 s.pins, s.handles

@@ -221,7 +221,8 @@ impl StepScheduler {
                 ));
             }
         }
-        let r = self.requests.remove(&id).expect("checked");
+        let mut r = self.requests.remove(&id).expect("checked");
+        self.release_kept_of(&mut r.kept)?;
         let f = Finishing {
             id,
             tokens: tokens.map_or(Vec::new(), |t| t[..full as usize * ps].to_vec()),

@@ -17,7 +17,7 @@ pub mod soak;
 pub use self::core::{PlanCounts, ReadyOutcome, SchedulerConfig, StepScheduler};
 pub use prefix::{Admission, PrefixTier, PrefixTotals, HOST_NS};
 pub use record::StepRecord;
-pub use request::{Prefix, RequestState};
+pub use request::{Kept, Prefix, RequestState};
 pub use selection::SelectionUnit;
 
 #[cfg(test)]

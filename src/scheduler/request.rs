@@ -18,6 +18,19 @@ pub struct Prefix {
     pub pages: u32,
 }
 
+/// A page a layer's selection kept from one step to the next: its object stays pinned (held
+/// by the directory) at `slot`, so the next plan that selects it again reads the slot without
+/// a directory call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Kept {
+    /// The request page.
+    pub page: u32,
+    /// The directory's object index.
+    pub object: u32,
+    /// Its device slot.
+    pub slot: i32,
+}
+
 /// One running request.
 #[derive(Debug)]
 pub struct RequestState {
@@ -56,6 +69,8 @@ pub struct RequestState {
     pub restored_from: u32,
     /// Joined mode: one bit per (matched page, layer) whose main KV it loaded already.
     pub prefix_seen: Vec<u64>,
+    /// Per layer: the pages its last block selection kept pinned, sorted by page.
+    pub kept: Vec<Vec<Kept>>,
 }
 
 impl RequestState {
@@ -78,7 +93,13 @@ impl RequestState {
             restores: Vec::new(),
             prefix_seen: Vec::new(),
             restored_from: 0,
+            kept: vec![Vec::new(); layers],
         }
+    }
+
+    /// Pages kept pinned, every layer.
+    pub fn kept_count(&self) -> usize {
+        self.kept.iter().map(Vec::len).sum()
     }
 
     /// Pages holding at least one written token.

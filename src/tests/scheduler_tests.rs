@@ -232,7 +232,11 @@ impl Harness {
         self.s.drain().unwrap();
         self.s.validate().unwrap();
         let st = self.s.directory().stats();
-        assert_eq!((st.pins, st.handles, st.transfers_in_flight), (0, 0, 0));
+        // Kept selections stay pinned across steps (and a drain): nothing else does.
+        assert_eq!(
+            (st.pins, st.handles, st.transfers_in_flight),
+            (self.s.kept_pins(), 0, 0)
+        );
         assert_eq!(
             st.device_free + st.device_used + st.device_quarantined,
             st.device_capacity
@@ -370,10 +374,14 @@ fn a_layer_whose_loads_fail_twice_fails_only_the_requests_that_needed_them() {
     assert_eq!(rec.failed_requests, 2);
     assert_eq!(rec.retried_loads, 1);
     h.s.validate().unwrap();
-    assert_eq!(h.s.directory().stats().pins, 0);
+    // What stays pinned is what the rows keep for the next step: none at the failed layer.
+    assert_eq!(h.s.directory().stats().pins, h.s.kept_pins());
     for rid in [0, 1] {
+        assert!(h.s.request(RequestId::new(rid)).unwrap().kept[1].is_empty());
         h.s.finish_request(RequestId::new(rid)).unwrap();
     }
+    // The survivor keeps its one page at every layer.
+    assert_eq!(h.s.directory().stats().pins, u64::from(LAYERS));
     // The survivor goes on.
     for _ in 0..3 {
         let (failed, _) = h.step(&[2], PS, 4, &mut sel);
@@ -511,14 +519,23 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    // PROPTEST_CASES raises it for a longer run.
+    #![proptest_config(ProptestConfig {
+        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(96),
+        ..ProptestConfig::default()
+    })]
 
     /// Random arrivals, steps (block or token selections), finishes and faults against the
     /// reference model (the stamps): every byte read is right, every invariant holds after
     /// every step, and at the end nothing is pinned, in flight or quarantined.
     #[test]
-    fn scheduler_state_machine(ops in proptest::collection::vec(op(), 1..30), prefetch: bool) {
+    fn scheduler_state_machine(
+        ops in proptest::collection::vec(op(), 1..30),
+        prefetch: bool,
+        keep: bool,
+    ) {
         let mut h = Harness::new(100, 2000, prefetch);
+        h.s.set_keep_selections(keep).unwrap();
         let mut live: Vec<u64> = Vec::new();
         let mut next = 0u64;
         let mut backup_faults = false;
@@ -584,6 +601,7 @@ proptest! {
             h.s.finish_request(RequestId::new(r)).unwrap();
         }
         h.assert_quiet();
+        prop_assert_eq!(h.s.kept_pins(), 0);
         prop_assert_eq!(h.s.directory().stats().objects, 0);
     }
 }
@@ -637,6 +655,8 @@ fn a_page_filling_mid_step_is_written_through_only_after_every_layer_wrote_it() 
     });
     assert!(failed.is_empty());
     h.s.drain().unwrap();
+    // Kept selections would keep page 0 pinned on the device: give them back to evict it.
+    h.s.set_keep_selections(false).unwrap();
     h.s.directory().evict(1000);
     // Page 0 of every layer comes back from its host copy: every row must be there.
     let (failed, rec) = h.step(&[0], PS, 2, &mut |_, _, _| vec![0, 1]);

@@ -1,0 +1,317 @@
+//! Kept selections: the hit path of block-mode decode.
+//!
+//! Decode selections change slowly: at DeepSeek-V3.2's shape about nine in ten blocks a
+//! layer selects it selected one step before. A page a block-mode plan selected stays pinned
+//! when the plan finishes (held by the directory, outside any handle) and is remembered in the
+//! request's `kept` list for that layer with its slot. The next plan of that layer reads a
+//! kept page's slot from the list, without a directory call; only the pages the selection
+//! newly picked are resolved (one batched call, as before), and only the pages it dropped are
+//! unpinned. A hit costs a binary search in a list of ~32 entries the request owns, instead of
+//! a pin and an unpin on an object among millions.
+//!
+//! What it costs: the kept pages stay on the device until dropped (one selection per layer per
+//! request; the device budget must hold that, which any plan needs anyway), and they are not
+//! eviction candidates meanwhile. A plan that runs out of slots gives every kept page back
+//! (`make_room`) and starts over. Token-mode plans, prefetch and a directory journal (whose
+//! replay models handles only) leave the kept lists alone and resolve every page.
+//!
+//! Invariants (checked by `validate`): every kept entry is its object's, Ready at the kept
+//! slot, and the kept entries are exactly the directory's held pins.
+
+use super::rows::Rows;
+use super::{mark_batch, Kept, LayerPlan, StepScheduler, KEPT, NONE};
+use crate::error::{Error, Result};
+use crate::ids::RequestId;
+use crate::scheduler::SelectionUnit;
+
+impl StepScheduler {
+    /// Whether a plan of `layer` over `unit` uses and refreshes the kept lists: block mode,
+    /// and no other plan of the layer outstanding (a plan's kept cells rely on the kept pins
+    /// until it finishes, so only one plan at a time may read and replace a layer's lists).
+    pub(super) fn keeps(&self, layer: u16, unit: SelectionUnit) -> bool {
+        self.keep
+            && !self.cfg.prefetch
+            && unit.unit() == self.cfg.page_size
+            && !self.plans.values().any(|p| p.layer == layer)
+            && !self.dir.journaling()
+    }
+
+    /// The rows of a kept-selection plan (block = page): each row's pages in page order,
+    /// merged with the row's kept list; a kept page's cell gets its kept slot at once, a new
+    /// page becomes a key. Repeated pages (adjacent once sorted) share their first cell.
+    pub(super) fn kept_rows(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        selection: &[i64],
+        k: usize,
+        batch: u64,
+    ) -> Result<Rows> {
+        let ps = u64::from(self.cfg.page_size);
+        let l = layer as usize;
+        let mut out = Rows::with_capacity(selection.len() / 8, rids.len() * k);
+        let mut flat: Vec<(u32, u32)> = Vec::with_capacity(selection.len());
+        let mut ends: Vec<u32> = Vec::with_capacity(rids.len());
+        let mut order: Vec<(u32, u32)> = Vec::with_capacity(k); // (page, column)
+        for (b, &id) in rids.iter().enumerate() {
+            let r = mark_batch(&mut self.requests, id, batch)?;
+            let len = r.len;
+            let entries = len.div_ceil(ps);
+            order.clear();
+            for (j, &e) in selection[b * k..(b + 1) * k].iter().enumerate() {
+                if e < 0 {
+                    continue;
+                }
+                if e as u64 >= entries {
+                    return Err(Error::out_of_range(
+                        format!("selection[{b}][{j}]"),
+                        e,
+                        -1,
+                        entries,
+                    ));
+                }
+                order.push((e as u32, j as u32));
+            }
+            if !order.is_sorted() {
+                order.sort_unstable();
+            }
+            let kept = &r.kept[l];
+            let mut kc = 0;
+            let (mut prev, mut prev_cell, mut prev_slot) = (u32::MAX, NONE, -1);
+            for &(page, j) in &order {
+                out.selected += 1;
+                let at = b * k + j as usize;
+                if page == prev {
+                    out.cells[at] = prev_cell;
+                    out.table[at] = prev_slot;
+                    continue;
+                }
+                let p = u64::from(page);
+                let tokens = (((p + 1) * ps).min(len) - p * ps) as u32;
+                while kc < kept.len() && kept[kc].page < page {
+                    kc += 1;
+                }
+                let (cell, slot) = if kc < kept.len() && kept[kc].page == page {
+                    out.kept_hits += 1;
+                    out.kept_needed += u64::from(tokens);
+                    (KEPT | kc as u32, kept[kc].slot)
+                } else {
+                    let next = out.keys.len() as u32;
+                    out.keys.push(r.key(page, layer));
+                    out.hints.push(page); // looked up below, the misses overlapped
+                    out.key_row.push(b as u32);
+                    out.key_cell.push(at as u32);
+                    out.from_prefix
+                        .push(if page < r.matched { page } else { NONE });
+                    out.needed.push(tokens);
+                    (next, -1)
+                };
+                out.cells[at] = cell;
+                out.table[at] = slot;
+                flat.push((page, cell));
+                (prev, prev_cell, prev_slot) = (page, cell, slot);
+            }
+            ends.push(flat.len() as u32);
+        }
+        if !out.keys.is_empty() {
+            let tables: Vec<&[u32]> = rids
+                .iter()
+                .map(|id| &self.requests[id].index[l][..])
+                .collect();
+            for (&b, &page) in out.key_row.iter().zip(&out.hints) {
+                crate::prefetch::prefetch(tables[b as usize].as_ptr().wrapping_add(page as usize));
+            }
+            for (&b, h) in out.key_row.iter().zip(out.hints.iter_mut()) {
+                *h = tables[b as usize]
+                    .get(*h as usize)
+                    .copied()
+                    .unwrap_or(u32::MAX);
+            }
+        }
+        out.kept_rows = Some((flat, ends));
+        Ok(out)
+    }
+
+    /// Turns kept selections on (the default) or off; off gives every kept page back.
+    pub fn set_keep_selections(&mut self, on: bool) -> Result<()> {
+        self.keep = on;
+        if !on {
+            self.release_all_kept()?;
+        }
+        Ok(())
+    }
+
+    /// Whether block selections are kept (see the module).
+    pub fn keeps_selections(&self) -> bool {
+        self.keep
+    }
+
+    /// Pins held for kept pages now.
+    pub fn kept_pins(&self) -> u64 {
+        self.kept_pins
+    }
+
+    /// Gives back every kept page of every request, but those of layers an outstanding plan
+    /// reads kept slots of (they go back when it finishes, if it no longer selects them).
+    pub(super) fn release_all_kept(&mut self) -> Result<()> {
+        if self.kept_pins == 0 {
+            return Ok(());
+        }
+        let busy: Vec<usize> = self
+            .plans
+            .values()
+            .filter(|p| p.rows.is_some())
+            .map(|p| p.layer as usize)
+            .collect();
+        let mut objects = Vec::with_capacity(self.kept_pins as usize);
+        for r in self.requests.values_mut() {
+            for (l, layer) in r.kept.iter_mut().enumerate() {
+                if !busy.contains(&l) {
+                    objects.extend(layer.drain(..).map(|k| k.object));
+                }
+            }
+        }
+        self.unhold(&objects)
+    }
+
+    /// Gives back the kept pages of a request that ended (taken out of `requests`).
+    pub(super) fn release_kept_of(&mut self, kept: &mut [Vec<Kept>]) -> Result<()> {
+        let objects: Vec<u32> = kept
+            .iter_mut()
+            .flat_map(|l| l.drain(..).map(|k| k.object))
+            .collect();
+        self.unhold(&objects)
+    }
+
+    fn unhold(&mut self, objects: &[u32]) -> Result<()> {
+        if objects.is_empty() {
+            return Ok(());
+        }
+        self.dir.unhold(objects)?;
+        self.kept_pins -= objects.len() as u64;
+        Ok(())
+    }
+
+    /// At the end of a kept-selection plan: each row's kept list becomes the pages it selected
+    /// now (the kept ones as they were, the newly resolved ones held at their slots, failed
+    /// rows none); pages it no longer selects are given back. Runs before the plan's handles
+    /// are released, so a page kept on is never unpinned in between.
+    pub(super) fn refresh_kept(&mut self, plan: &LayerPlan) -> Result<()> {
+        let Some((flat, ends)) = &plan.rows else {
+            return Ok(());
+        };
+        let layer = plan.layer as usize;
+        let mut to_hold: Vec<u32> = Vec::new();
+        let mut placed: Vec<(usize, usize)> = Vec::new(); // (row, position in its new list)
+        let mut to_unhold: Vec<u32> = Vec::new();
+        let mut new: Vec<Kept> = std::mem::take(&mut self.kept_scratch);
+        let mut start = 0usize;
+        for (b, &end) in ends.iter().enumerate() {
+            let row = &flat[start..end as usize];
+            start = end as usize;
+            let Some(r) = self.requests.get_mut(&plan.rids[b]) else {
+                continue; // ended meanwhile: its kept pages went back then
+            };
+            let old = &mut r.kept[layer];
+            if !self.keep || plan.failed.contains(&(b as u32)) {
+                to_unhold.extend(old.drain(..).map(|k| k.object));
+                continue;
+            }
+            new.clear();
+            let mut o = 0;
+            for &(page, cell) in row {
+                while o < old.len() && old[o].page < page {
+                    to_unhold.push(old[o].object);
+                    o += 1;
+                }
+                if o < old.len() && old[o].page == page {
+                    if cell & KEPT != 0 {
+                        new.push(old[o]);
+                        o += 1;
+                        continue;
+                    }
+                    // Resolved afresh while kept: keep the fresh pin, give the old one back.
+                    to_unhold.push(old[o].object);
+                    o += 1;
+                }
+                let key = cell as usize;
+                placed.push((b, new.len()));
+                to_hold.push(plan.indices[key]);
+                new.push(Kept {
+                    page,
+                    object: plan.indices[key],
+                    slot: plan.table[plan.key_cell[key] as usize],
+                });
+            }
+            to_unhold.extend(old[o..].iter().map(|k| k.object));
+            old.clear();
+            old.extend_from_slice(&new);
+        }
+        self.kept_scratch = new;
+        let mut held = Vec::with_capacity(to_hold.len());
+        self.dir.hold(&to_hold, &mut held)?;
+        let n_held = held.iter().filter(|&&h| h).count();
+        self.kept_pins += n_held as u64;
+        if n_held < held.len() {
+            // Loads still in flight on a CUDA stream: not kept, resolved again next step.
+            for (&(b, at), &h) in placed.iter().zip(&held) {
+                if !h {
+                    let r = self.requests.get_mut(&plan.rids[b]).expect("placed above");
+                    r.kept[layer][at].slot = -1;
+                }
+            }
+            for &(b, _) in &placed {
+                if let Some(r) = self.requests.get_mut(&plan.rids[b]) {
+                    r.kept[layer].retain(|k| k.slot >= 0);
+                }
+            }
+        }
+        self.unhold(&to_unhold)
+    }
+
+    /// The kept lists against the directory (module docs).
+    pub(super) fn validate_kept(&self) -> std::result::Result<(), String> {
+        let mut n = 0u64;
+        for r in self.requests.values() {
+            for (l, kept) in r.kept.iter().enumerate() {
+                if !kept.is_sorted_by_key(|k| k.page) {
+                    return Err(format!(
+                        "request {}: kept pages of layer {l} unsorted",
+                        r.id
+                    ));
+                }
+                for k in kept {
+                    let key = r.key(k.page, l as u16);
+                    let ok = self.dir.state(&key).is_some_and(|o| {
+                        o.pins > 0
+                            && o.device
+                                == crate::directory::DeviceState::Ready {
+                                    slot: crate::ids::SlotId::new(k.slot as u32),
+                                }
+                    });
+                    if !ok {
+                        return Err(format!(
+                            "request {}: kept page {} of layer {l} is not Ready at slot {}: {:?}",
+                            r.id,
+                            k.page,
+                            k.slot,
+                            self.dir.state(&key).map(|o| o.device)
+                        ));
+                    }
+                    n += 1;
+                }
+            }
+        }
+        if n != self.kept_pins {
+            return Err(format!(
+                "{n} kept pages, {} kept pins counted",
+                self.kept_pins
+            ));
+        }
+        let held = self.dir.held_pins();
+        if held != n {
+            return Err(format!("{n} kept pages, the directory holds {held}"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,150 @@
+//! A plan's selection, row by row: the keys to resolve and where each slot-table cell reads
+//! from. Two builders: `selection_rows` (any selection unit, every page resolved) and
+//! `kept_rows` (`kept.rs`: block mode, kept pages read from their kept slots).
+
+use super::{mark_batch, StepScheduler, NONE};
+use crate::directory::ObjectKey;
+use crate::error::{Error, Result};
+use crate::ids::RequestId;
+use crate::scheduler::SelectionUnit;
+
+/// A kept-selection plan's rows: every row's distinct pages, sorted, with their cells (key
+/// index or KEPT), flat, and where each row's run ends.
+pub(super) type KeptRows = (Vec<(u32, u32)>, Vec<u32>);
+
+/// What a plan's rows produce.
+pub(super) struct Rows {
+    /// The keys to resolve, one per distinct page of each row.
+    pub keys: Vec<ObjectKey>,
+    /// Per key: the directory's object index hint.
+    pub hints: Vec<u32>,
+    /// Per key: its row.
+    pub key_row: Vec<u32>,
+    /// Per key: the first cell naming it.
+    pub key_cell: Vec<u32>,
+    /// Per key: the selected tokens it holds.
+    pub needed: Vec<u32>,
+    /// Joined mode, per key: the request page if it is a matched prefix page, else NONE.
+    pub from_prefix: Vec<u32>,
+    /// Per cell: the key index, `KEPT | kept position`, or NONE.
+    pub cells: Vec<u32>,
+    /// Per cell: the slot where known already (kept cells), else -1.
+    pub table: Vec<i32>,
+    /// Per row: its distinct pages, sorted, with their key index (the prefetch's input).
+    pub rows_pages: Vec<Vec<(u32, u32)>>,
+    /// Kept-selection plans: every row's distinct pages with their cells, and row ends.
+    pub kept_rows: Option<KeptRows>,
+    /// Selected pages, repeats included.
+    pub selected: u64,
+    /// Distinct pages read from kept slots.
+    pub kept_hits: u64,
+    /// Selected tokens in those pages.
+    pub kept_needed: u64,
+}
+
+impl Rows {
+    pub(super) fn with_capacity(entries: usize, cells: usize) -> Self {
+        Rows {
+            keys: Vec::with_capacity(entries),
+            hints: Vec::with_capacity(entries),
+            key_row: Vec::with_capacity(entries),
+            key_cell: Vec::with_capacity(entries),
+            needed: Vec::with_capacity(entries),
+            from_prefix: Vec::with_capacity(entries),
+            cells: vec![NONE; cells],
+            table: vec![-1; cells],
+            rows_pages: Vec::new(),
+            kept_rows: None,
+            selected: 0,
+            kept_hits: 0,
+            kept_needed: 0,
+        }
+    }
+}
+
+impl StepScheduler {
+    /// Every selected page of every row becomes a key (deduplicated within its row).
+    pub(super) fn selection_rows(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        selection: &[i64],
+        k: usize,
+        unit: SelectionUnit,
+        batch: u64,
+    ) -> Result<Rows> {
+        let ps = self.cfg.page_size;
+        let ppe = unit.pages_per_entry();
+        let mut out = Rows::with_capacity(selection.len(), rids.len() * k * ppe);
+        out.rows_pages.reserve(rids.len());
+        let mut pages_buf = vec![None; ppe];
+        // The dense page -> object tables are cache misses at scale: ask for every row's
+        // entries first, so the misses overlap instead of coming one by one below.
+        let shift = unit.unit() / ps; // pages per entry, 0 when entries lie inside a page
+        for (b, id) in rids.iter().enumerate() {
+            if let Some(r) = self.requests.get(id) {
+                let t = &r.index[layer as usize];
+                for &e in &selection[b * k..(b + 1) * k] {
+                    let page = if shift > 0 {
+                        e.wrapping_mul(i64::from(shift))
+                    } else {
+                        e.wrapping_mul(i64::from(unit.unit())) / i64::from(ps)
+                    };
+                    crate::prefetch::prefetch(t.as_ptr().wrapping_add(page as usize));
+                }
+            }
+        }
+        for (b, &id) in rids.iter().enumerate() {
+            let r = mark_batch(&mut self.requests, id, batch)?;
+            let len = r.len;
+            self.dedup.begin_row(r.pages(ps));
+            let mut row_pages = Vec::with_capacity(k);
+            for j in 0..k {
+                let e = selection[b * k + j];
+                if e < 0 {
+                    continue;
+                }
+                if e as u64 >= unit.entries(len) {
+                    return Err(Error::out_of_range(
+                        format!("selection[{b}][{j}]"),
+                        e,
+                        -1,
+                        unit.entries(len),
+                    ));
+                }
+                unit.entry_pages(e as u64, len, &mut pages_buf);
+                for (i, cell) in pages_buf.iter().enumerate() {
+                    let Some((page, tokens)) = *cell else {
+                        continue;
+                    };
+                    out.selected += 1;
+                    let at = b * k * ppe + j * ppe + i;
+                    let next = out.keys.len() as u32;
+                    match self.dedup.seen_or_insert(page, next) {
+                        Some(idx) => {
+                            out.cells[at] = idx;
+                            let n = &mut out.needed[idx as usize];
+                            *n = (*n + tokens).min(ps);
+                        }
+                        None => {
+                            out.cells[at] = next;
+                            out.keys.push(r.key(page, layer));
+                            out.hints.push(r.hint(page, layer));
+                            out.key_row.push(b as u32);
+                            out.key_cell.push(at as u32);
+                            out.from_prefix
+                                .push(if page < r.matched { page } else { NONE });
+                            out.needed.push(tokens);
+                            row_pages.push((page, next));
+                        }
+                    }
+                }
+            }
+            if !row_pages.is_sorted() {
+                row_pages.sort_unstable();
+            }
+            out.rows_pages.push(row_pages);
+        }
+        Ok(out)
+    }
+}
