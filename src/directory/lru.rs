@@ -79,7 +79,9 @@ impl Lru {
     /// Drops stale entries once they outnumber the members (amortized O(1) per push).
     pub fn compact_if_needed(&mut self, mark_of: impl Fn(usize) -> u64) {
         let held = self.queue.len() - self.head;
-        if held <= 2 * self.len + 4096 {
+        // Pops leave a dead prefix behind `head`: without reclaiming it too, a queue whose
+        // stale entries the pops consume would never compact and grow by every push.
+        if held <= 2 * self.len + 4096 && self.head <= self.len + 4096 {
             return;
         }
         let mut w = 0;
@@ -163,6 +165,33 @@ mod tests {
         l.validate(|i| marks[i]).unwrap();
         while l.pop_front(take(&mut marks)).is_some() {}
         assert!(l.is_empty());
+        l.validate(|i| marks[i]).unwrap();
+    }
+
+    #[test]
+    fn pop_and_push_churn_keeps_the_queue_bounded() {
+        // Evict the least recently used, bring it back: the pops consume every entry they
+        // pass, so no stale entry piles up behind `head`, yet the dead prefix must go too.
+        let mut marks = vec![0u64; 100];
+        let mut l = Lru::new();
+        for (i, m) in marks.iter_mut().enumerate() {
+            l.push_back(i, m);
+        }
+        for _ in 0..200_000 {
+            let i = l
+                .pop_front(|i, s| {
+                    let live = marks[i] == s;
+                    if live {
+                        marks[i] = 0;
+                    }
+                    live
+                })
+                .unwrap();
+            l.push_back(i, &mut marks[i]);
+            l.compact_if_needed(|i| marks[i]);
+        }
+        assert!(l.queue.len() <= 2 * (l.len() + 4096) + 2, "{}", l.queue.len());
+        assert_eq!(l.len(), 100);
         l.validate(|i| marks[i]).unwrap();
     }
 }
