@@ -259,6 +259,10 @@ impl Core {
         if let Some(p) = self.device.alloc_one() {
             return SlotId::of_page(p);
         }
+        // Evictions come in runs (one per load of a batch): fetch the victims ahead.
+        if let Some(i) = self.lru.ahead(PREFETCH_AHEAD) {
+            self.objects.prefetch(i);
+        }
         let victim = self
             .lru_pop()
             .expect("caller checked free + evictable >= needed");
@@ -977,10 +981,19 @@ impl Core {
     /// flight on a CUDA stream, and may yet fail); `held[i]` says which were. Unknown indices
     /// are an error, and nothing is held then.
     pub fn hold(&mut self, objects: &[u32], held: &mut Vec<bool>) -> Result<()> {
-        if let Some(&bad) = objects.iter().find(|&&i| {
+        // Checked first, fetching ahead (the objects are cold); the pass below finds them in
+        // cache.
+        for &i in objects.iter().take(PREFETCH_AHEAD) {
+            self.objects.prefetch(i as usize);
+        }
+        if let Some(&bad) = objects.iter().enumerate().find_map(|(n, i)| {
+            if let Some(&ahead) = objects.get(n + PREFETCH_AHEAD) {
+                self.objects.prefetch(ahead as usize);
+            }
             self.objects
-                .get(i as usize)
+                .get(*i as usize)
                 .is_none_or(|o| o.held == u16::MAX)
+                .then_some(i)
         }) {
             return Err(Error::config(
                 "objects",
@@ -1006,8 +1019,15 @@ impl Core {
     /// unpinned becomes evictable (most recently used) or, dropped, goes. An index not held
     /// (as often as it appears) is an error, and nothing changes then.
     pub fn unhold(&mut self, objects: &[u32]) -> Result<()> {
-        // Stage: take the held counts, putting them back if one is refused.
+        // Stage: take the held counts, putting them back if one is refused (fetching ahead:
+        // the objects are cold; the pass below finds them in cache).
+        for &i in objects.iter().take(PREFETCH_AHEAD) {
+            self.objects.prefetch(i as usize);
+        }
         for (n, &i) in objects.iter().enumerate() {
+            if let Some(&ahead) = objects.get(n + PREFETCH_AHEAD) {
+                self.objects.prefetch(ahead as usize);
+            }
             match self.objects.get_mut(i as usize) {
                 Some(o) if o.held > 0 => o.held -= 1,
                 _ => {
