@@ -86,9 +86,14 @@ impl Lru {
     /// Drops stale entries once they outnumber the members (amortized O(1) per push).
     pub fn compact_if_needed(&mut self, mark_of: impl Fn(usize) -> u64) {
         let held = self.queue.len() - self.head;
-        // Pops leave a dead prefix behind `head`: without reclaiming it too, a queue whose
-        // stale entries the pops consume would never compact and grow by every push.
-        if held <= 2 * self.len + 4096 && self.head <= self.len + 4096 {
+        if held <= 2 * self.len + 4096 {
+            // Pops leave a dead prefix behind `head`: without reclaiming it too, a queue whose
+            // stale entries the pops consume would never compact and grow by every push. A
+            // plain move does it (no entry's object is read).
+            if self.head > self.len + 4096 {
+                self.queue.drain(..self.head);
+                self.head = 0;
+            }
             return;
         }
         let mut w = 0;
