@@ -21,7 +21,6 @@ use crate::error::{Error, Result};
 use crate::ids::PageId;
 use rustc_hash::FxHashMap;
 use slab::Slab;
-use smallvec::SmallVec;
 use std::collections::BTreeSet;
 
 const NIL: usize = usize::MAX;
@@ -84,7 +83,12 @@ struct Node {
     storage_pins: u32,
     hits: u64,
     stamp: u64,
-    children: FxHashMap<Box<[u32]>, usize>,
+    /// Children by the key of their first page ([`page_key`]); children whose first pages
+    /// differ but share a key (possible only for pages over two tokens) chain through
+    /// `next_same_key`.
+    children: FxHashMap<u64, usize>,
+    /// The next sibling with the same first-page key, or `NIL`.
+    next_same_key: usize,
     device_children: u32,
     /// Stamps under which the node sits in the LRU sets, if it does.
     in_device_lru: Option<u64>,
@@ -148,6 +152,8 @@ pub struct RadixTree {
     host_pages: usize,
     /// Device pages of locked nodes (kept by `lock`, `unlock` and `set_device`).
     locked_device_pages: usize,
+    #[cfg(test)]
+    colliding: bool,
 }
 
 impl RadixTree {
@@ -171,6 +177,8 @@ impl RadixTree {
             device_pages: 0,
             host_pages: 0,
             locked_device_pages: 0,
+            #[cfg(test)]
+            colliding: false,
         })
     }
 
@@ -229,6 +237,7 @@ impl RadixTree {
             hits: 0,
             stamp: 0,
             children: FxHashMap::default(),
+            next_same_key: NIL,
             device_children: 0,
             in_device_lru: None,
             in_host_lru: None,
@@ -359,7 +368,6 @@ impl RadixTree {
         let (host, loading, lock_ref, hits) = (n.host, n.loading, n.lock_ref, n.hits);
         n.key = tail_key;
         n.parent = head;
-        let tail_first: Box<[u32]> = n.key[..ps].into();
         let on_dev = n.on_device();
         let h = &mut self.nodes[head];
         h.device = dev_head;
@@ -369,36 +377,123 @@ impl RadixTree {
         h.lock_ref = lock_ref;
         h.hits = hits;
         h.stamp = fresh;
-        h.children.insert(tail_first, idx);
         h.device_children = u32::from(on_dev);
-        let first: Box<[u32]> = head_key[..ps].into();
-        self.nodes[parent].children.insert(first, head);
+        // The head starts with the same page as the old node: it takes its place under the
+        // parent, and the old node becomes the head's only child.
+        self.replace_child(parent, idx, head);
+        self.add_child(head, idx);
         self.refresh(head);
         self.refresh(idx);
         self.refresh(parent);
         head
     }
 
+    /// The child of `node` whose key starts with `page` (one page of tokens, any width).
+    #[inline]
+    fn find_child<T: TokenId>(&self, node: usize, page: &[T]) -> Option<usize> {
+        // A value no token id can have matches nothing.
+        let mut c = *self.nodes[node].children.get(&self.page_key(page)?)?;
+        if page.len() <= 2 {
+            return Some(c); // the key is the page itself
+        }
+        loop {
+            if T::common_prefix(&self.nodes[c].key[..page.len()], page) == page.len() {
+                return Some(c);
+            }
+            c = self.nodes[c].next_same_key;
+            if c == NIL {
+                return None;
+            }
+        }
+    }
+
+    /// Lists `child` (not yet listed) under `parent`.
+    fn add_child(&mut self, parent: usize, child: usize) {
+        let key = self.first_page_key(child);
+        let prev = self.nodes[parent].children.insert(key, child);
+        self.nodes[child].next_same_key = prev.unwrap_or(NIL);
+    }
+
+    /// Puts `new` in `old`'s place under `parent`: `new`'s key starts with the page `old`'s
+    /// did when it was listed (`old`'s own key may have changed since, as in a split).
+    fn replace_child(&mut self, parent: usize, old: usize, new: usize) {
+        let next = std::mem::replace(&mut self.nodes[old].next_same_key, NIL);
+        self.nodes[new].next_same_key = next;
+        let key = self.first_page_key(new);
+        self.relink(parent, key, old, new);
+    }
+
+    /// Takes `child` off `parent`'s list.
+    fn remove_child(&mut self, parent: usize, child: usize) {
+        let next = std::mem::replace(&mut self.nodes[child].next_same_key, NIL);
+        let key = self.first_page_key(child);
+        self.relink(parent, key, child, next);
+    }
+
+    /// Makes whatever pointed at `old` in `parent`'s list under `key` (the map entry or a
+    /// sibling's chain link) point at `to` (`NIL`: unlisted).
+    fn relink(&mut self, parent: usize, key: u64, old: usize, to: usize) {
+        let children = &mut self.nodes[parent].children;
+        let head = children[&key];
+        if head == old {
+            if to == NIL {
+                children.remove(&key);
+            } else {
+                children.insert(key, to);
+            }
+            return;
+        }
+        let mut c = head;
+        while self.nodes[c].next_same_key != old {
+            c = self.nodes[c].next_same_key;
+        }
+        self.nodes[c].next_same_key = to;
+    }
+
+    fn first_page_key(&self, idx: usize) -> u64 {
+        self.page_key(&self.nodes[idx].key[..self.page_size])
+            .expect("tree keys are token ids")
+    }
+
+    #[inline(always)]
+    fn page_key<T: TokenId>(&self, page: &[T]) -> Option<u64> {
+        let key = page_key(page)?;
+        #[cfg(test)]
+        if self.colliding && page.len() > 2 {
+            return Some(key % 3); // every sibling chains: the tests' worst case
+        }
+        Some(key)
+    }
+
+    /// Makes first-page keys of pages over two tokens collide (tests of the chains).
+    #[cfg(test)]
+    pub(crate) fn set_colliding(&mut self) {
+        assert!(self.nodes.is_empty(), "before the first insert");
+        self.colliding = true;
+    }
+
+    /// Every child of `idx`, chains included.
+    fn children_of(&self, idx: usize) -> impl Iterator<Item = usize> + '_ {
+        self.nodes[idx].children.values().flat_map(move |&head| {
+            std::iter::successors(Some(head), move |&c| {
+                Some(self.nodes[c].next_same_key).filter(|&n| n != NIL)
+            })
+        })
+    }
+
     /// Walks the path of `tokens` (whole pages only), splitting the last node when the match
-    /// ends inside it. Returns the path's nodes and the tokens they cover.
+    /// ends inside it. Returns the path's nodes and the tokens they cover. The caller touches
+    /// the path.
     fn walk<T: TokenId>(&mut self, ns: u32, tokens: &[T]) -> (Vec<usize>, usize) {
         let ps = self.page_size;
         let len = tokens.len() / ps * ps;
         let mut node = self.root(ns);
         let mut path = Vec::new();
         let mut pos = 0;
-        let mut page: SmallVec<[u32; 16]> = SmallVec::new();
         while pos < len {
-            // The page as the tree stores it; a value no token id can have matches nothing.
-            page.clear();
-            if !T::ids(&tokens[pos..pos + ps], &mut page) {
-                break;
-            }
-            let Some(&child) = self.nodes[node].children.get(&page[..]) else {
+            let Some(child) = self.find_child(node, &tokens[pos..pos + ps]) else {
                 break;
             };
-            // Touched before any split, as SGLang does: the tail of a split keeps this access.
-            self.touch(child);
             let key = &self.nodes[child].key;
             let node_len = key.len();
             let max_pages = node_len.min(len - pos) / ps;
@@ -409,6 +504,10 @@ impl RadixTree {
             let same = (common / ps).max(1);
             let matched = same * ps;
             let target = if matched < node_len {
+                // Touched before the split, as SGLang does: the tail keeps this access. (The
+                // callers touch the whole path afterwards, in order: nothing else is touched
+                // here.)
+                self.touch(child);
                 self.split(child, same)
             } else {
                 child
@@ -528,9 +627,8 @@ impl RadixTree {
             None => self.root(ns),
         };
         if pos < n_pages * ps {
-            let first: Box<[u32]> = suffix[..ps].into();
             let leaf = self.new_node(last, suffix);
-            self.nodes[last].children.insert(first, leaf);
+            self.add_child(last, leaf);
             self.refresh(last);
             self.set_device(leaf, pages[at..].to_vec());
             self.touch(leaf);
@@ -717,15 +815,14 @@ impl RadixTree {
         let n = &self.nodes[idx];
         debug_assert!(n.children.is_empty() && n.device.is_empty() && n.host_pages.is_empty());
         let parent = n.parent;
-        let first: Box<[u32]> = n.key[..self.page_size].into();
         if let Some(s) = n.in_device_lru {
             self.device_lru.remove(&(s, idx));
         }
         if let Some(s) = n.in_host_lru {
             self.host_lru.remove(&(s, idx));
         }
+        self.remove_child(parent, idx);
         self.nodes.remove(idx);
-        self.nodes[parent].children.remove(&first);
         self.refresh(parent);
     }
 
@@ -856,7 +953,7 @@ impl RadixTree {
                     "a namespace with no locked node and no transfer in flight (unlock and drain first)",
                 ));
             }
-            stack.extend(n.children.values().copied());
+            stack.extend(self.children_of(i));
             subtree.push(i);
         }
         let (mut dev, mut host) = (Vec::new(), Vec::new());
@@ -917,18 +1014,19 @@ impl RadixTree {
                 {
                     return Err(format!("node {idx}: host state and pages disagree"));
                 }
-                let p = &self.nodes[n.parent];
-                if p.children.get(&n.key[..ps]) != Some(&idx) {
+                if !self.children_of(n.parent).any(|c| c == idx) {
                     return Err(format!("node {idx}: parent does not list it"));
+                }
+                if self.find_child(n.parent, &n.key[..ps]) != Some(idx) {
+                    return Err(format!("node {idx}: its first page does not find it"));
                 }
                 if n.loading.is_some() && !n.on_device() {
                     return Err(format!("node {idx}: loading without device pages"));
                 }
             }
-            let dc = n
-                .children
-                .values()
-                .filter(|&&c| self.nodes[c].on_device())
+            let dc = self
+                .children_of(idx)
+                .filter(|&c| self.nodes[c].on_device())
                 .count() as u32;
             if dc != n.device_children {
                 return Err(format!(
@@ -1014,8 +1112,8 @@ impl RadixTree {
 /// A token id as a caller holds it: the tree's own `u32`, or a wider or signed integer whose
 /// value is compared without narrowing the whole sequence first.
 pub trait TokenId: Copy {
-    /// Appends `src` as tree token ids to `out`; false when a value is no token id.
-    fn ids(src: &[Self], out: &mut SmallVec<[u32; 16]>) -> bool;
+    /// The value as a tree token id; None when it is none.
+    fn id(self) -> Option<u32>;
     /// Length of the common prefix of `key` and `toks` (equally long).
     fn common_prefix(key: &[u32], toks: &[Self]) -> usize;
     /// Appends `src` as tree token ids to `out`, refusing (naming) a value that is none.
@@ -1023,9 +1121,9 @@ pub trait TokenId: Copy {
 }
 
 impl TokenId for u32 {
-    fn ids(src: &[u32], out: &mut SmallVec<[u32; 16]>) -> bool {
-        out.extend_from_slice(src);
-        true
+    #[inline(always)]
+    fn id(self) -> Option<u32> {
+        Some(self)
     }
     fn common_prefix(key: &[u32], toks: &[u32]) -> usize {
         common_prefix(key, toks)
@@ -1039,14 +1137,9 @@ impl TokenId for u32 {
 macro_rules! token_id {
     ($($t:ty => $w:ty),*) => {$(
         impl TokenId for $t {
-            fn ids(src: &[$t], out: &mut SmallVec<[u32; 16]>) -> bool {
-                for &v in src {
-                    match u32::try_from(v) {
-                        Ok(id) => out.push(id),
-                        Err(_) => return false,
-                    }
-                }
-                true
+            #[inline(always)]
+            fn id(self) -> Option<u32> {
+                u32::try_from(self).ok()
             }
             fn common_prefix(key: &[u32], toks: &[$t]) -> usize {
                 #[cfg(target_arch = "x86_64")]
@@ -1083,6 +1176,20 @@ macro_rules! token_id {
     )*};
 }
 token_id!(i64 => i64, u64 => u64, i32 => i64);
+
+/// The key a page is listed under in its parent's children: the page itself for pages of one
+/// or two tokens (no compare needed after the lookup), else a hash of it (siblings whose
+/// first pages collide chain; `find_child` compares). None when a value is no token id.
+#[inline]
+fn page_key<T: TokenId>(page: &[T]) -> Option<u64> {
+    match page {
+        [a] => Some(u64::from(a.id()?)),
+        [a, b] => Some((u64::from(a.id()?) << 32) | u64::from(b.id()?)),
+        _ => page.iter().try_fold(0u64, |h, &t| {
+            Some((h.rotate_left(26) ^ u64::from(t.id()?)).wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        }),
+    }
+}
 
 /// A caller's token compared with a tree token, in the caller's width.
 trait WideToken: Copy {

@@ -89,6 +89,9 @@ impl RadixTree {
             return Ok((None, Vec::new()));
         }
         let (path, pos) = self.walk(ns, tokens);
+        for &idx in &path {
+            self.touch(idx);
+        }
         let have = pos / ps;
         if have < start_page {
             return Ok((None, host_pages.to_vec()));
@@ -101,8 +104,7 @@ impl RadixTree {
         };
         if taken_from < host_pages.len() {
             let leaf = self.new_node(last, tokens[pos..].to_vec());
-            let first: Box<[u32]> = tokens[pos..pos + ps].into();
-            self.nodes[last].children.insert(first, leaf);
+            self.add_child(last, leaf);
             self.refresh(last);
             let given = host_pages[taken_from..].to_vec();
             self.host_pages += given.len();
