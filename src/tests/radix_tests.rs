@@ -156,3 +156,22 @@ proptest::proptest! {
         }
     }
 }
+
+#[test]
+fn a_bad_token_in_a_late_chunk_refuses_the_insert() {
+    // Narrowing runs in 4 KiB chunks: a value past the first ones is still caught, and the
+    // tree is left as it was.
+    let mut t = RadixTree::new(1).unwrap();
+    let mut toks: Vec<i64> = (1..=3000).collect();
+    for bad in [2500usize, 2999] {
+        toks[bad] = i64::from(u32::MAX) + 1;
+        let err = t.insert(0, &toks, &pages(0..3000)).unwrap_err();
+        assert!(err.to_string().contains("tokens"), "{err}");
+        assert_eq!((t.device_pages(), t.node_count()), (0, 1));
+        toks[bad] = -1;
+        assert!(t.insert(0, &toks, &pages(0..3000)).is_err());
+        toks[bad] = bad as i64;
+    }
+    t.insert(0, &toks, &pages(0..3000)).unwrap();
+    t.validate().unwrap();
+}
