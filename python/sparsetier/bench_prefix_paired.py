@@ -12,6 +12,13 @@ accepts), and pay any conversion inside their timers. Per repetition:
   and without it (the leaf from ``insert``'s result);
 - **match**: ``match_prefix`` of fresh queries on caches filled with the same sequences.
 
+Every timed pass follows the same eviction of the CPU's private caches (64 MiB written), and
+the order of the sides alternates: the sides read the same token objects, and whichever reads
+them first pays for bringing them in. The serve loops alternate between repetitions (A, B / B,
+A); the cold match passes run A, B, B, A within each repetition, each side's mean kept. A warm
+match pass (the same queries again, two alternating passes, the second of each side kept)
+follows.
+
 The report gives mean µs per op per side and, per phase, the median and the spread (min, max)
 of the per-repetition ratios SGLang / sparsetier.
 """
@@ -109,6 +116,12 @@ def fill_sglang(peer_cls: Any, impl: str, seqs: list, ps: int, tokens: int) -> A
     return peer
 
 
+def evict_caches(junk: Any) -> None:
+    """Writes a buffer larger than the CPU's private caches: what the serve loops leave behind,
+    made the same for both sides."""
+    junk += 1.0
+
+
 def time_match(fn: Any, queries: list) -> float:
     clock = time.perf_counter_ns
     t0 = clock()
@@ -134,19 +147,38 @@ def run(args: argparse.Namespace) -> dict:
     cap = int(args.capacity_frac * cached)
     st_match = probe
     sg_match = fill_sglang(Peer, args.impl, fill, ps, total + 16 * ps)
+    import numpy as np
+
+    junk = np.zeros(64 << 17)  # 64 MiB
     rows: dict[str, list[float]] = collections.defaultdict(list)
     hits: dict[str, int] = {}
     for rep in range(args.reps):
         gc.collect()
         gc.disable()
         try:
-            a, hits["sparsetier"] = serve_sparsetier(serve, ps, cap, args.inflight)
-            b, hits["sglang"] = serve_sglang(Peer, args.impl, serve, ps, cap, args.inflight, True)
-            b2, hits["sglang_one_match"] = serve_sglang(
-                Peer, args.impl, serve, ps, cap, args.inflight, False
-            )
-            ma = time_match(st_match.match_prefix, fresh)
-            mb = time_match(lambda q: sg_match.match(sg_match.key(q)), fresh)
+            loops = {
+                "sparsetier": lambda: serve_sparsetier(serve, ps, cap, args.inflight),
+                "sglang": lambda: serve_sglang(Peer, args.impl, serve, ps, cap, args.inflight,
+                                               True),
+                "sglang_one_match": lambda: serve_sglang(Peer, args.impl, serve, ps, cap,
+                                                         args.inflight, False),
+            }  # fmt: skip
+            # The serve loops read the same sequences: sparsetier's goes first on even
+            # repetitions and last on odd ones, each after the same eviction.
+            served = {}
+            for name in list(loops) if rep % 2 == 0 else list(loops)[::-1]:
+                evict_caches(junk)
+                served[name], hits[name] = loops[name]()
+            a, b, b2 = served["sparsetier"], served["sglang"], served["sglang_one_match"]
+            # Each side's cold pass follows the same eviction of the CPU's private caches, in
+            # the order A, B, B, A: the queries are the same objects, and whichever side reads
+            # them first pays for bringing them in from the shared cache.
+            sides = {"a": st_match.match_prefix, "b": lambda q: sg_match.match(sg_match.key(q))}
+            cold: dict[str, list[float]] = {"a": [], "b": []}
+            for side in "abba":
+                evict_caches(junk)
+                cold[side].append(time_match(sides[side], fresh))
+            ma, mb = statistics.mean(cold["a"]), statistics.mean(cold["b"])
             # The same queries again, each side's tree now in cache: two more alternating
             # passes, the second of each kept. The first pass (above) is the headline: it
             # follows the serve loops, as a request follows other work in a server.
