@@ -15,3 +15,16 @@ pub fn prefetch<T>(p: *const T) {
     #[cfg(not(target_arch = "x86_64"))]
     let _ = p;
 }
+
+/// [`prefetch`] of every cache line of `s`, up to `max_bytes`: the accesses that follow then
+/// wait for their misses together, not one after another.
+#[inline(always)]
+pub fn prefetch_range<T>(s: &[T], max_bytes: usize) {
+    let bytes = std::mem::size_of_val(s).min(max_bytes);
+    let base = s.as_ptr().cast::<u8>();
+    let mut off = 0;
+    while off < bytes {
+        prefetch(base.wrapping_add(off));
+        off += 64;
+    }
+}

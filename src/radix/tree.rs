@@ -500,8 +500,9 @@ impl RadixTree {
             // First differing token, rounded down to whole pages (the first page matched: it
             // is the child's key).
             let limit = max_pages * ps;
-            prefetch_lines(&key[..limit]);
-            prefetch_lines(&tokens[pos..pos + limit]);
+            // The compare then waits for the misses together, not block after block.
+            crate::prefetch::prefetch_range(&key[..limit], 16 << 10);
+            crate::prefetch::prefetch_range(&tokens[pos..pos + limit], 16 << 10);
             let common = T::common_prefix(&key[..limit], &tokens[pos..pos + limit]);
             let same = (common / ps).max(1);
             let matched = same * ps;
@@ -1235,7 +1236,7 @@ fn narrow_into<T: Narrow>(src: &[T], out: &mut Vec<u32>) -> u64 {
     out.reserve(src.len());
     for (i, chunk) in src.chunks(per).enumerate() {
         if let Some(ahead) = src.get((i + 2) * per..) {
-            prefetch_lines(&ahead[..ahead.len().min(per)]);
+            crate::prefetch::prefetch_range(&ahead[..ahead.len().min(per)], CHUNK);
         }
         out.extend(chunk.iter().map(|&v| {
             high |= v.high();
@@ -1250,27 +1251,6 @@ fn narrow_into<T: Narrow>(src: &[T], out: &mut Vec<u32>) -> u64 {
 #[target_feature(enable = "avx2")]
 unsafe fn narrow_into_avx2<T: Narrow>(src: &[T], out: &mut Vec<u32>) -> u64 {
     narrow_into(src, out)
-}
-
-/// Starts the fetch of every cache line of `s` (up to 16 KiB): the compare then waits for
-/// the misses together, not one block after another.
-#[inline(always)]
-fn prefetch_lines<T>(s: &[T]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let bytes = std::mem::size_of_val(s).min(16 << 10);
-        let base = s.as_ptr().cast::<i8>();
-        let mut off = 0;
-        while off < bytes {
-            // SAFETY: `off < bytes <= size_of_val(s)`, so the address is inside `s`; a
-            // prefetch never faults and changes no memory.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(base.add(off)) };
-            off += 64;
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = s;
 }
 
 /// The key a page is listed under in its parent's children: the page itself for pages of one
