@@ -50,11 +50,10 @@ pub struct PyPrefixMatch {
 }
 
 impl PyPrefixMatch {
-    pub fn new(m: crate::radix::MatchResult, new_pages: Option<Vec<PageId>>) -> PyPrefixMatch {
-        let allocated = new_pages.is_some();
-        let n_device = m.device_pages.len();
-        let mut pages = m.device_pages;
-        pages.extend(new_pages.unwrap_or_default());
+    /// A match whose `device_pages` hold its `n_device` matched pages, then (when `allocated`)
+    /// the new ones.
+    pub fn new(m: crate::radix::MatchResult, n_device: usize, allocated: bool) -> PyPrefixMatch {
+        let pages = m.device_pages;
         PyPrefixMatch {
             device_len: m.device_len,
             host_len: m.host_len,

@@ -209,27 +209,26 @@ impl PyHiCache {
         let mut c = self.inner.lock();
         with_lookup(tokens, |t| {
             let n = t.len();
-            let m = match t {
+            let mut m = match t {
                 Lookup::U32(t) => c.match_prefix(ns, t),
                 // Read only as far as the match goes: a bad id after it is refused by
                 // `insert`, which then inserts nothing (the caller frees the new pages).
                 Lookup::I64(t) => c.match_prefix(ns, t),
             };
-            let mut new = None;
             if lock || alloc {
                 c.lock(m.device_node).py_err(py)?;
             }
+            let n_device = m.device_pages.len();
             if alloc {
+                // The new pages go after the matched ones, in the match's own array.
                 let ps = c.tree().page_size();
-                match c.alloc_device(n / ps - m.device_len / ps) {
-                    Ok(p) => new = Some(p),
-                    Err(e) => {
-                        c.unlock(m.device_node).py_err(py)?;
-                        return Err(to_py(py, e));
-                    }
+                if let Err(e) = c.alloc_device_into(n / ps - m.device_len / ps, &mut m.device_pages)
+                {
+                    c.unlock(m.device_node).py_err(py)?;
+                    return Err(to_py(py, e));
                 }
             }
-            Ok(PyPrefixMatch::new(m, new))
+            Ok(PyPrefixMatch::new(m, n_device, alloc))
         })
     }
 
@@ -250,16 +249,21 @@ impl PyHiCache {
         unlock: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PyPrefixInsert> {
         let py = tokens.py();
-        let pages = match device_pages.cast::<PyPrefixMatch>() {
-            Ok(m) => m.get().page_ids().to_vec(),
-            Err(_) => page_ids(device_pages, "device_pages")?,
+        // A match's pages are borrowed (a frozen result: they cannot change), an array's read.
+        let given: Vec<PageId>;
+        let pages: &[PageId] = match device_pages.cast::<PyPrefixMatch>() {
+            Ok(m) => m.get().page_ids(),
+            Err(_) => {
+                given = page_ids(device_pages, "device_pages")?;
+                &given
+            }
         };
         let ns = self::namespace(namespace)?;
         let unlock = unlock.map(node).transpose()?;
         let mut c = self.inner.lock();
         let r = with_lookup(tokens, |t| match t {
-            Lookup::U32(t) => c.insert(ns, t, &pages).py_err(py),
-            Lookup::I64(t) => c.insert(ns, t, &pages).py_err(py),
+            Lookup::U32(t) => c.insert(ns, t, pages).py_err(py),
+            Lookup::I64(t) => c.insert(ns, t, pages).py_err(py),
         })?;
         if lock {
             c.lock(r.last_node).py_err(py)?;

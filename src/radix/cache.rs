@@ -270,6 +270,14 @@ impl HiCache {
 
     /// `n` device pages for a request, evicting LRU device leaves if needed; all or nothing.
     pub fn alloc_device(&mut self, n: usize) -> Result<Vec<PageId>> {
+        let mut pages = Vec::new();
+        self.alloc_device_into(n, &mut pages)?;
+        Ok(pages)
+    }
+
+    /// [`Self::alloc_device`], appending the pages to `out` (a match's own pages: no second
+    /// array); on an error `out` is as it was.
+    pub fn alloc_device_into(&mut self, n: usize, out: &mut Vec<PageId>) -> Result<()> {
         if self.failing_allocs > 0 {
             self.failing_allocs -= 1;
             return Err(Error::OutOfPages {
@@ -292,9 +300,9 @@ impl HiCache {
             // locks leave too little, and what was evicted stays evicted.
             self.evict_device(n - self.device.free_count());
         }
-        let pages = self.device.alloc(n)?;
+        self.device.alloc_into(n, out)?;
         self.outstanding += n;
-        Ok(pages)
+        Ok(())
     }
 
     /// Returns pages from `alloc_device` that were not inserted.
@@ -391,7 +399,7 @@ impl HiCache {
         pages: &[PageId],
         host_pages: &[PageId],
     ) -> Result<(InsertResult, Vec<PageId>)> {
-        if let Some(p) = pages.iter().find(|p| !self.device.is_allocated(**p)) {
+        if let Some(p) = self.device.first_unallocated(pages) {
             return Err(Error::config(
                 "device_pages",
                 p.raw(),
@@ -402,7 +410,7 @@ impl HiCache {
             .host
             .as_ref()
             .ok_or_else(|| Error::config("host_pages", 0, "a HiCache with a host tier"))?;
-        if let Some(p) = host_pages.iter().find(|p| !host.is_allocated(**p)) {
+        if let Some(p) = host.first_unallocated(host_pages) {
             return Err(Error::config(
                 "host_pages",
                 p.raw(),
@@ -463,7 +471,7 @@ impl HiCache {
         tokens: &[T],
         pages: &[PageId],
     ) -> Result<InsertResult> {
-        if let Some(p) = pages.iter().find(|p| !self.device.is_allocated(**p)) {
+        if let Some(p) = self.device.first_unallocated(pages) {
             return Err(Error::config(
                 "device_pages",
                 p.raw(),
