@@ -500,9 +500,6 @@ impl RadixTree {
             // First differing token, rounded down to whole pages (the first page matched: it
             // is the child's key).
             let limit = max_pages * ps;
-            // The compare then waits for the misses together, not block after block.
-            crate::prefetch::prefetch_range(&key[..limit], 16 << 10);
-            crate::prefetch::prefetch_range(&tokens[pos..pos + limit], 16 << 10);
             let common = T::common_prefix(&key[..limit], &tokens[pos..pos + limit]);
             let same = (common / ps).max(1);
             let matched = same * ps;
