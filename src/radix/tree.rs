@@ -101,6 +101,9 @@ impl Node {
     }
 }
 
+/// A walk's nodes: a path is a few nodes deep, so it lives on the stack.
+type Path = smallvec::SmallVec<[usize; 8]>;
+
 /// What `match_prefix` found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MatchResult {
@@ -484,11 +487,11 @@ impl RadixTree {
     /// Walks the path of `tokens` (whole pages only), splitting the last node when the match
     /// ends inside it. Returns the path's nodes and the tokens they cover. The caller touches
     /// the path.
-    fn walk<T: TokenId>(&mut self, ns: u32, tokens: &[T]) -> (Vec<usize>, usize) {
+    fn walk<T: TokenId>(&mut self, ns: u32, tokens: &[T]) -> (Path, usize) {
         let ps = self.page_size;
         let len = tokens.len() / ps * ps;
         let mut node = self.root(ns);
-        let mut path = Vec::new();
+        let mut path = Path::new();
         let mut pos = 0;
         while pos < len {
             let Some(child) = self.find_child(node, &tokens[pos..pos + ps]) else {
@@ -532,7 +535,9 @@ impl RadixTree {
         let root = self.root(ns);
         let mut device_len = 0;
         let mut host_len = 0;
-        let mut device_pages = Vec::new();
+        // Sized once: at most every page of the path (a page-1 match is thousands).
+        let mut device_pages =
+            Vec::with_capacity(path.iter().map(|&i| self.nodes[i].device.len()).sum());
         let mut device_node = root;
         let mut last_node = root;
         let mut in_device = true;
