@@ -1193,38 +1193,21 @@ trait Narrow: Copy {
     fn low(self) -> u32;
 }
 
-impl Narrow for i64 {
-    #[inline(always)]
-    fn high(self) -> u64 {
-        (self as u64) >> 32
-    }
-    #[inline(always)]
-    fn low(self) -> u32 {
-        self as u32
-    }
+macro_rules! narrow {
+    ($($t:ty => $wide:ty),*) => {$(
+        impl Narrow for $t {
+            #[inline(always)]
+            fn high(self) -> u64 {
+                (<$wide>::from(self) as u64) >> 32
+            }
+            #[inline(always)]
+            fn low(self) -> u32 {
+                self as u32
+            }
+        }
+    )*};
 }
-
-impl Narrow for u64 {
-    #[inline(always)]
-    fn high(self) -> u64 {
-        self >> 32
-    }
-    #[inline(always)]
-    fn low(self) -> u32 {
-        self as u32
-    }
-}
-
-impl Narrow for i32 {
-    #[inline(always)]
-    fn high(self) -> u64 {
-        (i64::from(self) as u64) >> 32
-    }
-    #[inline(always)]
-    fn low(self) -> u32 {
-        self as u32
-    }
-}
+narrow!(i64 => i64, u64 => u64, i32 => i64);
 
 /// Appends `src` narrowed to `out`; returns the OR of the high parts (nonzero: a value was
 /// no token id). Cast and OR in one pass, vectorized.
