@@ -182,7 +182,8 @@ impl Core {
             return Err(Error::config("object_bytes", 0, "an integer >= 1"));
         }
         Ok(Core {
-            // Every object holds a device or a host slot: this is as many as can live.
+            // Room for an object per slot of either tier (homed objects keep their host copy
+            // outside this directory, so the room is a hint: past it the arena grows).
             objects: Arena::with_capacity(cfg.device_pages as usize + cfg.host_pages as usize),
             index: FxHashMap::default(),
             namespaces: FxHashMap::default(),
