@@ -91,8 +91,9 @@ impl PageAllocator {
         self.allocated.get(page.index()).copied().unwrap_or(false)
     }
 
-    /// The first of `pages` that is not allocated here, if any. Checked without a branch per
-    /// page first (the reads overlap); the culprit is looked for only when there is one.
+    /// The first of `pages` that is not allocated here, if any (the callers' check of pages
+    /// handed back): all are tested first without an early exit, the culprit looked for only
+    /// when there is one.
     pub fn first_unallocated(&self, pages: &[PageId]) -> Option<PageId> {
         if pages.iter().fold(true, |ok, &p| ok & self.is_allocated(p)) {
             return None;

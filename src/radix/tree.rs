@@ -1140,7 +1140,18 @@ impl TokenId for u32 {
 }
 
 macro_rules! token_id {
-    ($($t:ty),*) => {$(
+    ($($t:ty => $wide:ty),*) => {$(
+        impl Narrow for $t {
+            #[inline(always)]
+            fn high(self) -> u64 {
+                (<$wide>::from(self) as u64) >> 32
+            }
+            #[inline(always)]
+            fn low(self) -> u32 {
+                self as u32
+            }
+        }
+
         impl TokenId for $t {
             #[inline(always)]
             fn id(self) -> Option<u32> {
@@ -1184,7 +1195,7 @@ macro_rules! token_id {
         }
     )*};
 }
-token_id!(i64, u64, i32);
+token_id!(i64 => i64, u64 => u64, i32 => i64);
 
 /// A caller's token narrowed to a tree token: its low 32 bits, and the bits above them
 /// (nonzero: no token id).
@@ -1192,22 +1203,6 @@ trait Narrow: Copy {
     fn high(self) -> u64;
     fn low(self) -> u32;
 }
-
-macro_rules! narrow {
-    ($($t:ty => $wide:ty),*) => {$(
-        impl Narrow for $t {
-            #[inline(always)]
-            fn high(self) -> u64 {
-                (<$wide>::from(self) as u64) >> 32
-            }
-            #[inline(always)]
-            fn low(self) -> u32 {
-                self as u32
-            }
-        }
-    )*};
-}
-narrow!(i64 => i64, u64 => u64, i32 => i64);
 
 /// Appends `src` narrowed to `out`; returns the OR of the high parts (nonzero: a value was
 /// no token id). Cast and OR in one pass, vectorized.

@@ -1,8 +1,8 @@
 //! Kept selections: the hit path of block-mode decode.
 //!
 //! Decode selections change slowly from step to step (`bench decode` assumes nine blocks in
-//! ten stay, its `locality`). A page a block-mode plan selected stays pinned
-//! when the plan finishes (held by the directory, outside any handle) and is remembered in the
+//! ten stay, its `locality`). A page a block-mode plan selected stays pinned when the plan
+//! finishes (held by the directory, outside any handle) and is remembered in the
 //! request's `kept` list for that layer with its slot. The next plan of that layer reads a
 //! kept page's slot from the list, without a directory call; only the pages the selection
 //! newly picked are resolved (one batched call, as before), and only the pages it dropped are
@@ -12,8 +12,9 @@
 //! What it costs: the kept pages stay on the device until dropped (one selection per layer per
 //! request; the device budget must hold that, which any plan needs anyway), and they are not
 //! eviction candidates meanwhile. Making room gives back every kept page no outstanding plan
-//! reads (`make_room`); a plan that ran out of slots after reading kept slots starts over. Token-mode plans, prefetch and a directory journal (whose
-//! replay models handles only) leave the kept lists alone and resolve every page.
+//! reads (`make_room`); a plan that ran out of slots after reading kept slots starts over.
+//! Token-mode plans, prefetch and a directory journal (whose replay models handles only) leave
+//! the kept lists alone and resolve every page.
 //!
 //! Invariants (checked by `validate`): every kept entry is its object's, Ready at the kept
 //! slot, and the kept entries are exactly the directory's held pins.
