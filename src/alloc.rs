@@ -15,6 +15,20 @@
 
 use crate::error::{Error, Result};
 use crate::ids::PageId;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Names of allocators, for [`FreeStamp`]s.
+static NEXT_ALLOCATOR: AtomicU64 = AtomicU64::new(0);
+
+/// An allocator and how many pages it had taken back when the stamp was made. Pages only stop
+/// being allocated through [`PageAllocator::free`], so pages that were all allocated under a
+/// stamp still are while the allocator's stamp is the same: [`PageAllocator::unchanged_since`]
+/// lets a caller skip checking them one by one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FreeStamp {
+    allocator: u64,
+    freed: u64,
+}
 
 /// Most pages one allocator manages (2^28: 17 billion tokens at 64-token pages). Its
 /// bookkeeping is 5 bytes a page, allocated up front, so a mistyped size must be refused
@@ -22,7 +36,7 @@ use crate::ids::PageId;
 pub const MAX_PAGES: u32 = 1 << 28;
 
 /// Fixed-capacity, all-or-nothing page allocator.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct PageAllocator {
     total: u32,
     reserve: u32,
@@ -30,6 +44,23 @@ pub struct PageAllocator {
     free: Vec<PageId>,
     /// `allocated[p]` is true while page `p` is handed out.
     allocated: Vec<bool>,
+    /// Unique to this allocator (a clone gets its own).
+    id: u64,
+    /// Pages taken back by `free` so far.
+    freed: u64,
+}
+
+impl Clone for PageAllocator {
+    fn clone(&self) -> Self {
+        PageAllocator {
+            total: self.total,
+            reserve: self.reserve,
+            free: self.free.clone(),
+            allocated: self.allocated.clone(),
+            id: NEXT_ALLOCATOR.fetch_add(1, Ordering::Relaxed),
+            freed: self.freed,
+        }
+    }
 }
 
 impl PageAllocator {
@@ -58,6 +89,8 @@ impl PageAllocator {
             reserve,
             free,
             allocated: vec![false; total as usize],
+            id: NEXT_ALLOCATOR.fetch_add(1, Ordering::Relaxed),
+            freed: 0,
         })
     }
 
@@ -89,6 +122,19 @@ impl PageAllocator {
     /// Whether `page` is handed out now.
     pub fn is_allocated(&self, page: PageId) -> bool {
         self.allocated.get(page.index()).copied().unwrap_or(false)
+    }
+
+    /// This allocator now (see [`FreeStamp`]).
+    pub fn stamp(&self) -> FreeStamp {
+        FreeStamp {
+            allocator: self.id,
+            freed: self.freed,
+        }
+    }
+
+    /// Whether `stamp` is this allocator's and no page came back since it was made.
+    pub fn unchanged_since(&self, stamp: FreeStamp) -> bool {
+        stamp == self.stamp()
     }
 
     /// The first of `pages` that is not allocated here, if any (the callers' check of pages
@@ -164,6 +210,7 @@ impl PageAllocator {
         }
         // Commit.
         self.free.extend_from_slice(pages);
+        self.freed += pages.len() as u64;
         Ok(())
     }
 
@@ -203,6 +250,28 @@ mod alloc_proptest;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_stamp_holds_until_a_page_comes_back() {
+        let mut a = PageAllocator::new(8, 1).unwrap();
+        let s = a.stamp();
+        let got = a.alloc(3).unwrap();
+        a.alloc_one().unwrap();
+        assert!(a.unchanged_since(s), "allocating takes nothing back");
+        assert!(a.free(&[PageId::new(0)]).is_err());
+        assert!(a.unchanged_since(s), "a refused free changes nothing");
+        a.free(&got[..1]).unwrap();
+        assert!(!a.unchanged_since(s));
+        let other = PageAllocator::new(8, 1).unwrap();
+        assert!(
+            !other.unchanged_since(a.stamp()),
+            "another allocator's stamp"
+        );
+        assert!(
+            !a.clone().unchanged_since(a.stamp()),
+            "a clone is another allocator"
+        );
+    }
 
     #[test]
     fn all_or_nothing() {

@@ -187,3 +187,34 @@ def test_int64_lookups_match_uint32_lookups(ps, seqs, query, big):
     assert (ma.device_len, list(ma.device_pages)) == (mb.device_len, list(mb.device_pages))
     a.validate()
     b.validate()
+
+
+def test_a_match_whose_pages_went_back_is_checked_again():
+    """`insert(tokens, match)` trusts a match's pages only while the cache has freed no device
+    page since the match: pages freed (or evicted) in between are refused, nothing changes."""
+    toks = np.arange(1, 9, dtype=np.uint32)
+    c = st.HiCache(2, 16)
+    m = c.match_prefix(toks, alloc=True)
+    c.free_device(m.new_pages)
+    with pytest.raises(st.ConfigError) as e:
+        c.insert(toks, m)
+    assert e.value.field == "device_pages"
+    c.unlock(m.device_node)
+    assert c.stats()["device_free"] == c.stats()["device_capacity"]
+    c.validate()
+    # A matched path evicted after its unlock: its pages are no longer the match's to give.
+    m = c.match_prefix(toks, alloc=True)
+    c.insert(toks, m, unlock=m.device_node)
+    again = c.match_prefix(toks[:4])
+    assert again.device_len == 4
+    assert c.evict_device(16) == 4
+    with pytest.raises(st.ConfigError):
+        c.insert(toks[:4], again)
+    c.validate()
+    # Another cache's match is checked against this cache's pages.
+    other = st.HiCache(2, 16)
+    om = other.match_prefix(toks, alloc=True)
+    c2 = st.HiCache(2, 16)
+    with pytest.raises(st.ConfigError):
+        c2.insert(toks, om)
+    assert c2.stats()["device_free"] == c2.stats()["device_capacity"]

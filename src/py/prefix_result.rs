@@ -4,6 +4,7 @@
 //! copy per access). `insert(tokens, match)` takes the match's pages without any array. Both
 //! also answer `result["field"]` as the dicts they replace did.
 
+use crate::alloc::FreeStamp;
 use crate::ids::PageId;
 use numpy::ndarray::{s, Array1};
 use numpy::PyArray1;
@@ -45,6 +46,9 @@ pub struct PyPrefixMatch {
     pages: Vec<PageId>,
     n_device: usize,
     allocated: bool,
+    /// The device allocator when the match was made: `insert` skips checking `pages` while it
+    /// is unchanged (all of them were allocated then).
+    stamp: FreeStamp,
     /// `pages` as int64, made on the first access from Python.
     wide: OnceLock<Array1<i64>>,
 }
@@ -52,7 +56,12 @@ pub struct PyPrefixMatch {
 impl PyPrefixMatch {
     /// A match whose `device_pages` hold its `n_device` matched pages, then (when `allocated`)
     /// the new ones.
-    pub fn new(m: crate::radix::MatchResult, n_device: usize, allocated: bool) -> PyPrefixMatch {
+    pub fn new(
+        m: crate::radix::MatchResult,
+        n_device: usize,
+        allocated: bool,
+        stamp: FreeStamp,
+    ) -> PyPrefixMatch {
         let pages = m.device_pages;
         PyPrefixMatch {
             device_len: m.device_len,
@@ -62,6 +71,7 @@ impl PyPrefixMatch {
             pages,
             n_device,
             allocated,
+            stamp,
             wide: OnceLock::new(),
         }
     }
@@ -70,6 +80,11 @@ impl PyPrefixMatch {
     /// pages the cache returned (writing into a view does not change them).
     pub fn page_ids(&self) -> &[PageId] {
         &self.pages
+    }
+
+    /// The device allocator's stamp when the match (and its allocation) was made.
+    pub fn stamp(&self) -> FreeStamp {
+        self.stamp
     }
 
     fn wide(&self) -> &Array1<i64> {

@@ -228,14 +228,15 @@ impl PyHiCache {
                     return Err(to_py(py, e));
                 }
             }
-            Ok(PyPrefixMatch::new(m, n_device, alloc))
+            Ok(PyPrefixMatch::new(m, n_device, alloc, c.device_stamp()))
         })
     }
 
     /// Inserts `tokens` with one device page per whole page (fresh pages from
     /// `alloc_device`, or the matched path's own pages for the prefix): `device_pages` is an
     /// array of page ids, or the `PrefixMatch` of `match_prefix(..., alloc=True)` (its pages,
-    /// without building an array). Duplicates are freed here; write-through backups are
+    /// without building an array; checked page by page only if a device page was freed since
+    /// the match). Duplicates are freed here; write-through backups are
     /// queued. With `lock`, the new path is locked; `unlock` names a node to unlock in the same
     /// call (the match's lock). Returns a `PrefixInsert` (`prefix_len`, `duplicates`,
     /// `last_node`).
@@ -251,19 +252,19 @@ impl PyHiCache {
         let py = tokens.py();
         // A match's pages are borrowed (a frozen result: they cannot change), an array's read.
         let given: Vec<PageId>;
-        let pages: &[PageId] = match device_pages.cast::<PyPrefixMatch>() {
-            Ok(m) => m.get().page_ids(),
+        let (pages, stamp): (&[PageId], _) = match device_pages.cast::<PyPrefixMatch>() {
+            Ok(m) => (m.get().page_ids(), Some(m.get().stamp())),
             Err(_) => {
                 given = page_ids(device_pages, "device_pages")?;
-                &given
+                (&given, None)
             }
         };
         let ns = self::namespace(namespace)?;
         let unlock = unlock.map(node).transpose()?;
         let mut c = self.inner.lock();
         let r = with_lookup(tokens, |t| match t {
-            Lookup::U32(t) => c.insert(ns, t, pages).py_err(py),
-            Lookup::I64(t) => c.insert(ns, t, pages).py_err(py),
+            Lookup::U32(t) => c.insert_stamped(ns, t, pages, stamp).py_err(py),
+            Lookup::I64(t) => c.insert_stamped(ns, t, pages, stamp).py_err(py),
         })?;
         if lock {
             c.lock(r.last_node).py_err(py)?;

@@ -18,7 +18,7 @@
 
 use super::storage::StorageTier;
 use super::tree::{InsertResult, MatchResult, NodeId, RadixTree};
-use crate::alloc::PageAllocator;
+use crate::alloc::{FreeStamp, PageAllocator};
 use crate::config::HitPolicy;
 use crate::error::{Error, Result};
 use crate::ids::PageId;
@@ -471,7 +471,33 @@ impl HiCache {
         tokens: &[T],
         pages: &[PageId],
     ) -> Result<InsertResult> {
-        if let Some(p) = self.device.first_unallocated(pages) {
+        self.insert_stamped(ns, tokens, pages, None)
+    }
+
+    /// The device allocator's stamp: pages that are all allocated now (a match's and its new
+    /// ones) still are while [`Self::insert_stamped`] finds the same stamp.
+    pub fn device_stamp(&self) -> FreeStamp {
+        self.device.stamp()
+    }
+
+    /// [`Self::insert`] of pages that were all allocated when `stamp` was taken: while no
+    /// device page has been freed since, they need no check one by one (a page-1 prompt's
+    /// thousands of pages, each a read in the allocator's flags).
+    pub fn insert_stamped<T: super::tree::TokenId>(
+        &mut self,
+        ns: u32,
+        tokens: &[T],
+        pages: &[PageId],
+        stamp: Option<FreeStamp>,
+    ) -> Result<InsertResult> {
+        let trusted = stamp.is_some_and(|s| self.device.unchanged_since(s));
+        debug_assert!(!trusted || self.device.first_unallocated(pages).is_none());
+        let unallocated = if trusted {
+            None
+        } else {
+            self.device.first_unallocated(pages)
+        };
+        if let Some(p) = unallocated {
             return Err(Error::config(
                 "device_pages",
                 p.raw(),
