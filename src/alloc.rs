@@ -20,10 +20,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// Names of allocators, for [`FreeStamp`]s.
 static NEXT_ALLOCATOR: AtomicU64 = AtomicU64::new(0);
 
-/// An allocator and how many pages it had taken back when the stamp was made. Pages only stop
-/// being allocated through [`PageAllocator::free`], so pages that were all allocated under a
-/// stamp still are while the allocator's stamp is the same: [`PageAllocator::unchanged_since`]
-/// lets a caller skip checking them one by one.
+/// An allocator and how many pages it had taken back (or seen handed on) when the stamp was
+/// made. Pages only stop being allocated through [`PageAllocator::free`], so pages that were
+/// all allocated under a stamp still are, with the same owners, while the allocator's stamp is
+/// the same: [`PageAllocator::unchanged_since`] lets a caller skip checking them one by one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct FreeStamp {
     allocator: u64,
@@ -46,7 +46,7 @@ pub struct PageAllocator {
     allocated: Vec<bool>,
     /// Unique to this allocator (a clone gets its own).
     id: u64,
-    /// Pages taken back by `free` so far.
+    /// Pages taken back by `free` or handed on (`hand_on`) so far.
     freed: u64,
 }
 
@@ -212,6 +212,14 @@ impl PageAllocator {
         self.free.extend_from_slice(pages);
         self.freed += pages.len() as u64;
         Ok(())
+    }
+
+    /// Records that allocated `pages` changed hands without coming back (pages a cache evicted
+    /// and gives straight to a new owner): they stay allocated, but a [`FreeStamp`] taken
+    /// before no longer vouches for them.
+    pub fn hand_on(&mut self, pages: &[PageId]) {
+        debug_assert!(self.first_unallocated(pages).is_none());
+        self.freed += pages.len() as u64;
     }
 
     /// Checks the invariants; returns a description of the first one broken.

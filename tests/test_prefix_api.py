@@ -218,3 +218,35 @@ def test_a_match_whose_pages_went_back_is_checked_again():
     with pytest.raises(st.ConfigError):
         c2.insert(toks, om)
     assert c2.stats()["device_free"] == c2.stats()["device_capacity"]
+
+
+def test_evicted_pages_go_straight_to_the_allocation():
+    """`alloc` that must evict hands the evicted pages on (they never pass the free list): the
+    surplus of a whole evicted node is freed, the pages stay conserved, and an allocation that
+    cannot be met even so leaves what it evicted evicted and allocates nothing."""
+    c = st.HiCache(1, 8)
+    a = np.arange(1, 7)
+    m = c.match_prefix(a, alloc=True)
+    c.insert(a, m, unlock=m.device_node)  # a: 6 pages, unlocked
+    b = np.arange(100, 105)
+    m = c.match_prefix(b, alloc=True)  # 2 free, 5 needed: a's leaf (6 pages) goes
+    s = c.stats()
+    assert c.match_prefix(a).device_len == 0
+    assert len(set(m.new_pages)) == 5
+    assert s["device_outstanding"] == 5 and s["device_free"] == 3
+    r = c.insert(b, m, lock=True, unlock=m.device_node)
+    assert list(c.match_prefix(b).device_pages) == list(m.new_pages)
+    c.validate()
+    # b is locked: 3 free pages cannot become 4, and nothing stays allocated.
+    with pytest.raises(st.OutOfPagesError):
+        c.match_prefix(np.arange(200, 204), alloc=True)
+    s = c.stats()
+    assert (s["device_free"], s["device_outstanding"], s["device_in_tree"]) == (3, 0, 5)
+    c.unlock(r.last_node)
+    # Now b (5 pages) is evicted for 4 new ones: one of its pages is spare and freed.
+    m = c.match_prefix(np.arange(200, 204), alloc=True)
+    s = c.stats()
+    assert (s["device_free"], s["device_outstanding"], s["device_in_tree"]) == (4, 4, 0)
+    c.free_device(m.new_pages)
+    c.unlock(m.device_node)
+    c.validate()

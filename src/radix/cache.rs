@@ -296,9 +296,28 @@ impl HiCache {
         }
         if self.device.free_count() < n {
             // Evicts LRU leaves (cascading to parents that become leaves), as SGLang's
-            // scheduler does before it allocates; the allocation below may still fail when
-            // locks leave too little, and what was evicted stays evicted.
-            self.evict_device(n - self.device.free_count());
+            // scheduler does before it allocates; the allocation may still fail when locks
+            // leave too little, and what was evicted stays evicted.
+            let mut freed = self
+                .tree
+                .evict_device(n - self.device.free_count(), self.drop_unbacked);
+            self.totals.device_evicted += freed.len() as u64;
+            if freed.len() + self.device.free_count() >= n {
+                // The evicted pages go straight to the caller: they stay allocated, so
+                // neither their flags nor the free list are written twice (a page-1 prompt
+                // moves thousands). Only what the caller does not need is freed.
+                let k = freed.len().min(n);
+                let spare = freed.split_off(k);
+                self.device.free(&spare).expect("tree pages are allocated");
+                self.device.hand_on(&freed);
+                out.extend_from_slice(&freed);
+                self.device
+                    .alloc_into(n - k, out)
+                    .expect("checked: enough pages free");
+                self.outstanding += n;
+                return Ok(());
+            }
+            self.device.free(&freed).expect("tree pages are allocated");
         }
         self.device.alloc_into(n, out)?;
         self.outstanding += n;
