@@ -74,8 +74,12 @@ class HiCacheMachine(RuleBasedStateMachine):
                 assert (t[:, :, page] == want).all(), (comp, i, page)
 
     # -- rules
-    @rule(p=st.integers(0, len(PROMPTS) - 1), suffix=st.lists(st.integers(1, 3), max_size=3 * PS))
-    def insert(self, p, suffix):
+    @rule(
+        p=st.integers(0, len(PROMPTS) - 1),
+        suffix=st.lists(st.integers(1, 3), max_size=3 * PS),
+        lock=st.booleans(),
+    )
+    def insert(self, p, suffix, lock):
         seq = np.concatenate([PROMPTS[p], np.array(suffix, dtype=np.int64)])
         seq = seq[: len(seq) // PS * PS]
         m = self.c.match_prefix(seq)
@@ -88,7 +92,8 @@ class HiCacheMachine(RuleBasedStateMachine):
             self.c.unlock(m["device_node"])
             return  # everything else locked: the request would wait
         self.write(seq, have, fresh)
-        self.c.insert(seq, np.concatenate([m["device_pages"], fresh]))
+        # With lock, the inserted path comes back locked (as lock(last_node) after it).
+        r = self.c.insert(seq, np.concatenate([m["device_pages"], fresh]), lock=lock)
         self.c.unlock(m["device_node"])
         for end in range(PS, len(seq) + 1, PS):
             self.inserted.add(tuple(seq[:end].tolist()))
@@ -97,6 +102,9 @@ class HiCacheMachine(RuleBasedStateMachine):
         # In full: on the device, or (where a load-back is in flight) about to be.
         assert m["device_len"] + m["host_len"] == len(seq), "a sequence just inserted matches"
         self.check_pages(seq, m["device_pages"])
+        if lock:
+            assert r.last_node == m["last_node"]
+            self.locks.append((r.last_node, seq, m["device_len"], len(seq)))
 
     @precondition(lambda self: self.seqs)
     @rule(data=st.data())

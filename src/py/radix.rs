@@ -64,7 +64,7 @@ type PoolArg<'py> = (
 );
 
 /// The hierarchical prefix cache.
-#[pyclass(name = "HiCache", module = "sparsetier._core")]
+#[pyclass(name = "HiCache", module = "sparsetier._core", frozen)]
 pub struct PyHiCache {
     inner: Mutex<HiCache>,
     _tensors: Vec<Py<PyAny>>,
@@ -263,12 +263,9 @@ impl PyHiCache {
         let unlock = unlock.map(node).transpose()?;
         let mut c = self.inner.lock();
         let r = with_lookup(tokens, |t| match t {
-            Lookup::U32(t) => c.insert_stamped(ns, t, pages, stamp).py_err(py),
-            Lookup::I64(t) => c.insert_stamped(ns, t, pages, stamp).py_err(py),
+            Lookup::U32(t) => c.insert_stamped(ns, t, pages, stamp, lock).py_err(py),
+            Lookup::I64(t) => c.insert_stamped(ns, t, pages, stamp, lock).py_err(py),
         })?;
-        if lock {
-            c.lock(r.last_node).py_err(py)?;
-        }
         if let Some(u) = unlock {
             c.unlock(u).py_err(py)?;
         }

@@ -490,7 +490,7 @@ impl HiCache {
         tokens: &[T],
         pages: &[PageId],
     ) -> Result<InsertResult> {
-        self.insert_stamped(ns, tokens, pages, None)
+        self.insert_stamped(ns, tokens, pages, None, false)
     }
 
     /// The device allocator's stamp: pages that are all allocated now (a match's and its new
@@ -501,13 +501,15 @@ impl HiCache {
 
     /// [`Self::insert`] of pages that were all allocated when `stamp` was taken: while no
     /// device page has been freed since, they need no check one by one (a page-1 prompt's
-    /// thousands of pages, each a read in the allocator's flags).
+    /// thousands of pages, each a read in the allocator's flags). With `lock`, the inserted
+    /// path comes back locked (as `lock(last_node)`; not locked on an error).
     pub fn insert_stamped<T: super::tree::TokenId>(
         &mut self,
         ns: u32,
         tokens: &[T],
         pages: &[PageId],
         stamp: Option<FreeStamp>,
+        lock: bool,
     ) -> Result<InsertResult> {
         let trusted = stamp.is_some_and(|s| self.device.unchanged_since(s));
         debug_assert!(!trusted || self.device.first_unallocated(pages).is_none());
@@ -523,14 +525,19 @@ impl HiCache {
                 "pages from alloc_device (or the matched path's own pages)",
             ));
         }
-        let r = self.tree.insert(ns, tokens, pages)?;
+        let r = self.tree.insert_locked(ns, tokens, pages, lock)?;
         self.outstanding = self.outstanding.saturating_sub(pages.len() - r.own);
         self.device
             .free(&r.duplicates)
             .expect("duplicates were allocated");
         if !self.pools.is_empty() {
             for &node in &r.needs_backup {
-                self.queue_backup(node)?;
+                if let Err(e) = self.queue_backup(node) {
+                    if lock {
+                        self.tree.unlock(r.last_node)?;
+                    }
+                    return Err(e);
+                }
             }
         }
         Ok(r)

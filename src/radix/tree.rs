@@ -347,11 +347,12 @@ impl RadixTree {
     fn split(&mut self, idx: usize, pages: usize) -> usize {
         let ps = self.page_size;
         let parent = self.nodes[idx].parent;
-        let (head_key, tail_key) = {
-            let k = &self.nodes[idx].key;
-            (k[..pages * ps].to_vec(), k[pages * ps..].to_vec())
-        };
-        let head = self.new_node(parent, head_key.clone());
+        // One copy of each part at most: the tail moves out, the head stays in the old buffer
+        // (shrunk: in place where the allocator can).
+        let mut head_key = std::mem::take(&mut self.nodes[idx].key);
+        let tail_key = head_key.split_off(pages * ps);
+        head_key.shrink_to_fit();
+        let head = self.new_node(parent, head_key);
         // The head is a new node, as fresh as now (as SGLang's split makes it): it outlives
         // its old tail in LRU order once it becomes a leaf.
         let fresh = self.tick();
@@ -586,6 +587,19 @@ impl RadixTree {
         tokens: &[T],
         pages: &[PageId],
     ) -> Result<InsertResult> {
+        self.insert_locked(ns, tokens, pages, false)
+    }
+
+    /// [`Self::insert`], locking the inserted path (as [`Self::lock`] of its last node) with
+    /// `lock`: locked before the new leaf is listed, so it never enters the eviction order only
+    /// to leave it again.
+    pub fn insert_locked<T: TokenId>(
+        &mut self,
+        ns: u32,
+        tokens: &[T],
+        pages: &[PageId],
+        lock: bool,
+    ) -> Result<InsertResult> {
         let ps = self.page_size;
         let n_pages = tokens.len() / ps;
         if pages.len() != n_pages {
@@ -603,6 +617,13 @@ impl RadixTree {
         // leave an equivalent tree).
         let mut suffix = Vec::with_capacity(n_pages * ps - pos);
         T::extend_ids(&tokens[pos..n_pages * ps], &mut suffix)?;
+        let mut last = match path.last() {
+            Some(&l) => l,
+            None => self.root(ns),
+        };
+        if lock {
+            self.lock_from(last);
+        }
         let mut duplicates = Vec::new();
         let mut own = 0;
         let mut needs_backup = Vec::new();
@@ -627,12 +648,10 @@ impl RadixTree {
             self.touch(idx);
             at += k;
         }
-        let mut last = match path.last() {
-            Some(&l) => l,
-            None => self.root(ns),
-        };
         if pos < n_pages * ps {
             let leaf = self.new_node(last, suffix);
+            // Locked from the start: nothing is on the device yet, so no locked pages change.
+            self.nodes[leaf].lock_ref = u32::from(lock);
             self.add_child(last, leaf);
             self.refresh(last);
             self.set_device(leaf, pages[at..].to_vec());
@@ -710,7 +729,12 @@ impl RadixTree {
     /// Increments the lock count of `node` and every ancestor: none of them is evicted while
     /// locked.
     pub fn lock(&mut self, node: NodeId) -> Result<()> {
-        let mut idx = self.resolve(node)?;
+        let idx = self.resolve(node)?;
+        self.lock_from(idx);
+        Ok(())
+    }
+
+    fn lock_from(&mut self, mut idx: usize) {
         while self.nodes[idx].parent != NIL {
             self.nodes[idx].lock_ref += 1;
             if self.nodes[idx].lock_ref == 1 {
@@ -719,7 +743,6 @@ impl RadixTree {
             self.refresh(idx);
             idx = self.nodes[idx].parent;
         }
-        Ok(())
     }
 
     /// Undoes one `lock` of `node`.
