@@ -7,7 +7,8 @@
 //! kept page's slot from the list, without a directory call; only the pages the selection
 //! newly picked are resolved (one batched call, as before), and only the pages it dropped are
 //! unpinned. A hit costs a merge step against a list of ~32 entries the request owns, instead
-//! of a pin and an unpin on an object among millions.
+//! of a pin and an unpin on an object among millions. The plan's merge also lists the pages each
+//! row dropped, so its finish replaces the lists without merging again.
 //!
 //! What it costs: the kept pages stay on the device until dropped (one selection per layer per
 //! request; the device budget must hold that, which any plan needs anyway), and they are not
@@ -19,7 +20,7 @@
 //! Invariants (checked by `validate`): every kept entry is its object's, Ready at the kept
 //! slot, and the kept entries are exactly the directory's held pins.
 
-use super::rows::Rows;
+use super::rows::{KeptRows, Rows};
 use super::{mark_batch, Kept, LayerPlan, StepScheduler, KEPT, NONE};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
@@ -51,8 +52,13 @@ impl StepScheduler {
         let ps = u64::from(self.cfg.page_size);
         let l = layer as usize;
         let mut out = Rows::with_capacity(selection.len() / 8, rids.len() * k);
-        let mut flat: Vec<(u32, u32)> = Vec::with_capacity(selection.len());
-        let mut ends: Vec<u32> = Vec::with_capacity(rids.len());
+        let mut kr = KeptRows {
+            pages: Vec::with_capacity(selection.len()),
+            ends: Vec::with_capacity(rids.len()),
+            dropped: Vec::with_capacity(selection.len() / 8),
+            dropped_ends: Vec::with_capacity(rids.len()),
+            serials: Vec::with_capacity(rids.len()),
+        };
         let mut order: Vec<(u32, u32)> = Vec::with_capacity(k); // (page, column)
         for (b, &id) in rids.iter().enumerate() {
             let r = mark_batch(&mut self.requests, id, batch)?;
@@ -90,12 +96,14 @@ impl StepScheduler {
                 let p = u64::from(page);
                 let tokens = (((p + 1) * ps).min(len) - p * ps) as u32;
                 while kc < kept.len() && kept[kc].page < page {
+                    kr.dropped.push(kept[kc].object);
                     kc += 1;
                 }
                 let (cell, slot) = if kc < kept.len() && kept[kc].page == page {
                     out.kept_hits += 1;
                     out.kept_needed += u64::from(tokens);
-                    (KEPT | kc as u32, kept[kc].slot)
+                    kc += 1;
+                    (KEPT | (kc - 1) as u32, kept[kc - 1].slot)
                 } else {
                     let next = out.keys.len() as u32;
                     out.keys.push(r.key(page, layer));
@@ -109,10 +117,13 @@ impl StepScheduler {
                 };
                 out.cells[at] = cell;
                 out.table[at] = slot;
-                flat.push((page, cell));
+                kr.pages.push((page, cell));
                 (prev, prev_cell, prev_slot) = (page, cell, slot);
             }
-            ends.push(flat.len() as u32);
+            kr.dropped.extend(kept[kc..].iter().map(|k| k.object));
+            kr.ends.push(kr.pages.len() as u32);
+            kr.dropped_ends.push(kr.dropped.len() as u32);
+            kr.serials.push(r.serial);
         }
         if !out.keys.is_empty() {
             let tables: Vec<&[u32]> = rids
@@ -129,7 +140,7 @@ impl StepScheduler {
                     .unwrap_or(u32::MAX);
             }
         }
-        out.kept_rows = Some((flat, ends));
+        out.kept_rows = Some(kr);
         Ok(out)
     }
 
@@ -195,10 +206,10 @@ impl StepScheduler {
 
     /// At the end of a kept-selection plan: each row's kept list becomes the pages it selected
     /// now (the kept ones as they were, the newly resolved ones held at their slots, failed
-    /// rows none); pages it no longer selects are given back. Runs before the plan's handles
-    /// are released, so a page kept on is never unpinned in between.
+    /// rows none); pages it no longer selects (found when the plan merged) are given back. Runs
+    /// before the plan's handles are released, so a page kept on is never unpinned in between.
     pub(super) fn refresh_kept(&mut self, plan: &LayerPlan) -> Result<()> {
-        let Some((flat, ends)) = &plan.rows else {
+        let Some(kr) = &plan.rows else {
             return Ok(());
         };
         let layer = plan.layer as usize;
@@ -206,34 +217,33 @@ impl StepScheduler {
         let mut placed: Vec<(usize, usize)> = Vec::new(); // (row, position in its new list)
         let mut to_unhold: Vec<u32> = Vec::new();
         let mut new: Vec<Kept> = std::mem::take(&mut self.kept_scratch);
-        let mut start = 0usize;
-        for (b, &end) in ends.iter().enumerate() {
-            let row = &flat[start..end as usize];
-            start = end as usize;
+        let (mut start, mut dstart) = (0usize, 0usize);
+        for (b, (&end, &dend)) in kr.ends.iter().zip(&kr.dropped_ends).enumerate() {
+            let row = &kr.pages[start..end as usize];
+            let dropped = &kr.dropped[dstart..dend as usize];
+            (start, dstart) = (end as usize, dend as usize);
             let Some(r) = self.requests.get_mut(&plan.rids[b]) else {
                 continue; // ended meanwhile: its kept pages went back then
             };
+            if r.serial != kr.serials[b] {
+                // Ended and added again: the merge was against its old lists. (An id cannot
+                // start again while a plan pins its pages; this keeps the indexing below in
+                // range whatever changes.)
+                continue;
+            }
             let old = &mut r.kept[layer];
             if !self.keep || plan.failed.contains(&(b as u32)) {
                 to_unhold.extend(old.drain(..).map(|k| k.object));
                 continue;
             }
             new.clear();
-            let mut o = 0;
             for &(page, cell) in row {
-                while o < old.len() && old[o].page < page {
-                    to_unhold.push(old[o].object);
-                    o += 1;
-                }
-                if o < old.len() && old[o].page == page {
-                    if cell & KEPT != 0 {
-                        new.push(old[o]);
-                        o += 1;
-                        continue;
-                    }
-                    // Resolved afresh while kept: keep the fresh pin, give the old one back.
-                    to_unhold.push(old[o].object);
-                    o += 1;
+                if cell & KEPT != 0 {
+                    // The list is as the plan merged it: no other plan of the layer ran since.
+                    let k = old[(cell & !KEPT) as usize];
+                    debug_assert_eq!(k.page, page);
+                    new.push(k);
+                    continue;
                 }
                 let key = cell as usize;
                 placed.push((b, new.len()));
@@ -244,9 +254,8 @@ impl StepScheduler {
                     slot: plan.table[plan.key_cell[key] as usize],
                 });
             }
-            to_unhold.extend(old[o..].iter().map(|k| k.object));
-            old.clear();
-            old.extend_from_slice(&new);
+            to_unhold.extend_from_slice(dropped);
+            std::mem::swap(old, &mut new);
         }
         self.kept_scratch = new;
         let mut held = Vec::with_capacity(to_hold.len());

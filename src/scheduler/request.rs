@@ -71,7 +71,13 @@ pub struct RequestState {
     pub prefix_seen: Vec<u64>,
     /// Per layer: the pages its last block selection kept pinned, sorted by page.
     pub kept: Vec<Vec<Kept>>,
+    /// Unique to this state (a request ended and added again under its id gets another): a
+    /// plan's kept rows apply only to the state they were merged against.
+    pub serial: u64,
 }
+
+/// Serials of request states.
+static NEXT_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl RequestState {
     /// A request of `len` tokens over `layers` layers.
@@ -94,6 +100,7 @@ impl RequestState {
             prefix_seen: Vec::new(),
             restored_from: 0,
             kept: vec![Vec::new(); layers],
+            serial: NEXT_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
     }
 

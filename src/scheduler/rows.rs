@@ -8,9 +8,22 @@ use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::scheduler::SelectionUnit;
 
-/// A kept-selection plan's rows: every row's distinct pages, sorted, with their cells (key
-/// index or KEPT), flat, and where each row's run ends.
-pub(super) type KeptRows = (Vec<(u32, u32)>, Vec<u32>);
+/// A kept-selection plan's rows, merged with the rows' kept lists as they were when it was
+/// planned: at finish each list becomes its row's pages without a second merge.
+#[derive(Debug, Default)]
+pub(super) struct KeptRows {
+    /// Every row's distinct pages, sorted, with their cells (key index, or `KEPT | position`
+    /// in the row's kept list), flat.
+    pub pages: Vec<(u32, u32)>,
+    /// Per row: where its run of `pages` ends.
+    pub ends: Vec<u32>,
+    /// The objects of kept pages the rows no longer select, flat.
+    pub dropped: Vec<u32>,
+    /// Per row: where its run of `dropped` ends.
+    pub dropped_ends: Vec<u32>,
+    /// Per row: the request state merged against (`RequestState::serial`).
+    pub serials: Vec<u64>,
+}
 
 /// What a plan's rows produce.
 pub(super) struct Rows {

@@ -730,3 +730,36 @@ fn a_second_plan_of_a_layer_resolves_everything_while_the_first_reads_kept_slots
     h.s.finish_request(ids[0]).unwrap();
     h.assert_quiet();
 }
+
+#[test]
+fn a_request_ended_while_a_plan_reads_its_kept_slots() {
+    let mut h = Harness::new(100, 400, false);
+    h.add(0, 40, None);
+    h.add(1, 40, None);
+    h.step(&[0, 1], PS, 2, &mut |_, _, _| vec![1, 7]);
+    let ids = [RequestId::new(0), RequestId::new(1)];
+    let u = SelectionUnit::new(PS, PS).unwrap();
+    // Rows keep page 1 (a kept hit) and drop 7 for 3 and 4.
+    let (p, _) = h.s.plan(0, &ids, &[1, 3, 1, 4], 2, u).unwrap();
+    h.s.ready(p, None).unwrap();
+    // Request 0 ends (its kept pages go back now): the plan's finish leaves its row alone and
+    // keeps request 1's (page 1 as it was, 4 new; 7 given back).
+    h.s.finish_request(ids[0]).unwrap();
+    // Its id cannot start again while the plan still pins its pages.
+    assert!(h.try_add(0, 40, None).is_err());
+    h.s.finish(p).unwrap();
+    h.s.validate().unwrap();
+    assert_eq!(h.s.kept_pins(), 2 + 2 * u64::from(LAYERS - 1));
+    let kept: Vec<u32> = h.s.request(ids[1]).unwrap().kept[0]
+        .iter()
+        .map(|k| k.page)
+        .collect();
+    assert_eq!(kept, vec![1, 4]);
+    h.s.end_step().unwrap();
+    h.add(2, 40, None);
+    h.step(&[2, 1], PS, 2, &mut |_, _, _| vec![2, 5]);
+    assert_eq!(h.s.kept_pins(), 4 * u64::from(LAYERS));
+    h.s.finish_request(RequestId::new(2)).unwrap();
+    h.s.finish_request(ids[1]).unwrap();
+    h.assert_quiet();
+}
