@@ -901,6 +901,7 @@ impl StepScheduler {
             from_prefix,
             cells,
             mut table,
+            repeats,
             rows_pages,
             kept_rows,
             selected,
@@ -1009,10 +1010,20 @@ impl StepScheduler {
         }
         let transfers = self.submit_resolved(&res, layer, &mut rec);
         let submitted_at = (!res.loads.is_empty()).then(Instant::now);
-        // Kept cells hold their slots already.
-        for (t, &c) in table.iter_mut().zip(&cells) {
-            if c & KEPT == 0 {
-                *t = res.slots[c as usize].raw() as i32;
+        if fast {
+            // Kept cells hold their slots already: place the resolved keys' (a tenth of the
+            // cells at decode's usual locality), first cells and repeats.
+            for (&at, s) in key_cell.iter().zip(&res.slots) {
+                table[at as usize] = s.raw() as i32;
+            }
+            for &(at, key) in &repeats {
+                table[at as usize] = res.slots[key as usize].raw() as i32;
+            }
+        } else {
+            for (t, &c) in table.iter_mut().zip(&cells) {
+                if c & KEPT == 0 {
+                    *t = res.slots[c as usize].raw() as i32;
+                }
             }
         }
         let pins = res.metrics.distinct;

@@ -91,6 +91,9 @@ impl StepScheduler {
                 if page == prev {
                     out.cells[at] = prev_cell;
                     out.table[at] = prev_slot;
+                    if prev_cell & KEPT == 0 {
+                        out.repeats.push((at as u32, prev_cell));
+                    }
                     continue;
                 }
                 let p = u64::from(page);

@@ -43,6 +43,9 @@ pub(super) struct Rows {
     pub cells: Vec<u32>,
     /// Per cell: the slot where known already (kept cells), else -1.
     pub table: Vec<i32>,
+    /// Kept-selection plans: (cell, key) of every cell naming a key but its first (a page
+    /// repeated in its row), so that the slots of a resolve are placed key by key.
+    pub repeats: Vec<(u32, u32)>,
     /// Per row: its distinct pages, sorted, with their key index (the prefetch's input).
     pub rows_pages: Vec<Vec<(u32, u32)>>,
     /// Kept-selection plans: every row's distinct pages with their cells, and row ends.
@@ -66,6 +69,7 @@ impl Rows {
             from_prefix: Vec::with_capacity(entries),
             cells: vec![NONE; cells],
             table: vec![-1; cells],
+            repeats: Vec::new(),
             rows_pages: Vec::new(),
             kept_rows: None,
             selected: 0,

@@ -689,6 +689,10 @@ fn kept_pages_are_read_from_their_slots_and_given_back_when_dropped() {
     assert_eq!(pins_of(&h, 3, 1), 0);
     assert_eq!(pins_of(&h, 5, 1), 1);
     assert_eq!(h.s.kept_pins(), 3 * u64::from(LAYERS));
+    // A new page named twice: both cells read its fresh slot (checked by `step`).
+    h.step(&[0], PS, 4, &mut |_, _, _| vec![0, 7, 9, 7]);
+    assert_eq!(pins_of(&h, 7, 1), 1);
+    h.step(&[0], PS, 3, &mut |_, _, _| vec![0, 5, 9]);
     // Off: every kept page back, and the steps still read the right rows (checked by `step`).
     h.s.set_keep_selections(false).unwrap();
     assert_eq!((h.s.kept_pins(), h.s.directory().stats().pins), (0, 0));
