@@ -65,22 +65,32 @@ impl StepScheduler {
             let len = r.len;
             let entries = len.div_ceil(ps);
             order.clear();
-            for (j, &e) in selection[b * k..(b + 1) * k].iter().enumerate() {
-                if e < 0 {
-                    continue;
+            let row = &selection[b * k..(b + 1) * k];
+            // The indexer's rows come sorted by page (and unpadded once contexts are long):
+            // such a row is its own order, checked at its two ends and copied without a branch.
+            let in_order = row.first().is_some_and(|&e| e >= 0)
+                && row.last().is_some_and(|&e| (e as u64) < entries)
+                && row.is_sorted();
+            if in_order {
+                order.extend(row.iter().enumerate().map(|(j, &e)| (e as u32, j as u32)));
+            } else {
+                for (j, &e) in row.iter().enumerate() {
+                    if e < 0 {
+                        continue;
+                    }
+                    if e as u64 >= entries {
+                        return Err(Error::out_of_range(
+                            format!("selection[{b}][{j}]"),
+                            e,
+                            -1,
+                            entries,
+                        ));
+                    }
+                    order.push((e as u32, j as u32));
                 }
-                if e as u64 >= entries {
-                    return Err(Error::out_of_range(
-                        format!("selection[{b}][{j}]"),
-                        e,
-                        -1,
-                        entries,
-                    ));
+                if !order.is_sorted() {
+                    order.sort_unstable();
                 }
-                order.push((e as u32, j as u32));
-            }
-            if !order.is_sorted() {
-                order.sort_unstable();
             }
             let kept = &r.kept[l];
             let mut kc = 0;

@@ -470,6 +470,9 @@ fn bad_input_is_refused_without_changing_anything() {
         h.s.plan(0, &ids, &[99], 1, u),
         Err(crate::Error::OutOfRange { .. })
     ));
+    // A sorted row (the indexer's) is checked at its ends: the culprit is still named.
+    let e = h.s.plan(0, &ids, &[0, 1, 99], 3, u).unwrap_err();
+    assert!(e.to_string().contains("selection[0][2]"), "{e}");
     assert!(h.s.plan(0, &ids, &[0, 1], 1, u).is_err());
     assert!(h.s.plan(0, &[RequestId::new(5)], &[0], 1, u).is_err());
     assert!(h.s.plan(0, &[ids[0], ids[0]], &[0, 1], 1, u).is_err());
