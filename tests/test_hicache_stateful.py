@@ -78,22 +78,36 @@ class HiCacheMachine(RuleBasedStateMachine):
         p=st.integers(0, len(PROMPTS) - 1),
         suffix=st.lists(st.integers(1, 3), max_size=3 * PS),
         lock=st.booleans(),
+        whole=st.booleans(),
+        evict_between=st.integers(0, 3),
     )
-    def insert(self, p, suffix, lock):
+    def insert(self, p, suffix, lock, whole, evict_between):
         seq = np.concatenate([PROMPTS[p], np.array(suffix, dtype=np.int64)])
         seq = seq[: len(seq) // PS * PS]
-        m = self.c.match_prefix(seq)
-        have = m["device_len"] // PS
-        # The protocol: lock the match so that making room cannot evict the pages it returned.
-        self.c.lock(m["device_node"])
-        try:
-            fresh = self.c.alloc_device(len(seq) // PS - have)
-        except sp.OutOfPagesError:
-            self.c.unlock(m["device_node"])
-            return  # everything else locked: the request would wait
+        if whole:
+            # One call locks the match and allocates the rest; the match itself goes to insert
+            # (its pages trusted while no device page was freed since, else checked).
+            try:
+                m = self.c.match_prefix(seq, alloc=True)
+            except sp.OutOfPagesError:
+                return  # everything else locked: the request would wait
+            have, fresh = m.device_len // PS, m.new_pages
+        else:
+            m = self.c.match_prefix(seq)
+            have = m["device_len"] // PS
+            # The protocol: lock the match so that making room cannot evict its pages.
+            self.c.lock(m["device_node"])
+            try:
+                fresh = self.c.alloc_device(len(seq) // PS - have)
+            except sp.OutOfPagesError:
+                self.c.unlock(m["device_node"])
+                return  # everything else locked: the request would wait
         self.write(seq, have, fresh)
+        # Other nodes evicted meanwhile free pages: the match's are then checked one by one.
+        self.c.evict_device(evict_between)
+        pages = m if whole else np.concatenate([m["device_pages"], fresh])
         # With lock, the inserted path comes back locked (as lock(last_node) after it).
-        r = self.c.insert(seq, np.concatenate([m["device_pages"], fresh]), lock=lock)
+        r = self.c.insert(seq, pages, lock=lock)
         self.c.unlock(m["device_node"])
         for end in range(PS, len(seq) + 1, PS):
             self.inserted.add(tuple(seq[:end].tolist()))
