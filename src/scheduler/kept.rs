@@ -115,8 +115,9 @@ impl StepScheduler {
                 let (cell, slot) = if kc < kept.len() && kept[kc].page == page {
                     out.kept_hits += 1;
                     out.kept_needed += u64::from(tokens);
+                    let hit = kc;
                     kc += 1;
-                    (KEPT | (kc - 1) as u32, kept[kc - 1].slot)
+                    (KEPT | hit as u32, kept[hit].slot)
                 } else {
                     let next = out.keys.len() as u32;
                     out.keys.push(r.key(page, layer));
