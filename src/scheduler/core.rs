@@ -60,7 +60,7 @@ mod rows;
 use rows::Rows;
 
 const NONE: u32 = u32::MAX;
-/// A slot-table cell read from the row's kept pages: `KEPT | position in the row's kept`.
+/// A slot-table cell read from the row's kept pages (the merge wrote its slot).
 const KEPT: u32 = 1 << 31;
 
 /// Sizes and switches of a scheduler.
@@ -132,7 +132,7 @@ struct LayerPlan {
     prefetch: Option<Prefetch>,
     keys: Vec<ObjectKey>,
     key_row: Vec<u32>,
-    /// Per slot-table cell: the key index, `KEPT | kept position`, or NONE.
+    /// Per slot-table cell: the key index, `KEPT`, or NONE.
     cells: Vec<u32>,
     /// Per key: the first cell that names it.
     key_cell: Vec<u32>,
@@ -195,8 +195,6 @@ pub struct StepScheduler {
     keep: bool,
     /// Pins held for kept pages.
     kept_pins: u64,
-    /// Reused by `refresh_kept`.
-    kept_scratch: Vec<Kept>,
 }
 
 impl std::fmt::Debug for StepScheduler {
@@ -381,7 +379,6 @@ impl StepScheduler {
             prefix,
             keep: true,
             kept_pins: 0,
-            kept_scratch: Vec::new(),
         })
     }
 
@@ -1262,11 +1259,11 @@ impl StepScheduler {
     /// Releases the plan's pins (and the prefetch it consumed) and folds its metrics.
     pub fn finish(&mut self, id: LayerPlanId) -> Result<PlanCounts> {
         let t0 = Instant::now();
-        let plan = self
+        let mut plan = self
             .plans
             .remove(&id)
             .ok_or_else(|| Error::config("plan", id, "an outstanding layer plan (not finished)"))?;
-        self.refresh_kept(&plan)?;
+        self.refresh_kept(&mut plan)?;
         for h in &plan.handles {
             self.dir.release(*h)?;
         }

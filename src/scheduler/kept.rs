@@ -53,8 +53,9 @@ impl StepScheduler {
         let l = layer as usize;
         let mut out = Rows::with_capacity(selection.len() / 8, rids.len() * k);
         let mut kr = KeptRows {
-            pages: Vec::with_capacity(selection.len()),
+            lists: Vec::with_capacity(selection.len()),
             ends: Vec::with_capacity(rids.len()),
+            key_at: Vec::with_capacity(selection.len() / 8),
             dropped: Vec::with_capacity(selection.len() / 8),
             dropped_ends: Vec::with_capacity(rids.len()),
             serials: Vec::with_capacity(rids.len()),
@@ -115,11 +116,18 @@ impl StepScheduler {
                 let (cell, slot) = if kc < kept.len() && kept[kc].page == page {
                     out.kept_hits += 1;
                     out.kept_needed += u64::from(tokens);
-                    let hit = kc;
+                    let hit = kept[kc];
+                    kr.lists.push(hit);
                     kc += 1;
-                    (KEPT | hit as u32, kept[hit].slot)
+                    (KEPT, hit.slot)
                 } else {
                     let next = out.keys.len() as u32;
+                    kr.key_at.push(kr.lists.len() as u32);
+                    kr.lists.push(Kept {
+                        page,
+                        object: u32::MAX,
+                        slot: -1,
+                    });
                     out.keys.push(r.key(page, layer));
                     out.hints.push(page); // looked up below, the misses overlapped
                     out.key_row.push(b as u32);
@@ -131,11 +139,10 @@ impl StepScheduler {
                 };
                 out.cells[at] = cell;
                 out.table[at] = slot;
-                kr.pages.push((page, cell));
                 (prev, prev_cell, prev_slot) = (page, cell, slot);
             }
             kr.dropped.extend(kept[kc..].iter().map(|k| k.object));
-            kr.ends.push(kr.pages.len() as u32);
+            kr.ends.push(kr.lists.len() as u32);
             kr.dropped_ends.push(kr.dropped.len() as u32);
             kr.serials.push(r.serial);
         }
@@ -218,31 +225,44 @@ impl StepScheduler {
         Ok(())
     }
 
-    /// At the end of a kept-selection plan: each row's kept list becomes the pages it selected
-    /// now (the kept ones as they were, the newly resolved ones held at their slots, failed
-    /// rows none); pages it no longer selects (found when the plan merged) are given back. Runs
-    /// before the plan's handles are released, so a page kept on is never unpinned in between.
-    pub(super) fn refresh_kept(&mut self, plan: &LayerPlan) -> Result<()> {
-        let Some(kr) = &plan.rows else {
+    /// At the end of a kept-selection plan: each row's kept list becomes the list its merge
+    /// wrote (the kept entries as they were, the newly resolved pages held at their slots;
+    /// failed rows none); pages it no longer selects (found when the plan merged) are given
+    /// back. Runs before the plan's handles are released, so a page kept on is never unpinned
+    /// in between.
+    pub(super) fn refresh_kept(&mut self, plan: &mut LayerPlan) -> Result<()> {
+        let Some(kr) = plan.rows.as_mut() else {
             return Ok(());
         };
         let layer = plan.layer as usize;
-        let mut to_hold: Vec<u32> = Vec::new();
-        let mut placed: Vec<(usize, usize)> = Vec::new(); // (row, position in its new list)
-        let mut to_unhold: Vec<u32> = Vec::new();
-        let mut new: Vec<Kept> = std::mem::take(&mut self.kept_scratch);
-        let (mut start, mut dstart) = (0usize, 0usize);
+        // The resolved pages' objects, and their slots as `ready` left them (a retried load
+        // may have moved).
+        for (key, &at) in kr.key_at.iter().enumerate() {
+            let e = &mut kr.lists[at as usize];
+            e.object = plan.indices[key];
+            e.slot = plan.table[plan.key_cell[key] as usize];
+        }
+        let mut to_hold: Vec<u32> = Vec::with_capacity(kr.key_at.len());
+        let mut placed: Vec<(usize, usize)> = Vec::with_capacity(kr.key_at.len()); // (row, position)
+        let mut to_unhold: Vec<u32> = Vec::with_capacity(kr.dropped.len());
+        let (mut start, mut dstart, mut key) = (0usize, 0usize, 0usize);
         for (b, (&end, &dend)) in kr.ends.iter().zip(&kr.dropped_ends).enumerate() {
-            let row = &kr.pages[start..end as usize];
-            let dropped = &kr.dropped[dstart..dend as usize];
-            (start, dstart) = (end as usize, dend as usize);
+            let (end, dend) = (end as usize, dend as usize);
+            let row = &kr.lists[start..end];
+            let dropped = &kr.dropped[dstart..dend];
+            let first_key = key;
+            while key < kr.key_at.len() && (kr.key_at[key] as usize) < end {
+                key += 1;
+            }
+            let row_start = start;
+            (start, dstart) = (end, dend);
             let Some(r) = self.requests.get_mut(&plan.rids[b]) else {
                 continue; // ended meanwhile: its kept pages went back then
             };
             if r.serial != kr.serials[b] {
                 // Ended and added again: the merge was against its old lists. (An id cannot
-                // start again while a plan pins its pages; this keeps the indexing below in
-                // range whatever changes.)
+                // start again while a plan pins its pages; this keeps the lists apart
+                // whatever changes.)
                 continue;
             }
             let old = &mut r.kept[layer];
@@ -250,28 +270,14 @@ impl StepScheduler {
                 to_unhold.extend(old.drain(..).map(|k| k.object));
                 continue;
             }
-            new.clear();
-            for &(page, cell) in row {
-                if cell & KEPT != 0 {
-                    // The list is as the plan merged it: no other plan of the layer ran since.
-                    let k = old[(cell & !KEPT) as usize];
-                    debug_assert_eq!(k.page, page);
-                    new.push(k);
-                    continue;
-                }
-                let key = cell as usize;
-                placed.push((b, new.len()));
-                to_hold.push(plan.indices[key]);
-                new.push(Kept {
-                    page,
-                    object: plan.indices[key],
-                    slot: plan.table[plan.key_cell[key] as usize],
-                });
+            for k in first_key..key {
+                placed.push((b, kr.key_at[k] as usize - row_start));
+                to_hold.push(plan.indices[k]);
             }
             to_unhold.extend_from_slice(dropped);
-            std::mem::swap(old, &mut new);
+            old.clear();
+            old.extend_from_slice(row);
         }
-        self.kept_scratch = new;
         let mut held = Vec::with_capacity(to_hold.len());
         self.dir.hold(&to_hold, &mut held)?;
         let n_held = held.iter().filter(|&&h| h).count();

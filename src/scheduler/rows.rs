@@ -2,21 +2,23 @@
 //! from. Two builders: `selection_rows` (any selection unit, every page resolved) and
 //! `kept_rows` (`kept.rs`: block mode, kept pages read from their kept slots).
 
-use super::{mark_batch, StepScheduler, NONE};
+use super::{mark_batch, Kept, StepScheduler, NONE};
 use crate::directory::ObjectKey;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::scheduler::SelectionUnit;
 
 /// A kept-selection plan's rows, merged with the rows' kept lists as they were when it was
-/// planned: at finish each list becomes its row's pages without a second merge.
+/// planned: each row's next kept list, written by the merge, so that finish only copies it.
 #[derive(Debug, Default)]
 pub(super) struct KeptRows {
-    /// Every row's distinct pages, sorted, with their cells (key index, or `KEPT | position`
-    /// in the row's kept list), flat.
-    pub pages: Vec<(u32, u32)>,
-    /// Per row: where its run of `pages` ends.
+    /// Every row's next kept list (its distinct pages, sorted), flat: kept entries as they
+    /// were, new pages filled in from the resolve at finish.
+    pub lists: Vec<Kept>,
+    /// Per row: where its run of `lists` ends.
     pub ends: Vec<u32>,
+    /// Per key (row order): its entry in `lists`.
+    pub key_at: Vec<u32>,
     /// The objects of kept pages the rows no longer select, flat.
     pub dropped: Vec<u32>,
     /// Per row: where its run of `dropped` ends.
@@ -39,7 +41,7 @@ pub(super) struct Rows {
     pub needed: Vec<u32>,
     /// Joined mode, per key: the request page if it is a matched prefix page, else NONE.
     pub from_prefix: Vec<u32>,
-    /// Per cell: the key index, `KEPT | kept position`, or NONE.
+    /// Per cell: the key index, `KEPT` (slot known), or NONE.
     pub cells: Vec<u32>,
     /// Per cell: the slot where known already (kept cells), else -1.
     pub table: Vec<i32>,
