@@ -123,6 +123,19 @@ impl<T> Arena<T> {
         }
     }
 
+    /// [`Self::prefetch`] of the first `bytes` bytes of slot `i` only.
+    #[inline]
+    pub fn prefetch_head(&self, i: usize, bytes: usize) {
+        let p = self.slots.as_ptr().wrapping_add(i).cast::<u8>();
+        let head = p as usize % 64;
+        let line = p.wrapping_sub(head);
+        let mut off = 0;
+        while off < head + bytes.min(std::mem::size_of::<Option<T>>()) {
+            crate::prefetch::prefetch(line.wrapping_add(off));
+            off += 64;
+        }
+    }
+
     /// Occupied slots and their values, in index order.
     pub fn iter(&self) -> impl Iterator<Item = (usize, &T)> {
         self.slots

@@ -263,7 +263,7 @@ impl Core {
         }
         // Evictions come in runs (one per load of a batch): fetch the victims ahead.
         if let Some(i) = self.lru.ahead(PREFETCH_AHEAD) {
-            self.objects.prefetch(i);
+            self.prefetch_hot(i);
         }
         let victim = self
             .lru_pop()
@@ -573,6 +573,13 @@ impl Core {
     #[inline]
     fn prefetch_object(&self, idx: usize) {
         self.objects.prefetch(idx);
+    }
+
+    /// [`Self::prefetch_object`] of the fields pins, unpins, settles and evictions touch
+    /// (not the key): one cache line where the object starts a line.
+    #[inline]
+    fn prefetch_hot(&self, idx: usize) {
+        self.objects.prefetch_head(idx, Object::HOT_BYTES);
     }
 
     fn commit_resolve(
@@ -961,11 +968,11 @@ impl Core {
         m.ready_ns = ready;
         // By release time the batch's objects have usually left the cache: fetch ahead.
         for &idx in h.objects.iter().take(PREFETCH_AHEAD) {
-            self.objects.prefetch(idx);
+            self.prefetch_hot(idx);
         }
         for (n, &idx) in h.objects.iter().enumerate() {
             if let Some(&ahead) = h.objects.get(n + PREFETCH_AHEAD) {
-                self.objects.prefetch(ahead);
+                self.prefetch_hot(ahead);
             }
             let stamp = self.tick();
             let obj = &mut self.objects[idx];
@@ -986,11 +993,11 @@ impl Core {
         // Checked first, fetching ahead (the objects are cold); the pass below finds them in
         // cache.
         for &i in objects.iter().take(PREFETCH_AHEAD) {
-            self.objects.prefetch(i as usize);
+            self.prefetch_hot(i as usize);
         }
         if let Some(&bad) = objects.iter().enumerate().find_map(|(n, i)| {
             if let Some(&ahead) = objects.get(n + PREFETCH_AHEAD) {
-                self.objects.prefetch(ahead as usize);
+                self.prefetch_hot(ahead as usize);
             }
             self.objects
                 .get(*i as usize)
@@ -1024,11 +1031,11 @@ impl Core {
         // Stage: take the held counts, putting them back if one is refused (fetching ahead:
         // the objects are cold; the pass below finds them in cache).
         for &i in objects.iter().take(PREFETCH_AHEAD) {
-            self.objects.prefetch(i as usize);
+            self.prefetch_hot(i as usize);
         }
         for (n, &i) in objects.iter().enumerate() {
             if let Some(&ahead) = objects.get(n + PREFETCH_AHEAD) {
-                self.objects.prefetch(ahead as usize);
+                self.prefetch_hot(ahead as usize);
             }
             match self.objects.get_mut(i as usize) {
                 Some(o) if o.held > 0 => o.held -= 1,
@@ -1041,11 +1048,11 @@ impl Core {
             }
         }
         for &i in objects.iter().take(PREFETCH_AHEAD) {
-            self.objects.prefetch(i as usize);
+            self.prefetch_hot(i as usize);
         }
         for (n, &i) in objects.iter().enumerate() {
             if let Some(&ahead) = objects.get(n + PREFETCH_AHEAD) {
-                self.objects.prefetch(ahead as usize);
+                self.prefetch_hot(ahead as usize);
             }
             let stamp = self.tick();
             let obj = &mut self.objects[i as usize];
