@@ -770,3 +770,103 @@ fn a_request_ended_while_a_plan_reads_its_kept_slots() {
     h.s.finish_request(ids[1]).unwrap();
     h.assert_quiet();
 }
+
+/// The cpu engine with CUDA's stream semantics for `ready(plan, Some(stream))`: the wait is
+/// the stream's, so the call returns while the loads are still in flight.
+struct StreamOrdered(CpuEngine);
+
+impl crate::transfer::engine::CopyEngine for StreamOrdered {
+    fn name(&self) -> &'static str {
+        "cpu, stream-ordered"
+    }
+
+    fn submit(
+        &self,
+        group: Arc<crate::transfer::prepared::PageTransferGroup>,
+        layer: Option<usize>,
+    ) -> crate::Result<Arc<crate::transfer::events::TransferEvents>> {
+        self.0.submit(group, layer)
+    }
+
+    fn stream_wait(
+        &self,
+        _events: &crate::transfer::events::TransferEvents,
+        _layer_index: usize,
+        _stream: u64,
+    ) -> crate::Result<()> {
+        Ok(())
+    }
+
+    fn inject(&self, fault: crate::transfer::Fault) -> crate::Result<()> {
+        crate::transfer::engine::CopyEngine::inject(&self.0, fault)
+    }
+
+    fn submitted(&self) -> u64 {
+        crate::transfer::engine::CopyEngine::submitted(&self.0)
+    }
+}
+
+#[test]
+fn pages_still_loading_when_a_plan_finishes_are_not_kept_and_resolve_again() {
+    let spec = PoolSpec::new(Component::Kv, 1, 2, 1, 4, Dtype::Bf16, PS, 100).unwrap();
+    let host_spec = spec.with_pages(400).unwrap();
+    // SAFETY: the test owns both buffers for as long as the scheduler lives and never
+    // touches them itself.
+    let (_dev_buf, dev) = unsafe { crate::testing::host_pool(&spec) }.unwrap();
+    // SAFETY: as above.
+    let (_host_buf, host) = unsafe { crate::testing::host_pool(&host_spec) }.unwrap();
+    let cfg = SchedulerConfig {
+        layers: LAYERS,
+        page_size: PS,
+        device_pages: 100,
+        device_reserve: 0,
+        host_pages: 400,
+        prefetch: false,
+        prefetch_depth: 1,
+    };
+    let engine = Arc::new(StreamOrdered(CpuEngine::new(1).unwrap()));
+    let mut s = StepScheduler::new(cfg, dev, host, engine).unwrap();
+    let ids = [RequestId::new(0)];
+    let u = SelectionUnit::new(PS, PS).unwrap();
+    s.add_request(ids[0], 40, None).unwrap(); // pages 0..10
+    s.drain().unwrap();
+    let kept = |s: &StepScheduler| -> Vec<u32> {
+        s.request(ids[0]).unwrap().kept[0]
+            .iter()
+            .map(|k| k.page)
+            .collect()
+    };
+    // Pages 1 and 7 kept; every other page evicted, so that new ones must load.
+    let (p, _) = s.plan(0, &ids, &[1, 7], 2, u).unwrap();
+    s.ready(p, None).unwrap();
+    s.finish(p).unwrap();
+    assert_eq!(kept(&s), vec![1, 7]);
+    s.directory().evict(1000);
+    // 3 and 9 load slowly; the stream-ordered ready returns before they land, so the plan
+    // finishes with them Loading: they are not kept (the kept hits around them stay).
+    s.inject_faults(
+        Direction::Load,
+        1,
+        None,
+        Some(std::time::Duration::from_millis(200)),
+    );
+    let (p, _) = s.plan(0, &ids, &[1, 3, 7, 9], 4, u).unwrap();
+    s.ready(p, Some(0)).unwrap();
+    s.finish(p).unwrap();
+    assert_eq!(kept(&s), vec![1, 7]);
+    assert_eq!(s.kept_pins(), 2);
+    s.validate().unwrap();
+    // Once landed, the next plan resolves them again (Ready: nothing loads) and keeps them.
+    s.drain().unwrap();
+    let (p, _) = s.plan(0, &ids, &[1, 3, 7, 9], 4, u).unwrap();
+    s.ready(p, None).unwrap();
+    let counts = s.finish(p).unwrap();
+    assert_eq!((counts.ready, counts.loaded), (4, 0));
+    assert_eq!(kept(&s), vec![1, 3, 7, 9]);
+    assert_eq!(s.kept_pins(), 4);
+    s.validate().unwrap();
+    s.end_step().unwrap();
+    s.finish_request(ids[0]).unwrap();
+    s.drain().unwrap();
+    assert_eq!(s.directory().stats().pins, 0);
+}
