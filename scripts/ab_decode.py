@@ -17,14 +17,17 @@ from __future__ import annotations
 import argparse
 import importlib.machinery
 import importlib.util
-import math
 import statistics
-import time
 
 import numpy as np
-import torch
 
-from sparsetier.bench_decode import DecodeBenchConfig, Selections
+from sparsetier.bench_decode import (
+    DecodeBenchConfig,
+    Selections,
+    _stack,
+    _step_scheduler,
+    sizes,
+)
 
 
 def load(path: str):
@@ -37,37 +40,6 @@ def load(path: str):
     return mod
 
 
-def stack(m, cfg: DecodeBenchConfig, lens: np.ndarray, device_pages: int, host_pages: int):
-    spec = m.PoolSpec("KV", 1, 1, 1, "bf16", cfg.page_size, device_pages)
-    host_spec = spec.with_pages(host_pages)
-    dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
-    host = torch.zeros(host_spec.shape(), dtype=torch.bfloat16)
-    engine = m.TransferEngine("cpu", threads=1)
-    s = m.StepScheduler(
-        m.PageTransferBinding(dev, spec),
-        m.PageTransferBinding(host, host_spec),
-        engine,
-        layers=cfg.layers,
-        prefetch=False,
-    )
-    for rid, n in enumerate(lens):
-        s.add_request(rid, int(n))
-    s.drain()
-    return s, (dev, host, engine)  # the tensors and engine live as long as the scheduler
-
-
-def step(s, rids: np.ndarray, sel: np.ndarray, unit: int) -> tuple[float, dict]:
-    pc = time.perf_counter
-    t = pc()
-    s.append(rids)
-    for layer in range(sel.shape[0]):
-        plan, _table = s.plan(layer, rids, sel[layer], unit)
-        s.ready(plan)
-        s.finish(plan)
-    rec = s.end_step()
-    return (pc() - t - rec["exposed_wait_ns"] / 1e9) * 1e3, rec
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("a", help="build A's _core shared object")
@@ -75,30 +47,24 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--locality", type=float, default=0.9)
     args = ap.parse_args()
-    mods = load(args.a), load(args.b)
     cfg = DecodeBenchConfig(mode="block", steps=args.steps, locality=args.locality)
     cfg.check()
-    rng = np.random.default_rng(cfg.seed)
-    lens = rng.integers(cfg.context_min, cfg.context_max + 1, cfg.batch)
-    total = cfg.warmup + cfg.steps
-    pages = int((-(-(lens + total) // cfg.page_size)).sum()) * cfg.layers
-    device_pages = max(
-        math.ceil(cfg.budget * pages),
-        cfg.batch * cfg.layers * 2 + cfg.batch * max(cfg.blocks, cfg.token_pages) * 2 + 16,
-    )
-    host_pages = pages + cfg.batch * cfg.layers
-    stacks = [stack(m, cfg, lens, device_pages, host_pages)[0] for m in mods]
+    lens, device_pages, host_pages = sizes(cfg)
+    stacks = [
+        _stack(cfg, lens, device_pages, host_pages, core=load(path))[0] for path in (args.a, args.b)
+    ]
     sels = Selections(cfg, lens)
     rids = np.arange(cfg.batch, dtype=np.int64)
     times: list[list[float]] = [[], []]
-    for i in range(total):
+    for i in range(cfg.warmup + cfg.steps):
         sel = sels.next()
         recs = [None, None]
         for side in (0, 1) if i % 2 == 0 else (1, 0):
-            ms, recs[side] = step(stacks[side], rids, sel, cfg.page_size)
+            r = _step_scheduler(stacks[side], rids, sel, cfg.page_size)
+            recs[side] = r["rec"]
             if i >= cfg.warmup:
-                times[side].append(ms)
-        same = all(recs[0][k] == recs[1][k] for k in ("pages", "loaded", "selected"))
+                times[side].append((r["wall_s"] - r["wait_s"]) * 1e3)
+        same = all(recs[0][k] == recs[1][k] for k in ("selected", "pages", "loaded"))
         assert same, f"step {i}: the builds disagree: {recs[0]} / {recs[1]}"
     a, b = times
     ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))

@@ -38,13 +38,11 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from sparsetier import _core
 from sparsetier._core import (
-    PageTransferBinding,
     PageTransferGroup,
-    PoolSpec,
     PreparedPageTransfer,
     StepScheduler,
-    TransferEngine,
 )
 from sparsetier.errors import ConfigError
 from sparsetier.keys import object_keys
@@ -126,6 +124,19 @@ class Selections:
         return np.ascontiguousarray(np.sort(sel, axis=2))
 
 
+def sizes(cfg: DecodeBenchConfig) -> tuple[np.ndarray, int, int]:
+    """A run's contexts (one per request, drawn from the seed), device pages and host pages."""
+    rng = np.random.default_rng(cfg.seed)
+    lens = rng.integers(cfg.context_min, cfg.context_max + 1, cfg.batch)
+    steps_total = cfg.warmup + cfg.steps
+    pages = int((-(-(lens + steps_total) // cfg.page_size)).sum()) * cfg.layers
+    device_pages = max(
+        math.ceil(cfg.budget * pages),
+        cfg.batch * cfg.layers * 2 + cfg.batch * max(cfg.blocks, cfg.token_pages) * 2 + 16,
+    )
+    return lens, device_pages, pages + cfg.batch * cfg.layers
+
+
 def _stack(
     cfg: DecodeBenchConfig,
     lens: np.ndarray,
@@ -133,15 +144,19 @@ def _stack(
     host_pages: int,
     journal: bool = False,
     keep: bool = True,
+    core=None,
 ):
-    spec = PoolSpec("KV", 1, 1, 1, "bf16", cfg.page_size, device_pages)
+    """A step scheduler with every request prefilled; `core` is the extension module whose
+    classes build it (this one by default; `scripts/ab_decode.py` passes another build)."""
+    core = core or _core
+    spec = core.PoolSpec("KV", 1, 1, 1, "bf16", cfg.page_size, device_pages)
     host_spec = spec.with_pages(host_pages)
     dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
     host = torch.zeros(host_spec.shape(), dtype=torch.bfloat16)
-    engine = TransferEngine("cpu", threads=1)
-    s = StepScheduler(
-        PageTransferBinding(dev, spec),
-        PageTransferBinding(host, host_spec),
+    engine = core.TransferEngine("cpu", threads=1)
+    s = core.StepScheduler(
+        core.PageTransferBinding(dev, spec),
+        core.PageTransferBinding(host, host_spec),
         engine,
         layers=cfg.layers,
         prefetch=cfg.prefetch,
@@ -172,7 +187,9 @@ def _step_scheduler(s: StepScheduler, rids: np.ndarray, sel: np.ndarray, unit: i
 class Baseline:
     """Today's call pattern over a directory: one resolve + release per request per layer."""
 
-    def __init__(self, cfg: DecodeBenchConfig, s: StepScheduler, engine: TransferEngine, lens):
+    def __init__(
+        self, cfg: DecodeBenchConfig, s: StepScheduler, engine: _core.TransferEngine, lens
+    ):
         self.cfg, self.d, self.engine = cfg, s.directory, engine
         self.dev, self.host = s.bindings
         self.lens = lens.copy()
@@ -234,15 +251,8 @@ class Baseline:
 def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     """Builds both stacks, runs `warmup + steps` alternating steps, returns the report."""
     cfg.check()
-    rng = np.random.default_rng(cfg.seed)
-    lens = rng.integers(cfg.context_min, cfg.context_max + 1, cfg.batch)
+    lens, device_pages, host_pages = sizes(cfg)
     steps_total = cfg.warmup + cfg.steps
-    pages = int((-(-(lens + steps_total) // cfg.page_size)).sum()) * cfg.layers
-    device_pages = max(
-        math.ceil(cfg.budget * pages),
-        cfg.batch * cfg.layers * 2 + cfg.batch * max(cfg.blocks, cfg.token_pages) * 2 + 16,
-    )
-    host_pages = pages + cfg.batch * cfg.layers
     t0 = time.perf_counter()
     a, _ = _stack(cfg, lens, device_pages, host_pages, journal=cfg.trace is not None)
     setup_s = time.perf_counter() - t0
@@ -305,7 +315,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         "date": time.strftime("%Y-%m-%d"),
         "device_pages": device_pages,
         "host_pages": host_pages,
-        "objects": pages,
+        "objects": host_pages - cfg.batch * cfg.layers,
         "lookups_per_step": cfg.layers
         * cfg.batch
         * (cfg.blocks if cfg.mode == "block" else cfg.tokens),
