@@ -11,13 +11,18 @@
 //! meets it or a compaction drops it; compaction scans the queue in order and decides each
 //! entry without a branch, so the object reads overlap. Sequence numbers never repeat, so an
 //! entry of a removed object can never match the object that later reuses its index.
+//!
+//! The queue is a ring: a pop frees its entry's room at once. (A vector with a head index left
+//! a dead prefix that had to be moved out: a million entries, about 3 ms, every ~90 decode
+//! steps at DeepSeek-V3.2's shape, all inside one step.)
+
+use std::collections::VecDeque;
 
 /// FIFO of (index, sequence) entries; an entry is live while its object's mark equals its
 /// sequence.
 #[derive(Debug, Default, Clone)]
 pub struct Lru {
-    queue: Vec<(u32, u64)>,
-    head: usize,
+    queue: VecDeque<(u32, u64)>,
     seq: u64,
     len: usize,
 }
@@ -47,7 +52,7 @@ impl Lru {
         }
         self.seq += 1;
         *mark = self.seq;
-        self.queue.push((idx as u32, self.seq));
+        self.queue.push_back((idx as u32, self.seq));
         self.len += 1;
     }
 
@@ -65,9 +70,7 @@ impl Lru {
     /// Removes and returns the least recently used member. `take(i, seq)` says whether
     /// object `i`'s mark is `seq` (the entry is live) and, if so, clears it.
     pub fn pop_front(&mut self, mut take: impl FnMut(usize, u64) -> bool) -> Option<usize> {
-        while self.head < self.queue.len() {
-            let (i, s) = self.queue[self.head];
-            self.head += 1;
+        while let Some((i, s)) = self.queue.pop_front() {
             if take(i as usize, s) {
                 self.len -= 1;
                 return Some(i as usize);
@@ -80,31 +83,23 @@ impl Lru {
     /// will read soon, to prefetch.
     #[inline]
     pub fn ahead(&self, n: usize) -> Option<usize> {
-        self.queue.get(self.head + n).map(|&(i, _)| i as usize)
+        self.queue.get(n).map(|&(i, _)| i as usize)
     }
 
     /// Drops stale entries once they outnumber the members (amortized O(1) per push).
     pub fn compact_if_needed(&mut self, mark_of: impl Fn(usize) -> u64) {
-        let held = self.queue.len() - self.head;
-        if held <= 2 * self.len + 4096 {
-            // Pops leave a dead prefix behind `head`: without reclaiming it too, a queue whose
-            // stale entries the pops consume would never compact and grow by every push. A
-            // plain move does it (no entry's object is read).
-            if self.head > self.len + 4096 {
-                self.queue.drain(..self.head);
-                self.head = 0;
-            }
+        if self.queue.len() <= 2 * self.len + 4096 {
             return;
         }
+        let q = self.queue.make_contiguous();
         let mut w = 0;
-        for r in self.head..self.queue.len() {
-            let e = self.queue[r];
-            self.queue[w] = e;
+        for r in 0..q.len() {
+            let e = q[r];
+            q[w] = e;
             // Branch-free: every entry's object read is independent, so they overlap.
             w += usize::from(mark_of(e.0 as usize) == e.1);
         }
         self.queue.truncate(w);
-        self.head = 0;
     }
 
     /// Members from least to most recently used.
@@ -112,7 +107,7 @@ impl Lru {
         &'a self,
         mark_of: impl Fn(usize) -> u64 + 'a,
     ) -> impl Iterator<Item = usize> + 'a {
-        self.queue[self.head..]
+        self.queue
             .iter()
             .filter(move |&&(i, s)| mark_of(i as usize) == s)
             .map(|&(i, _)| i as usize)
@@ -183,7 +178,7 @@ mod tests {
     #[test]
     fn pop_and_push_churn_keeps_the_queue_bounded() {
         // Evict the least recently used, bring it back: the pops consume every entry they
-        // pass, so no stale entry piles up behind `head`, yet the dead prefix must go too.
+        // pass, so no stale entry piles up, and the ring must not grow either.
         let mut marks = vec![0u64; 100];
         let mut l = Lru::new();
         for (i, m) in marks.iter_mut().enumerate() {
@@ -206,6 +201,10 @@ mod tests {
             l.queue.len() <= 2 * (l.len() + 4096) + 2,
             "{}",
             l.queue.len()
+        );
+        assert!(
+            l.queue.capacity() <= 4 * (l.len() + 4096) + 8,
+            "the ring kept growing"
         );
         assert_eq!(l.len(), 100);
         l.validate(|i| marks[i]).unwrap();
