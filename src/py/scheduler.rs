@@ -23,6 +23,7 @@ use crate::scheduler::{
 use crate::transfer::{Direction, MemoryKind};
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use parking_lot::Mutex;
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -40,10 +41,20 @@ pub struct PyStepScheduler {
 
 fn rid_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
     let py = obj.py();
-    let arr = int64_array(obj, "rids", "request ids >= 0")?;
-    arr.as_array()
-        .iter()
-        .map(|&v| {
+    // The usual input, a contiguous int64 array, is copied out without a borrow (the
+    // borrow's bookkeeping costs more than copying a batch of ids, once per layer).
+    let ids: Vec<i64> = match obj
+        .cast::<PyArray1<i64>>()
+        .ok()
+        .and_then(|a| a.to_vec().ok())
+    {
+        Some(v) => v,
+        None => int64_array(obj, "rids", "request ids >= 0")?
+            .as_array()
+            .to_vec(),
+    };
+    ids.into_iter()
+        .map(|v| {
             u64::try_from(v)
                 .map(RequestId::new)
                 .map_err(|_| to_py(py, Error::out_of_range("rids", v, 0, i128::from(i64::MAX))))
@@ -182,9 +193,17 @@ fn slots_2d<'py>(
     PyArray1::from_vec(py, v).reshape([rows, cols])
 }
 
-fn table<'py>(py: Python<'py>, t: &[i32], rows: usize) -> PyResult<Bound<'py, PyArray2<i32>>> {
+/// A slot table as a `[rows, cols]` array that takes over `t`'s buffer: no copy and no
+/// reshaped view (this runs once per layer).
+fn table(py: Python<'_>, t: Vec<i32>, rows: usize) -> PyResult<Bound<'_, PyArray2<i32>>> {
     let cols = t.len().checked_div(rows).unwrap_or(0);
-    PyArray1::from_slice(py, t).reshape([rows, cols])
+    let a = numpy::ndarray::Array2::from_shape_vec((rows, cols), t).map_err(|e| {
+        to_py(
+            py,
+            Error::config("table", e, "rows x columns entries (an internal error)"),
+        )
+    })?;
+    Ok(PyArray2::from_owned_array(py, a))
 }
 
 /// A token count >= 1.
@@ -216,11 +235,12 @@ pub(crate) fn record_dict<'py>(py: Python<'py>, r: &StepRecord) -> PyResult<Boun
 }
 
 fn counts_dict<'py>(py: Python<'py>, c: &PlanCounts) -> PyResult<Bound<'py, PyDict>> {
+    // Interned keys: this runs once per layer.
     let d = PyDict::new(py);
-    d.set_item("ready", c.ready)?;
-    d.set_item("loaded", c.loaded)?;
-    d.set_item("joined", c.joined)?;
-    d.set_item("exposed_wait_ns", c.exposed_wait_ns)?;
+    d.set_item(intern!(py, "ready"), c.ready)?;
+    d.set_item(intern!(py, "loaded"), c.loaded)?;
+    d.set_item(intern!(py, "joined"), c.joined)?;
+    d.set_item(intern!(py, "exposed_wait_ns"), c.exposed_wait_ns)?;
     Ok(d)
 }
 
@@ -671,7 +691,7 @@ impl PyStepScheduler {
                     .map(|(id, t)| (id, t.to_vec()))
             })
             .py_err(py)?;
-        Ok((id.raw(), table(py, &t, rows)?))
+        Ok((id.raw(), table(py, t, rows)?))
     }
 
     /// Makes plan `plan` readable (event wait; with `stream`, a CUDA stream wait instead).
@@ -707,7 +727,7 @@ impl PyStepScheduler {
         let t = match t {
             Some(t) => {
                 let rows = if t.is_empty() { 0 } else { self.plan_rows(id) };
-                Some(table(py, &t, rows)?)
+                Some(table(py, t, rows)?)
             }
             None => None,
         };
