@@ -55,6 +55,8 @@ use std::time::{Duration, Instant};
 mod joined;
 #[path = "kept.rs"]
 mod kept;
+#[path = "kept_entries.rs"]
+mod kept_entries;
 #[path = "rows.rs"]
 mod rows;
 use rows::Rows;
@@ -132,8 +134,11 @@ struct LayerPlan {
     prefetch: Option<Prefetch>,
     keys: Vec<ObjectKey>,
     key_row: Vec<u32>,
-    /// Per slot-table cell: the key index, `KEPT`, or NONE.
+    /// Per slot-table cell: the key index, `KEPT`, or NONE. Empty for a kept-selection plan,
+    /// whose key cells are `key_cell` and `repeats` (the rest read kept slots).
     cells: Vec<u32>,
+    /// Kept-selection plans: (cell, key) of every cell naming a key but its first.
+    repeats: Vec<(u32, u32)>,
     /// Per key: the first cell that names it.
     key_cell: Vec<u32>,
     /// Per key: the directory's object index.
@@ -904,8 +909,10 @@ impl StepScheduler {
             selected,
             kept_hits,
             kept_needed,
-        } = if fast {
+        } = if fast && unit.unit() == ps {
             self.kept_rows(layer, rids, selection, k, batch)?
+        } else if fast {
+            self.kept_entry_rows(layer, rids, selection, k, unit, batch)?
         } else {
             self.selection_rows(layer, rids, selection, k, unit, batch)?
         };
@@ -1016,6 +1023,7 @@ impl StepScheduler {
             for &(at, key) in &repeats {
                 table[at as usize] = res.slots[key as usize].raw() as i32;
             }
+            debug_assert!(cells.is_empty(), "kept-selection rows write no cells");
         } else {
             for (t, &c) in table.iter_mut().zip(&cells) {
                 if c & KEPT == 0 {
@@ -1042,6 +1050,7 @@ impl StepScheduler {
                 keys,
                 key_row,
                 cells,
+                repeats,
                 key_cell,
                 indices: res.indices,
                 rows: kept_rows,
@@ -1232,15 +1241,28 @@ impl StepScheduler {
                 for (n, &i) in lost.iter().enumerate() {
                     new_slot[i as usize] = slots[n].raw() as i32;
                 }
-                for (c, &ki) in plan.cells.iter().enumerate() {
-                    if ki & KEPT == 0 && new_slot[ki as usize] >= 0 {
-                        plan.table[c] = new_slot[ki as usize];
+                let named = plan
+                    .key_cell
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &c)| (c, k as u32));
+                let cells: Vec<(u32, u32)> = if plan.cells.is_empty() {
+                    named.chain(plan.repeats.iter().copied()).collect()
+                } else {
+                    let all = plan.cells.iter().enumerate();
+                    all.map(|(c, &k)| (c as u32, k))
+                        .filter(|&(_, k)| k & KEPT == 0)
+                        .collect()
+                };
+                for (c, k) in cells {
+                    if new_slot[k as usize] >= 0 {
+                        plan.table[c as usize] = new_slot[k as usize];
                     }
                 }
                 out.slots_changed = true;
             }
             None => {
-                let width = plan.cells.len() / plan.rids.len();
+                let width = plan.table.len() / plan.rids.len();
                 let mut rows: Vec<u32> = lost.iter().map(|&i| plan.key_row[i as usize]).collect();
                 rows.sort_unstable();
                 rows.dedup();

@@ -14,8 +14,10 @@
 //! request; the device budget must hold that, which any plan needs anyway), and they are not
 //! eviction candidates meanwhile. Making room gives back every kept page no outstanding plan
 //! reads (`make_room`); a plan that ran out of slots after reading kept slots starts over.
-//! Token-mode plans, prefetch and a directory journal (whose replay models handles only) leave
-//! the kept lists alone and resolve every page.
+//! Entries smaller than a page (token mode's tokens) keep their pages the same way; their rows
+//! map entries to pages first (`kept_entries.rs`). Blocks larger than a page, prefetch and a
+//! directory journal (whose replay models handles only) leave the kept lists alone and resolve
+//! every page.
 //!
 //! Invariants (checked by `validate`): every kept entry is its object's, Ready at the kept
 //! slot, and the kept entries are exactly the directory's held pins.
@@ -27,13 +29,14 @@ use crate::ids::RequestId;
 use crate::scheduler::SelectionUnit;
 
 impl StepScheduler {
-    /// Whether a plan of `layer` over `unit` uses and refreshes the kept lists: block mode,
-    /// and no other plan of the layer outstanding (a plan's kept cells rely on the kept pins
+    /// Whether a plan of `layer` over `unit` uses and refreshes the kept lists: entries of at
+    /// most a page (block = page here, smaller ones in `kept_entries.rs`), and no other plan
+    /// of the layer outstanding (a plan's kept cells rely on the kept pins
     /// until it finishes, so only one plan at a time may read and replace a layer's lists).
     pub(super) fn keeps(&self, layer: u16, unit: SelectionUnit) -> bool {
         self.keep
             && !self.cfg.prefetch
-            && unit.unit() == self.cfg.page_size
+            && unit.unit() <= self.cfg.page_size
             && !self.plans.values().any(|p| p.layer == layer)
             && !self.dir.journaling()
     }
@@ -51,15 +54,8 @@ impl StepScheduler {
     ) -> Result<Rows> {
         let ps = u64::from(self.cfg.page_size);
         let l = layer as usize;
-        let mut out = Rows::with_capacity(selection.len() / 8, rids.len() * k);
-        let mut kr = KeptRows {
-            lists: Vec::with_capacity(selection.len()),
-            ends: Vec::with_capacity(rids.len()),
-            key_at: Vec::with_capacity(selection.len() / 8),
-            dropped: Vec::with_capacity(selection.len() / 8),
-            dropped_ends: Vec::with_capacity(rids.len()),
-            serials: Vec::with_capacity(rids.len()),
-        };
+        let mut out = Rows::with_table(selection.len() / 8, rids.len() * k);
+        let mut kr = KeptRows::with_capacity(selection.len(), rids.len());
         let mut order: Vec<(u32, u32)> = Vec::with_capacity(k); // (page, column)
         for (b, &id) in rids.iter().enumerate() {
             let r = mark_batch(&mut self.requests, id, batch)?;
@@ -100,7 +96,6 @@ impl StepScheduler {
                 out.selected += 1;
                 let at = b * k + j as usize;
                 if page == prev {
-                    out.cells[at] = prev_cell;
                     out.table[at] = prev_slot;
                     if prev_cell & KEPT == 0 {
                         out.repeats.push((at as u32, prev_cell));
@@ -137,7 +132,6 @@ impl StepScheduler {
                     out.needed.push(tokens);
                     (next, -1)
                 };
-                out.cells[at] = cell;
                 out.table[at] = slot;
                 (prev, prev_cell, prev_slot) = (page, cell, slot);
             }
@@ -146,23 +140,30 @@ impl StepScheduler {
             kr.dropped_ends.push(kr.dropped.len() as u32);
             kr.serials.push(r.serial);
         }
-        if !out.keys.is_empty() {
-            let tables: Vec<&[u32]> = rids
-                .iter()
-                .map(|id| &self.requests[id].index[l][..])
-                .collect();
-            for (&b, &page) in out.key_row.iter().zip(&out.hints) {
-                crate::prefetch::prefetch(tables[b as usize].as_ptr().wrapping_add(page as usize));
-            }
-            for (&b, h) in out.key_row.iter().zip(out.hints.iter_mut()) {
-                *h = tables[b as usize]
-                    .get(*h as usize)
-                    .copied()
-                    .unwrap_or(u32::MAX);
-            }
-        }
+        self.look_up_hints(layer, rids, &mut out);
         out.kept_rows = Some(kr);
         Ok(out)
+    }
+
+    /// Turns each key's page (in `out.hints`) into its object index hint, all the page tables'
+    /// misses asked for first so that they overlap.
+    pub(super) fn look_up_hints(&self, layer: u16, rids: &[RequestId], out: &mut Rows) {
+        if out.keys.is_empty() {
+            return;
+        }
+        let tables: Vec<&[u32]> = rids
+            .iter()
+            .map(|id| &self.requests[id].index[layer as usize][..])
+            .collect();
+        for (&b, &page) in out.key_row.iter().zip(&out.hints) {
+            crate::prefetch::prefetch(tables[b as usize].as_ptr().wrapping_add(page as usize));
+        }
+        for (&b, h) in out.key_row.iter().zip(out.hints.iter_mut()) {
+            *h = tables[b as usize]
+                .get(*h as usize)
+                .copied()
+                .unwrap_or(u32::MAX);
+        }
     }
 
     /// Turns kept selections on (the default) or off; off gives every kept page back.

@@ -27,6 +27,20 @@ pub(super) struct KeptRows {
     pub serials: Vec<u64>,
 }
 
+impl KeptRows {
+    /// Room for `pages` distinct pages over `rows` rows (about one in eight new or dropped).
+    pub(super) fn with_capacity(pages: usize, rows: usize) -> Self {
+        KeptRows {
+            lists: Vec::with_capacity(pages),
+            ends: Vec::with_capacity(rows),
+            key_at: Vec::with_capacity(pages / 8),
+            dropped: Vec::with_capacity(pages / 8),
+            dropped_ends: Vec::with_capacity(rows),
+            serials: Vec::with_capacity(rows),
+        }
+    }
+}
+
 /// What a plan's rows produce.
 pub(super) struct Rows {
     /// The keys to resolve, one per distinct page of each row.
@@ -41,7 +55,7 @@ pub(super) struct Rows {
     pub needed: Vec<u32>,
     /// Joined mode, per key: the request page if it is a matched prefix page, else NONE.
     pub from_prefix: Vec<u32>,
-    /// Per cell: the key index, `KEPT` (slot known), or NONE.
+    /// Per cell: the key index, `KEPT` (slot known), or NONE; empty for kept-selection rows.
     pub cells: Vec<u32>,
     /// Per cell: the slot where known already (kept cells), else -1.
     pub table: Vec<i32>,
@@ -61,7 +75,23 @@ pub(super) struct Rows {
 }
 
 impl Rows {
+    /// Room for `entries` keys and `cells` cells, every cell NONE (no slot).
     pub(super) fn with_capacity(entries: usize, cells: usize) -> Self {
+        let mut r = Self::with_table(entries, cells);
+        r.cells.resize(cells, NONE);
+        r
+    }
+
+    /// Kept-selection rows (no `cells`: their key cells are `key_cell` and `repeats`), every
+    /// table cell -1.
+    pub(super) fn with_table(entries: usize, cells: usize) -> Self {
+        let mut r = Self::unfilled(entries, cells);
+        r.table.resize(cells, -1);
+        r
+    }
+
+    /// Kept-selection rows whose builder pushes every table cell in order.
+    pub(super) fn unfilled(entries: usize, cells: usize) -> Self {
         Rows {
             keys: Vec::with_capacity(entries),
             hints: Vec::with_capacity(entries),
@@ -69,8 +99,8 @@ impl Rows {
             key_cell: Vec::with_capacity(entries),
             needed: Vec::with_capacity(entries),
             from_prefix: Vec::with_capacity(entries),
-            cells: vec![NONE; cells],
-            table: vec![-1; cells],
+            cells: Vec::new(),
+            table: Vec::with_capacity(cells),
             repeats: Vec::new(),
             rows_pages: Vec::new(),
             kept_rows: None,

@@ -559,12 +559,23 @@ proptest! {
                     }
                 }
                 Op::Step(seed) if !live.is_empty() => {
+                    // Tokens (rows in any order, or sorted as the indexer's usually are),
+                    // 2-token blocks inside pages, or page blocks.
                     let token = seed % 2 == 0;
-                    let (unit, k) = if token { (1, 6) } else { (PS, 3) };
+                    let (unit, k) = match seed % 6 {
+                        0 | 2 => (1, 6),
+                        4 => (2, 6),
+                        _ => (PS, 3),
+                    };
                     let stepped = h.try_step(&live, unit, k, &mut |r, l, len| {
                         if token {
                             let mut rng = XorShift::new(seed ^ r ^ u64::from(l) << 8);
-                            (0..k).map(|_| rng.below(len) as i64).collect()
+                            let n = len.div_ceil(u64::from(unit));
+                            let mut row: Vec<i64> = (0..k).map(|_| rng.below(n) as i64).collect();
+                            if (seed / 6) % 2 == 0 {
+                                row.sort_unstable();
+                            }
+                            row
                         } else {
                             blocks(seed ^ r ^ u64::from(l), len, unit, k)
                         }
@@ -707,6 +718,67 @@ fn kept_pages_are_read_from_their_slots_and_given_back_when_dropped() {
     h.s.finish_request(RequestId::new(0)).unwrap();
     assert_eq!((h.s.kept_pins(), h.s.directory().stats().pins), (0, 0));
     h.assert_quiet();
+}
+
+#[test]
+fn token_selections_keep_their_pages_and_count_as_without_kept_selections() {
+    // Tokens (and 2-token blocks) inside 4-token pages: sorted rows, rows out of order with
+    // repeats and padding, a sorted row ending in a request's last, partial block. Kept
+    // selections on and off must count the same entries, pages and needed bytes; `step`
+    // checks every byte read through either table.
+    let rows: [(u32, Vec<i64>); 7] = [
+        (1, vec![0, 1, 5, 6, 7, 13, 30, 31]),
+        (1, vec![31, 6, 0, 6, -1, 13, 1, 22]),
+        (2, vec![0, 3, 6, 7, 15, -1, -1, -1]),
+        // 998, 999: the request's last two blocks (request 0 has 35 tokens by then: its
+        // last block holds one).
+        (2, vec![0, 1, 4, 9, 9, 15, 998, 999]),
+        (1, vec![2, 2, 2, 2, 2, 3, 9, -1]), // page 0 named six times: four tokens needed
+        (1, vec![0, 1, 5, 6, 7, 13, 30, 31]),
+        (1, vec![0, 1, 5, 6, 7, 13, 30, 31]),
+    ];
+    let mut kept = Harness::new(100, 400, false);
+    let mut unkept = Harness::new(100, 400, false);
+    unkept.s.set_keep_selections(false).unwrap();
+    for h in [&mut kept, &mut unkept] {
+        h.add(0, 31, None); // 32 tokens after the first append: pages 0..8
+        h.add(1, 40, None);
+    }
+    for (i, (unit, row)) in rows.iter().enumerate() {
+        let mut sel = |r: u64, _: u16, len: u64| -> Vec<i64> {
+            let unit = i64::from(*unit);
+            // Request 1 reads two pages further on, to be told apart.
+            let shift = if r == 1 { 8 / unit } else { 0 };
+            let entries = len.div_ceil(unit as u64) as i64;
+            row.iter()
+                .map(|&e| match e {
+                    ..0 => e,
+                    900.. => entries - (1000 - e),
+                    _ => e + shift,
+                })
+                .collect()
+        };
+        let (f1, a) = kept.step(&[0, 1], *unit, 8, &mut sel);
+        let (f2, b) = unkept.step(&[0, 1], *unit, 8, &mut sel);
+        assert!(f1.is_empty() && f2.is_empty());
+        assert_eq!(
+            (a.selected, a.pages, a.bytes_needed),
+            (b.selected, b.pages, b.bytes_needed),
+            "step {i}"
+        );
+        kept.s.validate().unwrap();
+        if i == 6 {
+            // The same row two steps running: every page a kept hit, nothing resolved.
+            assert_eq!((a.ready, a.loaded), (a.pages, 0), "{a:?}");
+            // Pages 0, 1, 3, 7 of each request at every layer stay kept, once each.
+            assert_eq!(kept.s.kept_pins(), 2 * 4 * u64::from(LAYERS));
+        }
+    }
+    assert_eq!(unkept.s.kept_pins(), 0);
+    kept.s.finish_request(RequestId::new(0)).unwrap();
+    kept.s.finish_request(RequestId::new(1)).unwrap();
+    assert_eq!(kept.s.kept_pins(), 0);
+    kept.assert_quiet();
 }
 
 #[test]

@@ -1,0 +1,389 @@
+//! Kept selections for entries smaller than a page: token mode's top-k tokens (DSA), or
+//! blocks that lie inside a page.
+//!
+//! A token row names ~2048 entries over ~128 pages, so the per-entry work must be a handful of
+//! instructions and the directory must see only the pages the row did not keep. One pass maps
+//! each entry to its row-distinct page: the indexer's rows usually come sorted, so an entry
+//! either continues the previous entry's page (one compare) or starts a page not seen before;
+//! a row out of order falls back to a stamp per page ([`RowDedup`]). The distinct pages, a
+//! sixteenth of the entries, are sorted if need be and merged with the row's kept list exactly
+//! as block mode merges its pages (`kept.rs`), and a second pass writes every cell from its
+//! page's outcome: a kept slot, or the key the resolve will place.
+//!
+//! Counts match the plan without kept selections: `selected` counts entries, `needed` the
+//! selected tokens of each page (capped at the page), `pages` the distinct pages.
+//!
+//! [`RowDedup`]: crate::scheduler::selection::RowDedup
+
+use super::rows::{KeptRows, Rows};
+use super::{mark_batch, Kept, StepScheduler, KEPT, NONE};
+use crate::error::{Error, Result};
+use crate::ids::RequestId;
+use crate::scheduler::selection::RowDedup;
+use crate::scheduler::SelectionUnit;
+
+/// How one request's entries map to pages.
+struct Mapping {
+    /// Tokens per entry.
+    u: u64,
+    /// Entries per page, and its log2 where it is a power of two (a shift, not a division).
+    per_page: u64,
+    shift: Option<u32>,
+    /// Tokens per page: the cap of a page's needed tokens.
+    ps: u32,
+    /// Entries the request has, and the tokens of its last one (it may hold fewer than `u`).
+    entries: u64,
+    last_tokens: u64,
+}
+
+impl Mapping {
+    fn new(unit: SelectionUnit, len: u64) -> Self {
+        let (u, ps) = (u64::from(unit.unit()), unit.page_size());
+        let per_page = u64::from(ps) / u;
+        let entries = unit.entries(len);
+        Mapping {
+            u,
+            per_page,
+            shift: per_page
+                .is_power_of_two()
+                .then(|| per_page.trailing_zeros()),
+            ps,
+            entries,
+            last_tokens: len - entries.saturating_sub(1) * u,
+        }
+    }
+
+    #[inline]
+    fn page_of(&self, e: u64) -> u32 {
+        match self.shift {
+            Some(s) => (e >> s) as u32,
+            None => (e / self.per_page) as u32,
+        }
+    }
+
+    /// The first entry of `page`.
+    #[inline]
+    fn page_start(&self, page: u32) -> i64 {
+        (u64::from(page) * self.per_page) as i64
+    }
+}
+
+/// A row's distinct pages as the first pass finds them (first-seen order).
+#[derive(Default)]
+struct Distinct {
+    /// Per distinct page: the page.
+    page: Vec<u32>,
+    /// Per distinct page: selected tokens in it.
+    needed: Vec<u32>,
+    /// Per distinct page: the column of its first entry.
+    first: Vec<u32>,
+    /// Per column: its distinct page, or NONE (padding).
+    of_column: Vec<u32>,
+    /// Per distinct page: its cell value (KEPT or a key index) and slot, once merged.
+    cell: Vec<u32>,
+    slot: Vec<i32>,
+    /// (page, distinct index), sorted by page: the merge's input.
+    order: Vec<(u32, u32)>,
+}
+
+impl Distinct {
+    fn clear(&mut self) {
+        self.page.clear();
+        self.needed.clear();
+        self.first.clear();
+        self.of_column.clear();
+        self.order.clear();
+    }
+
+    /// A sorted row whose entries are all valid: each page one run. Its needed tokens are the
+    /// run's entries times `u`, but for entries naming the request's last, partial entry.
+    fn map_runs(&mut self, row: &[i64], m: &Mapping) {
+        let (u, ps) = (m.u, m.ps);
+        // Sorted: a run ends at the first entry of a later page, and when an entry eight on
+        // is still in the page so is every entry before it (runs are ~16 entries long).
+        let mut j = 0;
+        while j < row.len() {
+            let page = m.page_of(row[j] as u64);
+            self.push(page, j as u32);
+            let next = m.page_start(page + 1);
+            j += 1;
+            while j + 8 <= row.len() && row[j + 7] < next {
+                j += 8;
+            }
+            while j < row.len() && row[j] < next {
+                j += 1;
+            }
+        }
+        let n = self.page.len();
+        for i in 0..n {
+            let end = self.first.get(i + 1).map_or(row.len() as u32, |&f| f);
+            let run = u64::from(end - self.first[i]);
+            self.add_needed(i as u32, run * u, ps);
+        }
+        let partial = row
+            .iter()
+            .rev()
+            .take_while(|&&e| e as u64 == m.entries - 1)
+            .count() as u64;
+        if partial > 0 && m.last_tokens < u {
+            // Sorted: the entries naming the last entry end the row, in its last page.
+            let runlen = u64::from(row.len() as u32 - self.first[n - 1]);
+            self.needed[n - 1] = 0;
+            self.add_needed(
+                (n - 1) as u32,
+                (runlen - partial) * u + partial * m.last_tokens,
+                ps,
+            );
+        }
+    }
+
+    /// Any row: padding (< 0) skipped, entries checked (`Err((column, entry))` for one past
+    /// the request), repeats found by a stamp per page once the row goes out of order. A run
+    /// of entries in one page adds its tokens once, when the run ends (the cap at a page is
+    /// the same either way). Returns the valid entries and whether the pages came in order.
+    fn map_any(
+        &mut self,
+        row: &[i64],
+        m: &Mapping,
+        dedup: &mut RowDedup,
+        pages: u32,
+    ) -> std::result::Result<(u64, bool), (usize, i64)> {
+        let (u, ps, entries) = (m.u, m.ps, m.entries);
+        let (mut prev_page, mut prev_d) = (u32::MAX, NONE);
+        let (mut run, mut valid) = (0u64, 0u64);
+        let mut in_order = true; // every new page so far above the previous one
+        for (j, &e) in row.iter().enumerate() {
+            if e < 0 {
+                self.of_column.push(NONE);
+                continue;
+            }
+            if e as u64 >= entries {
+                return Err((j, e));
+            }
+            let e = e as u64;
+            valid += 1;
+            let page = m.page_of(e);
+            if page != prev_page {
+                if prev_d != NONE {
+                    self.add_needed(prev_d, run, ps);
+                }
+                run = 0;
+                prev_d = if in_order && (prev_page == u32::MAX || page > prev_page) {
+                    self.push(page, j as u32)
+                } else {
+                    if in_order {
+                        // Out of order from here on: stamp the pages seen so far.
+                        in_order = false;
+                        dedup.begin_row(pages);
+                        for (i, &p) in self.page.iter().enumerate() {
+                            dedup.seen_or_insert(p, i as u32);
+                        }
+                    }
+                    let next = self.page.len() as u32;
+                    match dedup.seen_or_insert(page, next) {
+                        Some(i) => i,
+                        None => self.push(page, j as u32),
+                    }
+                };
+                prev_page = page;
+            }
+            run += if e + 1 == entries { m.last_tokens } else { u };
+            self.of_column.push(prev_d);
+        }
+        if prev_d != NONE {
+            self.add_needed(prev_d, run, ps);
+        }
+        Ok((valid, in_order))
+    }
+
+    /// The cells of a row `map_runs` mapped, from `at` on: each run filled at once.
+    fn fill_runs(&self, out: &mut Rows, at: usize, k: usize) {
+        for (i, &first) in self.first.iter().enumerate() {
+            let end = self.first.get(i + 1).map_or(k as u32, |&f| f);
+            let n = (end - first) as usize;
+            let cell = self.cell[i];
+            out.table.extend(std::iter::repeat_n(self.slot[i], n));
+            if cell & KEPT == 0 {
+                out.repeats
+                    .extend((at as u32 + first + 1..at as u32 + end).map(|c| (c, cell)));
+            }
+        }
+    }
+
+    /// The cells of a row `map_any` mapped, from `at` on (padding reads an extra last entry:
+    /// no key, no slot); repeats only where the row has new keys.
+    fn fill_columns(&mut self, out: &mut Rows, at: usize, new_keys: bool) {
+        let n = self.page.len() as u32;
+        self.cell.push(NONE);
+        self.slot.push(-1);
+        out.table.extend(
+            self.of_column
+                .iter()
+                .map(|&di| self.slot[di.min(n) as usize]),
+        );
+        if new_keys {
+            for (j, &di) in self.of_column.iter().enumerate() {
+                let di = di.min(n) as usize;
+                let cell = self.cell[di];
+                if cell & KEPT == 0 && self.first[di] != j as u32 {
+                    out.repeats.push(((at + j) as u32, cell));
+                }
+            }
+        }
+    }
+
+    fn add_needed(&mut self, di: u32, tokens: u64, cap: u32) {
+        let n = &mut self.needed[di as usize];
+        *n = (u64::from(*n) + tokens).min(u64::from(cap)) as u32;
+    }
+
+    fn push(&mut self, page: u32, column: u32) -> u32 {
+        self.page.push(page);
+        self.needed.push(0);
+        self.first.push(column);
+        (self.page.len() - 1) as u32
+    }
+}
+
+impl StepScheduler {
+    /// The rows of a kept-selection plan whose entries lie inside pages (`unit` < page size):
+    /// see the module docs.
+    pub(super) fn kept_entry_rows(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        selection: &[i64],
+        k: usize,
+        unit: SelectionUnit,
+        batch: u64,
+    ) -> Result<Rows> {
+        let ps = self.cfg.page_size;
+        debug_assert!(unit.pages_per_entry() == 1 && unit.unit() < ps);
+        let l = layer as usize;
+        let pages_guess = selection.len() / 8;
+        let mut out = Rows::unfilled(pages_guess / 8, selection.len());
+        let mut kr = KeptRows::with_capacity(pages_guess, rids.len());
+        let mut d = Distinct::default();
+        for (b, &id) in rids.iter().enumerate() {
+            let r = mark_batch(&mut self.requests, id, batch)?;
+            let len = r.len;
+            let m = Mapping::new(unit, len);
+            let row = &selection[b * k..(b + 1) * k];
+            d.clear();
+            // Pass 1: entries to distinct pages. The indexer's rows come sorted (and
+            // unpadded once contexts are long): such a row is checked at its two ends, and
+            // each of its pages is one run of adjacent entries.
+            let runs = row.first().is_some_and(|&e| e >= 0)
+                && row.last().is_some_and(|&e| (e as u64) < m.entries)
+                && is_sorted(row);
+            let in_order = if runs {
+                d.map_runs(row, &m);
+                out.selected += k as u64;
+                true
+            } else {
+                let (valid, in_order) =
+                    d.map_any(row, &m, &mut self.dedup, r.pages(ps))
+                        .map_err(|(j, e)| {
+                            Error::out_of_range(format!("selection[{b}][{j}]"), e, -1, m.entries)
+                        })?;
+                out.selected += valid;
+                in_order
+            };
+            d.order
+                .extend(d.page.iter().enumerate().map(|(i, &p)| (p, i as u32)));
+            if !in_order {
+                d.order.sort_unstable();
+            }
+            // The merge with the kept list, page by page.
+            d.cell.clear();
+            d.cell.resize(d.page.len(), NONE);
+            d.slot.clear();
+            d.slot.resize(d.page.len(), -1);
+            let kept = &r.kept[l];
+            let mut kc = 0;
+            let keys_before = kr.key_at.len();
+            for &(page, di) in &d.order {
+                while kc < kept.len() && kept[kc].page < page {
+                    kr.dropped.push(kept[kc].object);
+                    kc += 1;
+                }
+                let di = di as usize;
+                if kc < kept.len() && kept[kc].page == page {
+                    out.kept_hits += 1;
+                    out.kept_needed += u64::from(d.needed[di]);
+                    kr.lists.push(kept[kc]);
+                    (d.cell[di], d.slot[di]) = (KEPT, kept[kc].slot);
+                    kc += 1;
+                } else {
+                    d.cell[di] = out.keys.len() as u32;
+                    kr.key_at.push(kr.lists.len() as u32);
+                    kr.lists.push(Kept {
+                        page,
+                        object: u32::MAX,
+                        slot: -1,
+                    });
+                    out.keys.push(r.key(page, layer));
+                    out.hints.push(page); // looked up below, the misses overlapped
+                    out.key_row.push(b as u32);
+                    out.key_cell.push((b * k) as u32 + d.first[di]);
+                    out.from_prefix
+                        .push(if page < r.matched { page } else { NONE });
+                    out.needed.push(d.needed[di]);
+                }
+            }
+            kr.dropped.extend(kept[kc..].iter().map(|k| k.object));
+            kr.ends.push(kr.lists.len() as u32);
+            kr.dropped_ends.push(kr.dropped.len() as u32);
+            kr.serials.push(r.serial);
+            // Pass 2: every cell from its page's outcome; a key's cells but its first are
+            // repeats, placed once the resolve gave the key its slot.
+            if runs {
+                d.fill_runs(&mut out, b * k, k);
+            } else {
+                d.fill_columns(&mut out, b * k, kr.key_at.len() > keys_before);
+            }
+        }
+        self.look_up_hints(layer, rids, &mut out);
+        out.kept_rows = Some(kr);
+        Ok(out)
+    }
+}
+
+/// Whether `row` is sorted: every pair compared, no early exit, so the compares vectorize (a
+/// token row is 2048 entries; the usual answer is yes).
+fn is_sorted(row: &[i64]) -> bool {
+    let pairs = row.iter().zip(row.iter().skip(1));
+    !pairs.fold(false, |out, (a, b)| out | (a > b))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The run scan of sorted rows (strides of eight, then one by one) finds the same
+        /// pages, first columns and needed tokens as the general pass, on rows with long runs
+        /// (repeated entries) and the request's last, partial entry.
+        #[test]
+        fn sorted_rows_map_as_any_row_does(
+            mut row in proptest::collection::vec(0i64..40, 1..120),
+            unit in prop_oneof![Just(1u32), Just(2), Just(4)],
+            extra in 0u64..4,
+        ) {
+            let ps = 8;
+            row.sort_unstable();
+            let len = (*row.last().unwrap() as u64 + 1) * u64::from(unit) - extra.min(u64::from(unit) - 1);
+            let m = Mapping::new(SelectionUnit::new(unit, ps).unwrap(), len);
+            let (mut a, mut b) = (Distinct::default(), Distinct::default());
+            a.map_runs(&row, &m);
+            let mut dedup = RowDedup::default();
+            let (valid, in_order) = b.map_any(&row, &m, &mut dedup, len.div_ceil(u64::from(ps)) as u32).unwrap();
+            prop_assert_eq!(valid, row.len() as u64);
+            prop_assert!(in_order);
+            prop_assert_eq!(&a.page, &b.page);
+            prop_assert_eq!(&a.first, &b.first);
+            prop_assert_eq!(&a.needed, &b.needed);
+        }
+    }
+}
