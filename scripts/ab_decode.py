@@ -1,12 +1,15 @@
 """Two builds of the extension in one process: `bench decode`'s scheduler step, paired.
 
     python scripts/ab_decode.py A/_core.abi3.so B/_core.abi3.so [--steps 24] [--locality 0.9]
+        [--mode block|token]
 
 Builds one step-scheduler stack per build (same shape, contexts and seed as `sparsetier bench
 decode --mode block`), feeds both the same selections and alternates their steps (A, B then
 B, A), so the VM's drift hits both sides alike. Reports each side's median CPU time per step
 (the time blocked on copies taken out, as the bench does) and the median of the per-step
-ratios B / A; checks that both sides selected and loaded the same pages every step.
+ratios B / A; checks that both sides selected the same pages every step, and in block mode that
+they loaded the same (in token mode a build that keeps token selections pinned evicts
+differently from one that does not).
 
 How to get a build's library: `maturin build --release -o DIR` in a checkout of that commit,
 then unzip the wheel (`sparsetier/_core.abi3.so`).
@@ -46,8 +49,9 @@ def main() -> None:
     ap.add_argument("b", help="build B's _core shared object")
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--locality", type=float, default=0.9)
+    ap.add_argument("--mode", choices=("block", "token"), default="block")
     args = ap.parse_args()
-    cfg = DecodeBenchConfig(mode="block", steps=args.steps, locality=args.locality)
+    cfg = DecodeBenchConfig(mode=args.mode, steps=args.steps, locality=args.locality)
     cfg.check()
     lens, device_pages, host_pages = sizes(cfg)
     stacks = [
@@ -55,22 +59,25 @@ def main() -> None:
     ]
     sels = Selections(cfg, lens)
     rids = np.arange(cfg.batch, dtype=np.int64)
+    unit = cfg.page_size if cfg.mode == "block" else 1
+    checked = ("selected", "pages", "loaded") if cfg.mode == "block" else ("selected", "pages")
     times: list[list[float]] = [[], []]
     for i in range(cfg.warmup + cfg.steps):
         sel = sels.next()
         recs = [None, None]
         for side in (0, 1) if i % 2 == 0 else (1, 0):
-            r = _step_scheduler(stacks[side], rids, sel, cfg.page_size)
+            r = _step_scheduler(stacks[side], rids, sel, unit)
             recs[side] = r["rec"]
             if i >= cfg.warmup:
                 times[side].append((r["wall_s"] - r["wait_s"]) * 1e3)
-        same = all(recs[0][k] == recs[1][k] for k in ("selected", "pages", "loaded"))
+        same = all(recs[0][k] == recs[1][k] for k in checked)
         assert same, f"step {i}: the builds disagree: {recs[0]} / {recs[1]}"
     a, b = times
     ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
     print(
-        f"locality {args.locality}, {args.steps} steps: A {statistics.median(a):.2f} ms | "
-        f"B {statistics.median(b):.2f} ms | B/A {ratio:.3f} (median of per-step ratios)"
+        f"{cfg.mode} mode, locality {args.locality}, {args.steps} steps: "
+        f"A {statistics.median(a):.2f} ms | B {statistics.median(b):.2f} ms | "
+        f"B/A {ratio:.3f} (median of per-step ratios)"
     )
 
 
