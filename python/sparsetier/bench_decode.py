@@ -7,8 +7,8 @@ synthetic selections. Each decode step runs on both, alternating in one process:
 - **A, the step scheduler**: `append`, then per layer `plan` (one resolve and one load
   submission for the whole batch), `ready`, `finish`, then `end_step`: 3 calls per layer.
 - **A0, the step scheduler without kept selections** (`keep_selections = False`: every
-  selected page resolved and released each step; what the scheduler did before them), block
-  mode only, with `unkept`;
+  selected page resolved and released each step; what the scheduler did before them), with
+  `unkept`;
 - **B, today's call pattern** (the per-request loop the decode runtime had before the
   scheduler): per request and layer, `ResidencyDirectory.resolve` of that request's pages,
   a `PreparedPageTransfer` + submit + wait + `complete` for its misses, `release`; a page that
@@ -261,7 +261,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         sb, eb = _stack(cfg, lens, device_pages, host_pages)
         base = Baseline(cfg, sb, eb, lens)
     a0 = None
-    if cfg.unkept and cfg.mode == "block" and not cfg.prefetch:
+    if cfg.unkept and not cfg.prefetch:
         a0, _ = _stack(cfg, lens, device_pages, host_pages, keep=False)
     sels = Selections(cfg, lens)
     rids = np.arange(cfg.batch, dtype=np.int64)

@@ -453,9 +453,10 @@ impl PyStepScheduler {
         Ok(Some(d))
     }
 
-    /// Block-mode plans keep each row's selected pages pinned to the next step and read the
-    /// pages selected again from there, without a directory call (the default); False gives
-    /// every kept page back and resolves every selected page each step.
+    /// Plans whose entries are at most a page (block = page, token mode) keep each row's
+    /// selected pages pinned to the next step and read the pages selected again from there,
+    /// without a directory call (the default); False gives every kept page back and resolves
+    /// every selected page each step.
     #[getter]
     fn keep_selections(&self) -> bool {
         self.inner.lock().keeps_selections()
