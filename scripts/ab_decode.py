@@ -11,6 +11,10 @@ ratios B / A; checks that both sides selected the same pages every step, and in 
 they loaded the same (in token mode a build that keeps token selections pinned evicts
 differently from one that does not).
 
+The stacks are built in order (A's first), and where their memory lands differs: a build run
+against itself gave 1.03, and one pair of builds 1.05 with either first. Run both orders and
+read a ratio within a few percent of 1 as no change.
+
 How to get a build's library: `maturin build --release -o DIR` in a checkout of that commit,
 then unzip the wheel (`sparsetier/_core.abi3.so`).
 """
