@@ -3,31 +3,35 @@
 //! whole batch. Throughput is in selection entries, so criterion prints entries/s.
 //!
 //! The default shape is small enough for a criterion run; `SPARSETIER_BENCH_FULL=1` runs
-//! DeepSeek-V3.2's shape (61 layers, batch 64, 32k-128k contexts, 25% budget, 32 blocks),
-//! which builds a directory of about five million objects first.
+//! DeepSeek-V3.2's shape (61 layers, batch 64, 32k-128k contexts, 25% budget, 32 blocks or
+//! top-2048 tokens), which builds a directory of about five million objects first.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use sparsetier::scheduler::bench::{DecodeShape, DecodeWorkload};
 
 fn decode_step(c: &mut Criterion) {
     let full = std::env::var_os("SPARSETIER_BENCH_FULL").is_some();
-    let shape = if full {
-        DecodeShape::deepseek_v32()
-    } else {
-        DecodeShape {
-            layers: 8,
-            batch: 16,
-            context: (8 * 1024, 16 * 1024),
-            ..DecodeShape::deepseek_v32()
-        }
-    };
-    let mut w = DecodeWorkload::new(shape, 50_000).expect("workload");
     let mut group = c.benchmark_group("decode_step");
     group.sample_size(10);
-    group.throughput(Throughput::Elements(w.lookups_per_step() as u64));
-    group.bench_function(if full { "deepseek_v32" } else { "small" }, |b| {
-        b.iter_custom(|iters| w.run(iters).expect("step"))
-    });
+    for (mode, base) in [
+        ("block", DecodeShape::deepseek_v32()),
+        ("token", DecodeShape::deepseek_v32_tokens()),
+    ] {
+        let shape = if full {
+            base
+        } else {
+            DecodeShape {
+                layers: 8,
+                batch: 16,
+                context: (8 * 1024, 16 * 1024),
+                ..base
+            }
+        };
+        let mut w = DecodeWorkload::new(shape, 50_000).expect("workload");
+        group.throughput(Throughput::Elements(w.lookups_per_step() as u64));
+        let name = format!("{}_{mode}", if full { "deepseek_v32" } else { "small" });
+        group.bench_function(name, |b| b.iter_custom(|iters| w.run(iters).expect("step")));
+    }
     group.finish();
 }
 

@@ -1,6 +1,8 @@
 //! The decode-step workload shared by the criterion bench (`benches/scheduler.rs`): the Rust
-//! half of `sparsetier bench decode`, with the same synthetic selections (sink, last block,
-//! and blocks that stay from one step to the next with probability `locality`).
+//! half of `sparsetier bench decode`, with the same kind of synthetic selections: block mode
+//! the sink, the last block and blocks that stay from one step to the next with probability
+//! `locality`; token mode `tokens` tokens drawn from `token_pages` hot pages per request and
+//! layer (each staying with probability `locality`) and the current token, rows sorted.
 //!
 //! Pools are one-layer KV pools of 1 head x 1 dim bf16 (256 B per 64-token object): the
 //! scheduling work per key does not depend on the bytes, and the copies run on the cpu
@@ -35,6 +37,10 @@ pub struct DecodeShape {
     pub locality: f64,
     /// Prefetch on.
     pub prefetch: bool,
+    /// Token mode: tokens selected per request per layer (0: block mode).
+    pub tokens: usize,
+    /// Token mode: the hot pages the tokens are drawn from.
+    pub token_pages: usize,
 }
 
 impl DecodeShape {
@@ -50,6 +56,34 @@ impl DecodeShape {
             blocks: 32,
             locality: 0.9,
             prefetch: false,
+            tokens: 0,
+            token_pages: 128,
+        }
+    }
+
+    /// The same shape in token mode: top-2048 tokens from 128 hot pages.
+    pub fn deepseek_v32_tokens() -> Self {
+        DecodeShape {
+            tokens: 2048,
+            ..Self::deepseek_v32()
+        }
+    }
+
+    /// Selection entries per request per layer, and tokens per entry.
+    fn entries(&self) -> (usize, u32) {
+        if self.tokens > 0 {
+            (self.tokens, 1)
+        } else {
+            (self.blocks, self.page_size)
+        }
+    }
+
+    /// Hot blocks or pages per request per layer.
+    fn hot(&self) -> usize {
+        if self.tokens > 0 {
+            self.token_pages
+        } else {
+            self.blocks - 2
         }
     }
 }
@@ -78,8 +112,8 @@ impl DecodeWorkload {
         let ps = u64::from(shape.page_size);
         let objects: u64 =
             lens.iter().map(|&n| (n + steps).div_ceil(ps)).sum::<u64>() * u64::from(shape.layers);
-        let floor =
-            (shape.batch * shape.layers as usize * 2 + shape.batch * shape.blocks * 2) as u64;
+        let floor = (shape.batch * shape.layers as usize * 2
+            + shape.batch * shape.blocks.max(shape.token_pages) * 2) as u64;
         let device_pages = ((shape.budget * objects as f64).ceil() as u64).max(floor) as u32;
         let host_pages = (objects + (shape.batch * shape.layers as usize) as u64) as u32;
         let spec = PoolSpec::new(
@@ -113,7 +147,7 @@ impl DecodeWorkload {
             sched.add_request(rids[i], n, None)?;
         }
         sched.drain()?;
-        let k = shape.blocks - 2;
+        let k = shape.hot();
         let mut hot = Vec::with_capacity(shape.layers as usize * shape.batch * k);
         for _ in 0..shape.layers {
             for &n in &lens {
@@ -145,14 +179,14 @@ impl DecodeWorkload {
 
     /// Selection entries per step.
     pub fn lookups_per_step(&self) -> usize {
-        self.shape.layers as usize * self.shape.batch * self.shape.blocks
+        self.shape.layers as usize * self.shape.batch * self.shape.entries().0
     }
 
     /// Moves the hot blocks (locality) for the next step; not part of the timed work.
     fn next_selection(&mut self) {
         let s = self.shape;
         let ps = u64::from(s.page_size);
-        let k = s.blocks - 2;
+        let k = s.hot();
         for n in &mut self.lens {
             *n += 1;
         }
@@ -167,9 +201,18 @@ impl DecodeWorkload {
                     }
                 }
                 let start = self.sel.len();
-                self.sel.push(0);
-                self.sel.extend_from_slice(row);
-                self.sel.push(pages as i64 - 1);
+                if s.tokens > 0 {
+                    // Hot pages stay below the last, partial page, so every token exists.
+                    for _ in 1..s.tokens {
+                        let page = row[self.rng.below(k as u64) as usize] as u64;
+                        self.sel.push((page * ps + self.rng.below(ps)) as i64);
+                    }
+                    self.sel.push(n as i64 - 1);
+                } else {
+                    self.sel.push(0);
+                    self.sel.extend_from_slice(row);
+                    self.sel.push(pages as i64 - 1);
+                }
                 self.sel[start..].sort_unstable();
             }
         }
@@ -178,8 +221,9 @@ impl DecodeWorkload {
     /// Runs `steps` decode steps; returns the time spent in scheduler calls.
     pub fn run(&mut self, steps: u64) -> Result<Duration> {
         let s = self.shape;
-        let unit = SelectionUnit::new(s.page_size, s.page_size)?;
-        let per_layer = s.batch * s.blocks;
+        let (k, unit) = s.entries();
+        let unit = SelectionUnit::new(unit, s.page_size)?;
+        let per_layer = s.batch * k;
         let mut spent = Duration::ZERO;
         for _ in 0..steps {
             self.next_selection();
@@ -187,7 +231,7 @@ impl DecodeWorkload {
             self.sched.append(&self.rids)?;
             for l in 0..s.layers {
                 let sel = &self.sel[l as usize * per_layer..(l as usize + 1) * per_layer];
-                let (id, _) = self.sched.plan(l, &self.rids, sel, s.blocks, unit)?;
+                let (id, _) = self.sched.plan(l, &self.rids, sel, k, unit)?;
                 self.sched.ready(id, None)?;
                 self.sched.finish(id)?;
             }
@@ -218,6 +262,26 @@ mod tests {
         assert!(w.scheduler().totals().pages > 0);
     }
 
+    #[test]
+    fn a_small_token_workload_keeps_most_pages_and_stays_valid() {
+        let shape = DecodeShape {
+            layers: 3,
+            batch: 4,
+            context: (2048, 4096),
+            tokens: 256,
+            token_pages: 16,
+            ..DecodeShape::deepseek_v32()
+        };
+        let mut w = DecodeWorkload::new(shape, 8).unwrap();
+        w.run(8).unwrap();
+        w.scheduler().validate().unwrap();
+        let t = w.scheduler().totals();
+        assert_eq!(t.selected, 8 * 3 * 4 * 256);
+        // At most the hot pages and the current token's page per row, most of them kept.
+        assert!(t.pages <= 8 * 3 * 4 * 17, "{t:?}");
+        assert!(w.scheduler().kept_pins() > 0);
+    }
+
     /// The full DeepSeek-V3.2 shape, for profiling: `cargo test --release --lib
     /// full_shape -- --ignored --nocapture`.
     #[test]
@@ -228,9 +292,15 @@ mod tests {
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(0.9);
+        // SPARSETIER_MODE=token: top-2048 tokens instead of 32 blocks.
+        let token = std::env::var("SPARSETIER_MODE").is_ok_and(|m| m == "token");
         let shape = DecodeShape {
             locality,
-            ..DecodeShape::deepseek_v32()
+            ..if token {
+                DecodeShape::deepseek_v32_tokens()
+            } else {
+                DecodeShape::deepseek_v32()
+            }
         };
         let mut w = DecodeWorkload::new(shape, 200).unwrap();
         // SPARSETIER_KEEP=0: every selected page through the directory (no kept selections).
