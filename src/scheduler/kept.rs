@@ -116,21 +116,8 @@ impl StepScheduler {
                     kc += 1;
                     (KEPT, hit.slot)
                 } else {
-                    let next = out.keys.len() as u32;
-                    kr.key_at.push(kr.lists.len() as u32);
-                    kr.lists.push(Kept {
-                        page,
-                        object: u32::MAX,
-                        slot: -1,
-                    });
-                    out.keys.push(r.key(page, layer));
-                    out.hints.push(page); // looked up below, the misses overlapped
-                    out.key_row.push(b as u32);
-                    out.key_cell.push(at as u32);
-                    out.from_prefix
-                        .push(if page < r.matched { page } else { NONE });
-                    out.needed.push(tokens);
-                    (next, -1)
+                    let key = out.push_new_page(&mut kr, r, (page, layer), (b, at), tokens);
+                    (key, -1)
                 };
                 out.table[at] = slot;
                 (prev, prev_cell, prev_slot) = (page, cell, slot);

@@ -16,7 +16,7 @@
 //! [`RowDedup`]: crate::scheduler::selection::RowDedup
 
 use super::rows::{KeptRows, Rows};
-use super::{mark_batch, Kept, StepScheduler, KEPT, NONE};
+use super::{mark_batch, StepScheduler, KEPT, NONE};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::scheduler::selection::RowDedup;
@@ -315,20 +315,9 @@ impl StepScheduler {
                     (d.cell[di], d.slot[di]) = (KEPT, kept[kc].slot);
                     kc += 1;
                 } else {
-                    d.cell[di] = out.keys.len() as u32;
-                    kr.key_at.push(kr.lists.len() as u32);
-                    kr.lists.push(Kept {
-                        page,
-                        object: u32::MAX,
-                        slot: -1,
-                    });
-                    out.keys.push(r.key(page, layer));
-                    out.hints.push(page); // looked up below, the misses overlapped
-                    out.key_row.push(b as u32);
-                    out.key_cell.push((b * k) as u32 + d.first[di]);
-                    out.from_prefix
-                        .push(if page < r.matched { page } else { NONE });
-                    out.needed.push(d.needed[di]);
+                    let at = b * k + d.first[di] as usize;
+                    d.cell[di] =
+                        out.push_new_page(&mut kr, r, (page, layer), (b, at), d.needed[di]);
                 }
             }
             kr.dropped.extend(kept[kc..].iter().map(|k| k.object));

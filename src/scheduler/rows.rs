@@ -2,7 +2,7 @@
 //! from. Two builders: `selection_rows` (any selection unit, every page resolved) and
 //! `kept_rows` (`kept.rs`: block mode, kept pages read from their kept slots).
 
-use super::{mark_batch, Kept, StepScheduler, NONE};
+use super::{mark_batch, Kept, RequestState, StepScheduler, NONE};
 use crate::directory::ObjectKey;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
@@ -88,6 +88,36 @@ impl Rows {
         let mut r = Self::unfilled(entries, cells);
         r.table.resize(cells, -1);
         r
+    }
+
+    /// A page a kept-selection row newly selects (`page` of `layer`, first named at cell `at`
+    /// of row `b`): a key to resolve, its hint looked up later with every other key's (the
+    /// misses overlapped), and a placeholder in the row's next kept list that `finish` fills
+    /// from the resolve. Returns the key index.
+    #[inline]
+    pub(super) fn push_new_page(
+        &mut self,
+        kr: &mut KeptRows,
+        r: &RequestState,
+        (page, layer): (u32, u16),
+        (b, at): (usize, usize),
+        needed: u32,
+    ) -> u32 {
+        let key = self.keys.len() as u32;
+        kr.key_at.push(kr.lists.len() as u32);
+        kr.lists.push(Kept {
+            page,
+            object: u32::MAX,
+            slot: -1,
+        });
+        self.keys.push(r.key(page, layer));
+        self.hints.push(page);
+        self.key_row.push(b as u32);
+        self.key_cell.push(at as u32);
+        self.from_prefix
+            .push(if page < r.matched { page } else { NONE });
+        self.needed.push(needed);
+        key
     }
 
     /// Kept-selection rows whose builder pushes every table cell in order.
