@@ -54,7 +54,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(prefetch=st.booleans())
     def configure(self, prefetch):
-        # Without prefetch, block steps keep their selections pinned to the next step.
+        # Without prefetch, block and token steps keep their selections pinned to the next step.
         self._build(prefetch)
 
     @rule(on=st.booleans())
