@@ -477,6 +477,17 @@ fn bad_input_is_refused_without_changing_anything() {
     assert!(h.s.plan(0, &[RequestId::new(5)], &[0], 1, u).is_err());
     assert!(h.s.plan(0, &[ids[0], ids[0]], &[0, 1], 1, u).is_err());
     assert!(h.s.plan(0, &ids, &[-1], 1, u).is_err());
+    // Token rows (kept selections map them to pages first): sorted, unsorted, all padding.
+    let t = SelectionUnit::new(1, PS).unwrap();
+    for (row, culprit) in [(&[0, 3, 21][..], 2), (&[21, 3, 0], 0), (&[3, -1, 99], 2)] {
+        let e = h.s.plan(0, &ids, row, 3, t).unwrap_err();
+        assert!(matches!(e, crate::Error::OutOfRange { .. }), "{e}");
+        assert!(
+            e.to_string().contains(&format!("selection[0][{culprit}]")),
+            "{e}"
+        );
+    }
+    assert!(h.s.plan(0, &ids, &[-1, -1], 2, t).is_err());
     assert!(h.s.add_request(RequestId::new(0), 4, None).is_err());
     assert!(h
         .s
