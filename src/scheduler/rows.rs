@@ -1,6 +1,7 @@
 //! A plan's selection, row by row: the keys to resolve and where each slot-table cell reads
-//! from. Two builders: `selection_rows` (any selection unit, every page resolved) and
-//! `kept_rows` (`kept.rs`: block mode, kept pages read from their kept slots).
+//! from. Three builders: `selection_rows` (any selection unit, every page resolved), `kept_rows`
+//! (`kept.rs`: block = page, kept pages read from their kept slots) and `kept_entry_rows`
+//! (`kept_entries.rs`: entries inside a page, token mode, mapped to pages, then the same).
 
 use super::{mark_batch, Kept, RequestState, StepScheduler, NONE};
 use crate::directory::ObjectKey;
