@@ -2,13 +2,14 @@
 //! blocks that lie inside a page.
 //!
 //! A token row names ~2048 entries over ~128 pages, so the per-entry work must be a handful of
-//! instructions and the directory must see only the pages the row did not keep. One pass maps
-//! each entry to its row-distinct page: the indexer's rows usually come sorted, so an entry
-//! either continues the previous entry's page (one compare) or starts a page not seen before;
-//! a row out of order falls back to a stamp per page ([`RowDedup`]). The distinct pages, a
-//! sixteenth of the entries, are sorted if need be and merged with the row's kept list exactly
-//! as block mode merges its pages (`kept.rs`), and a second pass writes every cell from its
-//! page's outcome: a kept slot, or the key the resolve will place.
+//! instructions and the directory must see only the pages the row did not keep. A first pass
+//! maps entries to row-distinct pages: the indexer's rows usually come sorted (checked with
+//! one compare per pair, no early exit, so it vectorizes), and then each page is one run of
+//! adjacent entries, found eight entries at a time; any other row goes entry by entry and
+//! dedups through a stamp per page ([`RowDedup`]) once it goes out of order. The distinct pages,
+//! a sixteenth of the entries, are sorted if need be and merged with the row's kept list as
+//! block mode merges its pages (`kept.rs`); then the slot table is written from each page's
+//! outcome (a kept slot, or -1 until the resolve places its key), a sorted row's runs at once.
 //!
 //! Counts match the plan without kept selections: `selected` counts entries, `needed` the
 //! selected tokens of each page (capped at the page), `pages` the distinct pages.
