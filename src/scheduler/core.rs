@@ -196,7 +196,7 @@ pub struct StepScheduler {
     failed_this_step: rustc_hash::FxHashSet<RequestId>,
     /// The joined mode's prefix tier (host pages owned by the prefix cache).
     prefix: Option<PrefixTier>,
-    /// Block selections keep their pages pinned from one step to the next (`kept.rs`).
+    /// Selections keep their pages pinned from one step to the next (`kept.rs`).
     keep: bool,
     /// Pins held for kept pages.
     kept_pins: u64,
@@ -891,8 +891,8 @@ impl StepScheduler {
                 format!("a selection unit over the scheduler's {ps}-token pages"),
             ));
         }
-        // Block selections keep their pages pinned to the next step (`kept.rs`): a page the
-        // row kept is read from its kept slot, without a directory call.
+        // Selections keep their pages pinned to the next step (`kept.rs`, `kept_entries.rs`):
+        // a page the row kept is read from its kept slot, without a directory call.
         let fast = self.keeps(layer, unit);
         let Rows {
             keys,

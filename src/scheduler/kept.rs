@@ -1,7 +1,8 @@
-//! Kept selections: the hit path of block-mode decode.
+//! Kept selections: the hit path of decode (block mode here; token mode maps its rows to
+//! pages first, `kept_entries.rs`).
 //!
 //! Decode selections change slowly from step to step (`bench decode` assumes nine blocks in
-//! ten stay, its `locality`). A page a block-mode plan selected stays pinned when the plan
+//! ten stay, its `locality`). A page a plan selected stays pinned when the plan
 //! finishes (held by the directory, outside any handle) and is remembered in the
 //! request's `kept` list for that layer with its slot. The next plan of that layer reads a
 //! kept page's slot from the list, without a directory call; only the pages the selection
