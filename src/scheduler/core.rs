@@ -134,10 +134,8 @@ struct LayerPlan {
     prefetch: Option<Prefetch>,
     keys: Vec<ObjectKey>,
     key_row: Vec<u32>,
-    /// Per slot-table cell: the key index, `KEPT`, or NONE. Empty for a kept-selection plan,
-    /// whose key cells are `key_cell` and `repeats` (the rest read kept slots).
-    cells: Vec<u32>,
-    /// Kept-selection plans: (cell, key) of every cell naming a key but its first.
+    /// (cell, key) of every cell naming a key but its first; the first is `key_cell`. The
+    /// cells of neither read kept slots or are padding.
     repeats: Vec<(u32, u32)>,
     /// Per key: the first cell that names it.
     key_cell: Vec<u32>,
@@ -901,7 +899,6 @@ impl StepScheduler {
             key_cell,
             needed,
             from_prefix,
-            cells,
             mut table,
             repeats,
             rows_pages,
@@ -1014,23 +1011,11 @@ impl StepScheduler {
         }
         let transfers = self.submit_resolved(&res, layer, &mut rec);
         let submitted_at = (!res.loads.is_empty()).then(Instant::now);
-        if fast {
-            // Kept cells hold their slots already: place the resolved keys' (a tenth of the
-            // cells at decode's usual locality), first cells and repeats.
-            for (&at, s) in key_cell.iter().zip(&res.slots) {
-                table[at as usize] = s.raw() as i32;
-            }
-            for &(at, key) in &repeats {
-                table[at as usize] = res.slots[key as usize].raw() as i32;
-            }
-            debug_assert!(cells.is_empty(), "kept-selection rows write no cells");
-        } else {
-            for (t, &c) in table.iter_mut().zip(&cells) {
-                if c & KEPT == 0 {
-                    *t = res.slots[c as usize].raw() as i32;
-                }
-            }
-        }
+        // Kept cells hold their slots already: place the resolved keys' (a tenth of the cells
+        // at decode's usual locality with kept selections), first cells and repeats.
+        place(&mut table, &key_cell, &repeats, |key| {
+            res.slots[key].raw() as i32
+        });
         let pins = res.metrics.distinct;
         self.pins += pins;
         self.rec.pinned_peak = self.rec.pinned_peak.max(self.pins + self.kept_pins);
@@ -1049,7 +1034,6 @@ impl StepScheduler {
                 prefetch,
                 keys,
                 key_row,
-                cells,
                 repeats,
                 key_cell,
                 indices: res.indices,
@@ -1241,24 +1225,20 @@ impl StepScheduler {
                 for (n, &i) in lost.iter().enumerate() {
                     new_slot[i as usize] = slots[n].raw() as i32;
                 }
-                let named = plan
-                    .key_cell
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &c)| (c, k as u32));
-                let cells: Vec<(u32, u32)> = if plan.cells.is_empty() {
-                    named.chain(plan.repeats.iter().copied()).collect()
-                } else {
-                    let all = plan.cells.iter().enumerate();
-                    all.map(|(c, &k)| (c as u32, k))
-                        .filter(|&(_, k)| k & KEPT == 0)
-                        .collect()
-                };
-                for (c, k) in cells {
-                    if new_slot[k as usize] >= 0 {
-                        plan.table[c as usize] = new_slot[k as usize];
-                    }
-                }
+                // The keys that kept their slot get it again.
+                let old = |key: usize| plan.table[plan.key_cell[key] as usize];
+                let slot: Vec<i32> = (0..plan.keys.len())
+                    .map(|key| {
+                        if new_slot[key] >= 0 {
+                            new_slot[key]
+                        } else {
+                            old(key)
+                        }
+                    })
+                    .collect();
+                place(&mut plan.table, &plan.key_cell, &plan.repeats, |key| {
+                    slot[key]
+                });
                 out.slots_changed = true;
             }
             None => {
@@ -1756,6 +1736,16 @@ fn mark_batch(
     }
     r.batch_mark = batch;
     Ok(r)
+}
+
+/// Writes each key's slot (`slot(key)`) into its cells: its first (`key_cell`) and repeats.
+fn place(table: &mut [i32], key_cell: &[u32], repeats: &[(u32, u32)], slot: impl Fn(usize) -> i32) {
+    for (key, &at) in key_cell.iter().enumerate() {
+        table[at as usize] = slot(key);
+    }
+    for &(at, key) in repeats {
+        table[at as usize] = slot(key as usize);
+    }
 }
 
 /// The first failure among a transfer's layers, if any.

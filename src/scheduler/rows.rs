@@ -56,12 +56,11 @@ pub(super) struct Rows {
     pub needed: Vec<u32>,
     /// Joined mode, per key: the request page if it is a matched prefix page, else NONE.
     pub from_prefix: Vec<u32>,
-    /// Per cell: the key index, `KEPT` (slot known), or NONE; empty for kept-selection rows.
-    pub cells: Vec<u32>,
-    /// Per cell: the slot where known already (kept cells), else -1.
+    /// Per cell: the slot where known already (kept cells), else -1 (a key's cell until the
+    /// resolve places it, or padding).
     pub table: Vec<i32>,
-    /// Kept-selection plans: (cell, key) of every cell naming a key but its first (a page
-    /// repeated in its row), so that the slots of a resolve are placed key by key.
+    /// (cell, key) of every cell naming a key but its first (a page repeated in its row):
+    /// with `key_cell`, every cell a resolve's slots go to.
     pub repeats: Vec<(u32, u32)>,
     /// Per row: its distinct pages, sorted, with their key index (the prefetch's input).
     pub rows_pages: Vec<Vec<(u32, u32)>>,
@@ -76,15 +75,7 @@ pub(super) struct Rows {
 }
 
 impl Rows {
-    /// Room for `entries` keys and `cells` cells, every cell NONE (no slot).
-    pub(super) fn with_capacity(entries: usize, cells: usize) -> Self {
-        let mut r = Self::with_table(entries, cells);
-        r.cells.resize(cells, NONE);
-        r
-    }
-
-    /// Kept-selection rows (no `cells`: their key cells are `key_cell` and `repeats`), every
-    /// table cell -1.
+    /// Room for `entries` keys and `cells` cells, every table cell -1.
     pub(super) fn with_table(entries: usize, cells: usize) -> Self {
         let mut r = Self::unfilled(entries, cells);
         r.table.resize(cells, -1);
@@ -130,7 +121,6 @@ impl Rows {
             key_cell: Vec::with_capacity(entries),
             needed: Vec::with_capacity(entries),
             from_prefix: Vec::with_capacity(entries),
-            cells: Vec::new(),
             table: Vec::with_capacity(cells),
             repeats: Vec::new(),
             rows_pages: Vec::new(),
@@ -155,7 +145,7 @@ impl StepScheduler {
     ) -> Result<Rows> {
         let ps = self.cfg.page_size;
         let ppe = unit.pages_per_entry();
-        let mut out = Rows::with_capacity(selection.len(), rids.len() * k * ppe);
+        let mut out = Rows::with_table(selection.len(), rids.len() * k * ppe);
         out.rows_pages.reserve(rids.len());
         let mut pages_buf = vec![None; ppe];
         // The dense page -> object tables are cache misses at scale: ask for every row's
@@ -202,12 +192,11 @@ impl StepScheduler {
                     let next = out.keys.len() as u32;
                     match self.dedup.seen_or_insert(page, next) {
                         Some(idx) => {
-                            out.cells[at] = idx;
+                            out.repeats.push((at as u32, idx));
                             let n = &mut out.needed[idx as usize];
                             *n = (*n + tokens).min(ps);
                         }
                         None => {
-                            out.cells[at] = next;
                             out.keys.push(r.key(page, layer));
                             out.hints.push(r.hint(page, layer));
                             out.key_row.push(b as u32);
