@@ -261,7 +261,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         sb, eb = _stack(cfg, lens, device_pages, host_pages)
         base = Baseline(cfg, sb, eb, lens)
     a0 = None
-    if cfg.unkept and not cfg.prefetch:
+    if cfg.unkept:
         a0, _ = _stack(cfg, lens, device_pages, host_pages, keep=False)
     sels = Selections(cfg, lens)
     rids = np.arange(cfg.batch, dtype=np.int64)

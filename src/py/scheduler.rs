@@ -455,8 +455,9 @@ impl PyStepScheduler {
 
     /// Plans whose entries are at most a page (block = page, token mode) keep each row's
     /// selected pages pinned to the next step and read the pages selected again from there,
-    /// without a directory call (the default); False gives every kept page back and resolves
-    /// every selected page each step.
+    /// without a directory call (the default; with or without prefetch, whose prediction the
+    /// kept pages are; kept pages hold at most half the device); False gives every kept page
+    /// back and resolves every selected page each step.
     #[getter]
     fn keep_selections(&self) -> bool {
         self.inner.lock().keeps_selections()

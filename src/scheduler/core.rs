@@ -978,7 +978,18 @@ impl StepScheduler {
             .zip(&needed)
             .map(|(&l, &n)| if l { u64::from(n) } else { 0 })
             .sum();
-        // Prefetch accuracy: the prediction against the selection, row by row.
+        // Prefetch accuracy: the prediction against the selection, row by row. A kept-selection
+        // plan's prediction is its kept pages (last step's selection, held on the device, not
+        // loaded again), plus what a prefetch predicted of the rest (pages given back to make
+        // room, or a layer whose last plan did not keep): the two never share a page.
+        let rows_pages = match (&kept_rows, &prefetch) {
+            (Some(kr), Some(_)) => kept::rows_pages(kr),
+            _ => rows_pages,
+        };
+        if let (Some(kr), true) = (&kept_rows, self.cfg.prefetch) {
+            rec.prefetch_predicted += kept_hits + kr.dropped.len() as u64;
+            rec.prefetch_hits += kept_hits;
+        }
         if let Some(pf) = &prefetch {
             let mut wasted = 0u64;
             for (b, id) in rids.iter().enumerate() {
@@ -988,7 +999,10 @@ impl StepScheduler {
                 let row = &rows_pages[b];
                 rec.prefetch_hits += intersect(row, predicted, |_| ());
                 let mut used = 0u64;
-                let used_n = intersect(row, loaded, |idx| used += u64::from(needed[idx as usize]));
+                // (A page prefetch loaded was Absent, so never kept: each is a key.)
+                let used_n = intersect(row, loaded, |idx| {
+                    used += needed.get(idx as usize).map_or(0, |&n| u64::from(n));
+                });
                 needed_moved += used;
                 wasted += loaded.len() as u64 - used_n;
             }
@@ -1001,13 +1015,23 @@ impl StepScheduler {
             rec.prefetch_wasted_bytes += wasted * self.object_bytes;
         }
         rec.bytes_needed_of_transferred = needed_moved * self.token_bytes;
-        // The next prediction: this step's distinct pages, sorted (prefetch reads it; a
-        // kept-selection plan runs without prefetch).
-        for (b, id) in rids.iter().enumerate().filter(|_| !fast) {
-            let r = self.requests.get_mut(id).expect("checked above");
-            let last = &mut r.last_selection[layer as usize];
-            last.clear();
-            last.extend(rows_pages[b].iter().map(|&(p, _)| p));
+        // The next prediction: this step's distinct pages, sorted (prefetch loads those not
+        // kept; a kept-selection plan's rows are its next kept lists).
+        if self.cfg.prefetch {
+            let mut start = 0;
+            for (b, id) in rids.iter().enumerate() {
+                let r = self.requests.get_mut(id).expect("checked above");
+                let last = &mut r.last_selection[layer as usize];
+                last.clear();
+                match &kept_rows {
+                    Some(kr) => {
+                        let end = kr.ends[b] as usize;
+                        last.extend(kr.lists[start..end].iter().map(|e| e.page));
+                        start = end;
+                    }
+                    None => last.extend(rows_pages[b].iter().map(|&(p, _)| p)),
+                }
+            }
         }
         let transfers = self.submit_resolved(&res, layer, &mut rec);
         let submitted_at = (!res.loads.is_empty()).then(Instant::now);
@@ -1552,10 +1576,18 @@ impl StepScheduler {
                 continue;
             };
             let pages = r.pages(ps);
+            // Kept pages are held on the device: only the rest may need a load.
+            let kept = &r.kept[layer as usize];
+            let mut kc = 0;
             let predicted: Vec<u32> = r.last_selection[layer as usize]
                 .iter()
                 .copied()
-                .filter(|&p| p < pages)
+                .filter(|&p| {
+                    while kc < kept.len() && kept[kc].page < p {
+                        kc += 1;
+                    }
+                    p < pages && kept.get(kc).is_none_or(|k| k.page != p)
+                })
                 .collect();
             keys.extend(predicted.iter().map(|&p| r.key(p, layer)));
             hints.extend(predicted.iter().map(|&p| r.hint(p, layer)));

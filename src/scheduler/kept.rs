@@ -16,9 +16,19 @@
 //! eviction candidates meanwhile. Making room gives back every kept page no outstanding plan
 //! reads (`make_room`); a plan that ran out of slots after reading kept slots starts over.
 //! Entries smaller than a page (token mode's tokens) keep their pages the same way; their rows
-//! map entries to pages first (`kept_entries.rs`). Blocks larger than a page, prefetch and a
-//! directory journal (whose replay models handles only) leave the kept lists alone and resolve
-//! every page.
+//! map entries to pages first (`kept_entries.rs`). Blocks larger than a page and a directory
+//! journal (whose replay models handles only) leave the kept lists alone and resolve every
+//! page.
+//!
+//! Kept pages hold at most half the device (`KEPT_SHARE_DIVISOR`): a plan whose refresh would
+//! pass that keeps nothing, as if kept selections were off for it. A budget too small to keep
+//! every layer's selection then keeps what fits instead of giving every kept page back to make
+//! room at each plan.
+//!
+//! Prefetch predicts a layer's selection by the same layer's last step. Kept selections hold
+//! that prediction on the device, so with both on a kept plan records its kept pages as
+//! predicted and its kept hits as hits, and prefetch loads only the predicted pages that are
+//! not kept (given back to make room, or past the share); those it scores as before.
 //!
 //! Invariants (checked by `validate`): every kept entry is its object's, Ready at the kept
 //! slot, and the kept entries are exactly the directory's held pins.
@@ -29,6 +39,9 @@ use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::scheduler::SelectionUnit;
 
+/// Kept pages hold at most 1 / this of the device's usable slots (see `refresh_kept`).
+pub(super) const KEPT_SHARE_DIVISOR: u64 = 2;
+
 impl StepScheduler {
     /// Whether a plan of `layer` over `unit` uses and refreshes the kept lists: entries of at
     /// most a page (block = page here, smaller ones in `kept_entries.rs`), and no other plan
@@ -36,7 +49,6 @@ impl StepScheduler {
     /// until it finishes, so only one plan at a time may read and replace a layer's lists).
     pub(super) fn keeps(&self, layer: u16, unit: SelectionUnit) -> bool {
         self.keep
-            && !self.cfg.prefetch
             && unit.unit() <= self.cfg.page_size
             && !self.plans.values().any(|p| p.layer == layer)
             && !self.dir.journaling()
@@ -224,6 +236,13 @@ impl StepScheduler {
             return Ok(());
         };
         let layer = plan.layer as usize;
+        // Kept pages may hold at most a share of the device: a budget that cannot keep every
+        // layer's selection would otherwise give them all back to make room at every plan
+        // (and leave prefetch no room). Past the share this plan keeps nothing.
+        let (_, capacity) = self.dir.device_usage();
+        let projected =
+            (self.kept_pins + kr.key_at.len() as u64).saturating_sub(kr.dropped.len() as u64);
+        let keep = self.keep && projected <= capacity as u64 / KEPT_SHARE_DIVISOR;
         // The resolved pages' objects, and their slots as `ready` left them (a retried load
         // may have moved).
         for (key, &at) in kr.key_at.iter().enumerate() {
@@ -255,7 +274,7 @@ impl StepScheduler {
                 continue;
             }
             let old = &mut r.kept[layer];
-            if !self.keep || plan.failed.contains(&(b as u32)) {
+            if !keep || plan.failed.contains(&(b as u32)) {
                 to_unhold.extend(old.drain(..).map(|k| k.object));
                 continue;
             }
@@ -333,4 +352,24 @@ impl StepScheduler {
         }
         Ok(())
     }
+}
+
+/// Each row's distinct pages, sorted, with their key index (`NONE` for a kept page): the rows
+/// as `selection_rows` lists them, to score a prefetch a kept-selection plan consumes.
+pub(super) fn rows_pages(kr: &KeptRows) -> Vec<Vec<(u32, u32)>> {
+    let mut key_of = vec![NONE; kr.lists.len()];
+    for (key, &at) in kr.key_at.iter().enumerate() {
+        key_of[at as usize] = key as u32;
+    }
+    let mut start = 0;
+    kr.ends
+        .iter()
+        .map(|&end| {
+            let row = (start..end as usize)
+                .map(|i| (kr.lists[i].page, key_of[i]))
+                .collect();
+            start = end as usize;
+            row
+        })
+        .collect()
 }

@@ -408,6 +408,8 @@ fn a_failed_backup_is_retried_and_the_pages_become_evictable() {
 #[test]
 fn prefetch_predicts_a_steady_selection_and_records_its_accuracy() {
     let mut h = Harness::new(56, 400, true);
+    // Kept selections would hold last step's pages on the device: nothing to load ahead.
+    h.s.set_keep_selections(false).unwrap();
     h.add(0, 64, None);
     h.add(1, 64, None);
     let mut sel = |r: u64, _l: u16, len: u64| {
@@ -426,6 +428,113 @@ fn prefetch_predicts_a_steady_selection_and_records_its_accuracy() {
     assert!((second.prefetch_accuracy() - 1.0).abs() < 1e-12);
     assert!(second.prefetch_loaded > 0 && second.prefetch_pinned_peak > 0);
     assert_eq!(second.prefetch_wasted, 0);
+    h.assert_quiet();
+}
+
+#[test]
+fn with_prefetch_on_kept_selections_are_the_prediction() {
+    let mut h = Harness::new(56, 400, true);
+    h.add(0, 64, None);
+    h.add(1, 64, None);
+    let mut sel = |r: u64, _l: u16, len: u64| {
+        let n = len.div_ceil(u64::from(PS)) as i64;
+        vec![0, 2 + r as i64, 5, n - 1]
+    };
+    let (_, first) = h.step(&[0, 1], PS, 4, &mut sel);
+    assert_eq!((first.prefetch_predicted, first.prefetch_hits), (0, 0));
+    assert!(
+        h.s.kept_pins() > 0,
+        "prefetch on no longer turns kept selections off"
+    );
+    let (_, second) = h.step(&[0, 1], PS, 4, &mut sel);
+    // Last step's selection stayed on the device: predicted, all read, nothing loaded for it.
+    assert_eq!(second.prefetch_predicted, second.pages);
+    assert_eq!(second.prefetch_hits, second.pages);
+    assert_eq!(
+        (
+            second.loaded,
+            second.prefetch_loaded,
+            second.prefetch_wasted
+        ),
+        (0, 0, 0)
+    );
+    assert_eq!(second.prefetch_pinned_peak, 0);
+    // A selection that moves: the dropped pages were predicted but not read.
+    let mut moved = |r: u64, _l: u16, len: u64| {
+        let n = len.div_ceil(u64::from(PS)) as i64;
+        vec![0, 3 + r as i64, 6, n - 1]
+    };
+    let (_, third) = h.step(&[0, 1], PS, 4, &mut moved);
+    assert_eq!(third.prefetch_predicted, second.pages);
+    // Two of each row's four pages moved.
+    assert_eq!(third.prefetch_hits, third.pages / 2);
+    assert!(third.prefetch_accuracy() < 1.0);
+    h.assert_quiet();
+}
+
+#[test]
+fn with_prefetch_on_kept_token_selections_are_the_prediction() {
+    let mut h = Harness::new(56, 400, true);
+    h.add(0, 64, None);
+    // Tokens 0-1, 9, 20-22 and the last: pages 0, 2, 5 and the last, as above.
+    let mut sel = |_r: u64, _l: u16, len: u64| vec![0, 1, 9, 20, 21, 22, len as i64 - 1];
+    h.step(&[0], 1, 7, &mut sel);
+    let (_, second) = h.step(&[0], 1, 7, &mut sel);
+    assert!(h.s.kept_pins() > 0);
+    assert_eq!(second.prefetch_predicted, second.pages);
+    assert_eq!(
+        (second.prefetch_hits, second.prefetch_loaded),
+        (second.pages, 0)
+    );
+    h.assert_quiet();
+}
+
+#[test]
+fn kept_pages_hold_at_most_half_the_device() {
+    // Three requests x three layers x four pages = 36 pages a step to keep, on 40 slots.
+    let mut h = Harness::new(40, 400, false);
+    for r in 0..3 {
+        h.add(r, 40, None);
+    }
+    let mut sel = |r: u64, _l: u16, len: u64| {
+        let n = len.div_ceil(u64::from(PS)) as i64;
+        vec![0, 2 + r as i64, 5, n - 1]
+    };
+    let mut kept_any = false;
+    for _ in 0..4 {
+        h.step(&[0, 1, 2], PS, 4, &mut sel);
+        assert!(h.s.kept_pins() <= 20, "{} kept pins", h.s.kept_pins());
+        kept_any |= h.s.kept_pins() > 0;
+        h.s.validate().unwrap();
+    }
+    // The layers that fit keep theirs; the others resolve every page, as without keeping.
+    assert!(kept_any);
+    h.assert_quiet();
+}
+
+#[test]
+fn a_kept_plan_scores_the_prefetch_of_a_plan_that_did_not_keep() {
+    let mut h = Harness::new(56, 400, true);
+    h.s.set_keep_selections(false).unwrap();
+    h.add(0, 64, None);
+    h.add(1, 64, None);
+    let mut sel = |r: u64, _l: u16, len: u64| {
+        let n = len.div_ceil(u64::from(PS)) as i64;
+        vec![0, 2 + r as i64, 5, n - 1]
+    };
+    h.step(&[0, 1], PS, 4, &mut sel);
+    h.s.directory().evict(1000);
+    // The layers' prefetches come from the unkept step's selections; kept plans consume them.
+    h.s.set_keep_selections(true).unwrap();
+    let (_, rec) = h.step(&[0, 1], PS, 4, &mut sel);
+    assert!(rec.prefetch_loaded > 0);
+    assert_eq!(rec.prefetch_hits, rec.pages);
+    assert_eq!(rec.prefetch_wasted, 0);
+    assert!(h.s.kept_pins() > 0);
+    // From here the kept pages are the prediction: no more prefetch loads.
+    let (_, next) = h.step(&[0, 1], PS, 4, &mut sel);
+    assert_eq!((next.prefetch_loaded, next.prefetch_hits), (0, next.pages));
+    assert_eq!(next.prefetch_predicted, next.pages);
     h.assert_quiet();
 }
 
