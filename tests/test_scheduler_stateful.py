@@ -54,7 +54,8 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @initialize(prefetch=st.booleans())
     def configure(self, prefetch):
-        # Without prefetch, block and token steps keep their selections pinned to the next step.
+        # Block and token steps keep their selections pinned to the next step (prefetch loads
+        # only what they do not keep).
         self._build(prefetch)
 
     @rule(on=st.booleans())
