@@ -405,6 +405,13 @@ fn a_failed_backup_is_retried_and_the_pages_become_evictable() {
     assert_eq!(st.host_ready, 4 * LAYERS as usize);
 }
 
+/// Request `r`'s selection that stays from step to step: the sink, block `2 + r`, block 5
+/// and the last (which moves only when a page starts).
+fn steady_blocks(r: u64, len: u64) -> Vec<i64> {
+    let n = len.div_ceil(u64::from(PS)) as i64;
+    vec![0, 2 + r as i64, 5, n - 1]
+}
+
 #[test]
 fn prefetch_predicts_a_steady_selection_and_records_its_accuracy() {
     let mut h = Harness::new(56, 400, true);
@@ -412,10 +419,7 @@ fn prefetch_predicts_a_steady_selection_and_records_its_accuracy() {
     h.s.set_keep_selections(false).unwrap();
     h.add(0, 64, None);
     h.add(1, 64, None);
-    let mut sel = |r: u64, _l: u16, len: u64| {
-        let n = len.div_ceil(u64::from(PS)) as i64;
-        vec![0, 2 + r as i64, 5, n - 1]
-    };
+    let mut sel = |r: u64, _l: u16, len: u64| steady_blocks(r, len);
     let (_, first) = h.step(&[0, 1], PS, 4, &mut sel);
     assert_eq!(first.prefetch_hits, 0);
     // Everything evictable leaves the device (a prefetch pins only what it loads), so the
@@ -436,10 +440,7 @@ fn with_prefetch_on_kept_selections_are_the_prediction() {
     let mut h = Harness::new(56, 400, true);
     h.add(0, 64, None);
     h.add(1, 64, None);
-    let mut sel = |r: u64, _l: u16, len: u64| {
-        let n = len.div_ceil(u64::from(PS)) as i64;
-        vec![0, 2 + r as i64, 5, n - 1]
-    };
+    let mut sel = |r: u64, _l: u16, len: u64| steady_blocks(r, len);
     let (_, first) = h.step(&[0, 1], PS, 4, &mut sel);
     assert_eq!((first.prefetch_predicted, first.prefetch_hits), (0, 0));
     assert!(
@@ -496,10 +497,7 @@ fn kept_pages_hold_at_most_half_the_device() {
     for r in 0..3 {
         h.add(r, 40, None);
     }
-    let mut sel = |r: u64, _l: u16, len: u64| {
-        let n = len.div_ceil(u64::from(PS)) as i64;
-        vec![0, 2 + r as i64, 5, n - 1]
-    };
+    let mut sel = |r: u64, _l: u16, len: u64| steady_blocks(r, len);
     let mut kept_any = false;
     for _ in 0..4 {
         h.step(&[0, 1, 2], PS, 4, &mut sel);
@@ -518,10 +516,7 @@ fn a_kept_plan_scores_the_prefetch_of_a_plan_that_did_not_keep() {
     h.s.set_keep_selections(false).unwrap();
     h.add(0, 64, None);
     h.add(1, 64, None);
-    let mut sel = |r: u64, _l: u16, len: u64| {
-        let n = len.div_ceil(u64::from(PS)) as i64;
-        vec![0, 2 + r as i64, 5, n - 1]
-    };
+    let mut sel = |r: u64, _l: u16, len: u64| steady_blocks(r, len);
     h.step(&[0, 1], PS, 4, &mut sel);
     h.s.directory().evict(1000);
     // The layers' prefetches come from the unkept step's selections; kept plans consume them.
