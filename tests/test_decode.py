@@ -182,8 +182,13 @@ def test_a_step_makes_one_plan_per_layer_for_the_whole_batch():
     for rec in rt.records:
         assert rec.requests == 3 and rec.layers == 2  # plans finished: one per layer
         assert rec.load_submissions <= 2 + 2  # one per layer with misses (+ a prefetch each)
-    # Between steps only the next step's first prefetch holds pins; drain releases it.
-    assert rt.scheduler.stats()["prefetches_outstanding"] == 1
+    # Between steps only the next step's first prefetch is outstanding, and only when layer 0
+    # predicted pages it does not keep (kept pages are the prediction, held already); whether
+    # it did depends on which backups had landed when a plan made room. Drain releases it.
+    st = rt.scheduler.stats()
+    assert st["prefetches_outstanding"] <= 1
+    assert st["prefetches_outstanding"] == 1 or st["kept_pins"] > 0
+    assert st["plans_outstanding"] == 0
     rt.drain()
     assert rt.directory.stats()["handles"] == 0
 
