@@ -1015,22 +1015,14 @@ impl StepScheduler {
             rec.prefetch_wasted_bytes += wasted * self.object_bytes;
         }
         rec.bytes_needed_of_transferred = needed_moved * self.token_bytes;
-        // The next prediction: this step's distinct pages, sorted (prefetch loads those not
-        // kept; a kept-selection plan's rows are its next kept lists).
-        if self.cfg.prefetch {
-            let mut start = 0;
+        // The next prediction: this step's distinct pages, sorted, for prefetch (a
+        // kept-selection plan's are its rows' next kept lists, settled at finish).
+        if self.cfg.prefetch && kept_rows.is_none() {
             for (b, id) in rids.iter().enumerate() {
                 let r = self.requests.get_mut(id).expect("checked above");
                 let last = &mut r.last_selection[layer as usize];
                 last.clear();
-                match &kept_rows {
-                    Some(kr) => {
-                        let end = kr.ends[b] as usize;
-                        last.extend(kr.lists[start..end].iter().map(|e| e.page));
-                        start = end;
-                    }
-                    None => last.extend(rows_pages[b].iter().map(|&(p, _)| p)),
-                }
+                last.extend(rows_pages[b].iter().map(|&(p, _)| p));
             }
         }
         let transfers = self.submit_resolved(&res, layer, &mut rec);
@@ -1576,7 +1568,9 @@ impl StepScheduler {
                 continue;
             };
             let pages = r.pages(ps);
-            // Kept pages are held on the device: only the rest may need a load.
+            // Kept pages are held on the device: only the rest may need a load. (Kept plans
+            // leave only unkept pages here; an unkept plan of a layer with kept lists, one
+            // planned while another was outstanding, may not.)
             let kept = &r.kept[layer as usize];
             let mut kc = 0;
             let predicted: Vec<u32> = r.last_selection[layer as usize]

@@ -27,8 +27,9 @@
 //!
 //! Prefetch predicts a layer's selection by the same layer's last step. Kept selections hold
 //! that prediction on the device, so with both on a kept plan records its kept pages as
-//! predicted and its kept hits as hits, and prefetch loads only the predicted pages that are
-//! not kept (given back to make room, or past the share); those it scores as before.
+//! predicted and its kept hits as hits. A request's `last_selection` then holds only the
+//! predicted pages that are not kept (a row that kept nothing, pages given back to make room
+//! or still loading at finish): prefetch loads those and scores them as before.
 //!
 //! Invariants (checked by `validate`): every kept entry is its object's, Ready at the kept
 //! slot, and the kept entries are exactly the directory's held pins.
@@ -200,9 +201,17 @@ impl StepScheduler {
         let mut objects = Vec::with_capacity(self.kept_pins as usize);
         for r in self.requests.values_mut() {
             for (l, layer) in r.kept.iter_mut().enumerate() {
-                if !busy.contains(&l) {
-                    objects.extend(layer.drain(..).map(|k| k.object));
+                if busy.contains(&l) {
+                    continue;
                 }
+                if self.cfg.prefetch {
+                    // Still the layer's prediction; no longer held, so prefetch may load it.
+                    let last = &mut r.last_selection[l];
+                    last.extend(layer.iter().map(|k| k.page));
+                    last.sort_unstable();
+                    last.dedup();
+                }
+                objects.extend(layer.drain(..).map(|k| k.object));
             }
         }
         self.unhold(&objects)
@@ -273,8 +282,18 @@ impl StepScheduler {
                 // whatever changes.)
                 continue;
             }
+            // The next prediction (prefetch's input): a kept row's pages are its kept list;
+            // a row that keeps nothing predicts its pages through `last_selection`.
+            let kept_row = keep && !plan.failed.contains(&(b as u32));
+            if self.cfg.prefetch {
+                let last = &mut r.last_selection[layer];
+                last.clear();
+                if !kept_row {
+                    last.extend(row.iter().map(|e| e.page));
+                }
+            }
             let old = &mut r.kept[layer];
-            if !keep || plan.failed.contains(&(b as u32)) {
+            if !kept_row {
                 to_unhold.extend(old.drain(..).map(|k| k.object));
                 continue;
             }
@@ -296,6 +315,12 @@ impl StepScheduler {
                 if !h {
                     let r = self.requests.get_mut(&plan.rids[b]).expect("placed above");
                     r.kept[layer][at].slot = -1;
+                    if self.cfg.prefetch {
+                        let page = r.kept[layer][at].page;
+                        let last = &mut r.last_selection[layer];
+                        let i = last.partition_point(|&p| p < page);
+                        last.insert(i, page);
+                    }
                 }
             }
             for &(b, _) in &placed {

@@ -491,6 +491,25 @@ fn with_prefetch_on_kept_token_selections_are_the_prediction() {
 }
 
 #[test]
+fn kept_pages_given_back_stay_predicted() {
+    let mut h = Harness::new(56, 400, true);
+    h.add(0, 64, None);
+    h.add(1, 64, None);
+    let mut sel = |r: u64, _l: u16, len: u64| steady_blocks(r, len);
+    h.step(&[0, 1], PS, 4, &mut sel);
+    h.step(&[0, 1], PS, 4, &mut sel);
+    assert!(h.s.kept_pins() > 0);
+    // Giving the kept pages back (what making room does) hands them to prefetch: once
+    // evicted, the later layers' prefetches load them again.
+    h.s.set_keep_selections(false).unwrap();
+    h.s.directory().evict(1000);
+    let (_, rec) = h.step(&[0, 1], PS, 4, &mut sel);
+    assert!(rec.prefetch_loaded > 0, "{rec:?}");
+    assert_eq!(rec.prefetch_wasted, 0);
+    h.assert_quiet();
+}
+
+#[test]
 fn kept_pages_hold_at_most_half_the_device() {
     // Three requests x three layers x four pages = 36 pages a step to keep, on 40 slots.
     let mut h = Harness::new(40, 400, false);
