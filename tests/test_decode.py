@@ -422,3 +422,6 @@ def test_metrics_in_prometheus_text_format():
     assert float(lines["sparsetier_decode_step_seconds_count"]) == rt.steps
     assert float(lines["sparsetier_prefill_seconds_count"]) == 4
     assert 'sparsetier_decode_step_seconds_bucket{le="0.1"}' in lines
+    calls = ("plan", "ready", "finish", "append", "end_step")
+    parts = {p: float(lines[f'sparsetier_cpu_part_ns_total{{part="{p}"}}']) for p in calls}
+    assert sum(parts.values()) == float(lines["sparsetier_cpu_ns_total"]) > 0

@@ -46,6 +46,7 @@ from sparsetier._core import (
 )
 from sparsetier.errors import ConfigError
 from sparsetier.keys import object_keys
+from sparsetier.record import CPU_PARTS
 
 
 @dataclass
@@ -291,6 +292,8 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
             "read_amplification": ra["rec"]["read_amplification"],
             "prefetch_accuracy": ra["rec"]["prefetch_accuracy"],
         }
+        for part in CPU_PARTS:
+            row[f"cpu_{part}_ms"] = ra["rec"][f"cpu_{part}_ns"] / 1e6
         if r0 is not None:
             row["unkept_ms"] = (r0["wall_s"] - r0["wait_s"]) * 1e3
             row["unkept_hit_rate"] = r0["rec"]["device_byte_hit_rate"]
@@ -339,6 +342,15 @@ def format_report(r: dict) -> str:
         f"  step scheduler: {m['scheduler_ms']:.2f} ms CPU per step (median of "
         f"{len(r['steps'])}; in-core share {m['scheduler_core_cpu_ms']:.2f} ms)",
     ]
+    if "cpu_plan_ms" in m:
+        lines.append(
+            "  in-core split (ms, medians): "
+            f"plan {m['cpu_plan_ms']:.2f} (rows {m['cpu_rows_ms']:.2f}, resolve "
+            f"{m['cpu_resolve_ms']:.2f}, submit {m['cpu_submit_ms']:.2f}, prefetch "
+            f"{m['cpu_prefetch_ms']:.2f} with end_step's), ready {m['cpu_ready_ms']:.2f}, "
+            f"finish {m['cpu_finish_ms']:.2f}, append {m['cpu_append_ms']:.2f}, end_step "
+            f"{m['cpu_end_step_ms']:.2f}"
+        )
     if "unkept_ms" in m:
         lines.append(
             f"  kept selections off: {m['unkept_ms']:.2f} ms CPU per step (hit rate "

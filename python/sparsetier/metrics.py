@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from sparsetier.record import CPU_PARTS
+
 if TYPE_CHECKING:
     from sparsetier.runtime import DecodeRuntime
 
@@ -70,6 +72,13 @@ class RuntimeMetrics:
             c = CounterMetricFamily(f"sparsetier_{k}", doc)
             c.add_metric([], float(tot[k]))
             yield c
+        parts = CounterMetricFamily(
+            "sparsetier_cpu_part_ns", "nanoseconds of CPU in the scheduler, by part",
+            labels=["part"],
+        )  # fmt: skip
+        for part in CPU_PARTS:
+            parts.add_metric([part], float(tot[f"cpu_{part}_ns"]))
+        yield parts
         steps = CounterMetricFamily("sparsetier_decode_steps", "decode steps run")
         steps.add_metric([], float(rt.steps))
         yield steps

@@ -247,6 +247,7 @@ impl DecodeWorkload {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduler::StepRecord;
 
     #[test]
     fn a_small_decode_workload_runs_and_stays_valid() {
@@ -311,11 +312,28 @@ mod tests {
             .ok()
             .and_then(|s| s.parse().ok())
             .unwrap_or(30);
+        let before = w.scheduler().totals();
         let t = w.run(steps).unwrap();
+        let after = w.scheduler().totals();
+        let ms = |f: fn(&StepRecord) -> u64| (f(&after) - f(&before)) as f64 / 1e6 / steps as f64;
         eprintln!(
             "{:.2} ms per step, {} lookups per step",
             t.as_secs_f64() * 1e3 / steps as f64,
             w.lookups_per_step()
+        );
+        eprintln!(
+            "in-core {:.2} ms: plan {:.2} (rows {:.2}, resolve {:.2}, submit {:.2}), ready {:.2}, \
+             finish {:.2}, append {:.2}, end_step {:.2}; prefetch {:.2}",
+            ms(|r| r.cpu_ns),
+            ms(|r| r.cpu_plan_ns),
+            ms(|r| r.cpu_rows_ns),
+            ms(|r| r.cpu_resolve_ns),
+            ms(|r| r.cpu_submit_ns),
+            ms(|r| r.cpu_ready_ns),
+            ms(|r| r.cpu_finish_ns),
+            ms(|r| r.cpu_append_ns),
+            ms(|r| r.cpu_end_step_ns),
+            ms(|r| r.cpu_prefetch_ns),
         );
     }
 }

@@ -852,7 +852,9 @@ impl StepScheduler {
         self.last_batch.clear();
         self.last_batch.extend_from_slice(rids);
         self.rec.requests += rids.len() as u64;
-        self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
+        let cpu = ns(t0.elapsed());
+        self.rec.cpu_append_ns += cpu;
+        self.rec.cpu_ns += cpu;
         Ok((slots, rows))
     }
 
@@ -913,6 +915,8 @@ impl StepScheduler {
         } else {
             self.selection_rows(layer, rids, selection, k, unit, batch)?
         };
+        let t_rows = Instant::now();
+        self.rec.cpu_rows_ns += ns(t_rows - t0);
         if keys.is_empty() && kept_hits == 0 {
             return Err(Error::config(
                 "selection",
@@ -931,6 +935,10 @@ impl StepScheduler {
                     // over (nothing of it is committed yet).
                     self.make_room()?;
                     if kept_hits > 0 {
+                        // This attempt's time counts; the plan starts over.
+                        self.rec.cpu_resolve_ns += ns(t_rows.elapsed());
+                        self.rec.cpu_plan_ns += ns(t0.elapsed());
+                        self.rec.cpu_ns += ns(t0.elapsed());
                         return self.plan(layer, rids, selection, k, unit);
                     }
                     Some(self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes))?)
@@ -938,6 +946,7 @@ impl StepScheduler {
                 r => Some(r?),
             }
         };
+        self.rec.cpu_resolve_ns += ns(t_rows.elapsed());
         let needed_bytes = needed_bytes + kept_needed * self.token_bytes;
         // Every page kept: no directory call, no handle.
         let handles: Vec<PinHandleId> = res.iter().map(|r| r.handle).collect();
@@ -1025,8 +1034,10 @@ impl StepScheduler {
                 last.extend(rows_pages[b].iter().map(|&(p, _)| p));
             }
         }
+        let t_submit = Instant::now();
         let transfers = self.submit_resolved(&res, layer, &mut rec);
         let submitted_at = (!res.loads.is_empty()).then(Instant::now);
+        rec.cpu_submit_ns = ns(t_submit.elapsed());
         // Kept cells hold their slots already: place the resolved keys' (a tenth of the cells
         // at decode's usual locality with kept selections), first cells and repeats.
         place(&mut table, &key_cell, &repeats, |key| {
@@ -1071,7 +1082,9 @@ impl StepScheduler {
                 self.prefetch(ahead, &rids)?;
             }
         }
-        self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
+        let cpu = ns(t0.elapsed());
+        self.rec.cpu_plan_ns += cpu;
+        self.rec.cpu_ns += cpu;
         Ok((id, &self.plans[&id].table))
     }
 
@@ -1179,7 +1192,9 @@ impl StepScheduler {
                 self.rec.failed_requests += 1;
             }
         }
-        self.rec.cpu_ns += (t0.elapsed() - waited).as_nanos() as u64;
+        let cpu = ns(t0.elapsed().saturating_sub(waited));
+        self.rec.cpu_ready_ns += cpu;
+        self.rec.cpu_ns += cpu;
         Ok(out)
     }
 
@@ -1293,7 +1308,9 @@ impl StepScheduler {
         }
         self.rec.layers += 1;
         self.rec.consumed_ns = self.since(Instant::now());
-        self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
+        let cpu = ns(t0.elapsed());
+        self.rec.cpu_finish_ns += cpu;
+        self.rec.cpu_ns += cpu;
         Ok(plan.counts)
     }
 
@@ -1329,7 +1346,9 @@ impl StepScheduler {
         self.rec.device_used = used as u64;
         self.rec.device_capacity = capacity as u64;
         self.rec.step = self.steps;
-        self.rec.cpu_ns += t0.elapsed().as_nanos() as u64;
+        let cpu = ns(t0.elapsed());
+        self.rec.cpu_end_step_ns += cpu;
+        self.rec.cpu_ns += cpu;
         self.dir.journal_step();
         let rec = std::mem::take(&mut self.rec);
         self.failed_this_step.clear();
@@ -1554,6 +1573,13 @@ impl StepScheduler {
     /// (not pinned: the plan pins them if they are still there). Best effort: skipped when the
     /// device cannot hold it.
     fn prefetch(&mut self, layer: u16, rids: &[RequestId]) -> Result<()> {
+        let t = Instant::now();
+        let r = self.prefetch_layer(layer, rids);
+        self.rec.cpu_prefetch_ns += ns(t.elapsed());
+        r
+    }
+
+    fn prefetch_layer(&mut self, layer: u16, rids: &[RequestId]) -> Result<()> {
         if self.prefetches.contains_key(&layer) {
             return Ok(());
         }
@@ -1800,4 +1826,9 @@ fn intersect(row: &[(u32, u32)], other: &[u32], mut hit: impl FnMut(u32)) -> u64
         }
     }
     n
+}
+
+/// Nanoseconds of `d`, saturated (a step's CPU split counts in u64 nanoseconds).
+fn ns(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }

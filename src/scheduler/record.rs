@@ -74,6 +74,27 @@ pub struct StepRecord {
     /// CPU time spent inside the scheduler's step calls (plan, ready, finish, append, end_step),
     /// exposed wait excluded, ns.
     pub cpu_ns: u64,
+    /// Of `cpu_ns`: inside `plan`, ns. The five calls' shares sum to `cpu_ns`.
+    pub cpu_plan_ns: u64,
+    /// Of `cpu_ns`: inside `ready`, exposed wait excluded (settling loads, retries), ns.
+    pub cpu_ready_ns: u64,
+    /// Of `cpu_ns`: inside `finish` (kept lists refreshed, pins released), ns.
+    pub cpu_finish_ns: u64,
+    /// Of `cpu_ns`: inside `append`, ns.
+    pub cpu_append_ns: u64,
+    /// Of `cpu_ns`: inside `end_step` (backups submitted, transfers settled), ns.
+    pub cpu_end_step_ns: u64,
+    /// Of `cpu_plan_ns`: the selection's rows (pages mapped, merged with the kept lists,
+    /// resolve hints looked up), ns.
+    pub cpu_rows_ns: u64,
+    /// Of `cpu_plan_ns`: the directory's resolve of the rows' new pages (room made
+    /// included), ns.
+    pub cpu_resolve_ns: u64,
+    /// Of `cpu_plan_ns`: the load's submission to the copy engine, ns.
+    pub cpu_submit_ns: u64,
+    /// Prefetches issued (inside `plan` for the layers ahead, inside `end_step` for the next
+    /// step's first), ns.
+    pub cpu_prefetch_ns: u64,
     /// Device slots held by objects at the end of the step.
     pub device_used: u64,
     /// Usable device slots.
@@ -116,7 +137,16 @@ macro_rules! summed_counters {
             queue_ns,
             transfer_ns,
             exposed_wait_ns,
-            cpu_ns
+            cpu_ns,
+            cpu_plan_ns,
+            cpu_ready_ns,
+            cpu_finish_ns,
+            cpu_append_ns,
+            cpu_end_step_ns,
+            cpu_rows_ns,
+            cpu_resolve_ns,
+            cpu_submit_ns,
+            cpu_prefetch_ns
         )
     };
 }

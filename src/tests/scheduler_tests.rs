@@ -286,6 +286,48 @@ fn a_step_reads_the_right_bytes_through_loads_and_evictions() {
 }
 
 #[test]
+fn the_cpu_split_sums_to_the_step_cpu_and_counts_where_work_happened() {
+    let mut h = Harness::new(64, 400, true);
+    for rid in 0..3 {
+        h.add(rid, 30 + 9 * rid, None);
+    }
+    let mut loaded_steps = 0;
+    for step in 0..8 {
+        let (_, rec) = h.step(&[0, 1, 2], PS, 4, &mut |r, l, len| {
+            blocks(step * 97 + r * 13 + u64::from(l), len, PS, 4)
+        });
+        let calls = rec.cpu_plan_ns
+            + rec.cpu_ready_ns
+            + rec.cpu_finish_ns
+            + rec.cpu_append_ns
+            + rec.cpu_end_step_ns;
+        assert_eq!(calls, rec.cpu_ns, "{rec:?}");
+        assert!(rec.cpu_rows_ns + rec.cpu_resolve_ns + rec.cpu_submit_ns <= rec.cpu_plan_ns);
+        assert!(rec.cpu_prefetch_ns <= rec.cpu_plan_ns + rec.cpu_end_step_ns);
+        for (name, v) in [
+            ("plan", rec.cpu_plan_ns),
+            ("ready", rec.cpu_ready_ns),
+            ("finish", rec.cpu_finish_ns),
+            ("append", rec.cpu_append_ns),
+            ("end_step", rec.cpu_end_step_ns),
+            ("rows", rec.cpu_rows_ns),
+            ("prefetch", rec.cpu_prefetch_ns),
+        ] {
+            assert!(v > 0, "cpu_{name}_ns is 0: {rec:?}");
+        }
+        if rec.loaded > 0 {
+            loaded_steps += 1;
+            assert!(rec.cpu_resolve_ns > 0 && rec.cpu_submit_ns > 0, "{rec:?}");
+        }
+    }
+    assert!(loaded_steps > 0, "the budget must force loads");
+    // The running totals fold the split like every other counter.
+    let t = h.s.totals();
+    assert!(t.cpu_rows_ns > 0 && t.cpu_plan_ns <= t.cpu_ns);
+    h.assert_quiet();
+}
+
+#[test]
 fn block_mode_reads_whole_pages_so_read_amplification_is_one() {
     let mut h = Harness::new(60, 400, false);
     h.add(0, 60, None);
