@@ -937,8 +937,9 @@ impl StepScheduler {
                     if kept_hits > 0 {
                         // This attempt's time counts; the plan starts over.
                         self.rec.cpu_resolve_ns += ns(t_rows.elapsed());
-                        self.rec.cpu_plan_ns += ns(t0.elapsed());
-                        self.rec.cpu_ns += ns(t0.elapsed());
+                        let cpu = ns(t0.elapsed());
+                        self.rec.cpu_plan_ns += cpu;
+                        self.rec.cpu_ns += cpu;
                         return self.plan(layer, rids, selection, k, unit);
                     }
                     Some(self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes))?)
