@@ -266,6 +266,23 @@ def test_bench_decode_runs_both_sides(mode, tmp_path, capsys):
     assert r["median"]["pages"] > 0
 
 
+def test_bench_decode_reports_no_read_amplification_when_nothing_moves(tmp_path, capsys):
+    # Locality 1 with a budget that holds every selection: after the warm-up every page is
+    # read from the device. Nothing moved, so seed 002's ratio (moved / needed among moved)
+    # has no value: None in the JSON, "n/a" in the report, never a 0 below its floor of 1.
+    out = tmp_path / "d.json"
+    args = ["bench", "decode", "--layers", "2", "--batch", "3", "--context-min", "512",
+            "--context-max", "1024", "--steps", "3", "--no-baseline", "--no-unkept",
+            "--locality", "1.0", "--budget", "0.9", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "read amplification n/a (nothing moved)" in text
+    r = json.loads(out.read_text())
+    assert all(s["loaded"] == 0 and s["read_amplification"] is None for s in r["steps"])
+    assert r["median"]["read_amplification"] is None
+    assert r["median"]["hit_rate"] == 1.0
+
+
 def test_bench_decode_writes_a_trace_the_replay_reproduces(tmp_path, capsys):
     trace = tmp_path / "b.npz"
     args = ["bench", "decode", "--layers", "2", "--batch", "3", "--context-min", "512",

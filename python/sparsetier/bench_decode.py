@@ -310,7 +310,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
 
         a.drain()
         save_trace(cfg.trace, a.directory.take_journal())
-    med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+    med = {k: _median(r[k] for r in rows) for k in rows[0]}
     return {
         "config": asdict(cfg),
         "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, "
@@ -329,6 +329,17 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     }
 
 
+def _median(values) -> float | None:
+    """Median of the values that are defined (a ratio is None in a step without its
+    denominator: read amplification in a step that moved nothing); None if none is."""
+    v = [x for x in values if x is not None]
+    return statistics.median(v) if v else None
+
+
+def _fmt(v: float | None, what: str) -> str:
+    return "n/a" + f" ({what})" if v is None else f"{v:.3f}"
+
+
 def format_report(r: dict) -> str:
     c, m = r["config"], r["median"]
     lines = [
@@ -337,8 +348,9 @@ def format_report(r: dict) -> str:
         f"device budget {c['budget']:.0%} ({r['device_pages']} of {r['objects']} objects), "
         f"locality {c['locality']}, prefetch {'on' if c['prefetch'] else 'off'}",
         f"  selection entries per step: {r['lookups_per_step']}; distinct pages per step "
-        f"(median): {m['pages']:.0f}; loaded: {m['loaded']:.0f}; hit rate {m['hit_rate']:.3f}; "
-        f"read amplification {m['read_amplification']:.3f}",
+        f"(median): {m['pages']:.0f}; loaded: {m['loaded']:.0f}; "
+        f"hit rate {_fmt(m['hit_rate'], 'nothing selected')}; "
+        f"read amplification {_fmt(m['read_amplification'], 'nothing moved')}",
         f"  step scheduler: {m['scheduler_ms']:.2f} ms CPU per step (median of "
         f"{len(r['steps'])}; in-core share {m['scheduler_core_cpu_ms']:.2f} ms)",
     ]
@@ -354,8 +366,8 @@ def format_report(r: dict) -> str:
     if "unkept_ms" in m:
         lines.append(
             f"  kept selections off: {m['unkept_ms']:.2f} ms CPU per step (hit rate "
-            f"{m['unkept_hit_rate']:.3f}); kept selections save {m['kept_ratio']:.1f}x (median "
-            "of per-step ratios)"
+            f"{_fmt(m['unkept_hit_rate'], 'nothing selected')}); kept selections save "
+            f"{m['kept_ratio']:.1f}x (median of per-step ratios)"
         )
     if "baseline_ms" in m:
         lines.append(

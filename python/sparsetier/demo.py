@@ -309,6 +309,11 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     return {"config": asdict(cfg), "totals": totals, "steps": steps}
 
 
+def _ratio(v: float | None, undefined: str) -> str:
+    """A record ratio to three places, or why it has no value (its denominator is 0)."""
+    return f"n/a ({undefined})" if v is None else f"{v:.3f}"
+
+
 def _mib(n: float) -> str:
     return f"{n / (1 << 20):.2f} MiB"
 
@@ -328,16 +333,20 @@ def format_summary(r: dict) -> str:
             f"{t['selected']} / {t['pages']} (ready {t['ready']}, loaded {t['loaded']}, "
             f"joined in flight {t['joined']})",
         ),
-        ("device byte hit rate", f"{t['device_byte_hit_rate']:.3f}"),
+        ("device byte hit rate", _ratio(t["device_byte_hit_rate"], "nothing selected")),
         (
             "bytes needed / transferred",
             f"{_mib(t['bytes_needed'])} / {_mib(t['bytes_transferred'])} in "
             f"{t['load_submissions']} load submissions ({t['copy_segments']} copies)",
         ),
-        ("read amplification", f"{t['read_amplification']:.3f} (moved / needed among moved)"),
+        (
+            "read amplification",
+            _ratio(t["read_amplification"], "nothing moved") + " (moved / needed among moved)",
+        ),
         (
             "prefetch",
-            f"accuracy {t['prefetch_accuracy']:.3f}, loaded {t['prefetch_loaded']} pages, "
+            f"accuracy {_ratio(t['prefetch_accuracy'], 'nothing selected')}, "
+            f"loaded {t['prefetch_loaded']} pages, "
             f"wasted {_mib(t['prefetch_wasted_bytes'])}, peak pins {t['prefetch_pinned_peak']}",
         ),
         (
@@ -398,12 +407,17 @@ def plot(r: dict, path: str) -> None:
     steps = [s for s in r["steps"] if s["requests"]]
     x = [s["step"] for s in steps]
     fig, ax = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
-    ax[0].plot(x, [s["device_byte_hit_rate"] for s in steps], label="device byte hit rate")
-    ax[0].plot(x, [s["prefetch_accuracy"] for s in steps], label="prefetch accuracy")
+
+    def series(key: str) -> list[float]:
+        # A ratio without its denominator in a step (None) is a gap in the line, not a 0.
+        return [math.nan if s[key] is None else s[key] for s in steps]
+
+    ax[0].plot(x, series("device_byte_hit_rate"), label="device byte hit rate")
+    ax[0].plot(x, series("prefetch_accuracy"), label="prefetch accuracy")
     ax[0].legend(loc="lower right")
     ax[1].plot(x, [s["bytes_transferred"] / (1 << 20) for s in steps])
     ax[1].set_ylabel("MiB moved")
-    ax[2].plot(x, [s["read_amplification"] for s in steps])
+    ax[2].plot(x, series("read_amplification"))
     ax[2].set_ylabel("read amplification")
     ax[3].plot(x, [s["exposed_wait_ns"] / 1e6 for s in steps], label="exposed wait")
     ax[3].plot(x, [s["step_s"] * 1e3 for s in steps], label="step (TPOT)")

@@ -154,19 +154,26 @@ macro_rules! summed_counters {
 impl StepRecord {
     /// Bytes transferred / bytes needed among what was transferred (seed 002): 1 when whole
     /// selected pages moved, above 1 when selected tokens sit sparsely in moved pages or
-    /// prefetch moved pages nobody read. 0 when nothing moved.
-    pub fn read_amplification(&self) -> f64 {
-        ratio(self.bytes_transferred, self.bytes_needed_of_transferred)
+    /// prefetch moved pages nobody read (infinite when nothing that moved was read). `None`
+    /// when nothing moved: there is nothing to amplify, and 0 would read as a figure below
+    /// the 1 the definition cannot go under.
+    pub fn read_amplification(&self) -> Option<f64> {
+        match (self.bytes_transferred, self.bytes_needed_of_transferred) {
+            (0, _) => None,
+            (_, 0) => Some(f64::INFINITY),
+            (t, n) => Some(t as f64 / n as f64),
+        }
     }
 
     /// Share of the selected distinct pages already on the device (equal-size pages, so it is
-    /// also the byte hit rate).
-    pub fn device_byte_hit_rate(&self) -> f64 {
+    /// also the byte hit rate); `None` when nothing was selected.
+    pub fn device_byte_hit_rate(&self) -> Option<f64> {
         ratio(self.ready, self.pages)
     }
 
-    /// Share of the selected pages that prefetch had predicted.
-    pub fn prefetch_accuracy(&self) -> f64 {
+    /// Share of the selected pages that prefetch had predicted; `None` when nothing was
+    /// selected.
+    pub fn prefetch_accuracy(&self) -> Option<f64> {
         ratio(self.prefetch_hits, self.pages)
     }
 
@@ -212,10 +219,37 @@ impl StepRecord {
     }
 }
 
-fn ratio(a: u64, b: u64) -> f64 {
-    if b == 0 {
-        0.0
-    } else {
-        a as f64 / b as f64
+fn ratio(a: u64, b: u64) -> Option<f64> {
+    (b != 0).then(|| a as f64 / b as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StepRecord;
+
+    #[test]
+    fn ratios_are_undefined_without_a_denominator() {
+        let idle = StepRecord::default();
+        assert_eq!(idle.read_amplification(), None, "nothing moved");
+        assert_eq!(idle.device_byte_hit_rate(), None, "nothing selected");
+        assert_eq!(idle.prefetch_accuracy(), None);
+        let hits_only = StepRecord {
+            pages: 4,
+            ready: 4,
+            ..StepRecord::default()
+        };
+        assert_eq!(hits_only.read_amplification(), None);
+        assert_eq!(hits_only.device_byte_hit_rate(), Some(1.0));
+        let wasted = StepRecord {
+            bytes_transferred: 128,
+            ..StepRecord::default()
+        };
+        assert_eq!(wasted.read_amplification(), Some(f64::INFINITY));
+        let sparse = StepRecord {
+            bytes_transferred: 128,
+            bytes_needed_of_transferred: 32,
+            ..StepRecord::default()
+        };
+        assert_eq!(sparse.read_amplification(), Some(4.0));
     }
 }
