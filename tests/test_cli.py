@@ -135,6 +135,20 @@ def test_bad_flags_exit_2_with_the_message(extra):
     assert "error: invalid" in r.stderr and "allowed" in r.stderr
 
 
+@pytest.mark.parametrize("what", ["decode", "prefix"])
+def test_bench_page_size_zero_is_refused_not_replaced(what):
+    # 0 is a value the user gave, not "unset": it must be refused, not swapped for a default.
+    r = subprocess.run(
+        [sys.executable, "-m", "sparsetier.cli", "bench", what, "--page-size", "0"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 2, r.stdout[-500:]
+    assert "Traceback" not in r.stderr
+    assert "page_size" in r.stderr and "allowed" in r.stderr
+
+
 def test_unknown_flag_exits_2():
     r = subprocess.run(
         [sys.executable, "-m", "sparsetier.cli", "plan", "--bogus"],

@@ -341,7 +341,8 @@ def _run_bench(args: argparse.Namespace) -> None:
         from sparsetier import bench_decode
 
         cfg = bench_decode.DecodeBenchConfig(
-            layers=args.layers, page_size=args.page_size or 64, batch=args.batch,
+            layers=args.layers, batch=args.batch,
+            page_size=64 if args.page_size is None else args.page_size,
             context_min=args.context_min, context_max=args.context_max, budget=args.budget,
             mode=args.mode, blocks=args.blocks, tokens=args.tokens,
             token_pages=args.token_pages, locality=args.locality, steps=args.steps,
