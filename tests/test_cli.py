@@ -248,7 +248,11 @@ SMALL_DEMO = (
 def test_demo_selection_modes_pass(extra, capsys):
     args = [*SMALL_DEMO, *extra]
     assert main(args) == 0
-    assert "PASS" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "PASS" in out
+    # With prefetch off the summary says so, not an accuracy of a prediction never made.
+    assert ("off (--no-prefetch)" in out) == ("--no-prefetch" in extra)
+    assert ("accuracy" in out) == ("--no-prefetch" not in extra)
 
 
 def test_demo_with_faults_reports_them_and_ends_clean(tmp_path, capsys):

@@ -345,9 +345,12 @@ def format_summary(r: dict) -> str:
         ),
         (
             "prefetch",
+            # Off, nothing is predicted: an accuracy of 0 would read as a prediction that missed.
             f"accuracy {_ratio(t['prefetch_accuracy'], 'nothing selected')}, "
             f"loaded {t['prefetch_loaded']} pages, "
-            f"wasted {_mib(t['prefetch_wasted_bytes'])}, peak pins {t['prefetch_pinned_peak']}",
+            f"wasted {_mib(t['prefetch_wasted_bytes'])}, peak pins {t['prefetch_pinned_peak']}"
+            if r["config"]["prefetch"]
+            else "off (--no-prefetch)",
         ),
         (
             "wait",
