@@ -26,6 +26,7 @@ use parking_lot::Mutex;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use rustc_hash::FxHashMap;
 
 /// The batched, asynchronous decode-step scheduler over one-layer device and host KV pools.
 #[pyclass(name = "StepScheduler", module = "sparsetier._core", frozen)]
@@ -37,6 +38,10 @@ pub struct PyStepScheduler {
     /// Joined mode: the sidecar bindings, held so their tensors outlive every copy.
     #[allow(dead_code)]
     sidecars: Vec<Py<PyPageTransferBinding>>,
+    /// The slot table each outstanding plan handed over (taken from the core, not copied:
+    /// token mode's are half a megabyte a layer), for `ready` to patch a copy of when a
+    /// retry moves objects.
+    tables: Mutex<FxHashMap<u64, Py<PyArray2<i32>>>>,
 }
 
 fn rid_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
@@ -276,6 +281,7 @@ impl PyStepScheduler {
             host: host.unbind(),
             engine: engine.unbind(),
             sidecars: Vec::new(),
+            tables: Mutex::default(),
         })
     }
 
@@ -336,6 +342,7 @@ impl PyStepScheduler {
             host: host_kv.unbind(),
             engine: engine.unbind(),
             sidecars: vec![indexer_device.unbind(), indexer_host.unbind()],
+            tables: Mutex::default(),
         })
     }
 
@@ -689,11 +696,13 @@ impl PyStepScheduler {
         let (id, t) = py
             .detach(|| {
                 let mut s = self.inner.lock();
-                s.plan(layer, &ids, flat, k, unit)
-                    .map(|(id, t)| (id, t.to_vec()))
+                let (id, _) = s.plan(layer, &ids, flat, k, unit)?;
+                Ok::<_, Error>((id, s.take_table(id)?))
             })
             .py_err(py)?;
-        Ok((id.raw(), table(py, t, rows)?))
+        let t = table(py, t, rows)?;
+        self.tables.lock().insert(id.raw(), t.clone().unbind());
+        Ok((id.raw(), t))
     }
 
     /// Makes plan `plan` readable (event wait; with `stream`, a CUDA stream wait instead).
@@ -709,30 +718,19 @@ impl PyStepScheduler {
     ) -> PyResult<(Vec<(usize, u64, String)>, Option<Bound<'py, PyArray2<i32>>>)> {
         self.follow(py)?;
         let id = plan_id(plan)?;
-        let (out, t) = py
-            .detach(|| {
-                let mut s = self.inner.lock();
-                let out = s.ready(id, stream)?;
-                let t = if out.slots_changed {
-                    Some(s.table(id)?.to_vec())
-                } else {
-                    None
-                };
-                Ok::<_, Error>((out, t))
-            })
+        let out = py
+            .detach(|| self.inner.lock().ready(id, stream))
             .py_err(py)?;
+        let t = if out.slots_changed {
+            Some(self.patched_table(py, id.raw(), &out)?)
+        } else {
+            None
+        };
         let failed = out
             .failed
             .into_iter()
             .map(|(b, r, why)| (b, r.raw(), why))
             .collect();
-        let t = match t {
-            Some(t) => {
-                let rows = if t.is_empty() { 0 } else { self.plan_rows(id) };
-                Some(table(py, t, rows)?)
-            }
-            None => None,
-        };
         Ok((failed, t))
     }
 
@@ -744,6 +742,7 @@ impl PyStepScheduler {
     ) -> PyResult<Bound<'py, PyDict>> {
         let id = plan_id(plan)?;
         let c = self.inner.lock().finish(id).py_err(py)?;
+        self.tables.lock().remove(&id.raw());
         counts_dict(py, &c)
     }
 
@@ -877,8 +876,33 @@ impl PyStepScheduler {
         self.engine.get().follow_torch_stream(py)
     }
 
-    fn plan_rows(&self, id: LayerPlanId) -> usize {
-        self.inner.lock().plan_rows(id).unwrap_or(0)
+    /// A copy of the table plan `id` handed over, with the cells a retry moved and the rows
+    /// that failed (-1) applied; it replaces the kept one, so a later retry builds on it.
+    fn patched_table<'py>(
+        &self,
+        py: Python<'py>,
+        id: u64,
+        out: &crate::scheduler::ReadyOutcome,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let mut tables = self.tables.lock();
+        let Some(handed) = tables.get(&id) else {
+            return Err(to_py(
+                py,
+                Error::config("plan", id, "a plan planned through this binding"),
+            ));
+        };
+        let handed = handed.bind(py);
+        let (rows, cols) = (handed.shape()[0], handed.shape()[1]);
+        let mut t: Vec<i32> = handed.readonly().as_slice()?.to_vec();
+        for &(at, slot) in &out.moved {
+            t[at as usize] = slot;
+        }
+        for &(b, _, _) in &out.failed {
+            t[b * cols..(b + 1) * cols].fill(-1);
+        }
+        let t = table(py, t, rows)?;
+        tables.insert(id, t.clone().unbind());
+        Ok(t)
     }
 }
 

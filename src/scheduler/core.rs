@@ -92,6 +92,9 @@ pub struct ReadyOutcome {
     pub failed: Vec<(usize, RequestId, String)>,
     /// Whether a retry moved objects to other slots (the slot table changed).
     pub slots_changed: bool,
+    /// The cells a retry moved, with their new slots (the failed rows' cells are not listed:
+    /// they all become -1). What a caller that took the table (`take_table`) applies to it.
+    pub moved: Vec<(u32, i32)>,
 }
 
 /// A finished plan's own counts, for callers that attribute them (prefix hits at prefill).
@@ -145,7 +148,12 @@ struct LayerPlan {
     rows: Option<rows::KeptRows>,
     /// Rows whose loads failed twice.
     failed: Vec<u32>,
+    /// The slot table, `cols` cells a row; empty once taken (`take_table`).
     table: Vec<i32>,
+    cols: usize,
+    taken: bool,
+    /// Per key: its slot (what its cells hold), kept when the table is taken.
+    key_slot: Vec<i32>,
     transfers: Vec<TransferId>,
     pins: u64,
     submitted_at: Option<Instant>,
@@ -1041,9 +1049,9 @@ impl StepScheduler {
         rec.cpu_submit_ns = ns(t_submit.elapsed());
         // Kept cells hold their slots already: place the resolved keys' (a tenth of the cells
         // at decode's usual locality with kept selections), first cells and repeats.
-        place(&mut table, &key_cell, &repeats, |key| {
-            res.slots[key].raw() as i32
-        });
+        let key_slot: Vec<i32> = res.slots.iter().map(|s| s.raw() as i32).collect();
+        debug_assert_eq!(table.len(), rids.len() * k * unit.pages_per_entry());
+        place(&mut table, &key_cell, &repeats, |key| key_slot[key]);
         let pins = res.metrics.distinct;
         self.pins += pins;
         self.rec.pinned_peak = self.rec.pinned_peak.max(self.pins + self.kept_pins);
@@ -1068,6 +1076,9 @@ impl StepScheduler {
                 rows: kept_rows,
                 failed: Vec::new(),
                 table,
+                cols: k * unit.pages_per_entry(),
+                taken: false,
+                key_slot,
                 transfers,
                 pins,
                 submitted_at,
@@ -1132,7 +1143,35 @@ impl StepScheduler {
 
     /// The slot table of an outstanding plan.
     pub fn table(&self, id: LayerPlanId) -> Result<&[i32]> {
-        Ok(&self.plan_ref(id)?.table)
+        let plan = self.plan_ref(id)?;
+        if plan.taken {
+            return Err(Error::config(
+                "plan",
+                id,
+                "a plan whose table was not taken (take_table hands it over)",
+            ));
+        }
+        Ok(&plan.table)
+    }
+
+    /// Hands over the slot table of an outstanding plan, without a copy (token mode's are
+    /// half a megabyte a layer at DeepSeek-V3.2's shape). The plan keeps each key's slot, so
+    /// `finish` does not need it; a retry in `ready` then reports the cells it moved
+    /// ([`ReadyOutcome::moved`]) for the caller to apply.
+    pub fn take_table(&mut self, id: LayerPlanId) -> Result<Vec<i32>> {
+        let plan = self
+            .plans
+            .get_mut(&id)
+            .ok_or_else(|| Error::config("plan", id, "an outstanding layer plan (not finished)"))?;
+        if plan.taken {
+            return Err(Error::config(
+                "plan",
+                id,
+                "a plan whose table was not taken yet",
+            ));
+        }
+        plan.taken = true;
+        Ok(std::mem::take(&mut plan.table))
     }
 
     /// Rows (requests) of an outstanding plan.
@@ -1257,31 +1296,35 @@ impl StepScheduler {
                 for (n, &i) in lost.iter().enumerate() {
                     new_slot[i as usize] = slots[n].raw() as i32;
                 }
-                // The keys that kept their slot get it again.
-                let old = |key: usize| plan.table[plan.key_cell[key] as usize];
-                let slot: Vec<i32> = (0..plan.keys.len())
-                    .map(|key| {
-                        if new_slot[key] >= 0 {
-                            new_slot[key]
-                        } else {
-                            old(key)
-                        }
-                    })
-                    .collect();
-                place(&mut plan.table, &plan.key_cell, &plan.repeats, |key| {
-                    slot[key]
-                });
+                for &i in &lost {
+                    let key = i as usize;
+                    plan.key_slot[key] = new_slot[key];
+                    out.moved.push((plan.key_cell[key], new_slot[key]));
+                }
+                out.moved.extend(
+                    plan.repeats
+                        .iter()
+                        .filter(|&&(_, key)| new_slot[key as usize] >= 0)
+                        .map(|&(at, key)| (at, new_slot[key as usize])),
+                );
+                if !plan.taken {
+                    for &(at, slot) in &out.moved {
+                        plan.table[at as usize] = slot;
+                    }
+                }
                 out.slots_changed = true;
             }
             None => {
-                let width = plan.table.len() / plan.rids.len();
+                let width = plan.cols;
                 let mut rows: Vec<u32> = lost.iter().map(|&i| plan.key_row[i as usize]).collect();
                 rows.sort_unstable();
                 rows.dedup();
                 for &b in &rows {
                     plan.failed.push(b);
                     let b = b as usize;
-                    plan.table[b * width..(b + 1) * width].fill(-1);
+                    if !plan.taken {
+                        plan.table[b * width..(b + 1) * width].fill(-1);
+                    }
                     out.failed.push((b, plan.rids[b], reason.clone()));
                 }
                 out.slots_changed = true;

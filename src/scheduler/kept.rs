@@ -257,7 +257,7 @@ impl StepScheduler {
         for (key, &at) in kr.key_at.iter().enumerate() {
             let e = &mut kr.lists[at as usize];
             e.object = plan.indices[key];
-            e.slot = plan.table[plan.key_cell[key] as usize];
+            e.slot = plan.key_slot[key];
         }
         let mut to_hold: Vec<u32> = Vec::with_capacity(kr.key_at.len());
         let mut placed: Vec<(usize, usize)> = Vec::with_capacity(kr.key_at.len()); // (row, position)

@@ -16,6 +16,9 @@ const LAYERS: u16 = 3;
 
 struct Harness {
     s: StepScheduler,
+    /// Steps take each plan's table (`take_table`) and apply a retry's moves themselves, as
+    /// the Python binding does.
+    take_tables: bool,
     dev: PageTransferBinding,
     _dev_buf: Box<[u8]>,
     _host_buf: Box<[u8]>,
@@ -54,6 +57,7 @@ impl Harness {
         let s = StepScheduler::new(cfg, dev.clone(), host, engine).unwrap();
         Harness {
             s,
+            take_tables: false,
             dev,
             _dev_buf: dev_buf,
             _host_buf: host_buf,
@@ -180,8 +184,26 @@ impl Harness {
                     return Err(e);
                 }
             };
+            let taken = self.take_tables.then(|| self.s.take_table(id).unwrap());
             let out = self.s.ready(id, None).unwrap();
-            let table = self.s.table(id).unwrap().to_vec();
+            let table = match taken {
+                Some(mut t) => {
+                    assert!(self.s.table(id).is_err() && self.s.take_table(id).is_err());
+                    for &(at, slot) in &out.moved {
+                        t[at as usize] = slot;
+                    }
+                    let w = k * ppe;
+                    for f in &out.failed {
+                        t[f.0 * w..(f.0 + 1) * w].fill(-1);
+                    }
+                    t
+                }
+                None => {
+                    let t = self.s.table(id).unwrap().to_vec();
+                    assert!(out.moved.iter().all(|&(at, slot)| t[at as usize] == slot));
+                    t
+                }
+            };
             for (b, &rid) in rids.iter().enumerate() {
                 if let Some(f) = out.failed.iter().find(|f| f.0 == b) {
                     assert_eq!(f.1, ids[b]);
@@ -377,7 +399,14 @@ fn blocks_larger_than_pages_fill_several_cells() {
 
 #[test]
 fn one_failed_load_is_retried_and_nobody_fails() {
+    for take in [false, true] {
+        one_failed_load_retried(take);
+    }
+}
+
+fn one_failed_load_retried(take_tables: bool) {
     let mut h = Harness::new(40, 400, false);
+    h.take_tables = take_tables;
     for rid in 0..3 {
         h.add(rid, 40, None);
     }
@@ -397,7 +426,14 @@ fn one_failed_load_is_retried_and_nobody_fails() {
 
 #[test]
 fn a_layer_whose_loads_fail_twice_fails_only_the_requests_that_needed_them() {
+    for take in [false, true] {
+        loads_failing_twice(take);
+    }
+}
+
+fn loads_failing_twice(take_tables: bool) {
     let mut h = Harness::new(40, 400, false);
+    h.take_tables = take_tables;
     for rid in 0..3 {
         h.add(rid, 40, None);
     }
@@ -712,8 +748,10 @@ proptest! {
         ops in proptest::collection::vec(op(), 1..30),
         prefetch: bool,
         keep: bool,
+        take_tables: bool,
     ) {
         let mut h = Harness::new(100, 2000, prefetch);
+        h.take_tables = take_tables;
         h.s.set_keep_selections(keep).unwrap();
         let mut live: Vec<u64> = Vec::new();
         let mut next = 0u64;
