@@ -357,7 +357,12 @@ impl StepScheduler {
             let kept = &r.kept[l];
             let mut kc = 0;
             let keys_before = kr.key_at.len();
-            for &(page, di) in &d.order {
+            // The next row's first read (the sortedness check) comes from memory: ask for it
+            // a share a page now, so that its misses overlap this row's merge.
+            let ahead = selection.get((b + 1) * k..(b + 2) * k).unwrap_or(&[]);
+            let pages = d.order.len();
+            for (i, &(page, di)) in d.order.iter().enumerate() {
+                crate::prefetch::prefetch_share(ahead, i, pages);
                 while kc < kept.len() && kept[kc].page < page {
                     kr.dropped.push(kept[kc].object);
                     kc += 1;
