@@ -72,6 +72,15 @@ impl StepScheduler {
         let mut kr = KeptRows::with_capacity(selection.len(), rids.len());
         let mut order: Vec<(u32, u32)> = Vec::with_capacity(k); // (page, column)
         for (b, &id) in rids.iter().enumerate() {
+            // Two rows ahead, ask for that row's request state and kept list (cold: a step
+            // visits 3,904 of them between two plans of a layer), so that its merge finds
+            // them in cache (one, two or four rows ahead measured alike; every row at once,
+            // tried before, gained nothing).
+            if let Some(ahead) = rids.get(b + 2).and_then(|a| self.requests.get(a)) {
+                if let Some(list) = ahead.kept.get(l) {
+                    crate::prefetch::prefetch_range(list, usize::MAX);
+                }
+            }
             let r = mark_batch(&mut self.requests, id, batch)?;
             let len = r.len;
             let entries = len.div_ceil(ps);
