@@ -117,8 +117,14 @@ impl RequestState {
     /// Records the directory's object indices of `pages` at `layer`.
     pub fn set_index(&mut self, layer: u16, pages: std::ops::Range<u32>, idx: &[u32]) {
         let t = &mut self.index[layer as usize];
-        if t.len() < pages.end as usize {
-            t.resize(pages.end as usize, u32::MAX);
+        let need = pages.end as usize;
+        if t.len() < need {
+            if t.capacity() < need {
+                // Room to decode into: a table sized exactly by the prefill moved at the
+                // request's first decode page, every layer's in the same step.
+                t.reserve_exact(need + need / 8 + 16 - t.len());
+            }
+            t.resize(need, u32::MAX);
         }
         t[pages.start as usize..pages.end as usize].copy_from_slice(idx);
     }
@@ -145,5 +151,28 @@ impl RequestState {
             _ => self.id.raw(),
         };
         ObjectKey::new(ns, 0, page, LayerGroup::Layer(layer))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_prefilled_hint_table_has_room_for_decode_pages() {
+        let mut r = RequestState::new(RequestId::new(1), 64 * 1000, None, 2);
+        let idx: Vec<u32> = (0..1000).collect();
+        r.set_index(1, 0..1000, &idx);
+        assert!(r.index[1].capacity() >= 1100, "{}", r.index[1].capacity());
+        let at = r.index[1].as_ptr();
+        // The decode pages that follow land in the same buffer: no table moves (for every
+        // layer at once) at the request's first decode page.
+        for page in 1000..1100 {
+            r.set_index(1, page..page + 1, &[page]);
+        }
+        assert_eq!(r.index[1].as_ptr(), at);
+        assert_eq!(r.hint(1099, 1), 1099);
+        assert_eq!(r.hint(1100, 1), u32::MAX);
+        assert_eq!(r.hint(5, 0), u32::MAX, "layer 0 untouched");
     }
 }
