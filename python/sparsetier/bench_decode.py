@@ -46,7 +46,7 @@ from sparsetier._core import (
 )
 from sparsetier.errors import ConfigError
 from sparsetier.keys import object_keys
-from sparsetier.record import CPU_PARTS
+from sparsetier.record import CPU_PARTS, fmt_ratio
 
 
 @dataclass
@@ -336,10 +336,6 @@ def _median(values) -> float | None:
     return statistics.median(v) if v else None
 
 
-def _fmt(v: float | None, what: str) -> str:
-    return "n/a" + f" ({what})" if v is None else f"{v:.3f}"
-
-
 def format_report(r: dict) -> str:
     c, m = r["config"], r["median"]
     lines = [
@@ -349,8 +345,8 @@ def format_report(r: dict) -> str:
         f"locality {c['locality']}, prefetch {'on' if c['prefetch'] else 'off'}",
         f"  selection entries per step: {r['lookups_per_step']}; distinct pages per step "
         f"(median): {m['pages']:.0f}; loaded: {m['loaded']:.0f}; "
-        f"hit rate {_fmt(m['hit_rate'], 'nothing selected')}; "
-        f"read amplification {_fmt(m['read_amplification'], 'nothing moved')}",
+        f"hit rate {fmt_ratio(m['hit_rate'], 'nothing selected')}; "
+        f"read amplification {fmt_ratio(m['read_amplification'], 'nothing moved')}",
         f"  step scheduler: {m['scheduler_ms']:.2f} ms CPU per step (median of "
         f"{len(r['steps'])}; in-core share {m['scheduler_core_cpu_ms']:.2f} ms)",
     ]
@@ -366,7 +362,7 @@ def format_report(r: dict) -> str:
     if "unkept_ms" in m:
         lines.append(
             f"  kept selections off: {m['unkept_ms']:.2f} ms CPU per step (hit rate "
-            f"{_fmt(m['unkept_hit_rate'], 'nothing selected')}); kept selections save "
+            f"{fmt_ratio(m['unkept_hit_rate'], 'nothing selected')}); kept selections save "
             f"{m['kept_ratio']:.1f}x (median of per-step ratios)"
         )
     if "baseline_ms" in m:

@@ -21,6 +21,7 @@ import torch
 
 from sparsetier.errors import ConfigError, RequestFailedError
 from sparsetier.model import ModelConfig, TinySparseModel
+from sparsetier.record import fmt_ratio
 from sparsetier.runtime import DecodeRuntime
 from sparsetier.workload import Workload, WorkloadSpec
 
@@ -309,11 +310,6 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     return {"config": asdict(cfg), "totals": totals, "steps": steps}
 
 
-def _ratio(v: float | None, undefined: str) -> str:
-    """A record ratio to three places, or why it has no value (its denominator is 0)."""
-    return f"n/a ({undefined})" if v is None else f"{v:.3f}"
-
-
 def _mib(n: float) -> str:
     return f"{n / (1 << 20):.2f} MiB"
 
@@ -333,7 +329,7 @@ def format_summary(r: dict) -> str:
             f"{t['selected']} / {t['pages']} (ready {t['ready']}, loaded {t['loaded']}, "
             f"joined in flight {t['joined']})",
         ),
-        ("device byte hit rate", _ratio(t["device_byte_hit_rate"], "nothing selected")),
+        ("device byte hit rate", fmt_ratio(t["device_byte_hit_rate"], "nothing selected")),
         (
             "bytes needed / transferred",
             f"{_mib(t['bytes_needed'])} / {_mib(t['bytes_transferred'])} in "
@@ -341,12 +337,12 @@ def format_summary(r: dict) -> str:
         ),
         (
             "read amplification",
-            _ratio(t["read_amplification"], "nothing moved") + " (moved / needed among moved)",
+            fmt_ratio(t["read_amplification"], "nothing moved") + " (moved / needed among moved)",
         ),
         (
             "prefetch",
             # Off, nothing is predicted: an accuracy of 0 would read as a prediction that missed.
-            f"accuracy {_ratio(t['prefetch_accuracy'], 'nothing selected')}, "
+            f"accuracy {fmt_ratio(t['prefetch_accuracy'], 'nothing selected')}, "
             f"loaded {t['prefetch_loaded']} pages, "
             f"wasted {_mib(t['prefetch_wasted_bytes'])}, peak pins {t['prefetch_pinned_peak']}"
             if r["config"]["prefetch"]

@@ -148,10 +148,8 @@ struct LayerPlan {
     rows: Option<rows::KeptRows>,
     /// Rows whose loads failed twice.
     failed: Vec<u32>,
-    /// The slot table, `cols` cells a row; empty once taken (`take_table`).
-    table: Vec<i32>,
-    cols: usize,
-    taken: bool,
+    /// The slot table, a row per request; None once taken (`take_table`).
+    table: Option<Vec<i32>>,
     /// Per key: its slot (what its cells hold), kept when the table is taken.
     key_slot: Vec<i32>,
     transfers: Vec<TransferId>,
@@ -1075,9 +1073,7 @@ impl StepScheduler {
                 indices: res.indices,
                 rows: kept_rows,
                 failed: Vec::new(),
-                table,
-                cols: k * unit.pages_per_entry(),
-                taken: false,
+                table: Some(table),
                 key_slot,
                 transfers,
                 pins,
@@ -1097,7 +1093,7 @@ impl StepScheduler {
         let cpu = ns(t0.elapsed());
         self.rec.cpu_plan_ns += cpu;
         self.rec.cpu_ns += cpu;
-        Ok((id, &self.plans[&id].table))
+        Ok((id, self.plans[&id].table.as_deref().unwrap_or_default()))
     }
 
     /// Joined mode: counts the main-KV bytes loaded for matched prefix pages, and those
@@ -1143,15 +1139,13 @@ impl StepScheduler {
 
     /// The slot table of an outstanding plan.
     pub fn table(&self, id: LayerPlanId) -> Result<&[i32]> {
-        let plan = self.plan_ref(id)?;
-        if plan.taken {
-            return Err(Error::config(
+        self.plan_ref(id)?.table.as_deref().ok_or_else(|| {
+            Error::config(
                 "plan",
                 id,
                 "a plan whose table was not taken (take_table hands it over)",
-            ));
-        }
-        Ok(&plan.table)
+            )
+        })
     }
 
     /// Hands over the slot table of an outstanding plan, without a copy (token mode's are
@@ -1163,20 +1157,9 @@ impl StepScheduler {
             .plans
             .get_mut(&id)
             .ok_or_else(|| Error::config("plan", id, "an outstanding layer plan (not finished)"))?;
-        if plan.taken {
-            return Err(Error::config(
-                "plan",
-                id,
-                "a plan whose table was not taken yet",
-            ));
-        }
-        plan.taken = true;
-        Ok(std::mem::take(&mut plan.table))
-    }
-
-    /// Rows (requests) of an outstanding plan.
-    pub fn plan_rows(&self, id: LayerPlanId) -> Result<usize> {
-        Ok(self.plan_ref(id)?.rids.len())
+        plan.table
+            .take()
+            .ok_or_else(|| Error::config("plan", id, "a plan whose table was not taken yet"))
     }
 
     fn plan_ref(&self, id: LayerPlanId) -> Result<&LayerPlan> {
@@ -1307,23 +1290,23 @@ impl StepScheduler {
                         .filter(|&&(_, key)| new_slot[key as usize] >= 0)
                         .map(|&(at, key)| (at, new_slot[key as usize])),
                 );
-                if !plan.taken {
+                if let Some(table) = plan.table.as_mut() {
                     for &(at, slot) in &out.moved {
-                        plan.table[at as usize] = slot;
+                        table[at as usize] = slot;
                     }
                 }
                 out.slots_changed = true;
             }
             None => {
-                let width = plan.cols;
                 let mut rows: Vec<u32> = lost.iter().map(|&i| plan.key_row[i as usize]).collect();
                 rows.sort_unstable();
                 rows.dedup();
                 for &b in &rows {
                     plan.failed.push(b);
                     let b = b as usize;
-                    if !plan.taken {
-                        plan.table[b * width..(b + 1) * width].fill(-1);
+                    if let Some(table) = plan.table.as_mut() {
+                        let width = table.len() / plan.rids.len();
+                        table[b * width..(b + 1) * width].fill(-1);
                     }
                     out.failed.push((b, plan.rids[b], reason.clone()));
                 }

@@ -128,8 +128,7 @@ impl Distinct {
     #[inline(always)]
     fn map_runs_any(&mut self, row: &[i64], m: &Mapping) {
         let (u, ps) = (m.u, m.ps);
-        // Sorted: a run ends at the first entry of a later page, and when an entry eight on
-        // is still in the page so is every entry before it (runs are ~16 entries long).
+        // Sorted: a run ends at the first entry of a later page.
         let mut j = 0;
         while j < row.len() {
             let page = m.page_of(row[j] as u64);

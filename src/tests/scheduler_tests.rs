@@ -283,17 +283,29 @@ fn blocks(seed: u64, len: u64, unit: u32, k: usize) -> Vec<i64> {
     v
 }
 
-#[test]
-fn a_step_reads_the_right_bytes_through_loads_and_evictions() {
-    let mut h = Harness::new(64, 400, false);
+/// Three requests of 30, 39 and 48 tokens on 64 device pages: selections of 4 blocks that
+/// force loads and evictions.
+fn three_requests(prefetch: bool) -> Harness {
+    let mut h = Harness::new(64, 400, prefetch);
     for rid in 0..3 {
         h.add(rid, 30 + 9 * rid, None);
     }
+    h
+}
+
+/// Step `step` of `three_requests`: a different mix of blocks per request, layer and step.
+fn three_requests_step(h: &mut Harness, step: u64) -> (Vec<u64>, StepRecord) {
+    h.step(&[0, 1, 2], PS, 4, &mut |r, l, len| {
+        blocks(step * 97 + r * 13 + u64::from(l), len, PS, 4)
+    })
+}
+
+#[test]
+fn a_step_reads_the_right_bytes_through_loads_and_evictions() {
+    let mut h = three_requests(false);
     let mut loads = 0;
     for step in 0..12 {
-        let (failed, rec) = h.step(&[0, 1, 2], PS, 4, &mut |r, l, len| {
-            blocks(step * 97 + r * 13 + u64::from(l), len, PS, 4)
-        });
+        let (failed, rec) = three_requests_step(&mut h, step);
         assert!(failed.is_empty());
         assert!(rec.pages <= rec.selected);
         loads += rec.loaded;
@@ -309,15 +321,10 @@ fn a_step_reads_the_right_bytes_through_loads_and_evictions() {
 
 #[test]
 fn the_cpu_split_sums_to_the_step_cpu_and_counts_where_work_happened() {
-    let mut h = Harness::new(64, 400, true);
-    for rid in 0..3 {
-        h.add(rid, 30 + 9 * rid, None);
-    }
+    let mut h = three_requests(true);
     let mut loaded_steps = 0;
     for step in 0..8 {
-        let (_, rec) = h.step(&[0, 1, 2], PS, 4, &mut |r, l, len| {
-            blocks(step * 97 + r * 13 + u64::from(l), len, PS, 4)
-        });
+        let (_, rec) = three_requests_step(&mut h, step);
         let calls = rec.cpu_plan_ns
             + rec.cpu_ready_ns
             + rec.cpu_finish_ns
