@@ -1,15 +1,16 @@
 """Two builds of the extension in one process: `bench decode`'s scheduler step, paired.
 
     python scripts/ab_decode.py A/_core.abi3.so B/_core.abi3.so [--steps 24] [--locality 0.9]
-        [--mode block|token]
+        [--mode block|token] [--warmup N]
 
 Builds one step-scheduler stack per build (same shape, contexts and seed as `sparsetier bench
 decode --mode block`), feeds both the same selections and alternates their steps (A, B then
-B, A), so the VM's drift hits both sides alike. Reports each side's median CPU time per step
-(the time blocked on copies taken out, as the bench does) and the median of the per-step
-ratios B / A; checks that both sides selected the same pages every step, and in block mode that
-they loaded the same (in token mode a build that keeps token selections pinned evicts
-differently from one that does not).
+B, A), so the VM's drift hits both sides alike. The timed steps follow the bench's warm-up
+(by default until A's device has turned over: the steady state). Reports each side's median
+CPU time per step (the time blocked on copies taken out, as the bench does) and the median of
+the per-step ratios B / A; checks that both sides selected the same pages every step, and in
+block mode that they loaded the same (in token mode a build that keeps token selections pinned
+evicts differently from one that does not).
 
 The stacks are built in order (A's first), and where their memory lands differs: a build run
 against itself gave 1.03, and one pair of builds 1.05 with either first. Run both orders and
@@ -31,6 +32,7 @@ import numpy as np
 from sparsetier.bench_decode import (
     DecodeBenchConfig,
     Selections,
+    WarmUp,
     _stack,
     _step_scheduler,
     sizes,
@@ -54,8 +56,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--locality", type=float, default=0.9)
     ap.add_argument("--mode", choices=("block", "token"), default="block")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default: auto)")
     args = ap.parse_args()
-    cfg = DecodeBenchConfig(mode=args.mode, steps=args.steps, locality=args.locality)
+    cfg = DecodeBenchConfig(
+        mode=args.mode, steps=args.steps, locality=args.locality, warmup=args.warmup
+    )
     cfg.check()
     lens, device_pages, host_pages = sizes(cfg)
     stacks = [
@@ -66,20 +71,27 @@ def main() -> None:
     unit = cfg.page_size if cfg.mode == "block" else 1
     checked = ("selected", "pages", "loaded") if cfg.mode == "block" else ("selected", "pages")
     times: list[list[float]] = [[], []]
-    for i in range(cfg.warmup + cfg.steps):
+    warm = WarmUp(cfg, device_pages)
+    i = 0
+    while len(times[0]) < cfg.steps:
         sel = sels.next()
         recs = [None, None]
+        timed = warm.done()
         for side in (0, 1) if i % 2 == 0 else (1, 0):
             r = _step_scheduler(stacks[side], rids, sel, unit)
             recs[side] = r["rec"]
-            if i >= cfg.warmup:
+            if timed:
                 times[side].append((r["wall_s"] - r["wait_s"]) * 1e3)
+        if not timed:
+            warm.saw(recs[0])
         same = all(recs[0][k] == recs[1][k] for k in checked)
         assert same, f"step {i}: the builds disagree: {recs[0]} / {recs[1]}"
+        i += 1
     a, b = times
     ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
     print(
-        f"{cfg.mode} mode, locality {args.locality}, {args.steps} steps: "
+        f"{cfg.mode} mode, locality {args.locality}, {args.steps} steps after a warm-up of "
+        f"{warm.describe()}: "
         f"A {statistics.median(a):.2f} ms | B {statistics.median(b):.2f} ms | "
         f"B/A {ratio:.3f} (median of per-step ratios)"
     )

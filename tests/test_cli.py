@@ -301,6 +301,44 @@ def test_bench_decode_reports_no_read_amplification_when_nothing_moves(tmp_path,
     assert r["median"]["hit_rate"] == 1.0
 
 
+def test_bench_decode_times_the_steady_state_after_the_device_turns_over(tmp_path, capsys):
+    # The prefill leaves its pages resident in the order it wrote them; a step that evicts
+    # those is cheaper than one evicting pages loaded at random. By default the timed steps
+    # start once the scheduler has loaded as many pages as the device has slots.
+    out = tmp_path / "d.json"
+    small = ["bench", "decode", "--layers", "2", "--batch", "3", "--context-min", "8192",
+             "--context-max", "16384", "--steps", "2", "--no-baseline", "--no-unkept",
+             "--json", str(out)]  # fmt: skip
+    assert main(small) == 0
+    assert "warm-up: " in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["warmup_loaded"] >= r["device_pages"] > 0 and r["warmup_steps"] >= 2
+    assert "until the device turned over" in r["warmup"] and len(r["steps"]) == 2
+    assert main([*small, "--warmup", "1"]) == 0
+    r = json.loads(out.read_text())
+    assert r["warmup_steps"] == 1 and "fixed" in r["warmup"]
+
+
+def test_warm_up_ends_at_turnover_at_a_quiet_step_or_at_its_cap(monkeypatch):
+    from sparsetier import bench_decode as bd
+
+    def steps_until_done(cfg, loads):
+        w = bd.WarmUp(cfg, device_pages=100)
+        for n in loads:
+            if w.done():
+                break
+            w.saw({"loaded": n})
+        return w.steps, w.reason
+
+    auto = bd.DecodeBenchConfig()
+    assert steps_until_done(auto, [60, 30, 9, 1, 50]) == (4, "turned over")
+    assert steps_until_done(auto, [0, 5, 0, 7]) == (3, "a step loaded nothing")
+    monkeypatch.setattr(bd, "WARMUP_CAP", 3)
+    assert steps_until_done(auto, [1] * 10) == (3, "capped")
+    assert steps_until_done(bd.DecodeBenchConfig(warmup=2), [500] * 5) == (2, "fixed")
+    assert steps_until_done(bd.DecodeBenchConfig(warmup=0), [500]) == (0, "fixed")
+
+
 def test_bench_decode_writes_a_trace_the_replay_reproduces(tmp_path, capsys):
     trace = tmp_path / "b.npz"
     args = ["bench", "decode", "--layers", "2", "--batch", "3", "--context-min", "512",

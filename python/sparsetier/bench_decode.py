@@ -20,6 +20,13 @@ per step, with the time blocked waiting for copies taken out (the cpu engine cop
 thread; on a GPU that is DMA). Reported: each side's median, and the median of the per-step
 ratios B / A.
 
+The timed steps start once the scheduler is in its steady state: by default (`warmup=None`)
+the warm-up lasts until the scheduler has loaded as many pages as the device has slots, so that
+the pages the prefill left resident (evicted in the order the prefill wrote them, neighbours in
+memory) have been turned over for pages loaded at random, or until a step loads nothing. At
+DeepSeek-V3.2's shape that takes ~125 steps, and a step after it costs ~15 % more than one of
+the first steps. `warmup=N` fixes it at N steps instead.
+
 Selections are synthetic with step-to-step locality: each selected block (or hot page, in token
 mode) stays from one step to the next with probability `locality`, else moves to a random one.
 Block mode always holds the sink block and the last block. Token mode draws `tokens` tokens from
@@ -63,7 +70,7 @@ class DecodeBenchConfig:
     token_pages: int = 128
     locality: float = 0.9
     steps: int = 10
-    warmup: int = 2
+    warmup: int | None = None  # None: until the device has turned over (`WarmUp`)
     prefetch: bool = False
     baseline: bool = True
     # A third stack, the scheduler with kept selections off (every selected page resolved
@@ -86,7 +93,7 @@ class DecodeBenchConfig:
             ("token_pages", self.token_pages >= 1, "an integer >= 1"),
             ("locality", 0.0 <= self.locality <= 1.0, "0 <= locality <= 1"),
             ("steps", self.steps >= 1, "an integer >= 1"),
-            ("warmup", self.warmup >= 0, "an integer >= 0"),
+            ("warmup", self.warmup is None or self.warmup >= 0, "an integer >= 0 or auto"),
         ]  # fmt: skip
         for name, ok, allowed in checks:
             if not ok:
@@ -125,11 +132,57 @@ class Selections:
         return np.ascontiguousarray(np.sort(sel, axis=2))
 
 
+# The most steps an automatic warm-up runs (a run whose device has not turned over by then
+# says so in its report).
+WARMUP_CAP = 300
+
+
+class WarmUp:
+    """When a run's warm-up ends: after `cfg.warmup` steps, or (auto) once the scheduler has
+    loaded as many pages as the device has slots (every page the prefill left resident has been
+    evicted, so victims are pages loaded at random, as in a long run), once a step after the
+    first loads nothing (nothing turns over), or after `WARMUP_CAP` steps."""
+
+    def __init__(self, cfg: DecodeBenchConfig, device_pages: int) -> None:
+        self.fixed, self.device_pages = cfg.warmup, device_pages
+        self.steps = self.loaded = 0
+        self.reason = "fixed" if cfg.warmup is not None else None
+
+    def done(self) -> bool:
+        """Whether the steps seen so far complete the warm-up."""
+        return self.reason is not None and (self.fixed is None or self.steps >= self.fixed)
+
+    def saw(self, rec: dict) -> None:
+        """Counts one warm-up step of the scheduler (its `end_step` record)."""
+        self.steps += 1
+        self.loaded += rec["loaded"]
+        if self.fixed is not None:
+            return
+        if self.loaded >= self.device_pages:
+            self.reason = "turned over"
+        elif self.steps >= 2 and rec["loaded"] == 0:
+            self.reason = "a step loaded nothing"
+        elif self.steps >= WARMUP_CAP:
+            self.reason = "capped"
+
+    def describe(self) -> str:
+        what = {
+            "fixed": "fixed",
+            "turned over": "until the device turned over",
+            "a step loaded nothing": "until a step loaded nothing",
+            "capped": "capped before the device turned over",
+        }[self.reason or "capped"]
+        return (
+            f"{self.steps} steps, {what} ({self.loaded} pages loaded, {self.device_pages} "
+            "device slots)"
+        )
+
+
 def sizes(cfg: DecodeBenchConfig) -> tuple[np.ndarray, int, int]:
     """A run's contexts (one per request, drawn from the seed), device pages and host pages."""
     rng = np.random.default_rng(cfg.seed)
     lens = rng.integers(cfg.context_min, cfg.context_max + 1, cfg.batch)
-    steps_total = cfg.warmup + cfg.steps
+    steps_total = (WARMUP_CAP if cfg.warmup is None else cfg.warmup) + cfg.steps
     pages = int((-(-(lens + steps_total) // cfg.page_size)).sum()) * cfg.layers
     device_pages = max(
         math.ceil(cfg.budget * pages),
@@ -250,10 +303,9 @@ class Baseline:
 
 
 def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
-    """Builds both stacks, runs `warmup + steps` alternating steps, returns the report."""
+    """Builds the stacks, runs the warm-up and `steps` alternating steps, returns the report."""
     cfg.check()
     lens, device_pages, host_pages = sizes(cfg)
-    steps_total = cfg.warmup + cfg.steps
     t0 = time.perf_counter()
     a, _ = _stack(cfg, lens, device_pages, host_pages, journal=cfg.trace is not None)
     setup_s = time.perf_counter() - t0
@@ -272,15 +324,21 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=steps_total, desc=f"bench decode ({cfg.mode})", unit="step")
-    for i in range(steps_total):
+        total = None if cfg.warmup is None else cfg.warmup + cfg.steps
+        bar = tqdm(total=total, desc=f"bench decode ({cfg.mode}), warm-up", unit="step")
+    warm = WarmUp(cfg, device_pages)
+    while len(rows) < cfg.steps:
         sel = sels.next()
         ra = _step_scheduler(a, rids, sel, unit)
         r0 = _step_scheduler(a0, rids, sel, unit) if a0 is not None else None
         rb = base.step(rids, sel) if base else None
         if bar is not None:
             bar.update(1)
-        if i < cfg.warmup:
+        if not warm.done():
+            warm.saw(ra["rec"])
+            if warm.done() and bar is not None:
+                bar.total = warm.steps + cfg.steps
+                bar.set_description(f"bench decode ({cfg.mode})")
             continue
         row = {
             "scheduler_ms": (ra["wall_s"] - ra["wait_s"]) * 1e3,
@@ -323,6 +381,9 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         * cfg.batch
         * (cfg.blocks if cfg.mode == "block" else cfg.tokens),
         "setup_s": setup_s,
+        "warmup_steps": warm.steps,
+        "warmup_loaded": warm.loaded,
+        "warmup": warm.describe(),
         "median": med,
         "baseline_hit_rate": (base.hits / max(base.distinct, 1)) if base else None,
         "steps": rows,
@@ -347,6 +408,7 @@ def format_report(r: dict) -> str:
         f"(median): {m['pages']:.0f}; loaded: {m['loaded']:.0f}; "
         f"hit rate {fmt_ratio(m['hit_rate'], 'nothing selected')}; "
         f"read amplification {fmt_ratio(m['read_amplification'], 'nothing moved')}",
+        f"  warm-up: {r['warmup']}",
         f"  step scheduler: {m['scheduler_ms']:.2f} ms CPU per step (median of "
         f"{len(r['steps'])}; in-core share {m['scheduler_core_cpu_ms']:.2f} ms)",
     ]

@@ -280,6 +280,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
         help="decode: chance a selected block stays from one step to the next",
     )
     p.add_argument("--steps", type=int, default=dd.steps, help="decode: timed steps")
+    p.add_argument("--warmup", type=int, default=dd.warmup,
+                   help="decode: untimed steps first (default: until the device has turned "
+                   "over, the steady state)")  # fmt: skip
     p.add_argument("--prefetch", action="store_true", help="decode: prefetch on")
     p.add_argument("--no-baseline", action="store_true", help="decode: skip the baseline")
     p.add_argument("--no-unkept", action="store_true",
@@ -346,6 +349,7 @@ def _run_bench(args: argparse.Namespace) -> None:
             context_min=args.context_min, context_max=args.context_max, budget=args.budget,
             mode=args.mode, blocks=args.blocks, tokens=args.tokens,
             token_pages=args.token_pages, locality=args.locality, steps=args.steps,
+            warmup=args.warmup,
             prefetch=args.prefetch, baseline=not args.no_baseline, trace=args.trace,
             unkept=not args.no_unkept,
         )  # fmt: skip

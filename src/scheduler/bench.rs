@@ -303,15 +303,20 @@ mod tests {
                 DecodeShape::deepseek_v32()
             }
         };
-        let mut w = DecodeWorkload::new(shape, 200).unwrap();
+        let env = |name: &str, default: u64| {
+            std::env::var(name)
+                .ok()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(default)
+        };
+        // SPARSETIER_WARMUP: steps before the timed ones (3; ~130 reach the steady state, where
+        // every device slot has been turned over once). SPARSETIER_STEPS: timed steps (30).
+        let (warmup, steps) = (env("SPARSETIER_WARMUP", 3), env("SPARSETIER_STEPS", 30));
+        let mut w = DecodeWorkload::new(shape, warmup + steps).unwrap();
         // SPARSETIER_KEEP=0: every selected page through the directory (no kept selections).
         let keep = std::env::var("SPARSETIER_KEEP").map_or(true, |v| v != "0");
         w.scheduler_mut().set_keep_selections(keep).unwrap();
-        w.run(3).unwrap();
-        let steps: u64 = std::env::var("SPARSETIER_STEPS")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(30);
+        w.run(warmup).unwrap();
         let before = w.scheduler().totals();
         let t = w.run(steps).unwrap();
         let after = w.scheduler().totals();
