@@ -1,4 +1,7 @@
-//! The object arena: slots of `Option<T>` indexed by a stable `usize`, with a free list.
+//! The object arena: slots of `Option<T>` indexed by a stable `usize`, with a free list, and
+//! beside them a column of `S` per slot (what the hot paths read rarely: the directory keeps
+//! each object's 64-byte hot state in the slots and its identity in the column, so that a pin,
+//! an unpin or an eviction reads one cache line, never two).
 //!
 //! It does what `slab` does for the directory, plus one thing `slab` cannot: the address of
 //! slot `i` is known without reading it ([`Arena::prefetch`]). A resolve over millions of
@@ -6,44 +9,50 @@
 //! lets those misses overlap, and that needs the address before the read.
 //!
 //! Invariants: `len` is the number of occupied slots; `free` lists exactly the vacant slots,
-//! each once; a removed slot is reused by a later insert (identity is the key, not the index:
-//! the directory's index map and hint checks see to that).
+//! each once; the column is as long as the slots (a vacant slot's entry is stale); a removed
+//! slot is reused by a later insert (identity is the key, not the index: the directory's index
+//! map and hint checks see to that).
 
-/// Slots of `T` with a free list.
+/// Slots of `T` with a free list, and a column of `S` beside them.
 #[derive(Debug, Clone)]
-pub struct Arena<T> {
+pub struct Arena<T, S = ()> {
     slots: Vec<Option<T>>,
+    column: Vec<S>,
     free: Vec<u32>,
     len: usize,
 }
 
-impl<T> Default for Arena<T> {
+impl<T, S> Default for Arena<T, S> {
     fn default() -> Self {
         Arena {
             slots: Vec::new(),
+            column: Vec::new(),
             free: Vec::new(),
             len: 0,
         }
     }
 }
 
-impl<T> Arena<T> {
+impl<T, S: Copy> Arena<T, S> {
     /// An empty arena.
     pub fn new() -> Self {
         Self::default()
     }
 
-    /// An empty arena with room for `n` values (at most 2^25) before it grows, its buffer
+    /// An empty arena with room for `n` values (at most 2^25) before it grows, its buffers
     /// backed by huge pages where the kernel allows (see [`huge_pages`]). The room is
     /// reserved, not touched: memory is committed as slots fill. Where the reservation is
     /// refused the arena starts empty and grows as [`Self::new`]'s does.
     pub fn with_capacity(n: usize) -> Self {
-        let mut slots = Vec::new();
-        if slots.try_reserve_exact(n.min(1 << 25)).is_ok() {
+        let n = n.min(1 << 25);
+        let (mut slots, mut column) = (Vec::new(), Vec::new());
+        if slots.try_reserve_exact(n).is_ok() && column.try_reserve_exact(n).is_ok() {
             huge_pages(&slots);
+            huge_pages(&column);
         }
         Arena {
             slots,
+            column,
             free: Vec::new(),
             len: 0,
         }
@@ -59,36 +68,99 @@ impl<T> Arena<T> {
         self.len == 0
     }
 
-    /// Stores `value` in a vacant slot (a freed one first) and returns its index.
-    pub fn insert(&mut self, value: T) -> usize {
+    /// Stores `value` in a vacant slot (a freed one first), `side` in its column entry, and
+    /// returns its index.
+    pub fn insert(&mut self, value: T, side: S) -> usize {
         self.len += 1;
         match self.free.pop() {
             Some(i) => {
                 let slot = &mut self.slots[i as usize];
                 debug_assert!(slot.is_none(), "free list names an occupied slot");
                 *slot = Some(value);
+                self.column[i as usize] = side;
                 i as usize
             }
             None => {
-                let cap = self.slots.capacity();
+                let cap = (self.slots.capacity(), self.column.capacity());
                 self.slots.push(Some(value));
-                if self.slots.capacity() != cap {
+                self.column.push(side);
+                if self.slots.capacity() != cap.0 {
                     huge_pages(&self.slots);
+                }
+                if self.column.capacity() != cap.1 {
+                    huge_pages(&self.column);
                 }
                 self.slots.len() - 1
             }
         }
     }
 
-    /// Takes the value out of slot `i`. Panics if it is vacant: callers hold only live
-    /// indices, so that is a broken internal invariant.
-    pub fn remove(&mut self, i: usize) -> T {
+    /// Takes the value out of slot `i`, with its column entry. Panics if it is vacant:
+    /// callers hold only live indices, so that is a broken internal invariant.
+    pub fn remove(&mut self, i: usize) -> (T, S) {
         let v = self.slots[i].take().expect("removing a vacant arena slot");
         self.free.push(i as u32);
         self.len -= 1;
-        v
+        (v, self.column[i])
     }
 
+    /// The column entry of slot `i`, if occupied.
+    #[inline]
+    pub fn side(&self, i: usize) -> Option<&S> {
+        self.contains(i).then(|| &self.column[i])
+    }
+
+    /// The column entry of slot `i`. Panics if it is vacant (callers hold live indices).
+    #[inline]
+    pub fn side_of(&self, i: usize) -> &S {
+        self.side(i).expect("a live arena index")
+    }
+
+    /// Hints the CPU to fetch the column entry of slot `i` (any `i` is harmless).
+    #[inline]
+    pub fn prefetch_side(&self, i: usize) {
+        prefetch_lines(self.column.as_ptr().wrapping_add(i).cast(), size_of::<S>());
+    }
+
+    /// Hints the CPU to fetch slot `i` (any `i`: out of range or vacant is harmless): every
+    /// cache line it spans. A slot larger than a line spans two or three; asking for the
+    /// first alone leaves the others to demand misses, taken one after another when the slot
+    /// is read (the Rust-only decode step, builds alternating: ~0.95x the time; through the
+    /// extension, paired in one process: no measurable change).
+    #[inline]
+    pub fn prefetch(&self, i: usize) {
+        prefetch_lines(
+            self.slots.as_ptr().wrapping_add(i).cast(),
+            size_of::<Option<T>>(),
+        );
+    }
+
+    /// Checks that `len`, the free list and the column agree with the slots.
+    pub fn validate(&self) -> Result<(), String> {
+        let occupied = self.slots.iter().filter(|s| s.is_some()).count();
+        if occupied != self.len || occupied + self.free.len() != self.slots.len() {
+            return Err(format!(
+                "{occupied} occupied + {} free != {} slots (len {})",
+                self.free.len(),
+                self.slots.len(),
+                self.len
+            ));
+        }
+        if self.column.len() != self.slots.len() {
+            return Err(format!(
+                "{} column entries for {} slots",
+                self.column.len(),
+                self.slots.len()
+            ));
+        }
+        if self.free.iter().any(|&i| self.slots[i as usize].is_some()) {
+            return Err("the free list names an occupied slot".into());
+        }
+        Ok(())
+    }
+}
+
+impl<T, S> Arena<T, S> {
     /// The value in slot `i`, if occupied.
     #[inline]
     pub fn get(&self, i: usize) -> Option<&T> {
@@ -102,31 +174,9 @@ impl<T> Arena<T> {
     }
 
     /// Whether slot `i` is occupied.
+    #[inline]
     pub fn contains(&self, i: usize) -> bool {
         self.get(i).is_some()
-    }
-
-    /// Hints the CPU to fetch slot `i` (any `i`: out of range or vacant is harmless): every
-    /// cache line it spans. A slot larger than a line spans two or three; asking for the
-    /// first alone leaves the others to demand misses, taken one after another when the slot
-    /// is read (the Rust-only decode step, builds alternating: ~0.95x the time; through the
-    /// extension, paired in one process: no measurable change).
-    #[inline]
-    pub fn prefetch(&self, i: usize) {
-        self.prefetch_head(i, std::mem::size_of::<Option<T>>());
-    }
-
-    /// [`Self::prefetch`] of the first `bytes` bytes of slot `i` only.
-    #[inline]
-    pub fn prefetch_head(&self, i: usize, bytes: usize) {
-        let p = self.slots.as_ptr().wrapping_add(i).cast::<u8>();
-        let head = p as usize % 64;
-        let line = p.wrapping_sub(head);
-        let mut off = 0;
-        while off < head + bytes.min(std::mem::size_of::<Option<T>>()) {
-            crate::prefetch::prefetch(line.wrapping_add(off));
-            off += 64;
-        }
     }
 
     /// Occupied slots and their values, in index order.
@@ -136,26 +186,9 @@ impl<T> Arena<T> {
             .enumerate()
             .filter_map(|(i, s)| s.as_ref().map(|v| (i, v)))
     }
-
-    /// Checks that `len` and the free list agree with the slots.
-    pub fn validate(&self) -> Result<(), String> {
-        let occupied = self.slots.iter().filter(|s| s.is_some()).count();
-        if occupied != self.len || occupied + self.free.len() != self.slots.len() {
-            return Err(format!(
-                "{occupied} occupied + {} free != {} slots (len {})",
-                self.free.len(),
-                self.slots.len(),
-                self.len
-            ));
-        }
-        if self.free.iter().any(|&i| self.slots[i as usize].is_some()) {
-            return Err("the free list names an occupied slot".into());
-        }
-        Ok(())
-    }
 }
 
-impl<'a, T> IntoIterator for &'a Arena<T> {
+impl<'a, T, S> IntoIterator for &'a Arena<T, S> {
     type Item = (usize, &'a T);
     type IntoIter = Box<dyn Iterator<Item = (usize, &'a T)> + 'a>;
     fn into_iter(self) -> Self::IntoIter {
@@ -163,7 +196,7 @@ impl<'a, T> IntoIterator for &'a Arena<T> {
     }
 }
 
-impl<T> std::ops::Index<usize> for Arena<T> {
+impl<T, S> std::ops::Index<usize> for Arena<T, S> {
     type Output = T;
     #[inline]
     fn index(&self, i: usize) -> &T {
@@ -171,10 +204,22 @@ impl<T> std::ops::Index<usize> for Arena<T> {
     }
 }
 
-impl<T> std::ops::IndexMut<usize> for Arena<T> {
+impl<T, S> std::ops::IndexMut<usize> for Arena<T, S> {
     #[inline]
     fn index_mut(&mut self, i: usize) -> &mut T {
         self.get_mut(i).expect("a live arena index")
+    }
+}
+
+/// Prefetches every cache line of the `bytes` bytes at `p` (an address only: never read).
+#[inline]
+fn prefetch_lines(p: *const u8, bytes: usize) {
+    let head = p as usize % 64;
+    let line = p.wrapping_sub(head);
+    let mut off = 0;
+    while off < head + bytes {
+        crate::prefetch::prefetch(line.wrapping_add(off));
+        off += 64;
     }
 }
 
@@ -185,13 +230,20 @@ mod tests {
     #[test]
     fn slots_are_reused_and_accounted() {
         let mut a = Arena::new();
-        let (x, y) = (a.insert("x"), a.insert("y"));
-        assert_eq!(a.remove(x), "x");
+        let (x, y) = (a.insert("x", 1), a.insert("y", 2));
+        assert_eq!(a.remove(x), ("x", 1));
         assert!(!a.contains(x) && a.get(y) == Some(&"y"));
-        let z = a.insert("z");
+        assert_eq!(
+            (a.side(x), a.side(y)),
+            (None, Some(&2)),
+            "a vacant slot has no entry"
+        );
+        let z = a.insert("z", 3);
         assert_eq!(z, x, "a freed slot is reused");
+        assert_eq!(*a.side_of(z), 3, "with its new column entry");
         assert_eq!(a.iter().map(|(_, v)| *v).collect::<Vec<_>>(), ["z", "y"]);
         a.prefetch(1_000_000); // harmless out of range
+        a.prefetch_side(1_000_000);
         a.validate().unwrap();
         assert_eq!(a.len(), 2);
     }
@@ -231,14 +283,16 @@ mod huge_page_tests {
     #[test]
     fn a_reserved_arena_fills_without_moving_and_grows_past_its_room() {
         let mut a = Arena::with_capacity(100_000);
-        let first = a.insert([0u64; 12]);
-        let base = a.slots.as_ptr();
+        let first = a.insert([0u64; 12], 0u32);
+        let base = (a.slots.as_ptr(), a.column.as_ptr());
         for i in 1..100_000u64 {
-            a.insert([i; 12]);
+            a.insert([i; 12], i as u32);
         }
-        assert_eq!(a.slots.as_ptr(), base, "the reserved room held every slot");
-        a.insert([7; 12]); // past the room: it grows
+        let now = (a.slots.as_ptr(), a.column.as_ptr());
+        assert_eq!(now, base, "the reserved room held every slot");
+        a.insert([7; 12], 7); // past the room: it grows
         assert_eq!((a.len(), a.get(first)), (100_001, Some(&[0u64; 12])));
+        assert_eq!((a.side(first), a.side(99_999)), (Some(&0), Some(&99_999)));
         a.validate().unwrap();
     }
 }

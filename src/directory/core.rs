@@ -19,7 +19,7 @@ use super::journal::{Journal, Op};
 use super::key::{Namespace, ObjectKey};
 use super::lru::Lru;
 use super::metrics::{ResolveMetrics, Totals};
-use super::state::{DeviceState, HostState, Object};
+use super::state::{DeviceState, HostState, Identity, Object};
 use super::transfer::{BackupPlan, LoadPlan, Transfer, TransferKind, TransferList, TransferState};
 use crate::alloc::PageAllocator;
 use crate::error::{Error, Result};
@@ -133,7 +133,8 @@ struct Quarantine {
 /// The residency directory's state and transitions.
 #[derive(Debug)]
 pub struct Core {
-    objects: Arena<Object>,
+    /// Objects' states, their identities in the column.
+    objects: Arena<Object, Identity>,
     index: FxHashMap<ObjectKey, usize>,
     namespaces: FxHashMap<Namespace, Vec<usize>>,
     dropped: FxHashSet<Namespace>,
@@ -262,11 +263,15 @@ impl Core {
             return SlotId::of_page(p);
         }
         // Evictions come in runs (one per load of a batch): fetch the victims ahead.
-        if let Some(i) = self.lru.ahead(PREFETCH_AHEAD) {
-            self.prefetch_hot(i);
-        }
+        let objects = &mut self.objects;
         let victim = self
-            .lru_pop()
+            .lru
+            .pop_front_ahead(PREFETCH_AHEAD, |i, seq, ahead| {
+                if let Some(a) = ahead {
+                    objects.prefetch(a);
+                }
+                take_lru_entry(objects, i, seq)
+            })
             .expect("caller checked free + evictable >= needed");
         let obj = &mut self.objects[victim];
         let DeviceState::Ready { slot } = obj.device else {
@@ -348,7 +353,7 @@ impl Core {
         let mut fresh = Vec::new();
         for (key, &home) in keys.iter().zip(homes) {
             match self.index.get(key) {
-                Some(&idx) if self.objects[idx].home == Some(home) => {}
+                Some(&idx) if self.objects.side_of(idx).home == Some(home) => {}
                 Some(_) => {
                     return Err(Error::KeyExists {
                         key: format!("{key} with another home than host slot {home}"),
@@ -388,19 +393,20 @@ impl Core {
         home: Option<HostSlotId>,
     ) -> usize {
         let stamp = self.tick();
-        let idx = self.objects.insert(Object {
-            key,
-            device,
-            host,
-            pins: 0,
-            stamp,
-            epoch: 0,
-            dropped: false,
-            load_failed: false,
-            lru_mark: 0,
-            held: 0,
-            home,
-        });
+        let idx = self.objects.insert(
+            Object {
+                device,
+                host,
+                pins: 0,
+                stamp,
+                epoch: 0,
+                dropped: false,
+                load_failed: false,
+                lru_mark: 0,
+                held: 0,
+            },
+            Identity { key, home },
+        );
         self.index.insert(key, idx);
         self.namespaces.entry(key.namespace).or_default().push(idx);
         idx
@@ -500,15 +506,14 @@ impl Core {
         if let Some(h) = hints {
             for &i in h {
                 self.objects.prefetch(i as usize);
+                self.objects.prefetch_side(i as usize);
             }
         }
         for (n, key) in keys.iter().enumerate() {
             if let Some(&h) = hints.and_then(|h| h.get(n)) {
                 let h = h as usize;
-                if self
-                    .objects
-                    .get(h)
-                    .is_some_and(|o| o.key == *key && !o.dropped)
+                if self.objects.get(h).is_some_and(|o| !o.dropped)
+                    && self.objects.side_of(h).key == *key
                 {
                     idxs.push(h);
                     continue;
@@ -569,17 +574,11 @@ impl Core {
             .collect()
     }
 
-    /// Hints the CPU to fetch object `idx` (a hint: any index is harmless).
+    /// Hints the CPU to fetch object `idx`'s state, one cache line (a hint: any index is
+    /// harmless).
     #[inline]
     fn prefetch_object(&self, idx: usize) {
         self.objects.prefetch(idx);
-    }
-
-    /// [`Self::prefetch_object`] of the fields pins, unpins, settles and evictions touch
-    /// (not the key): one cache line where the object starts a line.
-    #[inline]
-    fn prefetch_hot(&self, idx: usize) {
-        self.objects.prefetch_head(idx, Object::HOT_BYTES);
     }
 
     fn commit_resolve(
@@ -800,6 +799,7 @@ impl Core {
         let objects = std::mem::take(&mut t.objects);
         let mut q = Quarantine::default();
         for &idx in &objects {
+            let homed = self.objects.side_of(idx).home.is_some();
             let obj = &mut self.objects[idx];
             match kind {
                 TransferKind::Load => {
@@ -816,7 +816,7 @@ impl Core {
                     };
                     obj.host = HostState::None;
                     // A home is its owner's to keep: only directory slots wait here.
-                    if obj.home.is_none() {
+                    if !homed {
                         q.host.push(slot);
                     }
                 }
@@ -887,23 +887,17 @@ impl Core {
     /// Pops the least recently used evictable object.
     fn lru_pop(&mut self) -> Option<usize> {
         let objects = &mut self.objects;
-        self.lru.pop_front(|i, seq| match objects.get_mut(i) {
-            Some(o) if o.lru_mark == seq => {
-                o.lru_mark = 0;
-                true
-            }
-            _ => false,
-        })
+        self.lru.pop_front(|i, seq| take_lru_entry(objects, i, seq))
     }
 
     /// Removes a dropped object, freeing the slots it holds.
     fn reap(&mut self, idx: usize) {
         self.lru.remove(&mut self.objects[idx].lru_mark);
-        let obj = self.objects.remove(idx);
-        if let Some(n) = self.lingering.get_mut(&obj.key.namespace) {
+        let (obj, id) = self.objects.remove(idx);
+        if let Some(n) = self.lingering.get_mut(&id.key.namespace) {
             *n -= 1;
             if *n == 0 {
-                self.lingering.remove(&obj.key.namespace);
+                self.lingering.remove(&id.key.namespace);
             }
         }
         if let DeviceState::Ready { slot } = obj.device {
@@ -911,7 +905,7 @@ impl Core {
                 .free(&[slot.page()])
                 .expect("a Ready object's slot is allocated");
         }
-        if let (HostState::Ready { slot }, None) = (obj.host, obj.home) {
+        if let (HostState::Ready { slot }, None) = (obj.host, id.home) {
             self.host
                 .free(&[slot.page()])
                 .expect("a Ready host copy's slot is allocated");
@@ -968,11 +962,11 @@ impl Core {
         m.ready_ns = ready;
         // By release time the batch's objects have usually left the cache: fetch ahead.
         for &idx in h.objects.iter().take(PREFETCH_AHEAD) {
-            self.prefetch_hot(idx);
+            self.prefetch_object(idx);
         }
         for (n, &idx) in h.objects.iter().enumerate() {
             if let Some(&ahead) = h.objects.get(n + PREFETCH_AHEAD) {
-                self.prefetch_hot(ahead);
+                self.prefetch_object(ahead);
             }
             let stamp = self.tick();
             let obj = &mut self.objects[idx];
@@ -993,11 +987,11 @@ impl Core {
         // Checked first, fetching ahead (the objects are cold); the pass below finds them in
         // cache.
         for &i in objects.iter().take(PREFETCH_AHEAD) {
-            self.prefetch_hot(i as usize);
+            self.prefetch_object(i as usize);
         }
         if let Some(&bad) = objects.iter().enumerate().find_map(|(n, i)| {
             if let Some(&ahead) = objects.get(n + PREFETCH_AHEAD) {
-                self.prefetch_hot(ahead as usize);
+                self.prefetch_object(ahead as usize);
             }
             self.objects
                 .get(*i as usize)
@@ -1031,11 +1025,11 @@ impl Core {
         // Stage: take the held counts, putting them back if one is refused (fetching ahead:
         // the objects are cold; the pass below finds them in cache).
         for &i in objects.iter().take(PREFETCH_AHEAD) {
-            self.prefetch_hot(i as usize);
+            self.prefetch_object(i as usize);
         }
         for (n, &i) in objects.iter().enumerate() {
             if let Some(&ahead) = objects.get(n + PREFETCH_AHEAD) {
-                self.prefetch_hot(ahead as usize);
+                self.prefetch_object(ahead as usize);
             }
             match self.objects.get_mut(i as usize) {
                 Some(o) if o.held > 0 => o.held -= 1,
@@ -1048,11 +1042,11 @@ impl Core {
             }
         }
         for &i in objects.iter().take(PREFETCH_AHEAD) {
-            self.prefetch_hot(i as usize);
+            self.prefetch_object(i as usize);
         }
         for (n, &i) in objects.iter().enumerate() {
             if let Some(&ahead) = objects.get(n + PREFETCH_AHEAD) {
-                self.prefetch_hot(ahead as usize);
+                self.prefetch_object(ahead as usize);
             }
             let stamp = self.tick();
             let obj = &mut self.objects[i as usize];
@@ -1118,7 +1112,7 @@ impl Core {
         }
         let owned = todo
             .iter()
-            .filter(|&&i| self.objects[i].home.is_none())
+            .filter(|&&i| self.objects.side_of(i).home.is_none())
             .count();
         if owned > self.host.free_count() {
             return Err(Error::OutOfSlots {
@@ -1150,7 +1144,7 @@ impl Core {
             host_slots: Vec::with_capacity(todo.len()),
         };
         for &idx in &todo {
-            let hslot = match self.objects[idx].home {
+            let hslot = match self.objects.side_of(idx).home {
                 Some(home) => home,
                 None => HostSlotId::of_page(self.host.alloc_one().expect("counted above")),
             };
@@ -1183,7 +1177,7 @@ impl Core {
                 unreachable!("LRU list holds only device-Ready objects")
             };
             obj.device = DeviceState::Absent;
-            out.push(obj.key);
+            out.push(self.objects.side_of(idx).key);
             self.device
                 .free(&[slot.page()])
                 .expect("a Ready object's slot is allocated");
@@ -1209,9 +1203,8 @@ impl Core {
         self.forget_old_drops();
         let (mut now, mut later) = (0, 0);
         for idx in self.namespaces.remove(&ns).unwrap_or_default() {
-            let obj = &mut self.objects[idx];
-            obj.dropped = true;
-            let key = obj.key;
+            self.objects[idx].dropped = true;
+            let key = self.objects.side_of(idx).key;
             self.index.remove(&key);
             self.lru.remove(&mut self.objects[idx].lru_mark);
             if self.objects[idx].reapable() {
@@ -1260,7 +1253,7 @@ impl Core {
                     && matches!(o.device, DeviceState::Ready { .. })
                     && matches!(o.host, HostState::None)
             })
-            .map(|(_, o)| o.key)
+            .map(|(i, _)| self.objects.side_of(i).key)
             .collect()
     }
 
@@ -1381,17 +1374,18 @@ impl Core {
             }
         }
         for (idx, o) in &self.objects {
+            let Identity { key, home } = *self.objects.side_of(idx);
             if let Some(s) = o.device_slot() {
                 if !self.device.is_allocated(s.page()) {
-                    return Err(format!("{} holds device slot {s}, which is free", o.key));
+                    return Err(format!("{} holds device slot {s}, which is free", key));
                 }
                 if let Some(other) = dev_owner.insert(s, idx) {
                     return Err(format!("device slot {s} held by objects {other} and {idx}"));
                 }
             }
-            if let Some(home) = o.home {
+            if let Some(home) = home {
                 if o.host_slot().is_some_and(|s| s != home) {
-                    return Err(format!("{} holds a host slot other than its home", o.key));
+                    return Err(format!("{} holds a host slot other than its home", key));
                 }
                 // One live object per home. A dropped one may linger there (a load reading the
                 // old page), but never write it: only a Writing object writes its home.
@@ -1403,7 +1397,7 @@ impl Core {
                 }
             } else if let Some(s) = o.host_slot() {
                 if !self.host.is_allocated(s.page()) {
-                    return Err(format!("{} holds host slot {s}, which is free", o.key));
+                    return Err(format!("{} holds host slot {s}, which is free", key));
                 }
                 if let Some(other) = host_owner.insert(s, idx) {
                     return Err(format!("host slot {s} held by objects {other} and {idx}"));
@@ -1412,7 +1406,7 @@ impl Core {
             if (o.lru_mark != 0) != o.evictable() {
                 return Err(format!(
                     "{}: in LRU list = {}, evictable = {} (pins {}, {}, {})",
-                    o.key,
+                    key,
                     o.lru_mark != 0,
                     o.evictable(),
                     o.pins,
@@ -1423,23 +1417,24 @@ impl Core {
             if pins.get(&idx).copied().unwrap_or(0) + u32::from(o.held) != o.pins {
                 return Err(format!(
                     "{}: pin count {} disagrees with handles and {} held",
-                    o.key, o.pins, o.held
+                    key, o.pins, o.held
                 ));
             }
             if o.held > 0 && !matches!(o.device, DeviceState::Ready { .. }) {
-                return Err(format!("{} held, but {}", o.key, o.device));
+                return Err(format!("{} held, but {}", key, o.device));
             }
             if let DeviceState::Loading { transfer, .. } = o.device {
-                let t = self.transfers.get(&transfer).ok_or_else(|| {
-                    format!("{} Loading under unknown transfer {transfer}", o.key)
-                })?;
+                let t = self
+                    .transfers
+                    .get(&transfer)
+                    .ok_or_else(|| format!("{} Loading under unknown transfer {transfer}", key))?;
                 if t.state != TransferState::InFlight
                     || t.kind != TransferKind::Load
                     || !t.objects.contains(&idx)
                 {
                     return Err(format!(
                         "{} Loading, but transfer {transfer} does not carry it",
-                        o.key
+                        key
                     ));
                 }
             }
@@ -1452,20 +1447,20 @@ impl Core {
                 if !ok {
                     return Err(format!(
                         "{} Writing, but backup {transfer} does not carry it",
-                        o.key
+                        key
                     ));
                 }
             }
-            if o.dropped == self.index.get(&o.key).is_some_and(|&i| i == idx) {
+            if o.dropped == self.index.get(&key).is_some_and(|&i| i == idx) {
                 return Err(format!(
                     "{}: dropped = {} disagrees with the index",
-                    o.key, o.dropped
+                    key, o.dropped
                 ));
             }
             if o.reapable() {
                 return Err(format!(
                     "{} was dropped and is unreferenced, yet not removed",
-                    o.key
+                    key
                 ));
             }
         }
@@ -1529,6 +1524,19 @@ impl Core {
 }
 
 /// An empty batch is a caller bug (a selection always holds the sink block), not a no-op.
+/// Whether the LRU entry `(i, seq)` is live (object `i`'s mark is `seq`); if so, clears the
+/// mark.
+#[inline]
+fn take_lru_entry(objects: &mut Arena<Object, Identity>, i: usize, seq: u64) -> bool {
+    match objects.get_mut(i) {
+        Some(o) if o.lru_mark == seq => {
+            o.lru_mark = 0;
+            true
+        }
+        _ => false,
+    }
+}
+
 fn non_empty(keys: &[ObjectKey]) -> Result<()> {
     if keys.is_empty() {
         Err(Error::config(

@@ -70,20 +70,29 @@ impl Lru {
     /// Removes and returns the least recently used member. `take(i, seq)` says whether
     /// object `i`'s mark is `seq` (the entry is live) and, if so, clears it.
     pub fn pop_front(&mut self, mut take: impl FnMut(usize, u64) -> bool) -> Option<usize> {
+        self.pop_front_ahead(usize::MAX, |i, s, _| take(i, s))
+    }
+
+    /// [`Self::pop_front`] whose `take(i, seq, ahead)` also gets the object of the entry
+    /// `distance` places behind each entry it reads, live or stale, to prefetch: every entry a
+    /// run of pops reads is then announced once, `distance` reads before. (One prefetch per
+    /// pop skipped the stale entries' objects, each a cache miss as costly as a live one's.)
+    pub fn pop_front_ahead(
+        &mut self,
+        distance: usize,
+        mut take: impl FnMut(usize, u64, Option<usize>) -> bool,
+    ) -> Option<usize> {
         while let Some((i, s)) = self.queue.pop_front() {
-            if take(i as usize, s) {
+            let ahead = self
+                .queue
+                .get(distance.wrapping_sub(1))
+                .map(|&(a, _)| a as usize);
+            if take(i as usize, s, ahead) {
                 self.len -= 1;
                 return Some(i as usize);
             }
         }
         None
-    }
-
-    /// The object of the entry `n` places after the front (live or stale): what a run of pops
-    /// will read soon, to prefetch.
-    #[inline]
-    pub fn ahead(&self, n: usize) -> Option<usize> {
-        self.queue.get(n).map(|&(i, _)| i as usize)
     }
 
     /// Drops stale entries once they outnumber the members (amortized O(1) per push).

@@ -52,15 +52,13 @@ pub enum HostState {
     },
 }
 
-/// One tracked object.
-///
-/// Laid out by hand: what pins, unpins, settles and evicts touch comes first, in the first 64
-/// bytes ([`Object::HOT_BYTES`]); the key and the home, read by resolve's hint check and by
-/// rarer paths, after. Aligned to 32 bytes, so that the 96-byte object starts at 0 or 32 in a
-/// cache line and its hot part spans one line or two, never three. Those paths prefetch the
-/// hot part only: in a directory of millions of objects each line is a cache miss.
+/// One tracked object's state: what pins, unpins, settles, evictions and resolves read and
+/// write, in exactly one 64-byte cache line (aligned to it). Its identity, which only the
+/// hint check and rarer paths read, lives apart ([`Identity`], the arena's column): the
+/// 96-byte object of before held both, so that half the objects' state straddled two lines,
+/// and in a directory of millions of objects each line is a cache miss.
 #[derive(Debug, Clone)]
-#[repr(C, align(32))]
+#[repr(C, align(64))]
 pub struct Object {
     /// Device tier.
     pub device: DeviceState,
@@ -81,7 +79,14 @@ pub struct Object {
     pub dropped: bool,
     /// Its last load failed; the next load counts as a retry.
     pub load_failed: bool,
-    /// Identity.
+}
+
+/// An object's identity and fixed place, beside its [`Object`] state (32 bytes, aligned, so
+/// one cache line).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(C, align(32))]
+pub struct Identity {
+    /// Its key.
     pub key: ObjectKey,
     /// Its host copy's fixed place, owned outside the directory (a prefix-cache host page's
     /// layer): backed up there, never taken from or freed to the directory's host allocator.
@@ -89,9 +94,6 @@ pub struct Object {
 }
 
 impl Object {
-    /// The bytes of the fields every pin, unpin, settle and eviction touches.
-    pub const HOT_BYTES: usize = std::mem::offset_of!(Object, key);
-
     /// The device slot it occupies (Loading or Ready), if any.
     pub fn device_slot(&self) -> Option<SlotId> {
         match self.device {
@@ -151,13 +153,14 @@ impl fmt::Display for HostState {
 
 #[cfg(test)]
 mod layout_tests {
-    use super::Object;
+    use super::{Identity, Object};
 
     #[test]
-    fn the_hot_fields_fill_one_line_and_the_object_stays_96_bytes() {
-        assert_eq!(Object::HOT_BYTES, 64);
-        assert_eq!(std::mem::size_of::<Object>(), 96);
-        assert_eq!(std::mem::size_of::<Option<Object>>(), 96);
-        assert_eq!(std::mem::align_of::<Option<Object>>(), 32);
+    fn an_object_fills_one_line_and_its_identity_half_of_one() {
+        assert_eq!(std::mem::size_of::<Object>(), 64);
+        assert_eq!(std::mem::size_of::<Option<Object>>(), 64);
+        assert_eq!(std::mem::align_of::<Option<Object>>(), 64);
+        assert_eq!(std::mem::size_of::<Identity>(), 32);
+        assert_eq!(std::mem::align_of::<Identity>(), 32);
     }
 }
