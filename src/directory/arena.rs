@@ -8,18 +8,29 @@
 //! objects is bound by one cache miss per object; prefetching the objects a few keys ahead
 //! lets those misses overlap, and that needs the address before the read.
 //!
+//! Every slot has a generation, bumped when its value is removed: a value is created knowing
+//! its slot's generation (it keeps it, [`Versioned`]), so an (index, generation) pair names
+//! one value and never the one that reuses the slot after it (until the slot has been reused
+//! 2^32 times). The generation of a vacant slot waits in the free list.
+//!
 //! Invariants: `len` is the number of occupied slots; `free` lists exactly the vacant slots,
-//! each once; the column is as long as the slots (a vacant slot's entry is stale); a removed
-//! slot is reused by a later insert (identity is the key, not the index: the directory's index
-//! map and hint checks see to that).
+//! each once, with the generation their next value gets; the column is as long as the slots
+//! (a vacant slot's entry is stale).
 
 /// Slots of `T` with a free list, and a column of `S` beside them.
 #[derive(Debug, Clone)]
 pub struct Arena<T, S = ()> {
     slots: Vec<Option<T>>,
     column: Vec<S>,
-    free: Vec<u32>,
+    /// Vacant slots, each with the generation its next value gets.
+    free: Vec<(u32, u32)>,
     len: usize,
+}
+
+/// A value that keeps the generation of the arena slot it was created in.
+pub trait Versioned {
+    /// The generation it was created under.
+    fn generation(&self) -> u32;
 }
 
 impl<T, S> Default for Arena<T, S> {
@@ -33,7 +44,7 @@ impl<T, S> Default for Arena<T, S> {
     }
 }
 
-impl<T, S: Copy> Arena<T, S> {
+impl<T: Versioned, S: Copy> Arena<T, S> {
     /// An empty arena.
     pub fn new() -> Self {
         Self::default()
@@ -68,12 +79,18 @@ impl<T, S: Copy> Arena<T, S> {
         self.len == 0
     }
 
-    /// Stores `value` in a vacant slot (a freed one first), `side` in its column entry, and
-    /// returns its index.
-    pub fn insert(&mut self, value: T, side: S) -> usize {
+    /// Stores `make(generation)` in a vacant slot (a freed one first), `side` in its column
+    /// entry, and returns its index; `generation` is the slot's, which the value must keep.
+    pub fn insert(&mut self, side: S, make: impl FnOnce(u32) -> T) -> usize {
         self.len += 1;
         match self.free.pop() {
-            Some(i) => {
+            Some((i, generation)) => {
+                let value = make(generation);
+                debug_assert_eq!(
+                    value.generation(),
+                    generation,
+                    "a value keeps its generation"
+                );
                 let slot = &mut self.slots[i as usize];
                 debug_assert!(slot.is_none(), "free list names an occupied slot");
                 *slot = Some(value);
@@ -81,6 +98,8 @@ impl<T, S: Copy> Arena<T, S> {
                 i as usize
             }
             None => {
+                let value = make(0);
+                debug_assert_eq!(value.generation(), 0, "a value keeps its generation");
                 let cap = (self.slots.capacity(), self.column.capacity());
                 self.slots.push(Some(value));
                 self.column.push(side);
@@ -95,13 +114,20 @@ impl<T, S: Copy> Arena<T, S> {
         }
     }
 
-    /// Takes the value out of slot `i`, with its column entry. Panics if it is vacant:
-    /// callers hold only live indices, so that is a broken internal invariant.
+    /// Takes the value out of slot `i`, with its column entry, and bumps the slot's
+    /// generation. Panics if it is vacant: callers hold only live indices, so that is a broken
+    /// internal invariant.
     pub fn remove(&mut self, i: usize) -> (T, S) {
         let v = self.slots[i].take().expect("removing a vacant arena slot");
-        self.free.push(i as u32);
+        self.free.push((i as u32, v.generation().wrapping_add(1)));
         self.len -= 1;
         (v, self.column[i])
+    }
+
+    /// The value at `index` if it is still the one created under `generation`.
+    #[inline]
+    pub fn get_versioned(&self, index: usize, generation: u32) -> Option<&T> {
+        self.get(index).filter(|v| v.generation() == generation)
     }
 
     /// The column entry of slot `i`, if occupied.
@@ -153,7 +179,11 @@ impl<T, S: Copy> Arena<T, S> {
                 self.slots.len()
             ));
         }
-        if self.free.iter().any(|&i| self.slots[i as usize].is_some()) {
+        if self
+            .free
+            .iter()
+            .any(|&(i, _)| self.slots[i as usize].is_some())
+        {
             return Err("the free list names an occupied slot".into());
         }
         Ok(())
@@ -185,6 +215,11 @@ impl<T, S> Arena<T, S> {
             .iter()
             .enumerate()
             .filter_map(|(i, s)| s.as_ref().map(|v| (i, v)))
+    }
+
+    /// Every occupied slot's value, in index order.
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.slots.iter_mut().flatten()
     }
 }
 
@@ -227,25 +262,60 @@ fn prefetch_lines(p: *const u8, bytes: usize) {
 mod tests {
     use super::*;
 
+    /// A test value: a name and the generation it was made under.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub(super) struct V(pub &'static str, pub u32);
+
+    impl Versioned for V {
+        fn generation(&self) -> u32 {
+            self.1
+        }
+    }
+
     #[test]
     fn slots_are_reused_and_accounted() {
         let mut a = Arena::new();
-        let (x, y) = (a.insert("x", 1), a.insert("y", 2));
-        assert_eq!(a.remove(x), ("x", 1));
-        assert!(!a.contains(x) && a.get(y) == Some(&"y"));
+        let x = a.insert(1, |g| V("x", g));
+        let y = a.insert(2, |g| V("y", g));
+        assert_eq!(a.remove(x), (V("x", 0), 1));
+        assert!(!a.contains(x) && a.get(y) == Some(&V("y", 0)));
         assert_eq!(
             (a.side(x), a.side(y)),
             (None, Some(&2)),
             "a vacant slot has no entry"
         );
-        let z = a.insert("z", 3);
+        let z = a.insert(3, |g| V("z", g));
         assert_eq!(z, x, "a freed slot is reused");
         assert_eq!(*a.side_of(z), 3, "with its new column entry");
-        assert_eq!(a.iter().map(|(_, v)| *v).collect::<Vec<_>>(), ["z", "y"]);
+        assert_eq!(a.iter().map(|(_, v)| v.0).collect::<Vec<_>>(), ["z", "y"]);
         a.prefetch(1_000_000); // harmless out of range
         a.prefetch_side(1_000_000);
         a.validate().unwrap();
         assert_eq!(a.len(), 2);
+    }
+
+    #[test]
+    fn a_generation_names_one_value_of_a_slot_never_the_next() {
+        let mut a: Arena<V> = Arena::new();
+        let x = a.insert((), |g| V("x", g));
+        assert_eq!(a.get_versioned(x, 0), Some(&V("x", 0)));
+        a.remove(x);
+        assert_eq!(a.get_versioned(x, 0), None, "vacant");
+        let y = a.insert((), |g| V("y", g));
+        assert_eq!(y, x);
+        assert_eq!(
+            a.get_versioned(y, 0),
+            None,
+            "the slot's old generation names x, gone"
+        );
+        assert_eq!(a.get_versioned(y, 1), Some(&V("y", 1)));
+        a.remove(y);
+        let z = a.insert((), |g| V("z", g));
+        assert_eq!(
+            (a.get_versioned(z, 1), a.get_versioned(z, 2)),
+            (None, Some(&V("z", 2)))
+        );
+        assert_eq!(a.get_versioned(99, 0), None, "out of range");
     }
 }
 
@@ -278,20 +348,21 @@ fn huge_pages<T>(v: &Vec<T>) {
 
 #[cfg(test)]
 mod huge_page_tests {
+    use super::tests::V;
     use super::Arena;
 
     #[test]
     fn a_reserved_arena_fills_without_moving_and_grows_past_its_room() {
         let mut a = Arena::with_capacity(100_000);
-        let first = a.insert([0u64; 12], 0u32);
+        let first = a.insert(0u32, |g| V("first", g));
         let base = (a.slots.as_ptr(), a.column.as_ptr());
-        for i in 1..100_000u64 {
-            a.insert([i; 12], i as u32);
+        for i in 1..100_000u32 {
+            a.insert(i, |g| V("", g));
         }
         let now = (a.slots.as_ptr(), a.column.as_ptr());
         assert_eq!(now, base, "the reserved room held every slot");
-        a.insert([7; 12], 7); // past the room: it grows
-        assert_eq!((a.len(), a.get(first)), (100_001, Some(&[0u64; 12])));
+        a.insert(7, |g| V("", g)); // past the room: it grows
+        assert_eq!((a.len(), a.get(first)), (100_001, Some(&V("first", 0))));
         assert_eq!((a.side(first), a.side(99_999)), (Some(&0), Some(&99_999)));
         a.validate().unwrap();
     }

@@ -19,7 +19,7 @@ use super::journal::{Journal, Op};
 use super::key::{Namespace, ObjectKey};
 use super::lru::Lru;
 use super::metrics::{ResolveMetrics, Totals};
-use super::state::{DeviceState, HostState, Identity, Object};
+use super::state::{DeviceState, HostState, Identity, Object, ObjectHint};
 use super::transfer::{BackupPlan, LoadPlan, Transfer, TransferKind, TransferList, TransferState};
 use crate::alloc::PageAllocator;
 use crate::error::{Error, Result};
@@ -153,7 +153,8 @@ pub struct Core {
     next_transfer: u64,
     next_handle: u64,
     clock: u64,
-    epoch: u64,
+    /// The last batch's number (resolve or backup); objects it saw carry it.
+    epoch: u32,
     object_bytes: u64,
     totals: Totals,
     t0: Instant,
@@ -210,6 +211,23 @@ impl Core {
             idx_scratch: Vec::new(),
             journal: None,
         })
+    }
+
+    /// A new batch number. Once they run out (2^32 batches) every object's is cleared and
+    /// numbering starts again, so that no object can carry a current number it was not given.
+    fn next_epoch(&mut self) -> u32 {
+        if self.epoch == u32::MAX {
+            self.objects.values_mut().for_each(|o| o.epoch = 0);
+            self.epoch = 0;
+        }
+        self.epoch += 1;
+        self.epoch
+    }
+
+    /// Sets the last batch number, as if that many batches had run (tests of the wrap).
+    #[cfg(test)]
+    pub(crate) fn set_epoch(&mut self, epoch: u32) {
+        self.epoch = epoch;
     }
 
     fn now_ns(&self) -> u64 {
@@ -393,20 +411,20 @@ impl Core {
         home: Option<HostSlotId>,
     ) -> usize {
         let stamp = self.tick();
-        let idx = self.objects.insert(
-            Object {
+        let idx = self
+            .objects
+            .insert(Identity { key, home }, |generation| Object {
                 device,
                 host,
                 pins: 0,
                 stamp,
                 epoch: 0,
+                generation,
                 dropped: false,
                 load_failed: false,
                 lru_mark: 0,
                 held: 0,
-            },
-            Identity { key, home },
-        );
+            });
         self.index.insert(key, idx);
         self.namespaces.entry(key.namespace).or_default().push(idx);
         idx
@@ -419,13 +437,14 @@ impl Core {
         self.resolve_hinted(keys, None, bytes_needed)
     }
 
-    /// [`Self::resolve`] with `hints[i]`, where known, the object index of `keys[i]` (from
-    /// [`Self::index_of`]): it saves the hash probe. A hint is checked against the key, so a
-    /// stale one falls back to the index map instead of aliasing another object.
+    /// [`Self::resolve`] with `hints[i]`, where known, where `keys[i]`'s object is (from
+    /// [`Self::index_of`]): it saves the hash probe. A hint is checked against its slot's
+    /// generation, so a stale one falls back to the index map instead of aliasing the object
+    /// that reused the slot.
     pub fn resolve_hinted(
         &mut self,
         keys: &[ObjectKey],
-        hints: Option<&[u32]>,
+        hints: Option<&[ObjectHint]>,
         bytes_needed: Option<u64>,
     ) -> Result<Resolved> {
         self.resolve_inner(keys, hints, bytes_needed, true)
@@ -439,7 +458,7 @@ impl Core {
     pub fn prefetch_loads(
         &mut self,
         keys: &[ObjectKey],
-        hints: Option<&[u32]>,
+        hints: Option<&[ObjectHint]>,
     ) -> Result<Resolved> {
         self.resolve_inner(keys, hints, None, false)
     }
@@ -447,13 +466,12 @@ impl Core {
     fn resolve_inner(
         &mut self,
         keys: &[ObjectKey],
-        hints: Option<&[u32]>,
+        hints: Option<&[ObjectHint]>,
         bytes_needed: Option<u64>,
         pin_present: bool,
     ) -> Result<Resolved> {
         non_empty(keys)?;
-        self.epoch += 1;
-        let epoch = self.epoch;
+        let epoch = self.next_epoch();
         let mut scratch = std::mem::take(&mut self.scratch);
         scratch.clear();
         let staged = self.stage_resolve(keys, hints, epoch, &mut scratch);
@@ -491,8 +509,8 @@ impl Core {
     fn stage_resolve(
         &mut self,
         keys: &[ObjectKey],
-        hints: Option<&[u32]>,
-        epoch: u64,
+        hints: Option<&[ObjectHint]>,
+        epoch: u32,
         scratch: &mut Vec<(usize, Class)>,
     ) -> Result<(usize, usize)> {
         let mut loads = 0;
@@ -505,17 +523,21 @@ impl Core {
         idxs.clear();
         if let Some(h) = hints {
             for &i in h {
-                self.objects.prefetch(i as usize);
-                self.objects.prefetch_side(i as usize);
+                self.objects.prefetch(i.index() as usize);
             }
         }
         for (n, key) in keys.iter().enumerate() {
             if let Some(&h) = hints.and_then(|h| h.get(n)) {
-                let h = h as usize;
-                if self.objects.get(h).is_some_and(|o| !o.dropped)
-                    && self.objects.side_of(h).key == *key
+                let i = h.index() as usize;
+                // The generation proves the hint still names the object it was taken for,
+                // from the state line alone (the key would be a second line).
+                if self
+                    .objects
+                    .get_versioned(i, h.generation())
+                    .is_some_and(|o| !o.dropped)
                 {
-                    idxs.push(h);
+                    debug_assert_eq!(self.objects.side_of(i).key, *key, "a hint of another key");
+                    idxs.push(i);
                     continue;
                 }
             }
@@ -566,11 +588,15 @@ impl Core {
         Ok((loads, keep))
     }
 
-    /// The object index of each live key (`u32::MAX` where none): hints for
+    /// Where each live key's object is ([`ObjectHint::NONE`] where none): hints for
     /// [`Self::resolve_hinted`].
-    pub fn index_of(&self, keys: &[ObjectKey]) -> Vec<u32> {
+    pub fn index_of(&self, keys: &[ObjectKey]) -> Vec<ObjectHint> {
         keys.iter()
-            .map(|k| self.index.get(k).map_or(u32::MAX, |&i| i as u32))
+            .map(|k| {
+                self.index.get(k).map_or(ObjectHint::NONE, |&i| {
+                    ObjectHint::new(i as u32, self.objects[i].generation)
+                })
+            })
             .collect()
     }
 
@@ -1089,8 +1115,7 @@ impl Core {
     /// already backed up or being backed up are skipped. All or nothing.
     pub fn backup(&mut self, keys: &[ObjectKey]) -> Result<BackupPlan> {
         non_empty(keys)?;
-        self.epoch += 1;
-        let epoch = self.epoch;
+        let epoch = self.next_epoch();
         let mut todo = Vec::new();
         for key in keys {
             let idx = self.lookup(key)?;

@@ -28,7 +28,7 @@ pub mod transfer;
 pub use self::core::{DirectoryConfig, DirectoryStats, Resolved};
 pub use key::{LayerGroup, Namespace, ObjectKey};
 pub use metrics::{token_pages, ResolveMetrics, TokenPages, Totals};
-pub use state::{DeviceState, HostState};
+pub use state::{DeviceState, HostState, ObjectHint};
 pub use transfer::{BackupPlan, LoadPlan};
 
 use crate::error::{Error, Result};
@@ -97,7 +97,7 @@ impl Directory {
     pub fn resolve_hinted(
         &self,
         keys: &[ObjectKey],
-        hints: &[u32],
+        hints: &[ObjectHint],
         bytes_needed: Option<u64>,
     ) -> Result<Resolved> {
         self.core
@@ -106,12 +106,18 @@ impl Directory {
     }
 
     /// See [`core::Core::prefetch_loads`].
-    pub fn prefetch_loads(&self, keys: &[ObjectKey], hints: &[u32]) -> Result<Resolved> {
+    pub fn prefetch_loads(&self, keys: &[ObjectKey], hints: &[ObjectHint]) -> Result<Resolved> {
         self.core.lock().prefetch_loads(keys, Some(hints))
     }
 
+    /// See [`core::Core::set_epoch`].
+    #[cfg(test)]
+    pub(crate) fn set_epoch(&self, epoch: u32) {
+        self.core.lock().set_epoch(epoch);
+    }
+
     /// See [`core::Core::index_of`].
-    pub fn index_of(&self, keys: &[ObjectKey]) -> Vec<u32> {
+    pub fn index_of(&self, keys: &[ObjectKey]) -> Vec<ObjectHint> {
         self.core.lock().index_of(keys)
     }
 

@@ -69,7 +69,10 @@ pub struct Object {
     /// Logical time of the last access (resolve, release, or becoming evictable).
     pub stamp: u64,
     /// Batch number of the last batch that saw it: dedups keys inside one batch in O(1).
-    pub epoch: u64,
+    pub epoch: u32,
+    /// Its arena slot's generation when it was created: an [`ObjectHint`] names it only
+    /// while this matches (the slot may hold another object later).
+    pub generation: u32,
     /// Outstanding pins (one per pin handle that holds it, plus `held`).
     pub pins: u32,
     /// Pins held outside any handle ([`crate::directory::Directory::hold`]): the step
@@ -79,6 +82,45 @@ pub struct Object {
     pub dropped: bool,
     /// Its last load failed; the next load counts as a retry.
     pub load_failed: bool,
+}
+
+impl super::arena::Versioned for Object {
+    fn generation(&self) -> u32 {
+        self.generation
+    }
+}
+
+/// Where an object lives in the directory's arena, as of when the hint was taken: its slot
+/// and the slot's generation then. A resolve given a hint reads only the object's state line
+/// to check it (the generation must still match, so a slot reused by another object since is
+/// refused and the key is looked up instead); checking the key itself read a second line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectHint {
+    index: u32,
+    generation: u32,
+}
+
+impl ObjectHint {
+    /// No hint: the key is looked up.
+    pub const NONE: ObjectHint = ObjectHint {
+        index: u32::MAX,
+        generation: 0,
+    };
+
+    /// The object at arena slot `index`, created under `generation`.
+    pub const fn new(index: u32, generation: u32) -> Self {
+        ObjectHint { index, generation }
+    }
+
+    /// Its arena slot (`u32::MAX` for [`Self::NONE`]).
+    pub const fn index(self) -> u32 {
+        self.index
+    }
+
+    /// The slot's generation it names.
+    pub const fn generation(self) -> u32 {
+        self.generation
+    }
 }
 
 /// An object's identity and fixed place, beside its [`Object`] state (32 bytes, aligned, so

@@ -39,7 +39,7 @@ use super::record::StepRecord;
 use super::request::{Kept, Prefix, RequestState};
 use super::selection::{RowDedup, SelectionUnit};
 use crate::config::HitPolicy;
-use crate::directory::{Directory, DirectoryConfig, LayerGroup, ObjectKey, Resolved};
+use crate::directory::{Directory, DirectoryConfig, LayerGroup, ObjectHint, ObjectKey, Resolved};
 use crate::error::{Error, Result};
 use crate::ids::{HostSlotId, LayerPlanId, PageId, PinHandleId, RequestId, SlotId, TransferId};
 use crate::radix::{HiCache, HiCacheConfig, PoolPair};
@@ -178,7 +178,7 @@ pub struct StepScheduler {
     token_bytes: u64,
     requests: FxHashMap<RequestId, RequestState>,
     prompts: FxHashMap<u64, u32>,
-    prompt_index: FxHashMap<u64, Vec<Vec<u32>>>,
+    prompt_index: FxHashMap<u64, Vec<Vec<ObjectHint>>>,
     loads: FxHashMap<TransferId, Load>,
     backups: FxHashMap<TransferId, Backup>,
     pending_backups: Vec<ObjectKey>,

@@ -36,6 +36,7 @@
 
 use super::rows::{KeptRows, Rows};
 use super::{mark_batch, Kept, LayerPlan, StepScheduler, KEPT, NONE};
+use crate::directory::ObjectHint;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::scheduler::SelectionUnit;
@@ -142,7 +143,7 @@ impl StepScheduler {
             kr.dropped_ends.push(kr.dropped.len() as u32);
             kr.serials.push(r.serial);
         }
-        self.look_up_hints(layer, rids, &mut out);
+        self.look_up_hints(layer, rids, &mut out, &kr);
         out.kept_rows = Some(kr);
         Ok(out)
     }
@@ -161,24 +162,31 @@ impl StepScheduler {
         }
     }
 
-    /// Turns each key's page (in `out.hints`) into its object index hint, all the page tables'
-    /// misses asked for first so that they overlap.
-    pub(super) fn look_up_hints(&self, layer: u16, rids: &[RequestId], out: &mut Rows) {
+    /// Fills each key's hint from its row's page table (the key's page is its kept-list
+    /// entry's), all the tables' misses asked for first so that they overlap.
+    pub(super) fn look_up_hints(
+        &self,
+        layer: u16,
+        rids: &[RequestId],
+        out: &mut Rows,
+        kr: &KeptRows,
+    ) {
         if out.keys.is_empty() {
             return;
         }
-        let tables: Vec<&[u32]> = rids
+        let tables: Vec<&[ObjectHint]> = rids
             .iter()
             .map(|id| &self.requests[id].index[layer as usize][..])
             .collect();
-        for (&b, &page) in out.key_row.iter().zip(&out.hints) {
-            crate::prefetch::prefetch(tables[b as usize].as_ptr().wrapping_add(page as usize));
+        let page = |key: usize| kr.lists[kr.key_at[key] as usize].page as usize;
+        for (key, &b) in out.key_row.iter().enumerate() {
+            crate::prefetch::prefetch(tables[b as usize].as_ptr().wrapping_add(page(key)));
         }
-        for (&b, h) in out.key_row.iter().zip(out.hints.iter_mut()) {
+        for (key, (&b, h)) in out.key_row.iter().zip(out.hints.iter_mut()).enumerate() {
             *h = tables[b as usize]
-                .get(*h as usize)
+                .get(page(key))
                 .copied()
-                .unwrap_or(u32::MAX);
+                .unwrap_or(ObjectHint::NONE);
         }
     }
 

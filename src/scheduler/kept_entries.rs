@@ -391,7 +391,7 @@ impl StepScheduler {
                 d.fill_columns(&mut out, b * k, kr.key_at.len() > keys_before);
             }
         }
-        self.look_up_hints(layer, rids, &mut out);
+        self.look_up_hints(layer, rids, &mut out, &kr);
         out.kept_rows = Some(kr);
         Ok(out)
     }

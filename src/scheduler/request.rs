@@ -3,7 +3,7 @@
 //! and what each layer selected last step (the prefetch prediction).
 
 use super::prefix::PrefixTier;
-use crate::directory::{LayerGroup, ObjectKey};
+use crate::directory::{LayerGroup, ObjectHint, ObjectKey};
 use crate::ids::{RequestId, SlotId};
 use crate::radix::NodeId;
 use crate::transfer::TransferEvents;
@@ -47,9 +47,10 @@ pub struct RequestState {
     pub last_selection: Vec<Vec<u32>>,
     /// The last batch (plan or append) that named it: refuses a request twice in one batch.
     pub batch_mark: u64,
-    /// Per layer, page -> the directory's object index (`u32::MAX` where unknown): resolve
-    /// hints that save a hash probe per selected page. Checked by the directory.
-    pub index: Vec<Vec<u32>>,
+    /// Per layer, page -> where the directory holds its object (`ObjectHint::NONE` where
+    /// unknown): resolve hints that save a hash probe per selected page. Checked by the
+    /// directory.
+    pub index: Vec<Vec<ObjectHint>>,
     /// Joined mode: its pages live at prefix-cache host pages (see [`PrefixTier`]).
     pub joined: bool,
     /// Joined mode, per page: (host page, generation), the identity of its objects.
@@ -115,7 +116,7 @@ impl RequestState {
     }
 
     /// Records the directory's object indices of `pages` at `layer`.
-    pub fn set_index(&mut self, layer: u16, pages: std::ops::Range<u32>, idx: &[u32]) {
+    pub fn set_index(&mut self, layer: u16, pages: std::ops::Range<u32>, idx: &[ObjectHint]) {
         let t = &mut self.index[layer as usize];
         let need = pages.end as usize;
         if t.len() < need {
@@ -124,18 +125,18 @@ impl RequestState {
                 // request's first decode page, every layer's in the same step.
                 t.reserve_exact(need + need / 8 + 16 - t.len());
             }
-            t.resize(need, u32::MAX);
+            t.resize(need, ObjectHint::NONE);
         }
         t[pages.start as usize..pages.end as usize].copy_from_slice(idx);
     }
 
     /// The resolve hint of `page` at `layer`.
     #[inline]
-    pub fn hint(&self, page: u32, layer: u16) -> u32 {
+    pub fn hint(&self, page: u32, layer: u16) -> ObjectHint {
         self.index[layer as usize]
             .get(page as usize)
             .copied()
-            .unwrap_or(u32::MAX)
+            .unwrap_or(ObjectHint::NONE)
     }
 
     /// The object of `page` at `layer`: in the prefix's namespace below its pages, else in the
@@ -161,18 +162,18 @@ mod tests {
     #[test]
     fn a_prefilled_hint_table_has_room_for_decode_pages() {
         let mut r = RequestState::new(RequestId::new(1), 64 * 1000, None, 2);
-        let idx: Vec<u32> = (0..1000).collect();
+        let idx: Vec<ObjectHint> = (0..1000).map(|i| ObjectHint::new(i, 7)).collect();
         r.set_index(1, 0..1000, &idx);
         assert!(r.index[1].capacity() >= 1100, "{}", r.index[1].capacity());
         let at = r.index[1].as_ptr();
         // The decode pages that follow land in the same buffer: no table moves (for every
         // layer at once) at the request's first decode page.
         for page in 1000..1100 {
-            r.set_index(1, page..page + 1, &[page]);
+            r.set_index(1, page..page + 1, &[ObjectHint::new(page, 7)]);
         }
         assert_eq!(r.index[1].as_ptr(), at);
-        assert_eq!(r.hint(1099, 1), 1099);
-        assert_eq!(r.hint(1100, 1), u32::MAX);
-        assert_eq!(r.hint(5, 0), u32::MAX, "layer 0 untouched");
+        assert_eq!(r.hint(1099, 1), ObjectHint::new(1099, 7));
+        assert_eq!(r.hint(1100, 1), ObjectHint::NONE);
+        assert_eq!(r.hint(5, 0), ObjectHint::NONE, "layer 0 untouched");
     }
 }

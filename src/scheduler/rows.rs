@@ -4,7 +4,7 @@
 //! (`kept_entries.rs`: entries inside a page, token mode, mapped to pages, then the same).
 
 use super::{mark_batch, Kept, RequestState, StepScheduler, NONE};
-use crate::directory::ObjectKey;
+use crate::directory::{ObjectHint, ObjectKey};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::scheduler::SelectionUnit;
@@ -46,8 +46,8 @@ impl KeptRows {
 pub(super) struct Rows {
     /// The keys to resolve, one per distinct page of each row.
     pub keys: Vec<ObjectKey>,
-    /// Per key: the directory's object index hint.
-    pub hints: Vec<u32>,
+    /// Per key: where the directory holds its object, if known.
+    pub hints: Vec<ObjectHint>,
     /// Per key: its row.
     pub key_row: Vec<u32>,
     /// Per key: the first cell naming it.
@@ -103,7 +103,7 @@ impl Rows {
             slot: -1,
         });
         self.keys.push(r.key(page, layer));
-        self.hints.push(page);
+        self.hints.push(ObjectHint::NONE); // looked up for the whole plan at once
         self.key_row.push(b as u32);
         self.key_cell.push(at as u32);
         self.from_prefix

@@ -404,3 +404,61 @@ fn dropped_namespaces_are_remembered_boundedly() {
     c.release(h).unwrap();
     c.validate().unwrap();
 }
+
+#[test]
+fn a_hint_whose_slot_another_object_took_is_refused() {
+    let d = dir(8, 8);
+    let gone = ObjectKey::new(1, 0, 0, LayerGroup::Layer(0));
+    let other = ObjectKey::new(2, 0, 0, LayerGroup::Layer(0));
+    d.allocate(&[gone]).unwrap();
+    let stale = d.index_of(&[gone]);
+    assert_ne!(stale[0], ObjectHint::NONE);
+    d.drop_namespace(gone.namespace).unwrap();
+    d.allocate(&[other]).unwrap();
+    let now = d.index_of(&[other]);
+    assert_eq!(
+        now[0].index(),
+        stale[0].index(),
+        "the freed slot was reused"
+    );
+    assert_ne!(now[0].generation(), stale[0].generation());
+    // Through the stale hint the dropped key is still dropped, not the object that took
+    // its slot (whose hint, taken now, resolves it).
+    assert!(matches!(
+        d.resolve_hinted(&[gone], &stale, None),
+        Err(Error::NamespaceDropped { .. })
+    ));
+    let r = d.resolve_hinted(&[other], &now, None).unwrap();
+    assert_eq!(r.indices, vec![now[0].index()]);
+    d.release(r.handle).unwrap();
+    // A hint of no object, or of one out of range, falls back to the key.
+    let far = [ObjectHint::new(1 << 20, 0)];
+    for hints in [[ObjectHint::NONE], far] {
+        let r = d.resolve_hinted(&[other], &hints, None).unwrap();
+        assert_eq!(r.indices, vec![now[0].index()]);
+        d.release(r.handle).unwrap();
+    }
+}
+
+#[test]
+fn batch_numbers_wrap_without_taking_an_object_for_a_repeat() {
+    // A batch's objects carry its number to dedup repeated keys; once the 32-bit numbers run
+    // out, an object last seen long ago must not look seen by a batch that reuses its number.
+    let d = dir(8, 8);
+    let (a, b) = (key(1), key(2));
+    d.allocate(&[a, b]).unwrap();
+    let r = d.resolve(&[a], None).unwrap(); // batch 1
+    d.release(r.handle).unwrap();
+    d.set_epoch(u32::MAX);
+    let r = d.resolve(&[b], None).unwrap(); // numbering starts again
+    d.release(r.handle).unwrap();
+    let r = d.resolve(&[a, a], None).unwrap();
+    assert_eq!(
+        (r.metrics.distinct, r.metrics.ready),
+        (1, 1),
+        "a is new to this batch"
+    );
+    assert_eq!(d.stats().pins, 1, "and pinned by it");
+    d.release(r.handle).unwrap();
+    d.validate().unwrap();
+}
