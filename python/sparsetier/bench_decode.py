@@ -37,6 +37,7 @@ dedup are at most `token_pages`.
 from __future__ import annotations
 
 import math
+import os
 import platform
 import statistics
 import time
@@ -371,7 +372,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     med = {k: _median(r[k] for r in rows) for k in rows[0]}
     return {
         "config": asdict(cfg),
-        "machine": f"{platform.machine()}, {platform.processor() or 'cpu'}, "
+        "machine": f"{platform.machine()}, {_cpu_model()}, {os.cpu_count()} cores, "
         f"{torch.get_num_threads()} torch threads",
         "date": time.strftime("%Y-%m-%d"),
         "device_pages": device_pages,
@@ -388,6 +389,19 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         "baseline_hit_rate": (base.hits / max(base.distinct, 1)) if base else None,
         "steps": rows,
     }
+
+
+def _cpu_model() -> str:
+    """The CPU's model name where Linux says it (`platform.processor()` is often empty), so
+    that runs on different machines tell apart."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
 
 
 def _median(values) -> float | None:
