@@ -440,7 +440,9 @@ impl Core {
     /// [`Self::resolve`] with `hints[i]`, where known, where `keys[i]`'s object is (from
     /// [`Self::index_of`]): it saves the hash probe. A hint is checked against its slot's
     /// generation, so a stale one falls back to the index map instead of aliasing the object
-    /// that reused the slot.
+    /// that reused the slot. It is not checked against the key (that read a second cache line
+    /// per key; debug builds assert it): `hints[i]` must have been taken for `keys[i]`, or it
+    /// names another key's object.
     pub fn resolve_hinted(
         &mut self,
         keys: &[ObjectKey],
