@@ -20,13 +20,27 @@ pub fn prefetch<T>(p: *const T) {
 /// wait for their misses together, not one after another.
 #[inline(always)]
 pub fn prefetch_range<T>(s: &[T], max_bytes: usize) {
-    let bytes = std::mem::size_of_val(s).min(max_bytes);
-    let base = s.as_ptr().cast::<u8>();
-    let mut off = 0;
-    while off < bytes {
-        prefetch(base.wrapping_add(off));
-        off += 64;
+    prefetch_bytes(s.as_ptr(), std::mem::size_of_val(s).min(max_bytes));
+}
+
+/// [`prefetch`] of every cache line the `bytes` bytes at `p` touch, counted from the line `p`
+/// starts in: bytes that start mid-line and cross into another line get both (an address
+/// only, never read: any `p` is fine).
+#[inline(always)]
+pub fn prefetch_bytes<T>(p: *const T, bytes: usize) {
+    let p = p.cast::<u8>();
+    let head = p as usize % 64;
+    let line = p.wrapping_sub(head);
+    for off in line_offsets(head, bytes) {
+        prefetch(line.wrapping_add(off));
     }
+}
+
+/// The offsets, from the start of its first line, of every line `bytes` bytes starting `head`
+/// bytes into a line touch.
+#[inline(always)]
+fn line_offsets(head: usize, bytes: usize) -> std::iter::StepBy<std::ops::Range<usize>> {
+    (0..head + bytes).step_by(64)
 }
 
 /// [`prefetch`] of the `part`-th of `parts` equal shares of `s`'s cache lines: called once per
@@ -51,6 +65,16 @@ fn share(lines: usize, part: usize, parts: usize) -> std::ops::Range<usize> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn bytes_that_cross_a_line_get_both_lines() {
+        let offsets = |head, bytes| super::line_offsets(head, bytes).collect::<Vec<_>>();
+        assert_eq!(offsets(32, 64), [0, 64], "half a line, then half the next");
+        assert_eq!(offsets(0, 64), [0], "one whole line");
+        assert_eq!(offsets(0, 65), [0, 64]);
+        assert_eq!(offsets(63, 2), [0, 64]);
+        super::prefetch_bytes(std::ptr::null::<u8>().wrapping_add(96), 64); // any address
+    }
+
     #[test]
     fn the_shares_cover_every_line_once() {
         for lines in [0, 1, 5, 64, 256, 257] {

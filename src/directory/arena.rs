@@ -83,35 +83,32 @@ impl<T: Versioned, S: Copy> Arena<T, S> {
     /// entry, and returns its index; `generation` is the slot's, which the value must keep.
     pub fn insert(&mut self, side: S, make: impl FnOnce(u32) -> T) -> usize {
         self.len += 1;
-        match self.free.pop() {
-            Some((i, generation)) => {
-                let value = make(generation);
-                debug_assert_eq!(
-                    value.generation(),
-                    generation,
-                    "a value keeps its generation"
-                );
-                let slot = &mut self.slots[i as usize];
-                debug_assert!(slot.is_none(), "free list names an occupied slot");
-                *slot = Some(value);
-                self.column[i as usize] = side;
-                i as usize
-            }
-            None => {
-                let value = make(0);
-                debug_assert_eq!(value.generation(), 0, "a value keeps its generation");
-                let cap = (self.slots.capacity(), self.column.capacity());
-                self.slots.push(Some(value));
-                self.column.push(side);
-                if self.slots.capacity() != cap.0 {
-                    huge_pages(&self.slots);
-                }
-                if self.column.capacity() != cap.1 {
-                    huge_pages(&self.column);
-                }
-                self.slots.len() - 1
-            }
+        let (reused, generation) = match self.free.pop() {
+            Some((i, generation)) => (Some(i as usize), generation),
+            None => (None, 0),
+        };
+        let value = make(generation);
+        debug_assert_eq!(
+            value.generation(),
+            generation,
+            "a value keeps its generation"
+        );
+        if let Some(i) = reused {
+            debug_assert!(self.slots[i].is_none(), "free list names an occupied slot");
+            self.slots[i] = Some(value);
+            self.column[i] = side;
+            return i;
         }
+        let cap = (self.slots.capacity(), self.column.capacity());
+        self.slots.push(Some(value));
+        self.column.push(side);
+        if self.slots.capacity() != cap.0 {
+            huge_pages(&self.slots);
+        }
+        if self.column.capacity() != cap.1 {
+            huge_pages(&self.column);
+        }
+        self.slots.len() - 1
     }
 
     /// Takes the value out of slot `i`, with its column entry, and bumps the slot's
@@ -142,12 +139,6 @@ impl<T: Versioned, S: Copy> Arena<T, S> {
         self.side(i).expect("a live arena index")
     }
 
-    /// Hints the CPU to fetch the column entry of slot `i` (any `i` is harmless).
-    #[inline]
-    pub fn prefetch_side(&self, i: usize) {
-        prefetch_lines(self.column.as_ptr().wrapping_add(i).cast(), size_of::<S>());
-    }
-
     /// Hints the CPU to fetch slot `i` (any `i`: out of range or vacant is harmless): every
     /// cache line it spans. A slot larger than a line spans two or three; asking for the
     /// first alone leaves the others to demand misses, taken one after another when the slot
@@ -155,8 +146,8 @@ impl<T: Versioned, S: Copy> Arena<T, S> {
     /// extension, paired in one process: no measurable change).
     #[inline]
     pub fn prefetch(&self, i: usize) {
-        prefetch_lines(
-            self.slots.as_ptr().wrapping_add(i).cast(),
+        crate::prefetch::prefetch_bytes(
+            self.slots.as_ptr().wrapping_add(i),
             size_of::<Option<T>>(),
         );
     }
@@ -246,18 +237,6 @@ impl<T, S> std::ops::IndexMut<usize> for Arena<T, S> {
     }
 }
 
-/// Prefetches every cache line of the `bytes` bytes at `p` (an address only: never read).
-#[inline]
-fn prefetch_lines(p: *const u8, bytes: usize) {
-    let head = p as usize % 64;
-    let line = p.wrapping_sub(head);
-    let mut off = 0;
-    while off < head + bytes {
-        crate::prefetch::prefetch(line.wrapping_add(off));
-        off += 64;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -289,7 +268,6 @@ mod tests {
         assert_eq!(*a.side_of(z), 3, "with its new column entry");
         assert_eq!(a.iter().map(|(_, v)| v.0).collect::<Vec<_>>(), ["z", "y"]);
         a.prefetch(1_000_000); // harmless out of range
-        a.prefetch_side(1_000_000);
         a.validate().unwrap();
         assert_eq!(a.len(), 2);
     }
