@@ -328,13 +328,13 @@ def test_warm_up_ends_at_turnover_at_a_quiet_step_or_at_its_cap(monkeypatch):
             if w.done():
                 break
             w.saw({"loaded": n})
-        return w.steps, w.reason
+        return w.steps, w.ended
 
     auto = bd.DecodeBenchConfig()
-    assert steps_until_done(auto, [60, 30, 9, 1, 50]) == (4, "turned over")
-    assert steps_until_done(auto, [0, 5, 0, 7]) == (3, "a step loaded nothing")
+    assert steps_until_done(auto, [60, 30, 9, 1, 50]) == (4, "until the device turned over")
+    assert steps_until_done(auto, [0, 5, 0, 7]) == (3, "until a step loaded nothing")
     monkeypatch.setattr(bd, "WARMUP_CAP", 3)
-    assert steps_until_done(auto, [1] * 10) == (3, "capped")
+    assert steps_until_done(auto, [1] * 10) == (3, "capped before the device turned over")
     assert steps_until_done(bd.DecodeBenchConfig(warmup=2), [500] * 5) == (2, "fixed")
     assert steps_until_done(bd.DecodeBenchConfig(warmup=0), [500]) == (0, "fixed")
 

@@ -24,8 +24,9 @@ The timed steps start once the scheduler is in its steady state: by default (`wa
 the warm-up lasts until the scheduler has loaded as many pages as the device has slots, so that
 the pages the prefill left resident (evicted in the order the prefill wrote them, neighbours in
 memory) have been turned over for pages loaded at random, or until a step loads nothing. At
-DeepSeek-V3.2's shape that takes ~125 steps, and a step after it costs ~15 % more than one of
-the first steps. `warmup=N` fixes it at N steps instead.
+DeepSeek-V3.2's shape that takes ~137 steps, and a step after it costs ~15 % more than one of
+the first steps (one 300-step run, 2026-11-30: benches/RESULTS.md, "The steady state").
+`warmup=N` fixes it at N steps instead.
 
 Selections are synthetic with step-to-step locality: each selected block (or hot page, in token
 mode) stays from one step to the next with probability `locality`, else moves to a random one.
@@ -94,7 +95,8 @@ class DecodeBenchConfig:
             ("token_pages", self.token_pages >= 1, "an integer >= 1"),
             ("locality", 0.0 <= self.locality <= 1.0, "0 <= locality <= 1"),
             ("steps", self.steps >= 1, "an integer >= 1"),
-            ("warmup", self.warmup is None or self.warmup >= 0, "an integer >= 0 or auto"),
+            ("warmup", self.warmup is None or self.warmup >= 0,
+             "an integer >= 0, or unset: until the device has turned over"),
         ]  # fmt: skip
         for name, ok, allowed in checks:
             if not ok:
@@ -142,16 +144,19 @@ class WarmUp:
     """When a run's warm-up ends: after `cfg.warmup` steps, or (auto) once the scheduler has
     loaded as many pages as the device has slots (every page the prefill left resident has been
     evicted, so victims are pages loaded at random, as in a long run), once a step after the
-    first loads nothing (nothing turns over), or after `WARMUP_CAP` steps."""
+    first loads nothing (nothing turns over), or after `WARMUP_CAP` steps. `ended` says which,
+    once it has."""
 
     def __init__(self, cfg: DecodeBenchConfig, device_pages: int) -> None:
         self.fixed, self.device_pages = cfg.warmup, device_pages
         self.steps = self.loaded = 0
-        self.reason = "fixed" if cfg.warmup is not None else None
+        self.ended: str | None = "fixed" if cfg.warmup is not None else None
 
     def done(self) -> bool:
         """Whether the steps seen so far complete the warm-up."""
-        return self.reason is not None and (self.fixed is None or self.steps >= self.fixed)
+        if self.fixed is not None:
+            return self.steps >= self.fixed
+        return self.ended is not None
 
     def saw(self, rec: dict) -> None:
         """Counts one warm-up step of the scheduler (its `end_step` record)."""
@@ -160,22 +165,16 @@ class WarmUp:
         if self.fixed is not None:
             return
         if self.loaded >= self.device_pages:
-            self.reason = "turned over"
+            self.ended = "until the device turned over"
         elif self.steps >= 2 and rec["loaded"] == 0:
-            self.reason = "a step loaded nothing"
+            self.ended = "until a step loaded nothing"
         elif self.steps >= WARMUP_CAP:
-            self.reason = "capped"
+            self.ended = "capped before the device turned over"
 
     def describe(self) -> str:
-        what = {
-            "fixed": "fixed",
-            "turned over": "until the device turned over",
-            "a step loaded nothing": "until a step loaded nothing",
-            "capped": "capped before the device turned over",
-        }[self.reason or "capped"]
         return (
-            f"{self.steps} steps, {what} ({self.loaded} pages loaded, {self.device_pages} "
-            "device slots)"
+            f"{self.steps} steps, {self.ended} ({self.loaded} pages loaded, "
+            f"{self.device_pages} device slots)"
         )
 
 
