@@ -34,6 +34,7 @@
 //! keep their buffers alive only through the bindings' contract (the Python layer keeps the
 //! tensors alive in the engine).
 
+use super::kept_store::{KeptSlot, KeptStore, Run};
 use super::prefix::{Finishing, PrefixTier, PrefixTotals};
 use super::record::StepRecord;
 use super::request::{Kept, Prefix, RequestState};
@@ -204,6 +205,8 @@ pub struct StepScheduler {
     keep: bool,
     /// Pins held for kept pages.
     kept_pins: u64,
+    /// The kept lists, layer-major (`kept_store.rs`).
+    kept: KeptStore,
 }
 
 impl std::fmt::Debug for StepScheduler {
@@ -388,6 +391,7 @@ impl StepScheduler {
             prefix,
             keep: true,
             kept_pins: 0,
+            kept: KeptStore::new(cfg.layers as usize),
         })
     }
 
@@ -414,6 +418,18 @@ impl StepScheduler {
     /// Requests running.
     pub fn requests(&self) -> impl Iterator<Item = &RequestState> {
         self.requests.values()
+    }
+
+    /// The pages request `id`'s last selection of `layer` kept pinned, sorted by page (None:
+    /// not running, or no such layer).
+    pub fn kept_pages(&self, id: RequestId, layer: u16) -> Option<&[Kept]> {
+        let r = self.requests.get(&id)?;
+        (layer < self.cfg.layers).then(|| self.kept.list(layer as usize, r.kept_slot))
+    }
+
+    /// Pages request `id` keeps pinned, every layer (None: not running).
+    pub fn kept_count(&self, id: RequestId) -> Option<usize> {
+        Some(self.kept.count(self.requests.get(&id)?.kept_slot))
     }
 
     /// One running request's block state.
@@ -543,7 +559,8 @@ impl StepScheduler {
         if tokens == 0 {
             return Err(Error::config("tokens", 0, "an integer >= 1"));
         }
-        let mut state = RequestState::new(id, from_prefix, prefix, self.cfg.layers as usize);
+        let layers = self.cfg.layers as usize;
+        let mut state = RequestState::new(id, from_prefix, prefix, layers, self.kept.add());
         if let (Some(p), Some(t)) = (
             prefix,
             prefix.and_then(|p| self.prompt_index.get(&p.namespace)),
@@ -559,7 +576,8 @@ impl StepScheduler {
         match self.extend(id, tokens - from_prefix) {
             Ok((_, slots)) => Ok(slots),
             Err(e) => {
-                self.requests.remove(&id);
+                let r = self.requests.remove(&id).expect("inserted above");
+                self.release_kept_of(r.kept_slot)?;
                 Err(e)
             }
         }
@@ -633,10 +651,10 @@ impl StepScheduler {
         if self.prefix.is_some() {
             return self.end_request(id, None);
         }
-        let Some(mut r) = self.requests.remove(&id) else {
+        let Some(r) = self.requests.remove(&id) else {
             return Err(Error::config("rid", id, "a running request"));
         };
-        self.release_kept_of(&mut r.kept)?;
+        self.release_kept_of(r.kept_slot)?;
         self.pending_backups.retain(|k| k.namespace.id != id.raw());
         self.filled.retain(|k| k.namespace.id != id.raw());
         self.retry_backups.retain(|k| k.namespace.id != id.raw());
@@ -1624,7 +1642,7 @@ impl StepScheduler {
             // Kept pages are held on the device: only the rest may need a load. (Kept plans
             // leave only unkept pages here; an unkept plan of a layer with kept lists, one
             // planned while another was outstanding, may not.)
-            let kept = &r.kept[layer as usize];
+            let kept = self.kept.list(layer as usize, r.kept_slot);
             let mut kc = 0;
             let predicted: Vec<u32> = r.last_selection[layer as usize]
                 .iter()

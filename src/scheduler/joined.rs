@@ -138,7 +138,8 @@ impl StepScheduler {
             p.sidecar_restore_bytes((matched - restored) as u32..matched as u32, matched as u32);
         p.totals.sidecar_bytes_restored += side;
         p.totals.full_restore_bytes += restored as u64 * p.kv_page_bytes() + side;
-        let mut state = RequestState::new(id, (matched * ps) as u64, None, layers);
+        let slot = self.kept.add();
+        let mut state = RequestState::new(id, (matched * ps) as u64, None, layers, slot);
         state.joined = true;
         state.homes = homes;
         state.idx_pages = idx_pages.iter().map(|p| p.raw()).collect();
@@ -221,8 +222,8 @@ impl StepScheduler {
                 ));
             }
         }
-        let mut r = self.requests.remove(&id).expect("checked");
-        self.release_kept_of(&mut r.kept)?;
+        let r = self.requests.remove(&id).expect("checked");
+        self.release_kept_of(r.kept_slot)?;
         let f = Finishing {
             id,
             tokens: tokens.map_or(Vec::new(), |t| t[..full as usize * ps].to_vec()),

@@ -35,7 +35,7 @@
 //! slot, and the kept entries are exactly the directory's held pins.
 
 use super::rows::{KeptRows, Rows};
-use super::{mark_batch, Kept, LayerPlan, StepScheduler, KEPT, NONE};
+use super::{mark_batch, KeptSlot, LayerPlan, Run, StepScheduler, KEPT, NONE};
 use crate::directory::ObjectHint;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
@@ -70,10 +70,9 @@ impl StepScheduler {
         let ps = u64::from(self.cfg.page_size);
         let l = layer as usize;
         let mut out = Rows::with_table(selection.len() / 8, rids.len() * k);
-        let mut kr = KeptRows::with_capacity(selection.len(), rids.len());
+        let mut kr = KeptRows::with_lists(self.kept.take_spare(selection.len()), rids.len());
         let mut order: Vec<(u32, u32)> = Vec::with_capacity(k); // (page, column)
         for (b, &id) in rids.iter().enumerate() {
-            self.prefetch_row_ahead(rids, b, l);
             let r = mark_batch(&mut self.requests, id, batch)?;
             let len = r.len;
             let entries = len.div_ceil(ps);
@@ -105,7 +104,7 @@ impl StepScheduler {
                     order.sort_unstable();
                 }
             }
-            let kept = &r.kept[l];
+            let kept = self.kept.list(l, r.kept_slot);
             let mut kc = 0;
             let (mut prev, mut prev_cell, mut prev_slot) = (u32::MAX, NONE, -1);
             for &(page, j) in &order {
@@ -146,20 +145,6 @@ impl StepScheduler {
         self.look_up_hints(layer, rids, &mut out, &kr);
         out.kept_rows = Some(kr);
         Ok(out)
-    }
-
-    /// Before row `b`'s merge: asks for the request state and layer-`l` kept list of the row
-    /// two ahead (cold: a step reads 3,904 kept lists, each untouched since the layer's last
-    /// plan), so that its merge finds them in cache. One, two or four rows ahead measured
-    /// alike in block mode; every row at once, tried before, gained nothing. (Token mode's
-    /// rows, 1.5 KB kept lists streamed by the hardware, measured no gain: 0.978x, 0.992x.)
-    #[inline]
-    pub(super) fn prefetch_row_ahead(&self, rids: &[RequestId], b: usize, l: usize) {
-        if let Some(ahead) = rids.get(b + 2).and_then(|a| self.requests.get(a)) {
-            if let Some(list) = ahead.kept.get(l) {
-                crate::prefetch::prefetch_range(list, usize::MAX);
-            }
-        }
     }
 
     /// Fills each key's hint from its row's page table (the key's page is its kept-list
@@ -223,29 +208,28 @@ impl StepScheduler {
             .collect();
         let mut objects = Vec::with_capacity(self.kept_pins as usize);
         for r in self.requests.values_mut() {
-            for (l, layer) in r.kept.iter_mut().enumerate() {
+            for l in 0..self.cfg.layers as usize {
                 if busy.contains(&l) {
                     continue;
                 }
                 if self.cfg.prefetch {
                     // Still the layer's prediction; no longer held, so prefetch may load it.
                     let last = &mut r.last_selection[l];
-                    last.extend(layer.iter().map(|k| k.page));
+                    last.extend(self.kept.list(l, r.kept_slot).iter().map(|k| k.page));
                     last.sort_unstable();
                     last.dedup();
                 }
-                objects.extend(layer.drain(..).map(|k| k.object));
+                self.kept.drain(l, r.kept_slot, &mut objects);
             }
         }
         self.unhold(&objects)
     }
 
-    /// Gives back the kept pages of a request that ended (taken out of `requests`).
-    pub(super) fn release_kept_of(&mut self, kept: &mut [Vec<Kept>]) -> Result<()> {
-        let objects: Vec<u32> = kept
-            .iter_mut()
-            .flat_map(|l| l.drain(..).map(|k| k.object))
-            .collect();
+    /// Gives back the kept pages of a request that ended (taken out of `requests`), and its
+    /// kept slot.
+    pub(super) fn release_kept_of(&mut self, slot: KeptSlot) -> Result<()> {
+        let mut objects = Vec::new();
+        self.kept.remove(slot, &mut objects);
         self.unhold(&objects)
     }
 
@@ -283,8 +267,9 @@ impl StepScheduler {
             e.slot = plan.key_slot[key];
         }
         let mut to_hold: Vec<u32> = Vec::with_capacity(kr.key_at.len());
-        let mut placed: Vec<(usize, usize)> = Vec::with_capacity(kr.key_at.len()); // (row, position)
+        let mut placed: Vec<(usize, usize)> = Vec::with_capacity(kr.key_at.len()); // (row, entry)
         let mut to_unhold: Vec<u32> = Vec::with_capacity(kr.dropped.len());
+        let mut covered: Vec<(KeptSlot, Run)> = Vec::with_capacity(kr.ends.len());
         let (mut start, mut dstart, mut key) = (0usize, 0usize, 0usize);
         for (b, (&end, &dend)) in kr.ends.iter().zip(&kr.dropped_ends).enumerate() {
             let (end, dend) = (end as usize, dend as usize);
@@ -315,51 +300,67 @@ impl StepScheduler {
                     last.extend(row.iter().map(|e| e.page));
                 }
             }
-            let old = &mut r.kept[layer];
             if !kept_row {
-                to_unhold.extend(old.drain(..).map(|k| k.object));
+                self.kept.drain(layer, r.kept_slot, &mut to_unhold);
                 continue;
             }
             for k in first_key..key {
-                placed.push((b, kr.key_at[k] as usize - row_start));
+                placed.push((b, kr.key_at[k] as usize));
                 to_hold.push(plan.indices[k]);
             }
             to_unhold.extend_from_slice(dropped);
-            old.clear();
-            old.extend_from_slice(row);
+            let run = Run {
+                start: row_start as u32,
+                end: end as u32,
+            };
+            covered.push((r.kept_slot, run));
         }
         let mut held = Vec::with_capacity(to_hold.len());
         self.dir.hold(&to_hold, &mut held)?;
         let n_held = held.iter().filter(|&&h| h).count();
         self.kept_pins += n_held as u64;
+        let mut lists = std::mem::take(&mut kr.lists);
+        let mut unready: Vec<KeptSlot> = Vec::new();
         if n_held < held.len() {
             // Loads still in flight on a CUDA stream: not kept, resolved again next step.
             for (&(b, at), &h) in placed.iter().zip(&held) {
                 if !h {
+                    lists[at].slot = -1;
                     let r = self.requests.get_mut(&plan.rids[b]).expect("placed above");
-                    r.kept[layer][at].slot = -1;
+                    unready.push(r.kept_slot);
                     if self.cfg.prefetch {
-                        let page = r.kept[layer][at].page;
+                        let page = lists[at].page;
                         let last = &mut r.last_selection[layer];
                         let i = last.partition_point(|&p| p < page);
                         last.insert(i, page);
                     }
                 }
             }
-            for &(b, _) in &placed {
-                if let Some(r) = self.requests.get_mut(&plan.rids[b]) {
-                    r.kept[layer].retain(|k| k.slot >= 0);
-                }
-            }
+        }
+        self.kept.install(layer, lists, &covered);
+        for slot in unready {
+            self.kept.retain(layer, slot, |k| k.slot >= 0);
         }
         self.unhold(&to_unhold)
     }
 
     /// The kept lists against the directory (module docs).
     pub(super) fn validate_kept(&self) -> std::result::Result<(), String> {
+        self.kept.validate()?;
+        let slots: rustc_hash::FxHashSet<KeptSlot> =
+            self.requests.values().map(|r| r.kept_slot).collect();
+        if slots.len() != self.requests.len() || self.kept.in_use() != slots.len() {
+            return Err(format!(
+                "{} requests own {} kept slots; {} slots in use",
+                self.requests.len(),
+                slots.len(),
+                self.kept.in_use()
+            ));
+        }
         let mut n = 0u64;
         for r in self.requests.values() {
-            for (l, kept) in r.kept.iter().enumerate() {
+            for l in 0..self.cfg.layers as usize {
+                let kept = self.kept.list(l, r.kept_slot);
                 if !kept.is_sorted_by_key(|k| k.page) {
                     return Err(format!(
                         "request {}: kept pages of layer {l} unsorted",

@@ -316,7 +316,7 @@ impl StepScheduler {
         let pages_guess = selection.len() / 8;
         // (Room past the last row: a sorted row's fill spills a window beyond it.)
         let mut out = Rows::unfilled(pages_guess / 8, selection.len() + FILL_WINDOW);
-        let mut kr = KeptRows::with_capacity(pages_guess, rids.len());
+        let mut kr = KeptRows::with_lists(self.kept.take_spare(pages_guess), rids.len());
         let mut d = Distinct::default();
         for (b, &id) in rids.iter().enumerate() {
             let r = mark_batch(&mut self.requests, id, batch)?;
@@ -353,7 +353,7 @@ impl StepScheduler {
             d.cell.resize(d.page.len(), NONE);
             d.slot.clear();
             d.slot.resize(d.page.len(), -1);
-            let kept = &r.kept[l];
+            let kept = self.kept.list(l, r.kept_slot);
             let mut kc = 0;
             let keys_before = kr.key_at.len();
             // The next row's first read (the sortedness check) comes from memory: ask for it

@@ -8,6 +8,7 @@
 
 pub mod bench;
 pub mod core;
+mod kept_store;
 pub mod prefix;
 pub mod record;
 pub mod request;
@@ -15,6 +16,7 @@ pub mod selection;
 pub mod soak;
 
 pub use self::core::{PlanCounts, ReadyOutcome, SchedulerConfig, StepScheduler};
+pub use kept_store::KeptSlot;
 pub use prefix::{Admission, PrefixTier, PrefixTotals, HOST_NS};
 pub use record::StepRecord;
 pub use request::{Kept, Prefix, RequestState};

@@ -2,6 +2,7 @@
 //! exist, where the page being written sits, which shared prefix the first pages belong to,
 //! and what each layer selected last step (the prefetch prediction).
 
+use super::kept_store::KeptSlot;
 use super::prefix::PrefixTier;
 use crate::directory::{LayerGroup, ObjectHint, ObjectKey};
 use crate::ids::{RequestId, SlotId};
@@ -70,8 +71,9 @@ pub struct RequestState {
     pub restored_from: u32,
     /// Joined mode: one bit per (matched page, layer) whose main KV it loaded already.
     pub prefix_seen: Vec<u64>,
-    /// Per layer: the pages its last block selection kept pinned, sorted by page.
-    pub kept: Vec<Vec<Kept>>,
+    /// Its run in every layer's kept lists (the pages its last selection of the layer kept
+    /// pinned, sorted by page: [`super::kept_store`]).
+    pub kept_slot: KeptSlot,
     /// Unique to this state (a request ended and added again under its id gets another): a
     /// plan's kept rows apply only to the state they were merged against.
     pub serial: u64,
@@ -81,8 +83,14 @@ pub struct RequestState {
 static NEXT_SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl RequestState {
-    /// A request of `len` tokens over `layers` layers.
-    pub fn new(id: RequestId, len: u64, prefix: Option<Prefix>, layers: usize) -> Self {
+    /// A request of `len` tokens over `layers` layers, its kept lists at `kept_slot`.
+    pub fn new(
+        id: RequestId,
+        len: u64,
+        prefix: Option<Prefix>,
+        layers: usize,
+        kept_slot: KeptSlot,
+    ) -> Self {
         RequestState {
             id,
             len,
@@ -100,14 +108,9 @@ impl RequestState {
             restores: Vec::new(),
             prefix_seen: Vec::new(),
             restored_from: 0,
-            kept: vec![Vec::new(); layers],
+            kept_slot,
             serial: NEXT_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
         }
-    }
-
-    /// Pages kept pinned, every layer.
-    pub fn kept_count(&self) -> usize {
-        self.kept.iter().map(Vec::len).sum()
     }
 
     /// Pages holding at least one written token.
@@ -161,7 +164,13 @@ mod tests {
 
     #[test]
     fn a_prefilled_hint_table_has_room_for_decode_pages() {
-        let mut r = RequestState::new(RequestId::new(1), 64 * 1000, None, 2);
+        let mut r = RequestState::new(
+            RequestId::new(1),
+            64 * 1000,
+            None,
+            2,
+            super::super::kept_store::KeptStore::new(2).add(),
+        );
         let idx: Vec<ObjectHint> = (0..1000).map(|i| ObjectHint::new(i, 7)).collect();
         r.set_index(1, 0..1000, &idx);
         assert!(r.index[1].capacity() >= 1100, "{}", r.index[1].capacity());

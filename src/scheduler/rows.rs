@@ -29,10 +29,12 @@ pub(super) struct KeptRows {
 }
 
 impl KeptRows {
-    /// Room for `pages` distinct pages over `rows` rows (about one in eight new or dropped).
-    pub(super) fn with_capacity(pages: usize, rows: usize) -> Self {
+    /// Rows that write their lists into `lists` (empty, with room for the distinct pages
+    /// expected), over `rows` rows (about one page in eight new or dropped).
+    pub(super) fn with_lists(lists: Vec<Kept>, rows: usize) -> Self {
+        let pages = lists.capacity();
         KeptRows {
-            lists: Vec::with_capacity(pages),
+            lists,
             ends: Vec::with_capacity(rows),
             key_at: Vec::with_capacity(pages / 8),
             dropped: Vec::with_capacity(pages / 8),

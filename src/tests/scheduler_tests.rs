@@ -462,7 +462,7 @@ fn loads_failing_twice(take_tables: bool) {
     // What stays pinned is what the rows keep for the next step: none at the failed layer.
     assert_eq!(h.s.directory().stats().pins, h.s.kept_pins());
     for rid in [0, 1] {
-        assert!(h.s.request(RequestId::new(rid)).unwrap().kept[1].is_empty());
+        assert!(h.s.kept_pages(RequestId::new(rid), 1).unwrap().is_empty());
         h.s.finish_request(RequestId::new(rid)).unwrap();
     }
     // The survivor keeps its one page at every layer.
@@ -1050,10 +1050,12 @@ fn a_request_ended_while_a_plan_reads_its_kept_slots() {
     h.s.finish(p).unwrap();
     h.s.validate().unwrap();
     assert_eq!(h.s.kept_pins(), 2 + 2 * u64::from(LAYERS - 1));
-    let kept: Vec<u32> = h.s.request(ids[1]).unwrap().kept[0]
-        .iter()
-        .map(|k| k.page)
-        .collect();
+    let kept: Vec<u32> =
+        h.s.kept_pages(ids[1], 0)
+            .unwrap()
+            .iter()
+            .map(|k| k.page)
+            .collect();
     assert_eq!(kept, vec![1, 4]);
     h.s.end_step().unwrap();
     h.add(2, 40, None);
@@ -1124,7 +1126,8 @@ fn pages_still_loading_when_a_plan_finishes_are_not_kept_and_resolve_again() {
     s.add_request(ids[0], 40, None).unwrap(); // pages 0..10
     s.drain().unwrap();
     let kept = |s: &StepScheduler| -> Vec<u32> {
-        s.request(ids[0]).unwrap().kept[0]
+        s.kept_pages(ids[0], 0)
+            .unwrap()
             .iter()
             .map(|k| k.page)
             .collect()
