@@ -148,14 +148,16 @@ impl KeptStore {
             self.covered[s.index()] = true;
         }
         for (s, run) in l.runs.iter_mut().enumerate() {
-            if !self.covered[s] && run.len() > 0 {
-                let start = lists.len() as u32;
-                lists.extend_from_slice(&l.lists[run.range()]);
-                *run = Run {
-                    start,
-                    end: lists.len() as u32,
-                };
+            if self.covered[s] {
+                continue;
             }
+            // (An empty run, too, must point inside the new array.)
+            let start = lists.len() as u32;
+            lists.extend_from_slice(&l.lists[run.range()]);
+            *run = Run {
+                start,
+                end: lists.len() as u32,
+            };
         }
         self.spare = std::mem::replace(&mut l.lists, lists);
     }
@@ -298,3 +300,7 @@ mod tests {
         assert!(s.validate().is_err());
     }
 }
+
+#[cfg(test)]
+#[path = "../tests/kept_store_proptest.rs"]
+mod kept_store_proptest;
