@@ -905,8 +905,10 @@ impl Core {
         if obj.evictable() {
             self.lru.push_back(idx, &mut obj.lru_mark);
             let objects = &self.objects;
-            self.lru
-                .compact_if_needed(|i| objects.get(i).map_or(0, |o| o.lru_mark));
+            self.lru.compact_if_needed(
+                |i| objects.get(i).map_or(0, |o| o.lru_mark),
+                |i| objects.prefetch(i),
+            );
         } else if obj.reapable() {
             self.reap(idx);
         }

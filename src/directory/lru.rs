@@ -15,22 +15,66 @@
 //! The queue is a ring: a pop frees its entry's room at once. (A vector with a head index left
 //! a dead prefix that had to be moved out: a million entries, about 3 ms, every ~90 decode
 //! steps at DeepSeek-V3.2's shape, all inside one step.)
+//!
+//! Compaction is incremental, a *sweep*: once stale entries outnumber the members, each push
+//! moves the sweep on by [`SWEEP_STEP`] entries, keeping the live ones in place, in order.
+//! Compacting the whole queue at once read every entry's object in one call: millions of
+//! cache misses, tens of milliseconds inside one decode step, in a workload that re-pins
+//! evictable pages often and evicts rarely (a device budget that holds most of the KV). While
+//! a sweep runs the queue is three runs: `[..write)` swept, `[write..read)` a hole (entries
+//! already moved or dropped), `[read..)` not yet swept; pops and iteration skip the hole, and a
+//! sweep ends when `read` reaches the back (pushes meanwhile go on the back, and are swept
+//! too). The sweep moves faster than pushes add entries, so it ends.
 
 use std::collections::VecDeque;
 
+/// Entries a sweep moves on per push, on average (each one reads its object: a cache miss at
+/// scale).
+pub const SWEEP_STEP: usize = 8;
+
+/// Entries a sweep moves on at once: owed pushes are paid in runs this long, whose object
+/// reads are all asked for first, so that they overlap (one push's eight, amid other misses,
+/// measured twice the cost per entry of a long run).
+pub const SWEEP_RUN: usize = 512;
+
 /// FIFO of (index, sequence) entries; an entry is live while its object's mark equals its
 /// sequence.
-#[derive(Debug, Default, Clone)]
+#[derive(Debug, Clone)]
 pub struct Lru {
     queue: VecDeque<(u32, u64)>,
     seq: u64,
     len: usize,
+    /// The sweep in progress, if any (module docs).
+    sweep: Option<Sweep>,
+    /// Stale entries allowed beyond the members before a sweep starts.
+    slack: usize,
+    /// Entries the sweep owes the pushes since its last run.
+    owed: usize,
+}
+
+/// A sweep's cursors: `[..write)` swept, `[write..read)` the hole, `[read..)` to sweep.
+#[derive(Debug, Clone, Copy)]
+struct Sweep {
+    write: usize,
+    read: usize,
 }
 
 impl Lru {
     /// An empty list.
     pub fn new() -> Self {
-        Lru::default()
+        Self::with_slack(4096)
+    }
+
+    /// An empty list that starts a sweep once stale entries outnumber the members by `slack`.
+    pub fn with_slack(slack: usize) -> Self {
+        Lru {
+            queue: VecDeque::new(),
+            seq: 0,
+            len: 0,
+            sweep: None,
+            slack,
+            owed: 0,
+        }
     }
 
     /// Members.
@@ -82,11 +126,8 @@ impl Lru {
         distance: usize,
         mut take: impl FnMut(usize, u64, Option<usize>) -> bool,
     ) -> Option<usize> {
-        while let Some((i, s)) = self.queue.pop_front() {
-            let ahead = self
-                .queue
-                .get(distance.wrapping_sub(1))
-                .map(|&(a, _)| a as usize);
+        while let Some((i, s)) = self.pop_entry() {
+            let ahead = self.get(distance.wrapping_sub(1)).map(|(a, _)| a as usize);
             if take(i as usize, s, ahead) {
                 self.len -= 1;
                 return Some(i as usize);
@@ -95,20 +136,71 @@ impl Lru {
         None
     }
 
-    /// Drops stale entries once they outnumber the members (amortized O(1) per push).
-    pub fn compact_if_needed(&mut self, mark_of: impl Fn(usize) -> u64) {
-        if self.queue.len() <= 2 * self.len + 4096 {
+    /// The front entry, live or stale, taken off the queue (past a sweep's hole).
+    fn pop_entry(&mut self) -> Option<(u32, u64)> {
+        if let Some(sw) = &mut self.sweep {
+            if sw.write == 0 {
+                // Nothing swept is left before the hole: drop the hole, the sweep goes on
+                // from the front.
+                self.queue.drain(..sw.read);
+                sw.read = 0;
+            } else {
+                sw.write -= 1;
+                sw.read -= 1;
+            }
+        }
+        self.queue.pop_front()
+    }
+
+    /// The `n`-th entry from the front, past a sweep's hole.
+    fn get(&self, n: usize) -> Option<(u32, u64)> {
+        let at = match self.sweep {
+            Some(sw) if n >= sw.write => n.checked_add(sw.read - sw.write)?,
+            _ => n,
+        };
+        self.queue.get(at).copied()
+    }
+
+    /// Drops stale entries once they outnumber the members, [`SWEEP_STEP`] entries a call on
+    /// average, paid in runs of [`SWEEP_RUN`] (module docs): amortized O(1) per push, and no
+    /// call does more than a run. `prefetch(i)` asks for object `i`'s line.
+    pub fn compact_if_needed(&mut self, mark_of: impl Fn(usize) -> u64, prefetch: impl Fn(usize)) {
+        if self.sweep.is_none() {
+            if self.queue.len() <= 2 * self.len + self.slack {
+                return;
+            }
+            self.sweep = Some(Sweep { write: 0, read: 0 });
+            self.owed = 0;
+        }
+        self.owed += SWEEP_STEP;
+        if self.owed >= SWEEP_RUN {
+            self.owed = 0;
+            self.sweep_on(SWEEP_RUN, mark_of, prefetch);
+        }
+    }
+
+    /// Moves the sweep on by up to `n` entries, ending it at the back.
+    fn sweep_on(&mut self, n: usize, mark_of: impl Fn(usize) -> u64, prefetch: impl Fn(usize)) {
+        let Some(mut sw) = self.sweep else {
             return;
+        };
+        let end = (sw.read + n).min(self.queue.len());
+        for r in sw.read..end {
+            prefetch(self.queue[r].0 as usize);
         }
-        let q = self.queue.make_contiguous();
-        let mut w = 0;
-        for r in 0..q.len() {
-            let e = q[r];
-            q[w] = e;
-            // Branch-free: every entry's object read is independent, so they overlap.
-            w += usize::from(mark_of(e.0 as usize) == e.1);
+        for r in sw.read..end {
+            let e = self.queue[r];
+            self.queue[sw.write] = e;
+            // Branch-free: the entries' object reads are independent, so they overlap.
+            sw.write += usize::from(mark_of(e.0 as usize) == e.1);
         }
-        self.queue.truncate(w);
+        sw.read = end;
+        if sw.read == self.queue.len() {
+            self.queue.truncate(sw.write);
+            self.sweep = None;
+        } else {
+            self.sweep = Some(sw);
+        }
     }
 
     /// Members from least to most recently used.
@@ -116,14 +208,33 @@ impl Lru {
         &'a self,
         mark_of: impl Fn(usize) -> u64 + 'a,
     ) -> impl Iterator<Item = usize> + 'a {
+        let (write, read) = self.sweep.map_or((0, 0), |sw| (sw.write, sw.read));
         self.queue
             .iter()
+            .enumerate()
+            .filter(move |&(p, _)| p < write || p >= read)
+            .map(|(_, e)| e)
             .filter(move |&&(i, s)| mark_of(i as usize) == s)
             .map(|&(i, _)| i as usize)
     }
 
+    /// Entries in the queue, stale ones included (a sweep's hole left out).
+    pub fn entries(&self) -> usize {
+        self.queue.len() - self.sweep.map_or(0, |sw| sw.read - sw.write)
+    }
+
     /// Checks that the live entries are exactly `len`, each object at most once.
     pub fn validate(&self, mark_of: impl Fn(usize) -> u64) -> Result<(), String> {
+        if let Some(sw) = self.sweep {
+            if sw.write > sw.read || sw.read > self.queue.len() {
+                return Err(format!(
+                    "sweep at write {} read {} in {} entries",
+                    sw.write,
+                    sw.read,
+                    self.queue.len()
+                ));
+            }
+        }
         let live: Vec<usize> = self.iter(&mark_of).collect();
         if live.len() != self.len {
             return Err(format!(
@@ -141,6 +252,16 @@ impl Lru {
         Ok(())
     }
 }
+
+impl Default for Lru {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+#[cfg(test)]
+#[path = "../tests/lru_proptest.rs"]
+mod lru_proptest;
 
 #[cfg(test)]
 mod tests {
@@ -175,7 +296,7 @@ mod tests {
         for _ in 0..5000 {
             l.remove(&mut marks[0]);
             l.push_back(0, &mut marks[0]);
-            l.compact_if_needed(|i| marks[i]);
+            l.compact_if_needed(|i| marks[i], |_| ());
         }
         assert_eq!(order(&l, &marks), vec![1, 5, 3, 0]);
         l.validate(|i| marks[i]).unwrap();
@@ -204,7 +325,7 @@ mod tests {
                 })
                 .unwrap();
             l.push_back(i, &mut marks[i]);
-            l.compact_if_needed(|i| marks[i]);
+            l.compact_if_needed(|i| marks[i], |_| ());
         }
         assert!(
             l.queue.len() <= 2 * (l.len() + 4096) + 2,

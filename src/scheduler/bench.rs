@@ -295,8 +295,14 @@ mod tests {
             .unwrap_or(0.9);
         // SPARSETIER_MODE=token: top-2048 tokens instead of 32 blocks.
         let token = std::env::var("SPARSETIER_MODE").is_ok_and(|m| m == "token");
+        // SPARSETIER_BUDGET: device slots as a share of all objects (0.25).
+        let budget = std::env::var("SPARSETIER_BUDGET")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0.25);
         let shape = DecodeShape {
             locality,
+            budget,
             ..if token {
                 DecodeShape::deepseek_v32_tokens()
             } else {
@@ -318,8 +324,30 @@ mod tests {
         w.scheduler_mut().set_keep_selections(keep).unwrap();
         w.run(warmup).unwrap();
         let before = w.scheduler().totals();
-        let t = w.run(steps).unwrap();
+        let mut each: Vec<Duration> = (0..steps).map(|_| w.run(1).unwrap()).collect();
+        let t: Duration = each.iter().sum();
         let after = w.scheduler().totals();
+        if std::env::var("SPARSETIER_SERIES").is_ok() {
+            // Per 25 steps: the median and the max.
+            for (c, chunk) in each.chunks(25).enumerate() {
+                let mut v = chunk.to_vec();
+                v.sort_unstable();
+                eprintln!(
+                    "steps {}..: p50 {:.2} max {:.2}",
+                    c * 25,
+                    v[v.len() / 2].as_secs_f64() * 1e3,
+                    v[v.len() - 1].as_secs_f64() * 1e3
+                );
+            }
+        }
+        each.sort_unstable();
+        let at = |q: f64| each[((each.len() - 1) as f64 * q) as usize].as_secs_f64() * 1e3;
+        eprintln!(
+            "steps: p50 {:.2} ms, p99 {:.2}, max {:.2}",
+            at(0.5),
+            at(0.99),
+            at(1.0)
+        );
         let ms = |f: fn(&StepRecord) -> u64| (f(&after) - f(&before)) as f64 / 1e6 / steps as f64;
         eprintln!(
             "{:.2} ms per step, {} lookups per step",
