@@ -324,10 +324,32 @@ mod tests {
         w.scheduler_mut().set_keep_selections(keep).unwrap();
         w.run(warmup).unwrap();
         let before = w.scheduler().totals();
-        let mut each: Vec<Duration> = (0..steps).map(|_| w.run(1).unwrap()).collect();
+        let series = std::env::var("SPARSETIER_SERIES").is_ok();
+        let mut each: Vec<Duration> = Vec::with_capacity(steps as usize);
+        for i in 0..steps {
+            let a = w.scheduler().totals();
+            let d = w.run(1).unwrap();
+            if series && d > Duration::from_millis(8) {
+                // A slow step, and where its in-core time went.
+                let b = w.scheduler().totals();
+                let part = |f: fn(&StepRecord) -> u64| (f(&b) - f(&a)) as f64 / 1e6;
+                eprintln!(
+                    "step {i}: {:.2} ms; rows {:.2}, resolve {:.2}, submit {:.2}, finish {:.2}, \
+                     append {:.2}, end_step {:.2}",
+                    d.as_secs_f64() * 1e3,
+                    part(|r| r.cpu_rows_ns),
+                    part(|r| r.cpu_resolve_ns),
+                    part(|r| r.cpu_submit_ns),
+                    part(|r| r.cpu_finish_ns),
+                    part(|r| r.cpu_append_ns),
+                    part(|r| r.cpu_end_step_ns),
+                );
+            }
+            each.push(d);
+        }
         let t: Duration = each.iter().sum();
         let after = w.scheduler().totals();
-        if std::env::var("SPARSETIER_SERIES").is_ok() {
+        if series {
             // Per 25 steps: the median and the max.
             for (c, chunk) in each.chunks(25).enumerate() {
                 let mut v = chunk.to_vec();
