@@ -138,6 +138,13 @@ impl StepScheduler {
             p.sidecar_restore_bytes((matched - restored) as u32..matched as u32, matched as u32);
         p.totals.sidecar_bytes_restored += side;
         p.totals.full_restore_bytes += restored as u64 * p.kv_page_bytes() + side;
+        // (Checked before the state takes a kept slot: a refusal leaves nothing behind.)
+        let idx = if keys.is_empty() {
+            Vec::new()
+        } else {
+            dir.register_host(&keys, &at)?;
+            dir.index_of(&keys)
+        };
         let slot = self.kept.add();
         let mut state = RequestState::new(id, (matched * ps) as u64, None, layers, slot);
         state.joined = true;
@@ -150,8 +157,6 @@ impl StepScheduler {
         state.prefix_seen = vec![0; (matched * layers).div_ceil(64)];
         state.restored_from = (matched - restored) as u32;
         if !keys.is_empty() {
-            dir.register_host(&keys, &at)?;
-            let idx = dir.index_of(&keys);
             for l in 0..layers {
                 state.set_index(
                     l as u16,
