@@ -289,17 +289,11 @@ mod tests {
     #[ignore]
     fn full_shape_step_time() {
         // SPARSETIER_LOCALITY: the chance a block stays (0.9).
-        let locality = std::env::var("SPARSETIER_LOCALITY")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0.9);
+        let locality = env_or("SPARSETIER_LOCALITY", 0.9);
         // SPARSETIER_MODE=token: top-2048 tokens instead of 32 blocks.
         let token = std::env::var("SPARSETIER_MODE").is_ok_and(|m| m == "token");
         // SPARSETIER_BUDGET: device slots as a share of all objects (0.25).
-        let budget = std::env::var("SPARSETIER_BUDGET")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0.25);
+        let budget = env_or("SPARSETIER_BUDGET", 0.25);
         let shape = DecodeShape {
             locality,
             budget,
@@ -309,15 +303,12 @@ mod tests {
                 DecodeShape::deepseek_v32()
             }
         };
-        let env = |name: &str, default: u64| {
-            std::env::var(name)
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .unwrap_or(default)
-        };
         // SPARSETIER_WARMUP: steps before the timed ones (3; ~130 reach the steady state, where
         // every device slot has been turned over once). SPARSETIER_STEPS: timed steps (30).
-        let (warmup, steps) = (env("SPARSETIER_WARMUP", 3), env("SPARSETIER_STEPS", 30));
+        let (warmup, steps) = (
+            env_or("SPARSETIER_WARMUP", 3u64),
+            env_or("SPARSETIER_STEPS", 30u64),
+        );
         let mut w = DecodeWorkload::new(shape, warmup + steps).unwrap();
         // SPARSETIER_KEEP=0: every selected page through the directory (no kept selections).
         let keep = std::env::var("SPARSETIER_KEEP").map_or(true, |v| v != "0");
@@ -332,17 +323,10 @@ mod tests {
             if series && d > Duration::from_millis(8) {
                 // A slow step, and where its in-core time went.
                 let b = w.scheduler().totals();
-                let part = |f: fn(&StepRecord) -> u64| (f(&b) - f(&a)) as f64 / 1e6;
                 eprintln!(
-                    "step {i}: {:.2} ms; rows {:.2}, resolve {:.2}, submit {:.2}, finish {:.2}, \
-                     append {:.2}, end_step {:.2}",
+                    "step {i}: {:.2} ms; {}",
                     d.as_secs_f64() * 1e3,
-                    part(|r| r.cpu_rows_ns),
-                    part(|r| r.cpu_resolve_ns),
-                    part(|r| r.cpu_submit_ns),
-                    part(|r| r.cpu_finish_ns),
-                    part(|r| r.cpu_append_ns),
-                    part(|r| r.cpu_end_step_ns),
+                    in_core(&a, &b, 1)
                 );
             }
             each.push(d);
@@ -370,13 +354,26 @@ mod tests {
             at(0.99),
             at(1.0)
         );
-        let ms = |f: fn(&StepRecord) -> u64| (f(&after) - f(&before)) as f64 / 1e6 / steps as f64;
         eprintln!(
             "{:.2} ms per step, {} lookups per step",
             t.as_secs_f64() * 1e3 / steps as f64,
             w.lookups_per_step()
         );
-        eprintln!(
+        eprintln!("{}", in_core(&before, &after, steps));
+    }
+
+    /// An environment variable's value, or `default` when unset or unreadable.
+    fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+        std::env::var(name)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(default)
+    }
+
+    /// The in-core time between two totals, per step over `steps`, by part.
+    fn in_core(a: &StepRecord, b: &StepRecord, steps: u64) -> String {
+        let ms = |f: fn(&StepRecord) -> u64| (f(b) - f(a)) as f64 / 1e6 / steps as f64;
+        format!(
             "in-core {:.2} ms: plan {:.2} (rows {:.2}, resolve {:.2}, submit {:.2}), ready {:.2}, \
              finish {:.2}, append {:.2}, end_step {:.2}; prefetch {:.2}",
             ms(|r| r.cpu_ns),
@@ -389,6 +386,6 @@ mod tests {
             ms(|r| r.cpu_append_ns),
             ms(|r| r.cpu_end_step_ns),
             ms(|r| r.cpu_prefetch_ns),
-        );
+        )
     }
 }
