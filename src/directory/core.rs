@@ -898,6 +898,12 @@ impl Core {
         Ok(())
     }
 
+    /// Tests: see [`Lru::tune`].
+    #[cfg(test)]
+    pub(super) fn tune_lru(&mut self, slack: isize, step: usize, run: usize) {
+        self.lru.tune(slack, step, run)
+    }
+
     /// After a state change: put the object in the LRU list if it became evictable, or remove
     /// it if it was dropped and nothing refers to it any more.
     fn settle(&mut self, idx: usize) {

@@ -46,8 +46,13 @@ pub struct Lru {
     len: usize,
     /// The sweep in progress, if any (module docs).
     sweep: Option<Sweep>,
-    /// Stale entries allowed beyond the members before a sweep starts.
-    slack: usize,
+    /// Stale entries allowed beyond the members before a sweep starts (tests make it
+    /// negative, so that sweeps start at the first stale entries).
+    slack: isize,
+    /// Entries a push owes a sweep ([`SWEEP_STEP`]), and owed entries it waits for before it
+    /// runs ([`SWEEP_RUN`]); tests make them small.
+    step: usize,
+    run: usize,
     /// Entries the sweep owes the pushes since its last run.
     owed: usize,
 }
@@ -62,19 +67,26 @@ struct Sweep {
 impl Lru {
     /// An empty list.
     pub fn new() -> Self {
-        Self::with_slack(4096)
-    }
-
-    /// An empty list that starts a sweep once stale entries outnumber the members by `slack`.
-    pub fn with_slack(slack: usize) -> Self {
         Lru {
             queue: VecDeque::new(),
             seq: 0,
             len: 0,
             sweep: None,
-            slack,
+            slack: 4096,
+            step: SWEEP_STEP,
+            run: SWEEP_RUN,
             owed: 0,
         }
+    }
+
+    /// Tests: sweeps that start at `slack` stale entries beyond the members, owed `step`
+    /// entries a push, and run once `run` are owed, so that small state machines meet them
+    /// (mid-sweep too: with a step of 2 a sweep outlasts a few pushes).
+    #[cfg(test)]
+    pub fn tune(&mut self, slack: isize, step: usize, run: usize) {
+        self.slack = slack;
+        self.step = step;
+        self.run = run;
     }
 
     /// Members.
@@ -166,16 +178,16 @@ impl Lru {
     /// call does more than a run. `prefetch(i)` asks for object `i`'s line.
     pub fn compact_if_needed(&mut self, mark_of: impl Fn(usize) -> u64, prefetch: impl Fn(usize)) {
         if self.sweep.is_none() {
-            if self.queue.len() <= 2 * self.len + self.slack {
+            if self.queue.len() as isize <= 2 * self.len as isize + self.slack {
                 return;
             }
             self.sweep = Some(Sweep { write: 0, read: 0 });
             self.owed = 0;
         }
-        self.owed += SWEEP_STEP;
-        if self.owed >= SWEEP_RUN {
-            self.owed = 0;
-            self.sweep_on(SWEEP_RUN, mark_of, prefetch);
+        self.owed += self.step;
+        if self.owed >= self.run {
+            let n = std::mem::take(&mut self.owed);
+            self.sweep_on(n, mark_of, prefetch);
         }
     }
 

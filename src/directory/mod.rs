@@ -277,6 +277,12 @@ impl Directory {
     pub fn validate(&self) -> std::result::Result<(), String> {
         self.core.lock().validate()
     }
+
+    /// Tests: the LRU list's sweeps start and run early (see [`lru::Lru::tune`]).
+    #[cfg(test)]
+    pub(crate) fn tune_lru(&self, slack: isize, step: usize, run: usize) {
+        self.core.lock().tune_lru(slack, step, run)
+    }
 }
 
 /// Pins of one resolve, released on drop.

@@ -616,8 +616,35 @@ impl StateMachineTest for DirTest {
     }
 }
 
+/// The same machine with the LRU list sweeping early and slowly (a sweep starts at the first
+/// stale entries and moves on two entries a push), so that pops, evictions, pins and drops
+/// meet a sweep in progress and its hole.
+struct DirSweepTest;
+
+impl StateMachineTest for DirSweepTest {
+    type SystemUnderTest = Directory;
+    type Reference = Ref;
+
+    fn init_test(model: &Model) -> Directory {
+        let d = DirTest::init_test(model);
+        d.tune_lru(-2, 1, 1);
+        d
+    }
+
+    fn apply(sut: Directory, model: &Model, step: Step) -> Directory {
+        DirTest::apply(sut, model, step)
+    }
+
+    fn check_invariants(sut: &Directory, model: &Model) {
+        DirTest::check_invariants(sut, model)
+    }
+}
+
 prop_state_machine! {
     #![proptest_config(ProptestConfig { cases: 300, .. ProptestConfig::default() })]
     #[test]
     fn directory_matches_reference_model(sequential 1..60 => DirTest);
+
+    #[test]
+    fn directory_with_early_sweeps_matches_reference_model(sequential 1..60 => DirSweepTest);
 }

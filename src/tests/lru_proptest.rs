@@ -83,8 +83,12 @@ impl StateMachineTest for LruTest {
     type Reference = RefMachine;
 
     fn init_test(_: &Vec<usize>) -> Sut {
+        let mut lru = Lru::new();
+        // Sweeps start at two stale entries beyond the members and move on two entries at
+        // every push: most steps land mid-sweep.
+        lru.tune(2, 2, 1);
         Sut {
-            lru: Lru::with_slack(2),
+            lru,
             marks: vec![0; OBJECTS],
         }
     }
