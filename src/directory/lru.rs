@@ -231,6 +231,7 @@ impl Lru {
     }
 
     /// Entries in the queue, stale ones included (a sweep's hole left out).
+    #[cfg(test)]
     pub fn entries(&self) -> usize {
         self.queue.len() - self.sweep.map_or(0, |sw| sw.read - sw.write)
     }

@@ -427,11 +427,6 @@ impl StepScheduler {
         (layer < self.cfg.layers).then(|| self.kept.list(layer as usize, r.kept_slot))
     }
 
-    /// Pages request `id` keeps pinned, every layer (None: not running).
-    pub fn kept_count(&self, id: RequestId) -> Option<usize> {
-        Some(self.kept.count(self.requests.get(&id)?.kept_slot))
-    }
-
     /// One running request's block state.
     pub fn request(&self, id: RequestId) -> Option<&RequestState> {
         self.requests.get(&id)

@@ -495,7 +495,7 @@ mod tests {
             prop_assert_eq!(&out.repeats, &repeats);
         }
 
-        /// The run scan of sorted rows (strides of eight, then one by one) finds the same
+        /// The run scan of sorted rows (windows of `RUN_WINDOW` compares) finds the same
         /// pages, first columns and needed tokens as the general pass, on rows with long runs
         /// (repeated entries) and the request's last, partial entry.
         #[test]

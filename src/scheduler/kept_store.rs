@@ -123,6 +123,7 @@ impl KeptStore {
     }
 
     /// Entries kept for `slot`, every layer.
+    #[cfg(test)]
     pub fn count(&self, slot: KeptSlot) -> usize {
         self.layers.iter().map(|l| l.runs[slot.index()].len()).sum()
     }
@@ -200,7 +201,7 @@ impl KeptStore {
                 }
             }
         }
-        let distinct: std::collections::HashSet<_> = self.free.iter().collect();
+        let distinct: rustc_hash::FxHashSet<_> = self.free.iter().collect();
         if distinct.len() != self.free.len() || self.free.iter().any(|f| f.0 >= self.slots) {
             return Err(format!("free slots {:?} of {}", self.free, self.slots));
         }
