@@ -20,8 +20,11 @@
 #         bench_transfer.txt  `sparsetier bench transfer --device cuda` table
 #         bench_transfer.json the same rows as JSON
 #         sanitizer.txt       compute-sanitizer memcheck over scripts/gpu_sanitize.py
-#         bench_decode.txt    `sparsetier bench decode` (block mode) on the machine's CPU
-# Each step has its own timeout, so a hang leaves the others' results.
+#         bench_decode.txt    `sparsetier bench decode` on the machine's CPU: block mode with
+#                             its three stacks (issue 10's figure), then token mode
+# Each step has its own timeout, so a hang leaves the others' results; the steps run in order
+# of worth, so a device call stopped at its limit loses the least worth first.
+# About 5-7 minutes of the machine in all (the transfer bench's paired rows are the longest).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -67,18 +70,23 @@ run)
             echo "demo $mode $pf: exit $?" >> "$OUT/demo_cuda.txt"
         done
     done
-    timeout 150 python3 -m sparsetier.cli bench transfer --device cuda --total-mb 256 \
-        --json "$OUT/bench_transfer.json" > "$OUT/bench_transfer.txt" 2>&1
-    echo "exit $?" >> "$OUT/bench_transfer.txt"
     # Out-of-bounds or misaligned accesses of the copy kernel and the direct engine.
     command -v compute-sanitizer >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
     timeout 100 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
         python3 scripts/gpu_sanitize.py > "$OUT/sanitizer.txt" 2>&1
     echo "exit $?" >> "$OUT/sanitizer.txt"
-    # The decode step's CPU time (issue 10) on this machine's server CPU (no GPU in it).
-    timeout 90 python3 -m sparsetier.cli bench decode --steps 10 --mode block \
+    # The decode step's CPU time (issue 10) on this machine's server CPU (the GPU idle): the
+    # issue's run (block mode, its three stacks), then token mode with fewer steps (each about a minute).
+    timeout 150 python3 -m sparsetier.cli bench decode --steps 30 --mode block \
         > "$OUT/bench_decode.txt" 2>&1
-    echo "exit $?" >> "$OUT/bench_decode.txt"
+    echo "block exit $?" >> "$OUT/bench_decode.txt"
+    # Every row alternates with the peak copy (the median paired ratio).
+    timeout 240 python3 -m sparsetier.cli bench transfer --device cuda --total-mb 256 \
+        --json "$OUT/bench_transfer.json" > "$OUT/bench_transfer.txt" 2>&1
+    echo "exit $?" >> "$OUT/bench_transfer.txt"
+    timeout 150 python3 -m sparsetier.cli bench decode --steps 8 --mode token \
+        >> "$OUT/bench_decode.txt" 2>&1
+    echo "token exit $?" >> "$OUT/bench_decode.txt"
     tail -n 4 "$OUT/pytest.txt" "$OUT/sanitizer.txt" "$OUT/bench_decode.txt"
     tail -n 12 "$OUT/bench_transfer.txt"
     grep -E "exit|correctness|end state" "$OUT/demo_cuda.txt"
