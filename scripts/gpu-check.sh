@@ -4,7 +4,8 @@
 #   here, once:   scripts/gpu-check.sh build
 #       builds an abi3 wheel with a manylinux_2_28 tag (maturin --zig) into .whl/, which
 #       `.git/info/exclude` must ignore (`echo /.whl/ >> .git/info/exclude`).
-#   there:        device run, carry [".whl"], command: bash scripts/gpu-check.sh run
+#   there:        device run, carry [".whl"], command: bash scripts/gpu-check.sh run [PART...]
+#       PARTs (default: all, in this order): tests demos sanitizer decode transfer
 #       installs the wheel offline into /tmp/site (the machine has Python 3.12, torch with
 #       CUDA 13.0, hypothesis and pytest, and no network), then writes under $OUT:
 #         env.txt             versions, GPU name, driver
@@ -15,7 +16,9 @@
 #                             tests/test_decode.py (its prefix-restore test on the GPU too)
 #         demo_cuda.txt       `sparsetier demo --device cuda` (tiered == resident on the GPU,
 #                             through the step scheduler with stream waits), block and token
-#                             selection, with and without prefetch, and in FP8 (--kv-format)
+#                             selection, with and without prefetch, in FP8 (--kv-format),
+#                             and with --faults (load, backup and restore failures through
+#                             the CUDA engines' fault hook) in both selections
 #         demo_block.json     the block-mode run with prefetch, as JSON
 #         bench_transfer.txt  `sparsetier bench transfer --device cuda` table
 #         bench_transfer.json the same rows as JSON
@@ -39,6 +42,9 @@ build)
     ls -la .whl
     ;;
 run)
+    shift
+    parts=" ${*:-tests demos sanitizer decode transfer} "
+    has() { [[ $parts == *" $1 "* ]]; }
     OUT=${OUT:-/tmp/sparsetier-out}
     mkdir -p "$OUT"
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/sparsetier-*.whl \
@@ -52,47 +58,64 @@ run)
     } > "$OUT/env.txt" 2>&1
     # The checks in order of worth; each has its own timeout so a hang leaves the others.
     per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=60)
-    timeout 170 python3 -m pytest -q -rs -p no:cacheprovider $per_test tests/test_cuda.py \
-        tests/test_hicache.py tests/test_gpu_runtime.py tests/test_packed.py \
-        tests/test_decode.py \
-        > "$OUT/pytest.txt" 2>&1
-    echo "exit $?" >> "$OUT/pytest.txt"
-    timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet --kv-format fp8 \
-        >> "$OUT/demo_cuda.txt" 2>&1
-    echo "demo block prefetch fp8: exit $?" >> "$OUT/demo_cuda.txt"
-    for mode in block token; do
-        for pf in prefetch no-prefetch; do
-            # JSON of the block run with prefetch only (8 files at most come back).
-            flag=$([ "$pf" = no-prefetch ] && echo --no-prefetch)
-            [ "$mode$pf" = blockprefetch ] && flag="--json $OUT/demo_block.json"
-            timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet --selection "$mode" \
-                $flag >> "$OUT/demo_cuda.txt" 2>&1
-            echo "demo $mode $pf: exit $?" >> "$OUT/demo_cuda.txt"
+    if has tests; then
+        timeout 170 python3 -m pytest -q -rs -p no:cacheprovider $per_test tests/test_cuda.py \
+            tests/test_hicache.py tests/test_gpu_runtime.py tests/test_packed.py \
+            tests/test_decode.py > "$OUT/pytest.txt" 2>&1
+        echo "exit $?" >> "$OUT/pytest.txt"
+    fi
+    if has demos; then
+        for mode in block token; do
+            # Injected load, backup and restore failures through the CUDA engine's fault hook.
+            timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet --faults \
+                --selection "$mode" >> "$OUT/demo_cuda.txt" 2>&1
+            echo "demo $mode faults: exit $?" >> "$OUT/demo_cuda.txt"
         done
-    done
-    # Out-of-bounds or misaligned accesses of the copy kernel and the direct engine.
-    command -v compute-sanitizer >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
-    timeout 100 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
-        python3 scripts/gpu_sanitize.py > "$OUT/sanitizer.txt" 2>&1
-    echo "exit $?" >> "$OUT/sanitizer.txt"
-    # The decode step's CPU time (issue 10) on this machine's server CPU (the GPU idle): the
-    # issue's run (block mode, its three stacks), then token mode with fewer steps (each about a minute).
-    timeout 150 python3 -m sparsetier.cli bench decode --steps 30 --mode block \
-        > "$OUT/bench_decode.txt" 2>&1
-    echo "block exit $?" >> "$OUT/bench_decode.txt"
-    # Every row alternates with the peak copy (the median paired ratio).
-    timeout 240 python3 -m sparsetier.cli bench transfer --device cuda --total-mb 256 \
-        --json "$OUT/bench_transfer.json" > "$OUT/bench_transfer.txt" 2>&1
-    echo "exit $?" >> "$OUT/bench_transfer.txt"
-    timeout 150 python3 -m sparsetier.cli bench decode --steps 8 --mode token \
-        >> "$OUT/bench_decode.txt" 2>&1
-    echo "token exit $?" >> "$OUT/bench_decode.txt"
-    tail -n 4 "$OUT/pytest.txt" "$OUT/sanitizer.txt" "$OUT/bench_decode.txt"
-    tail -n 12 "$OUT/bench_transfer.txt"
-    grep -E "exit|correctness|end state" "$OUT/demo_cuda.txt"
+        timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet --kv-format fp8 \
+            >> "$OUT/demo_cuda.txt" 2>&1
+        echo "demo block prefetch fp8: exit $?" >> "$OUT/demo_cuda.txt"
+        for mode in block token; do
+            for pf in prefetch no-prefetch; do
+                # JSON of the block run with prefetch only (8 files at most come back).
+                flag=$([ "$pf" = no-prefetch ] && echo --no-prefetch)
+                [ "$mode$pf" = blockprefetch ] && flag="--json $OUT/demo_block.json"
+                timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet \
+                    --selection "$mode" $flag >> "$OUT/demo_cuda.txt" 2>&1
+                echo "demo $mode $pf: exit $?" >> "$OUT/demo_cuda.txt"
+            done
+        done
+    fi
+    if has sanitizer; then
+        # Out-of-bounds or misaligned accesses of the copy kernel and the direct engine.
+        command -v compute-sanitizer >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
+        timeout 100 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
+            python3 scripts/gpu_sanitize.py > "$OUT/sanitizer.txt" 2>&1
+        echo "exit $?" >> "$OUT/sanitizer.txt"
+    fi
+    if has decode; then
+        # The decode step's CPU time (issue 10) on this machine's server CPU (the GPU idle):
+        # the issue's run (block mode, its three stacks); token mode comes last.
+        timeout 150 python3 -m sparsetier.cli bench decode --steps 30 --mode block \
+            > "$OUT/bench_decode.txt" 2>&1
+        echo "block exit $?" >> "$OUT/bench_decode.txt"
+    fi
+    if has transfer; then
+        # Every row alternates with the peak copy (the median paired ratio).
+        timeout 240 python3 -m sparsetier.cli bench transfer --device cuda --total-mb 256 \
+            --json "$OUT/bench_transfer.json" > "$OUT/bench_transfer.txt" 2>&1
+        echo "exit $?" >> "$OUT/bench_transfer.txt"
+    fi
+    if has decode; then
+        timeout 150 python3 -m sparsetier.cli bench decode --steps 8 --mode token \
+            >> "$OUT/bench_decode.txt" 2>&1
+        echo "token exit $?" >> "$OUT/bench_decode.txt"
+    fi
+    cd "$OUT" && tail -n 4 pytest.txt sanitizer.txt bench_decode.txt 2>/dev/null
+    tail -n 12 bench_transfer.txt 2>/dev/null
+    grep -E "exit|correctness|end state|faults" demo_cuda.txt 2>/dev/null
     ;;
 *)
-    echo "usage: $0 build|run" >&2
+    echo "usage: $0 build | run [tests] [demos] [sanitizer] [decode] [transfer]" >&2
     exit 2
     ;;
 esac

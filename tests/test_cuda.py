@@ -246,3 +246,44 @@ def test_consumer_stream_really_waits_on_the_layer_event():
         snapshot = dev[:, 1].clone()  # ordered after layer 1's event on the GPU
     consumer.synchronize()
     assert torch.equal(snapshot.cpu(), host[:, 1])
+
+
+@needs_gpu
+@pytest.mark.parametrize("backend", ["kernel", "direct"])
+@pytest.mark.parametrize("at", [0, 1])
+def test_an_injected_failure_copies_the_layers_before_it_and_fails_the_rest(backend, at):
+    # The CUDA engines' fault hook: the layers before the failure are copied and published,
+    # it and every later layer fail (a stream wait on one raises, never lets stale data
+    # through), and the next submission is not affected.
+    spec = st.PoolSpec("KV", 3, 2, 64, "bf16", 16, 32)
+    host = torch.randn(spec.shape()).to(torch.bfloat16).pin_memory()
+    dev = torch.zeros(spec.shape(), dtype=torch.bfloat16, device="cuda")
+    e = st.TransferEngine(backend)
+    t = st.PreparedPageTransfer(
+        st.PageTransferBinding(host, spec), st.PageTransferBinding(dev, spec),
+        list(range(32)), list(range(32)),
+    )  # fmt: skip
+    g = st.PageTransferGroup([t])
+    e.inject_fault(0, layer=at, fail="injected")
+    h = e.submit(g)
+    consumer = torch.cuda.Stream()
+    for layer in range(at, 3):
+        with pytest.raises((st.TransferFailedError, st.CopyFailedError)):
+            h.stream_wait(layer, consumer.cuda_stream)
+    with pytest.raises(st.CopyFailedError) as err:
+        h.wait(timeout=60)
+    assert (err.value.layer, err.value.reason) == (at, "injected")
+    for layer in range(at):
+        h.wait(layer=layer, timeout=60)
+    assert h.status(2) == "failed: injected" and h.finished
+    torch.cuda.synchronize()
+    assert torch.equal(dev[:, :at].cpu(), host[:, :at])  # [K/V, layer, page, ...]
+    assert not dev[:, at:].any()
+    e.submit(g).wait(timeout=60)  # submission 1: no fault armed
+    assert torch.equal(dev.cpu(), host)
+    # Once finished, a stream wait on the failed layer still raises.
+    with pytest.raises((st.TransferFailedError, st.CopyFailedError)):
+        h.stream_wait(2, consumer.cuda_stream)
+    with pytest.raises(st.ConfigError) as err:
+        e.inject_fault(2, delay=0.01)
+    assert err.value.field == "delay"

@@ -223,10 +223,23 @@ def finish_all(rt):
     return s
 
 
+def needs_engine(io):
+    """Skips (saying why) a CUDA engine's case where no GPU is."""
+    if io != "cpu" and not (torch.cuda.is_available() and st.cuda_status()[0]):
+        pytest.skip(f"the {io} engine needs a CUDA GPU: {st.cuda_status()[1]}")
+
+
+# Faults go through each engine's own hook: the CUDA engines copy the layers before the
+# failed one and fail the rest, as a launch that failed part-way (run by gpu-check.sh).
+ENGINES = ["cpu", "kernel", "direct"]
+
+
+@pytest.mark.parametrize("io", ENGINES)
 @pytest.mark.parametrize("prefetch", [True, False])
-def test_one_failed_load_is_retried_and_every_output_stays_exact(prefetch):
-    faulty, a = run(40, prefetch, faults={3: ("load", 1, None)})
-    _, b = run(400, prefetch)
+def test_one_failed_load_is_retried_and_every_output_stays_exact(prefetch, io):
+    needs_engine(io)
+    faulty, a = run(40, prefetch, faults={3: ("load", 1, None)}, io=io)
+    _, b = run(400, prefetch, io=io)
     tot = faulty.scheduler.totals()
     assert tot["failed_loads"] == 1 and tot["retried_loads"] == 1
     assert not faulty.failures
@@ -234,16 +247,18 @@ def test_one_failed_load_is_retried_and_every_output_stays_exact(prefetch):
     finish_all(faulty)
 
 
-def test_every_load_of_a_layer_failing_fails_only_the_requests_that_needed_it():
+@pytest.mark.parametrize("io", ENGINES)
+def test_every_load_of_a_layer_failing_fails_only_the_requests_that_needed_it(io):
     # Two failures at layer 1: the load and its retry. Requests that needed a page from host
     # at that layer fail; the others decode on, exactly as in a run where those requests were
     # ended at the same step.
-    faulty, a = run(60, False, faults={4: ("load", 2, 1)})
+    needs_engine(io)
+    faulty, a = run(60, False, faults={4: ("load", 2, 1)}, io=io)
     failed = sorted({rid for _, rid, _ in faulty.failures})
     assert failed, "the fault must hit a load"
     assert len(failed) < 3, "a request reading only device pages goes on"
     step = faulty.failures[0][0]
-    _, b = run(400, False, aborts={step: failed})
+    _, b = run(400, False, aborts={step: failed}, io=io)
     assert faulty.scheduler.totals()["retried_loads"] >= 1
     survivors = [r for r in range(3) if r not in failed]
     for r in survivors:
@@ -253,9 +268,11 @@ def test_every_load_of_a_layer_failing_fails_only_the_requests_that_needed_it():
     finish_all(faulty)
 
 
-def test_a_failed_backup_is_retried_and_costs_nothing_else():
-    faulty, a = run(40, faults={0: ("backup", 1, None)})
-    _, b = run(400)
+@pytest.mark.parametrize("io", ENGINES)
+def test_a_failed_backup_is_retried_and_costs_nothing_else(io):
+    needs_engine(io)
+    faulty, a = run(40, faults={0: ("backup", 1, None)}, io=io)
+    _, b = run(400, io=io)
     assert faulty.scheduler.totals()["failed_backups"] == 1
     assert all(torch.equal(a[r], b[r]) for r in b)
     s = finish_all(faulty)
@@ -310,8 +327,7 @@ def test_exposed_wait_is_what_the_overlap_window_did_not_hide(load_ms, lo_ms, hi
      ("layer_page_first", "fp8", "kernel")],
 )  # fmt: skip
 def test_a_prefix_hit_restores_indexer_k_and_loads_only_selected_blocks(layout, kv_format, io):
-    if io != "cpu" and not (torch.cuda.is_available() and st.cuda_status()[0]):
-        pytest.skip(f"the {io} engine needs a CUDA GPU: {st.cuda_status()[1]}")
+    needs_engine(io)
     rt, _ = run(40, share=True, layout=layout, steps=4, kv_format=kv_format, io=io)
     # The three requests found the prompt's 4 pages, stored once by request 9.
     px = rt.prefix_stats()
@@ -349,8 +365,10 @@ def test_a_prefix_hit_restores_indexer_k_and_loads_only_selected_blocks(layout, 
     torch.testing.assert_close(fresh.requests[7].outputs[0], rt.requests[7].outputs[0])
 
 
-def test_a_failed_indexer_restore_fails_that_request_only():
-    rt, _ = run(40, share=True, steps=2)
+@pytest.mark.parametrize("io", ENGINES)
+def test_a_failed_indexer_restore_fails_that_request_only(io):
+    needs_engine(io)
+    rt, _ = run(40, share=True, steps=2, io=io)
     for rid in list(rt.requests):
         rt.finish_request(rid)
     rt.drain()
@@ -425,3 +443,16 @@ def test_metrics_in_prometheus_text_format():
     calls = ("plan", "ready", "finish", "append", "end_step")
     parts = {p: float(lines[f'sparsetier_cpu_part_ns_total{{part="{p}"}}']) for p in calls}
     assert sum(parts.values()) == float(lines["sparsetier_cpu_ns_total"]) > 0
+
+
+@pytest.mark.parametrize("io", ["kernel", "direct"])
+def test_a_delay_is_refused_on_the_cuda_engines(io):
+    # A GPU copy cannot be held back from the host: the runtime says so when it is armed,
+    # not at the submission it would have slowed.
+    needs_engine(io)
+    rt, _ = run(40, steps=1, io=io)
+    with pytest.raises(st.ConfigError) as e:
+        rt.inject_faults("load", 1, delay=0.01)
+    assert e.value.field == "delay"
+    rt.step()
+    finish_all(rt)

@@ -468,7 +468,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--faults",
         action="store_true",
-        help="inject load and backup failures (cpu engine) and report them",
+        help="inject load, backup and restore failures (any engine) and report them",
     )
     p.add_argument("--requests", type=int, default=d.requests)
     p.add_argument("--concurrent", type=int, default=d.concurrent, help="requests decoding at once")

@@ -364,8 +364,9 @@ class DecodeRuntime:
     ) -> None:
         """Arms `count` failures of the scheduler's next `kind` submissions: `load` (a layer's
         selected blocks), `backup` (write-through) or `restore` (a prefix hit's Indexer-K); at
-        `layer` only if given. They fail inside the copy engine (cpu engine). With `delay`
-        (seconds) those copies are slow instead."""
+        `layer` only if given. They fail inside the copy engine (every engine; on the CUDA
+        engines the earlier layers of that submission are copied and the rest fail). With
+        `delay` (seconds; cpu engine only) those copies are slow instead."""
         self.scheduler.inject_faults(kind, count, layer, delay)
 
     # -- one decode step --------------------------------------------------------------

@@ -499,7 +499,7 @@ impl PyStepScheduler {
         (self.device.clone_ref(py), self.host.clone_ref(py))
     }
 
-    /// The copy engine (arm cpu faults through `inject_faults`, not on the engine directly,
+    /// The copy engine (arm faults through `inject_faults`, not on the engine directly,
     /// so they land on the scheduler's own submissions).
     #[getter]
     fn engine(&self, py: Python<'_>) -> Py<PyTransferEngine> {
@@ -771,9 +771,9 @@ impl PyStepScheduler {
         py.detach(|| self.inner.lock().drain()).py_err(py)
     }
 
-    /// Arms `count` failures of the next `kind` (`load` or `backup`) submissions, at `layer`
-    /// only if given; they fail inside the engine (cpu engine only). With `delay` (seconds)
-    /// those copies start that much later instead of failing.
+    /// Arms `count` failures of the next `kind` (`load`, `backup` or `restore`) submissions,
+    /// at `layer` only if given; they fail inside the engine (every engine). With `delay`
+    /// (seconds; cpu engine only) those copies start that much later instead of failing.
     #[pyo3(
         signature = (kind, count=None, layer=None, delay=None),
         text_signature = "($self, kind, count=1, layer=None, delay=None)"
@@ -797,16 +797,6 @@ impl PyStepScheduler {
                 ))
             }
         };
-        if self.engine.get().needs_pinned() {
-            return Err(to_py(
-                py,
-                Error::config(
-                    "io_backend",
-                    "kernel/direct",
-                    "cpu: fault injection is a cpu-engine hook",
-                ),
-            ));
-        }
         let count = match count {
             Some(c) => u32_arg(py, c, "count", 1)?,
             None => 1,
@@ -822,6 +812,18 @@ impl PyStepScheduler {
         };
         let delay = match delay {
             None => None,
+            // Checked now: the engine would refuse it only at the submission it is armed for.
+            Some(d) if self.engine.get().needs_pinned() => {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        "delay",
+                        d,
+                        "None on the kernel and direct engines (a GPU copy cannot be held \
+                         back from the host); delays need the cpu engine",
+                    ),
+                ))
+            }
             Some(d) if d.is_finite() && d >= 0.0 => Some(std::time::Duration::from_secs_f64(d)),
             Some(d) => return Err(to_py(py, Error::config("delay", d, "None or seconds >= 0"))),
         };

@@ -351,7 +351,8 @@ impl PyTransferHandle {
 
     /// Makes CUDA stream `stream` (a raw CUstream as an int, e.g.
     /// `torch.cuda.current_stream().cuda_stream`) wait for `layer` on the GPU, without
-    /// blocking the CPU. Only for the kernel and direct engines.
+    /// blocking the CPU. Only for the kernel and direct engines. A failed layer raises
+    /// CopyFailedError/TransferFailedError instead.
     fn stream_wait(&self, py: Python<'_>, layer: i64, stream: u64) -> PyResult<()> {
         let l = layer_arg(py, &self.events, Some(layer))?.expect("given");
         let idx = self
@@ -362,7 +363,11 @@ impl PyTransferHandle {
             .expect("checked");
         let engine = self.engine.get();
         match &engine.inner {
-            Engine::Cuda(e) => e.stream_wait(self.events.seq(), idx, stream).py_err(py),
+            // Through the trait: a failed layer is an error, never a wait that lets stale
+            // data through (the inherent call only knows the CUDA events still held).
+            Engine::Cuda(e) => {
+                CopyEngine::stream_wait(e.as_ref(), &self.events, idx, stream).py_err(py)
+            }
             Engine::Cpu(_) => Err(to_py(
                 py,
                 Error::config(
@@ -537,8 +542,9 @@ impl PyTransferEngine {
         })
     }
 
-    /// Arms a fault for submission number `nth` (cpu engine only): `fail` with a reason, or
-    /// `delay` seconds, at `layer` (default: the submission's first layer).
+    /// Arms a fault for submission number `nth`: `fail` with a reason, or `delay` seconds (cpu
+    /// engine only), at `layer` (default: the submission's first layer). On the CUDA engines
+    /// the layers before it are copied and it and every later layer fail.
     #[pyo3(signature = (nth, *, layer=None, fail=None, delay=None))]
     fn inject_fault(
         &self,
@@ -548,16 +554,6 @@ impl PyTransferEngine {
         fail: Option<String>,
         delay: Option<f64>,
     ) -> PyResult<()> {
-        let Engine::Cpu(e) = &self.inner else {
-            return Err(to_py(
-                py,
-                Error::config(
-                    "io_backend",
-                    self.name(),
-                    "cpu: fault injection is a cpu-engine hook",
-                ),
-            ));
-        };
         let nth = int(nth, "nth")?;
         let nth = u64::try_from(nth)
             .map_err(|_| to_py(py, Error::config("nth", nth, "a submission number >= 0")))?;
@@ -584,8 +580,10 @@ impl PyTransferEngine {
                 ))
             }
         };
-        e.inject(Fault { nth, layer, action });
-        Ok(())
+        self.inner
+            .dyn_ref()
+            .inject(Fault { nth, layer, action })
+            .py_err(py)
     }
 
     /// Submissions not yet finished (finished ones release their tensors here).

@@ -11,6 +11,7 @@
 
 use super::engine::{submission_layers, CopyEngine};
 use super::events::TransferEvents;
+pub use super::fault::{Fault, FaultAction};
 use super::prepared::{CopyOp, PageTransferGroup};
 use crate::error::{Error, Result};
 use crossbeam_channel::{unbounded, Receiver, Sender};
@@ -18,28 +19,6 @@ use parking_lot::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
-
-/// What an injected fault does.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FaultAction {
-    /// The layer is not written and fails, with every later layer.
-    Fail(String),
-    /// The layer starts this much later.
-    Delay(Duration),
-}
-
-/// A fault for submission number `nth` (0-based, in submission order), at one layer or at
-/// its first layer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Fault {
-    /// Which submission.
-    pub nth: u64,
-    /// Which layer; `None` is the submission's first layer.
-    pub layer: Option<usize>,
-    /// What happens.
-    pub action: FaultAction,
-}
 
 struct Job {
     group: Arc<PageTransferGroup>,
@@ -189,12 +168,7 @@ impl CopyEngine for CpuEngine {
         }
         let layers = submission_layers(&group, layer)?;
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
-        let faults = {
-            let mut all = self.faults.lock();
-            let (mine, rest): (Vec<Fault>, Vec<Fault>) = all.drain(..).partition(|f| f.nth == seq);
-            *all = rest;
-            mine
-        };
+        let faults = super::fault::take_for(&mut self.faults.lock(), seq);
         let events = Arc::new(TransferEvents::new(seq, "cpu", layers));
         let tx = self
             .tx

@@ -1,8 +1,8 @@
 //! The CUDA copy engines, launched through cudarc: `kernel` (a copy kernel on SMs) and
 //! `direct` (`cuMemcpyBatchAsync`, or an explicit per-segment `cuMemcpyAsync` mode).
 //!
-//! Ran on an H200 on 2026-11-29 (`scripts/gpu-check.sh`: the CUDA tests, the decode runtime,
-//! compute-sanitizer, the transfer bench). The code compiles everywhere (cudarc loads libcuda
+//! Ran on an H200 on 2026-11-29 and 2026-11-30 (`scripts/gpu-check.sh`: the CUDA tests, the
+//! decode runtime, compute-sanitizer, the transfer bench). The code compiles everywhere (cudarc loads libcuda
 //! and libnvrtc at run time) and the kernel source is compiled with NVRTC in CI, which has no
 //! GPU.
 //!
@@ -28,7 +28,14 @@
 //! device memory is on the engine's device, and (once per buffer) that host memory is pinned
 //! and mapped for the device. If a launch fails part-way, the handle is still returned: its
 //! later layers report the failure, and every buffer stays alive until the launched layers
-//! end. An `Err` from `submit` means nothing was launched.
+//! end. An `Err` from `submit` means nothing was launched. The unlaunched layers are failed
+//! on the handle before `submit` returns, so a stream wait on one is an error at once.
+//!
+//! # Injected faults
+//! [`CopyEngine::inject`] arms a failure of a later submission at one of its layers: the
+//! engine launches the layers before it and fails the rest exactly as a launch that failed
+//! there (above), also when that is the first layer (the handle then fails every layer). Delays
+//! are refused: a GPU copy cannot be held back from the host.
 //!
 //! # Kernel image
 //! The kernel is loaded as a cubin for the device's own compute capability, compiled with
@@ -42,6 +49,7 @@
 
 use super::engine::{submission_layers, CopyEngine};
 use super::events::{LayerStatus, TransferEvents};
+use super::fault::{first_failure, take_for, Fault, FaultAction};
 use super::prepared::{CopyOp, Direction, PageTransferGroup};
 use crate::error::{Error, Result};
 use crossbeam_channel::{unbounded, Sender};
@@ -231,6 +239,8 @@ pub struct CudaEngine {
     seq: AtomicU64,
     /// The stream whose queued work every copy waits for (torch's current stream).
     producer: Mutex<Option<u64>>,
+    /// Failures armed for later submissions (the test hook).
+    faults: Mutex<Vec<Fault>>,
 }
 
 /// Kernel images loaded in this process, per architecture (compiled or read from disk once).
@@ -372,6 +382,7 @@ impl CudaEngine {
                 mapped: Mutex::new(Default::default()),
                 seq: AtomicU64::new(0),
                 producer: Mutex::new(None),
+                faults: Mutex::new(Vec::new()),
             })
         })
     }
@@ -718,6 +729,9 @@ impl CopyEngine for CudaEngine {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let cpu = Arc::new(TransferEvents::new(seq, self.name(), layers.clone()));
         let producer = *self.producer.lock();
+        // An injected failure stops the launches at its layer, like a launch that failed there.
+        let injected = first_failure(&take_for(&mut self.faults.lock(), seq), &layers);
+        let launched = &per_layer[..injected.as_ref().map_or(per_layer.len(), |(i, _)| *i)];
         guarded("CUDA submit", || {
             let _ctx = CurrentContext::bind(&self.ctx)?;
             self.check_host_mapped(&group)?;
@@ -739,7 +753,7 @@ impl CopyEngine for CudaEngine {
                         p
                     };
                     let mut offset = 0;
-                    failed = launch_layers(&per_layer, &mut events, |ops| {
+                    failed = launch_layers(launched, &mut events, |ops| {
                         let r = self
                             .kernel_layer(stream, func, base, total, offset, ops, sm_limit, lanes);
                         offset += ops.len();
@@ -748,7 +762,7 @@ impl CopyEngine for CudaEngine {
                     table = Some(t);
                 }
                 (CudaMode::Direct { per_segment }, _) => {
-                    failed = launch_layers(&per_layer, &mut events, |ops| {
+                    failed = launch_layers(launched, &mut events, |ops| {
                         self.direct_layer(stream, ops, per_segment)
                             .and_then(|()| record(stream))
                     });
@@ -765,9 +779,14 @@ impl CopyEngine for CudaEngine {
                     .map_err(cuda_err("cuStreamSynchronize"))?;
                 return Err(e.clone());
             }
-            // Part of it is launched: hand back a handle whose later layers fail, and keep
-            // every buffer alive until the launched layers have ended.
-            let fail_from = failed.map(|(i, e)| (i, e.to_string()));
+            // Part of it is launched (or an injected failure stopped it): hand back a handle
+            // whose later layers fail, and keep every buffer alive until the launched layers
+            // have ended. The unlaunched layers fail now: nothing will write them, and a
+            // stream wait must see the failure before the watcher gets to it.
+            let fail_from = failed.map(|(i, e)| (i, e.to_string())).or(injected);
+            if let Some((i, why)) = &fail_from {
+                cpu.record_failed_from(*i, why);
+            }
             let events = Arc::new(events);
             self.events.lock().insert(seq, Arc::clone(&events));
             let tx = self.watcher_tx[dir]
@@ -791,6 +810,22 @@ impl CopyEngine for CudaEngine {
 
     fn set_producer(&self, stream: Option<u64>) -> Result<()> {
         *self.producer.lock() = stream;
+        Ok(())
+    }
+
+    fn inject(&self, fault: Fault) -> Result<()> {
+        if let FaultAction::Delay(d) = &fault.action {
+            return Err(Error::config(
+                "delay",
+                format!("{d:?}"),
+                format!(
+                    "no delay on the {} engine (a GPU copy cannot be held back from the \
+                     host): a failure, or the cpu engine",
+                    self.name()
+                ),
+            ));
+        }
+        self.faults.lock().push(fault);
         Ok(())
     }
 }

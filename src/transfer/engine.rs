@@ -1,7 +1,7 @@
 //! The copy-engine interface shared by the cpu, kernel and direct engines.
 
-use super::cpu::Fault;
 use super::events::TransferEvents;
+use super::fault::Fault;
 use super::prepared::PageTransferGroup;
 use crate::error::{Error, Result};
 use std::sync::Arc;
@@ -35,13 +35,14 @@ pub trait CopyEngine: Send + Sync {
         ))
     }
 
-    /// Arms a fault for a later submission (the cpu engine's test hook); others refuse.
+    /// Arms a fault for a later submission (the engines' test hook, `super::fault`); an
+    /// engine without one refuses.
     fn inject(&self, fault: Fault) -> Result<()> {
         let _ = fault;
         Err(Error::config(
             "io_backend",
             self.name(),
-            "cpu: fault injection is a cpu-engine hook",
+            "an engine with a fault hook: cpu, kernel or direct",
         ))
     }
 

@@ -4,7 +4,7 @@
 //! Planning turns (pool buffer, page pairs) into contiguous copies per layer, checking every
 //! address against the buffers once, up front. Engines run those copies and record one event
 //! per layer: `cpu` (worker threads, both tiers in host memory), and `kernel` / `direct` (CUDA,
-//! in `cuda`).
+//! in `cuda`). Every engine takes injected failures (`fault`) for tests.
 //!
 //! # Invariants
 //! - every copy an engine runs lies inside the bindings it was prepared from;
@@ -18,13 +18,15 @@ pub mod cubin;
 pub mod cuda;
 pub mod engine;
 pub mod events;
+pub mod fault;
 pub mod map;
 pub mod prepared;
 
 pub use binding::{LayerPageOrder, MemoryKind, PageTransferBinding};
-pub use cpu::{CpuEngine, Fault, FaultAction};
+pub use cpu::CpuEngine;
 pub use engine::CopyEngine;
 pub use events::{LayerStatus, TransferEvents};
+pub use fault::{Fault, FaultAction};
 pub use map::{Granularity, PageTransferMap, Segment};
 pub use prepared::{CopyOp, Direction, PageTransferGroup, PreparedPageTransfer};
 
