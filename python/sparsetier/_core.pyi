@@ -405,7 +405,12 @@ class StepScheduler:
     def request_len(self, rid: int) -> int: ...
     def append(self, rids: Any) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int32]]: ...
     def plan(
-        self, layer: int, rids: Any, selection: npt.NDArray[np.int64], unit: int
+        self,
+        layer: int,
+        rids: Any,
+        selection: npt.NDArray[np.int64],
+        unit: int,
+        counts: npt.NDArray[np.int32] | None = None,
     ) -> tuple[int, npt.NDArray[np.int32]]: ...
     def ready(
         self, plan: int, stream: int | None = None

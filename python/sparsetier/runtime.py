@@ -43,6 +43,7 @@ from sparsetier.errors import (
 from sparsetier.indexer import MODES
 from sparsetier.kv_format import kv_format as make_kv_format
 from sparsetier.model import TinySparseModel, rms
+from sparsetier.token_pages import token_pages
 
 try:
     from sparsetier.metrics import RuntimeMetrics
@@ -412,13 +413,22 @@ class DecodeRuntime:
                     h, pos, keys, mode=self.mode, unit=self.unit, topk=self.topk,
                     window=self.window, reduce=self.reduce,
                 )  # fmt: skip
-                plan, table = self.scheduler.plan(li, rids_np, sel.cpu().numpy(), self.unit)
+                if self.mode == "token":
+                    # Tokens become pages on the model's device; the core plans page rows.
+                    tp = token_pages(sel, ps)
+                    pages_np, counts_np = tp.to_host()
+                    plan, table = self.scheduler.plan(li, rids_np, pages_np, ps, counts_np)
+                else:
+                    plan, table = self.scheduler.plan(li, rids_np, sel.cpu().numpy(), self.unit)
                 bad, new = self.scheduler.ready(plan, stream)
                 if new is not None:
                     table = new
                 for _, rid, why in bad:
                     failed.setdefault(rid, why)
-                out = sparse_attention_batched(q, self.device_kv, self._table(table), sel, pos,
+                table_dev = self._table(table)
+                if self.mode == "token":
+                    table_dev = tp.token_table(table_dev)
+                out = sparse_attention_batched(q, self.device_kv, table_dev, sel, pos,
                                                self.unit, ps, self.fmt)  # fmt: skip
                 x = layer.finish(x, out)
                 self.scheduler.finish(plan)

@@ -643,6 +643,10 @@ impl PyStepScheduler {
     /// Plans `layer` for the batch: `selection` is an int64 `[B, K]` array of entries (-1 =
     /// none) of `unit` tokens each (block mode: block ids, `unit` = block size; token mode:
     /// token indices, `unit` = 1). Returns `(plan, slot table [B, K * pages_per_entry])`.
+    /// With `counts` (an int32 `[B, K]` array; page rows only, `unit` = the page size) each
+    /// entry's page holds that many selected tokens: token mode mapped to pages where it was
+    /// selected (`sparsetier.selection.token_pages`).
+    #[pyo3(signature = (layer, rids, selection, unit, counts=None))]
     fn plan<'py>(
         &self,
         py: Python<'py>,
@@ -650,6 +654,7 @@ impl PyStepScheduler {
         rids: &Bound<'py, PyAny>,
         selection: &Bound<'py, PyAny>,
         unit: &Bound<'py, PyAny>,
+        counts: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(u64, Bound<'py, PyArray2<i32>>)> {
         self.follow(py)?;
         let layer_v = int(layer, "layer")?;
@@ -692,11 +697,60 @@ impl PyStepScheduler {
         let ps = self.page_size();
         let unit = u32_arg(py, unit, "unit", 1)?;
         let unit = SelectionUnit::new(unit, ps).py_err(py)?;
+        let counts: Option<PyReadonlyArray2<'py, i32>> = match counts {
+            None => None,
+            Some(c) if c.is_none() => None,
+            Some(c) => Some(c.extract().map_err(|_| {
+                to_py(
+                    py,
+                    Error::config(
+                        "counts",
+                        crate::py::args::short(c),
+                        "None or a C-contiguous int32 numpy array of the selection's shape",
+                    ),
+                )
+            })?),
+        };
+        // Checked here (a negative count is no count) and copied: a few thousand a layer.
+        let counts: Option<Vec<u32>> = match &counts {
+            None => None,
+            Some(c) => {
+                if c.shape() != shape {
+                    return Err(to_py(
+                        py,
+                        Error::config(
+                            "counts.shape",
+                            format!("{:?}", c.shape()),
+                            format!("{shape:?}: the selection's"),
+                        ),
+                    ));
+                }
+                let c = c.as_slice().map_err(|_| {
+                    to_py(
+                        py,
+                        Error::config("counts", "a non-contiguous array", "a C-contiguous array"),
+                    )
+                })?;
+                let w = k.max(1);
+                if let Some(j) = c.iter().position(|&v| v < 0) {
+                    return Err(to_py(
+                        py,
+                        Error::out_of_range(
+                            format!("counts[{}][{}]", j / w, j % w),
+                            c[j],
+                            0,
+                            u64::from(ps) + 1,
+                        ),
+                    ));
+                }
+                Some(c.iter().map(|&v| v as u32).collect())
+            }
+        };
         let rows = ids.len();
         let (id, t) = py
             .detach(|| {
                 let mut s = self.inner.lock();
-                let (id, _) = s.plan(layer, &ids, flat, k, unit)?;
+                let (id, _) = s.plan_counted(layer, &ids, flat, k, unit, counts.as_deref())?;
                 Ok::<_, Error>((id, s.take_table(id)?))
             })
             .py_err(py)?;

@@ -889,7 +889,43 @@ impl StepScheduler {
         k: usize,
         unit: SelectionUnit,
     ) -> Result<(LayerPlanId, &[i32])> {
+        self.plan_counted(layer, rids, selection, k, unit, None)
+    }
+
+    /// [`plan`](Self::plan) of page rows (`unit` = the page size) that say, per entry, how
+    /// many selected tokens its page holds (`counts`, `[B][k]`, 1 to the page's tokens where
+    /// the entry names a page): token mode with its tokens mapped to pages and deduplicated
+    /// where they were selected (the GPU), so the core sees pages, not tokens. Bytes needed,
+    /// read amplification and the selected count are the tokens'; the table is per page.
+    pub fn plan_counted(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        selection: &[i64],
+        k: usize,
+        unit: SelectionUnit,
+        counts: Option<&[u32]>,
+    ) -> Result<(LayerPlanId, &[i32])> {
         let t0 = Instant::now();
+        if let Some(c) = counts {
+            if c.len() != selection.len() {
+                return Err(Error::config(
+                    "counts",
+                    format!("{} entries", c.len()),
+                    format!("{}: one per selection entry", selection.len()),
+                ));
+            }
+            if unit.unit() != self.cfg.page_size {
+                return Err(Error::config(
+                    "unit",
+                    unit.unit(),
+                    format!(
+                        "the page size {} with counts (page rows; token rows need none)",
+                        self.cfg.page_size
+                    ),
+                ));
+            }
+        }
         if layer >= self.cfg.layers {
             return Err(Error::out_of_range("layer", layer, 0, self.cfg.layers));
         }
@@ -928,11 +964,11 @@ impl StepScheduler {
             kept_hits,
             kept_needed,
         } = if fast && unit.unit() == ps {
-            self.kept_rows(layer, rids, selection, k, batch)?
+            self.kept_rows(layer, rids, selection, k, counts, batch)?
         } else if fast {
             self.kept_entry_rows(layer, rids, selection, k, unit, batch)?
         } else {
-            self.selection_rows(layer, rids, selection, k, unit, batch)?
+            self.selection_rows(layer, rids, selection, k, unit, counts, batch)?
         };
         let t_rows = Instant::now();
         self.rec.cpu_rows_ns += ns(t_rows - t0);
@@ -959,7 +995,7 @@ impl StepScheduler {
                         let cpu = ns(t0.elapsed());
                         self.rec.cpu_plan_ns += cpu;
                         self.rec.cpu_ns += cpu;
-                        return self.plan(layer, rids, selection, k, unit);
+                        return self.plan_counted(layer, rids, selection, k, unit, counts);
                     }
                     Some(self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes))?)
                 }

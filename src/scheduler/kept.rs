@@ -44,6 +44,27 @@ use crate::scheduler::SelectionUnit;
 /// Kept pages hold at most 1 / this of the device's usable slots (see `refresh_kept`).
 pub(super) const KEPT_SHARE_DIVISOR: u64 = 2;
 
+/// The selected tokens cell `at` (row `b`, column `j`) says its page holds: 1 to the tokens
+/// the page has (`in_page`).
+#[inline]
+pub(super) fn entry_count(
+    counts: &[u32],
+    at: usize,
+    (b, j): (usize, usize),
+    in_page: u32,
+) -> Result<u32> {
+    let c = counts[at];
+    if c == 0 || c > in_page {
+        return Err(Error::out_of_range(
+            format!("counts[{b}][{j}]"),
+            c,
+            1,
+            u64::from(in_page) + 1,
+        ));
+    }
+    Ok(c)
+}
+
 impl StepScheduler {
     /// Whether a plan of `layer` over `unit` uses and refreshes the kept lists: entries of at
     /// most a page (block = page here, smaller ones in `kept_entries.rs`), and no other plan
@@ -65,6 +86,7 @@ impl StepScheduler {
         rids: &[RequestId],
         selection: &[i64],
         k: usize,
+        counts: Option<&[u32]>,
         batch: u64,
     ) -> Result<Rows> {
         let ps = u64::from(self.cfg.page_size);
@@ -107,18 +129,36 @@ impl StepScheduler {
             let kept = self.kept.list(l, r.kept_slot);
             let mut kc = 0;
             let (mut prev, mut prev_cell, mut prev_slot) = (u32::MAX, NONE, -1);
+            let mut prev_tokens = 0;
             for &(page, j) in &order {
-                out.selected += 1;
                 let at = b * k + j as usize;
+                let p = u64::from(page);
+                let in_page = (((p + 1) * ps).min(len) - p * ps) as u32;
+                // Page rows that say how many selected tokens each page holds (token mode
+                // mapped on the device) need those bytes only; block rows need the page.
+                let tokens = match counts {
+                    None => in_page,
+                    Some(c) => entry_count(c, at, (b, j as usize), in_page)?,
+                };
+                out.selected += u64::from(if counts.is_some() { tokens } else { 1 });
                 if page == prev {
                     out.table[at] = prev_slot;
                     if prev_cell & KEPT == 0 {
                         out.repeats.push((at as u32, prev_cell));
                     }
+                    if counts.is_some() {
+                        // A page named twice: its tokens add up, to the page's at most.
+                        let more = (prev_tokens + tokens).min(in_page) - prev_tokens;
+                        prev_tokens += more;
+                        if prev_cell & KEPT == 0 {
+                            out.needed[prev_cell as usize] += more;
+                        } else {
+                            out.kept_needed += u64::from(more);
+                        }
+                    }
                     continue;
                 }
-                let p = u64::from(page);
-                let tokens = (((p + 1) * ps).min(len) - p * ps) as u32;
+                prev_tokens = tokens;
                 while kc < kept.len() && kept[kc].page < page {
                     kr.dropped.push(kept[kc].object);
                     kc += 1;

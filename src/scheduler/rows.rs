@@ -135,7 +135,9 @@ impl Rows {
 }
 
 impl StepScheduler {
-    /// Every selected page of every row becomes a key (deduplicated within its row).
+    /// Every selected page of every row becomes a key (deduplicated within its row). With
+    /// `counts` (page entries only) each entry needs that many of its page's tokens.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn selection_rows(
         &mut self,
         layer: u16,
@@ -143,6 +145,7 @@ impl StepScheduler {
         selection: &[i64],
         k: usize,
         unit: SelectionUnit,
+        counts: Option<&[u32]>,
         batch: u64,
     ) -> Result<Rows> {
         let ps = self.cfg.page_size;
@@ -186,11 +189,16 @@ impl StepScheduler {
                 }
                 unit.entry_pages(e as u64, len, &mut pages_buf);
                 for (i, cell) in pages_buf.iter().enumerate() {
-                    let Some((page, tokens)) = *cell else {
+                    let Some((page, mut tokens)) = *cell else {
                         continue;
                     };
-                    out.selected += 1;
                     let at = b * k * ppe + j * ppe + i;
+                    if let Some(c) = counts {
+                        tokens = super::kept::entry_count(c, at, (b, j), tokens)?;
+                        out.selected += u64::from(tokens);
+                    } else {
+                        out.selected += 1;
+                    }
                     let next = out.keys.len() as u32;
                     match self.dedup.seen_or_insert(page, next) {
                         Some(idx) => {

@@ -19,6 +19,9 @@ struct Harness {
     /// Steps take each plan's table (`take_table`) and apply a retry's moves themselves, as
     /// the Python binding does.
     take_tables: bool,
+    /// Token rows are mapped to page rows with per-page token counts before planning
+    /// (`plan_counted`), as the runtime does on the device.
+    map_tokens: bool,
     dev: PageTransferBinding,
     _dev_buf: Box<[u8]>,
     _host_buf: Box<[u8]>,
@@ -58,6 +61,7 @@ impl Harness {
         Harness {
             s,
             take_tables: false,
+            map_tokens: false,
             dev,
             _dev_buf: dev_buf,
             _host_buf: host_buf,
@@ -143,6 +147,11 @@ impl Harness {
             .iter()
             .map(|id| self.s.request(*id).unwrap().len)
             .collect();
+        let (mut unit, mut k) = (unit, k);
+        if self.map_tokens {
+            assert_eq!(unit, 1, "token rows are what gets mapped");
+            unit = PS;
+        }
         let u = SelectionUnit::new(unit, PS).unwrap();
         let ppe = u.pages_per_entry();
         let mut failed = Vec::new();
@@ -161,12 +170,20 @@ impl Harness {
                 );
             }
             let mut flat = Vec::new();
-            for (b, &rid) in rids.iter().enumerate() {
-                let mut row = sel(rid, l, lens[b]);
-                row.resize(k, -1);
-                flat.extend(row);
+            let mut counts = None;
+            if self.map_tokens {
+                let rows: Vec<Vec<i64>> =
+                    (0..rids.len()).map(|b| sel(rids[b], l, lens[b])).collect();
+                let (pages, c, width) = map_token_rows(&rows, PS);
+                (flat, counts, k) = (pages, Some(c), width);
+            } else {
+                for (b, &rid) in rids.iter().enumerate() {
+                    let mut row = sel(rid, l, lens[b]);
+                    row.resize(k, -1);
+                    flat.extend(row);
+                }
             }
-            let (id, _) = match self.s.plan(l, &ids, &flat, k, u) {
+            let (id, _) = match self.s.plan_counted(l, &ids, &flat, k, u, counts.as_deref()) {
                 Ok(p) => p,
                 Err(e) => {
                     // The step is abandoned, but every layer's new row is written before the
@@ -265,6 +282,39 @@ impl Harness {
         );
         assert_eq!(st.device_quarantined, 0);
     }
+}
+
+/// Token rows as page rows: each row's distinct pages, sorted, with the row's tokens in each
+/// (the reference the runtime's device mapping is tested against), padded with -1 to the
+/// widest row. Returns (pages, counts, width).
+fn map_token_rows(rows: &[Vec<i64>], ps: u32) -> (Vec<i64>, Vec<u32>, usize) {
+    let mapped: Vec<Vec<(i64, u32)>> = rows
+        .iter()
+        .map(|row| {
+            let mut tokens: Vec<i64> = row.iter().copied().filter(|&t| t >= 0).collect();
+            tokens.sort_unstable();
+            tokens.dedup();
+            let mut out: Vec<(i64, u32)> = Vec::new();
+            for t in tokens {
+                let page = t / i64::from(ps);
+                match out.last_mut() {
+                    Some((p, c)) if *p == page => *c += 1,
+                    _ => out.push((page, 1)),
+                }
+            }
+            out
+        })
+        .collect();
+    let width = mapped.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let (mut pages, mut counts) = (Vec::new(), Vec::new());
+    for row in &mapped {
+        for j in 0..width {
+            let (p, c) = row.get(j).copied().unwrap_or((-1, 0));
+            pages.push(p);
+            counts.push(c);
+        }
+    }
+    (pages, counts, width)
 }
 
 /// Sink, the last block, and pseudo-random blocks in between.
@@ -1000,6 +1050,108 @@ fn token_selections_keep_their_pages_and_count_as_without_kept_selections() {
     kept.s.finish_request(RequestId::new(1)).unwrap();
     assert_eq!(kept.s.kept_pins(), 0);
     kept.assert_quiet();
+}
+
+#[test]
+fn token_rows_mapped_to_counted_pages_plan_as_the_token_rows_do() {
+    // Token mode with its tokens mapped to pages where they were selected (the runtime does
+    // it on the device): page rows with per-page token counts must read the same bytes and
+    // count the same entries, pages, needed bytes and loads as the token rows, with kept
+    // selections on and off. `step` checks every byte read through each table.
+    let mut rng = XorShift::new(11);
+    let mut steps: Vec<Vec<Vec<i64>>> = Vec::new(); // [step][request] distinct tokens
+    for step in 0..8u64 {
+        let mut per = Vec::new();
+        for r in 0..3u64 {
+            let len = 30 + 9 * r + step + 1; // tokens once this step's append ran
+            let prev: Vec<i64> = steps
+                .last()
+                .map(|s: &Vec<Vec<i64>>| s[r as usize].clone())
+                .unwrap_or_default();
+            let mut row: Vec<i64> = prev.into_iter().filter(|_| rng.below(4) != 0).collect();
+            while row.len() < 10 {
+                let t = rng.below(len) as i64;
+                if !row.contains(&t) {
+                    row.push(t);
+                }
+            }
+            // Out of order on purpose: the mapping sorts.
+            row.reverse();
+            per.push(row);
+        }
+        steps.push(per);
+    }
+    let mut plain = three_requests(false);
+    let mut mapped = three_requests(false);
+    mapped.map_tokens = true;
+    let mut unkept = three_requests(false);
+    unkept.map_tokens = true;
+    unkept.s.set_keep_selections(false).unwrap();
+    for (i, per) in steps.iter().enumerate() {
+        let mut sel = |r: u64, _: u16, _: u64| per[r as usize].clone();
+        let (f1, a) = plain.step(&[0, 1, 2], 1, 10, &mut sel);
+        let (f2, b) = mapped.step(&[0, 1, 2], 1, 10, &mut sel);
+        let (f3, c) = unkept.step(&[0, 1, 2], 1, 10, &mut sel);
+        assert!(f1.is_empty() && f2.is_empty() && f3.is_empty());
+        let key = |r: &StepRecord| {
+            (
+                r.selected,
+                r.pages,
+                r.bytes_needed,
+                r.bytes_needed_of_transferred,
+            )
+        };
+        assert_eq!(key(&a), key(&b), "step {i}: {a:?} {b:?}");
+        // Without kept pages other pages get evicted and loaded: only the selection counts.
+        let counted = |r: &StepRecord| (r.selected, r.pages, r.bytes_needed);
+        assert_eq!(counted(&a), counted(&c), "step {i}");
+        assert_eq!((a.loaded, a.ready), (b.loaded, b.ready), "step {i}");
+        assert_eq!(a.selected, 3 * 10 * u64::from(LAYERS));
+    }
+    assert!(mapped.s.kept_pins() > 0);
+    assert_eq!(plain.s.kept_pins(), mapped.s.kept_pins());
+    for h in [&mut plain, &mut mapped, &mut unkept] {
+        for r in 0..3 {
+            h.s.finish_request(RequestId::new(r)).unwrap();
+        }
+        h.assert_quiet();
+    }
+}
+
+#[test]
+fn counts_are_checked_against_the_pages_they_count() {
+    let mut h = three_requests(false);
+    let ids: Vec<RequestId> = (0..3).map(RequestId::new).collect();
+    h.s.append(&ids).unwrap();
+    let u = SelectionUnit::new(PS, PS).unwrap();
+    let pages = [0, 1, 0, 2, 0, -1];
+    // A count of 0, more than the page holds, a short counts list, token units: refused.
+    for (counts, field) in [
+        (vec![1, 5, 1, 1, 1, 0], "counts[0][1]"),
+        (vec![1, 1, 0, 1, 1, 0], "counts[1][0]"),
+        (vec![1, 1, 1, 1, 1], "counts"),
+    ] {
+        let e =
+            h.s.plan_counted(0, &ids, &pages, 2, u, Some(&counts))
+                .unwrap_err();
+        assert!(e.to_string().contains(field), "{e}");
+    }
+    let t = SelectionUnit::new(1, PS).unwrap();
+    let e =
+        h.s.plan_counted(0, &ids, &pages, 2, t, Some(&[1; 6]))
+            .unwrap_err();
+    assert!(e.to_string().contains("unit"), "{e}");
+    h.s.validate().unwrap();
+    let (p, _) =
+        h.s.plan_counted(0, &ids, &pages, 2, u, Some(&[4, 1, 2, 3, 1, 0]))
+            .unwrap();
+    h.s.ready(p, None).unwrap();
+    h.s.finish(p).unwrap();
+    let rec = h.s.end_step().unwrap();
+    assert_eq!(rec.selected, 4 + 1 + 2 + 3 + 1);
+    // A token row: K and V planes of 4 bf16 values, 16 bytes.
+    assert_eq!(rec.bytes_needed, (4 + 1 + 2 + 3 + 1) * 16);
+    h.s.validate().unwrap();
 }
 
 #[test]

@@ -1,0 +1,77 @@
+"""Token mode's selections as pages, mapped where they were selected (the GPU).
+
+DSA-style token mode selects top-k tokens (2048 at DeepSeek-V3.2's shape) per request per
+layer. The core plans pages, so each row's tokens must become its distinct pages, with how many
+selected tokens each page holds (for the bytes needed and read amplification). Done in the
+core, that mapping is most of a token-mode step's CPU (sorting 8 million tokens a step, RESULTS
+"Token mode keeps its pages"); done here, it is a few batched tensor ops on the device the
+indexer ran on, and the core receives page rows about 16x narrower.
+
+`token_pages` is batched over the whole `[B, K]` selection (a sort, a scan and two scatters):
+no loop over requests or tokens, no sync. The caller copies `pages` and `counts` to the CPU in
+one transfer (the plan needs them there, as it needed the tokens) and keeps `inverse` on the
+device to turn the per-page slot table back into a per-token one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sparsetier.errors import ConfigError
+
+
+@dataclass
+class TokenPages:
+    """One layer's token selection as page rows (all `[B, K]`, on the selection's device)."""
+
+    pages: torch.Tensor  # int32: each row's distinct pages ascending, then -1
+    counts: torch.Tensor  # int32: selected tokens in that page, then 0
+    inverse: torch.Tensor  # int64: per selected token, its page's column (0 for -1 tokens)
+
+    def to_host(self) -> tuple[np.ndarray, np.ndarray]:
+        """`(pages int64 [B, P], counts int32 [B, P])` on the CPU, P the widest row: the
+        plan's input. One device-to-host copy (a sync, which the plan needs anyway)."""
+        both = torch.stack([self.pages, self.counts]).cpu().numpy()  # [2, B, K] int32
+        width = max(1, int((both[1] > 0).sum(axis=1).max(initial=0)))
+        pages = both[0, :, :width].astype(np.int64)
+        counts = np.ascontiguousarray(both[1, :, :width])
+        return pages, counts
+
+    def token_table(self, page_table: torch.Tensor) -> torch.Tensor:
+        """A slot table per token `[B, K]` from the plan's per page `[B, P]` (on its device):
+        each token reads its page's slot."""
+        cols = self.inverse.clamp(max=page_table.shape[1] - 1)
+        return page_table.to(self.inverse.device, torch.long).gather(1, cols)
+
+
+def token_pages(selection: torch.Tensor, page_size: int) -> TokenPages:
+    """Maps a token selection `[B, K]` (token indices, -1 = none; the tokens of a row distinct,
+    as `torch.topk` gives them, in any order) to each row's distinct pages of `page_size`
+    tokens, in one batched pass on the selection's device."""
+    if selection.dim() != 2 or selection.dtype != torch.int64:
+        raise ConfigError.of(
+            "selection", f"{selection.dtype} {list(selection.shape)}", "an int64 [B, K] tensor"
+        )
+    if page_size < 1:
+        raise ConfigError.of("page_size", str(page_size), "an integer >= 1")
+    b, k = selection.shape
+    dev = selection.device
+    valid = selection >= 0
+    none = torch.iinfo(torch.int64).max  # sorts after every page
+    page = torch.where(valid, selection // page_size, none)
+    spage, order = torch.sort(page, dim=1)
+    sval = spage != none
+    first = sval.clone()
+    first[:, 1:] &= spage[:, 1:] != spage[:, :-1]
+    # Column of each sorted token's page; tokens of no page go to a spare column k.
+    col = torch.where(sval, torch.cumsum(first, dim=1) - 1, k)
+    pages = torch.full((b, k + 1), -1, dtype=torch.int64, device=dev)
+    pages.scatter_(1, col, torch.where(sval, spage, -1))  # every writer of a column agrees
+    counts = torch.zeros((b, k + 1), dtype=torch.int32, device=dev)
+    counts.scatter_add_(1, col, sval.to(torch.int32))
+    inverse = torch.empty((b, k), dtype=torch.int64, device=dev)
+    inverse.scatter_(1, order, col.clamp(max=max(k - 1, 0)))
+    return TokenPages(pages[:, :k].to(torch.int32), counts[:, :k], inverse.masked_fill(~valid, 0))

@@ -1,0 +1,147 @@
+"""Token mode's tokens mapped to pages on the selection's device (`sparsetier.token_pages`),
+against a per-row reference, and the plan of the mapped rows against the plan of the tokens."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as stx
+
+import sparsetier as st
+from sparsetier.token_pages import token_pages
+
+
+def reference(row, ps):
+    pages = {}
+    for t in row:
+        if t >= 0:
+            pages[t // ps] = pages.get(t // ps, 0) + 1
+    return sorted(pages.items())
+
+
+@stx.composite
+def selections(draw):
+    b = draw(stx.integers(1, 4))
+    k = draw(stx.integers(1, 12))
+    ps = draw(stx.sampled_from([1, 2, 4, 8]))
+    rows = []
+    for _ in range(b):
+        n = draw(stx.integers(0, k))
+        toks = draw(stx.lists(stx.integers(0, 60), min_size=n, max_size=n, unique=True))
+        row = toks + [-1] * (k - n)
+        rows.append(draw(stx.permutations(row)))
+    return torch.tensor(rows, dtype=torch.int64), ps
+
+
+@given(selections())
+def test_pages_counts_and_inverse_match_a_per_row_reference(case):
+    sel, ps = case
+    tp = token_pages(sel, ps)
+    pages, counts = tp.to_host()
+    assert pages.dtype == np.int64 and counts.dtype == np.int32
+    width = pages.shape[1]
+    for b, row in enumerate(sel.tolist()):
+        ref = reference(row, ps)
+        assert width >= len(ref)
+        got = [(int(p), int(c)) for p, c in zip(pages[b], counts[b], strict=True) if c > 0]
+        assert got == ref
+        assert all(p == -1 for p in pages[b][len(ref) :])
+        # Each token's column names its page.
+        for j, t in enumerate(row):
+            if t >= 0:
+                assert pages[b][int(tp.inverse[b, j])] == t // ps
+
+
+def test_a_token_table_gives_each_token_its_page_slot():
+    sel = torch.tensor([[9, 0, 3, -1], [-1, -1, 5, 4]])
+    tp = token_pages(sel, 4)
+    pages, counts = tp.to_host()
+    assert pages.tolist() == [[0, 2], [1, -1]] and counts.tolist() == [[2, 1], [2, 0]]
+    page_table = torch.tensor([[70, 72], [81, -1]], dtype=torch.int32)
+    assert tp.token_table(page_table).tolist() == [[72, 70, 70, 70], [81, 81, 81, 81]]
+
+
+def test_bad_input_is_a_typed_error():
+    with pytest.raises(st.ConfigError) as e:
+        token_pages(torch.zeros(4, dtype=torch.int64), 4)
+    assert e.value.field == "selection"
+    with pytest.raises(st.ConfigError) as e:
+        token_pages(torch.zeros((1, 4), dtype=torch.int32), 4)
+    assert e.value.field == "selection"
+    with pytest.raises(st.ConfigError) as e:
+        token_pages(torch.zeros((1, 4), dtype=torch.int64), 0)
+    assert e.value.field == "page_size"
+
+
+def _scheduler(keep=True):
+    spec = st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 32)
+    dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
+    host = torch.zeros(spec.with_pages(64).shape(), dtype=torch.bfloat16)
+    s = st.StepScheduler(
+        st.PageTransferBinding(dev, spec), st.PageTransferBinding(host, spec.with_pages(64)),
+        st.TransferEngine("cpu"), layers=2, prefetch=False,
+    )  # fmt: skip
+    s.keep_selections = keep
+    for rid, n in ((0, 30), (1, 21)):
+        s.add_request(rid, n)
+    s.end_step()
+    s.drain()
+    s.directory.evict(1000)  # everything on host: the plans load
+    return s
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_plan_of_mapped_pages_counts_as_the_plan_of_the_tokens(keep):
+    rng = np.random.default_rng(3)
+    a, b = _scheduler(keep), _scheduler(keep)
+    for _ in range(4):
+        a.append([0, 1])
+        b.append([0, 1])
+        lens = [a.request_len(0), a.request_len(1)]
+        for layer in range(2):
+            sel = torch.tensor(
+                [sorted(rng.choice(n, size=6, replace=False).tolist()) for n in lens]
+            )
+            pa, ta = a.plan(layer, [0, 1], sel.numpy(), 1)
+            tp = token_pages(sel, 4)
+            pages, counts = tp.to_host()
+            pb, tb = b.plan(layer, [0, 1], pages, 4, counts)
+            assert tb.shape == pages.shape
+            a.ready(pa)
+            b.ready(pb)
+            # Each token's slot holds its page in both: the same pages, both resident.
+            slots_a = torch.from_numpy(ta)
+            slots_b = tp.token_table(torch.from_numpy(tb))
+            assert ((slots_a >= 0) == (slots_b >= 0)).all()
+            a.finish(pa)
+            b.finish(pb)
+        ra, rb = a.end_step(), b.end_step()
+        for f in ("selected", "pages", "bytes_needed", "bytes_needed_of_transferred", "loaded"):
+            assert ra[f] == rb[f], (f, ra, rb)
+    a.validate()
+    b.validate()
+
+
+def test_bad_counts_are_typed_errors_naming_the_field():
+    s = _scheduler()
+    s.append([0, 1])
+    pages = np.array([[0, 1], [2, -1]], dtype=np.int64)
+    cases = [
+        (np.array([[1, 1]], dtype=np.int32), st.ConfigError, "counts.shape"),
+        (np.array([[1, 5], [1, 0]], dtype=np.int32), st.OutOfRangeError, "counts[0][1]"),
+        (np.array([[1, -2], [1, 0]], dtype=np.int32), st.OutOfRangeError, "counts[0][1]"),
+        (np.array([[0, 1], [1, 0]], dtype=np.int32), st.OutOfRangeError, "counts[0][0]"),
+        (np.array([[1, 1], [1, 0]], dtype=np.int64), st.ConfigError, "counts"),
+    ]
+    for counts, exc, field in cases:
+        with pytest.raises(exc) as e:
+            s.plan(0, [0, 1], pages, 4, counts)
+        assert e.value.field == field, (counts, e.value)
+    with pytest.raises(st.ConfigError) as e:
+        s.plan(0, [0, 1], pages, 1, np.ones((2, 2), dtype=np.int32))
+    assert e.value.field == "unit"
+    s.validate()
+    plan, _ = s.plan(0, [0, 1], pages, 4, np.array([[4, 2], [3, 0]], dtype=np.int32))
+    s.ready(plan)
+    s.finish(plan)
+    s.validate()
