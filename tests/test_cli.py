@@ -284,6 +284,26 @@ def test_bench_decode_runs_both_sides(mode, tmp_path, capsys):
     assert r["median"]["pages"] > 0
 
 
+def test_bench_decode_maps_tokens_on_a_device_as_a_fourth_stack(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    args = ["bench", "decode", "--mode", "token", "--layers", "2", "--batch", "3",
+            "--context-min", "512", "--context-max", "1024", "--steps", "3", "--tokens", "64",
+            "--token-pages", "8", "--no-baseline", "--no-unkept", "--map-device", "cpu",
+            "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "tokens mapped to pages on cpu" in text
+    r = json.loads(out.read_text())
+    for step in r["steps"]:
+        assert step["mapped_ms"] > 0 and step["mapped_core_cpu_ms"] > 0
+        # Duplicate tokens count once in the mapped rows, so at least as much amplification.
+        ra, rm = step["read_amplification"], step["mapped_read_amplification"]
+        assert (ra is None) == (rm is None) and (ra is None or rm >= ra)
+    with pytest.raises(SystemExit):
+        main(["bench", "decode", "--mode", "token", "--map-device", "tpu"])
+    assert main(["bench", "decode", "--mode", "block", "--map-device", "cpu"]) == 2
+
+
 def test_bench_decode_reports_no_read_amplification_when_nothing_moves(tmp_path, capsys):
     # Locality 1 with a budget that holds every selection: after the warm-up every page is
     # read from the device. Nothing moved, so seed 002's ratio (moved / needed among moved)

@@ -13,7 +13,7 @@ from sparsetier.token_pages import token_pages
 
 def reference(row, ps):
     pages = {}
-    for t in row:
+    for t in set(row):
         if t >= 0:
             pages[t // ps] = pages.get(t // ps, 0) + 1
     return sorted(pages.items())
@@ -27,7 +27,8 @@ def selections(draw):
     rows = []
     for _ in range(b):
         n = draw(stx.integers(0, k))
-        toks = draw(stx.lists(stx.integers(0, 60), min_size=n, max_size=n, unique=True))
+        # Tokens may repeat (a synthetic or merged selection): each counts once.
+        toks = draw(stx.lists(stx.integers(0, 60), min_size=n, max_size=n))
         row = toks + [-1] * (k - n)
         rows.append(draw(stx.permutations(row)))
     return torch.tensor(rows, dtype=torch.int64), ps

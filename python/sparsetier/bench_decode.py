@@ -9,6 +9,11 @@ synthetic selections. Each decode step runs on both, alternating in one process:
 - **A0, the step scheduler without kept selections** (`keep_selections = False`: every
   selected page resolved and released each step; what the scheduler did before them), with
   `unkept`;
+- **M, token mode mapped on a device** (with `map_device`): the scheduler fed page rows with
+  per-page token counts, each layer's tokens mapped to pages by `sparsetier.token_pages` on
+  that torch device inside the timer (the batched ops, the one copy of pages and counts to the
+  CPU, and the per-token table gathered back on the device), as the runtime does; the step's
+  selection is put on the device before the timer, where an indexer would have left it;
 - **B, today's call pattern** (the per-request loop the decode runtime had before the
   scheduler): per request and layer, `ResidencyDirectory.resolve` of that request's pages,
   a `PreparedPageTransfer` + submit + wait + `complete` for its misses, `release`; a page that
@@ -78,6 +83,9 @@ class DecodeBenchConfig:
     # A third stack, the scheduler with kept selections off (every selected page resolved
     # each step), alternated with the others: what kept selections save, paired.
     unkept: bool = True
+    # Token mode: a fourth stack whose tokens are mapped to pages on this torch device ("cpu"
+    # or "cuda") by `sparsetier.token_pages`, timed with the plan of the page rows.
+    map_device: str | None = None
     seed: int = 0
     trace: str | None = None  # write the scheduler's directory trace (.npz; costs time)
 
@@ -97,6 +105,9 @@ class DecodeBenchConfig:
             ("steps", self.steps >= 1, "an integer >= 1"),
             ("warmup", self.warmup is None or self.warmup >= 0,
              "an integer >= 0, or unset: until the device has turned over"),
+            ("map_device", self.map_device is None or (
+                self.mode == "token" and self.map_device in ("cpu", "cuda")),
+             "unset, or cpu or cuda in token mode"),
         ]  # fmt: skip
         for name, ok, allowed in checks:
             if not ok:
@@ -224,6 +235,28 @@ def _stack(
     return s, engine
 
 
+def _step_mapped(s: StepScheduler, rids: np.ndarray, sel: torch.Tensor, ps: int) -> dict:
+    """One token-mode step with each layer's tokens mapped to pages on `sel`'s device."""
+    from sparsetier.token_pages import token_pages
+
+    pc = time.perf_counter
+    dev = sel.device
+    t = pc()
+    s.append(rids)
+    for layer in range(sel.shape[0]):
+        tp = token_pages(sel[layer], ps)
+        pages, counts = tp.to_host()
+        plan, table = s.plan(layer, rids, pages, ps, counts)
+        s.ready(plan)
+        tp.token_table(torch.from_numpy(table).to(dev, non_blocking=True))
+        s.finish(plan)
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)  # the last layer's gather, as the next step would wait
+    rec = s.end_step()
+    wall = pc() - t
+    return {"wall_s": wall, "wait_s": rec["exposed_wait_ns"] / 1e9, "rec": rec}
+
+
 def _step_scheduler(s: StepScheduler, rids: np.ndarray, sel: np.ndarray, unit: int) -> dict:
     """One step through the scheduler; returns its call time and the record."""
     pc = time.perf_counter
@@ -316,6 +349,11 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     a0 = None
     if cfg.unkept:
         a0, _ = _stack(cfg, lens, device_pages, host_pages, keep=False)
+    am = None
+    if cfg.map_device is not None:
+        if cfg.map_device == "cuda" and not torch.cuda.is_available():
+            raise ConfigError.of("map_device", "cuda", "cpu, or cuda where a GPU is present")
+        am, _ = _stack(cfg, lens, device_pages, host_pages)
     sels = Selections(cfg, lens)
     rids = np.arange(cfg.batch, dtype=np.int64)
     unit = cfg.page_size if cfg.mode == "block" else 1
@@ -331,6 +369,12 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         sel = sels.next()
         ra = _step_scheduler(a, rids, sel, unit)
         r0 = _step_scheduler(a0, rids, sel, unit) if a0 is not None else None
+        rm = None
+        if am is not None:
+            sel_dev = torch.from_numpy(sel).to(cfg.map_device)  # where the indexer leaves it
+            if sel_dev.is_cuda:
+                torch.cuda.synchronize()
+            rm = _step_mapped(am, rids, sel_dev, cfg.page_size)
         rb = base.step(rids, sel) if base else None
         if bar is not None:
             bar.update(1)
@@ -356,6 +400,12 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
             row["unkept_ms"] = (r0["wall_s"] - r0["wait_s"]) * 1e3
             row["unkept_hit_rate"] = r0["rec"]["device_byte_hit_rate"]
             row["kept_ratio"] = row["unkept_ms"] / row["scheduler_ms"]
+        if rm is not None:
+            row["mapped_ms"] = (rm["wall_s"] - rm["wait_s"]) * 1e3
+            row["mapped_core_cpu_ms"] = rm["rec"]["cpu_ns"] / 1e6
+            row["mapped_rows_ms"] = rm["rec"]["cpu_rows_ns"] / 1e6
+            row["mapped_read_amplification"] = rm["rec"]["read_amplification"]
+            row["mapped_ratio"] = row["scheduler_ms"] / row["mapped_ms"]
         if rb is not None:
             row["baseline_ms"] = (rb["wall_s"] - rb["wait_s"]) * 1e3
             row["baseline_wait_ms"] = rb["wait_s"] * 1e3
@@ -439,6 +489,14 @@ def format_report(r: dict) -> str:
             f"  kept selections off: {m['unkept_ms']:.2f} ms CPU per step (hit rate "
             f"{fmt_ratio(m['unkept_hit_rate'], 'nothing selected')}); kept selections save "
             f"{m['kept_ratio']:.1f}x (median of per-step ratios)"
+        )
+    if "mapped_ms" in m:
+        lines.append(
+            f"  tokens mapped to pages on {c['map_device']} (sparsetier.token_pages): "
+            f"{m['mapped_ms']:.2f} ms CPU per step (in core {m['mapped_core_cpu_ms']:.2f}, "
+            f"rows {m['mapped_rows_ms']:.2f}; read amplification "
+            f"{fmt_ratio(m['mapped_read_amplification'], 'nothing moved')}); "
+            f"{m['mapped_ratio']:.2f}x the core's mapping (median of per-step ratios)"
         )
     if "baseline_ms" in m:
         lines.append(

@@ -285,6 +285,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    "over, the steady state)")  # fmt: skip
     p.add_argument("--prefetch", action="store_true", help="decode: prefetch on")
     p.add_argument("--no-baseline", action="store_true", help="decode: skip the baseline")
+    p.add_argument("--map-device", choices=["cpu", "cuda"],
+                   help="decode, token mode: a fourth stack mapping tokens to pages on this "
+                   "torch device (sparsetier.token_pages)")  # fmt: skip
     p.add_argument("--no-unkept", action="store_true",
                    help="decode: skip the stack without kept selections")  # fmt: skip
     p.add_argument("--page-size", type=int, default=None,
@@ -352,6 +355,7 @@ def _run_bench(args: argparse.Namespace) -> None:
             warmup=args.warmup,
             prefetch=args.prefetch, baseline=not args.no_baseline, trace=args.trace,
             unkept=not args.no_unkept,
+            map_device=args.map_device,
         )  # fmt: skip
         r = bench_decode.run(cfg, progress=True)
         print(bench_decode.format_report(r))

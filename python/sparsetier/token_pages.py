@@ -28,7 +28,7 @@ class TokenPages:
     """One layer's token selection as page rows (all `[B, K]`, on the selection's device)."""
 
     pages: torch.Tensor  # int32: each row's distinct pages ascending, then -1
-    counts: torch.Tensor  # int32: selected tokens in that page, then 0
+    counts: torch.Tensor  # int32: distinct selected tokens in that page, then 0
     inverse: torch.Tensor  # int64: per selected token, its page's column (0 for -1 tokens)
 
     def to_host(self) -> tuple[np.ndarray, np.ndarray]:
@@ -48,9 +48,9 @@ class TokenPages:
 
 
 def token_pages(selection: torch.Tensor, page_size: int) -> TokenPages:
-    """Maps a token selection `[B, K]` (token indices, -1 = none; the tokens of a row distinct,
-    as `torch.topk` gives them, in any order) to each row's distinct pages of `page_size`
-    tokens, in one batched pass on the selection's device."""
+    """Maps a token selection `[B, K]` (token indices, -1 = none, in any order) to each row's
+    distinct pages of `page_size` tokens with the distinct selected tokens in each, in one
+    batched pass on the selection's device."""
     if selection.dim() != 2 or selection.dtype != torch.int64:
         raise ConfigError.of(
             "selection", f"{selection.dtype} {list(selection.shape)}", "an int64 [B, K] tensor"
@@ -60,18 +60,21 @@ def token_pages(selection: torch.Tensor, page_size: int) -> TokenPages:
     b, k = selection.shape
     dev = selection.device
     valid = selection >= 0
-    none = torch.iinfo(torch.int64).max  # sorts after every page
-    page = torch.where(valid, selection // page_size, none)
-    spage, order = torch.sort(page, dim=1)
-    sval = spage != none
+    none = torch.iinfo(torch.int64).max  # sorts after every token
+    stok, order = torch.sort(torch.where(valid, selection, none), dim=1)
+    sval = stok != none
+    spage = torch.where(sval, stok // page_size, -1)  # ascending with the tokens
+    # A token named twice counts once; a page starts where the page changes.
+    new_tok = sval.clone()
+    new_tok[:, 1:] &= stok[:, 1:] != stok[:, :-1]
     first = sval.clone()
     first[:, 1:] &= spage[:, 1:] != spage[:, :-1]
     # Column of each sorted token's page; tokens of no page go to a spare column k.
     col = torch.where(sval, torch.cumsum(first, dim=1) - 1, k)
     pages = torch.full((b, k + 1), -1, dtype=torch.int64, device=dev)
-    pages.scatter_(1, col, torch.where(sval, spage, -1))  # every writer of a column agrees
+    pages.scatter_(1, col, spage)  # every writer of a column writes the same page
     counts = torch.zeros((b, k + 1), dtype=torch.int32, device=dev)
-    counts.scatter_add_(1, col, sval.to(torch.int32))
+    counts.scatter_add_(1, col, new_tok.to(torch.int32))
     inverse = torch.empty((b, k), dtype=torch.int64, device=dev)
     inverse.scatter_(1, order, col.clamp(max=max(k - 1, 0)))
     return TokenPages(pages[:, :k].to(torch.int32), counts[:, :k], inverse.masked_fill(~valid, 0))
