@@ -5,7 +5,7 @@
 #       builds an abi3 wheel with a manylinux_2_28 tag (maturin --zig) into .whl/, which
 #       `.git/info/exclude` must ignore (`echo /.whl/ >> .git/info/exclude`).
 #   there:        device run, carry [".whl"], command: bash scripts/gpu-check.sh run [PART...]
-#       PARTs (default: all, in this order): tests demos sanitizer decode transfer
+#       PARTs (default: all, in this order): tests demos sanitizer decode transfer token
 #       installs the wheel offline into /tmp/site (the machine has Python 3.12, torch with
 #       CUDA 13.0, hypothesis and pytest, and no network), then writes under $OUT:
 #         env.txt             versions, GPU name, driver
@@ -24,7 +24,8 @@
 #         bench_transfer.json the same rows as JSON
 #         sanitizer.txt       compute-sanitizer memcheck over scripts/gpu_sanitize.py
 #         bench_decode.txt    `sparsetier bench decode` on the machine's CPU: block mode with
-#                             its three stacks (issue 10's figure), then token mode
+#                             its three stacks (issue 10's figure), then token mode with a
+#                             fourth stack mapping tokens to pages on the GPU (--map-device)
 # Each step has its own timeout, so a hang leaves the others' results; the steps run in order
 # of worth, so a device call stopped at its limit loses the least worth first.
 # About 5-7 minutes of the machine in all (the transfer bench's paired rows are the longest).
@@ -43,7 +44,7 @@ build)
     ;;
 run)
     shift
-    parts=" ${*:-tests demos sanitizer decode transfer} "
+    parts=" ${*:-tests demos sanitizer decode transfer token} "
     has() { [[ $parts == *" $1 "* ]]; }
     OUT=${OUT:-/tmp/sparsetier-out}
     mkdir -p "$OUT"
@@ -61,7 +62,7 @@ run)
     if has tests; then
         timeout 170 python3 -m pytest -q -rs -p no:cacheprovider $per_test tests/test_cuda.py \
             tests/test_hicache.py tests/test_gpu_runtime.py tests/test_packed.py \
-            tests/test_decode.py > "$OUT/pytest.txt" 2>&1
+            tests/test_decode.py tests/test_token_map.py > "$OUT/pytest.txt" 2>&1
         echo "exit $?" >> "$OUT/pytest.txt"
     fi
     if has demos; then
@@ -105,9 +106,10 @@ run)
             --json "$OUT/bench_transfer.json" > "$OUT/bench_transfer.txt" 2>&1
         echo "exit $?" >> "$OUT/bench_transfer.txt"
     fi
-    if has decode; then
-        timeout 150 python3 -m sparsetier.cli bench decode --steps 8 --mode token \
-            >> "$OUT/bench_decode.txt" 2>&1
+    if has token; then
+        # Token mode: the core's mapping of tokens to pages against map_tokens on the GPU.
+        timeout 200 python3 -m sparsetier.cli bench decode --steps 8 --mode token \
+            --map-device cuda >> "$OUT/bench_decode.txt" 2>&1
         echo "token exit $?" >> "$OUT/bench_decode.txt"
     fi
     cd "$OUT" && tail -n 4 pytest.txt sanitizer.txt bench_decode.txt 2>/dev/null
@@ -115,7 +117,7 @@ run)
     grep -E "exit|correctness|end state|faults" demo_cuda.txt 2>/dev/null
     ;;
 *)
-    echo "usage: $0 build | run [tests] [demos] [sanitizer] [decode] [transfer]" >&2
+    echo "usage: $0 build | run [tests] [demos] [sanitizer] [decode] [transfer] [token]" >&2
     exit 2
     ;;
 esac

@@ -10,7 +10,7 @@ synthetic selections. Each decode step runs on both, alternating in one process:
   selected page resolved and released each step; what the scheduler did before them), with
   `unkept`;
 - **M, token mode mapped on a device** (with `map_device`): the scheduler fed page rows with
-  per-page token counts, each layer's tokens mapped to pages by `sparsetier.token_pages` on
+  per-page token counts, each layer's tokens mapped to pages by `sparsetier.token_map` on
   that torch device inside the timer (the batched ops, the one copy of pages and counts to the
   CPU, and the per-token table gathered back on the device), as the runtime does; the step's
   selection is put on the device before the timer, where an indexer would have left it;
@@ -84,7 +84,7 @@ class DecodeBenchConfig:
     # each step), alternated with the others: what kept selections save, paired.
     unkept: bool = True
     # Token mode: a fourth stack whose tokens are mapped to pages on this torch device ("cpu"
-    # or "cuda") by `sparsetier.token_pages`, timed with the plan of the page rows.
+    # or "cuda") by `sparsetier.token_map`, timed with the plan of the page rows.
     map_device: str | None = None
     seed: int = 0
     trace: str | None = None  # write the scheduler's directory trace (.npz; costs time)
@@ -237,14 +237,14 @@ def _stack(
 
 def _step_mapped(s: StepScheduler, rids: np.ndarray, sel: torch.Tensor, ps: int) -> dict:
     """One token-mode step with each layer's tokens mapped to pages on `sel`'s device."""
-    from sparsetier.token_pages import token_pages
+    from sparsetier.token_map import map_tokens
 
     pc = time.perf_counter
     dev = sel.device
     t = pc()
     s.append(rids)
     for layer in range(sel.shape[0]):
-        tp = token_pages(sel[layer], ps)
+        tp = map_tokens(sel[layer], ps)
         pages, counts = tp.to_host()
         plan, table = s.plan(layer, rids, pages, ps, counts)
         s.ready(plan)
@@ -492,7 +492,7 @@ def format_report(r: dict) -> str:
         )
     if "mapped_ms" in m:
         lines.append(
-            f"  tokens mapped to pages on {c['map_device']} (sparsetier.token_pages): "
+            f"  tokens mapped to pages on {c['map_device']} (sparsetier.token_map): "
             f"{m['mapped_ms']:.2f} ms CPU per step (in core {m['mapped_core_cpu_ms']:.2f}, "
             f"rows {m['mapped_rows_ms']:.2f}; read amplification "
             f"{fmt_ratio(m['mapped_read_amplification'], 'nothing moved')}); "

@@ -287,7 +287,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-baseline", action="store_true", help="decode: skip the baseline")
     p.add_argument("--map-device", choices=["cpu", "cuda"],
                    help="decode, token mode: a fourth stack mapping tokens to pages on this "
-                   "torch device (sparsetier.token_pages)")  # fmt: skip
+                   "torch device (sparsetier.token_map)")  # fmt: skip
     p.add_argument("--no-unkept", action="store_true",
                    help="decode: skip the stack without kept selections")  # fmt: skip
     p.add_argument("--page-size", type=int, default=None,

@@ -43,7 +43,7 @@ from sparsetier.errors import (
 from sparsetier.indexer import MODES
 from sparsetier.kv_format import kv_format as make_kv_format
 from sparsetier.model import TinySparseModel, rms
-from sparsetier.token_pages import token_pages
+from sparsetier.token_map import map_tokens
 
 try:
     from sparsetier.metrics import RuntimeMetrics
@@ -415,7 +415,7 @@ class DecodeRuntime:
                 )  # fmt: skip
                 if self.mode == "token":
                     # Tokens become pages on the model's device; the core plans page rows.
-                    tp = token_pages(sel, ps)
+                    tp = map_tokens(sel, ps)
                     pages_np, counts_np = tp.to_host()
                     plan, table = self.scheduler.plan(li, rids_np, pages_np, ps, counts_np)
                 else:

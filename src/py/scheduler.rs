@@ -645,7 +645,7 @@ impl PyStepScheduler {
     /// token indices, `unit` = 1). Returns `(plan, slot table [B, K * pages_per_entry])`.
     /// With `counts` (an int32 `[B, K]` array; page rows only, `unit` = the page size) each
     /// entry's page holds that many selected tokens: token mode mapped to pages where it was
-    /// selected (`sparsetier.selection.token_pages`).
+    /// selected (`sparsetier.token_map.map_tokens`).
     #[pyo3(signature = (layer, rids, selection, unit, counts=None))]
     fn plan<'py>(
         &self,

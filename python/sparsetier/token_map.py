@@ -7,7 +7,7 @@ core, that mapping is most of a token-mode step's CPU (sorting 8 million tokens 
 "Token mode keeps its pages"); done here, it is a few batched tensor ops on the device the
 indexer ran on, and the core receives page rows about 16x narrower.
 
-`token_pages` is batched over the whole `[B, K]` selection (a sort, a scan and two scatters):
+`map_tokens` is batched over the whole `[B, K]` selection (a sort, a scan and two scatters):
 no loop over requests or tokens, no sync. The caller copies `pages` and `counts` to the CPU in
 one transfer (the plan needs them there, as it needed the tokens) and keeps `inverse` on the
 device to turn the per-page slot table back into a per-token one.
@@ -24,7 +24,7 @@ from sparsetier.errors import ConfigError
 
 
 @dataclass
-class TokenPages:
+class MappedTokens:
     """One layer's token selection as page rows (all `[B, K]`, on the selection's device)."""
 
     pages: torch.Tensor  # int32: each row's distinct pages ascending, then -1
@@ -47,7 +47,7 @@ class TokenPages:
         return page_table.to(self.inverse.device, torch.long).gather(1, cols)
 
 
-def token_pages(selection: torch.Tensor, page_size: int) -> TokenPages:
+def map_tokens(selection: torch.Tensor, page_size: int) -> MappedTokens:
     """Maps a token selection `[B, K]` (token indices, -1 = none, in any order) to each row's
     distinct pages of `page_size` tokens with the distinct selected tokens in each, in one
     batched pass on the selection's device."""
@@ -77,4 +77,4 @@ def token_pages(selection: torch.Tensor, page_size: int) -> TokenPages:
     counts.scatter_add_(1, col, new_tok.to(torch.int32))
     inverse = torch.empty((b, k), dtype=torch.int64, device=dev)
     inverse.scatter_(1, order, col.clamp(max=max(k - 1, 0)))
-    return TokenPages(pages[:, :k].to(torch.int32), counts[:, :k], inverse.masked_fill(~valid, 0))
+    return MappedTokens(pages[:, :k].to(torch.int32), counts[:, :k], inverse.masked_fill(~valid, 0))

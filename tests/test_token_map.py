@@ -1,4 +1,4 @@
-"""Token mode's tokens mapped to pages on the selection's device (`sparsetier.token_pages`),
+"""Token mode's tokens mapped to pages on the selection's device (`sparsetier.token_map`),
 against a per-row reference, and the plan of the mapped rows against the plan of the tokens."""
 
 import numpy as np
@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as stx
 
 import sparsetier as st
-from sparsetier.token_pages import token_pages
+from sparsetier.token_map import map_tokens
 
 
 def reference(row, ps):
@@ -37,7 +37,7 @@ def selections(draw):
 @given(selections())
 def test_pages_counts_and_inverse_match_a_per_row_reference(case):
     sel, ps = case
-    tp = token_pages(sel, ps)
+    tp = map_tokens(sel, ps)
     pages, counts = tp.to_host()
     assert pages.dtype == np.int64 and counts.dtype == np.int32
     width = pages.shape[1]
@@ -55,7 +55,7 @@ def test_pages_counts_and_inverse_match_a_per_row_reference(case):
 
 def test_a_token_table_gives_each_token_its_page_slot():
     sel = torch.tensor([[9, 0, 3, -1], [-1, -1, 5, 4]])
-    tp = token_pages(sel, 4)
+    tp = map_tokens(sel, 4)
     pages, counts = tp.to_host()
     assert pages.tolist() == [[0, 2], [1, -1]] and counts.tolist() == [[2, 1], [2, 0]]
     page_table = torch.tensor([[70, 72], [81, -1]], dtype=torch.int32)
@@ -64,13 +64,13 @@ def test_a_token_table_gives_each_token_its_page_slot():
 
 def test_bad_input_is_a_typed_error():
     with pytest.raises(st.ConfigError) as e:
-        token_pages(torch.zeros(4, dtype=torch.int64), 4)
+        map_tokens(torch.zeros(4, dtype=torch.int64), 4)
     assert e.value.field == "selection"
     with pytest.raises(st.ConfigError) as e:
-        token_pages(torch.zeros((1, 4), dtype=torch.int32), 4)
+        map_tokens(torch.zeros((1, 4), dtype=torch.int32), 4)
     assert e.value.field == "selection"
     with pytest.raises(st.ConfigError) as e:
-        token_pages(torch.zeros((1, 4), dtype=torch.int64), 0)
+        map_tokens(torch.zeros((1, 4), dtype=torch.int64), 0)
     assert e.value.field == "page_size"
 
 
@@ -104,7 +104,7 @@ def test_a_plan_of_mapped_pages_counts_as_the_plan_of_the_tokens(keep):
                 [sorted(rng.choice(n, size=6, replace=False).tolist()) for n in lens]
             )
             pa, ta = a.plan(layer, [0, 1], sel.numpy(), 1)
-            tp = token_pages(sel, 4)
+            tp = map_tokens(sel, 4)
             pages, counts = tp.to_host()
             pb, tb = b.plan(layer, [0, 1], pages, 4, counts)
             assert tb.shape == pages.shape
@@ -146,3 +146,16 @@ def test_bad_counts_are_typed_errors_naming_the_field():
     s.ready(plan)
     s.finish(plan)
     s.validate()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: torch sees none")
+def test_the_mapping_on_the_gpu_equals_the_cpu_one():
+    # DeepSeek-V3.2's shape of one layer: 64 rows of top-2048 tokens over 64-token pages.
+    g = torch.Generator().manual_seed(1)
+    sel = torch.randint(0, 1 << 17, (64, 2048), generator=g)
+    sel[3, :100] = -1
+    cpu = map_tokens(sel, 64)
+    gpu = map_tokens(sel.cuda(), 64)
+    for a, b in zip(cpu.to_host(), gpu.to_host(), strict=True):
+        assert np.array_equal(a, b)
+    assert torch.equal(cpu.inverse, gpu.inverse.cpu())
