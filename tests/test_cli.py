@@ -296,6 +296,7 @@ def test_bench_decode_maps_tokens_on_a_device_as_a_fourth_stack(tmp_path, capsys
     r = json.loads(out.read_text())
     for step in r["steps"]:
         assert step["mapped_ms"] > 0 and step["mapped_core_cpu_ms"] > 0
+        assert step["core_d2h_ms"] >= 0 and step["mapped_ratio"] > 0
         # Duplicate tokens count once in the mapped rows, so at least as much amplification.
         ra, rm = step["read_amplification"], step["mapped_read_amplification"]
         assert (ra is None) == (rm is None) and (ra is None or rm >= ra)

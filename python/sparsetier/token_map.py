@@ -30,15 +30,15 @@ class MappedTokens:
     pages: torch.Tensor  # int32: each row's distinct pages ascending, then -1
     counts: torch.Tensor  # int32: distinct selected tokens in that page, then 0
     inverse: torch.Tensor  # int64: per selected token, its page's column (0 for -1 tokens)
+    width: torch.Tensor  # 0-dim int64: the most pages a row has (at least 1)
 
     def to_host(self) -> tuple[np.ndarray, np.ndarray]:
         """`(pages int64 [B, P], counts int32 [B, P])` on the CPU, P the widest row: the
-        plan's input. One device-to-host copy (a sync, which the plan needs anyway)."""
-        both = torch.stack([self.pages, self.counts]).cpu().numpy()  # [2, B, K] int32
-        width = max(1, int((both[1] > 0).sum(axis=1).max(initial=0)))
-        pages = both[0, :, :width].astype(np.int64)
-        counts = np.ascontiguousarray(both[1, :, :width])
-        return pages, counts
+        plan's input. The width comes first (a sync, which the plan needs anyway), then only
+        the P columns (about K / 16 at DeepSeek-V3.2's shape) in one copy."""
+        w = int(self.width)
+        both = torch.stack([self.pages[:, :w], self.counts[:, :w]]).cpu().numpy()
+        return both[0].astype(np.int64), np.ascontiguousarray(both[1])
 
     def token_table(self, page_table: torch.Tensor) -> torch.Tensor:
         """A slot table per token `[B, K]` from the plan's per page `[B, P]` (on its device):
@@ -77,4 +77,10 @@ def map_tokens(selection: torch.Tensor, page_size: int) -> MappedTokens:
     counts.scatter_add_(1, col, new_tok.to(torch.int32))
     inverse = torch.empty((b, k), dtype=torch.int64, device=dev)
     inverse.scatter_(1, order, col.clamp(max=max(k - 1, 0)))
-    return MappedTokens(pages[:, :k].to(torch.int32), counts[:, :k], inverse.masked_fill(~valid, 0))
+    counts = counts[:, :k]
+    return MappedTokens(
+        pages[:, :k].to(torch.int32),
+        counts,
+        inverse.masked_fill(~valid, 0),
+        counts.gt(0).sum(dim=1).amax().clamp(min=1),
+    )
