@@ -243,8 +243,9 @@ SMALL_DEMO = (
 
 @pytest.mark.parametrize(
     "extra",
-    [["--selection", "token", "--topk-tokens", "24"], ["--block-size", "16", "--no-prefetch"]],
-)
+    [["--selection", "token", "--topk-tokens", "24"], ["--block-size", "16", "--no-prefetch"],
+     ["--selection", "token", "--topk-tokens", "24", "--token-map", "device"]],
+)  # fmt: skip
 def test_demo_selection_modes_pass(extra, capsys):
     args = [*SMALL_DEMO, *extra]
     assert main(args) == 0

@@ -95,7 +95,7 @@ SYSTEM = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(5)
 
 
 def run(device_slots, prefetch=True, share=False, mode="block", steps=12, faults=None, aborts=None,
-        layout="layer_first", kv_format="bf16", io="cpu"):  # fmt: skip
+        layout="layer_first", kv_format="bf16", io="cpu", token_map="core"):  # fmt: skip
     """Three requests over a 37-token system prompt (4 whole pages of 8), `steps` decode steps.
     With `share`, a first request over the prompt runs and ends before them, so they find its
     pages in the prefix cache. `faults` maps a step to `(kind, count, layer)` armed before it;
@@ -106,7 +106,7 @@ def run(device_slots, prefetch=True, share=False, mode="block", steps=12, faults
     rt = DecodeRuntime(
         m, page_size=8, device_slots=device_slots, host_pages=200, indexer_pages=80,
         topk=4 if mode == "block" else 12, prefetch=prefetch, selection=mode, layout=layout,
-        kv_format=kv_format, io_backend=io, device=device,
+        kv_format=kv_format, io_backend=io, device=device, token_map=token_map,
     )  # fmt: skip
     g = torch.Generator().manual_seed(5)
     if share:
@@ -157,6 +157,26 @@ def test_tiered_decode_is_bit_identical_to_resident(prefetch, share, mode):
     # an object at its host page; nothing pinned.
     assert (s["objects"], s["pins"], s["handles"]) == (tree_pages(tiered) * 2, 0, 0)
     tiered.scheduler.validate()
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_token_mode_mapped_on_the_device_decodes_as_the_core_mapping(prefetch):
+    # The tokens mapped to pages by `map_tokens` (on the model's device) and planned as page
+    # rows with counts: the same outputs as the all-resident run, and the same selections,
+    # pages and needed bytes as the core's own mapping (the tiny model's top-k tokens are
+    # distinct, so both count the same tokens).
+    mapped, a = run(40, prefetch, mode="token", token_map="device")
+    core, c = run(40, prefetch, mode="token")
+    _, b = run(400, prefetch, mode="token", token_map="device")
+    assert all(torch.equal(a[r], b[r]) and torch.equal(a[r], c[r]) for r in b)
+    tm, tc = mapped.scheduler.totals(), core.scheduler.totals()
+    for f in ("selected", "pages", "bytes_needed"):
+        assert tm[f] == tc[f], (f, tm[f], tc[f])
+    assert tm["bytes_transferred"] > 0
+    finish_all(mapped)
+    with pytest.raises(st.ConfigError) as e:
+        run(40, mode="token", token_map="gpu")
+    assert e.value.field == "token_map"
 
 
 @pytest.mark.parametrize("mode", ["block", "token"])

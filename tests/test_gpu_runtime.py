@@ -17,10 +17,10 @@ pytestmark = pytest.mark.skipif(not GPU, reason=f"no usable CUDA GPU here: {st.c
 
 
 def run(device_slots, io, mode="block", prefetch=True, share=False, layout="layer_first",
-        steps=10, kv_format="bf16"):  # fmt: skip
+        steps=10, kv_format="bf16", token_map="core"):  # fmt: skip
     """test_decode's three requests over a shared prompt, on the GPU; outputs on the CPU."""
     rt, outs = decode_run(device_slots, prefetch, share, mode, steps, layout=layout,
-                          kv_format=kv_format, io=io)  # fmt: skip
+                          kv_format=kv_format, io=io, token_map=token_map)  # fmt: skip
     torch.cuda.synchronize()
     return rt, {rid: o.cpu() for rid, o in outs.items()}
 
@@ -38,6 +38,19 @@ CASES = [
     ("kernel", "token", False, True, "layer_first", "fp8"),
     ("direct", "block", True, True, "layer_first", "fp8"),
 ]
+
+
+@pytest.mark.parametrize(
+    ("io", "prefetch", "share"), [("kernel", True, True), ("direct", False, False)]
+)
+def test_token_mode_mapped_on_the_gpu_is_bit_identical_to_resident(io, prefetch, share):
+    # Tokens mapped to pages on the GPU (`map_tokens`), the core planning page rows.
+    tiered, a = run(40, io, "token", prefetch, share, token_map="device")
+    _, b = run(400, io, "token", prefetch, share, token_map="device")
+    assert sum(r.loaded for r in tiered.records) > 0
+    assert all(torch.equal(a[r], b[r]) for r in b)
+    assert not tiered.failures
+    finish_all(tiered)
 
 
 @pytest.mark.parametrize(("io", "mode", "prefetch", "share", "layout", "kv_format"), CASES)

@@ -494,6 +494,13 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         help="fp8: main KV as FP8 values + fp32 scales per row, Indexer-K in FP8 "
         "values-then-scales pages (DeepSeek-V3.2's formats)",
     )
+    p.add_argument(
+        "--token-map",
+        choices=["core", "device"],
+        default=d.token_map,
+        help="token mode: map tokens to pages in the core (default) or on the model's device "
+        "(sparsetier.token_map), the core then plans page rows with counts",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", metavar="PATH", help="write the full record (per step and totals)")
     p.add_argument("--trace", metavar="PATH", help="write the tiered run's trace (.npz) for replay")
@@ -612,6 +619,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         turns=args.turns,
         layout=args.layout,
         kv_format=args.kv_format,
+        token_map=args.token_map,
         trace=args.trace,
         device=args.device,
         seed=args.seed,

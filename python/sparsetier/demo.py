@@ -44,6 +44,7 @@ class DemoConfig:
     turns: int = 3  # most turns of one conversation
     layout: str = "layer_first"
     kv_format: str = "bf16"  # or fp8: DeepSeek-V3.2's packed FP8 rows and Indexer-K pages
+    token_map: str = "core"  # token mode: where tokens become pages (core, or device)
     faults: bool = False
     trace: str | None = None  # write the tiered run's directory trace here (.npz)
     device: str = "cpu"
@@ -126,6 +127,7 @@ def _run(
         block_size=cfg.block_size or None,
         layout=cfg.layout,
         kv_format=cfg.kv_format,
+        token_map=cfg.token_map,
         keep_records=None,  # every step goes into the summary and the JSON
     )
     prefill_bytes = 0  # matched-block KV first loaded by the suffix prefills

@@ -124,10 +124,18 @@ class DecodeRuntime:
         prefill_chunk: int = 256,
         keep_records: int | None = 4096,
         kv_format: str = "bf16",
+        token_map: str = "core",
     ) -> None:
         c = model.c
         if selection not in MODES:
             raise ConfigError.of("selection", selection, "block or token")
+        if token_map not in ("core", "device"):
+            raise ConfigError.of("token_map", token_map, "core or device")
+        # Token mode: the core maps token rows to pages (default), or `map_tokens` does it on
+        # the model's device and the core plans page rows with counts. On an H200 host the
+        # device mapping cost more CPU a step than the core's (RESULTS, "Token mode mapped on
+        # the GPU"): its ~20 small ops a layer take longer to launch than the core takes.
+        self.token_map = token_map
         if layout not in LAYOUTS:
             raise ConfigError.of("layout", layout, " or ".join(LAYOUTS))
         if prefill_chunk < 1:
@@ -413,7 +421,8 @@ class DecodeRuntime:
                     h, pos, keys, mode=self.mode, unit=self.unit, topk=self.topk,
                     window=self.window, reduce=self.reduce,
                 )  # fmt: skip
-                if self.mode == "token":
+                mapped = self.mode == "token" and self.token_map == "device"
+                if mapped:
                     # Tokens become pages on the model's device; the core plans page rows.
                     tp = map_tokens(sel, ps)
                     pages_np, counts_np = tp.to_host()
@@ -426,7 +435,7 @@ class DecodeRuntime:
                 for _, rid, why in bad:
                     failed.setdefault(rid, why)
                 table_dev = self._table(table)
-                if self.mode == "token":
+                if mapped:
                     table_dev = tp.token_table(table_dev)
                 out = sparse_attention_batched(q, self.device_kv, table_dev, sel, pos,
                                                self.unit, ps, self.fmt)  # fmt: skip
