@@ -2,15 +2,20 @@
 
 DSA-style token mode selects top-k tokens (2048 at DeepSeek-V3.2's shape) per request per
 layer. The core plans pages, so each row's tokens must become its distinct pages, with how many
-selected tokens each page holds (for the bytes needed and read amplification). Done in the
-core, that mapping is most of a token-mode step's CPU (sorting 8 million tokens a step, RESULTS
-"Token mode keeps its pages"); done here, it is a few batched tensor ops on the device the
-indexer ran on, and the core receives page rows about 16x narrower.
+selected tokens each page holds (for the bytes needed and read amplification). The core does
+that itself from token rows (the runtime's default, `token_map="core"`); `map_tokens` does it
+with batched tensor ops on the device the indexer ran on (`token_map="device"`), and the core
+then plans page rows about 16x narrower, with counts (`StepScheduler.plan(..., counts)`).
+
+Measured on an H200 host (2026-11-30, RESULTS "Token mode mapped on the GPU"): the core's
+part of a step halves, but the ~20 small ops a layer take ~0.86 ms of CPU to launch there,
+so a whole step costs more CPU than the core's own mapping (74.6 ms against 43.3 ms). It
+stays an option, and the place a fused kernel or a captured CUDA graph of these ops would go.
 
 `map_tokens` is batched over the whole `[B, K]` selection (a sort, a scan and two scatters):
-no loop over requests or tokens, no sync. The caller copies `pages` and `counts` to the CPU in
-one transfer (the plan needs them there, as it needed the tokens) and keeps `inverse` on the
-device to turn the per-page slot table back into a per-token one.
+no loop over requests or tokens, no sync. `to_host` then copies the pages and counts of the
+columns rows use to the CPU (the plan needs them there, as it needed the tokens), and
+`inverse` stays on the device to turn the per-page slot table back into a per-token one.
 """
 
 from __future__ import annotations
