@@ -964,7 +964,11 @@ impl StepScheduler {
             kept_hits,
             kept_needed,
         } = if fast && unit.unit() == ps {
-            self.kept_rows(layer, rids, selection, k, counts, batch)?
+            // Block rows compile without the counts' checks (the hot path).
+            match counts {
+                Some(c) => self.kept_rows::<true>(layer, rids, selection, k, c, batch)?,
+                None => self.kept_rows::<false>(layer, rids, selection, k, &[], batch)?,
+            }
         } else if fast {
             self.kept_entry_rows(layer, rids, selection, k, unit, batch)?
         } else {

@@ -80,13 +80,15 @@ impl StepScheduler {
     /// The rows of a kept-selection plan (block = page): each row's pages in page order,
     /// merged with the row's kept list; a kept page's cell gets its kept slot at once, a new
     /// page becomes a key. Repeated pages (adjacent once sorted) share their first cell.
-    pub(super) fn kept_rows(
+    /// `COUNTED` rows come with `counts`, each cell's selected tokens in its page (token rows
+    /// mapped to pages); block rows need whole pages and skip those checks.
+    pub(super) fn kept_rows<const COUNTED: bool>(
         &mut self,
         layer: u16,
         rids: &[RequestId],
         selection: &[i64],
         k: usize,
-        counts: Option<&[u32]>,
+        counts: &[u32],
         batch: u64,
     ) -> Result<Rows> {
         let ps = u64::from(self.cfg.page_size);
@@ -132,23 +134,21 @@ impl StepScheduler {
             let mut prev_tokens = 0;
             for &(page, j) in &order {
                 let at = b * k + j as usize;
-                let p = u64::from(page);
-                let in_page = (((p + 1) * ps).min(len) - p * ps) as u32;
-                // Page rows that say how many selected tokens each page holds (token mode
-                // mapped on the device) need those bytes only; block rows need the page.
-                let tokens = match counts {
-                    None => in_page,
-                    Some(c) => entry_count(c, at, (b, j as usize), in_page)?,
-                };
-                out.selected += u64::from(if counts.is_some() { tokens } else { 1 });
+                if !COUNTED {
+                    out.selected += 1;
+                }
                 if page == prev {
                     out.table[at] = prev_slot;
                     if prev_cell & KEPT == 0 {
                         out.repeats.push((at as u32, prev_cell));
                     }
-                    if counts.is_some() {
+                    if COUNTED {
                         // A page named twice: its tokens add up, to the page's at most.
-                        let more = (prev_tokens + tokens).min(in_page) - prev_tokens;
+                        let p = u64::from(page);
+                        let in_page = (((p + 1) * ps).min(len) - p * ps) as u32;
+                        let c = entry_count(counts, at, (b, j as usize), in_page)?;
+                        out.selected += u64::from(c);
+                        let more = (prev_tokens + c).min(in_page) - prev_tokens;
                         prev_tokens += more;
                         if prev_cell & KEPT == 0 {
                             out.needed[prev_cell as usize] += more;
@@ -158,7 +158,18 @@ impl StepScheduler {
                     }
                     continue;
                 }
-                prev_tokens = tokens;
+                let p = u64::from(page);
+                let in_page = (((p + 1) * ps).min(len) - p * ps) as u32;
+                // Page rows that say how many selected tokens each page holds (token mode
+                // mapped on the device) need those bytes only; block rows need the page.
+                let tokens = if COUNTED {
+                    let c = entry_count(counts, at, (b, j as usize), in_page)?;
+                    out.selected += u64::from(c);
+                    prev_tokens = c;
+                    c
+                } else {
+                    in_page
+                };
                 while kc < kept.len() && kept[kc].page < page {
                     kr.dropped.push(kept[kc].object);
                     kc += 1;
