@@ -2,9 +2,9 @@
 //! `direct` (`cuMemcpyBatchAsync`, or an explicit per-segment `cuMemcpyAsync` mode).
 //!
 //! Ran on an H200 on 2026-11-29 and 2026-11-30 (`scripts/gpu-check.sh`: the CUDA tests, the
-//! decode runtime, compute-sanitizer, the transfer bench). The code compiles everywhere (cudarc loads libcuda
-//! and libnvrtc at run time) and the kernel source is compiled with NVRTC in CI, which has no
-//! GPU.
+//! decode runtime, injected faults, compute-sanitizer, the transfer bench). The code compiles
+//! everywhere (cudarc loads libcuda and libnvrtc at run time) and the kernel source is compiled
+//! with NVRTC in CI, which has no GPU.
 //!
 //! # No panic reaches the caller
 //! cudarc panics when it cannot load a library or a symbol. Every entry point here first checks
