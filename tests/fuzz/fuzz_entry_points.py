@@ -68,7 +68,15 @@ def scheduler_ops(f: atheris.FuzzedDataProvider) -> None:
                 b, k = f.ConsumeIntInRange(0, 3), f.ConsumeIntInRange(0, 4)
                 rids = np.array([an_int(f) for _ in range(b)], dtype=np.int64)
                 sel = np.array([[an_int(f) for _ in range(k)] for _ in range(b)], dtype=np.int64)
-                plan, _ = s.plan(an_int(f), rids, sel.reshape(b, k), an_int(f))
+                # Page rows with counts (token mode mapped on the device), now and then.
+                counts = None
+                if f.ConsumeBool():
+                    kc = k if f.ConsumeBool() else f.ConsumeIntInRange(0, 4)
+                    counts = np.array(
+                        [[f.ConsumeIntInRange(-3, 70) for _ in range(kc)] for _ in range(b)],
+                        dtype=np.int32,
+                    ).reshape(b, kc)
+                plan, _ = s.plan(an_int(f), rids, sel.reshape(b, k), an_int(f), counts)
                 s.ready(plan)
                 s.finish(plan)
             elif op == 3:
