@@ -62,6 +62,15 @@ def test_a_token_table_gives_each_token_its_page_slot():
     assert tp.token_table(page_table).tolist() == [[72, 70, 70, 70], [81, 81, 81, 81]]
 
 
+def test_empty_batches_and_rows_map_to_nothing():
+    for shape in ((0, 4), (2, 0), (0, 0)):
+        tp = map_tokens(torch.zeros(shape, dtype=torch.int64), 4)
+        pages, counts = tp.to_host()
+        assert pages.shape == (shape[0], min(1, shape[1])) and not counts.any()
+    pages, counts = map_tokens(torch.full((2, 3), -1), 4).to_host()
+    assert pages.tolist() == [[-1], [-1]] and counts.tolist() == [[0], [0]]
+
+
 def test_bad_input_is_a_typed_error():
     with pytest.raises(st.ConfigError) as e:
         map_tokens(torch.zeros(4, dtype=torch.int64), 4)
