@@ -25,7 +25,8 @@
 #         sanitizer.txt       compute-sanitizer memcheck over scripts/gpu_sanitize.py
 #         bench_decode.txt    `sparsetier bench decode` on the machine's CPU: block mode with
 #                             its three stacks (issue 10's figure), then token mode with a
-#                             fourth stack mapping tokens to pages on the GPU (--map-device)
+#                             fourth stack mapping tokens to pages on the GPU (--map-device),
+#                             and scripts/token_map_timing.py's split of one layer's mapping
 # Each step has its own timeout, so a hang leaves the others' results; the steps run in order
 # of worth, so a device call stopped at its limit loses the least worth first.
 # About 5-7 minutes of the machine in all (the transfer bench's paired rows are the longest).
@@ -111,6 +112,8 @@ run)
         timeout 200 python3 -m sparsetier.cli bench decode --steps 8 --mode token \
             --map-device cuda >> "$OUT/bench_decode.txt" 2>&1
         echo "token exit $?" >> "$OUT/bench_decode.txt"
+        # Where one layer's device mapping spends its CPU (8 files at most come back).
+        timeout 60 python3 scripts/token_map_timing.py >> "$OUT/bench_decode.txt" 2>&1
     fi
     cd "$OUT" && tail -n 4 pytest.txt sanitizer.txt bench_decode.txt 2>/dev/null
     tail -n 12 bench_transfer.txt 2>/dev/null
