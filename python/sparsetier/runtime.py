@@ -131,8 +131,9 @@ class DecodeRuntime:
             raise ConfigError.of("selection", selection, "block or token")
         if token_map not in ("core", "device"):
             raise ConfigError.of("token_map", token_map, "core or device")
-        # Token mode: the core maps token rows to pages (default), or `map_tokens` does it on
-        # the model's device and the core plans page rows with counts. On an H200 host the
+        # Token mode's decode steps: the core maps token rows to pages (default), or
+        # `map_tokens` does it on the model's device and the core plans page rows with counts
+        # (a prefill chunk's union of tokens, one request's, is planned as tokens either way). On an H200 host the
         # device mapping cost more CPU a step than the core's (RESULTS, "Token mode mapped on
         # the GPU"): its ~20 small ops a layer take longer to launch than the core takes.
         self.token_map = token_map
