@@ -87,5 +87,7 @@ def map_tokens(selection: torch.Tensor, page_size: int) -> MappedTokens:
         pages[:, :k].to(torch.int32),
         counts,
         inverse.masked_fill(~valid, 0),
-        counts.gt(0).sum(dim=1).amax().clamp(min=1) if b else torch.ones((), device=dev),
+        counts.gt(0).sum(dim=1).amax().clamp(min=1)
+        if b
+        else torch.ones((), dtype=torch.int64, device=dev),
     )
