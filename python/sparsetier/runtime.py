@@ -133,9 +133,10 @@ class DecodeRuntime:
             raise ConfigError.of("token_map", token_map, "core or device")
         # Token mode's decode steps: the core maps token rows to pages (default), or
         # `map_tokens` does it on the model's device and the core plans page rows with counts
-        # (a prefill chunk's union of tokens, one request's, is planned as tokens either way). On an H200 host the
-        # device mapping cost more CPU a step than the core's (RESULTS, "Token mode mapped on
-        # the GPU"): its ~20 small ops a layer take longer to launch than the core takes.
+        # (a prefill chunk's union of tokens, one request's, is planned as tokens either way).
+        # On an H200 host the device mapping cost more CPU a step than the core's (RESULTS,
+        # "Token mode mapped on the GPU"): its ~20 small ops a layer take longer to launch
+        # than the core takes to map the layer.
         self.token_map = token_map
         if layout not in LAYOUTS:
             raise ConfigError.of("layout", layout, " or ".join(LAYOUTS))
