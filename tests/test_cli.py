@@ -266,6 +266,12 @@ def test_demo_with_faults_reports_them_and_ends_clean(tmp_path, capsys):
     assert "PASS" in out and "failed loads" in out
     t = json.loads(j.read_text())["totals"]
     assert t["failed_loads"] >= 2 and t["retried_loads"] >= 1 and t["failed_backups"] == 1
+    # Every armed fault failed a transfer of its kind or is reported unused, never lost:
+    # --faults arms 3 load faults, 1 backup fault and 1 restore fault.
+    unused = t["faults_unused"]
+    assert t["failed_loads"] + unused.get("loads", 0) == 3
+    assert t["failed_backups"] + unused.get("backups", 0) == 1
+    assert t["failed_restores"] + unused.get("restores", 0) == 1
     assert t["failures"], "the layer whose load and retry fail must fail some request"
     assert (t["end_pins"], t["end_quarantined_slots"], t["end_device_leaked"]) == (0, 0, 0)
     assert t["end_transfers_in_flight"] == 0

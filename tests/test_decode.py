@@ -274,6 +274,7 @@ def test_every_load_of_a_layer_failing_fails_only_the_requests_that_needed_it(io
     # ended at the same step.
     needs_engine(io)
     faulty, a = run(60, False, faults={4: ("load", 2, 1)}, io=io)
+    assert faulty.scheduler.stats()["faults_armed_loads"] == 0  # both taken
     failed = sorted({rid for _, rid, _ in faulty.failures})
     assert failed, "the fault must hit a load"
     assert len(failed) < 3, "a request reading only device pages goes on"
@@ -396,8 +397,10 @@ def test_a_failed_indexer_restore_fails_that_request_only(io):
     rt.add_request(4, torch.arange(200, 260), 4)  # another request, running throughout
     prompt = torch.cat([SYSTEM, torch.arange(100, 140)])
     rt.inject_faults("restore")
+    assert rt.scheduler.stats()["faults_armed_restores"] == 1
     with pytest.raises(st.RequestFailedError) as e:
         rt.add_request(6, prompt, 4)
+    assert rt.scheduler.stats()["faults_armed_restores"] == 0  # taken by that restore
     assert e.value.rid == 6 and "restore" in e.value.reason
     assert 6 not in rt.requests and rt.prefix_stats()["restores_failed"] == 1
     rt.scheduler.validate()

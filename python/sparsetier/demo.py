@@ -278,6 +278,13 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "prefix_restore_ratio_first": px["full_restore_bytes"] / needed if needed else 0.0,
         "prefix_pages_inserted": px["pages_inserted"],
         "failed_restores": px["restores_failed"],
+        # Faults armed that found nothing of their kind to fail (say, a restore fault in a run
+        # whose prefix hits were all on the device).
+        "faults_unused": {
+            k: end[f"faults_armed_{k}"]
+            for k in ("loads", "backups", "restores")
+            if end[f"faults_armed_{k}"]
+        },
         "prefix_wait_s": rt.prefix_wait_s,
         "device_slots": device,
         "peak_objects": peak,
@@ -379,7 +386,13 @@ def format_summary(r: dict) -> str:
             "faults",
             f"{t['failed_loads']} failed loads ({t['retried_loads']} retried), "
             f"{t['failed_backups']} failed backups, {t['failed_restores']} failed restores, "
-            f"failed requests {t['failed_requests_list']}",
+            f"failed requests {t['failed_requests_list']}"
+            + (
+                "; armed but unused (nothing of that kind to fail): "
+                + ", ".join(f"{k} {n}" for k, n in t["faults_unused"].items())
+                if t["faults_unused"]
+                else ""
+            ),
         ),
         (
             "end state",

@@ -907,6 +907,10 @@ impl PyStepScheduler {
         let d = stats_dict(py, &s.directory().stats())?;
         let (loads, backups) = s.in_flight();
         let (plans, prefetches) = s.outstanding();
+        let (fl, fb, fr) = s.armed_faults();
+        d.set_item("faults_armed_loads", fl)?;
+        d.set_item("faults_armed_backups", fb)?;
+        d.set_item("faults_armed_restores", fr)?;
         d.set_item("loads_in_flight", loads)?;
         d.set_item("backups_in_flight", backups)?;
         d.set_item("plans_outstanding", plans)?;

@@ -1496,6 +1496,24 @@ impl StepScheduler {
         });
     }
 
+    /// Injected faults still armed, by kind: (loads, backups, restores). A fault stays armed
+    /// until a submission of its kind (at its layer, if it names one) takes it, so a run whose
+    /// faults found nothing to fail can say so.
+    pub fn armed_faults(&self) -> (u64, u64, u64) {
+        let count = |d: Direction| {
+            self.faults
+                .iter()
+                .filter(|f| f.direction == d)
+                .map(|f| u64::from(f.remaining))
+                .sum::<u64>()
+        };
+        let restores = self
+            .prefix
+            .as_ref()
+            .map_or(0, |p| u64::from(p.restore_faults));
+        (count(Direction::Load), count(Direction::Backup), restores)
+    }
+
     fn arm(&mut self, direction: Direction, layer: Option<u16>) -> Result<()> {
         let hit = self.faults.iter_mut().find(|f| {
             f.direction == direction && f.remaining > 0 && (f.layer.is_none() || f.layer == layer)
