@@ -304,9 +304,10 @@ def test_bench_decode_maps_tokens_on_a_device_as_a_fourth_stack(tmp_path, capsys
     for step in r["steps"]:
         assert step["mapped_ms"] > 0 and step["mapped_core_cpu_ms"] > 0
         assert step["core_d2h_ms"] >= 0 and step["mapped_ratio"] > 0
-        # Duplicate tokens count once in the mapped rows, so at least as much amplification.
-        ra, rm = step["read_amplification"], step["mapped_read_amplification"]
-        assert (ra is None) == (rm is None) and (ra is None or rm >= ra)
+        # Moved / needed among moved: at least 1 where anything moved (which pages each stack
+        # loads depends on when its write-throughs landed, so the stacks are not compared).
+        rm = step["mapped_read_amplification"]
+        assert rm is None or rm >= 1.0
     with pytest.raises(SystemExit):
         main(["bench", "decode", "--mode", "token", "--map-device", "tpu"])
     assert main(["bench", "decode", "--mode", "block", "--map-device", "cpu"]) == 2
