@@ -4,7 +4,9 @@
 //!
 //! The default shape is small enough for a criterion run; `SPARSETIER_BENCH_FULL=1` runs
 //! DeepSeek-V3.2's shape (61 layers, batch 64, 32k-128k contexts, 25% budget, 32 blocks or
-//! top-2048 tokens), which builds a directory of about five million objects first.
+//! top-2048 tokens), which builds a directory of about five million objects first. The
+//! `token_counted` case times the core's part of token mode with its tokens mapped to pages
+//! outside the timer (`plan_counted`), as `sparsetier.token_map` does on the GPU.
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use sparsetier::scheduler::bench::{DecodeShape, DecodeWorkload};
@@ -16,6 +18,8 @@ fn decode_step(c: &mut Criterion) {
     for (mode, base) in [
         ("block", DecodeShape::deepseek_v32()),
         ("token", DecodeShape::deepseek_v32_tokens()),
+        // Token rows mapped to counted page rows before the timer (the GPU's part).
+        ("token_counted", DecodeShape::deepseek_v32_tokens_counted()),
     ] {
         let shape = if full {
             base

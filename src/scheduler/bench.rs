@@ -41,6 +41,10 @@ pub struct DecodeShape {
     pub tokens: usize,
     /// Token mode: the hot pages the tokens are drawn from.
     pub token_pages: usize,
+    /// Token mode: each row's tokens mapped to its distinct pages with their token counts
+    /// before the timer (where `sparsetier.token_map` does it: the GPU) and planned as counted
+    /// page rows (`plan_counted`), the core's part of that path.
+    pub counted: bool,
 }
 
 impl DecodeShape {
@@ -58,6 +62,7 @@ impl DecodeShape {
             prefetch: false,
             tokens: 0,
             token_pages: 128,
+            counted: false,
         }
     }
 
@@ -66,6 +71,14 @@ impl DecodeShape {
         DecodeShape {
             tokens: 2048,
             ..Self::deepseek_v32()
+        }
+    }
+
+    /// Token mode with the tokens mapped to counted page rows outside the timer.
+    pub fn deepseek_v32_tokens_counted() -> Self {
+        DecodeShape {
+            counted: true,
+            ..Self::deepseek_v32_tokens()
         }
     }
 
@@ -97,6 +110,8 @@ pub struct DecodeWorkload {
     hot: Vec<i64>,
     rng: XorShift,
     sel: Vec<i64>,
+    /// Counted shapes: per layer, the page rows, their counts and the row width.
+    pages: Vec<(Vec<i64>, Vec<u32>, usize)>,
     _buffers: (Box<[u8]>, Box<[u8]>),
 }
 
@@ -163,6 +178,7 @@ impl DecodeWorkload {
             hot,
             rng,
             sel: Vec::new(),
+            pages: Vec::new(),
             _buffers: (dev, host),
         })
     }
@@ -216,6 +232,14 @@ impl DecodeWorkload {
                 self.sel[start..].sort_unstable();
             }
         }
+        if s.counted && s.tokens > 0 {
+            let per_layer = s.batch * s.tokens;
+            self.pages = self
+                .sel
+                .chunks(per_layer)
+                .map(|layer| counted_rows(layer, s.tokens, s.page_size))
+                .collect();
+        }
     }
 
     /// Runs `steps` decode steps; returns the time spent in scheduler calls.
@@ -230,8 +254,15 @@ impl DecodeWorkload {
             let t = Instant::now();
             self.sched.append(&self.rids)?;
             for l in 0..s.layers {
-                let sel = &self.sel[l as usize * per_layer..(l as usize + 1) * per_layer];
-                let (id, _) = self.sched.plan(l, &self.rids, sel, k, unit)?;
+                let (id, _) = if s.counted && s.tokens > 0 {
+                    let (pages, counts, width) = &self.pages[l as usize];
+                    let page = SelectionUnit::new(s.page_size, s.page_size)?;
+                    self.sched
+                        .plan_counted(l, &self.rids, pages, *width, page, Some(counts))?
+                } else {
+                    let sel = &self.sel[l as usize * per_layer..(l as usize + 1) * per_layer];
+                    self.sched.plan(l, &self.rids, sel, k, unit)?
+                };
                 self.sched.ready(id, None)?;
                 self.sched.finish(id)?;
             }
@@ -242,6 +273,43 @@ impl DecodeWorkload {
         }
         Ok(spent)
     }
+}
+
+/// Token rows (`k` a row, -1 = none, any order) as page rows: each row's distinct pages with
+/// its distinct tokens in each, padded with -1 (count 0) to the widest row: what
+/// `sparsetier.token_map` computes on the device. Returns (pages, counts, width).
+pub(crate) fn counted_rows(rows: &[i64], k: usize, page_size: u32) -> (Vec<i64>, Vec<u32>, usize) {
+    let ps = i64::from(page_size);
+    let mut mapped: Vec<Vec<(i64, u32)>> = Vec::with_capacity(rows.len() / k.max(1));
+    let mut sorted = Vec::with_capacity(k);
+    for row in rows.chunks(k.max(1)) {
+        sorted.clear();
+        sorted.extend_from_slice(row);
+        sorted.sort_unstable();
+        let mut out: Vec<(i64, u32)> = Vec::new();
+        let mut last = -1;
+        for &t in &sorted {
+            if t < 0 || t == last {
+                continue; // padding, or a token named again
+            }
+            last = t;
+            match out.last_mut() {
+                Some((p, c)) if *p == t / ps => *c += 1,
+                _ => out.push((t / ps, 1)),
+            }
+        }
+        mapped.push(out);
+    }
+    let width = mapped.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let (mut pages, mut counts) = (Vec::new(), Vec::new());
+    for row in &mapped {
+        for j in 0..width {
+            let (p, c) = row.get(j).copied().unwrap_or((-1, 0));
+            pages.push(p);
+            counts.push(c);
+        }
+    }
+    (pages, counts, width)
 }
 
 #[cfg(test)]
@@ -261,6 +329,27 @@ mod tests {
         w.run(8).unwrap();
         w.scheduler().validate().unwrap();
         assert!(w.scheduler().totals().pages > 0);
+    }
+
+    #[test]
+    fn a_small_counted_token_workload_counts_the_tokens_and_stays_valid() {
+        let shape = DecodeShape {
+            layers: 3,
+            batch: 4,
+            context: (2048, 4096),
+            tokens: 256,
+            token_pages: 16,
+            counted: true,
+            ..DecodeShape::deepseek_v32()
+        };
+        let mut w = DecodeWorkload::new(shape, 8).unwrap();
+        w.run(8).unwrap();
+        w.scheduler().validate().unwrap();
+        let t = w.scheduler().totals();
+        // Selected counts the distinct tokens, pages the distinct pages (at most the hot ones
+        // and the last one a row).
+        assert!(t.selected > t.pages && t.pages > 0);
+        assert!(t.pages <= 8 * 3 * 4 * 17);
     }
 
     #[test]

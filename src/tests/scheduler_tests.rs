@@ -284,37 +284,15 @@ impl Harness {
     }
 }
 
-/// Token rows as page rows: each row's distinct pages, sorted, with the row's tokens in each
-/// (the reference the runtime's device mapping is tested against), padded with -1 to the
-/// widest row. Returns (pages, counts, width).
+/// Token rows as page rows with per-page token counts, padded to the widest row (the
+/// reference the runtime's device mapping is tested against). Returns (pages, counts, width).
 fn map_token_rows(rows: &[Vec<i64>], ps: u32) -> (Vec<i64>, Vec<u32>, usize) {
-    let mapped: Vec<Vec<(i64, u32)>> = rows
+    let k = rows.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let flat: Vec<i64> = rows
         .iter()
-        .map(|row| {
-            let mut tokens: Vec<i64> = row.iter().copied().filter(|&t| t >= 0).collect();
-            tokens.sort_unstable();
-            tokens.dedup();
-            let mut out: Vec<(i64, u32)> = Vec::new();
-            for t in tokens {
-                let page = t / i64::from(ps);
-                match out.last_mut() {
-                    Some((p, c)) if *p == page => *c += 1,
-                    _ => out.push((page, 1)),
-                }
-            }
-            out
-        })
+        .flat_map(|r| r.iter().copied().chain(std::iter::repeat(-1)).take(k))
         .collect();
-    let width = mapped.iter().map(Vec::len).max().unwrap_or(0).max(1);
-    let (mut pages, mut counts) = (Vec::new(), Vec::new());
-    for row in &mapped {
-        for j in 0..width {
-            let (p, c) = row.get(j).copied().unwrap_or((-1, 0));
-            pages.push(p);
-            counts.push(c);
-        }
-    }
-    (pages, counts, width)
+    crate::scheduler::bench::counted_rows(&flat, k, ps)
 }
 
 /// Sink, the last block, and pseudo-random blocks in between.
