@@ -237,40 +237,47 @@ def _stack(
     return s, engine
 
 
-def _step_mapped(s: StepScheduler, rids: np.ndarray, sel: torch.Tensor, ps: int) -> dict:
-    """One token-mode step with each layer's tokens mapped to pages on `sel`'s device."""
-    from sparsetier.token_map import map_tokens
-
+def _step(s: StepScheduler, rids: np.ndarray, layers: int, plan_layer, after=None) -> dict:
+    """One timed step: `append`, then per layer `plan_layer(layer)` (the plan's call), ready
+    and finish, then `after()` (work the step still owes) and `end_step`."""
     pc = time.perf_counter
-    dev = sel.device
     t = pc()
     s.append(rids)
-    for layer in range(sel.shape[0]):
-        tp = map_tokens(sel[layer], ps)
-        pages, counts = tp.to_host()
-        plan, table = s.plan(layer, rids, pages, ps, counts)
+    for layer in range(layers):
+        plan = plan_layer(layer)
         s.ready(plan)
-        tp.token_table(torch.from_numpy(table).to(dev, non_blocking=True))
         s.finish(plan)
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)  # the last layer's gather, as the next step would wait
+    if after is not None:
+        after()
     rec = s.end_step()
     wall = pc() - t
     return {"wall_s": wall, "wait_s": rec["exposed_wait_ns"] / 1e9, "rec": rec}
+
+
+def _step_mapped(s: StepScheduler, rids: np.ndarray, sel: torch.Tensor, ps: int) -> dict:
+    """One token-mode step with each layer's tokens mapped to pages on `sel`'s device: the
+    mapping, the copy of pages and counts, the plan, and the per-token table gathered back."""
+    from sparsetier.token_map import map_tokens
+
+    dev = sel.device
+
+    def plan_layer(layer):
+        tp = map_tokens(sel[layer], ps)
+        pages, counts = tp.to_host()
+        plan, table = s.plan(layer, rids, pages, ps, counts)
+        tp.token_table(torch.from_numpy(table).to(dev, non_blocking=True))
+        return plan
+
+    def after():
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # the last layer's gather, as the next step would wait
+
+    return _step(s, rids, sel.shape[0], plan_layer, after)
 
 
 def _step_scheduler(s: StepScheduler, rids: np.ndarray, sel: np.ndarray, unit: int) -> dict:
     """One step through the scheduler; returns its call time and the record."""
-    pc = time.perf_counter
-    t = pc()
-    s.append(rids)
-    for layer in range(sel.shape[0]):
-        plan, _table = s.plan(layer, rids, sel[layer], unit)
-        s.ready(plan)
-        s.finish(plan)
-    rec = s.end_step()
-    wall = pc() - t
-    return {"wall_s": wall, "wait_s": rec["exposed_wait_ns"] / 1e9, "rec": rec}
+    return _step(s, rids, sel.shape[0], lambda layer: s.plan(layer, rids, sel[layer], unit)[0])
 
 
 class Baseline:

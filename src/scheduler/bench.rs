@@ -332,44 +332,32 @@ mod tests {
     }
 
     #[test]
-    fn a_small_counted_token_workload_counts_the_tokens_and_stays_valid() {
-        let shape = DecodeShape {
-            layers: 3,
-            batch: 4,
-            context: (2048, 4096),
-            tokens: 256,
-            token_pages: 16,
-            counted: true,
-            ..DecodeShape::deepseek_v32()
-        };
-        let mut w = DecodeWorkload::new(shape, 8).unwrap();
-        w.run(8).unwrap();
-        w.scheduler().validate().unwrap();
-        let t = w.scheduler().totals();
-        // Selected counts the distinct tokens, pages the distinct pages (at most the hot ones
-        // and the last one a row).
-        assert!(t.selected > t.pages && t.pages > 0);
-        assert!(t.pages <= 8 * 3 * 4 * 17);
-    }
-
-    #[test]
     fn a_small_token_workload_keeps_most_pages_and_stays_valid() {
-        let shape = DecodeShape {
-            layers: 3,
-            batch: 4,
-            context: (2048, 4096),
-            tokens: 256,
-            token_pages: 16,
-            ..DecodeShape::deepseek_v32()
+        // The same selections as token rows and as counted page rows (mapped before the
+        // timer): the same distinct pages; the counted rows count a token named twice once.
+        let run = |counted| {
+            let shape = DecodeShape {
+                layers: 3,
+                batch: 4,
+                context: (2048, 4096),
+                tokens: 256,
+                token_pages: 16,
+                counted,
+                ..DecodeShape::deepseek_v32()
+            };
+            let mut w = DecodeWorkload::new(shape, 8).unwrap();
+            w.run(8).unwrap();
+            w.scheduler().validate().unwrap();
+            assert!(w.scheduler().kept_pins() > 0);
+            w.scheduler().totals()
         };
-        let mut w = DecodeWorkload::new(shape, 8).unwrap();
-        w.run(8).unwrap();
-        w.scheduler().validate().unwrap();
-        let t = w.scheduler().totals();
+        let (t, c) = (run(false), run(true));
         assert_eq!(t.selected, 8 * 3 * 4 * 256);
         // At most the hot pages and the current token's page per row, most of them kept.
         assert!(t.pages <= 8 * 3 * 4 * 17, "{t:?}");
-        assert!(w.scheduler().kept_pins() > 0);
+        assert_eq!(c.pages, t.pages);
+        assert!(c.selected <= t.selected && c.selected > c.pages);
+        assert!(c.bytes_needed <= t.bytes_needed && c.bytes_needed > 0);
     }
 
     /// The full DeepSeek-V3.2 shape, for profiling: `cargo test --release --lib

@@ -34,7 +34,7 @@
 //! Invariants (checked by `validate`): every kept entry is its object's, Ready at the kept
 //! slot, and the kept entries are exactly the directory's held pins.
 
-use super::rows::{KeptRows, Rows};
+use super::rows::{entry_count, KeptRows, Rows};
 use super::{mark_batch, KeptSlot, LayerPlan, Run, StepScheduler, KEPT, NONE};
 use crate::directory::ObjectHint;
 use crate::error::{Error, Result};
@@ -43,27 +43,6 @@ use crate::scheduler::SelectionUnit;
 
 /// Kept pages hold at most 1 / this of the device's usable slots (see `refresh_kept`).
 pub(super) const KEPT_SHARE_DIVISOR: u64 = 2;
-
-/// The selected tokens cell `at` (row `b`, column `j`) says its page holds: 1 to the tokens
-/// the page has (`in_page`).
-#[inline]
-pub(super) fn entry_count(
-    counts: &[u32],
-    at: usize,
-    (b, j): (usize, usize),
-    in_page: u32,
-) -> Result<u32> {
-    let c = counts[at];
-    if c == 0 || c > in_page {
-        return Err(Error::out_of_range(
-            format!("counts[{b}][{j}]"),
-            c,
-            1,
-            u64::from(in_page) + 1,
-        ));
-    }
-    Ok(c)
-}
 
 impl StepScheduler {
     /// Whether a plan of `layer` over `unit` uses and refreshes the kept lists: entries of at

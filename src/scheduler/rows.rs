@@ -134,6 +134,27 @@ impl Rows {
     }
 }
 
+/// The selected tokens cell `at` (row `b`, column `j`) says its page holds: 1 to the tokens
+/// the page has (`in_page`).
+#[inline]
+pub(super) fn entry_count(
+    counts: &[u32],
+    at: usize,
+    (b, j): (usize, usize),
+    in_page: u32,
+) -> Result<u32> {
+    let c = counts[at];
+    if c == 0 || c > in_page {
+        return Err(Error::out_of_range(
+            format!("counts[{b}][{j}]"),
+            c,
+            1,
+            u64::from(in_page) + 1,
+        ));
+    }
+    Ok(c)
+}
+
 impl StepScheduler {
     /// Every selected page of every row becomes a key (deduplicated within its row). With
     /// `counts` (page entries only) each entry needs that many of its page's tokens.
@@ -194,7 +215,7 @@ impl StepScheduler {
                     };
                     let at = b * k * ppe + j * ppe + i;
                     if let Some(c) = counts {
-                        tokens = super::kept::entry_count(c, at, (b, j), tokens)?;
+                        tokens = entry_count(c, at, (b, j), tokens)?;
                         out.selected += u64::from(tokens);
                     } else {
                         out.selected += 1;
