@@ -13,7 +13,8 @@
 #                             tests/test_hicache.py (GPU round trips) and
 #                             tests/test_gpu_runtime.py (the decode runtime on the GPU) and
 #                             tests/test_packed.py (packed FP8 rows through both engines),
-#                             tests/test_decode.py (its prefix-restore test on the GPU too)
+#                             tests/test_decode.py (its prefix-restore test on the GPU too),
+#                             tests/test_token_map.py (the mapping on the GPU, eager and graphed)
 #         demo_cuda.txt       `sparsetier demo --device cuda` (tiered == resident on the GPU,
 #                             through the step scheduler with stream waits), block and token
 #                             selection, with and without prefetch, in FP8 (--kv-format),
@@ -27,6 +28,7 @@
 #                             its three stacks (issue 10's figure), then token mode with a
 #                             fourth stack mapping tokens to pages on the GPU (--map-device),
 #                             and scripts/token_map_timing.py's split of one layer's mapping
+#                             (eager ops against TokenMapper's CUDA graph replay)
 # Each step has its own timeout, so a hang leaves the others' results; the steps run in order
 # of worth, so a device call stopped at its limit loses the least worth first.
 # About 5-7 minutes of the machine in all (the transfer bench's paired rows are the longest).

@@ -8,7 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as stx
 
 import sparsetier as st
-from sparsetier.token_map import map_tokens
+from sparsetier.token_map import TokenMapper, map_tokens
 
 
 def reference(row, ps):
@@ -172,3 +172,61 @@ def test_the_mapping_on_the_gpu_equals_the_cpu_one():
     for a, b in zip(cpu.to_host(), gpu.to_host(), strict=True):
         assert np.array_equal(a, b)
     assert torch.equal(cpu.inverse, gpu.inverse.cpu())
+
+
+def _same(a, b):
+    for x, y in zip(a.to_host(), b.to_host(), strict=True):
+        assert np.array_equal(x, y)
+    assert torch.equal(a.inverse.cpu(), b.inverse.cpu())
+
+
+@given(selections())
+def test_the_mapper_maps_as_map_tokens_does(case):
+    # On the CPU the mapper is `map_tokens` (graphs are a CUDA thing).
+    sel, ps = case
+    mapper = TokenMapper(ps)
+    _same(mapper(sel), map_tokens(sel, ps))
+    assert mapper.replays == 0
+
+
+def test_the_mapper_refuses_what_map_tokens_refuses():
+    with pytest.raises(st.ConfigError) as e:
+        TokenMapper(0)
+    assert e.value.field == "page_size"
+    with pytest.raises(st.ConfigError) as e:
+        TokenMapper(4)(torch.zeros((1, 4), dtype=torch.int32))
+    assert e.value.field == "selection"
+
+
+def _gpu_selection(seed, b=64, k=2048):
+    g = torch.Generator().manual_seed(seed)
+    sel = torch.randint(0, 1 << 17, (b, k), generator=g)
+    sel[seed % b, : 100 + seed] = -1
+    return sel
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: torch sees none")
+def test_the_graphed_mapping_on_the_gpu_equals_the_eager_one():
+    mapper = TokenMapper(64)
+    for seed in range(4):  # one capture, then replays over new selections
+        sel = _gpu_selection(seed)
+        got = mapper(sel.cuda())
+        _same(got, map_tokens(sel, 64))
+    assert mapper.replays == 4 and mapper.graphs
+    # Another shape (a batch that shrank) is another graph; the first one still replays.
+    small = _gpu_selection(7, b=5)
+    _same(mapper(small.cuda()), map_tokens(small, 64))
+    _same(mapper(_gpu_selection(8).cuda()), map_tokens(_gpu_selection(8), 64))
+    assert mapper.replays == 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: torch sees none")
+def test_a_capture_that_fails_maps_eagerly(monkeypatch):
+    def refuse(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "graph", refuse)
+    mapper = TokenMapper(64)
+    sel = _gpu_selection(1)
+    _same(mapper(sel.cuda()), map_tokens(sel, 64))
+    assert not mapper.graphs and mapper.replays == 0

@@ -43,7 +43,7 @@ from sparsetier.errors import (
 from sparsetier.indexer import MODES
 from sparsetier.kv_format import kv_format as make_kv_format
 from sparsetier.model import TinySparseModel, rms
-from sparsetier.token_map import map_tokens
+from sparsetier.token_map import TokenMapper
 
 try:
     from sparsetier.metrics import RuntimeMetrics
@@ -135,9 +135,11 @@ class DecodeRuntime:
         # `map_tokens` does it on the model's device and the core plans page rows with counts
         # (a prefill chunk's union of tokens, one request's, is planned as tokens either way).
         # On an H200 host the device mapping cost more CPU a step than the core's (RESULTS,
-        # "Token mode mapped on the GPU"): its ~20 small ops a layer take longer to launch
-        # than the core takes to map the layer.
+        # "Token mode mapped on the GPU"): its ~20 small ops a layer took longer to launch
+        # than the core takes to map the layer. `TokenMapper` replays them as one CUDA graph
+        # (not yet run on a GPU).
         self.token_map = token_map
+        self._mapper = TokenMapper(page_size) if token_map == "device" else None
         if layout not in LAYOUTS:
             raise ConfigError.of("layout", layout, " or ".join(LAYOUTS))
         if prefill_chunk < 1:
@@ -426,7 +428,7 @@ class DecodeRuntime:
                 mapped = self.mode == "token" and self.token_map == "device"
                 if mapped:
                     # Tokens become pages on the model's device; the core plans page rows.
-                    tp = map_tokens(sel, ps)
+                    tp = self._mapper(sel)
                     pages_np, counts_np = tp.to_host()
                     plan, table = self.scheduler.plan(li, rids_np, pages_np, ps, counts_np)
                 else:

@@ -9,8 +9,10 @@ then plans page rows about 16x narrower, with counts (`StepScheduler.plan(..., c
 
 Measured on an H200 host (2026-11-30, RESULTS "Token mode mapped on the GPU"): the core's
 part of a step halves, but the ~20 small ops a layer take ~0.86 ms of CPU to launch there,
-so a whole step costs more CPU than the core's own mapping (74.6 ms against 43.3 ms). It
-stays an option, and the place a fused kernel or a captured CUDA graph of these ops would go.
+so a whole step costs more CPU than the core's own mapping (74.6 ms against 43.3 ms). So
+`TokenMapper`, what the runtime and `bench decode` call, captures those ops once per shape as
+a CUDA graph and replays it: one launch a layer. **Not yet run on a GPU** (written without
+one; on the CPU it is `map_tokens`); where a capture fails it says so once and maps eagerly.
 
 `map_tokens` is batched over the whole `[B, K]` selection (a sort, a scan and two scatters):
 no loop over requests or tokens, no sync. `to_host` then copies the pages and counts of the
@@ -20,12 +22,16 @@ columns rows use to the CPU (the plan needs them there, as it needed the tokens)
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from sparsetier.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,3 +97,76 @@ def map_tokens(selection: torch.Tensor, page_size: int) -> MappedTokens:
         if b
         else torch.ones((), dtype=torch.int64, device=dev),
     )
+
+
+@dataclass
+class _Graph:
+    """One captured mapping: its input buffer, the graph and the outputs it writes."""
+
+    selection: torch.Tensor
+    graph: torch.cuda.CUDAGraph
+    out: MappedTokens
+
+
+class TokenMapper:
+    """`map_tokens(selection, page_size)` for a stream of layers: on CUDA, the batched ops are
+    captured once per selection shape (and device) as a CUDA graph, and each call copies the
+    selection into the graph's input and replays it, one launch where eager mode queues ~20.
+    Elsewhere (the CPU), or with `graphs=False`, or once a capture has failed, it maps eagerly.
+
+    A replay writes the same output tensors each time: a call's `MappedTokens` is valid until
+    the next call of the same shape. GPU work queued after it on the stream reads it in order;
+    `to_host` copies it out at once, and `token_table` makes a new tensor."""
+
+    # Shapes kept captured (a batch that changes size is a new shape): each graph holds its
+    # intermediates in a private pool, ~10 tensors of [B, K].
+    MAX_GRAPHS = 8
+
+    def __init__(self, page_size: int, graphs: bool = True) -> None:
+        if page_size < 1:
+            raise ConfigError.of("page_size", str(page_size), "an integer >= 1")
+        self.page_size = page_size
+        self.graphs = graphs
+        self._captured: OrderedDict[tuple, _Graph] = OrderedDict()
+        self.replays = 0  # calls served by a graph (the rest ran eagerly)
+
+    def __call__(self, selection: torch.Tensor) -> MappedTokens:
+        if not (self.graphs and selection.is_cuda) or selection.dim() != 2:
+            return map_tokens(selection, self.page_size)
+        if selection.dtype != torch.int64:
+            return map_tokens(selection, self.page_size)  # raises the typed error
+        key = (tuple(selection.shape), selection.device)
+        g = self._captured.get(key)
+        if g is None:
+            g = self._capture(selection)
+            if g is None:
+                return map_tokens(selection, self.page_size)
+            self._captured[key] = g
+            if len(self._captured) > self.MAX_GRAPHS:
+                self._captured.popitem(last=False)
+        else:
+            self._captured.move_to_end(key)
+        g.selection.copy_(selection)
+        g.graph.replay()
+        self.replays += 1
+        return g.out
+
+    def _capture(self, selection: torch.Tensor) -> _Graph | None:
+        static = selection.clone()
+        try:
+            # Warm up on a side stream (torch's recipe: first calls allocate and pick kernels),
+            # then capture; the current stream waits for both.
+            side = torch.cuda.Stream(selection.device)
+            side.wait_stream(torch.cuda.current_stream(selection.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    map_tokens(static, self.page_size)
+            torch.cuda.current_stream(selection.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = map_tokens(static, self.page_size)
+        except RuntimeError as e:
+            log.warning("token mapping: CUDA graph capture failed (%s); mapping eagerly", e)
+            self.graphs = False
+            return None
+        return _Graph(static, graph, out)
