@@ -163,7 +163,9 @@ class TokenMapper:
                     map_tokens(static, self.page_size)
             torch.cuda.current_stream(selection.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # Thread-local: the copy engines' threads may query their own streams meanwhile,
+            # which a global capture would refuse (and fail the capture for).
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 out = map_tokens(static, self.page_size)
         except RuntimeError as e:
             log.warning("token mapping: CUDA graph capture failed (%s); mapping eagerly", e)
