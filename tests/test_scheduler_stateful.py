@@ -88,8 +88,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.lens[rid] = tokens
 
     @precondition(lambda self: self.lens)
-    @rule(seed=st.integers(0, 2**32 - 1), token_mode=st.booleans())
-    def step(self, seed, token_mode):
+    @rule(seed=st.integers(0, 2**32 - 1), token_mode=st.booleans(), csr=st.booleans())
+    def step(self, seed, token_mode, csr):
         rng = np.random.default_rng(seed)
         rids = np.array(sorted(self.lens), dtype=np.int64)
         try:
@@ -111,7 +111,14 @@ class SchedulerMachine(RuleBasedStateMachine):
                 pick = np.unique(rng.integers(0, limit, k))
                 sel[b, : len(pick)] = pick
             try:
-                plan, table = self.s.plan(layer, rids, sel, unit)
+                if csr:
+                    # The same rows without their padding (`plan_csr`).
+                    offsets = np.concatenate([[0], np.cumsum((sel >= 0).sum(axis=1))])
+                    plan, flat = self.s.plan_csr(layer, rids, offsets, sel[sel >= 0], unit)
+                    table = np.full(sel.shape, -1, dtype=np.int32)
+                    table[sel >= 0] = flat
+                else:
+                    plan, table = self.s.plan(layer, rids, sel, unit)
             except sp.OutOfPagesError:
                 assert self.backup_faults
                 # The step is abandoned; every layer's new row is still written before it
@@ -123,7 +130,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 self.s.end_step()
                 return
             bad, new = self.s.ready(plan)
-            if new is not None:
+            if new is not None and csr:
+                assert new.ndim == 1  # in the rows' form
+                table = np.full(sel.shape, -1, dtype=np.int32)
+                table[sel >= 0] = new
+            elif new is not None:
                 table = new
             bad_rows = {row for row, _, _ in bad}
             failed |= {rid for _, rid, _ in bad}
@@ -192,10 +203,11 @@ TestScheduler.settings = settings(
 )
 
 
-def test_machine_catches_a_wrong_stamp():
+@pytest.mark.parametrize("csr", [False, True])
+def test_machine_catches_a_wrong_stamp(csr):
     # The check above can fail: a row overwritten after its write is seen on the next read.
     m = SchedulerMachine()
     m.add(tokens=12)
     m.dev.fill_(199.0)  # everything on the device now disagrees with its stamp
     with pytest.raises(AssertionError):
-        m.step(seed=1, token_mode=False)
+        m.step(seed=1, token_mode=False, csr=csr)

@@ -412,6 +412,15 @@ class StepScheduler:
         unit: int,
         counts: npt.NDArray[np.int32] | None = None,
     ) -> tuple[int, npt.NDArray[np.int32]]: ...
+    def plan_csr(
+        self,
+        layer: int,
+        rids: Any,
+        offsets: npt.NDArray[np.int64],
+        entries: npt.NDArray[np.int64],
+        unit: int,
+        counts: npt.NDArray[np.int32] | None = None,
+    ) -> tuple[int, npt.NDArray[np.int32]]: ...
     def ready(
         self, plan: int, stream: int | None = None
     ) -> tuple[list[tuple[int, int, str]], npt.NDArray[np.int32] | None]: ...

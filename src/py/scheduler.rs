@@ -41,7 +41,14 @@ pub struct PyStepScheduler {
     /// The slot table each outstanding plan handed over (taken from the core, not copied:
     /// token mode's are half a megabyte a layer), for `ready` to patch a copy of when a
     /// retry moves objects.
-    tables: Mutex<FxHashMap<u64, Py<PyArray2<i32>>>>,
+    tables: Mutex<FxHashMap<u64, Handed>>,
+}
+
+/// A slot table handed to Python: a row per request (`plan`), or CSR like the plan's rows
+/// (`plan_csr`).
+enum Handed {
+    Rows(Py<PyArray2<i32>>),
+    Csr(Py<PyArray1<i32>>),
 }
 
 fn rid_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
@@ -755,7 +762,81 @@ impl PyStepScheduler {
             })
             .py_err(py)?;
         let t = table(py, t, rows)?;
-        self.tables.lock().insert(id.raw(), t.clone().unbind());
+        self.tables
+            .lock()
+            .insert(id.raw(), Handed::Rows(t.clone().unbind()));
+        Ok((id.raw(), t))
+    }
+
+    /// [`plan`](Self::plan) of ragged rows, as CSR: row `b`'s entries are
+    /// `entries[offsets[b]:offsets[b + 1]]` (int64, the same entries as a padded row's, no
+    /// padding needed), `offsets` `B + 1` int64 from 0, not decreasing, ending at
+    /// `len(entries)`; `counts` (int32, one per entry) as `plan`'s. Returns `(plan, slot
+    /// table)`, the table flat in the same form: each entry's `pages_per_entry` cells, row
+    /// after row; `ready` reports a moved table in that form too.
+    #[pyo3(signature = (layer, rids, offsets, entries, unit, counts=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn plan_csr<'py>(
+        &self,
+        py: Python<'py>,
+        layer: &Bound<'py, PyAny>,
+        rids: &Bound<'py, PyAny>,
+        offsets: &Bound<'py, PyAny>,
+        entries: &Bound<'py, PyAny>,
+        unit: &Bound<'py, PyAny>,
+        counts: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<(u64, Bound<'py, PyArray1<i32>>)> {
+        self.follow(py)?;
+        let layer_v = int(layer, "layer")?;
+        let layer = u16::try_from(layer_v)
+            .map_err(|_| to_py(py, Error::out_of_range("layer", layer_v, 0, self.layers())))?;
+        let ids = rid_list(rids)?;
+        let offsets = int64_array(offsets, "offsets", "row starts (int64), B + 1 of them")?;
+        let entries = int64_array(entries, "entries", "every row's entries (int64)")?;
+        let ps = self.page_size();
+        let unit = u32_arg(py, unit, "unit", 1)?;
+        let unit = SelectionUnit::new(unit, ps).py_err(py)?;
+        let counts: Option<Vec<u32>> = match counts {
+            None => None,
+            Some(c) if c.is_none() => None,
+            Some(c) => {
+                let c: numpy::PyReadonlyArray1<'py, i32> = c.extract().map_err(|_| {
+                    to_py(
+                        py,
+                        Error::config(
+                            "counts",
+                            crate::py::args::short(c),
+                            "None or a 1-D int32 numpy array, one per entry",
+                        ),
+                    )
+                })?;
+                let c = c.as_slice().map_err(|_| {
+                    to_py(
+                        py,
+                        Error::config("counts", "a non-contiguous array", "a C-contiguous array"),
+                    )
+                })?;
+                if let Some(j) = c.iter().position(|&v| v < 0) {
+                    return Err(to_py(
+                        py,
+                        Error::out_of_range(format!("counts[{j}]"), c[j], 0, u64::from(ps) + 1),
+                    ));
+                }
+                Some(c.iter().map(|&v| v as u32).collect())
+            }
+        };
+        let (offsets, entries) = (offsets.as_slice()?, entries.as_slice()?);
+        let (id, t) = py
+            .detach(|| {
+                let mut s = self.inner.lock();
+                let (id, _) = s.plan_csr(layer, &ids, offsets, entries, unit, counts.as_deref())?;
+                Ok::<_, Error>((id, s.take_table(id)?))
+            })
+            .py_err(py)?;
+        let t = PyArray1::from_vec(py, t);
+        self.tables
+            .lock()
+            .insert(id.raw(), Handed::Csr(t.clone().unbind()));
         Ok((id.raw(), t))
     }
 
@@ -769,7 +850,7 @@ impl PyStepScheduler {
         py: Python<'py>,
         plan: &Bound<'py, PyAny>,
         stream: Option<u64>,
-    ) -> PyResult<(Vec<(usize, u64, String)>, Option<Bound<'py, PyArray2<i32>>>)> {
+    ) -> PyResult<(Vec<(usize, u64, String)>, Option<Bound<'py, PyAny>>)> {
         self.follow(py)?;
         let id = plan_id(plan)?;
         let out = py
@@ -937,32 +1018,43 @@ impl PyStepScheduler {
     }
 
     /// A copy of the table plan `id` handed over, with the cells a retry moved and the rows
-    /// that failed (-1) applied; it replaces the kept one, so a later retry builds on it.
+    /// that failed (-1) applied, in the form it was handed in; it replaces the kept one, so a
+    /// later retry builds on it.
     fn patched_table<'py>(
         &self,
         py: Python<'py>,
         id: u64,
         out: &crate::scheduler::ReadyOutcome,
-    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let mut tables = self.tables.lock();
-        let Some(handed) = tables.get(&id) else {
-            return Err(to_py(
-                py,
-                Error::config("plan", id, "a plan planned through this binding"),
-            ));
+        let patch = |mut t: Vec<i32>| {
+            for &(at, slot) in &out.moved {
+                t[at as usize] = slot;
+            }
+            for &(start, end) in &out.failed_cells {
+                t[start as usize..end as usize].fill(-1);
+            }
+            t
         };
-        let handed = handed.bind(py);
-        let (rows, cols) = (handed.shape()[0], handed.shape()[1]);
-        let mut t: Vec<i32> = handed.readonly().as_slice()?.to_vec();
-        for &(at, slot) in &out.moved {
-            t[at as usize] = slot;
-        }
-        for &(b, _, _) in &out.failed {
-            t[b * cols..(b + 1) * cols].fill(-1);
-        }
-        let t = table(py, t, rows)?;
-        tables.insert(id, t.clone().unbind());
-        Ok(t)
+        let (patched, any) = match tables.get(&id) {
+            None => {
+                return Err(to_py(
+                    py,
+                    Error::config("plan", id, "a plan planned through this binding"),
+                ))
+            }
+            Some(Handed::Rows(h)) => {
+                let h = h.bind(py);
+                let t = table(py, patch(h.readonly().as_slice()?.to_vec()), h.shape()[0])?;
+                (Handed::Rows(t.clone().unbind()), t.into_any())
+            }
+            Some(Handed::Csr(h)) => {
+                let t = PyArray1::from_vec(py, patch(h.bind(py).readonly().as_slice()?.to_vec()));
+                (Handed::Csr(t.clone().unbind()), t.into_any())
+            }
+        };
+        tables.insert(id, patched);
+        Ok(any)
     }
 }
 

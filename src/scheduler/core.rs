@@ -52,6 +52,8 @@ use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[path = "csr.rs"]
+mod csr;
 #[path = "joined.rs"]
 mod joined;
 #[path = "kept.rs"]
@@ -96,6 +98,8 @@ pub struct ReadyOutcome {
     /// The cells a retry moved, with their new slots (the failed rows' cells are not listed:
     /// they all become -1). What a caller that took the table (`take_table`) applies to it.
     pub moved: Vec<(u32, i32)>,
+    /// Per failed row, its cells in the table (start, end): they all become -1.
+    pub failed_cells: Vec<(u32, u32)>,
 }
 
 /// A finished plan's own counts, for callers that attribute them (prefix hits at prefill).
@@ -151,6 +155,11 @@ struct LayerPlan {
     failed: Vec<u32>,
     /// The slot table, a row per request; None once taken (`take_table`).
     table: Option<Vec<i32>>,
+    /// Rows given as CSR (`plan_csr`): the table is in that form, and so are the cells
+    /// `ready` reports.
+    csr: Option<csr::Csr>,
+    /// Cells per row of the padded table.
+    width: usize,
     /// Per key: its slot (what its cells hold), kept when the table is taken.
     key_slot: Vec<i32>,
     transfers: Vec<TransferId>,
@@ -158,6 +167,16 @@ struct LayerPlan {
     submitted_at: Option<Instant>,
     counts: PlanCounts,
     ready: bool,
+}
+
+impl LayerPlan {
+    /// Row `b`'s cells in the table as handed out (padded, or CSR).
+    fn row_cells(&self, b: usize) -> std::ops::Range<usize> {
+        match &self.csr {
+            Some(c) => c.row_cells(b),
+            None => b * self.width..(b + 1) * self.width,
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -1127,6 +1146,8 @@ impl StepScheduler {
                 rows: kept_rows,
                 failed: Vec::new(),
                 table: Some(table),
+                csr: None,
+                width: k * unit.pages_per_entry(),
                 key_slot,
                 transfers,
                 pins,
@@ -1147,6 +1168,32 @@ impl StepScheduler {
         self.rec.cpu_plan_ns += cpu;
         self.rec.cpu_ns += cpu;
         Ok((id, self.plans[&id].table.as_deref().unwrap_or_default()))
+    }
+
+    /// [`plan_counted`](Self::plan_counted) of rows given as CSR (`csr.rs`): row `b`'s
+    /// entries are `entries[offsets[b]..offsets[b + 1]]` (and its counts the same range of
+    /// `counts`). The slot table comes back in the same form: each entry's cells, row after
+    /// row. An entry or count out of range is named by its place in `entries`
+    /// (`entries[n]`, `counts[n]`).
+    pub fn plan_csr(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        offsets: &[i64],
+        entries: &[i64],
+        unit: SelectionUnit,
+        counts: Option<&[u32]>,
+    ) -> Result<(LayerPlanId, &[i32])> {
+        let padded = csr::Csr::pad(rids.len(), offsets, entries, counts, unit.pages_per_entry())?;
+        let k = padded.csr.width();
+        let counts = padded.counts.as_deref();
+        let (id, _) = self
+            .plan_counted(layer, rids, &padded.selection, k, unit, counts)
+            .map_err(|e| padded.csr.rename(e))?;
+        let plan = self.plans.get_mut(&id).expect("just planned");
+        plan.table = plan.table.take().map(|t| padded.csr.compact(&t));
+        plan.csr = Some(padded.csr);
+        Ok((id, plan.table.as_deref().unwrap_or_default()))
     }
 
     /// Joined mode: counts the main-KV bytes loaded for matched prefix pages, and those
@@ -1343,6 +1390,12 @@ impl StepScheduler {
                         .filter(|&&(_, key)| new_slot[key as usize] >= 0)
                         .map(|&(at, key)| (at, new_slot[key as usize])),
                 );
+                if let Some(c) = &plan.csr {
+                    // Keys name entries, never padding: every moved cell has a CSR cell.
+                    for m in &mut out.moved {
+                        m.0 = c.cell(m.0).expect("a key's cell is an entry's");
+                    }
+                }
                 if let Some(table) = plan.table.as_mut() {
                     for &(at, slot) in &out.moved {
                         table[at as usize] = slot;
@@ -1357,10 +1410,12 @@ impl StepScheduler {
                 for &b in &rows {
                     plan.failed.push(b);
                     let b = b as usize;
+                    let cells = plan.row_cells(b);
                     if let Some(table) = plan.table.as_mut() {
-                        let width = table.len() / plan.rids.len();
-                        table[b * width..(b + 1) * width].fill(-1);
+                        table[cells.clone()].fill(-1);
                     }
+                    out.failed_cells
+                        .push((cells.start as u32, cells.end as u32));
                     out.failed.push((b, plan.rids[b], reason.clone()));
                 }
                 out.slots_changed = true;

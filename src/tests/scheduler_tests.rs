@@ -22,6 +22,9 @@ struct Harness {
     /// Token rows are mapped to page rows with per-page token counts before planning
     /// (`plan_counted`), as the runtime does on the device.
     map_tokens: bool,
+    /// Plans go through `plan_csr`: each row without its padding (-1 entries), the table
+    /// handed back as CSR and laid out as the padded one here for the byte checks.
+    csr: bool,
     dev: PageTransferBinding,
     _dev_buf: Box<[u8]>,
     _host_buf: Box<[u8]>,
@@ -62,6 +65,7 @@ impl Harness {
             s,
             take_tables: false,
             map_tokens: false,
+            csr: false,
             dev,
             _dev_buf: dev_buf,
             _host_buf: host_buf,
@@ -183,7 +187,19 @@ impl Harness {
                     flat.extend(row);
                 }
             }
-            let (id, _) = match self.s.plan_counted(l, &ids, &flat, k, u, counts.as_deref()) {
+            // CSR: each row's entries without padding, with where each came from.
+            let csr = self.csr.then(|| Ragged::of(&flat, counts.as_deref(), k));
+            let planned = match &csr {
+                Some(c) => self
+                    .s
+                    .plan_csr(l, &ids, &c.offsets, &c.entries, u, c.counts.as_deref())
+                    .map(|(id, _)| id),
+                None => self
+                    .s
+                    .plan_counted(l, &ids, &flat, k, u, counts.as_deref())
+                    .map(|(id, _)| id),
+            };
+            let id = match planned {
                 Ok(p) => p,
                 Err(e) => {
                     // The step is abandoned, but every layer's new row is written before the
@@ -203,15 +219,28 @@ impl Harness {
             };
             let taken = self.take_tables.then(|| self.s.take_table(id).unwrap());
             let out = self.s.ready(id, None).unwrap();
+            // A failed row's cells, in the table's form.
+            let row_cells = |b: usize| match &csr {
+                Some(c) => c.offsets[b] as usize * ppe..c.offsets[b + 1] as usize * ppe,
+                None => b * k * ppe..(b + 1) * k * ppe,
+            };
+            let failed_cells: Vec<(u32, u32)> = out
+                .failed
+                .iter()
+                .map(|f| {
+                    let r = row_cells(f.0);
+                    (r.start as u32, r.end as u32)
+                })
+                .collect();
+            assert_eq!(out.failed_cells, failed_cells);
             let table = match taken {
                 Some(mut t) => {
                     assert!(self.s.table(id).is_err() && self.s.take_table(id).is_err());
                     for &(at, slot) in &out.moved {
                         t[at as usize] = slot;
                     }
-                    let w = k * ppe;
-                    for f in &out.failed {
-                        t[f.0 * w..(f.0 + 1) * w].fill(-1);
+                    for &(start, end) in &out.failed_cells {
+                        t[start as usize..end as usize].fill(-1);
                     }
                     t
                 }
@@ -220,6 +249,10 @@ impl Harness {
                     assert!(out.moved.iter().all(|&(at, slot)| t[at as usize] == slot));
                     t
                 }
+            };
+            let table = match &csr {
+                Some(c) => c.padded_table(&table, k, ppe),
+                None => table,
             };
             for (b, &rid) in rids.iter().enumerate() {
                 if let Some(f) = out.failed.iter().find(|f| f.0 == b) {
@@ -281,6 +314,57 @@ impl Harness {
             st.device_capacity
         );
         assert_eq!(st.device_quarantined, 0);
+    }
+}
+
+/// Padded rows as CSR: each row's entries (>= 0) in order, with the column each came from.
+struct Ragged {
+    offsets: Vec<i64>,
+    entries: Vec<i64>,
+    counts: Option<Vec<u32>>,
+    columns: Vec<usize>,
+}
+
+impl Ragged {
+    fn of(flat: &[i64], counts: Option<&[u32]>, k: usize) -> Self {
+        let mut r = Ragged {
+            offsets: vec![0],
+            entries: Vec::new(),
+            counts: counts.map(|_| Vec::new()),
+            columns: Vec::new(),
+        };
+        for (row, start) in flat.chunks(k.max(1)).zip((0..).step_by(k.max(1))) {
+            for (j, &e) in row.iter().enumerate() {
+                if e >= 0 {
+                    r.entries.push(e);
+                    r.columns.push(j);
+                    if let (Some(rc), Some(c)) = (r.counts.as_mut(), counts) {
+                        rc.push(c[start + j]);
+                    }
+                }
+            }
+            r.offsets.push(r.entries.len() as i64);
+        }
+        r
+    }
+
+    /// A CSR table laid out as the padded rows' (-1 in padding).
+    fn padded_table(&self, t: &[i32], k: usize, ppe: usize) -> Vec<i32> {
+        let rows = self.offsets.len() - 1;
+        assert_eq!(
+            t.len(),
+            self.entries.len() * ppe,
+            "one cell per entry and page"
+        );
+        let mut out = vec![-1; rows * k * ppe];
+        for b in 0..rows {
+            for n in self.offsets[b] as usize..self.offsets[b + 1] as usize {
+                let j = self.columns[n];
+                out[(b * k + j) * ppe..(b * k + j + 1) * ppe]
+                    .copy_from_slice(&t[n * ppe..(n + 1) * ppe]);
+            }
+        }
+        out
     }
 }
 
@@ -435,13 +519,16 @@ fn blocks_larger_than_pages_fill_several_cells() {
 #[test]
 fn one_failed_load_is_retried_and_nobody_fails() {
     for take in [false, true] {
-        one_failed_load_retried(take);
+        for csr in [false, true] {
+            one_failed_load_retried(take, csr);
+        }
     }
 }
 
-fn one_failed_load_retried(take_tables: bool) {
+fn one_failed_load_retried(take_tables: bool, csr: bool) {
     let mut h = Harness::new(40, 400, false);
     h.take_tables = take_tables;
+    h.csr = csr;
     for rid in 0..3 {
         h.add(rid, 40, None);
     }
@@ -462,13 +549,16 @@ fn one_failed_load_retried(take_tables: bool) {
 #[test]
 fn a_layer_whose_loads_fail_twice_fails_only_the_requests_that_needed_them() {
     for take in [false, true] {
-        loads_failing_twice(take);
+        for csr in [false, true] {
+            loads_failing_twice(take, csr);
+        }
     }
 }
 
-fn loads_failing_twice(take_tables: bool) {
+fn loads_failing_twice(take_tables: bool, csr: bool) {
     let mut h = Harness::new(40, 400, false);
     h.take_tables = take_tables;
+    h.csr = csr;
     for rid in 0..3 {
         h.add(rid, 40, None);
     }
@@ -819,6 +909,8 @@ proptest! {
                     };
                     // Some token steps arrive mapped to counted page rows (`plan_counted`).
                     h.map_tokens = unit == 1 && (seed / 12) % 2 == 1;
+                    // Some steps plan their rows as CSR (`plan_csr`), padding dropped.
+                    h.csr = (seed / 24) % 2 == 1;
                     let stepped = h.try_step(&live, unit, k, &mut |r, l, len| {
                         if token {
                             let mut rng = XorShift::new(seed ^ r ^ u64::from(l) << 8);
@@ -832,7 +924,7 @@ proptest! {
                             blocks(seed ^ r ^ u64::from(l), len, unit, k)
                         }
                     });
-                    h.map_tokens = false;
+                    (h.map_tokens, h.csr) = (false, false);
                     let failed = match stepped {
                         Ok((failed, _)) => failed,
                         // Write-throughs that keep failing leave pages that cannot be
@@ -1032,6 +1124,68 @@ fn token_selections_keep_their_pages_and_count_as_without_kept_selections() {
     kept.s.finish_request(RequestId::new(1)).unwrap();
     assert_eq!(kept.s.kept_pins(), 0);
     kept.assert_quiet();
+}
+
+#[test]
+fn ragged_rows_as_csr_plan_as_their_padded_rows_do() {
+    // Requests select different numbers of blocks (and some none at a layer); token rows
+    // mapped to counted pages are ragged too. Through `plan_csr` each step must read the same
+    // bytes (`step` checks every one through the table) and count the same as the padded
+    // rows, with kept selections across steps.
+    for map_tokens in [false, true] {
+        let mut padded = three_requests(false);
+        let mut csr = three_requests(false);
+        csr.csr = true;
+        for h in [&mut padded, &mut csr] {
+            h.map_tokens = map_tokens;
+            h.take_tables = map_tokens; // both ways of reading the table
+        }
+        let (unit, k) = if map_tokens { (1, 12) } else { (PS, 5) };
+        for step in 0..8u64 {
+            let mut sel = |r: u64, l: u16, len: u64| {
+                let n = ((r + step + u64::from(l)) % 6) as usize; // 0 to 5 entries
+                let mut row = if map_tokens {
+                    (0..n as u64 * 2)
+                        .map(|i| ((i * 7 + r * 5 + step) % len) as i64)
+                        .collect::<Vec<_>>()
+                } else {
+                    let mut b = blocks(step * 13 + r * 3 + u64::from(l), len, PS, k);
+                    b.truncate(n);
+                    b
+                };
+                row.dedup();
+                row
+            };
+            if step == 5 {
+                // A layer's load fails once: its retry moves cells, reported in each form.
+                for h in [&mut padded, &mut csr] {
+                    h.s.inject_faults(Direction::Load, 1, Some(2), None);
+                }
+            }
+            let (f1, a) = padded.step(&[0, 1, 2], unit, k, &mut sel);
+            let (f2, b) = csr.step(&[0, 1, 2], unit, k, &mut sel);
+            if step == 5 {
+                assert_eq!(
+                    (a.retried_loads, b.retried_loads),
+                    (1, 1),
+                    "tokens {map_tokens}"
+                );
+            }
+            for h in [&mut padded, &mut csr] {
+                h.s.drain().unwrap();
+            }
+            assert!(f1.is_empty() && f2.is_empty());
+            let key = |r: &StepRecord| (r.selected, r.pages, r.bytes_needed, r.loaded, r.ready);
+            assert_eq!(key(&a), key(&b), "step {step}, tokens mapped {map_tokens}");
+        }
+        assert_eq!(padded.s.kept_pins(), csr.s.kept_pins());
+        for h in [&mut padded, &mut csr] {
+            for r in 0..3 {
+                h.s.finish_request(RequestId::new(r)).unwrap();
+            }
+            h.assert_quiet();
+        }
+    }
 }
 
 #[test]
