@@ -664,9 +664,7 @@ impl PyStepScheduler {
         counts: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(u64, Bound<'py, PyArray2<i32>>)> {
         self.follow(py)?;
-        let layer_v = int(layer, "layer")?;
-        let layer = u16::try_from(layer_v)
-            .map_err(|_| to_py(py, Error::out_of_range("layer", layer_v, 0, self.layers())))?;
+        let layer = self.layer_arg(py, layer)?;
         let ids = rid_list(rids)?;
         let sel: PyReadonlyArray2<'py, i64> = selection.extract().map_err(|_| {
             to_py(
@@ -787,9 +785,7 @@ impl PyStepScheduler {
         counts: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(u64, Bound<'py, PyArray1<i32>>)> {
         self.follow(py)?;
-        let layer_v = int(layer, "layer")?;
-        let layer = u16::try_from(layer_v)
-            .map_err(|_| to_py(py, Error::out_of_range("layer", layer_v, 0, self.layers())))?;
+        let layer = self.layer_arg(py, layer)?;
         let ids = rid_list(rids)?;
         let offsets = int64_array(offsets, "offsets", "row starts (int64), B + 1 of them")?;
         let entries = int64_array(entries, "entries", "every row's entries (int64)")?;
@@ -1011,6 +1007,15 @@ impl PyStepScheduler {
 }
 
 impl PyStepScheduler {
+    /// A layer index, checked against the scheduler's layers.
+    fn layer_arg(&self, py: Python<'_>, layer: &Bound<'_, PyAny>) -> PyResult<u16> {
+        let v = int(layer, "layer")?;
+        u16::try_from(v)
+            .ok()
+            .filter(|&l| l < self.layers())
+            .ok_or_else(|| to_py(py, Error::out_of_range("layer", v, 0, self.layers())))
+    }
+
     /// CUDA engines: the copies submitted by the call about to run follow torch's queued
     /// writes on its current stream.
     fn follow(&self, py: Python<'_>) -> PyResult<()> {
