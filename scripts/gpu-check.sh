@@ -25,7 +25,8 @@
 #         bench_transfer.json the same rows as JSON
 #         sanitizer.txt       compute-sanitizer memcheck over scripts/gpu_sanitize.py
 #         bench_decode.txt    `sparsetier bench decode` on the machine's CPU: block mode with
-#                             its three stacks (issue 10's figure), then token mode with a
+#                             its three stacks (issue 10's figure), on the cpu engine and on
+#                             the kernel engine (pools on the GPU), then token mode with a
 #                             fourth stack mapping tokens to pages on the GPU (--map-device),
 #                             and scripts/token_map_timing.py's split of one layer's mapping
 #                             (eager ops against TokenMapper's CUDA graph replay)
@@ -102,6 +103,11 @@ run)
         timeout 150 python3 -m sparsetier.cli bench decode --steps 30 --mode block \
             > "$OUT/bench_decode.txt" 2>&1
         echo "block exit $?" >> "$OUT/bench_decode.txt"
+        # The same with the pools on the GPU and the kernel engine: copies by the GPU,
+        # `ready` a stream wait (the deployment the issue's CPU figure is about).
+        timeout 150 python3 -m sparsetier.cli bench decode --steps 30 --mode block \
+            --io-backend kernel >> "$OUT/bench_decode.txt" 2>&1
+        echo "block kernel exit $?" >> "$OUT/bench_decode.txt"
     fi
     if has transfer; then
         # Every row alternates with the peak copy (the median paired ratio).

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 import sparsetier as st
 from sparsetier.cli import main
@@ -311,6 +312,31 @@ def test_bench_decode_maps_tokens_on_a_device_as_a_fourth_stack(tmp_path, capsys
     with pytest.raises(SystemExit):
         main(["bench", "decode", "--mode", "token", "--map-device", "tpu"])
     assert main(["bench", "decode", "--mode", "block", "--map-device", "cpu"]) == 2
+
+
+def test_bench_decode_names_its_engine_and_refuses_a_gpu_engine_without_a_gpu(capsys):
+    args = ["bench", "decode", "--layers", "2", "--batch", "3", "--context-min", "512",
+            "--context-max", "1024", "--steps", "2", "--no-baseline", "--no-unkept"]  # fmt: skip
+    assert main(args) == 0
+    assert ", cpu engine" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        assert main([*args, "--io-backend", "kernel"]) == 2
+        assert "io_backend" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here: torch sees none")
+@pytest.mark.parametrize("io", ["kernel", "direct"])
+def test_bench_decode_on_a_cuda_engine_waits_on_the_stream(io, tmp_path, capsys):
+    out = tmp_path / "d.json"
+    args = ["bench", "decode", "--layers", "3", "--batch", "4", "--context-min", "1024",
+            "--context-max", "2048", "--steps", "3", "--io-backend", io,
+            "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    assert f", {io} engine" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert sum(s["loaded"] for s in r["steps"]) > 0 or r["warmup_loaded"] > 0
+    # `ready` is a stream wait: the scheduler never blocks the CPU on a load.
+    assert all(s["scheduler_wait_ms"] == 0 for s in r["steps"])
 
 
 def test_bench_decode_reports_no_read_amplification_when_nothing_moves(tmp_path, capsys):

@@ -89,6 +89,10 @@ class DecodeBenchConfig:
     # Token mode: a fourth stack whose tokens are mapped to pages on this torch device ("cpu"
     # or "cuda") by `sparsetier.token_map`, timed with the plan of the page rows.
     map_device: str | None = None
+    # Every stack's copy engine: "cpu" (pools in host memory, a copy thread), or "kernel" /
+    # "direct" (device pools on the GPU, pinned host pools; `ready` is a stream wait, so the
+    # CPU never blocks on a load: the deployment the issue's CPU figure is about).
+    io_backend: str = "cpu"
     seed: int = 0
     trace: str | None = None  # write the scheduler's directory trace (.npz; costs time)
 
@@ -111,6 +115,9 @@ class DecodeBenchConfig:
             ("map_device", self.map_device is None or (
                 self.mode == "token" and self.map_device in ("cpu", "cuda")),
              "unset, or cpu or cuda in token mode"),
+            ("io_backend", self.io_backend == "cpu" or (
+                self.io_backend in ("kernel", "direct") and torch.cuda.is_available()),
+             "cpu, or kernel or direct where a GPU is present"),
         ]  # fmt: skip
         for name, ok, allowed in checks:
             if not ok:
@@ -219,9 +226,14 @@ def _stack(
     core = core or _core
     spec = core.PoolSpec("KV", 1, 1, 1, "bf16", cfg.page_size, device_pages)
     host_spec = spec.with_pages(host_pages)
-    dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
-    host = torch.zeros(host_spec.shape(), dtype=torch.bfloat16)
-    engine = core.TransferEngine("cpu", threads=1)
+    if cfg.io_backend == "cpu":
+        dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
+        host = torch.zeros(host_spec.shape(), dtype=torch.bfloat16)
+        engine = core.TransferEngine("cpu", threads=1)
+    else:
+        dev = torch.zeros(spec.shape(), dtype=torch.bfloat16, device="cuda")
+        host = torch.zeros(host_spec.shape(), dtype=torch.bfloat16).pin_memory()
+        engine = core.TransferEngine(cfg.io_backend, device=dev.device.index or 0)
     s = core.StepScheduler(
         core.PageTransferBinding(dev, spec),
         core.PageTransferBinding(host, host_spec),
@@ -242,11 +254,14 @@ def _step(s: StepScheduler, rids: np.ndarray, layers: int, plan_layer, after=Non
     """One timed step: `append`, then per layer `plan_layer(layer)` (the plan's call), ready
     and finish, then `after()` (work the step still owes) and `end_step`."""
     pc = time.perf_counter
+    # CUDA engines: the consumer's stream waits on each layer's loads (no CPU wait).
+    on_gpu = s.bindings[0].device_index is not None
+    stream = torch.cuda.current_stream().cuda_stream if on_gpu else None
     t = pc()
     s.append(rids)
     for layer in range(layers):
         plan = plan_layer(layer)
-        s.ready(plan)
+        s.ready(plan, stream)
         s.finish(plan)
     if after is not None:
         after()
@@ -441,7 +456,8 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     return {
         "config": asdict(cfg),
         "machine": f"{platform.machine()}, {_cpu_model()}, {os.cpu_count()} cores, "
-        f"{torch.get_num_threads()} torch threads",
+        f"{torch.get_num_threads()} torch threads"
+        + (f", {torch.cuda.get_device_name()}" if cfg.io_backend != "cpu" else ""),
         "date": time.strftime("%Y-%m-%d"),
         "device_pages": device_pages,
         "host_pages": host_pages,
@@ -487,7 +503,8 @@ def format_report(r: dict) -> str:
         f"bench decode: {c['mode']} mode, {c['layers']} layers, batch {c['batch']}, "
         f"pages of {c['page_size']} tokens, contexts {c['context_min']}-{c['context_max']}, "
         f"device budget {c['budget']:.0%} ({r['device_pages']} of {r['objects']} objects), "
-        f"locality {c['locality']}, prefetch {'on' if c['prefetch'] else 'off'}",
+        f"locality {c['locality']}, prefetch {'on' if c['prefetch'] else 'off'}, "
+        f"{c.get('io_backend', 'cpu')} engine",
         f"  selection entries per step: {r['lookups_per_step']}; distinct pages per step "
         f"(median): {m['pages']:.0f}; loaded: {m['loaded']:.0f}; "
         f"hit rate {fmt_ratio(m['hit_rate'], 'nothing selected')}; "
