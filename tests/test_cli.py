@@ -314,6 +314,22 @@ def test_bench_decode_maps_tokens_on_a_device_as_a_fourth_stack(tmp_path, capsys
     assert main(["bench", "decode", "--mode", "block", "--map-device", "cpu"]) == 2
 
 
+def test_bench_decode_times_the_scheduler_alone_after_the_paired_steps(tmp_path, capsys):
+    small = ["bench", "decode", "--layers", "2", "--batch", "3", "--context-min", "512",
+             "--context-max", "1024", "--steps", "3", "--warmup", "1"]  # fmt: skip
+    out = tmp_path / "d.json"
+    assert main([*small, "--alone-steps", "4", "--json", str(out)]) == 0
+    assert "step scheduler alone" in capsys.readouterr().out
+    alone = json.loads(out.read_text())["alone"]
+    assert len(alone["steps"]) == 4 and alone["scheduler_ms"] > 0 and alone["core_ms"] > 0
+    # None asked for, or nothing ran between the scheduler's steps anyway: no second figure.
+    for extra in (["--alone-steps", "0"], ["--no-baseline", "--no-unkept"]):
+        assert main([*small, *extra, "--json", str(out)]) == 0
+        assert "alone" not in capsys.readouterr().out
+        assert json.loads(out.read_text())["alone"] is None
+    assert main([*small, "--alone-steps", "-1"]) == 2
+
+
 def test_bench_decode_names_its_engine_and_refuses_a_gpu_engine_without_a_gpu(capsys):
     args = ["bench", "decode", "--layers", "2", "--batch", "3", "--context-min", "512",
             "--context-max", "1024", "--steps", "2", "--no-baseline", "--no-unkept"]  # fmt: skip

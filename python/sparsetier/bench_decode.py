@@ -93,6 +93,9 @@ class DecodeBenchConfig:
     # "direct" (device pools on the GPU, pinned host pools; `ready` is a stream wait, so the
     # CPU never blocks on a load: the deployment the issue's CPU figure is about).
     io_backend: str = "cpu"
+    # After the paired steps, this many more of the scheduler alone, back to back (None: as
+    # many as `steps`; 0: none): what the other stacks' steps in between cost it in caches.
+    alone_steps: int | None = None
     seed: int = 0
     trace: str | None = None  # write the scheduler's directory trace (.npz; costs time)
 
@@ -115,6 +118,8 @@ class DecodeBenchConfig:
             ("map_device", self.map_device is None or (
                 self.mode == "token" and self.map_device in ("cpu", "cuda")),
              "unset, or cpu or cuda in token mode"),
+            ("alone_steps", self.alone_steps is None or self.alone_steps >= 0,
+             "an integer >= 0, or unset: as many as steps"),
             ("io_backend", self.io_backend == "cpu" or (
                 self.io_backend in ("kernel", "direct") and torch.cuda.is_available()),
              "cpu, or kernel or direct where a GPU is present"),
@@ -385,11 +390,14 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     rids = np.arange(cfg.batch, dtype=np.int64)
     unit = cfg.page_size if cfg.mode == "block" else 1
     rows = []
+    # Steps of the scheduler alone after the paired run (where any other stack ran between).
+    paired = base is not None or a0 is not None or am is not None
+    n_alone = (cfg.steps if cfg.alone_steps is None else cfg.alone_steps) if paired else 0
     bar = None
     if progress:
         from tqdm import tqdm
 
-        total = None if cfg.warmup is None else cfg.warmup + cfg.steps
+        total = None if cfg.warmup is None else cfg.warmup + cfg.steps + n_alone
         bar = tqdm(total=total, desc=f"bench decode ({cfg.mode}), warm-up", unit="step")
     warm = WarmUp(cfg, device_pages)
     while len(rows) < cfg.steps:
@@ -414,7 +422,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         if not warm.done():
             warm.saw(ra["rec"])
             if warm.done() and bar is not None:
-                bar.total = warm.steps + cfg.steps
+                bar.total = warm.steps + cfg.steps + n_alone
                 bar.set_description(f"bench decode ({cfg.mode})")
             continue
         row = {
@@ -445,6 +453,14 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
             row["baseline_wait_ms"] = rb["wait_s"] * 1e3
             row["ratio"] = row["baseline_ms"] / row["scheduler_ms"]
         rows.append(row)
+    # The scheduler alone: its steps back to back, as a server runs them (the paired run puts
+    # the other stacks' steps, and their memory traffic, between two of its steps).
+    alone = []
+    for _ in range(n_alone):
+        r = _step_scheduler(a, rids, sels.next(), unit)
+        alone.append({"ms": (r["wall_s"] - r["wait_s"]) * 1e3, "core_ms": r["rec"]["cpu_ns"] / 1e6})
+        if bar is not None:
+            bar.update(1)
     if bar is not None:
         bar.close()
     if cfg.trace is not None:
@@ -470,6 +486,13 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         "warmup_loaded": warm.loaded,
         "warmup": warm.describe(),
         "median": med,
+        "alone": {
+            "scheduler_ms": _median(x["ms"] for x in alone),
+            "core_ms": _median(x["core_ms"] for x in alone),
+            "steps": alone,
+        }
+        if alone
+        else None,
         "baseline_hit_rate": (base.hits / max(base.distinct, 1)) if base else None,
         # Layers the mapped stack mapped by replaying a CUDA graph (0: eagerly, the CPU).
         "map_graph_replays": mapper.replays if am is not None else None,
@@ -513,6 +536,13 @@ def format_report(r: dict) -> str:
         f"  step scheduler: {m['scheduler_ms']:.2f} ms CPU per step (median of "
         f"{len(r['steps'])}; in-core share {m['scheduler_core_cpu_ms']:.2f} ms)",
     ]
+    if r.get("alone"):
+        al = r["alone"]
+        lines.append(
+            f"  step scheduler alone (its steps back to back after the paired run, no other "
+            f"stack between): {al['scheduler_ms']:.2f} ms (median of {len(al['steps'])}; "
+            f"in-core {al['core_ms']:.2f} ms)"
+        )
     if "cpu_plan_ms" in m:
         lines.append(
             "  in-core split (ms, medians): "

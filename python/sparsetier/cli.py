@@ -290,6 +290,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                    "torch device (sparsetier.token_map)")  # fmt: skip
     p.add_argument("--no-unkept", action="store_true",
                    help="decode: skip the stack without kept selections")  # fmt: skip
+    p.add_argument("--alone-steps", type=int, default=None,
+                   help="decode: then this many steps of the scheduler alone, back to back "
+                   "(default: as many as --steps; 0: none)")  # fmt: skip
     p.add_argument("--io-backend", choices=["cpu", "kernel", "direct"], default="cpu",
                    help="decode: every stack's copy engine (kernel or direct: device pools on "
                    "the GPU, pinned host pools, ready as a stream wait)")  # fmt: skip
@@ -359,6 +362,7 @@ def _run_bench(args: argparse.Namespace) -> None:
             prefetch=args.prefetch, baseline=not args.no_baseline, trace=args.trace,
             unkept=not args.no_unkept,
             map_device=args.map_device, io_backend=args.io_backend,
+            alone_steps=args.alone_steps,
         )  # fmt: skip
         r = bench_decode.run(cfg, progress=True)
         print(bench_decode.format_report(r))
