@@ -32,7 +32,7 @@
 #                             (eager ops against TokenMapper's CUDA graph replay)
 # Each step has its own timeout, so a hang leaves the others' results; the steps run in order
 # of worth, so a device call stopped at its limit loses the least worth first.
-# About 5-7 minutes of the machine in all (the transfer bench's paired rows are the longest).
+# About 6-8 minutes of the machine in all (the transfer bench's paired rows are the longest).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
