@@ -57,7 +57,7 @@ def scheduler_ops(f: atheris.FuzzedDataProvider) -> None:
         prefetch=f.ConsumeBool(),
     )
     for _ in range(f.ConsumeIntInRange(1, 12)):
-        op = f.ConsumeIntInRange(0, 6)
+        op = f.ConsumeIntInRange(0, 7)
         try:
             if op == 0:
                 s.add_request(an_int(f), an_int(f))
@@ -85,6 +85,21 @@ def scheduler_ops(f: atheris.FuzzedDataProvider) -> None:
                 s.finish_request(an_int(f))
             elif op == 5:
                 s.inject_faults(f.PickValueInList(["load", "backup", "x"]), an_int(f), None)
+            elif op == 6:
+                # Ragged rows as CSR: offsets as arbitrary as the entries.
+                b = f.ConsumeIntInRange(0, 3)
+                rids = np.array([an_int(f) for _ in range(b)], dtype=np.int64)
+                offsets = np.array([an_int(f) for _ in range(f.ConsumeIntInRange(0, 5))])
+                entries = np.array([an_int(f) for _ in range(f.ConsumeIntInRange(0, 8))])
+                counts = None
+                if f.ConsumeBool():
+                    counts = np.array(
+                        [f.ConsumeIntInRange(-3, 70) for _ in range(f.ConsumeIntInRange(0, 8))],
+                        dtype=np.int32,
+                    )
+                plan, _ = s.plan_csr(an_int(f), rids, offsets, entries, an_int(f), counts)
+                s.ready(plan)
+                s.finish(plan)
             else:
                 s.extend(an_int(f), an_int(f))
         except st.SparsetierError:
