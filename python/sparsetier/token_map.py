@@ -147,11 +147,19 @@ class TokenMapper:
         else:
             self._captured.move_to_end(key)
         g.selection.copy_(selection)
-        g.graph.replay()
+        if selection.device.index == torch.cuda.current_device():
+            g.graph.replay()
+        else:  # a graph replays on its own device's current stream
+            with torch.cuda.device(selection.device):
+                g.graph.replay()
         self.replays += 1
         return g.out
 
     def _capture(self, selection: torch.Tensor) -> _Graph | None:
+        with torch.cuda.device(selection.device):  # captured on the selection's device
+            return self._capture_here(selection)
+
+    def _capture_here(self, selection: torch.Tensor) -> _Graph | None:
         static = selection.clone()
         try:
             # Warm up on a side stream (torch's recipe: first calls allocate and pick kernels),
