@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from scheduler_support import small_scheduler
 
 import sparsetier as st
 from sparsetier.attention import attend, sparse_attention
@@ -318,16 +319,7 @@ def test_exposed_wait_is_what_the_overlap_window_did_not_hide(load_ms, lo_ms, hi
     # The seed's example at 10x scale: a load submitted 20 ms before attention needs it. A
     # 50 ms load leaves ~30 ms exposed, a 15 ms one none. The scheduler measures it itself;
     # the bounds are wide: this checks what is measured, not how fast the machine is.
-    spec = st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 4)
-    dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
-    host = torch.zeros(spec.with_pages(16).shape(), dtype=torch.bfloat16)
-    s = st.StepScheduler(
-        st.PageTransferBinding(dev, spec), st.PageTransferBinding(host, spec.with_pages(16)),
-        st.TransferEngine("cpu"), layers=1, prefetch=False,
-    )  # fmt: skip
-    s.add_request(0, 12)  # 3 full pages
-    s.end_step()
-    s.drain()
+    s = small_scheduler(4, 4, 16, 1, {0: 12})  # 3 full pages
     s.directory.evict(3)  # pages 0..2 on host only
     s.inject_faults("load", 1, delay=load_ms / 1e3)
     s.append([0])

@@ -4,7 +4,7 @@ rows' form, retries and failed rows reported in it too; bad CSR input as typed e
 
 import numpy as np
 import pytest
-import torch
+from scheduler_support import small_scheduler
 
 import sparsetier as st
 
@@ -12,17 +12,7 @@ PS = 4
 
 
 def _scheduler():
-    spec = st.PoolSpec("KV", 1, 1, 8, "bf16", PS, 40)
-    dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
-    host = torch.zeros(spec.with_pages(96).shape(), dtype=torch.bfloat16)
-    s = st.StepScheduler(
-        st.PageTransferBinding(dev, spec), st.PageTransferBinding(host, spec.with_pages(96)),
-        st.TransferEngine("cpu"), layers=2, prefetch=False,
-    )  # fmt: skip
-    for rid, n in ((0, 30), (1, 21), (2, 41)):
-        s.add_request(rid, n)
-    s.end_step()
-    s.drain()
+    s = small_scheduler(PS, 40, 96, 2, {0: 30, 1: 21, 2: 41})
     s.directory.evict(1000)  # everything on host: the plans load
     return s
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as stx
+from scheduler_support import small_scheduler
 
 import sparsetier as st
 from sparsetier.token_map import TokenMapper, map_tokens
@@ -84,18 +85,8 @@ def test_bad_input_is_a_typed_error():
 
 
 def _scheduler(keep=True):
-    spec = st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 32)
-    dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
-    host = torch.zeros(spec.with_pages(64).shape(), dtype=torch.bfloat16)
-    s = st.StepScheduler(
-        st.PageTransferBinding(dev, spec), st.PageTransferBinding(host, spec.with_pages(64)),
-        st.TransferEngine("cpu"), layers=2, prefetch=False,
-    )  # fmt: skip
+    s = small_scheduler(4, 32, 64, 2, {0: 30, 1: 21})
     s.keep_selections = keep
-    for rid, n in ((0, 30), (1, 21)):
-        s.add_request(rid, n)
-    s.end_step()
-    s.drain()
     s.directory.evict(1000)  # everything on host: the plans load
     return s
 

@@ -1,0 +1,28 @@
+"""A small step scheduler on the cpu engine, its requests prefilled and settled: what the
+Python tests of `plan`, `plan_csr` and the token mapping start from."""
+
+from __future__ import annotations
+
+import torch
+
+import sparsetier as st
+
+
+def small_scheduler(
+    page_size: int, device_pages: int, host_pages: int, layers: int, requests: dict[int, int]
+) -> st.StepScheduler:
+    """A scheduler over one-plane bf16 pools (8 heads) with `requests` (rid -> tokens)
+    prefilled, the step ended and every write-through landed."""
+    spec = st.PoolSpec("KV", 1, 1, 8, "bf16", page_size, device_pages)
+    host_spec = spec.with_pages(host_pages)
+    dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
+    host = torch.zeros(host_spec.shape(), dtype=torch.bfloat16)
+    s = st.StepScheduler(
+        st.PageTransferBinding(dev, spec), st.PageTransferBinding(host, host_spec),
+        st.TransferEngine("cpu"), layers=layers, prefetch=False,
+    )  # fmt: skip
+    for rid, n in requests.items():
+        s.add_request(rid, n)
+    s.end_step()
+    s.drain()
+    return s
