@@ -393,8 +393,16 @@ mod tests {
         w.run(warmup).unwrap();
         let before = w.scheduler().totals();
         let series = std::env::var("SPARSETIER_SERIES").is_ok();
+        // SPARSETIER_POLLUTE=MB: before each timed step, write this many MB (untimed), as the
+        // other stacks of `bench decode`'s paired run do with their own directories, so that
+        // the step starts with cold caches.
+        let mut pollute = vec![0u8; env_or("SPARSETIER_POLLUTE", 0usize) << 20];
         let mut each: Vec<Duration> = Vec::with_capacity(steps as usize);
         for i in 0..steps {
+            for line in pollute.chunks_mut(64) {
+                line[0] = line[0].wrapping_add(1);
+            }
+            std::hint::black_box(&pollute);
             let a = w.scheduler().totals();
             let d = w.run(1).unwrap();
             if series && d > Duration::from_millis(8) {
