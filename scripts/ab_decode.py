@@ -1,7 +1,7 @@
 """Two builds of the extension in one process: `bench decode`'s scheduler step, paired.
 
     python scripts/ab_decode.py A/_core.abi3.so B/_core.abi3.so [--steps 24] [--locality 0.9]
-        [--mode block|token] [--warmup N]
+        [--mode block|token] [--warmup N] [--csr]
 
 Builds one step-scheduler stack per build (same shape, contexts and seed as `sparsetier bench
 decode --mode block`), feeds both the same selections and alternates their steps (A, B then
@@ -10,7 +10,9 @@ B, A), so the VM's drift hits both sides alike. The timed steps follow the bench
 CPU time per step (the time blocked on copies taken out, as the bench does) and the median of
 the per-step ratios B / A; checks that both sides selected the same pages every step, and in
 block mode that they loaded the same (in token mode a build that keeps token selections pinned
-evicts differently from one that does not).
+evicts differently from one that does not). With `--csr` both plan each layer's rows as CSR
+(`plan_csr`: the same rows, padding dropped, converted before the timer, as a caller holding
+CSR rows would hand them).
 
 The stacks are built in order (A's first), and where their memory lands differs: a build run
 against itself gave 1.03, and one pair of builds 1.05 with either first. Run both orders and
@@ -34,6 +36,7 @@ from sparsetier.bench_decode import (
     Selections,
     WarmUp,
     _stack,
+    _step,
     _step_scheduler,
     sizes,
 )
@@ -57,6 +60,7 @@ def main() -> None:
     ap.add_argument("--locality", type=float, default=0.9)
     ap.add_argument("--mode", choices=("block", "token"), default="block")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default: auto)")
+    ap.add_argument("--csr", action="store_true", help="plan the rows as CSR (plan_csr)")
     args = ap.parse_args()
     cfg = DecodeBenchConfig(
         mode=args.mode, steps=args.steps, locality=args.locality, warmup=args.warmup
@@ -75,10 +79,11 @@ def main() -> None:
     i = 0
     while len(times[0]) < cfg.steps:
         sel = sels.next()
+        rows = csr_rows(sel) if args.csr else None
         recs = [None, None]
         timed = warm.done()
         for side in (0, 1) if i % 2 == 0 else (1, 0):
-            r = _step_scheduler(stacks[side], rids, sel, unit)
+            r = step(stacks[side], rids, sel, rows, unit)
             recs[side] = r["rec"]
             if timed:
                 times[side].append((r["wall_s"] - r["wait_s"]) * 1e3)
@@ -90,10 +95,31 @@ def main() -> None:
     a, b = times
     ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
     print(
-        f"{cfg.mode} mode, locality {args.locality}, {args.steps} steps after a warm-up of "
+        f"{cfg.mode} mode{' as CSR' if args.csr else ''}, locality {args.locality}, "
+        f"{args.steps} steps after a warm-up of "
         f"{warm.describe()}: "
         f"A {statistics.median(a):.2f} ms | B {statistics.median(b):.2f} ms | "
         f"B/A {ratio:.3f} (median of per-step ratios)"
+    )
+
+
+def csr_rows(sel: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Each layer's padded rows `[B, K]` as CSR (offsets, entries), padding (-1) dropped."""
+    out = []
+    for layer in sel:
+        valid = layer >= 0
+        offsets = np.zeros(layer.shape[0] + 1, dtype=np.int64)
+        np.cumsum(valid.sum(axis=1), out=offsets[1:])
+        out.append((offsets, np.ascontiguousarray(layer[valid], dtype=np.int64)))
+    return out
+
+
+def step(s, rids: np.ndarray, sel: np.ndarray, rows, unit: int) -> dict:
+    """One timed step: padded rows (`plan`), or CSR ones (`plan_csr`) where `rows` is given."""
+    if rows is None:
+        return _step_scheduler(s, rids, sel, unit)
+    return _step(
+        s, rids, sel.shape[0], lambda layer: s.plan_csr(layer, rids, *rows[layer], unit)[0]
     )
 
 

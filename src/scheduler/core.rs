@@ -62,6 +62,7 @@ mod kept;
 mod kept_entries;
 #[path = "rows.rs"]
 mod rows;
+use csr::RowsIn;
 use rows::Rows;
 
 const NONE: u32 = u32::MAX;
@@ -158,7 +159,7 @@ struct LayerPlan {
     /// Rows given as CSR (`plan_csr`): the table is in that form, and so are the cells
     /// `ready` reports.
     csr: Option<csr::Csr>,
-    /// Cells per row of the padded table.
+    /// Cells per row of a padded table.
     width: usize,
     /// Per key: its slot (what its cells hold), kept when the table is taken.
     key_slot: Vec<i32>,
@@ -925,7 +926,29 @@ impl StepScheduler {
         unit: SelectionUnit,
         counts: Option<&[u32]>,
     ) -> Result<(LayerPlanId, &[i32])> {
+        if selection.len() != rids.len() * k {
+            return Err(Error::config(
+                "selection",
+                format!("{} entries", selection.len()),
+                format!("{} x {k}: one row of k per request", rids.len()),
+            ));
+        }
+        self.plan_rows(layer, rids, selection, (k, None), unit, counts)
+    }
+
+    /// A plan of rows padded to `k` entries each (`csr` None) or given as CSR: the one path
+    /// of [`plan_counted`](Self::plan_counted) and [`plan_csr`](Self::plan_csr).
+    fn plan_rows(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        selection: &[i64],
+        (k, csr): (usize, Option<csr::Csr>),
+        unit: SelectionUnit,
+        counts: Option<&[u32]>,
+    ) -> Result<(LayerPlanId, &[i32])> {
         let t0 = Instant::now();
+        let rows_in = csr.as_ref().map_or(RowsIn::Padded(k), csr::Csr::rows_in);
         if let Some(c) = counts {
             if c.len() != selection.len() {
                 return Err(Error::config(
@@ -947,13 +970,6 @@ impl StepScheduler {
         }
         if layer >= self.cfg.layers {
             return Err(Error::out_of_range("layer", layer, 0, self.cfg.layers));
-        }
-        if selection.len() != rids.len() * k {
-            return Err(Error::config(
-                "selection",
-                format!("{} entries", selection.len()),
-                format!("{} x {k}: one row of k per request", rids.len()),
-            ));
         }
         self.batch += 1;
         let batch = self.batch;
@@ -985,13 +1001,13 @@ impl StepScheduler {
         } = if fast && unit.unit() == ps {
             // Block rows compile without the counts' checks (the hot path).
             match counts {
-                Some(c) => self.kept_rows::<true>(layer, rids, selection, k, c, batch)?,
-                None => self.kept_rows::<false>(layer, rids, selection, k, &[], batch)?,
+                Some(c) => self.kept_rows::<true>(layer, rids, selection, rows_in, c, batch)?,
+                None => self.kept_rows::<false>(layer, rids, selection, rows_in, &[], batch)?,
             }
         } else if fast {
-            self.kept_entry_rows(layer, rids, selection, k, unit, batch)?
+            self.kept_entry_rows(layer, rids, selection, rows_in, unit, batch)?
         } else {
-            self.selection_rows(layer, rids, selection, k, unit, counts, batch)?
+            self.selection_rows(layer, rids, selection, rows_in, unit, counts, batch)?
         };
         let t_rows = Instant::now();
         self.rec.cpu_rows_ns += ns(t_rows - t0);
@@ -1018,7 +1034,7 @@ impl StepScheduler {
                         let cpu = ns(t0.elapsed());
                         self.rec.cpu_plan_ns += cpu;
                         self.rec.cpu_ns += cpu;
-                        return self.plan_counted(layer, rids, selection, k, unit, counts);
+                        return self.plan_rows(layer, rids, selection, (k, csr), unit, counts);
                     }
                     Some(self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes))?)
                 }
@@ -1120,7 +1136,7 @@ impl StepScheduler {
         // Kept cells hold their slots already: place the resolved keys' (a tenth of the cells
         // at decode's usual locality with kept selections), first cells and repeats.
         let key_slot: Vec<i32> = res.slots.iter().map(|s| s.raw() as i32).collect();
-        debug_assert_eq!(table.len(), rids.len() * k * unit.pages_per_entry());
+        debug_assert_eq!(table.len(), selection.len() * unit.pages_per_entry());
         place(&mut table, &key_cell, &repeats, |key| key_slot[key]);
         let pins = res.metrics.distinct;
         self.pins += pins;
@@ -1146,7 +1162,7 @@ impl StepScheduler {
                 rows: kept_rows,
                 failed: Vec::new(),
                 table: Some(table),
-                csr: None,
+                csr,
                 width: k * unit.pages_per_entry(),
                 key_slot,
                 transfers,
@@ -1184,16 +1200,8 @@ impl StepScheduler {
         unit: SelectionUnit,
         counts: Option<&[u32]>,
     ) -> Result<(LayerPlanId, &[i32])> {
-        let padded = csr::Csr::pad(rids.len(), offsets, entries, counts, unit.pages_per_entry())?;
-        let k = padded.csr.width();
-        let counts = padded.counts.as_deref();
-        let (id, _) = self
-            .plan_counted(layer, rids, &padded.selection, k, unit, counts)
-            .map_err(|e| padded.csr.rename(e))?;
-        let plan = self.plans.get_mut(&id).expect("just planned");
-        plan.table = plan.table.take().map(|t| padded.csr.compact(&t));
-        plan.csr = Some(padded.csr);
-        Ok((id, plan.table.as_deref().unwrap_or_default()))
+        let csr = csr::Csr::check(rids.len(), offsets, entries, counts, unit.pages_per_entry())?;
+        self.plan_rows(layer, rids, entries, (0, Some(csr)), unit, counts)
     }
 
     /// Joined mode: counts the main-KV bytes loaded for matched prefix pages, and those
@@ -1390,12 +1398,6 @@ impl StepScheduler {
                         .filter(|&&(_, key)| new_slot[key as usize] >= 0)
                         .map(|&(at, key)| (at, new_slot[key as usize])),
                 );
-                if let Some(c) = &plan.csr {
-                    // Keys name entries, never padding: every moved cell has a CSR cell.
-                    for m in &mut out.moved {
-                        m.0 = c.cell(m.0).expect("a key's cell is an entry's");
-                    }
-                }
                 if let Some(table) = plan.table.as_mut() {
                     for &(at, slot) in &out.moved {
                         table[at as usize] = slot;

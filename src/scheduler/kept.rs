@@ -35,7 +35,7 @@
 //! slot, and the kept entries are exactly the directory's held pins.
 
 use super::rows::{entry_count, KeptRows, Rows};
-use super::{mark_batch, KeptSlot, LayerPlan, Run, StepScheduler, KEPT, NONE};
+use super::{mark_batch, KeptSlot, LayerPlan, RowsIn, Run, StepScheduler, KEPT, NONE};
 use crate::directory::ObjectHint;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
@@ -66,21 +66,22 @@ impl StepScheduler {
         layer: u16,
         rids: &[RequestId],
         selection: &[i64],
-        k: usize,
+        rows_in: RowsIn<'_>,
         counts: &[u32],
         batch: u64,
     ) -> Result<Rows> {
         let ps = u64::from(self.cfg.page_size);
         let l = layer as usize;
-        let mut out = Rows::with_table(selection.len() / 8, rids.len() * k);
+        let mut out = Rows::with_table(selection.len() / 8, selection.len());
         let mut kr = KeptRows::with_lists(self.kept.take_spare(selection.len()), rids.len());
-        let mut order: Vec<(u32, u32)> = Vec::with_capacity(k); // (page, column)
+        let mut order: Vec<(u32, u32)> = Vec::new(); // (page, column)
         for (b, &id) in rids.iter().enumerate() {
             let r = mark_batch(&mut self.requests, id, batch)?;
             let len = r.len;
             let entries = len.div_ceil(ps);
             order.clear();
-            let row = &selection[b * k..(b + 1) * k];
+            let cells = rows_in.row(b);
+            let row = &selection[cells.clone()];
             // The indexer's rows come sorted by page (and unpadded once contexts are long):
             // such a row is its own order, checked at its two ends and copied without a branch.
             let in_order = row.first().is_some_and(|&e| e >= 0)
@@ -95,7 +96,7 @@ impl StepScheduler {
                     }
                     if e as u64 >= entries {
                         return Err(Error::out_of_range(
-                            format!("selection[{b}][{j}]"),
+                            rows_in.name(false, b, j),
                             e,
                             -1,
                             entries,
@@ -112,7 +113,7 @@ impl StepScheduler {
             let (mut prev, mut prev_cell, mut prev_slot) = (u32::MAX, NONE, -1);
             let mut prev_tokens = 0;
             for &(page, j) in &order {
-                let at = b * k + j as usize;
+                let at = cells.start + j as usize;
                 if !COUNTED {
                     out.selected += 1;
                 }
@@ -125,7 +126,7 @@ impl StepScheduler {
                         // A page named twice: its tokens add up, to the page's at most.
                         let p = u64::from(page);
                         let in_page = (((p + 1) * ps).min(len) - p * ps) as u32;
-                        let c = entry_count(counts, at, (b, j as usize), in_page)?;
+                        let c = entry_count(counts, at, rows_in, (b, j as usize), in_page)?;
                         out.selected += u64::from(c);
                         let more = (prev_tokens + c).min(in_page) - prev_tokens;
                         prev_tokens += more;
@@ -142,7 +143,7 @@ impl StepScheduler {
                 // Page rows that say how many selected tokens each page holds (token mode
                 // mapped on the device) need those bytes only; block rows need the page.
                 let tokens = if COUNTED {
-                    let c = entry_count(counts, at, (b, j as usize), in_page)?;
+                    let c = entry_count(counts, at, rows_in, (b, j as usize), in_page)?;
                     out.selected += u64::from(c);
                     prev_tokens = c;
                     c

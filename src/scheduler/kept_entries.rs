@@ -19,7 +19,7 @@
 //! [`RowDedup`]: crate::scheduler::selection::RowDedup
 
 use super::rows::{KeptRows, Rows};
-use super::{mark_batch, StepScheduler, KEPT, NONE};
+use super::{mark_batch, RowsIn, StepScheduler, KEPT, NONE};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::scheduler::selection::RowDedup;
@@ -306,7 +306,7 @@ impl StepScheduler {
         layer: u16,
         rids: &[RequestId],
         selection: &[i64],
-        k: usize,
+        rows_in: RowsIn<'_>,
         unit: SelectionUnit,
         batch: u64,
     ) -> Result<Rows> {
@@ -322,7 +322,9 @@ impl StepScheduler {
             let r = mark_batch(&mut self.requests, id, batch)?;
             let len = r.len;
             let m = Mapping::new(unit, len);
-            let row = &selection[b * k..(b + 1) * k];
+            let cells = rows_in.row(b);
+            let (at, k) = (cells.start, cells.len());
+            let row = &selection[cells];
             d.clear();
             // Pass 1: entries to distinct pages. The indexer's rows come sorted (and
             // unpadded once contexts are long): such a row is checked at its two ends, and
@@ -338,7 +340,7 @@ impl StepScheduler {
                 let (valid, in_order) =
                     d.map_any(row, &m, &mut self.dedup, r.pages(ps))
                         .map_err(|(j, e)| {
-                            Error::out_of_range(format!("selection[{b}][{j}]"), e, -1, m.entries)
+                            Error::out_of_range(rows_in.name(false, b, j), e, -1, m.entries)
                         })?;
                 out.selected += valid;
                 in_order
@@ -358,7 +360,10 @@ impl StepScheduler {
             let keys_before = kr.key_at.len();
             // The next row's first read (the sortedness check) comes from memory: ask for it
             // a share a page now, so that its misses overlap this row's merge.
-            let ahead = selection.get((b + 1) * k..(b + 2) * k).unwrap_or(&[]);
+            let ahead = match b + 1 < rids.len() {
+                true => &selection[rows_in.row(b + 1)],
+                false => &[],
+            };
             let pages = d.order.len();
             for (i, &(page, di)) in d.order.iter().enumerate() {
                 crate::prefetch::prefetch_share(ahead, i, pages);
@@ -374,9 +379,9 @@ impl StepScheduler {
                     (d.cell[di], d.slot[di]) = (KEPT, kept[kc].slot);
                     kc += 1;
                 } else {
-                    let at = b * k + d.first[di] as usize;
+                    let first = at + d.first[di] as usize;
                     d.cell[di] =
-                        out.push_new_page(&mut kr, r, (page, layer), (b, at), d.needed[di]);
+                        out.push_new_page(&mut kr, r, (page, layer), (b, first), d.needed[di]);
                 }
             }
             kr.dropped.extend(kept[kc..].iter().map(|k| k.object));
@@ -386,9 +391,9 @@ impl StepScheduler {
             // Pass 2: every cell from its page's outcome; a key's cells but its first are
             // repeats, placed once the resolve gave the key its slot.
             if runs {
-                d.fill_runs(&mut out, b * k, k, kr.key_at.len() > keys_before);
+                d.fill_runs(&mut out, at, k, kr.key_at.len() > keys_before);
             } else {
-                d.fill_columns(&mut out, b * k, kr.key_at.len() > keys_before);
+                d.fill_columns(&mut out, at, kr.key_at.len() > keys_before);
             }
         }
         self.look_up_hints(layer, rids, &mut out, &kr);

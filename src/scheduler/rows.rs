@@ -3,7 +3,7 @@
 //! (`kept.rs`: block = page, kept pages read from their kept slots) and `kept_entry_rows`
 //! (`kept_entries.rs`: entries inside a page, token mode, mapped to pages, then the same).
 
-use super::{mark_batch, Kept, RequestState, StepScheduler, NONE};
+use super::{mark_batch, Kept, RequestState, RowsIn, StepScheduler, NONE};
 use crate::directory::{ObjectHint, ObjectKey};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
@@ -134,19 +134,20 @@ impl Rows {
     }
 }
 
-/// The selected tokens cell `at` (row `b`, column `j`) says its page holds: 1 to the tokens
-/// the page has (`in_page`).
+/// The selected tokens cell `at` (row `b`, column `j` of `rows`) says its page holds: 1 to the
+/// tokens the page has (`in_page`).
 #[inline]
 pub(super) fn entry_count(
     counts: &[u32],
     at: usize,
+    rows: RowsIn<'_>,
     (b, j): (usize, usize),
     in_page: u32,
 ) -> Result<u32> {
     let c = counts[at];
     if c == 0 || c > in_page {
         return Err(Error::out_of_range(
-            format!("counts[{b}][{j}]"),
+            rows.name(true, b, j),
             c,
             1,
             u64::from(in_page) + 1,
@@ -164,14 +165,14 @@ impl StepScheduler {
         layer: u16,
         rids: &[RequestId],
         selection: &[i64],
-        k: usize,
+        rows_in: RowsIn<'_>,
         unit: SelectionUnit,
         counts: Option<&[u32]>,
         batch: u64,
     ) -> Result<Rows> {
         let ps = self.cfg.page_size;
         let ppe = unit.pages_per_entry();
-        let mut out = Rows::with_table(selection.len(), rids.len() * k * ppe);
+        let mut out = Rows::with_table(selection.len(), selection.len() * ppe);
         out.rows_pages.reserve(rids.len());
         let mut pages_buf = vec![None; ppe];
         // The dense page -> object tables are cache misses at scale: ask for every row's
@@ -180,7 +181,7 @@ impl StepScheduler {
         for (b, id) in rids.iter().enumerate() {
             if let Some(r) = self.requests.get(id) {
                 let t = &r.index[layer as usize];
-                for &e in &selection[b * k..(b + 1) * k] {
+                for &e in &selection[rows_in.row(b)] {
                     let page = if shift > 0 {
                         e.wrapping_mul(i64::from(shift))
                     } else {
@@ -194,15 +195,15 @@ impl StepScheduler {
             let r = mark_batch(&mut self.requests, id, batch)?;
             let len = r.len;
             self.dedup.begin_row(r.pages(ps));
-            let mut row_pages = Vec::with_capacity(k);
-            for j in 0..k {
-                let e = selection[b * k + j];
+            let cells = rows_in.row(b);
+            let mut row_pages = Vec::with_capacity(cells.len());
+            for (j, &e) in selection[cells.clone()].iter().enumerate() {
                 if e < 0 {
                     continue;
                 }
                 if e as u64 >= unit.entries(len) {
                     return Err(Error::out_of_range(
-                        format!("selection[{b}][{j}]"),
+                        rows_in.name(false, b, j),
                         e,
                         -1,
                         unit.entries(len),
@@ -213,9 +214,9 @@ impl StepScheduler {
                     let Some((page, mut tokens)) = *cell else {
                         continue;
                     };
-                    let at = b * k * ppe + j * ppe + i;
+                    let at = (cells.start + j) * ppe + i;
                     if let Some(c) = counts {
-                        tokens = entry_count(c, at, (b, j), tokens)?;
+                        tokens = entry_count(c, at, rows_in, (b, j), tokens)?;
                         out.selected += u64::from(tokens);
                     } else {
                         out.selected += 1;

@@ -1128,23 +1128,25 @@ fn token_selections_keep_their_pages_and_count_as_without_kept_selections() {
 
 #[test]
 fn ragged_rows_as_csr_plan_as_their_padded_rows_do() {
-    // Requests select different numbers of blocks (and some none at a layer); token rows
-    // mapped to counted pages are ragged too. Through `plan_csr` each step must read the same
-    // bytes (`step` checks every one through the table) and count the same as the padded
-    // rows, with kept selections across steps.
-    for map_tokens in [false, true] {
+    // Requests select different numbers of blocks (and some none at a layer); token rows,
+    // as they are or mapped to counted pages, are ragged too. Through `plan_csr` each step
+    // must read the same bytes (`step` checks every one through the table) and count the
+    // same as the padded rows, with kept selections across steps. Each builder reads CSR rows
+    // where they lie: blocks (`kept_rows`), token rows (`kept_entry_rows`), mapped ones
+    // (`kept_rows` with counts).
+    for (tokens, map_tokens) in [(false, false), (true, false), (true, true)] {
         let mut padded = three_requests(false);
         let mut csr = three_requests(false);
         csr.csr = true;
         for h in [&mut padded, &mut csr] {
             h.map_tokens = map_tokens;
-            h.take_tables = map_tokens; // both ways of reading the table
+            h.take_tables = tokens; // both ways of reading the table
         }
-        let (unit, k) = if map_tokens { (1, 12) } else { (PS, 5) };
+        let (unit, k) = if tokens { (1, 12) } else { (PS, 5) };
         for step in 0..8u64 {
             let mut sel = |r: u64, l: u16, len: u64| {
                 let n = ((r + step + u64::from(l)) % 6) as usize; // 0 to 5 entries
-                let mut row = if map_tokens {
+                let mut row = if tokens {
                     (0..n as u64 * 2)
                         .map(|i| ((i * 7 + r * 5 + step) % len) as i64)
                         .collect::<Vec<_>>()
@@ -1168,7 +1170,7 @@ fn ragged_rows_as_csr_plan_as_their_padded_rows_do() {
                 assert_eq!(
                     (a.retried_loads, b.retried_loads),
                     (1, 1),
-                    "tokens {map_tokens}"
+                    "tokens {tokens}, mapped {map_tokens}"
                 );
             }
             for h in [&mut padded, &mut csr] {
@@ -1176,7 +1178,11 @@ fn ragged_rows_as_csr_plan_as_their_padded_rows_do() {
             }
             assert!(f1.is_empty() && f2.is_empty());
             let key = |r: &StepRecord| (r.selected, r.pages, r.bytes_needed, r.loaded, r.ready);
-            assert_eq!(key(&a), key(&b), "step {step}, tokens mapped {map_tokens}");
+            assert_eq!(
+                key(&a),
+                key(&b),
+                "step {step}, tokens {tokens}, mapped {map_tokens}"
+            );
         }
         assert_eq!(padded.s.kept_pins(), csr.s.kept_pins());
         for h in [&mut padded, &mut csr] {
