@@ -139,6 +139,8 @@ def test_bad_csr_input_is_a_typed_error_naming_the_field():
         ([[0, 1], [2, 3]], entries, None, st.ConfigError, "offsets"),
         (np.array([0, 1, 2, 3]), [[0, 1, 2]], None, st.ConfigError, "entries"),
         (np.array([0, 1, 2, 3]), np.array([0, 1, 99]), None, st.OutOfRangeError, "entries[2]"),
+        (np.zeros(4, dtype=np.int64), np.zeros(0, dtype=np.int64), None, st.ConfigError,
+         "entries"),  # every row empty: nothing to read
     ]  # fmt: skip
     for offsets, ent, counts, exc, field in cases:
         with pytest.raises(exc) as e:

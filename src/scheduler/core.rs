@@ -1013,7 +1013,10 @@ impl StepScheduler {
         self.rec.cpu_rows_ns += ns(t_rows - t0);
         if keys.is_empty() && kept_hits == 0 {
             return Err(Error::config(
-                "selection",
+                match rows_in {
+                    RowsIn::Padded(_) => "selection",
+                    RowsIn::Csr(_) => "entries",
+                },
                 "no entry naming a page",
                 "at least one selected block or token (the sink block is always read)",
             ));
