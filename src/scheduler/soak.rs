@@ -171,20 +171,38 @@ struct Rows {
 }
 
 impl Rows {
-    fn poke(b: &PageTransferBinding, plane: usize, page: u32, row: u32, v: [u8; ROW]) {
-        let addr = b.row_addr(plane, page, row);
-        // SAFETY: `b` binds one of `_buffers` (alive as long as `self`); the page was handed
-        // to the request writing it, which no transfer in flight reads or writes until the
-        // request's step ends, and `row_addr` stays inside the page.
-        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), addr as *mut u8, ROW) };
+    /// Where row `row` of `page` lies in plane `plane`: a page or row outside the pool (a
+    /// slot the scheduler got wrong) is a broken soak, not a write or read outside it.
+    fn addr(b: &PageTransferBinding, plane: usize, page: u32, row: u32) -> SoakResult<u64> {
+        b.row_addr_checked(plane, page, row).ok_or_else(|| {
+            SoakError::Broken(format!(
+                "slot {page} row {row} plane {plane}: outside the pool ({} pages)",
+                b.pages()
+            ))
+        })
     }
 
-    fn peek(b: &PageTransferBinding, plane: usize, page: u32, row: u32) -> [u8; ROW] {
+    fn poke(
+        b: &PageTransferBinding,
+        plane: usize,
+        page: u32,
+        row: u32,
+        v: [u8; ROW],
+    ) -> SoakResult<()> {
+        let addr = Self::addr(b, plane, page, row)?;
+        // SAFETY: `b` binds one of `_buffers` (alive as long as `self`) and the row is inside
+        // it (checked above); the page was handed to the request writing it, which no
+        // transfer in flight reads or writes until the request's step ends.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), addr as *mut u8, ROW) };
+        Ok(())
+    }
+
+    fn peek(b: &PageTransferBinding, plane: usize, page: u32, row: u32) -> SoakResult<[u8; ROW]> {
         let mut v = [0u8; ROW];
-        let addr = b.row_addr(plane, page, row);
+        let addr = Self::addr(b, plane, page, row)?;
         // SAFETY: as in `poke`; the loads or restores the page depends on were waited for.
         unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), ROW) };
-        v
+        Ok(v)
     }
 
     fn same(
@@ -204,7 +222,14 @@ impl Rows {
     }
 
     /// K and V rows of `token` at `pos` into device `slot` (layer `layer`'s page), `row`.
-    fn write_kv(&mut self, slot: u32, row: u32, token: u32, pos: u32, layer: u16) {
+    fn write_kv(
+        &mut self,
+        slot: u32,
+        row: u32,
+        token: u32,
+        pos: u32,
+        layer: u16,
+    ) -> SoakResult<()> {
         for plane in 0..2 {
             #[allow(unused_mut)]
             let mut v = pattern(token, pos, layer, plane as u32);
@@ -215,12 +240,13 @@ impl Rows {
                     v[0] ^= 0xFF;
                 }
             }
-            Self::poke(&self.kv, plane, slot, row, v);
+            Self::poke(&self.kv, plane, slot, row, v)?;
         }
+        Ok(())
     }
 
     /// Indexer-K rows of `token` at `pos` into Indexer-K `page`, every layer.
-    fn write_key(&self, page: u32, ps: u32, token: u32, pos: u32, layers: u16) {
+    fn write_key(&self, page: u32, ps: u32, token: u32, pos: u32, layers: u16) -> SoakResult<()> {
         for l in 0..layers {
             Self::poke(
                 &self.ik,
@@ -228,8 +254,9 @@ impl Rows {
                 page,
                 pos % ps,
                 pattern(token, pos, l, 2),
-            );
+            )?;
         }
+        Ok(())
     }
 }
 
@@ -523,7 +550,7 @@ impl Soak {
                     l as usize,
                     idx[(pos / ps) as usize],
                     pos % ps,
-                );
+                )?;
                 let want = pattern(toks[pos as usize], pos, l, 2);
                 self.rows.same(got, want, || {
                     format!("Indexer-K of request {rid}, layer {l}, position {pos}")
@@ -538,10 +565,10 @@ impl Soak {
             for l in 0..layers {
                 let slot = slots[l as usize * touched + (page - first) as usize];
                 self.rows
-                    .write_kv(slot.raw(), pos % ps, toks[pos as usize], pos, l);
+                    .write_kv(slot.raw(), pos % ps, toks[pos as usize], pos, l)?;
             }
             self.rows
-                .write_key(idx[page as usize], ps, toks[pos as usize], pos, layers);
+                .write_key(idx[page as usize], ps, toks[pos as usize], pos, layers)?;
         }
         Ok(idx)
     }
@@ -627,10 +654,10 @@ impl Soak {
             }
             for l in 0..layers {
                 let slot = slots[b * layers as usize + l as usize].raw();
-                self.rows.write_kv(slot, rows[b], token, pos, l);
+                self.rows.write_kv(slot, rows[b], token, pos, l)?;
             }
             self.rows
-                .write_key(r.indexer[(pos / ps) as usize], ps, token, pos, layers);
+                .write_key(r.indexer[(pos / ps) as usize], ps, token, pos, layers)?;
             lens.push(pos + 1);
         }
         let unit = SelectionUnit::new(ps, ps)?;
@@ -683,7 +710,7 @@ impl Soak {
                 let first = page as u32 * ps;
                 for pos in first..(first + ps).min(lens[b]) {
                     for plane in 0..2u32 {
-                        let got = Rows::peek(&self.rows.kv, plane as usize, slot as u32, pos % ps);
+                        let got = Rows::peek(&self.rows.kv, plane as usize, slot as u32, pos % ps)?;
                         let want = pattern(toks[pos as usize], pos, layer, plane);
                         if got != want {
                             return Err(SoakError::Broken(format!(

@@ -138,15 +138,15 @@ impl Joined {
     }
 
     fn poke(b: &PageTransferBinding, plane: usize, page: u32, row: u32, v: [u8; 8]) {
-        let addr = b.row_addr(plane, page, row);
-        // SAFETY: a row of a page the scheduler handed out, inside the buffer; no transfer
-        // touches it while its request writes it.
+        let addr = row_in(b, plane, page, row);
+        // SAFETY: a row of a page the scheduler handed out, inside the buffer (checked); no
+        // transfer touches it while its request writes it.
         unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), addr as *mut u8, 8) };
     }
 
     fn peek(b: &PageTransferBinding, plane: usize, page: u32, row: u32) -> [u8; 8] {
         let mut v = [0u8; 8];
-        let addr = b.row_addr(plane, page, row);
+        let addr = row_in(b, plane, page, row);
         // SAFETY: as above; loads the caller waited for are complete.
         unsafe { std::ptr::copy_nonoverlapping(addr as *const u8, v.as_mut_ptr(), 8) };
         v
@@ -396,4 +396,11 @@ fn swa_comes_back_for_its_window_only() {
     j.s.end_request(RequestId::new(2), None).unwrap();
     j.s.drain().unwrap();
     j.s.validate().unwrap();
+}
+
+/// Where row `row` of `page` lies in plane `plane`; a page the scheduler got wrong fails the
+/// test here instead of reading outside the buffer.
+fn row_in(b: &PageTransferBinding, plane: usize, page: u32, row: u32) -> u64 {
+    b.row_addr_checked(plane, page, row)
+        .unwrap_or_else(|| panic!("page {page} row {row} plane {plane}: outside the pool"))
 }

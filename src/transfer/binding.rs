@@ -265,6 +265,14 @@ impl PageTransferBinding {
         ))
     }
 
+    /// [`Self::row_addr`], or None where `plane`, `page` or `token` is outside the pool: for
+    /// callers that read or write a row the scheduler named (a wrong slot is then an error to
+    /// report, not a read outside the buffer).
+    pub fn row_addr_checked(&self, plane: usize, page: u32, token: u32) -> Option<u64> {
+        (plane < self.planes.len() && page < self.pages && token < self.page_size)
+            .then(|| self.row_addr(plane, page, token))
+    }
+
     /// Address of token row `token` of `page` in plane `plane`. Inputs are checked by the
     /// prepared transfer before it calls this.
     #[inline]
@@ -293,6 +301,17 @@ mod tests {
             )
         }
         .unwrap()
+    }
+
+    #[test]
+    fn a_checked_row_address_is_none_outside_the_pool() {
+        // KV, 2 layers: 4 planes of 10 pages of 4 tokens.
+        let b = binding(Component::Kv, 2, 2);
+        assert_eq!(b.row_addr_checked(3, 9, 3), Some(b.row_addr(3, 9, 3)));
+        assert_eq!(b.row_addr_checked(4, 0, 0), None, "plane");
+        assert_eq!(b.row_addr_checked(0, 10, 0), None, "page");
+        assert_eq!(b.row_addr_checked(0, u32::MAX, 0), None, "a -1 slot");
+        assert_eq!(b.row_addr_checked(0, 0, 4), None, "row");
     }
 
     #[test]
