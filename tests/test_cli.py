@@ -320,8 +320,14 @@ def test_bench_decode_times_the_scheduler_alone_after_the_paired_steps(tmp_path,
     out = tmp_path / "d.json"
     assert main([*small, "--alone-steps", "4", "--json", str(out)]) == 0
     assert "step scheduler alone" in capsys.readouterr().out
-    alone = json.loads(out.read_text())["alone"]
+    r = json.loads(out.read_text())
+    alone = r["alone"]
     assert len(alone["steps"]) == 4 and alone["scheduler_ms"] > 0 and alone["core_ms"] > 0
+    # The spread brackets the median: the fewest and most of the four steps here.
+    ms = sorted(s["ms"] for s in alone["steps"])
+    assert alone["spread_ms"] == [ms[0], ms[-1]]
+    lo, hi = r["spread"]["scheduler_ms"]
+    assert lo <= r["median"]["scheduler_ms"] <= hi
     # None asked for, or nothing ran between the scheduler's steps anyway: no second figure.
     for extra in (["--alone-steps", "0"], ["--no-baseline", "--no-unkept"]):
         assert main([*small, *extra, "--json", str(out)]) == 0

@@ -486,8 +486,11 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         "warmup_loaded": warm.loaded,
         "warmup": warm.describe(),
         "median": med,
+        # How much the steps vary (this VM's speed swings): the 10th and 90th percentiles.
+        "spread": {"scheduler_ms": _spread(r["scheduler_ms"] for r in rows)},
         "alone": {
             "scheduler_ms": _median(x["ms"] for x in alone),
+            "spread_ms": _spread(x["ms"] for x in alone),
             "core_ms": _median(x["core_ms"] for x in alone),
             "steps": alone,
         }
@@ -520,6 +523,19 @@ def _median(values) -> float | None:
     return statistics.median(v) if v else None
 
 
+def _spread(values) -> tuple[float, float]:
+    """The 10th and 90th percentiles (the extremes below ten values)."""
+    v = sorted(values)
+    if len(v) < 10:
+        return (v[0], v[-1])
+    q = statistics.quantiles(v, n=10)
+    return (q[0], q[-1])
+
+
+def _fmt_spread(s) -> str:
+    return f"p10-p90 {s[0]:.2f}-{s[1]:.2f}" if s else ""
+
+
 def format_report(r: dict) -> str:
     c, m = r["config"], r["median"]
     lines = [
@@ -534,14 +550,15 @@ def format_report(r: dict) -> str:
         f"read amplification {fmt_ratio(m['read_amplification'], 'nothing moved')}",
         f"  warm-up: {r['warmup']}",
         f"  step scheduler: {m['scheduler_ms']:.2f} ms CPU per step (median of "
-        f"{len(r['steps'])}; in-core share {m['scheduler_core_cpu_ms']:.2f} ms)",
+        f"{len(r['steps'])}, {_fmt_spread(r.get('spread', {}).get('scheduler_ms'))}; "
+        f"in-core share {m['scheduler_core_cpu_ms']:.2f} ms)",
     ]
     if r.get("alone"):
         al = r["alone"]
         lines.append(
             f"  step scheduler alone (its steps back to back after the paired run, no other "
-            f"stack between): {al['scheduler_ms']:.2f} ms (median of {len(al['steps'])}; "
-            f"in-core {al['core_ms']:.2f} ms)"
+            f"stack between): {al['scheduler_ms']:.2f} ms (median of {len(al['steps'])}, "
+            f"{_fmt_spread(al.get('spread_ms'))}; in-core {al['core_ms']:.2f} ms)"
         )
     if "cpu_plan_ms" in m:
         lines.append(
