@@ -314,6 +314,19 @@ def test_bench_decode_maps_tokens_on_a_device_as_a_fourth_stack(tmp_path, capsys
     assert main(["bench", "decode", "--mode", "block", "--map-device", "cpu"]) == 2
 
 
+def test_bench_json_to_a_jsonl_path_collects_runs(tmp_path):
+    small = ["bench", "decode", "--layers", "2", "--batch", "3", "--context-min", "512",
+             "--context-max", "1024", "--steps", "2", "--warmup", "1", "--no-baseline"]  # fmt: skip
+    lines, whole = tmp_path / "runs.jsonl", tmp_path / "run.json"
+    for locality in ("0.5", "0.9"):
+        for path in (lines, whole):
+            assert main([*small, "--locality", locality, "--json", str(path)]) == 0
+    runs = [json.loads(line) for line in lines.read_text().splitlines()]
+    assert [r["config"]["locality"] for r in runs] == [0.5, 0.9]
+    # Any other path holds the last run, indented as before.
+    assert json.loads(whole.read_text())["config"]["locality"] == 0.9
+
+
 def test_bench_decode_times_the_scheduler_alone_after_the_paired_steps(tmp_path, capsys):
     small = ["bench", "decode", "--layers", "2", "--batch", "3", "--context-min", "512",
              "--context-max", "1024", "--steps", "3", "--warmup", "1"]  # fmt: skip

@@ -320,7 +320,20 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hit-rates", type=float, nargs="+", default=[1.0, 0.9, 0.5])
     p.add_argument("--l3-backends", nargs="+", choices=["file", "mooncake"],
                    default=["file", "mooncake"], help="l3: the backends to run")  # fmt: skip
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--json", metavar="PATH",
+                   help="also write the rows as JSON (a .jsonl path gets one line appended a "
+                        "run, so that repeated runs collect in one file)")  # fmt: skip
+
+
+def _write_json(path: str, r) -> None:
+    """`r` as JSON at `path`: one line appended where the path ends in .jsonl (runs collect),
+    else the file written over, indented."""
+    if path.endswith(".jsonl"):
+        with open(path, "a") as f:
+            f.write(json.dumps(r) + "\n")
+    else:
+        with open(path, "w") as f:
+            json.dump(r, f, indent=2)
 
 
 def _run_bench(args: argparse.Namespace) -> None:
@@ -335,8 +348,7 @@ def _run_bench(args: argparse.Namespace) -> None:
             f"LRU (the directory) {r['lru_s']:.2f} s, MIN {r['min_s']:.2f} s"
         )
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(r, f, indent=2)
+            _write_json(args.json, r)
         return
     if args.what == "l3":
         from sparsetier import bench_l3
@@ -346,8 +358,7 @@ def _run_bench(args: argparse.Namespace) -> None:
         r = bench_l3.run(args.l3_backends, requests=args.serve_reqs)
         print(bench_l3.format_report(r))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(r, f, indent=2)
+            _write_json(args.json, r)
         return
     if args.what == "decode":
         from sparsetier import bench_decode
@@ -367,8 +378,7 @@ def _run_bench(args: argparse.Namespace) -> None:
         r = bench_decode.run(cfg, progress=True)
         print(bench_decode.format_report(r))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(r, f, indent=2)
+            _write_json(args.json, r)
         return
     if args.page_size is None:
         args.page_size = 1
@@ -413,8 +423,7 @@ def _run_bench(args: argparse.Namespace) -> None:
                 peers[f"sglang {impl}"] = bench_prefix.peer_ops(peer)
         print(bench_prefix.format_report(r, peers))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"sparsetier": r, "peers": peers}, f, indent=2)
+            _write_json(args.json, {"sparsetier": r, "peers": peers})
         return
     if args.what == "transfer":
         if args.total_mb < 1:
@@ -427,8 +436,7 @@ def _run_bench(args: argparse.Namespace) -> None:
             rows = bench_gpu.bench_transfer_cuda(args.total_mb)
         print(bench.format_transfer(rows))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(bench.transfer_json(rows), f, indent=2)
+            _write_json(args.json, bench.transfer_json(rows))
         return
 
     for b in args.batches:
@@ -440,8 +448,7 @@ def _run_bench(args: argparse.Namespace) -> None:
     rows = bench.bench_directory(tuple(args.batches), tuple(args.hit_rates))
     print(bench.format_directory(rows))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(bench.directory_json(rows), f, indent=2)
+        _write_json(args.json, bench.directory_json(rows))
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
