@@ -26,3 +26,14 @@ def small_scheduler(
     s.end_step()
     s.drain()
     return s
+
+
+def end_steps_alike(a: st.StepScheduler, b: st.StepScheduler, fields, *context) -> None:
+    """Ends the step of two schedulers fed the same rows and checks that their records agree
+    on `fields`. Both drain first: write-throughs land when they land and decide what the
+    next step may evict, so settled between steps, both evict alike."""
+    ra, rb = a.end_step(), b.end_step()
+    a.drain()
+    b.drain()
+    for f in fields:
+        assert ra[f] == rb[f], (f, *context, ra, rb)

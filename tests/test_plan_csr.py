@@ -4,7 +4,7 @@ rows' form, retries and failed rows reported in it too; bad CSR input as typed e
 
 import numpy as np
 import pytest
-from scheduler_support import small_scheduler
+from scheduler_support import end_steps_alike, small_scheduler
 
 import sparsetier as st
 
@@ -77,11 +77,7 @@ def test_csr_rows_plan_as_their_padded_rows(unit, keep):
             _same_cells(rows, ta >= 0, tb >= 0, ppe)
             a.finish(pa)
             b.finish(pb)
-        ra, rb = a.end_step(), b.end_step()
-        a.drain()
-        b.drain()
-        for f in ("selected", "pages", "bytes_needed", "loaded", "ready"):
-            assert ra[f] == rb[f], (f, step, ra, rb)
+        end_steps_alike(a, b, ("selected", "pages", "bytes_needed", "loaded", "ready"), step)
     a.validate()
     b.validate()
 

@@ -51,6 +51,23 @@ enum Handed {
     Csr(Py<PyArray1<i32>>),
 }
 
+/// Per-entry token counts as the core takes them: a negative one (no count) is refused,
+/// named by `field(index)`; the core checks each against its page.
+fn counts_u32(
+    py: Python<'_>,
+    c: &[i32],
+    page_size: u32,
+    field: impl Fn(usize) -> String,
+) -> PyResult<Vec<u32>> {
+    if let Some(j) = c.iter().position(|&v| v < 0) {
+        return Err(to_py(
+            py,
+            Error::out_of_range(field(j), c[j], 0, u64::from(page_size) + 1),
+        ));
+    }
+    Ok(c.iter().map(|&v| v as u32).collect())
+}
+
 fn rid_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
     let py = obj.py();
     // The usual input, a contiguous int64 array, is copied out without a borrow (the
@@ -737,18 +754,9 @@ impl PyStepScheduler {
                     )
                 })?;
                 let w = k.max(1);
-                if let Some(j) = c.iter().position(|&v| v < 0) {
-                    return Err(to_py(
-                        py,
-                        Error::out_of_range(
-                            format!("counts[{}][{}]", j / w, j % w),
-                            c[j],
-                            0,
-                            u64::from(ps) + 1,
-                        ),
-                    ));
-                }
-                Some(c.iter().map(|&v| v as u32).collect())
+                Some(counts_u32(py, c, ps, |j| {
+                    format!("counts[{}][{}]", j / w, j % w)
+                })?)
             }
         };
         let rows = ids.len();
@@ -812,13 +820,7 @@ impl PyStepScheduler {
                         Error::config("counts", "a non-contiguous array", "a C-contiguous array"),
                     )
                 })?;
-                if let Some(j) = c.iter().position(|&v| v < 0) {
-                    return Err(to_py(
-                        py,
-                        Error::out_of_range(format!("counts[{j}]"), c[j], 0, u64::from(ps) + 1),
-                    ));
-                }
-                Some(c.iter().map(|&v| v as u32).collect())
+                Some(counts_u32(py, c, ps, |j| format!("counts[{j}]"))?)
             }
         };
         let (offsets, entries) = (offsets.as_slice()?, entries.as_slice()?);

@@ -62,7 +62,7 @@ mod kept;
 mod kept_entries;
 #[path = "rows.rs"]
 mod rows;
-use csr::RowsIn;
+use csr::{RowForm, RowsIn};
 use rows::Rows;
 
 const NONE: u32 = u32::MAX;
@@ -156,11 +156,9 @@ struct LayerPlan {
     failed: Vec<u32>,
     /// The slot table, a row per request; None once taken (`take_table`).
     table: Option<Vec<i32>>,
-    /// Rows given as CSR (`plan_csr`): the table is in that form, and so are the cells
-    /// `ready` reports.
-    csr: Option<csr::Csr>,
-    /// Cells per row of a padded table.
-    width: usize,
+    /// The form its rows came in (padded or CSR, `plan_csr`): the table is in that form,
+    /// and so are the cells `ready` reports.
+    form: RowForm,
     /// Per key: its slot (what its cells hold), kept when the table is taken.
     key_slot: Vec<i32>,
     transfers: Vec<TransferId>,
@@ -168,16 +166,6 @@ struct LayerPlan {
     submitted_at: Option<Instant>,
     counts: PlanCounts,
     ready: bool,
-}
-
-impl LayerPlan {
-    /// Row `b`'s cells in the table as handed out (padded, or CSR).
-    fn row_cells(&self, b: usize) -> std::ops::Range<usize> {
-        match &self.csr {
-            Some(c) => c.row_cells(b),
-            None => b * self.width..(b + 1) * self.width,
-        }
-    }
 }
 
 #[derive(Debug, Clone)]
@@ -933,22 +921,26 @@ impl StepScheduler {
                 format!("{} x {k}: one row of k per request", rids.len()),
             ));
         }
-        self.plan_rows(layer, rids, selection, (k, None), unit, counts)
+        let form = RowForm::Padded {
+            k,
+            ppe: unit.pages_per_entry(),
+        };
+        self.plan_rows(layer, rids, selection, form, unit, counts)
     }
 
-    /// A plan of rows padded to `k` entries each (`csr` None) or given as CSR: the one path
-    /// of [`plan_counted`](Self::plan_counted) and [`plan_csr`](Self::plan_csr).
+    /// A plan of rows in either form (padded `[B, k]` or CSR): the one path of
+    /// [`plan_counted`](Self::plan_counted) and [`plan_csr`](Self::plan_csr).
     fn plan_rows(
         &mut self,
         layer: u16,
         rids: &[RequestId],
         selection: &[i64],
-        (k, csr): (usize, Option<csr::Csr>),
+        form: RowForm,
         unit: SelectionUnit,
         counts: Option<&[u32]>,
     ) -> Result<(LayerPlanId, &[i32])> {
         let t0 = Instant::now();
-        let rows_in = csr.as_ref().map_or(RowsIn::Padded(k), csr::Csr::rows_in);
+        let rows_in = form.rows_in();
         if let Some(c) = counts {
             if c.len() != selection.len() {
                 return Err(Error::config(
@@ -1037,7 +1029,7 @@ impl StepScheduler {
                         let cpu = ns(t0.elapsed());
                         self.rec.cpu_plan_ns += cpu;
                         self.rec.cpu_ns += cpu;
-                        return self.plan_rows(layer, rids, selection, (k, csr), unit, counts);
+                        return self.plan_rows(layer, rids, selection, form, unit, counts);
                     }
                     Some(self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes))?)
                 }
@@ -1165,8 +1157,7 @@ impl StepScheduler {
                 rows: kept_rows,
                 failed: Vec::new(),
                 table: Some(table),
-                csr,
-                width: k * unit.pages_per_entry(),
+                form,
                 key_slot,
                 transfers,
                 pins,
@@ -1204,7 +1195,7 @@ impl StepScheduler {
         counts: Option<&[u32]>,
     ) -> Result<(LayerPlanId, &[i32])> {
         let csr = csr::Csr::check(rids.len(), offsets, entries, counts, unit.pages_per_entry())?;
-        self.plan_rows(layer, rids, entries, (0, Some(csr)), unit, counts)
+        self.plan_rows(layer, rids, entries, RowForm::Csr(csr), unit, counts)
     }
 
     /// Joined mode: counts the main-KV bytes loaded for matched prefix pages, and those
@@ -1415,7 +1406,7 @@ impl StepScheduler {
                 for &b in &rows {
                     plan.failed.push(b);
                     let b = b as usize;
-                    let cells = plan.row_cells(b);
+                    let cells = plan.form.row_cells(b);
                     if let Some(table) = plan.table.as_mut() {
                         table[cells.clone()].fill(-1);
                     }

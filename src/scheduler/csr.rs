@@ -45,8 +45,35 @@ impl RowsIn<'_> {
     }
 }
 
-/// A CSR plan's row starts, kept with the plan: its table and the cells `ready` reports are
-/// in that form.
+/// The form a plan's rows came in, kept with the plan: its table, and the cells `ready`
+/// reports, are in that form.
+#[derive(Debug, Clone)]
+pub(super) enum RowForm {
+    /// `[B, k]`, `ppe` cells an entry.
+    Padded { k: usize, ppe: usize },
+    /// CSR (`plan_csr`).
+    Csr(Csr),
+}
+
+impl RowForm {
+    /// The rows, for the row builders.
+    pub(super) fn rows_in(&self) -> RowsIn<'_> {
+        match self {
+            RowForm::Padded { k, .. } => RowsIn::Padded(*k),
+            RowForm::Csr(c) => RowsIn::Csr(&c.offsets),
+        }
+    }
+
+    /// Row `b`'s cells in the table.
+    pub(super) fn row_cells(&self, b: usize) -> Range<usize> {
+        match self {
+            RowForm::Padded { k, ppe } => b * k * ppe..(b + 1) * k * ppe,
+            RowForm::Csr(c) => c.offsets[b] as usize * c.ppe..c.offsets[b + 1] as usize * c.ppe,
+        }
+    }
+}
+
+/// A CSR plan's row starts.
 #[derive(Debug, Clone)]
 pub(super) struct Csr {
     /// `B + 1` row starts, in entries.
@@ -106,16 +133,6 @@ impl Csr {
             ppe,
         })
     }
-
-    /// The rows, for the row builders.
-    pub(super) fn rows_in(&self) -> RowsIn<'_> {
-        RowsIn::Csr(&self.offsets)
-    }
-
-    /// Row `b`'s cells in the table.
-    pub(super) fn row_cells(&self, b: usize) -> Range<usize> {
-        self.offsets[b] as usize * self.ppe..self.offsets[b + 1] as usize * self.ppe
-    }
 }
 
 #[cfg(test)]
@@ -132,18 +149,21 @@ mod tests {
             2,
         )
         .unwrap();
-        let rows = c.rows_in();
+        let form = RowForm::Csr(c);
+        let rows = form.rows_in();
         assert_eq!(rows.row(0), 0..2);
         assert_eq!(rows.row(1), 2..2, "an empty row");
         assert_eq!(rows.row(2), 2..5);
         // Two cells an entry.
-        assert_eq!(c.row_cells(2), 4..10);
-        assert_eq!(RowsIn::Padded(4).row(2), 8..12);
+        assert_eq!(form.row_cells(2), 4..10);
+        let padded = RowForm::Padded { k: 4, ppe: 2 };
+        assert_eq!(padded.rows_in().row(2), 8..12);
+        assert_eq!(padded.row_cells(2), 16..24);
     }
 
     #[test]
     fn an_entry_named_in_an_error_is_named_as_the_caller_indexes_it() {
-        let c = Csr::check(3, &[0, 2, 2, 5], &[4, 7, 1, 2, 3], None, 1).unwrap();
+        let c = RowForm::Csr(Csr::check(3, &[0, 2, 2, 5], &[4, 7, 1, 2, 3], None, 1).unwrap());
         assert_eq!(c.rows_in().name(false, 2, 1), "entries[3]");
         assert_eq!(c.rows_in().name(true, 0, 1), "counts[1]");
         assert_eq!(RowsIn::Padded(4).name(false, 2, 1), "selection[2][1]");
