@@ -349,6 +349,33 @@ def test_bench_decode_times_the_scheduler_alone_after_the_paired_steps(tmp_path,
     assert main([*small, "--alone-steps", "-1"]) == 2
 
 
+@pytest.mark.parametrize("mode", ["block", "token"])
+def test_bench_decode_hands_rows_over_as_int32_and_plans_them_alike(mode, tmp_path, capsys):
+    small = ["bench", "decode", "--mode", mode, "--layers", "2", "--batch", "3",
+             "--context-min", "512", "--context-max", "1024", "--steps", "3", "--warmup", "1",
+             "--tokens", "64", "--token-pages", "8", "--alone-steps", "0"]  # fmt: skip
+    runs = {}
+    for dtype in ("int64", "int32"):
+        out = tmp_path / f"{dtype}.json"
+        assert main([*small, "--entry-dtype", dtype, "--json", str(out)]) == 0
+        assert f"rows as {dtype}" in capsys.readouterr().out
+        runs[dtype] = json.loads(out.read_text())
+    # The same selections, the same pages every step, on every stack (the baseline's hits too).
+    for key in ("pages", "hit_rate", "unkept_hit_rate"):
+        assert [s[key] for s in runs["int64"]["steps"]] == [s[key] for s in runs["int32"]["steps"]]
+    with pytest.raises(SystemExit):
+        main([*small, "--entry-dtype", "int16"])
+    from sparsetier import bench_decode
+
+    with pytest.raises(st.ConfigError) as e:
+        bench_decode.DecodeBenchConfig(entry_dtype="int16").check()
+    assert e.value.field == "entry_dtype"
+    sel = np.arange(6, dtype=np.int64).reshape(1, 2, 3)
+    for dtype in ("int64", "int32"):
+        given = bench_decode._entries(bench_decode.DecodeBenchConfig(entry_dtype=dtype), sel)
+        assert given.dtype == np.dtype(dtype) and (given == sel).all()
+
+
 def test_bench_decode_names_its_engine_and_refuses_a_gpu_engine_without_a_gpu(capsys):
     args = ["bench", "decode", "--layers", "2", "--batch", "3", "--context-min", "512",
             "--context-max", "1024", "--steps", "2", "--no-baseline", "--no-unkept"]  # fmt: skip

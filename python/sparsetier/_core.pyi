@@ -408,7 +408,7 @@ class StepScheduler:
         self,
         layer: int,
         rids: Any,
-        selection: npt.NDArray[np.int64],
+        selection: npt.NDArray[np.int64] | npt.NDArray[np.int32],
         unit: int,
         counts: npt.NDArray[np.int32] | None = None,
     ) -> tuple[int, npt.NDArray[np.int32]]: ...
@@ -417,7 +417,7 @@ class StepScheduler:
         layer: int,
         rids: Any,
         offsets: npt.NDArray[np.int64],
-        entries: npt.NDArray[np.int64],
+        entries: npt.NDArray[np.int64] | npt.NDArray[np.int32],
         unit: int,
         counts: npt.NDArray[np.int32] | None = None,
     ) -> tuple[int, npt.NDArray[np.int32]]: ...

@@ -96,6 +96,10 @@ class DecodeBenchConfig:
     # After the paired steps, this many more of the scheduler alone, back to back (None: as
     # many as `steps`; 0: none): what the other stacks' steps in between cost it in caches.
     alone_steps: int | None = None
+    # The dtype the selections are handed over in: int64 (what torch.topk returns) or int32
+    # (half the bytes; top-k kernels often return it). Every stack but the mapped one gets the
+    # same array, converted before the timers.
+    entry_dtype: str = "int64"
     seed: int = 0
     trace: str | None = None  # write the scheduler's directory trace (.npz; costs time)
 
@@ -120,6 +124,7 @@ class DecodeBenchConfig:
              "unset, or cpu or cuda in token mode"),
             ("alone_steps", self.alone_steps is None or self.alone_steps >= 0,
              "an integer >= 0, or unset: as many as steps"),
+            ("entry_dtype", self.entry_dtype in ("int64", "int32"), "int64 or int32"),
             ("io_backend", self.io_backend == "cpu" or (
                 self.io_backend in ("kernel", "direct") and torch.cuda.is_available()),
              "cpu, or kernel or direct where a GPU is present"),
@@ -297,6 +302,11 @@ def _step_mapped(
     return _step(s, rids, sel.shape[0], plan_layer, after)
 
 
+def _entries(cfg: DecodeBenchConfig, sel: np.ndarray) -> np.ndarray:
+    """The step's selections in the dtype the stacks are handed them in."""
+    return sel if cfg.entry_dtype == "int64" else sel.astype(np.int32)
+
+
 def _step_scheduler(s: StepScheduler, rids: np.ndarray, sel: np.ndarray, unit: int) -> dict:
     """One step through the scheduler; returns its call time and the record."""
     return _step(s, rids, sel.shape[0], lambda layer: s.plan(layer, rids, sel[layer], unit)[0])
@@ -402,8 +412,9 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     warm = WarmUp(cfg, device_pages)
     while len(rows) < cfg.steps:
         sel = sels.next()
-        ra = _step_scheduler(a, rids, sel, unit)
-        r0 = _step_scheduler(a0, rids, sel, unit) if a0 is not None else None
+        given = _entries(cfg, sel)
+        ra = _step_scheduler(a, rids, given, unit)
+        r0 = _step_scheduler(a0, rids, given, unit) if a0 is not None else None
         rm = None
         if am is not None:
             sel_dev = torch.from_numpy(sel).to(cfg.map_device)  # where the indexer leaves it
@@ -416,7 +427,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
             for layer in range(sel_dev.shape[0]):
                 sel_dev[layer].cpu().numpy()
             rm["core_d2h_s"] = time.perf_counter() - t
-        rb = base.step(rids, sel) if base else None
+        rb = base.step(rids, given) if base else None
         if bar is not None:
             bar.update(1)
         if not warm.done():
@@ -457,7 +468,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     # the other stacks' steps, and their memory traffic, between two of its steps).
     alone = []
     for _ in range(n_alone):
-        r = _step_scheduler(a, rids, sels.next(), unit)
+        r = _step_scheduler(a, rids, _entries(cfg, sels.next()), unit)
         alone.append({"ms": (r["wall_s"] - r["wait_s"]) * 1e3, "core_ms": r["rec"]["cpu_ns"] / 1e6})
         if bar is not None:
             bar.update(1)
@@ -543,7 +554,7 @@ def format_report(r: dict) -> str:
         f"pages of {c['page_size']} tokens, contexts {c['context_min']}-{c['context_max']}, "
         f"device budget {c['budget']:.0%} ({r['device_pages']} of {r['objects']} objects), "
         f"locality {c['locality']}, prefetch {'on' if c['prefetch'] else 'off'}, "
-        f"{c.get('io_backend', 'cpu')} engine",
+        f"{c.get('io_backend', 'cpu')} engine, rows as {c.get('entry_dtype', 'int64')}",
         f"  selection entries per step: {r['lookups_per_step']}; distinct pages per step "
         f"(median): {m['pages']:.0f}; loaded: {m['loaded']:.0f}; "
         f"hit rate {fmt_ratio(m['hit_rate'], 'nothing selected')}; "

@@ -296,6 +296,9 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--io-backend", choices=["cpu", "kernel", "direct"], default="cpu",
                    help="decode: every stack's copy engine (kernel or direct: device pools on "
                    "the GPU, pinned host pools, ready as a stream wait)")  # fmt: skip
+    p.add_argument("--entry-dtype", choices=["int64", "int32"], default=dd.entry_dtype,
+                   help="decode: the selections' dtype (int64: torch.topk's; int32: half the "
+                   "bytes, as top-k kernels often return)")  # fmt: skip
     p.add_argument("--page-size", type=int, default=None,
                    help="prefix: tokens per page (1); decode: 64")  # fmt: skip
     p.add_argument("--num-seqs", type=int, default=500, help="prefix: fill sequences")
@@ -373,7 +376,7 @@ def _run_bench(args: argparse.Namespace) -> None:
             prefetch=args.prefetch, baseline=not args.no_baseline, trace=args.trace,
             unkept=not args.no_unkept,
             map_device=args.map_device, io_backend=args.io_backend,
-            alone_steps=args.alone_steps,
+            alone_steps=args.alone_steps, entry_dtype=args.entry_dtype,
         )  # fmt: skip
         r = bench_decode.run(cfg, progress=True)
         print(bench_decode.format_report(r))

@@ -91,6 +91,50 @@ fn rid_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
         .collect()
 }
 
+/// A selection's entries as the caller's array holds them (the core reads either).
+#[derive(Clone, Copy)]
+enum Entries<'a> {
+    I64(&'a [i64]),
+    I32(&'a [i32]),
+}
+
+/// CSR entries: int32 as they are, anything else as int64.
+enum Rows1<'py> {
+    I64(numpy::PyReadonlyArray1<'py, i64>),
+    I32(numpy::PyReadonlyArray1<'py, i32>),
+}
+
+/// A padded selection `[B, K]`: an int64 array (what `torch.topk` returns) or an int32 one.
+enum Rows2<'py> {
+    I64(PyReadonlyArray2<'py, i64>),
+    I32(PyReadonlyArray2<'py, i32>),
+}
+
+impl<'py> Rows2<'py> {
+    /// The array, if it is a 2-D int64 or int32 numpy array.
+    fn extract(obj: &Bound<'py, PyAny>) -> Option<Self> {
+        if let Ok(a) = obj.extract() {
+            return Some(Rows2::I64(a));
+        }
+        obj.extract().ok().map(Rows2::I32)
+    }
+
+    fn shape(&self) -> &[usize] {
+        match self {
+            Rows2::I64(a) => a.shape(),
+            Rows2::I32(a) => a.shape(),
+        }
+    }
+
+    /// Its entries, if it is C-contiguous.
+    fn as_slice(&self) -> Option<Entries<'_>> {
+        match self {
+            Rows2::I64(a) => a.as_slice().ok().map(Entries::I64),
+            Rows2::I32(a) => a.as_slice().ok().map(Entries::I32),
+        }
+    }
+}
+
 /// Token ids: a 1-D integer array of values in [0, 2^32).
 fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
     let py = obj.py();
@@ -664,9 +708,9 @@ impl PyStepScheduler {
         ))
     }
 
-    /// Plans `layer` for the batch: `selection` is an int64 `[B, K]` array of entries (-1 =
-    /// none) of `unit` tokens each (block mode: block ids, `unit` = block size; token mode:
-    /// token indices, `unit` = 1). Returns `(plan, slot table [B, K * pages_per_entry])`.
+    /// Plans `layer` for the batch: `selection` is an int64 or int32 `[B, K]` array of
+    /// entries (-1 = none; int32 rows are half the bytes to read) of `unit` tokens each
+    /// (block mode: block ids, `unit` = block size; token mode: token indices, `unit` = 1). Returns `(plan, slot table [B, K * pages_per_entry])`.
     /// With `counts` (an int32 `[B, K]` array; page rows only, `unit` = the page size) each
     /// entry's page holds that many selected tokens: token mode mapped to pages where it was
     /// selected (`sparsetier.token_map.map_tokens`).
@@ -683,14 +727,14 @@ impl PyStepScheduler {
         self.follow(py)?;
         let layer = self.layer_arg(py, layer)?;
         let ids = rid_list(rids)?;
-        let sel: PyReadonlyArray2<'py, i64> = selection.extract().map_err(|_| {
+        let sel = Rows2::extract(selection).ok_or_else(|| {
             to_py(
                 py,
                 Error::config(
                     "selection",
                     crate::py::args::short(selection),
-                    "a C-contiguous int64 numpy array of shape (B, K) (tensor.numpy() of a CPU \
-                     int64 tensor)",
+                    "a C-contiguous int64 or int32 numpy array of shape (B, K) (tensor.numpy() \
+                     of a CPU int64 or int32 tensor)",
                 ),
             )
         })?;
@@ -706,7 +750,7 @@ impl PyStepScheduler {
             ));
         }
         let k = shape[1];
-        let flat = sel.as_slice().map_err(|_| {
+        let flat = sel.as_slice().ok_or_else(|| {
             to_py(
                 py,
                 Error::config(
@@ -763,7 +807,11 @@ impl PyStepScheduler {
         let (id, t) = py
             .detach(|| {
                 let mut s = self.inner.lock();
-                let (id, _) = s.plan_counted(layer, &ids, flat, k, unit, counts.as_deref())?;
+                let counts = counts.as_deref();
+                let (id, _) = match flat {
+                    Entries::I64(f) => s.plan_counted(layer, &ids, f, k, unit, counts)?,
+                    Entries::I32(f) => s.plan_counted(layer, &ids, f, k, unit, counts)?,
+                };
                 Ok::<_, Error>((id, s.take_table(id)?))
             })
             .py_err(py)?;
@@ -775,7 +823,7 @@ impl PyStepScheduler {
     }
 
     /// [`plan`](Self::plan) of ragged rows, as CSR: row `b`'s entries are
-    /// `entries[offsets[b]:offsets[b + 1]]` (int64, the same entries as a padded row's, no
+    /// `entries[offsets[b]:offsets[b + 1]]` (int64 or int32, the same entries as a padded row's, no
     /// padding needed), `offsets` `B + 1` int64 from 0, not decreasing, ending at
     /// `len(entries)`; `counts` (int32, one per entry) as `plan`'s. Returns `(plan, slot
     /// table)`, the table flat in the same form: each entry's `pages_per_entry` cells, row
@@ -796,7 +844,15 @@ impl PyStepScheduler {
         let layer = self.layer_arg(py, layer)?;
         let ids = rid_list(rids)?;
         let offsets = int64_array(offsets, "offsets", "row starts (int64), B + 1 of them")?;
-        let entries = int64_array(entries, "entries", "every row's entries (int64)")?;
+        // int32 entries are read as they are (half the bytes); anything else as int64.
+        let entries = match entries.extract::<numpy::PyReadonlyArray1<'py, i32>>() {
+            Ok(e) => Rows1::I32(e),
+            Err(_) => Rows1::I64(int64_array(
+                entries,
+                "entries",
+                "every row's entries (int64 or int32)",
+            )?),
+        };
         let ps = self.page_size();
         let unit = u32_arg(py, unit, "unit", 1)?;
         let unit = SelectionUnit::new(unit, ps).py_err(py)?;
@@ -823,11 +879,19 @@ impl PyStepScheduler {
                 Some(counts_u32(py, c, ps, |j| format!("counts[{j}]"))?)
             }
         };
-        let (offsets, entries) = (offsets.as_slice()?, entries.as_slice()?);
+        let flat = match &entries {
+            Rows1::I64(e) => Entries::I64(e.as_slice()?),
+            Rows1::I32(e) => Entries::I32(e.as_slice()?),
+        };
+        let offsets = offsets.as_slice()?;
         let (id, t) = py
             .detach(|| {
                 let mut s = self.inner.lock();
-                let (id, _) = s.plan_csr(layer, &ids, offsets, entries, unit, counts.as_deref())?;
+                let counts = counts.as_deref();
+                let (id, _) = match flat {
+                    Entries::I64(e) => s.plan_csr(layer, &ids, offsets, e, unit, counts)?,
+                    Entries::I32(e) => s.plan_csr(layer, &ids, offsets, e, unit, counts)?,
+                };
                 Ok::<_, Error>((id, s.take_table(id)?))
             })
             .py_err(py)?;

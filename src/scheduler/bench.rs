@@ -45,6 +45,8 @@ pub struct DecodeShape {
     /// before the timer (where `sparsetier.token_map` does it: the GPU) and planned as counted
     /// page rows (`plan_counted`), the core's part of that path.
     pub counted: bool,
+    /// Rows handed over as int32 (converted before the timer) instead of int64.
+    pub int32: bool,
 }
 
 impl DecodeShape {
@@ -63,6 +65,7 @@ impl DecodeShape {
             tokens: 0,
             token_pages: 128,
             counted: false,
+            int32: false,
         }
     }
 
@@ -110,6 +113,8 @@ pub struct DecodeWorkload {
     hot: Vec<i64>,
     rng: XorShift,
     sel: Vec<i64>,
+    /// The same rows as int32, when the shape hands them over so.
+    sel32: Vec<i32>,
     /// Counted shapes: per layer, the page rows, their counts and the row width.
     pages: Vec<(Vec<i64>, Vec<u32>, usize)>,
     _buffers: (Box<[u8]>, Box<[u8]>),
@@ -178,6 +183,7 @@ impl DecodeWorkload {
             hot,
             rng,
             sel: Vec::new(),
+            sel32: Vec::new(),
             pages: Vec::new(),
             _buffers: (dev, host),
         })
@@ -232,6 +238,10 @@ impl DecodeWorkload {
                 self.sel[start..].sort_unstable();
             }
         }
+        if s.int32 {
+            self.sel32.clear();
+            self.sel32.extend(self.sel.iter().map(|&e| e as i32));
+        }
         if s.counted && s.tokens > 0 {
             let per_layer = s.batch * s.tokens;
             self.pages = self
@@ -260,8 +270,13 @@ impl DecodeWorkload {
                     self.sched
                         .plan_counted(l, &self.rids, pages, *width, page, Some(counts))?
                 } else {
-                    let sel = &self.sel[l as usize * per_layer..(l as usize + 1) * per_layer];
-                    self.sched.plan(l, &self.rids, sel, k, unit)?
+                    let at = l as usize * per_layer..(l as usize + 1) * per_layer;
+                    if s.int32 {
+                        let sel = &self.sel32[at];
+                        self.sched.plan_counted(l, &self.rids, sel, k, unit, None)?
+                    } else {
+                        self.sched.plan(l, &self.rids, &self.sel[at], k, unit)?
+                    }
                 };
                 self.sched.ready(id, None)?;
                 self.sched.finish(id)?;
@@ -371,9 +386,12 @@ mod tests {
         let token = std::env::var("SPARSETIER_MODE").is_ok_and(|m| m == "token");
         // SPARSETIER_BUDGET: device slots as a share of all objects (0.25).
         let budget = env_or("SPARSETIER_BUDGET", 0.25);
+        // SPARSETIER_ENTRY=i32: rows handed over as int32.
+        let int32 = std::env::var("SPARSETIER_ENTRY").is_ok_and(|m| m == "i32");
         let shape = DecodeShape {
             locality,
             budget,
+            int32,
             ..if token {
                 DecodeShape::deepseek_v32_tokens()
             } else {

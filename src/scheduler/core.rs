@@ -905,11 +905,12 @@ impl StepScheduler {
     /// the entry names a page): token mode with its tokens mapped to pages and deduplicated
     /// where they were selected (the GPU), so the core sees pages, not tokens. Bytes needed,
     /// read amplification and the selected count are the tokens'; the table is per page.
-    pub fn plan_counted(
+    /// Entries are int64 or int32 ([`Entry`](super::Entry): int32 rows are half the bytes).
+    pub fn plan_counted<E: super::Entry>(
         &mut self,
         layer: u16,
         rids: &[RequestId],
-        selection: &[i64],
+        selection: &[E],
         k: usize,
         unit: SelectionUnit,
         counts: Option<&[u32]>,
@@ -930,11 +931,11 @@ impl StepScheduler {
 
     /// A plan of rows in either form (padded `[B, k]` or CSR): the one path of
     /// [`plan_counted`](Self::plan_counted) and [`plan_csr`](Self::plan_csr).
-    fn plan_rows(
+    fn plan_rows<E: super::Entry>(
         &mut self,
         layer: u16,
         rids: &[RequestId],
-        selection: &[i64],
+        selection: &[E],
         form: RowForm,
         unit: SelectionUnit,
         counts: Option<&[u32]>,
@@ -993,8 +994,8 @@ impl StepScheduler {
         } = if fast && unit.unit() == ps {
             // Block rows compile without the counts' checks (the hot path).
             match counts {
-                Some(c) => self.kept_rows::<true>(layer, rids, selection, rows_in, c, batch)?,
-                None => self.kept_rows::<false>(layer, rids, selection, rows_in, &[], batch)?,
+                Some(c) => self.kept_rows::<true, E>(layer, rids, selection, rows_in, c, batch)?,
+                None => self.kept_rows::<false, E>(layer, rids, selection, rows_in, &[], batch)?,
             }
         } else if fast {
             self.kept_entry_rows(layer, rids, selection, rows_in, unit, batch)?
@@ -1185,16 +1186,22 @@ impl StepScheduler {
     /// `counts`). The slot table comes back in the same form: each entry's cells, row after
     /// row. An entry or count out of range is named by its place in `entries`
     /// (`entries[n]`, `counts[n]`).
-    pub fn plan_csr(
+    pub fn plan_csr<E: super::Entry>(
         &mut self,
         layer: u16,
         rids: &[RequestId],
         offsets: &[i64],
-        entries: &[i64],
+        entries: &[E],
         unit: SelectionUnit,
         counts: Option<&[u32]>,
     ) -> Result<(LayerPlanId, &[i32])> {
-        let csr = csr::Csr::check(rids.len(), offsets, entries, counts, unit.pages_per_entry())?;
+        let csr = csr::Csr::check(
+            rids.len(),
+            offsets,
+            entries.len(),
+            counts,
+            unit.pages_per_entry(),
+        )?;
         self.plan_rows(layer, rids, entries, RowForm::Csr(csr), unit, counts)
     }
 

@@ -83,11 +83,12 @@ pub(super) struct Csr {
 }
 
 impl Csr {
-    /// Checks `offsets` against `rows` and `entries` (and `counts`, one per entry).
+    /// Checks `offsets` against `rows` and the `entries` there are (and `counts`, one per
+    /// entry).
     pub(super) fn check(
         rows: usize,
         offsets: &[i64],
-        entries: &[i64],
+        entries: usize,
         counts: Option<&[u32]>,
         ppe: usize,
     ) -> Result<Csr> {
@@ -112,19 +113,19 @@ impl Csr {
             ));
         }
         let last = offsets[rows];
-        if last != entries.len() as i64 || last > i64::from(u32::MAX) {
+        if last != entries as i64 || last > i64::from(u32::MAX) {
             return Err(Error::config(
                 format!("offsets[{rows}]"),
                 last,
-                format!("{}: the number of entries", entries.len()),
+                format!("{entries}: the number of entries"),
             ));
         }
         if let Some(c) = counts {
-            if c.len() != entries.len() {
+            if c.len() != entries {
                 return Err(Error::config(
                     "counts",
                     format!("{} counts", c.len()),
-                    format!("{}: one per entry", entries.len()),
+                    format!("{entries}: one per entry"),
                 ));
             }
         }
@@ -141,14 +142,7 @@ mod tests {
 
     #[test]
     fn rows_lie_where_their_form_says() {
-        let c = Csr::check(
-            3,
-            &[0, 2, 2, 5],
-            &[4, 7, 1, 2, 3],
-            Some(&[1, 2, 3, 4, 5]),
-            2,
-        )
-        .unwrap();
+        let c = Csr::check(3, &[0, 2, 2, 5], 5, Some(&[1, 2, 3, 4, 5]), 2).unwrap();
         let form = RowForm::Csr(c);
         let rows = form.rows_in();
         assert_eq!(rows.row(0), 0..2);
@@ -163,7 +157,7 @@ mod tests {
 
     #[test]
     fn an_entry_named_in_an_error_is_named_as_the_caller_indexes_it() {
-        let c = RowForm::Csr(Csr::check(3, &[0, 2, 2, 5], &[4, 7, 1, 2, 3], None, 1).unwrap());
+        let c = RowForm::Csr(Csr::check(3, &[0, 2, 2, 5], 5, None, 1).unwrap());
         assert_eq!(c.rows_in().name(false, 2, 1), "entries[3]");
         assert_eq!(c.rows_in().name(true, 0, 1), "counts[1]");
         assert_eq!(RowsIn::Padded(4).name(false, 2, 1), "selection[2][1]");
@@ -173,7 +167,11 @@ mod tests {
     #[test]
     fn bad_offsets_and_counts_name_the_field() {
         let field = |offsets: &[i64], entries: &[i64], counts: Option<&[u32]>| match Csr::check(
-            2, offsets, entries, counts, 1,
+            2,
+            offsets,
+            entries.len(),
+            counts,
+            1,
         ) {
             Err(Error::Config { field, .. }) => field,
             other => panic!("{other:?}"),

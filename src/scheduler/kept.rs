@@ -39,6 +39,7 @@ use super::{mark_batch, KeptSlot, LayerPlan, RowsIn, Run, StepScheduler, KEPT, N
 use crate::directory::ObjectHint;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
+use crate::scheduler::entry::Entry;
 use crate::scheduler::SelectionUnit;
 
 /// Kept pages hold at most 1 / this of the device's usable slots (see `refresh_kept`).
@@ -61,11 +62,11 @@ impl StepScheduler {
     /// page becomes a key. Repeated pages (adjacent once sorted) share their first cell.
     /// `COUNTED` rows come with `counts`, each cell's selected tokens in its page (token rows
     /// mapped to pages); block rows need whole pages and skip those checks.
-    pub(super) fn kept_rows<const COUNTED: bool>(
+    pub(super) fn kept_rows<const COUNTED: bool, E: Entry>(
         &mut self,
         layer: u16,
         rids: &[RequestId],
-        selection: &[i64],
+        selection: &[E],
         rows_in: RowsIn<'_>,
         counts: &[u32],
         batch: u64,
@@ -84,13 +85,18 @@ impl StepScheduler {
             let row = &selection[cells.clone()];
             // The indexer's rows come sorted by page (and unpadded once contexts are long):
             // such a row is its own order, checked at its two ends and copied without a branch.
-            let in_order = row.first().is_some_and(|&e| e >= 0)
-                && row.last().is_some_and(|&e| (e as u64) < entries)
+            let in_order = row.first().is_some_and(|&e| e.get() >= 0)
+                && row.last().is_some_and(|&e| (e.get() as u64) < entries)
                 && row.is_sorted();
             if in_order {
-                order.extend(row.iter().enumerate().map(|(j, &e)| (e as u32, j as u32)));
+                order.extend(
+                    row.iter()
+                        .enumerate()
+                        .map(|(j, &e)| (e.get() as u32, j as u32)),
+                );
             } else {
                 for (j, &e) in row.iter().enumerate() {
+                    let e = e.get();
                     if e < 0 {
                         continue;
                     }

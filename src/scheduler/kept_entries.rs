@@ -22,6 +22,7 @@ use super::rows::{KeptRows, Rows};
 use super::{mark_batch, RowsIn, StepScheduler, KEPT, NONE};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
+use crate::scheduler::entry::Entry;
 use crate::scheduler::selection::RowDedup;
 use crate::scheduler::SelectionUnit;
 
@@ -76,6 +77,13 @@ impl Mapping {
     fn page_start(&self, page: u32) -> i64 {
         (u64::from(page) * self.per_page) as i64
     }
+
+    /// The last entry of `page` as an `E` (a sorted row's run of `page` is its entries up to
+    /// this one; past the type's range, every entry of the type).
+    #[inline]
+    fn page_last<E: Entry>(&self, page: u32) -> E {
+        E::at_most(self.page_start(page + 1) - 1)
+    }
 }
 
 /// A row's distinct pages as the first pass finds them (first-seen order).
@@ -107,7 +115,7 @@ impl Distinct {
 
     /// A sorted row whose entries are all valid: each page one run. Its needed tokens are the
     /// run's entries times `u`, but for entries naming the request's last, partial entry.
-    fn map_runs(&mut self, row: &[i64], m: &Mapping) {
+    fn map_runs<E: Entry>(&mut self, row: &[E], m: &Mapping) {
         #[cfg(target_arch = "x86_64")]
         {
             if std::arch::is_x86_feature_detected!("avx2") {
@@ -121,25 +129,25 @@ impl Distinct {
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2")]
-    unsafe fn map_runs_avx2(&mut self, row: &[i64], m: &Mapping) {
+    unsafe fn map_runs_avx2<E: Entry>(&mut self, row: &[E], m: &Mapping) {
         self.map_runs_any(row, m)
     }
 
     #[inline(always)]
-    fn map_runs_any(&mut self, row: &[i64], m: &Mapping) {
+    fn map_runs_any<E: Entry>(&mut self, row: &[E], m: &Mapping) {
         let (u, ps) = (m.u, m.ps);
         // Sorted: a run ends at the first entry of a later page.
         let mut j = 0;
         while j < row.len() {
-            let page = m.page_of(row[j] as u64);
+            let page = m.page_of(row[j].get() as u64);
             self.push(page, j as u32);
-            let next = m.page_start(page + 1);
+            let last: E = m.page_last(page);
             j += 1;
             // Sorted, so the run's entries are a prefix of what follows: count them a window
             // at a time, every compare done (no branch per entry to mispredict).
             loop {
                 let w = &row[j..(j + RUN_WINDOW).min(row.len())];
-                let n: usize = w.iter().map(|&e| usize::from(e < next)).sum();
+                let n: usize = w.iter().map(|&e| usize::from(e <= last)).sum();
                 j += n;
                 if n < RUN_WINDOW {
                     break;
@@ -155,7 +163,7 @@ impl Distinct {
         let partial = row
             .iter()
             .rev()
-            .take_while(|&&e| e as u64 == m.entries - 1)
+            .take_while(|&&e| e.get() as u64 == m.entries - 1)
             .count() as u64;
         if partial > 0 && m.last_tokens < u {
             // Sorted: the entries naming the last entry end the row, in its last page.
@@ -173,9 +181,9 @@ impl Distinct {
     /// the request), repeats found by a stamp per page once the row goes out of order. A run
     /// of entries in one page adds its tokens once, when the run ends (the cap at a page is
     /// the same either way). Returns the valid entries and whether the pages came in order.
-    fn map_any(
+    fn map_any<E: Entry>(
         &mut self,
-        row: &[i64],
+        row: &[E],
         m: &Mapping,
         dedup: &mut RowDedup,
         pages: u32,
@@ -185,6 +193,7 @@ impl Distinct {
         let (mut run, mut valid) = (0u64, 0u64);
         let mut in_order = true; // every new page so far above the previous one
         for (j, &e) in row.iter().enumerate() {
+            let e = e.get();
             if e < 0 {
                 self.of_column.push(NONE);
                 continue;
@@ -301,11 +310,11 @@ impl Distinct {
 impl StepScheduler {
     /// The rows of a kept-selection plan whose entries lie inside pages (`unit` < page size):
     /// see the module docs.
-    pub(super) fn kept_entry_rows(
+    pub(super) fn kept_entry_rows<E: Entry>(
         &mut self,
         layer: u16,
         rids: &[RequestId],
-        selection: &[i64],
+        selection: &[E],
         rows_in: RowsIn<'_>,
         unit: SelectionUnit,
         batch: u64,
@@ -329,8 +338,8 @@ impl StepScheduler {
             // Pass 1: entries to distinct pages. The indexer's rows come sorted (and
             // unpadded once contexts are long): such a row is checked at its two ends, and
             // each of its pages is one run of adjacent entries.
-            let runs = row.first().is_some_and(|&e| e >= 0)
-                && row.last().is_some_and(|&e| (e as u64) < m.entries)
+            let runs = row.first().is_some_and(|&e| e.get() >= 0)
+                && row.last().is_some_and(|&e| (e.get() as u64) < m.entries)
                 && is_sorted(row);
             let in_order = if runs {
                 d.map_runs(row, &m);
@@ -408,7 +417,7 @@ impl StepScheduler {
 /// the first to read each row (8 million entries a step at DeepSeek-V3.2's shape: 11 ms for
 /// the step's rows in baseline code, 7.5 ms with AVX2, about what memory delivers; a
 /// microbenchmark on the development VM, 2026-11-30).
-fn is_sorted(row: &[i64]) -> bool {
+fn is_sorted<E: Entry>(row: &[E]) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx2") {
@@ -422,12 +431,12 @@ fn is_sorted(row: &[i64]) -> bool {
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn is_sorted_avx2(row: &[i64]) -> bool {
+unsafe fn is_sorted_avx2<E: Entry>(row: &[E]) -> bool {
     is_sorted_any(row)
 }
 
 #[inline(always)]
-fn is_sorted_any(row: &[i64]) -> bool {
+fn is_sorted_any<E: Entry>(row: &[E]) -> bool {
     let pairs = row.iter().zip(row.iter().skip(1));
     !pairs.fold(false, |out, (a, b)| out | (a > b))
 }

@@ -8,6 +8,7 @@
 
 pub mod bench;
 pub mod core;
+pub mod entry;
 mod kept_store;
 pub mod prefix;
 pub mod record;
@@ -16,6 +17,7 @@ pub mod selection;
 pub mod soak;
 
 pub use self::core::{PlanCounts, ReadyOutcome, SchedulerConfig, StepScheduler};
+pub use entry::Entry;
 pub use kept_store::KeptSlot;
 pub use prefix::{Admission, PrefixTier, PrefixTotals, HOST_NS};
 pub use record::StepRecord;

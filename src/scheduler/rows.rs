@@ -7,6 +7,7 @@ use super::{mark_batch, Kept, RequestState, RowsIn, StepScheduler, NONE};
 use crate::directory::{ObjectHint, ObjectKey};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
+use crate::scheduler::entry::Entry;
 use crate::scheduler::SelectionUnit;
 
 /// A kept-selection plan's rows, merged with the rows' kept lists as they were when it was
@@ -160,11 +161,11 @@ impl StepScheduler {
     /// Every selected page of every row becomes a key (deduplicated within its row). With
     /// `counts` (page entries only) each entry needs that many of its page's tokens.
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn selection_rows(
+    pub(super) fn selection_rows<E: Entry>(
         &mut self,
         layer: u16,
         rids: &[RequestId],
-        selection: &[i64],
+        selection: &[E],
         rows_in: RowsIn<'_>,
         unit: SelectionUnit,
         counts: Option<&[u32]>,
@@ -182,6 +183,7 @@ impl StepScheduler {
             if let Some(r) = self.requests.get(id) {
                 let t = &r.index[layer as usize];
                 for &e in &selection[rows_in.row(b)] {
+                    let e = e.get();
                     let page = if shift > 0 {
                         e.wrapping_mul(i64::from(shift))
                     } else {
@@ -198,6 +200,7 @@ impl StepScheduler {
             let cells = rows_in.row(b);
             let mut row_pages = Vec::with_capacity(cells.len());
             for (j, &e) in selection[cells.clone()].iter().enumerate() {
+                let e = e.get();
                 if e < 0 {
                     continue;
                 }

@@ -25,6 +25,8 @@ struct Harness {
     /// Plans go through `plan_csr`: each row without its padding (-1 entries), the table
     /// handed back as CSR and laid out as the padded one here for the byte checks.
     csr: bool,
+    /// Plans get their rows (or CSR entries) as int32 instead of int64.
+    int32: bool,
     dev: PageTransferBinding,
     _dev_buf: Box<[u8]>,
     _host_buf: Box<[u8]>,
@@ -66,6 +68,7 @@ impl Harness {
             take_tables: false,
             map_tokens: false,
             csr: false,
+            int32: false,
             dev,
             _dev_buf: dev_buf,
             _host_buf: host_buf,
@@ -195,14 +198,30 @@ impl Harness {
             }
             // CSR: each row's entries without padding, with where each came from.
             let csr = self.csr.then(|| Ragged::of(&flat, counts.as_deref(), k));
-            let planned = match &csr {
-                Some(c) => self
+            let as_i32 = |e: &[i64]| e.iter().map(|&v| v as i32).collect::<Vec<i32>>();
+            let planned = match (&csr, self.int32) {
+                (Some(c), false) => self
                     .s
                     .plan_csr(l, &ids, &c.offsets, &c.entries, u, c.counts.as_deref())
                     .map(|(id, _)| id),
-                None => self
+                (Some(c), true) => self
+                    .s
+                    .plan_csr(
+                        l,
+                        &ids,
+                        &c.offsets,
+                        &as_i32(&c.entries),
+                        u,
+                        c.counts.as_deref(),
+                    )
+                    .map(|(id, _)| id),
+                (None, false) => self
                     .s
                     .plan_counted(l, &ids, &flat, k, u, counts.as_deref())
+                    .map(|(id, _)| id),
+                (None, true) => self
+                    .s
+                    .plan_counted(l, &ids, &as_i32(&flat), k, u, counts.as_deref())
                     .map(|(id, _)| id),
             };
             let id = match planned {
@@ -917,6 +936,8 @@ proptest! {
                     h.map_tokens = unit == 1 && (seed / 12) % 2 == 1;
                     // Some steps plan their rows as CSR (`plan_csr`), padding dropped.
                     h.csr = (seed / 24) % 2 == 1;
+                    // Some hand their rows over as int32.
+                    h.int32 = (seed / 48) % 2 == 1;
                     let stepped = h.try_step(&live, unit, k, &mut |r, l, len| {
                         if token {
                             let mut rng = XorShift::new(seed ^ r ^ u64::from(l) << 8);
@@ -932,7 +953,7 @@ proptest! {
                             blocks(seed ^ r ^ u64::from(l), len, unit, k)
                         }
                     });
-                    (h.map_tokens, h.csr) = (false, false);
+                    (h.map_tokens, h.csr, h.int32) = (false, false, false);
                     let failed = match stepped {
                         Ok((failed, _)) => failed,
                         // Write-throughs that keep failing leave pages that cannot be
@@ -1194,6 +1215,77 @@ fn ragged_rows_as_csr_plan_as_their_padded_rows_do() {
         }
         assert_eq!(padded.s.kept_pins(), csr.s.kept_pins());
         for h in [&mut padded, &mut csr] {
+            for r in 0..3 {
+                h.s.finish_request(RequestId::new(r)).unwrap();
+            }
+            h.assert_quiet();
+        }
+    }
+}
+
+#[test]
+fn int32_rows_plan_as_their_int64_rows_do() {
+    // The same rows handed over as int32 must read the same bytes (`step` checks every one
+    // through the table) and count the same as int64 rows, in every builder: block rows
+    // (`kept_rows`), token rows sorted (the run scan) and not (`kept_entry_rows`), mapped to
+    // counted pages, through the directory (kept selections off: `selection_rows`), padded and
+    // as CSR, with padding (-1) in the rows.
+    for (tokens, map_tokens, keep, csr, sorted) in [
+        (false, false, true, false, true),
+        (false, false, true, true, false),
+        (true, false, true, false, true),
+        (true, false, true, true, true),
+        (true, false, true, true, false),
+        (true, true, true, false, true),
+        (true, false, false, false, false),
+        (false, false, false, true, true),
+    ] {
+        let mut wide = three_requests(false);
+        let mut narrow = three_requests(false);
+        narrow.int32 = true;
+        for h in [&mut wide, &mut narrow] {
+            h.map_tokens = map_tokens;
+            h.csr = csr;
+            h.s.set_keep_selections(keep).unwrap();
+        }
+        let (unit, k) = if tokens { (1, 12) } else { (PS, 5) };
+        let case = format!("tokens {tokens}, mapped {map_tokens}, keep {keep}, csr {csr}");
+        for step in 0..8u64 {
+            let mut sel = |r: u64, l: u16, len: u64| {
+                let n = ((r + step + u64::from(l)) % 6) as usize; // 0 to 5 entries
+                let mut row = if tokens {
+                    (0..n as u64 * 2)
+                        .map(|i| ((i * 7 + r * 5 + step) % len) as i64)
+                        .collect::<Vec<_>>()
+                } else {
+                    let mut b = blocks(step * 13 + r * 3 + u64::from(l), len, PS, k);
+                    b.truncate(n);
+                    b
+                };
+                if sorted {
+                    row.sort_unstable();
+                } else {
+                    row.reverse();
+                }
+                row
+            };
+            let (f1, a) = wide.step(&[0, 1, 2], unit, k, &mut sel);
+            let (f2, b) = narrow.step(&[0, 1, 2], unit, k, &mut sel);
+            assert!(f1.is_empty() && f2.is_empty());
+            let key = |r: &StepRecord| {
+                (
+                    r.selected,
+                    r.pages,
+                    r.bytes_needed,
+                    r.loaded,
+                    r.ready,
+                    r.bytes_needed_of_transferred,
+                )
+            };
+            assert_eq!(key(&a), key(&b), "step {step}, {case}");
+        }
+        assert_eq!(wide.s.kept_pins(), narrow.s.kept_pins(), "{case}");
+        for h in [&mut wide, &mut narrow] {
             for r in 0..3 {
                 h.s.finish_request(RequestId::new(r)).unwrap();
             }
