@@ -432,7 +432,10 @@ class DecodeRuntime:
                     pages_np, counts_np = tp.to_host()
                     plan, table = self.scheduler.plan(li, rids_np, pages_np, ps, counts_np)
                 else:
-                    plan, table = self.scheduler.plan(li, rids_np, sel.cpu().numpy(), self.unit)
+                    # As int32: half the bytes to copy off the device and for the core to read
+                    # (entries are below 2^31: token indices or block ids of one context).
+                    sel32 = sel.to(torch.int32).cpu().numpy()
+                    plan, table = self.scheduler.plan(li, rids_np, sel32, self.unit)
                 bad, new = self.scheduler.ready(plan, stream)
                 if new is not None:
                     table = new

@@ -1271,6 +1271,11 @@ fn int32_rows_plan_as_their_int64_rows_do() {
             };
             let (f1, a) = wide.step(&[0, 1, 2], unit, k, &mut sel);
             let (f2, b) = narrow.step(&[0, 1, 2], unit, k, &mut sel);
+            // Write-throughs landed before the next step on both (what is evictable, and so
+            // what loads, follows them).
+            for h in [&mut wide, &mut narrow] {
+                h.s.drain().unwrap();
+            }
             assert!(f1.is_empty() && f2.is_empty());
             let key = |r: &StepRecord| {
                 (
