@@ -53,33 +53,44 @@ def _same_cells(rows, padded_table, csr_table, ppe):
             n += 1
 
 
-@pytest.mark.parametrize(("unit", "keep"), [(PS, True), (PS, False), (1, True), (2 * PS, True)])
-def test_csr_rows_plan_as_their_padded_rows(unit, keep):
-    rng = np.random.default_rng(5)
+def plan_alike(unit, keep, seed, plan_both) -> None:
+    """Two schedulers fed the same ragged rows, six steps of two layers each:
+    `plan_both(a, b, layer, rows)` plans the layer on each and returns their tables; both are
+    made ready and finished, and every step's counts must agree."""
+    rng = np.random.default_rng(seed)
     a, b = _scheduler(), _scheduler()
     a.keep_selections = b.keep_selections = keep
-    ppe = max(1, unit // PS)
     for step in range(6):
         a.append([0, 1, 2])
         b.append([0, 1, 2])
         lens = [a.request_len(r) for r in (0, 1, 2)]
         for layer in range(2):
-            rows = _rows(rng, lens, unit)
-            pa, ta = a.plan(layer, [0, 1, 2], _padded(rows), unit)
-            offsets, entries = _csr(rows)
-            pb, tb = b.plan_csr(layer, [0, 1, 2], offsets, entries, unit)
-            assert tb.dtype == np.int32
+            (pa, _), (pb, _) = plan_both(a, b, layer, _rows(rng, lens, unit))
             fa, _ = a.ready(pa)
             fb, _ = b.ready(pb)
             assert not fa and not fb
-            # The same pages are resident for every entry (the slots may differ: evictions
-            # follow when write-throughs landed).
-            _same_cells(rows, ta >= 0, tb >= 0, ppe)
             a.finish(pa)
             b.finish(pb)
         end_steps_alike(a, b, ("selected", "pages", "bytes_needed", "loaded", "ready"), step)
     a.validate()
     b.validate()
+
+
+@pytest.mark.parametrize(("unit", "keep"), [(PS, True), (PS, False), (1, True), (2 * PS, True)])
+def test_csr_rows_plan_as_their_padded_rows(unit, keep):
+    ppe = max(1, unit // PS)
+
+    def plan_both(a, b, layer, rows):
+        pa, ta = a.plan(layer, [0, 1, 2], _padded(rows), unit)
+        offsets, entries = _csr(rows)
+        pb, tb = b.plan_csr(layer, [0, 1, 2], offsets, entries, unit)
+        assert tb.dtype == np.int32
+        # The same pages are resident for every entry (the slots may differ: evictions
+        # follow when write-throughs landed).
+        _same_cells(rows, ta >= 0, tb >= 0, ppe)
+        return (pa, ta), (pb, tb)
+
+    plan_alike(unit, keep, 5, plan_both)
 
 
 def test_a_retry_and_a_failed_row_come_back_in_the_rows_form():

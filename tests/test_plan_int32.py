@@ -4,8 +4,7 @@ are, and plan them exactly as the same rows in int64; other dtypes are typed err
 
 import numpy as np
 import pytest
-from scheduler_support import end_steps_alike
-from test_plan_csr import PS, _csr, _padded, _rows, _scheduler
+from test_plan_csr import PS, _csr, _padded, _scheduler, plan_alike
 
 import sparsetier as st
 
@@ -16,37 +15,25 @@ import sparsetier as st
      (2 * PS, True, False)],
 )  # fmt: skip
 def test_int32_rows_plan_as_their_int64_rows(unit, keep, csr):
-    rng = np.random.default_rng(7)
-    a, b = _scheduler(), _scheduler()
-    a.keep_selections = b.keep_selections = keep
     ppe = max(1, unit // PS)  # table cells an entry
-    for step in range(6):
-        a.append([0, 1, 2])
-        b.append([0, 1, 2])
-        lens = [a.request_len(r) for r in (0, 1, 2)]
-        for layer in range(2):
-            rows = _rows(rng, lens, unit)
-            if csr:
-                offsets, entries = _csr(rows)
-                pa, ta = a.plan_csr(layer, [0, 1, 2], offsets, entries, unit)
-                pb, tb = b.plan_csr(layer, [0, 1, 2], offsets, entries.astype(np.int32), unit)
-                assert len(tb) == len(entries) * ppe
-            else:
-                sel = _padded(rows)
-                pa, ta = a.plan(layer, [0, 1, 2], sel, unit)
-                pb, tb = b.plan(layer, [0, 1, 2], sel.astype(np.int32), unit)
-            # The same pages are resident for every entry (the slots may differ: evictions
-            # follow when write-throughs landed).
-            assert ta.shape == tb.shape and tb.dtype == np.int32
-            assert ((ta >= 0) == (tb >= 0)).all()
-            fa, _ = a.ready(pa)
-            fb, _ = b.ready(pb)
-            assert not fa and not fb
-            a.finish(pa)
-            b.finish(pb)
-        end_steps_alike(a, b, ("selected", "pages", "bytes_needed", "loaded", "ready"), step)
-    a.validate()
-    b.validate()
+
+    def plan_both(a, b, layer, rows):
+        if csr:
+            offsets, entries = _csr(rows)
+            pa, ta = a.plan_csr(layer, [0, 1, 2], offsets, entries, unit)
+            pb, tb = b.plan_csr(layer, [0, 1, 2], offsets, entries.astype(np.int32), unit)
+            assert len(tb) == len(entries) * ppe
+        else:
+            sel = _padded(rows)
+            pa, ta = a.plan(layer, [0, 1, 2], sel, unit)
+            pb, tb = b.plan(layer, [0, 1, 2], sel.astype(np.int32), unit)
+        # The same pages are resident for every entry (the slots may differ: evictions follow
+        # when write-throughs landed).
+        assert ta.shape == tb.shape and tb.dtype == np.int32
+        assert ((ta >= 0) == (tb >= 0)).all()
+        return (pa, ta), (pb, tb)
+
+    plan_alike(unit, keep, 7, plan_both)
 
 
 def test_other_dtypes_are_typed_errors_naming_the_field():

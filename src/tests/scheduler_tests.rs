@@ -1155,6 +1155,21 @@ fn token_selections_keep_their_pages_and_count_as_without_kept_selections() {
     kept.assert_quiet();
 }
 
+/// Request `r`'s row at layer `l` (`len` tokens) in `step`: 0 to 5 blocks of a page (of at
+/// most `k`), or twice as many tokens, varying with all four.
+fn ragged_row(tokens: bool, step: u64, (r, l, len): (u64, u16, u64), k: usize) -> Vec<i64> {
+    let n = ((r + step + u64::from(l)) % 6) as usize; // 0 to 5 entries
+    if tokens {
+        (0..n as u64 * 2)
+            .map(|i| ((i * 7 + r * 5 + step) % len) as i64)
+            .collect()
+    } else {
+        let mut b = blocks(step * 13 + r * 3 + u64::from(l), len, PS, k);
+        b.truncate(n);
+        b
+    }
+}
+
 #[test]
 fn ragged_rows_as_csr_plan_as_their_padded_rows_do() {
     // Requests select different numbers of blocks (and some none at a layer); token rows,
@@ -1174,16 +1189,7 @@ fn ragged_rows_as_csr_plan_as_their_padded_rows_do() {
         let (unit, k) = if tokens { (1, 12) } else { (PS, 5) };
         for step in 0..8u64 {
             let mut sel = |r: u64, l: u16, len: u64| {
-                let n = ((r + step + u64::from(l)) % 6) as usize; // 0 to 5 entries
-                let mut row = if tokens {
-                    (0..n as u64 * 2)
-                        .map(|i| ((i * 7 + r * 5 + step) % len) as i64)
-                        .collect::<Vec<_>>()
-                } else {
-                    let mut b = blocks(step * 13 + r * 3 + u64::from(l), len, PS, k);
-                    b.truncate(n);
-                    b
-                };
+                let mut row = ragged_row(tokens, step, (r, l, len), k);
                 row.dedup();
                 row
             };
@@ -1252,16 +1258,7 @@ fn int32_rows_plan_as_their_int64_rows_do() {
         let case = format!("tokens {tokens}, mapped {map_tokens}, keep {keep}, csr {csr}");
         for step in 0..8u64 {
             let mut sel = |r: u64, l: u16, len: u64| {
-                let n = ((r + step + u64::from(l)) % 6) as usize; // 0 to 5 entries
-                let mut row = if tokens {
-                    (0..n as u64 * 2)
-                        .map(|i| ((i * 7 + r * 5 + step) % len) as i64)
-                        .collect::<Vec<_>>()
-                } else {
-                    let mut b = blocks(step * 13 + r * 3 + u64::from(l), len, PS, k);
-                    b.truncate(n);
-                    b
-                };
+                let mut row = ragged_row(tokens, step, (r, l, len), k);
                 if sorted {
                     row.sort_unstable();
                 } else {
