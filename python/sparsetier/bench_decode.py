@@ -549,10 +549,17 @@ def _fmt_spread(s) -> str:
 
 def format_report(r: dict) -> str:
     c, m = r["config"], r["median"]
+    budget = f"device budget {c['budget']:.0%} ({r['device_pages']} of {r['objects']} objects)"
+    if r["device_pages"] > math.ceil(c["budget"] * r["objects"]) * 1.01:
+        # Small shapes: `sizes` raises the device to what one step's selections need.
+        budget = (
+            f"device budget {c['budget']:.0%} raised to {r['device_pages']} slots for "
+            f"{r['objects']} objects (what one step's selections need)"
+        )
     lines = [
         f"bench decode: {c['mode']} mode, {c['layers']} layers, batch {c['batch']}, "
         f"pages of {c['page_size']} tokens, contexts {c['context_min']}-{c['context_max']}, "
-        f"device budget {c['budget']:.0%} ({r['device_pages']} of {r['objects']} objects), "
+        f"{budget}, "
         f"locality {c['locality']}, prefetch {'on' if c['prefetch'] else 'off'}, "
         f"{c.get('io_backend', 'cpu')} engine, rows as {c.get('entry_dtype', 'int64')}",
         f"  selection entries per step: {r['lookups_per_step']}; distinct pages per step "
