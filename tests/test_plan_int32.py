@@ -49,6 +49,16 @@ def test_other_dtypes_are_typed_errors_naming_the_field():
     with pytest.raises(st.ConfigError) as e:
         s.plan(0, [0, 1, 2], wide[:, ::2], PS)  # int32, not C-contiguous
     assert e.value.field == "selection"
+    # Strided CSR arrays, in either dtype, and strided offsets name their field.
+    offsets = np.array([0, 1, 2, 3], dtype=np.int64)
+    for dtype in (np.int64, np.int32):
+        strided = np.zeros(6, dtype=dtype)[::2]
+        with pytest.raises(st.ConfigError) as e:
+            s.plan_csr(0, [0, 1, 2], offsets, strided, PS)
+        assert e.value.field == "entries"
+    with pytest.raises(st.ConfigError) as e:
+        s.plan_csr(0, [0, 1, 2], np.zeros(8, dtype=np.int64)[::2], np.zeros(0, np.int32), PS)
+    assert e.value.field == "offsets"
     # An int32 entry past the request is named where the caller holds it.
     offsets = np.array([0, 1, 2, 3], dtype=np.int64)
     with pytest.raises(st.OutOfRangeError) as e:

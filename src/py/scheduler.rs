@@ -710,7 +710,8 @@ impl PyStepScheduler {
 
     /// Plans `layer` for the batch: `selection` is an int64 or int32 `[B, K]` array of
     /// entries (-1 = none; int32 rows are half the bytes to read) of `unit` tokens each
-    /// (block mode: block ids, `unit` = block size; token mode: token indices, `unit` = 1). Returns `(plan, slot table [B, K * pages_per_entry])`.
+    /// (block mode: block ids, `unit` = block size; token mode: token indices, `unit` = 1).
+    /// Returns `(plan, slot table [B, K * pages_per_entry])`.
     /// With `counts` (an int32 `[B, K]` array; page rows only, `unit` = the page size) each
     /// entry's page holds that many selected tokens: token mode mapped to pages where it was
     /// selected (`sparsetier.token_map.map_tokens`).
@@ -823,8 +824,8 @@ impl PyStepScheduler {
     }
 
     /// [`plan`](Self::plan) of ragged rows, as CSR: row `b`'s entries are
-    /// `entries[offsets[b]:offsets[b + 1]]` (int64 or int32, the same entries as a padded row's, no
-    /// padding needed), `offsets` `B + 1` int64 from 0, not decreasing, ending at
+    /// `entries[offsets[b]:offsets[b + 1]]` (int64 or int32, the same entries as a padded
+    /// row's, no padding needed), `offsets` `B + 1` int64 from 0, not decreasing, ending at
     /// `len(entries)`; `counts` (int32, one per entry) as `plan`'s. Returns `(plan, slot
     /// table)`, the table flat in the same form: each entry's `pages_per_entry` cells, row
     /// after row; `ready` reports a moved table in that form too.
@@ -879,11 +880,18 @@ impl PyStepScheduler {
                 Some(counts_u32(py, c, ps, |j| format!("counts[{j}]"))?)
             }
         };
-        let flat = match &entries {
-            Rows1::I64(e) => Entries::I64(e.as_slice()?),
-            Rows1::I32(e) => Entries::I32(e.as_slice()?),
+        let strided = |field: &str| {
+            to_py(
+                py,
+                Error::config(field, "a non-contiguous array", "a C-contiguous array"),
+            )
         };
-        let offsets = offsets.as_slice()?;
+        let flat = match &entries {
+            Rows1::I64(e) => e.as_slice().ok().map(Entries::I64),
+            Rows1::I32(e) => e.as_slice().ok().map(Entries::I32),
+        }
+        .ok_or_else(|| strided("entries"))?;
+        let offsets = offsets.as_slice().map_err(|_| strided("offsets"))?;
         let (id, t) = py
             .detach(|| {
                 let mut s = self.inner.lock();
