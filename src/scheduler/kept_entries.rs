@@ -464,6 +464,8 @@ mod tests {
             }
             prop_assert_eq!(is_sorted(&row), row.is_sorted());
             prop_assert_eq!(is_sorted_any(&row), row.is_sorted());
+            let narrow: Vec<i32> = row.iter().map(|&e| e as i32).collect();
+            prop_assert_eq!(is_sorted(&narrow), row.is_sorted());
         }
 
         /// A sorted row's fill gives each cell its page's slot, runs longer than a window
@@ -531,6 +533,11 @@ mod tests {
             prop_assert_eq!(&a.page, &b.page);
             prop_assert_eq!(&a.first, &b.first);
             prop_assert_eq!(&a.needed, &b.needed);
+            // The same row as int32: the same runs.
+            let narrow: Vec<i32> = row.iter().map(|&e| e as i32).collect();
+            let mut c = Distinct::default();
+            c.map_runs(&narrow, &m);
+            prop_assert_eq!((&c.page, &c.first, &c.needed), (&a.page, &a.first, &a.needed));
         }
     }
 }
