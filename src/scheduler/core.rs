@@ -60,6 +60,8 @@ mod joined;
 mod kept;
 #[path = "kept_entries.rs"]
 mod kept_entries;
+#[path = "repeats.rs"]
+mod repeats;
 #[path = "rows.rs"]
 mod rows;
 use csr::{RowForm, RowsIn};
@@ -143,9 +145,9 @@ struct LayerPlan {
     prefetch: Option<Prefetch>,
     keys: Vec<ObjectKey>,
     key_row: Vec<u32>,
-    /// (cell, key) of every cell naming a key but its first; the first is `key_cell`. The
-    /// cells of neither read kept slots or are padding.
-    repeats: Vec<(u32, u32)>,
+    /// Every cell naming a key but its first; the first is `key_cell`. The cells of neither
+    /// read kept slots or are padding.
+    repeats: repeats::Repeats,
     /// Per key: the first cell that names it.
     key_cell: Vec<u32>,
     /// Per key: the directory's object index.
@@ -1133,7 +1135,10 @@ impl StepScheduler {
         // at decode's usual locality with kept selections), first cells and repeats.
         let key_slot: Vec<i32> = res.slots.iter().map(|s| s.raw() as i32).collect();
         debug_assert_eq!(table.len(), selection.len() * unit.pages_per_entry());
-        place(&mut table, &key_cell, &repeats, |key| key_slot[key]);
+        for (key, &at) in key_cell.iter().enumerate() {
+            table[at as usize] = key_slot[key];
+        }
+        repeats.place(&mut table, |key| key_slot[key]);
         let pins = res.metrics.distinct;
         self.pins += pins;
         self.rec.pinned_peak = self.rec.pinned_peak.max(self.pins + self.kept_pins);
@@ -1395,9 +1400,7 @@ impl StepScheduler {
                 }
                 out.moved.extend(
                     plan.repeats
-                        .iter()
-                        .filter(|&&(_, key)| new_slot[key as usize] >= 0)
-                        .map(|&(at, key)| (at, new_slot[key as usize])),
+                        .cells_of(|key| Some(new_slot[key]).filter(|&s| s >= 0)),
                 );
                 if let Some(table) = plan.table.as_mut() {
                     for &(at, slot) in &out.moved {
@@ -1944,16 +1947,6 @@ fn mark_batch(
     }
     r.batch_mark = batch;
     Ok(r)
-}
-
-/// Writes each key's slot (`slot(key)`) into its cells: its first (`key_cell`) and repeats.
-fn place(table: &mut [i32], key_cell: &[u32], repeats: &[(u32, u32)], slot: impl Fn(usize) -> i32) {
-    for (key, &at) in key_cell.iter().enumerate() {
-        table[at as usize] = slot(key);
-    }
-    for &(at, key) in repeats {
-        table[at as usize] = slot(key as usize);
-    }
 }
 
 /// The first failure among a transfer's layers, if any.

@@ -126,7 +126,7 @@ impl StepScheduler {
                 if page == prev {
                     out.table[at] = prev_slot;
                     if prev_cell & KEPT == 0 {
-                        out.repeats.push((at as u32, prev_cell));
+                        out.repeats.push(at as u32, prev_cell);
                     }
                     if COUNTED {
                         // A page named twice: its tokens add up, to the page's at most.

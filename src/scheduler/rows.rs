@@ -3,6 +3,7 @@
 //! (`kept.rs`: block = page, kept pages read from their kept slots) and `kept_entry_rows`
 //! (`kept_entries.rs`: entries inside a page, token mode, mapped to pages, then the same).
 
+use super::repeats::Repeats;
 use super::{mark_batch, Kept, RequestState, RowsIn, StepScheduler, NONE};
 use crate::directory::{ObjectHint, ObjectKey};
 use crate::error::{Error, Result};
@@ -62,9 +63,9 @@ pub(super) struct Rows {
     /// Per cell: the slot where known already (kept cells), else -1 (a key's cell until the
     /// resolve places it, or padding).
     pub table: Vec<i32>,
-    /// (cell, key) of every cell naming a key but its first (a page repeated in its row):
-    /// with `key_cell`, every cell a resolve's slots go to.
-    pub repeats: Vec<(u32, u32)>,
+    /// Every cell naming a key but its first (a page repeated in its row): with `key_cell`,
+    /// every cell a resolve's slots go to.
+    pub repeats: Repeats,
     /// Per row: its distinct pages, sorted, with their key index (the prefetch's input).
     pub rows_pages: Vec<Vec<(u32, u32)>>,
     /// Kept-selection plans: every row's distinct pages with their cells, and row ends.
@@ -125,7 +126,7 @@ impl Rows {
             needed: Vec::with_capacity(entries),
             from_prefix: Vec::with_capacity(entries),
             table: Vec::with_capacity(cells),
-            repeats: Vec::new(),
+            repeats: Repeats::default(),
             rows_pages: Vec::new(),
             kept_rows: None,
             selected: 0,
@@ -227,7 +228,7 @@ impl StepScheduler {
                     let next = out.keys.len() as u32;
                     match self.dedup.seen_or_insert(page, next) {
                         Some(idx) => {
-                            out.repeats.push((at as u32, idx));
+                            out.repeats.push(at as u32, idx);
                             let n = &mut out.needed[idx as usize];
                             *n = (*n + tokens).min(ps);
                         }
