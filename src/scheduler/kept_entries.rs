@@ -2,16 +2,17 @@
 //! blocks that lie inside a page.
 //!
 //! A token row names ~2048 entries over ~128 pages, so the per-entry work must be a handful of
-//! instructions and the directory must see only the pages the row did not keep. A first pass
-//! maps entries to row-distinct pages: the indexer's rows usually come sorted (checked with
-//! one compare per pair, no early exit, so it vectorizes), and then each page is one run of
-//! adjacent entries, counted a window of 32 compares at a time (no branch per entry; AVX2
-//! code where the CPU has it); any other row goes entry by entry and
-//! dedups through a stamp per page ([`RowDedup`]) once it goes out of order. The distinct pages,
-//! a sixteenth of the entries, are sorted if need be and merged with the row's kept list as
-//! block mode merges its pages (`kept.rs`); then the slot table is written from each page's
-//! outcome (a kept slot, or -1 until the resolve places its key), a sorted row's runs a fixed
-//! window each, later runs overwriting what an earlier one spilled.
+//! instructions and the directory must see only the pages the row did not keep. The indexer's
+//! rows usually come sorted (checked with one compare per pair, no early exit, so it
+//! vectorizes), and then each page is one run of adjacent entries. Such a row takes one pass
+//! over its runs (`merge_runs`; AVX2 code where the CPU has it): each run is counted a window
+//! of 32 compares at a time (no branch per entry), merged with the row's kept list at once
+//! (as block mode merges its pages, `kept.rs`), and its cells written a fixed window at a time
+//! with the outcome (a kept slot, or -1 until the resolve places its key), the next run
+//! overwriting what spilled; each cell is written once. (Mapping the runs first, then merging,
+//! then filling, each through per-page vectors, cost a token step 1.15-1.17x more.) Any other
+//! row goes entry by entry, dedups through a stamp per page ([`RowDedup`]) once it goes out of
+//! order, sorts its distinct pages if need be, merges them and then writes its cells.
 //!
 //! Counts match the plan without kept selections: `selected` counts entries, `needed` the
 //! selected tokens of each page (capped at the page), `pages` the distinct pages.
@@ -19,6 +20,7 @@
 //! [`RowDedup`]: crate::scheduler::selection::RowDedup
 
 use super::rows::{KeptRows, Rows};
+use super::Kept;
 use super::{mark_batch, RowsIn, StepScheduler, KEPT, NONE};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
@@ -31,7 +33,7 @@ use std::mem::MaybeUninit;
 /// token entries, ~16 in a top-2048 row over 128 pages).
 const RUN_WINDOW: usize = 32;
 
-/// Cells a sorted row's fill writes at once from a run's first cell (see `fill_runs`).
+/// Cells a sorted row's pass writes at once from a run's first cell (see `merge_runs`).
 const FILL_WINDOW: usize = 32;
 
 /// How one request's entries map to pages.
@@ -87,7 +89,8 @@ impl Mapping {
     }
 }
 
-/// A row's distinct pages as the first pass finds them (first-seen order).
+/// A row's distinct pages as the general pass (`map_any`) finds them, first-seen order: rows
+/// that are not sorted, or have padding.
 #[derive(Default)]
 struct Distinct {
     /// Per distinct page: the page.
@@ -112,70 +115,6 @@ impl Distinct {
         self.first.clear();
         self.of_column.clear();
         self.order.clear();
-    }
-
-    /// A sorted row whose entries are all valid: each page one run. Its needed tokens are the
-    /// run's entries times `u`, but for entries naming the request's last, partial entry.
-    fn map_runs<E: Entry>(&mut self, row: &[E], m: &Mapping) {
-        #[cfg(target_arch = "x86_64")]
-        {
-            if std::arch::is_x86_feature_detected!("avx2") {
-                // SAFETY: the CPU supports AVX2 (checked just above); the function is the
-                // safe body below, compiled for it.
-                return unsafe { self.map_runs_avx2(row, m) };
-            }
-        }
-        self.map_runs_any(row, m)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2")]
-    unsafe fn map_runs_avx2<E: Entry>(&mut self, row: &[E], m: &Mapping) {
-        self.map_runs_any(row, m)
-    }
-
-    #[inline(always)]
-    fn map_runs_any<E: Entry>(&mut self, row: &[E], m: &Mapping) {
-        let (u, ps) = (m.u, m.ps);
-        // Sorted: a run ends at the first entry of a later page.
-        let mut j = 0;
-        while j < row.len() {
-            let page = m.page_of(row[j].get() as u64);
-            self.push(page, j as u32);
-            let last: E = m.page_last(page);
-            j += 1;
-            // Sorted, so the run's entries are a prefix of what follows: count them a window
-            // at a time, every compare done (no branch per entry to mispredict).
-            loop {
-                let w = &row[j..(j + RUN_WINDOW).min(row.len())];
-                let n: usize = w.iter().map(|&e| usize::from(e <= last)).sum();
-                j += n;
-                if n < RUN_WINDOW {
-                    break;
-                }
-            }
-        }
-        let n = self.page.len();
-        for i in 0..n {
-            let end = self.first.get(i + 1).map_or(row.len() as u32, |&f| f);
-            let run = u64::from(end - self.first[i]);
-            self.add_needed(i as u32, run * u, ps);
-        }
-        let partial = row
-            .iter()
-            .rev()
-            .take_while(|&&e| e.get() as u64 == m.entries - 1)
-            .count() as u64;
-        if partial > 0 && m.last_tokens < u {
-            // Sorted: the entries naming the last entry end the row, in its last page.
-            let runlen = u64::from(row.len() as u32 - self.first[n - 1]);
-            self.needed[n - 1] = 0;
-            self.add_needed(
-                (n - 1) as u32,
-                (runlen - partial) * u + partial * m.last_tokens,
-                ps,
-            );
-        }
     }
 
     /// Any row: padding (< 0) skipped, entries checked (`Err((column, entry))` for one past
@@ -238,49 +177,6 @@ impl Distinct {
         Ok((valid, in_order))
     }
 
-    /// The cells of a row `map_runs` mapped, from `at` on: each run filled at once.
-    fn fill_runs(&self, out: &mut Rows, at: usize, k: usize, new_keys: bool) {
-        // Each run writes whole windows of cells from its first: a run shorter than a window
-        // spills into the next run's cells, which that run then overwrites (runs come in
-        // order), so every run is one fixed-size store and no branch on its length; the last
-        // one spills into room past the row, cut off after.
-        // The cells are written once, into reserved room (not set to -1 first: that was a
-        // second pass over the row's 8 KB of cells, in token mode 32 MB a step).
-        debug_assert_eq!(out.table.len(), at);
-        debug_assert!(self.first.first() == Some(&0) && self.first.is_sorted());
-        out.table.reserve(k + FILL_WINDOW);
-        let t = &mut out.table.spare_capacity_mut()[..k + FILL_WINDOW];
-        for (i, &first) in self.first.iter().enumerate() {
-            let end = self.first.get(i + 1).map_or(k, |&f| f as usize);
-            let slot = MaybeUninit::new(self.slot[i]);
-            let mut c = first as usize;
-            loop {
-                t[c..c + FILL_WINDOW].fill(slot);
-                c += FILL_WINDOW;
-                if c >= end {
-                    break;
-                }
-            }
-        }
-        // SAFETY: `map_runs` starts the first run at column 0 and each next run where the
-        // last ended, and the last ends at `k`; each run wrote its cells from its first to at
-        // least its end (whole windows), so every cell of `[0, k)` past the table's `at`
-        // initialized ones was written above, within the reserved room.
-        unsafe { out.table.set_len(at + k) };
-        if !new_keys {
-            return;
-        }
-        for (i, &first) in self.first.iter().enumerate() {
-            let end = self.first.get(i + 1).map_or(k as u32, |&f| f);
-            let cell = self.cell[i];
-            if cell & KEPT == 0 {
-                // The page's run of cells but its first, as one run.
-                out.repeats
-                    .push_run(at as u32 + first + 1..at as u32 + end, cell);
-            }
-        }
-    }
-
     /// The cells of a row `map_any` mapped, from `at` on (padding reads an extra last entry:
     /// no key, no slot); repeats only where the row has new keys.
     fn fill_columns(&mut self, out: &mut Rows, at: usize, new_keys: bool) {
@@ -336,12 +232,13 @@ impl StepScheduler {
         let mut out = Rows::unfilled(pages_guess / 8, selection.len() + FILL_WINDOW);
         let mut kr = KeptRows::with_lists(self.kept.take_spare(pages_guess), rids.len());
         let mut d = Distinct::default();
+        let mut fresh: Vec<Fresh> = Vec::new();
         for (b, &id) in rids.iter().enumerate() {
             let r = mark_batch(&mut self.requests, id, batch)?;
             let len = r.len;
             let m = Mapping::new(unit, len);
             let cells = rows_in.row(b);
-            let (at, k) = (cells.start, cells.len());
+            let at = cells.start;
             let row = &selection[cells];
             d.clear();
             // Pass 1: entries to distinct pages. The indexer's rows come sorted (and
@@ -350,11 +247,29 @@ impl StepScheduler {
             let runs = row.first().is_some_and(|&e| e.get() >= 0)
                 && row.last().is_some_and(|&e| (e.get() as u64) < m.entries)
                 && is_sorted(row);
-            let in_order = if runs {
-                d.map_runs(row, &m);
-                out.selected += k as u64;
-                true
-            } else {
+            // The next row's first read (the sortedness check) comes from memory: ask for it
+            // a share at a time during this row's merge, so that its misses overlap it.
+            let ahead = match b + 1 < rids.len() {
+                true => &selection[rows_in.row(b + 1)],
+                false => &[],
+            };
+            if runs {
+                let kept = self.kept.list(l, r.kept_slot);
+                let row_in = SortedRow { row, at, ahead };
+                merge_runs(row_in, &m, kept, &mut out, &mut kr, &mut fresh);
+                for f in &fresh {
+                    let first = at + f.first as usize;
+                    let key =
+                        out.push_key(&mut kr, f.at_list, r, (f.page, layer), (b, first), f.needed);
+                    out.repeats
+                        .push_run(first as u32 + 1..(at + f.end as usize) as u32, key);
+                }
+                kr.ends.push(kr.lists.len() as u32);
+                kr.dropped_ends.push(kr.dropped.len() as u32);
+                kr.serials.push(r.serial);
+                continue;
+            }
+            let in_order = {
                 let (valid, in_order) =
                     d.map_any(row, &m, &mut self.dedup, r.pages(ps))
                         .map_err(|(j, e)| {
@@ -376,12 +291,6 @@ impl StepScheduler {
             let kept = self.kept.list(l, r.kept_slot);
             let mut kc = 0;
             let keys_before = kr.key_at.len();
-            // The next row's first read (the sortedness check) comes from memory: ask for it
-            // a share a page now, so that its misses overlap this row's merge.
-            let ahead = match b + 1 < rids.len() {
-                true => &selection[rows_in.row(b + 1)],
-                false => &[],
-            };
             let pages = d.order.len();
             for (i, &(page, di)) in d.order.iter().enumerate() {
                 crate::prefetch::prefetch_share(ahead, i, pages);
@@ -408,16 +317,158 @@ impl StepScheduler {
             kr.serials.push(r.serial);
             // Pass 2: every cell from its page's outcome; a key's cells but its first are
             // repeats, placed once the resolve gave the key its slot.
-            if runs {
-                d.fill_runs(&mut out, at, k, kr.key_at.len() > keys_before);
-            } else {
-                d.fill_columns(&mut out, at, kr.key_at.len() > keys_before);
-            }
+            d.fill_columns(&mut out, at, kr.key_at.len() > keys_before);
         }
         self.look_up_hints(layer, rids, &mut out, &kr);
         out.kept_rows = Some(kr);
         Ok(out)
     }
+}
+
+/// A sorted row of valid entries: its entries, its first cell in the table, and the next row
+/// (to fetch ahead).
+#[derive(Clone, Copy)]
+struct SortedRow<'a, E> {
+    row: &'a [E],
+    at: usize,
+    ahead: &'a [E],
+}
+
+/// A page a sorted row newly selects: its run of cells (`first..end` in the row), its
+/// selected tokens, and its placeholder's place in the row's next kept list.
+struct Fresh {
+    page: u32,
+    first: u32,
+    end: u32,
+    needed: u32,
+    at_list: u32,
+}
+
+/// A sorted row in one pass over its runs: each run (a page's adjacent entries, counted a
+/// window of compares at a time) is merged with the kept list at once and its cells written
+/// (a window at a time from its first; the next run overwrites what spilled) with the kept
+/// slot, or -1 for a page the row newly selects, which goes on `fresh` for the caller to make
+/// its key. Kept pages the row no longer names go on `dropped`; `lists` gets the row's next
+/// kept list. Each cell is written once, into reserved room.
+fn merge_runs<E: Entry>(
+    s: SortedRow<'_, E>,
+    m: &Mapping,
+    kept: &[Kept],
+    out: &mut Rows,
+    kr: &mut KeptRows,
+    fresh: &mut Vec<Fresh>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU supports AVX2 (checked just above); the function is the safe
+            // body below, compiled for it.
+            return unsafe { merge_runs_avx2(s, m, kept, out, kr, fresh) };
+        }
+    }
+    merge_runs_any(s, m, kept, out, kr, fresh)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn merge_runs_avx2<E: Entry>(
+    s: SortedRow<'_, E>,
+    m: &Mapping,
+    kept: &[Kept],
+    out: &mut Rows,
+    kr: &mut KeptRows,
+    fresh: &mut Vec<Fresh>,
+) {
+    merge_runs_any(s, m, kept, out, kr, fresh)
+}
+
+#[inline(always)]
+fn merge_runs_any<E: Entry>(
+    s: SortedRow<'_, E>,
+    m: &Mapping,
+    kept: &[Kept],
+    out: &mut Rows,
+    kr: &mut KeptRows,
+    fresh: &mut Vec<Fresh>,
+) {
+    let SortedRow { row, at, ahead } = s;
+    let (u, ps, k) = (m.u, u64::from(m.ps), row.len());
+    fresh.clear();
+    debug_assert_eq!(out.table.len(), at);
+    out.table.reserve(k + FILL_WINDOW);
+    let t = &mut out.table.spare_capacity_mut()[..k + FILL_WINDOW];
+    let (mut hits, mut hit_tokens) = (0u64, 0u64);
+    let (mut j, mut kc) = (0usize, 0usize);
+    while j < k {
+        let first = j;
+        let page = m.page_of(row[j].get() as u64);
+        let last: E = m.page_last(page);
+        j += 1;
+        // Sorted, so the run's entries are a prefix of what follows: count them a window at
+        // a time, every compare done (no branch per entry to mispredict).
+        loop {
+            let w = &row[j..(j + RUN_WINDOW).min(k)];
+            let n: usize = w.iter().map(|&e| usize::from(e <= last)).sum();
+            j += n;
+            if n < RUN_WINDOW {
+                break;
+            }
+        }
+        let run = (j - first) as u64;
+        let mut tokens = run * u;
+        if j == k && m.last_tokens < u {
+            // Sorted: the entries naming the request's last, partial entry end the row.
+            let partial = row[first..]
+                .iter()
+                .rev()
+                .take_while(|&&e| e.get() as u64 == m.entries - 1)
+                .count() as u64;
+            tokens = (run - partial) * u + partial * m.last_tokens;
+        }
+        let needed = tokens.min(ps) as u32;
+        if let Some(next) = ahead.get(first..j.min(ahead.len())) {
+            crate::prefetch::prefetch_range(next, usize::MAX);
+        }
+        while kc < kept.len() && kept[kc].page < page {
+            kr.dropped.push(kept[kc].object);
+            kc += 1;
+        }
+        let slot = if kc < kept.len() && kept[kc].page == page {
+            hits += 1;
+            hit_tokens += u64::from(needed);
+            kr.lists.push(kept[kc]);
+            kc += 1;
+            kept[kc - 1].slot
+        } else {
+            fresh.push(Fresh {
+                page,
+                first: first as u32,
+                end: j as u32,
+                needed,
+                at_list: kr.lists.len() as u32,
+            });
+            kr.lists.push(Kept::placeholder(page));
+            -1
+        };
+        let slot = MaybeUninit::new(slot);
+        let mut c = first;
+        loop {
+            t[c..c + FILL_WINDOW].fill(slot);
+            c += FILL_WINDOW;
+            if c >= j {
+                break;
+            }
+        }
+    }
+    // SAFETY: the first run starts at column 0, each next one where the last ended, and the
+    // last ends at `k`; each wrote its cells from its first to at least its end (whole
+    // windows), so every cell of `[0, k)` past the table's `at` initialized ones was written
+    // above, within the reserved room.
+    unsafe { out.table.set_len(at + k) };
+    kr.dropped.extend(kept[kc..].iter().map(|k| k.object));
+    out.selected += k as u64;
+    out.kept_hits += hits;
+    out.kept_needed += hit_tokens;
 }
 
 /// Whether `row` is sorted: every pair compared, no early exit, so the compares vectorize (a
@@ -477,76 +528,97 @@ mod tests {
             prop_assert_eq!(is_sorted(&narrow), row.is_sorted());
         }
 
-        /// A sorted row's fill gives each cell its page's slot, runs longer than a window
-        /// included, leaves earlier rows alone and writes nothing past the row; the cells of
-        /// a new page but its first are its repeats. The run scan agrees with the general pass
-        /// on such rows (runs of up to ~100 entries).
+        /// A sorted row's one pass (`merge_runs`): its pages, first columns and needed tokens
+        /// are the general pass's (`map_any`) on rows with long runs (repeated entries, longer
+        /// than a window) and the request's last, partial entry; each kept page's cells get
+        /// its kept slot and a new page's -1; the next kept list is the merge of the two; the
+        /// kept pages the row no longer names are dropped; earlier rows' cells are left alone
+        /// and nothing is written past the row. The same row as int32 gives the same.
         #[test]
-        fn sorted_rows_fill_every_cell_with_its_pages_slot(
-            mut row in proptest::collection::vec(0i64..12, 1..300),
-            unit in prop_oneof![Just(1u32), Just(2)],
-            before in 0usize..3,
-            new_every in 1usize..4,
-        ) {
-            let ps = 8;
-            row.sort_unstable();
-            let len = (*row.last().unwrap() as u64 + 1) * u64::from(unit);
-            let m = Mapping::new(SelectionUnit::new(unit, ps).unwrap(), len);
-            let (mut d, mut any) = (Distinct::default(), Distinct::default());
-            d.map_runs(&row, &m);
-            let mut dedup = RowDedup::default();
-            any.map_any(&row, &m, &mut dedup, len.div_ceil(u64::from(ps)) as u32).unwrap();
-            prop_assert_eq!((&d.page, &d.first, &d.needed), (&any.page, &any.first, &any.needed));
-            let n = d.page.len();
-            d.cell = (0..n)
-                .map(|i| if i % new_every == 0 { i as u32 } else { KEPT })
-                .collect();
-            d.slot = d.page.iter().map(|&p| 1000 + p as i32).collect();
-            let k = row.len();
-            let mut out = Rows::unfilled(0, (before + 1) * k + FILL_WINDOW);
-            out.table.resize(before * k, 7);
-            d.fill_runs(&mut out, before * k, k, true);
-            prop_assert_eq!(out.table.len(), (before + 1) * k);
-            prop_assert!(out.table[..before * k].iter().all(|&c| c == 7));
-            let mut repeats = Vec::new();
-            for (j, &e) in row.iter().enumerate() {
-                let page = m.page_of(e as u64);
-                prop_assert_eq!(out.table[before * k + j], 1000 + page as i32, "cell {}", j);
-                let di = d.page.binary_search(&page).unwrap();
-                if d.cell[di] & KEPT == 0 && d.first[di] as usize != j {
-                    repeats.push(((before * k + j) as u32, d.cell[di]));
-                }
-            }
-            prop_assert_eq!(&out.repeats.expanded(), &repeats);
-        }
-
-        /// The run scan of sorted rows (windows of `RUN_WINDOW` compares) finds the same
-        /// pages, first columns and needed tokens as the general pass, on rows with long runs
-        /// (repeated entries) and the request's last, partial entry.
-        #[test]
-        fn sorted_rows_map_as_any_row_does(
-            mut row in proptest::collection::vec(0i64..40, 1..120),
+        fn a_sorted_row_merges_and_fills_in_one_pass_as_the_general_pass_maps(
+            mut row in proptest::collection::vec(0i64..40, 1..200),
             unit in prop_oneof![Just(1u32), Just(2), Just(4)],
             extra in 0u64..4,
+            kept_pages in proptest::collection::btree_set(0u32..24, 0..12),
+            before in 0usize..3,
         ) {
             let ps = 8;
             row.sort_unstable();
-            let len = (*row.last().unwrap() as u64 + 1) * u64::from(unit) - extra.min(u64::from(unit) - 1);
+            let len = (*row.last().unwrap() as u64 + 1) * u64::from(unit)
+                - extra.min(u64::from(unit) - 1);
             let m = Mapping::new(SelectionUnit::new(unit, ps).unwrap(), len);
-            let (mut a, mut b) = (Distinct::default(), Distinct::default());
-            a.map_runs(&row, &m);
+            let mut any = Distinct::default();
             let mut dedup = RowDedup::default();
-            let (valid, in_order) = b.map_any(&row, &m, &mut dedup, len.div_ceil(u64::from(ps)) as u32).unwrap();
+            let pages = len.div_ceil(u64::from(ps)) as u32;
+            let (valid, in_order) = any.map_any(&row, &m, &mut dedup, pages).unwrap();
             prop_assert_eq!(valid, row.len() as u64);
             prop_assert!(in_order);
-            prop_assert_eq!(&a.page, &b.page);
-            prop_assert_eq!(&a.first, &b.first);
-            prop_assert_eq!(&a.needed, &b.needed);
-            // The same row as int32: the same runs.
+            let kept: Vec<Kept> = kept_pages
+                .iter()
+                .map(|&p| Kept { page: p, object: 500 + p, slot: 1000 + p as i32 })
+                .collect();
             let narrow: Vec<i32> = row.iter().map(|&e| e as i32).collect();
-            let mut c = Distinct::default();
-            c.map_runs(&narrow, &m);
-            prop_assert_eq!((&c.page, &c.first, &c.needed), (&a.page, &a.first, &a.needed));
+            let k = row.len();
+            let mut runs = Vec::new();
+            for wide in [true, false] {
+                let mut out = Rows::unfilled(0, (before + 1) * k + FILL_WINDOW);
+                out.table.resize(before * k, 7);
+                let mut kr = KeptRows::default();
+                let mut fresh = Vec::new();
+                let at = before * k;
+                if wide {
+                    let s = SortedRow { row: &row[..], at, ahead: &[] };
+                    merge_runs(s, &m, &kept, &mut out, &mut kr, &mut fresh);
+                } else {
+                    let s = SortedRow { row: &narrow[..], at, ahead: &[] };
+                    merge_runs(s, &m, &kept, &mut out, &mut kr, &mut fresh);
+                }
+                prop_assert_eq!(out.table.len(), at + k);
+                prop_assert!(out.table[..at].iter().all(|&c| c == 7));
+                for (j, &e) in row.iter().enumerate() {
+                    let page = m.page_of(e as u64);
+                    let want = if kept_pages.contains(&page) { 1000 + page as i32 } else { -1 };
+                    prop_assert_eq!(out.table[at + j], want, "cell {}", j);
+                }
+                // Every distinct page, in order, with its first column and needed tokens:
+                // kept ones through the counts, new ones through `fresh`.
+                let mut listed: Vec<u32> = kr.lists.iter().map(|k| k.page).collect();
+                listed.dedup();
+                prop_assert_eq!(&listed, &any.page);
+                let hits: Vec<u32> = any.page.iter().copied().filter(|p| kept_pages.contains(p)).collect();
+                prop_assert_eq!(out.kept_hits, hits.len() as u64);
+                let hit_tokens: u64 = any
+                    .page
+                    .iter()
+                    .zip(&any.needed)
+                    .filter(|(p, _)| kept_pages.contains(p))
+                    .map(|(_, &n)| u64::from(n))
+                    .sum();
+                prop_assert_eq!(out.kept_needed, hit_tokens);
+                let new: Vec<(u32, u32, u32)> = any
+                    .page
+                    .iter()
+                    .zip(any.first.iter().zip(&any.needed))
+                    .filter(|(p, _)| !kept_pages.contains(p))
+                    .map(|(&p, (&f, &n))| (p, f, n))
+                    .collect();
+                let got: Vec<(u32, u32, u32)> = fresh.iter().map(|f| (f.page, f.first, f.needed)).collect();
+                prop_assert_eq!(&got, &new);
+                for f in &fresh {
+                    prop_assert_eq!(kr.lists[f.at_list as usize].page, f.page);
+                    prop_assert_eq!(kr.lists[f.at_list as usize].slot, -1);
+                    let next = any.first.iter().find(|&&c| c > f.first).map_or(k as u32, |&c| c);
+                    prop_assert_eq!(f.end, next);
+                }
+                let dropped: Vec<u32> = kept
+                    .iter()
+                    .filter(|k| !any.page.contains(&k.page))
+                    .map(|k| k.object)
+                    .collect();
+                prop_assert_eq!(&kr.dropped, &dropped);
+                runs.push((out.table, kr.lists.len(), kr.dropped));
+            }
+            prop_assert_eq!(&runs[0], &runs[1]);
         }
     }
 }

@@ -32,6 +32,17 @@ pub struct Kept {
     pub slot: i32,
 }
 
+impl Kept {
+    /// A page newly selected, in a row's next kept list until the resolve fills it in.
+    pub fn placeholder(page: u32) -> Self {
+        Kept {
+            page,
+            object: u32::MAX,
+            slot: -1,
+        }
+    }
+}
+
 /// One running request.
 #[derive(Debug)]
 pub struct RequestState {

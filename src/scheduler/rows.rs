@@ -99,13 +99,25 @@ impl Rows {
         (b, at): (usize, usize),
         needed: u32,
     ) -> u32 {
+        let at_list = kr.lists.len() as u32;
+        kr.lists.push(Kept::placeholder(page));
+        self.push_key(kr, at_list, r, (page, layer), (b, at), needed)
+    }
+
+    /// The key of a page a kept-selection row newly selects, whose placeholder in the row's
+    /// next kept list is `lists[at_list]` (see [`Self::push_new_page`]). Returns the key index.
+    #[inline]
+    pub(super) fn push_key(
+        &mut self,
+        kr: &mut KeptRows,
+        at_list: u32,
+        r: &RequestState,
+        (page, layer): (u32, u16),
+        (b, at): (usize, usize),
+        needed: u32,
+    ) -> u32 {
         let key = self.keys.len() as u32;
-        kr.key_at.push(kr.lists.len() as u32);
-        kr.lists.push(Kept {
-            page,
-            object: u32::MAX,
-            slot: -1,
-        });
+        kr.key_at.push(at_list);
         self.keys.push(r.key(page, layer));
         self.hints.push(ObjectHint::NONE); // looked up for the whole plan at once
         self.key_row.push(b as u32);
