@@ -240,23 +240,33 @@ impl StepScheduler {
             let cells = rows_in.row(b);
             let at = cells.start;
             let row = &selection[cells];
-            d.clear();
-            // Pass 1: entries to distinct pages. The indexer's rows come sorted (and
-            // unpadded once contexts are long): such a row is checked at its two ends, and
-            // each of its pages is one run of adjacent entries.
+            // The indexer's rows come sorted (and unpadded once contexts are long): such a
+            // row is checked at its two ends, and each of its pages is one run of adjacent
+            // entries.
             let runs = row.first().is_some_and(|&e| e.get() >= 0)
                 && row.last().is_some_and(|&e| (e.get() as u64) < m.entries)
                 && is_sorted(row);
             // The next row's first read (the sortedness check) comes from memory: ask for it
-            // a share at a time during this row's merge, so that its misses overlap it.
+            // a part at a time during this row's merge, so that its misses overlap it.
             let ahead = match b + 1 < rids.len() {
                 true => &selection[rows_in.row(b + 1)],
                 false => &[],
             };
+            let kept = self.kept.list(l, r.kept_slot);
             if runs {
-                let kept = self.kept.list(l, r.kept_slot);
-                let row_in = SortedRow { row, at, ahead };
-                merge_runs(row_in, &m, kept, &mut out, &mut kr, &mut fresh);
+                let row_in = SortedRow {
+                    row,
+                    at,
+                    ahead,
+                    m: &m,
+                    kept,
+                };
+                let row_out = RunsOut {
+                    out: &mut out,
+                    kr: &mut kr,
+                    fresh: &mut fresh,
+                };
+                merge_runs(row_in, row_out);
                 for f in &fresh {
                     let first = at + f.first as usize;
                     let key =
@@ -264,60 +274,55 @@ impl StepScheduler {
                     out.repeats
                         .push_run(first as u32 + 1..(at + f.end as usize) as u32, key);
                 }
-                kr.ends.push(kr.lists.len() as u32);
-                kr.dropped_ends.push(kr.dropped.len() as u32);
-                kr.serials.push(r.serial);
-                continue;
-            }
-            let in_order = {
+            } else {
+                // Entry by entry to distinct pages, merged page by page, then each cell from
+                // its page's outcome.
+                d.clear();
                 let (valid, in_order) =
                     d.map_any(row, &m, &mut self.dedup, r.pages(ps))
                         .map_err(|(j, e)| {
                             Error::out_of_range(rows_in.name(false, b, j), e, -1, m.entries)
                         })?;
                 out.selected += valid;
-                in_order
-            };
-            d.order
-                .extend(d.page.iter().enumerate().map(|(i, &p)| (p, i as u32)));
-            if !in_order {
-                d.order.sort_unstable();
-            }
-            // The merge with the kept list, page by page.
-            d.cell.clear();
-            d.cell.resize(d.page.len(), NONE);
-            d.slot.clear();
-            d.slot.resize(d.page.len(), -1);
-            let kept = self.kept.list(l, r.kept_slot);
-            let mut kc = 0;
-            let keys_before = kr.key_at.len();
-            let pages = d.order.len();
-            for (i, &(page, di)) in d.order.iter().enumerate() {
-                crate::prefetch::prefetch_share(ahead, i, pages);
-                while kc < kept.len() && kept[kc].page < page {
-                    kr.dropped.push(kept[kc].object);
-                    kc += 1;
+                d.order
+                    .extend(d.page.iter().enumerate().map(|(i, &p)| (p, i as u32)));
+                if !in_order {
+                    d.order.sort_unstable();
                 }
-                let di = di as usize;
-                if kc < kept.len() && kept[kc].page == page {
-                    out.kept_hits += 1;
-                    out.kept_needed += u64::from(d.needed[di]);
-                    kr.lists.push(kept[kc]);
-                    (d.cell[di], d.slot[di]) = (KEPT, kept[kc].slot);
-                    kc += 1;
-                } else {
-                    let first = at + d.first[di] as usize;
-                    d.cell[di] =
-                        out.push_new_page(&mut kr, r, (page, layer), (b, first), d.needed[di]);
+                d.cell.clear();
+                d.cell.resize(d.page.len(), NONE);
+                d.slot.clear();
+                d.slot.resize(d.page.len(), -1);
+                let mut kc = 0;
+                let keys_before = kr.key_at.len();
+                let pages = d.order.len();
+                for (i, &(page, di)) in d.order.iter().enumerate() {
+                    crate::prefetch::prefetch_share(ahead, i, pages);
+                    while kc < kept.len() && kept[kc].page < page {
+                        kr.dropped.push(kept[kc].object);
+                        kc += 1;
+                    }
+                    let di = di as usize;
+                    if kc < kept.len() && kept[kc].page == page {
+                        out.kept_hits += 1;
+                        out.kept_needed += u64::from(d.needed[di]);
+                        kr.lists.push(kept[kc]);
+                        (d.cell[di], d.slot[di]) = (KEPT, kept[kc].slot);
+                        kc += 1;
+                    } else {
+                        let first = at + d.first[di] as usize;
+                        d.cell[di] =
+                            out.push_new_page(&mut kr, r, (page, layer), (b, first), d.needed[di]);
+                    }
                 }
+                kr.dropped.extend(kept[kc..].iter().map(|k| k.object));
+                // A key's cells but its first are repeats, placed once the resolve gave the
+                // key its slot.
+                d.fill_columns(&mut out, at, kr.key_at.len() > keys_before);
             }
-            kr.dropped.extend(kept[kc..].iter().map(|k| k.object));
             kr.ends.push(kr.lists.len() as u32);
             kr.dropped_ends.push(kr.dropped.len() as u32);
             kr.serials.push(r.serial);
-            // Pass 2: every cell from its page's outcome; a key's cells but its first are
-            // repeats, placed once the resolve gave the key its slot.
-            d.fill_columns(&mut out, at, kr.key_at.len() > keys_before);
         }
         self.look_up_hints(layer, rids, &mut out, &kr);
         out.kept_rows = Some(kr);
@@ -325,13 +330,23 @@ impl StepScheduler {
     }
 }
 
-/// A sorted row of valid entries: its entries, its first cell in the table, and the next row
-/// (to fetch ahead).
+/// A sorted row of valid entries: its entries, its first cell in the table, the next row (to
+/// fetch ahead), its request's mapping of entries to pages and its kept list.
 #[derive(Clone, Copy)]
 struct SortedRow<'a, E> {
     row: &'a [E],
     at: usize,
     ahead: &'a [E],
+    m: &'a Mapping,
+    kept: &'a [Kept],
+}
+
+/// Where a sorted row's pass writes: the plan's rows (table, counts), the kept rows (next
+/// kept list, dropped pages) and the row's new pages.
+struct RunsOut<'a> {
+    out: &'a mut Rows,
+    kr: &'a mut KeptRows,
+    fresh: &'a mut Vec<Fresh>,
 }
 
 /// A page a sorted row newly selects: its run of cells (`first..end` in the row), its
@@ -350,48 +365,34 @@ struct Fresh {
 /// slot, or -1 for a page the row newly selects, which goes on `fresh` for the caller to make
 /// its key. Kept pages the row no longer names go on `dropped`; `lists` gets the row's next
 /// kept list. Each cell is written once, into reserved room.
-fn merge_runs<E: Entry>(
-    s: SortedRow<'_, E>,
-    m: &Mapping,
-    kept: &[Kept],
-    out: &mut Rows,
-    kr: &mut KeptRows,
-    fresh: &mut Vec<Fresh>,
-) {
+fn merge_runs<E: Entry>(s: SortedRow<'_, E>, o: RunsOut<'_>) {
     #[cfg(target_arch = "x86_64")]
     {
         if std::arch::is_x86_feature_detected!("avx2") {
             // SAFETY: the CPU supports AVX2 (checked just above); the function is the safe
             // body below, compiled for it.
-            return unsafe { merge_runs_avx2(s, m, kept, out, kr, fresh) };
+            return unsafe { merge_runs_avx2(s, o) };
         }
     }
-    merge_runs_any(s, m, kept, out, kr, fresh)
+    merge_runs_any(s, o)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn merge_runs_avx2<E: Entry>(
-    s: SortedRow<'_, E>,
-    m: &Mapping,
-    kept: &[Kept],
-    out: &mut Rows,
-    kr: &mut KeptRows,
-    fresh: &mut Vec<Fresh>,
-) {
-    merge_runs_any(s, m, kept, out, kr, fresh)
+unsafe fn merge_runs_avx2<E: Entry>(s: SortedRow<'_, E>, o: RunsOut<'_>) {
+    merge_runs_any(s, o)
 }
 
 #[inline(always)]
-fn merge_runs_any<E: Entry>(
-    s: SortedRow<'_, E>,
-    m: &Mapping,
-    kept: &[Kept],
-    out: &mut Rows,
-    kr: &mut KeptRows,
-    fresh: &mut Vec<Fresh>,
-) {
-    let SortedRow { row, at, ahead } = s;
+fn merge_runs_any<E: Entry>(s: SortedRow<'_, E>, o: RunsOut<'_>) {
+    let SortedRow {
+        row,
+        at,
+        ahead,
+        m,
+        kept,
+    } = s;
+    let RunsOut { out, kr, fresh } = o;
     let (u, ps, k) = (m.u, u64::from(m.ps), row.len());
     fresh.clear();
     debug_assert_eq!(out.table.len(), at);
@@ -566,12 +567,11 @@ mod tests {
                 let mut kr = KeptRows::default();
                 let mut fresh = Vec::new();
                 let at = before * k;
+                let o = RunsOut { out: &mut out, kr: &mut kr, fresh: &mut fresh };
                 if wide {
-                    let s = SortedRow { row: &row[..], at, ahead: &[] };
-                    merge_runs(s, &m, &kept, &mut out, &mut kr, &mut fresh);
+                    merge_runs(SortedRow { row: &row[..], at, ahead: &[], m: &m, kept: &kept }, o);
                 } else {
-                    let s = SortedRow { row: &narrow[..], at, ahead: &[] };
-                    merge_runs(s, &m, &kept, &mut out, &mut kr, &mut fresh);
+                    merge_runs(SortedRow { row: &narrow[..], at, ahead: &[], m: &m, kept: &kept }, o);
                 }
                 prop_assert_eq!(out.table.len(), at + k);
                 prop_assert!(out.table[..at].iter().all(|&c| c == 7));
