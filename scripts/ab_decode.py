@@ -1,7 +1,7 @@
 """Two builds of the extension in one process: `bench decode`'s scheduler step, paired.
 
     python scripts/ab_decode.py A/_core.abi3.so B/_core.abi3.so [--steps 24] [--locality 0.9]
-        [--mode block|token] [--warmup N] [--csr]
+        [--mode block|token] [--warmup N] [--csr] [--int32 a|b]
 
 Builds one step-scheduler stack per build (same shape, contexts and seed as `sparsetier bench
 decode --mode block`), feeds both the same selections and alternates their steps (A, B then
@@ -12,7 +12,8 @@ the per-step ratios B / A; checks that both sides selected the same pages every 
 block mode that they loaded the same (in token mode a build that keeps token selections pinned
 evicts differently from one that does not). With `--csr` both plan each layer's rows as CSR
 (`plan_csr`: the same rows, padding dropped, converted before the timer, as a caller holding
-CSR rows would hand them).
+CSR rows would hand them). With `--int32 a` (or `b`) that side gets the same rows as int32,
+converted before the timer: with one build on both sides, what int32 rows save.
 
 The stacks are built in order (A's first), and where their memory lands differs: a build run
 against itself gave 1.03, and one pair of builds 1.05 with either first. Run both orders and
@@ -61,6 +62,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=("block", "token"), default="block")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default: auto)")
     ap.add_argument("--csr", action="store_true", help="plan the rows as CSR (plan_csr)")
+    ap.add_argument("--int32", choices=("a", "b"), help="hand this side its rows as int32")
     args = ap.parse_args()
     cfg = DecodeBenchConfig(
         mode=args.mode, steps=args.steps, locality=args.locality, warmup=args.warmup
@@ -79,11 +81,14 @@ def main() -> None:
     i = 0
     while len(times[0]) < cfg.steps:
         sel = sels.next()
-        rows = csr_rows(sel) if args.csr else None
+        given = [sel, sel]
+        if args.int32 is not None:
+            given["ab".index(args.int32)] = sel.astype(np.int32)
+        rows = [csr_rows(g) for g in given] if args.csr else [None, None]
         recs = [None, None]
         timed = warm.done()
         for side in (0, 1) if i % 2 == 0 else (1, 0):
-            r = step(stacks[side], rids, sel, rows, unit)
+            r = step(stacks[side], rids, given[side], rows[side], unit)
             recs[side] = r["rec"]
             if timed:
                 times[side].append((r["wall_s"] - r["wait_s"]) * 1e3)
@@ -95,7 +100,9 @@ def main() -> None:
     a, b = times
     ratio = statistics.median(y / x for x, y in zip(a, b, strict=True))
     print(
-        f"{cfg.mode} mode{' as CSR' if args.csr else ''}, locality {args.locality}, "
+        f"{cfg.mode} mode{' as CSR' if args.csr else ''}"
+        f"{f', {args.int32.upper()} given int32 rows' if args.int32 else ''}, "
+        f"locality {args.locality}, "
         f"{args.steps} steps after a warm-up of "
         f"{warm.describe()}: "
         f"A {statistics.median(a):.2f} ms | B {statistics.median(b):.2f} ms | "
@@ -104,13 +111,14 @@ def main() -> None:
 
 
 def csr_rows(sel: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
-    """Each layer's padded rows `[B, K]` as CSR (offsets, entries), padding (-1) dropped."""
+    """Each layer's padded rows `[B, K]` as CSR (offsets, entries in the rows' dtype), padding
+    (-1) dropped."""
     out = []
     for layer in sel:
         valid = layer >= 0
         offsets = np.zeros(layer.shape[0] + 1, dtype=np.int64)
         np.cumsum(valid.sum(axis=1), out=offsets[1:])
-        out.append((offsets, np.ascontiguousarray(layer[valid], dtype=np.int64)))
+        out.append((offsets, np.ascontiguousarray(layer[valid])))
     return out
 
 
