@@ -8,7 +8,7 @@
 #       PARTs (default: all, in this order): tests demos sanitizer decode transfer token
 #       installs the wheel offline into /tmp/site (the machine has Python 3.12, torch with
 #       CUDA 13.0, hypothesis and pytest, and no network), then writes under $OUT:
-#         env.txt             versions, GPU name, driver
+#         env.txt             versions, GPU name, driver, the cost of a stream look-up
 #         pytest.txt          tests/test_cuda.py (CUDA round trips, stream wait, NVRTC),
 #                             tests/test_hicache.py (GPU round trips) and
 #                             tests/test_gpu_runtime.py (the decode runtime on the GPU) and
@@ -60,6 +60,9 @@ run)
         nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
         lscpu | grep -E "Model name|^CPU\(s\)" || true
         python3 -c "import sparsetier, torch; print('sparsetier', sparsetier.__version__, 'torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name()); print('cuda_status', sparsetier.cuda_status())"
+        # What one look-up of torch's current stream costs (every scheduler call on a CUDA
+        # engine makes one): the raw getter the engines use, and current_stream() before it.
+        python3 -c "import timeit, torch; torch.cuda.init(); n = 20000; raw = torch._C._cuda_getCurrentRawStream; print('stream lookup us: raw', round(min(timeit.repeat(lambda: raw(0), number=n, repeat=5)) / n * 1e6, 3), 'current_stream', round(min(timeit.repeat(lambda: torch.cuda.current_stream(0).cuda_stream, number=n, repeat=5)) / n * 1e6, 3))" || true
     } > "$OUT/env.txt" 2>&1
     # The checks in order of worth; each has its own timeout so a hang leaves the others.
     per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=60)

@@ -204,6 +204,22 @@ def test_copies_follow_torchs_queued_writes(backend):
 
 
 @needs_gpu
+def test_the_raw_stream_getter_names_torchs_current_stream():
+    # The engines learn torch's current stream through `torch._C._cuda_getCurrentRawStream`
+    # (one C call per scheduler call) where torch has it: it must name the stream
+    # `torch.cuda.current_stream()` names, on the default stream and inside a side stream.
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is None:
+        pytest.skip("this torch has no raw getter: the engines use current_stream()")
+    i = torch.cuda.current_device()
+    assert raw(i) == torch.cuda.current_stream(i).cuda_stream
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert raw(i) == side.cuda_stream == torch.cuda.current_stream(i).cuda_stream
+    assert raw(i) != side.cuda_stream
+
+
+@needs_gpu
 def test_engine_defaults_to_torchs_device_and_refuses_another():
     assert st.PageTransferBinding(
         torch.zeros(st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 4).shape(), dtype=torch.bfloat16,

@@ -19,6 +19,7 @@ use crate::transfer::{
 use numpy::PyUntypedArrayMethods;
 use parking_lot::Mutex;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -409,12 +410,7 @@ impl PyTransferEngine {
         let Engine::Cuda(e) = &self.inner else {
             return Ok(());
         };
-        let stream: u64 = py
-            .import("torch")?
-            .getattr("cuda")?
-            .call_method1("current_stream", (e.ordinal(),))?
-            .getattr("cuda_stream")?
-            .extract()?;
+        let stream = current_torch_stream(py, e.ordinal())?;
         e.set_producer(Some(stream)).py_err(py)
     }
 
@@ -651,4 +647,31 @@ pub fn compile_cuda_kernels(py: Python<'_>, arch: Option<&Bound<'_, PyAny>>) -> 
     };
     py.detach(|| crate::transfer::cuda::compile_kernels(a))
         .py_err(py)
+}
+
+/// torch's raw-stream getter, looked up once: `torch._C._cuda_getCurrentRawStream`, or None
+/// where this torch lacks it.
+static RAW_STREAM: PyOnceLock<Option<Py<PyAny>>> = PyOnceLock::new();
+
+/// The handle of torch's current CUDA stream on device `ordinal`. Every scheduler call on a
+/// CUDA engine asks (three a layer), so it goes through torch's raw getter (one C call, as
+/// Triton and Inductor do) rather than `torch.cuda.current_stream(i).cuda_stream`, which
+/// builds a `Stream` object each time; the same handle, and that path where the getter is
+/// missing.
+fn current_torch_stream(py: Python<'_>, ordinal: usize) -> PyResult<u64> {
+    let raw = RAW_STREAM.get_or_try_init(py, || -> PyResult<_> {
+        let c = py.import("torch")?.getattr("_C")?;
+        Ok(c.getattr("_cuda_getCurrentRawStream")
+            .ok()
+            .map(Bound::unbind))
+    })?;
+    match raw {
+        Some(f) => f.bind(py).call1((ordinal,))?.extract(),
+        None => py
+            .import("torch")?
+            .getattr("cuda")?
+            .call_method1("current_stream", (ordinal,))?
+            .getattr("cuda_stream")?
+            .extract(),
+    }
 }
