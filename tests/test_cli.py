@@ -290,6 +290,19 @@ def test_bench_decode_runs_both_sides(mode, tmp_path, capsys):
     r = json.loads(out.read_text())
     assert len(r["steps"]) == 3 and r["median"]["scheduler_ms"] > 0
     assert r["median"]["pages"] > 0
+    # The page sizes the run could get go with its figures (they move them).
+    assert r["memory"].startswith("THP ") and f"memory pages: {r['memory']}" in text
+
+
+def test_bench_decode_says_whether_the_allocator_was_given_huge_pages(monkeypatch):
+    from sparsetier.bench_decode import _memory_pages
+
+    monkeypatch.delenv("MIMALLOC_ALLOW_LARGE_OS_PAGES", raising=False)
+    assert _memory_pages().endswith("large OS pages off")
+    monkeypatch.setenv("MIMALLOC_ALLOW_LARGE_OS_PAGES", "0")
+    assert _memory_pages().endswith("large OS pages off")
+    monkeypatch.setenv("MIMALLOC_ALLOW_LARGE_OS_PAGES", "1")
+    assert _memory_pages().endswith("large OS pages on")
 
 
 def test_bench_decode_maps_tokens_on_a_device_as_a_fourth_stack(tmp_path, capsys):

@@ -486,6 +486,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         f"{torch.get_num_threads()} torch threads"
         + (f", {torch.cuda.get_device_name()}" if cfg.io_backend != "cpu" else ""),
         "date": time.strftime("%Y-%m-%d"),
+        "memory": _memory_pages(),
         "device_pages": device_pages,
         "host_pages": host_pages,
         "objects": host_pages - cfg.batch * cfg.layers,
@@ -525,6 +526,28 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "cpu"
+
+
+def _memory_pages() -> str:
+    """The page sizes the run could get, which move its figures (RESULTS, "An Intel Xeon VM,
+    huge pages, and the Python calls"): transparent huge pages' mode, the 2 MB pages reserved,
+    and whether the extension's allocator was told to use them."""
+
+    def read(path: str) -> str | None:
+        try:
+            with open(path) as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    thp = read("/sys/kernel/mm/transparent_hugepage/enabled")
+    mode = thp[thp.index("[") + 1 : thp.index("]")] if thp and "[" in thp else "unknown"
+    reserved = read("/proc/sys/vm/nr_hugepages") or "unknown"
+    large = os.environ.get("MIMALLOC_ALLOW_LARGE_OS_PAGES", "") not in ("", "0")
+    return (
+        f"THP {mode}, {reserved} huge pages reserved, allocator's large OS pages "
+        f"{'on' if large else 'off'}"
+    )
 
 
 def _median(values) -> float | None:
@@ -611,4 +634,6 @@ def format_report(r: dict) -> str:
         )
         lines.append(f"  ratio (median of per-step baseline / scheduler): {m['ratio']:.1f}x")
     lines.append(f"  {r['machine']}, {r['date']}")
+    if r.get("memory"):
+        lines.append(f"  memory pages: {r['memory']}")
     return "\n".join(lines)
