@@ -278,6 +278,30 @@ def test_demo_with_faults_reports_them_and_ends_clean(tmp_path, capsys):
     assert t["end_transfers_in_flight"] == 0
 
 
+@pytest.mark.parametrize("selection", ["block", "token"])
+def test_demo_restarts_failed_requests_and_still_matches_the_resident_run(
+    selection, tmp_path, capsys
+):
+    # "The runtime then ends or restarts those requests": with --restart-failed each failed
+    # turn runs again as a new request, the resident run restarts the same ones, and every
+    # output (the restarts' included) is still bit-identical.
+    j = tmp_path / "r.json"
+    args = ["demo", "--requests", "6", "--concurrent", "3", "--steps", "24", "--quiet",
+            "--selection", selection, "--faults", "--restart-failed", "--json", str(j)]  # fmt: skip
+    assert main(args) == 0
+    assert "PASS" in capsys.readouterr().out
+    r = json.loads(j.read_text())
+    t = r["totals"]
+    assert t["correct"] and t["failed_requests_list"]
+    failed = sorted({f["rid"] for f in t["failures"]})
+    assert [a for a, _ in t["restarted"]] == sorted(failed, key=failed.index)
+    assert sorted(a for a, _ in t["restarted"]) == failed  # each failed turn once
+    fresh = {b for _, b in t["restarted"]}
+    assert not fresh & set(failed)  # the restarts succeeded: no second restart
+    assert t["requests"] >= len(fresh)
+    assert (t["end_pins"], t["end_quarantined_slots"], t["end_device_leaked"]) == (0, 0, 0)
+
+
 @pytest.mark.parametrize("mode", ["block", "token"])
 def test_bench_decode_runs_both_sides(mode, tmp_path, capsys):
     out = tmp_path / "d.json"

@@ -491,6 +491,12 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="inject load, backup and restore failures (any engine) and report them",
     )
+    p.add_argument(
+        "--restart-failed",
+        action="store_true",
+        help="queue a failed request's turn again once, as a new request (default: its "
+        "conversation ends)",
+    )
     p.add_argument("--requests", type=int, default=d.requests)
     p.add_argument("--concurrent", type=int, default=d.concurrent, help="requests decoding at once")
     p.add_argument("--steps", type=int, default=d.steps, help="decode steps per request (max)")
@@ -631,6 +637,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         selection=args.selection,
         block_size=args.block_size,
         faults=args.faults,
+        restart_failed=args.restart_failed,
         budget=args.budget,
         prefetch=not args.no_prefetch,
         turns=args.turns,

@@ -46,6 +46,9 @@ class DemoConfig:
     kv_format: str = "bf16"  # or fp8: DeepSeek-V3.2's packed FP8 rows and Indexer-K pages
     token_map: str = "core"  # token mode: where tokens become pages (core, or device)
     faults: bool = False
+    # A turn whose request failed (a load and its retry, or its Indexer-K restore) is queued
+    # again once as a new request, as a server restarts it; off: its conversation ends there.
+    restart_failed: bool = False
     trace: str | None = None  # write the tiered run's directory trace here (.npz)
     device: str = "cpu"
     seed: int = 0
@@ -133,16 +136,25 @@ def _run(
     prefill_bytes = 0  # matched-block KV first loaded by the suffix prefills
     if trace:
         rt.scheduler.directory.start_journal()
-    # (rid, conversation, turn, prompt); rids are numbered as turns are queued.
-    queue = [(c, 0, turns[0].message) for c, turns in enumerate(work)]
-    rids: dict[tuple[int, int], int] = {}
-    live: dict[int, tuple[int, int]] = {}
+    # (conversation, turn, prompt, attempt); rids are numbered as turns are queued.
+    queue = [(c, 0, turns[0].message, 0) for c, turns in enumerate(work)]
+    rids: dict[tuple[int, int, int], int] = {}
+    live: dict[int, tuple[int, int, torch.Tensor, int]] = {}
     outputs: dict[int, torch.Tensor] = {}
     admissions: dict[int, dict] = {}
+    restarts: list[tuple[int, int]] = []  # (failed rid, its restart's rid)
+
+    def ended(rid: int, c: int, i: int, prompt: torch.Tensor, attempt: int) -> None:
+        """A request that failed (or, in the resident run, was ended where the tiered run's
+        failed): its turn is queued again once with `restart_failed`, in both runs alike."""
+        if cfg.restart_failed and attempt == 0:
+            queue.append((c, i, prompt, 1))
+            restarts.append((rid, rids.setdefault((c, i, 1), len(rids))))
+
     while queue or rt.requests:
         while queue and len(rt.requests) < cfg.concurrent:
-            c, i, prompt = queue.pop(0)
-            rid = rids.setdefault((c, i), len(rids))
+            c, i, prompt, attempt = queue.pop(0)
+            rid = rids.setdefault((c, i, attempt), len(rids))
             before = rt.prefix_stats()["prefix_kv_bytes_first"]
             step = rt.steps
             if step in faults:
@@ -150,34 +162,40 @@ def _run(
             try:
                 admissions[rid] = rt.add_request(rid, prompt, work[c][i].steps)
             except RequestFailedError:
-                continue  # reported in rt.failures; its conversation ends here
+                ended(rid, c, i, prompt, attempt)  # reported in rt.failures
+                continue
             prefill_bytes += rt.prefix_stats()["prefix_kv_bytes_first"] - before
             if rid in refused:
                 rt.abort(rid)
+                ended(rid, c, i, prompt, attempt)
                 continue
-            live[rid] = (c, i)
+            live[rid] = (c, i, prompt, attempt)
         step = rt.steps
         if step in faults:
             rt.inject_faults(*faults.pop(step))
-        rt.step()
+        rec = rt.step()
         if progress is not None:
             progress.update(1)
+        gone = set(rec.failed)
         for rid in aborts.get(step, []):
             if rid in rt.requests:
                 rt.abort(rid)
+                gone.add(rid)
+        for rid in sorted(gone):
+            ended(rid, *live.pop(rid))
         for rid in [r.rid for r in rt.requests.values() if r.done]:
             r = rt.finish_request(rid)
             outputs[rid] = torch.stack(r.outputs)
-            c, i = live.pop(rid)
+            c, i, _, _ = live.pop(rid)
             if i + 1 < len(work[c]):
                 nxt = torch.cat([torch.from_numpy(r.tokens()), work[c][i + 1].message])
-                queue.append((c, i + 1, nxt))
+                queue.append((c, i + 1, nxt, 0))
     rt.drain()
     if trace:
         from sparsetier.replay import save_trace
 
         save_trace(trace, rt.scheduler.directory.take_journal())
-    return rt, outputs, admissions, prefill_bytes
+    return rt, outputs, admissions, prefill_bytes, restarts
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -219,7 +237,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     faults = dict(FAULT_PLAN) if cfg.faults else {}
     t0 = time.perf_counter()
     sizes = (host_pages, idx_pages)
-    rt, out, adms, prefill_bytes = _run(
+    rt, out, adms, prefill_bytes, restarts = _run(
         cfg, model, work, device, sizes, bar, faults, {}, set(), trace=cfg.trace
     )
     tiered_s = time.perf_counter() - t0
@@ -232,13 +250,15 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         if rid not in refused:
             aborts.setdefault(step, []).append(rid)
     resident = peak + 16 * layers
-    _, ref, ref_adms, _ = _run(
+    _, ref, ref_adms, _, ref_restarts = _run(
         cfg, model, work, max(resident, device), sizes, bar, {}, aborts, refused
     )
     if bar is not None:
         bar.close()
     failed = sorted({rid for _, rid, _ in rt.failures})
-    exact = out.keys() == ref.keys() and all(torch.equal(out[r], ref[r]) for r in ref)
+    # (The resident run restarts what the tiered run restarted, under the same rids.)
+    exact = restarts == ref_restarts
+    exact = exact and out.keys() == ref.keys() and all(torch.equal(out[r], ref[r]) for r in ref)
     # Both runs must have matched the same prefixes, or the check compares different work.
     # (Whether a match's Indexer-K was still on the device may differ: a failed restore in
     # the tiered run leaves that prefix on host only, where the resident run restored it.)
@@ -302,6 +322,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "failed_requests_list": failed,
         "failures": [{"step": s, "rid": r, "reason": why} for s, r, why in rt.failures],
         "aborted_requests": rt.aborted,
+        # (failed rid, the rid its turn was queued again under), with --restart-failed.
+        "restarted": [list(p) for p in restarts],
         "end_pins": end["pins"],
         "end_handles": end["handles"],
         "end_quarantined_slots": end["device_quarantined"] + end["host_quarantined"],
@@ -387,6 +409,11 @@ def format_summary(r: dict) -> str:
             f"{t['failed_loads']} failed loads ({t['retried_loads']} retried), "
             f"{t['failed_backups']} failed backups, {t['failed_restores']} failed restores, "
             f"failed requests {t['failed_requests_list']}"
+            + (
+                "; restarted as " + ", ".join(f"{a} -> {b}" for a, b in t["restarted"])
+                if t["restarted"]
+                else ""
+            )
             + (
                 "; armed but unused (nothing of that kind to fail): "
                 + ", ".join(f"{k} {n}" for k, n in t["faults_unused"].items())
