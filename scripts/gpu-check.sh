@@ -19,7 +19,8 @@
 #                             through the step scheduler with stream waits), block and token
 #                             selection, with and without prefetch, in FP8 (--kv-format),
 #                             and with --faults (load, backup and restore failures through
-#                             the CUDA engines' fault hook) in both selections
+#                             the CUDA engines' fault hook, failed turns restarted with
+#                             --restart-failed) in both selections
 #         demo_block.json     the block-mode run with prefetch, as JSON
 #         bench_transfer.txt  `sparsetier bench transfer --device cuda` table
 #         bench_transfer.json the same rows as JSON
@@ -74,10 +75,11 @@ run)
     fi
     if has demos; then
         for mode in block token; do
-            # Injected load, backup and restore failures through the CUDA engine's fault hook.
+            # Injected load, backup and restore failures through the CUDA engine's fault hook;
+            # each failed turn restarted once (the resident run restarts the same ones).
             timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet --faults \
-                --selection "$mode" >> "$OUT/demo_cuda.txt" 2>&1
-            echo "demo $mode faults: exit $?" >> "$OUT/demo_cuda.txt"
+                --restart-failed --selection "$mode" >> "$OUT/demo_cuda.txt" 2>&1
+            echo "demo $mode faults restarted: exit $?" >> "$OUT/demo_cuda.txt"
         done
         timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet --kv-format fp8 \
             >> "$OUT/demo_cuda.txt" 2>&1
