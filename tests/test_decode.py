@@ -96,12 +96,16 @@ SYSTEM = torch.randint(0, 512, (37,), generator=torch.Generator().manual_seed(5)
 
 
 def run(device_slots, prefetch=True, share=False, mode="block", steps=12, faults=None, aborts=None,
-        layout="layer_first", kv_format="bf16", io="cpu", token_map="core"):  # fmt: skip
+        layout="layer_first", kv_format="bf16", io="cpu", token_map="core",
+        restart=False):  # fmt: skip
     """Three requests over a 37-token system prompt (4 whole pages of 8), `steps` decode steps.
     With `share`, a first request over the prompt runs and ends before them, so they find its
     pages in the prefix cache. `faults` maps a step to `(kind, count, layer)` armed before it;
     `aborts` maps a step to requests ended after it (a reference run replays a faulty run's
-    failures this way). `io` "kernel" or "direct" runs it on the GPU."""
+    failures this way). With `restart`, a failed request is restarted after its step (an
+    aborted one too, that step's output dropped as a failure drops it), and the run goes on
+    until every request has its `steps` outputs. `io` "kernel" or "direct" runs it on the
+    GPU."""
     device = "cpu" if io == "cpu" else "cuda"
     m = TinySparseModel(ModelConfig(seed=3)).to(device)
     rt = DecodeRuntime(
@@ -120,13 +124,21 @@ def run(device_slots, prefetch=True, share=False, mode="block", steps=12, faults
         own = torch.randint(0, 512, (int(23 + 25 * rid),), generator=g)
         rt.add_request(rid, torch.cat([SYSTEM, own]), steps)
     outs = {}
-    for step in range(steps):
+    step = 0
+    while step < steps or (restart and any(not r.done for r in rt.requests.values())):
+        assert step < 4 * steps, "restarted requests must finish"
         if faults and step in faults:
             rt.inject_faults(*faults[step])
-        rt.step()
+        rec = rt.step()
         for rid in (aborts or {}).get(step, []):
             outs[rid] = torch.stack(rt.requests[rid].outputs)
             rt.abort(rid)
+            if restart:
+                del rt.ended[rid].outputs[-1]
+        if restart:
+            for rid in sorted(set(rec.failed) | set((aborts or {}).get(step, []))):
+                rt.restart(rid)
+        step += 1
     for rid, r in rt.requests.items():
         outs[rid] = torch.stack(r.outputs)
     return rt, outs
@@ -288,6 +300,64 @@ def test_every_load_of_a_layer_failing_fails_only_the_requests_that_needed_it(io
     rec = faulty.records[step]
     assert rec.failed == failed and rec.failed_requests == len(failed)
     finish_all(faulty)
+
+
+@pytest.mark.parametrize("mode", ["block", "token"])
+def test_a_restarted_request_keeps_its_outputs_and_decodes_the_rest_exactly(mode):
+    # "The runtime then ends or restarts those requests": a request whose load and retry
+    # failed is restarted (its prompt and fed tokens prefilled again); it keeps the outputs it
+    # had, recomputes the failed step's, and ends with all its steps. Its outputs equal a
+    # resident run's that restarted it at the same step, the others' the plain resident run's.
+    faulty, a = run(60, False, mode=mode, faults={4: ("load", 2, 1)}, restart=True)
+    failed = sorted({rid for _, rid, _ in faulty.failures})
+    assert failed and len(failed) < 3
+    step = faulty.failures[0][0]
+    _, b = run(400, False, mode=mode, aborts={step: failed}, restart=True)
+    _, plain = run(400, False, mode=mode)
+    for r in range(3):
+        assert a[r].shape[0] == 12 and torch.equal(a[r], b[r]), r
+        # Before the failure every request decoded as in a run without one.
+        assert torch.equal(a[r][:step], plain[r][:step]), r
+    for r in set(range(3)) - set(failed):
+        assert torch.equal(a[r], plain[r]), r
+    assert not faulty.ended  # each restarted, none left
+    s = finish_all(faulty)
+    assert (s["pins"], s["handles"]) == (0, 0)
+
+
+def test_restart_takes_only_ended_requests_and_keeps_the_latest():
+    m = TinySparseModel(ModelConfig(seed=3))
+    rt = DecodeRuntime(m, page_size=8, device_slots=400, host_pages=200, indexer_pages=80,
+                       keep_records=1)  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    for rid in range(2):
+        rt.add_request(rid, torch.randint(0, 512, (30,), generator=g), 4)
+    rt.step()
+    with pytest.raises(st.ConfigError) as e:
+        rt.restart(0)  # running
+    assert e.value.field == "rid"
+    rt.abort(0)
+    rt.abort(1)
+    assert list(rt.ended) == [1]  # keep_records=1: the latest only
+    with pytest.raises(st.ConfigError) as e:
+        rt.restart(0)
+    assert e.value.field == "rid" and "[1]" in e.value.allowed
+    rt.restart(1)
+    assert len(rt.requests[1].outputs) == 1 and rt.requests[1].carried == 1
+    assert rt.requests[1].prompt.numel() == 31  # the fed token is in the prompt now
+    # Fails again at its next step (emulated: ended, that step's output dropped): the restart
+    # counts what it carried, so the token fed there is fed again, not put in the prompt.
+    rt.step()
+    rt.abort(1)
+    del rt.ended[1].outputs[-1]
+    rt.restart(1)
+    r = rt.requests[1]
+    assert (len(r.outputs), r.carried, r.prompt.numel(), r.fed) == (1, 1, 31, [])
+    while not rt.requests[1].done:
+        rt.step()
+    assert len(rt.requests[1].outputs) == 4
+    rt.finish_request(1)
+    assert rt.scheduler.stats()["pins"] == 0
 
 
 @pytest.mark.parametrize("io", ENGINES)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -106,14 +106,24 @@ FAULT_PLAN = {
 }
 
 
+@dataclass
+class FailureLog:
+    """What failed in a run, as the resident run replays it: requests that failed in a step
+    (by step), prefills that failed (rid, "add" or "restart"), and the requests restarted."""
+
+    failed_at: dict[int, list[int]] = field(default_factory=dict)
+    refused: set[tuple[int, str]] = field(default_factory=set)
+    restarted: list[int] = field(default_factory=list)
+
+
 def _run(
-    cfg: DemoConfig, model, work, device_slots, sizes, progress, faults, aborts, refused,
+    cfg: DemoConfig, model, work, device_slots, sizes, progress, faults, replay=None,
     trace=None,
 ):  # fmt: skip
-    """Runs the conversations; `faults` arms failures by step, `aborts` ends requests after a
-    step and `refused` right after their prefill (how the resident reference replays the
-    tiered run's failures). A turn's follow-up is queued when it finishes, with the answer in
-    its prompt."""
+    """Runs the conversations; `faults` arms failures by step. Returns what failed as a
+    `FailureLog`; the resident reference takes the tiered run's as `replay` and ends the same
+    requests at the same points (after the same step, or right after the same prefill). A
+    turn's follow-up is queued when it finishes, with the answer in its prompt."""
     host_pages, idx_pages = sizes
     token = cfg.selection == "token"
     rt = DecodeRuntime(
@@ -136,66 +146,86 @@ def _run(
     prefill_bytes = 0  # matched-block KV first loaded by the suffix prefills
     if trace:
         rt.scheduler.directory.start_journal()
-    # (conversation, turn, prompt, attempt); rids are numbered as turns are queued.
-    queue = [(c, 0, turns[0].message, 0) for c, turns in enumerate(work)]
-    rids: dict[tuple[int, int, int], int] = {}
-    live: dict[int, tuple[int, int, torch.Tensor, int]] = {}
+    # (conversation, turn, prompt); rids are numbered as turns are queued.
+    queue = [(c, 0, turns[0].message) for c, turns in enumerate(work)]
+    rids: dict[tuple[int, int], int] = {}
+    live: dict[int, tuple[int, int]] = {}
     outputs: dict[int, torch.Tensor] = {}
     admissions: dict[int, dict] = {}
-    restarts: list[tuple[int, int]] = []  # (failed rid, its restart's rid)
+    log = FailureLog()
+    play = replay or FailureLog()
 
-    def ended(rid: int, c: int, i: int, prompt: torch.Tensor, attempt: int) -> None:
-        """A request that failed (or, in the resident run, was ended where the tiered run's
-        failed): its turn is queued again once with `restart_failed`, in both runs alike."""
-        if cfg.restart_failed and attempt == 0:
-            queue.append((c, i, prompt, 1))
-            restarts.append((rid, rids.setdefault((c, i, 1), len(rids))))
+    def admit(rid: int, attempt: str, call) -> bool:
+        """Runs a prefill (`attempt`: "add" or "restart"); False if it failed here or, in the
+        resident run, where the tiered run's failed (then the request is ended at once)."""
+        try:
+            call()
+        except RequestFailedError:
+            log.refused.add((rid, attempt))  # reported in rt.failures
+            return False
+        if (rid, attempt) in play.refused:
+            rt.abort(rid)
+            return False
+        return True
+
+    def ended(rid: int) -> None:
+        """A request that failed (or was ended where the tiered run's failed): with
+        `restart_failed` the runtime restarts it once, in both runs alike; otherwise its
+        conversation ends there."""
+        if cfg.restart_failed and rid not in log.restarted:
+            log.restarted.append(rid)
+
+            def again():
+                admissions[rid] = rt.restart(rid)
+
+            if not admit(rid, "restart", again):
+                ended(rid)
 
     while queue or rt.requests:
         while queue and len(rt.requests) < cfg.concurrent:
-            c, i, prompt, attempt = queue.pop(0)
-            rid = rids.setdefault((c, i, attempt), len(rids))
+            c, i, prompt = queue.pop(0)
+            rid = rids.setdefault((c, i), len(rids))
             before = rt.prefix_stats()["prefix_kv_bytes_first"]
             step = rt.steps
             if step in faults:
                 rt.inject_faults(*faults.pop(step))
-            try:
+            live[rid] = (c, i)
+
+            def add(rid=rid, c=c, i=i, prompt=prompt):
                 admissions[rid] = rt.add_request(rid, prompt, work[c][i].steps)
-            except RequestFailedError:
-                ended(rid, c, i, prompt, attempt)  # reported in rt.failures
-                continue
-            prefill_bytes += rt.prefix_stats()["prefix_kv_bytes_first"] - before
-            if rid in refused:
-                rt.abort(rid)
-                ended(rid, c, i, prompt, attempt)
-                continue
-            live[rid] = (c, i, prompt, attempt)
+
+            if admit(rid, "add", add):
+                prefill_bytes += rt.prefix_stats()["prefix_kv_bytes_first"] - before
+            else:
+                ended(rid)
         step = rt.steps
         if step in faults:
             rt.inject_faults(*faults.pop(step))
         rec = rt.step()
         if progress is not None:
             progress.update(1)
-        gone = set(rec.failed)
-        for rid in aborts.get(step, []):
+        if rec.failed:
+            log.failed_at[step] = list(rec.failed)
+        for rid in play.failed_at.get(step, []):
             if rid in rt.requests:
                 rt.abort(rid)
-                gone.add(rid)
-        for rid in sorted(gone):
-            ended(rid, *live.pop(rid))
+                # As the failure did: that step's output is not the request's.
+                del rt.ended[rid].outputs[-1]
+        for rid in sorted(set(rec.failed) | set(play.failed_at.get(step, []))):
+            ended(rid)
         for rid in [r.rid for r in rt.requests.values() if r.done]:
             r = rt.finish_request(rid)
             outputs[rid] = torch.stack(r.outputs)
-            c, i, _, _ = live.pop(rid)
+            c, i = live.pop(rid)
             if i + 1 < len(work[c]):
                 nxt = torch.cat([torch.from_numpy(r.tokens()), work[c][i + 1].message])
-                queue.append((c, i + 1, nxt, 0))
+                queue.append((c, i + 1, nxt))
     rt.drain()
     if trace:
         from sparsetier.replay import save_trace
 
         save_trace(trace, rt.scheduler.directory.take_journal())
-    return rt, outputs, admissions, prefill_bytes, restarts
+    return rt, outputs, admissions, prefill_bytes, log
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -237,27 +267,22 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     faults = dict(FAULT_PLAN) if cfg.faults else {}
     t0 = time.perf_counter()
     sizes = (host_pages, idx_pages)
-    rt, out, adms, prefill_bytes, restarts = _run(
-        cfg, model, work, device, sizes, bar, faults, {}, set(), trace=cfg.trace
+    rt, out, adms, prefill_bytes, failures = _run(
+        cfg, model, work, device, sizes, bar, faults, trace=cfg.trace
     )
     tiered_s = time.perf_counter() - t0
     if bar is not None:
         bar.close()
         bar = tqdm(desc="resident check", unit="step")
-    refused = {rid for rid, _ in rt.admission_failures}
-    aborts: dict[int, list[int]] = {}
-    for step, rid, _ in rt.failures:
-        if rid not in refused:
-            aborts.setdefault(step, []).append(rid)
     resident = peak + 16 * layers
-    _, ref, ref_adms, _, ref_restarts = _run(
-        cfg, model, work, max(resident, device), sizes, bar, {}, aborts, refused
+    _, ref, ref_adms, _, ref_failures = _run(
+        cfg, model, work, max(resident, device), sizes, bar, {}, failures
     )
     if bar is not None:
         bar.close()
     failed = sorted({rid for _, rid, _ in rt.failures})
     # (The resident run restarts what the tiered run restarted, under the same rids.)
-    exact = restarts == ref_restarts
+    exact = failures.restarted == ref_failures.restarted
     exact = exact and out.keys() == ref.keys() and all(torch.equal(out[r], ref[r]) for r in ref)
     # Both runs must have matched the same prefixes, or the check compares different work.
     # (Whether a match's Indexer-K was still on the device may differ: a failed restore in
@@ -322,8 +347,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "failed_requests_list": failed,
         "failures": [{"step": s, "rid": r, "reason": why} for s, r, why in rt.failures],
         "aborted_requests": rt.aborted,
-        # (failed rid, the rid its turn was queued again under), with --restart-failed.
-        "restarted": [list(p) for p in restarts],
+        # Requests the runtime restarted after they failed (--restart-failed).
+        "restarted": failures.restarted,
         "end_pins": end["pins"],
         "end_handles": end["handles"],
         "end_quarantined_slots": end["device_quarantined"] + end["host_quarantined"],
@@ -409,11 +434,7 @@ def format_summary(r: dict) -> str:
             f"{t['failed_loads']} failed loads ({t['retried_loads']} retried), "
             f"{t['failed_backups']} failed backups, {t['failed_restores']} failed restores, "
             f"failed requests {t['failed_requests_list']}"
-            + (
-                "; restarted as " + ", ".join(f"{a} -> {b}" for a, b in t["restarted"])
-                if t["restarted"]
-                else ""
-            )
+            + (f"; restarted {t['restarted']}" if t["restarted"] else "")
             + (
                 "; armed but unused (nothing of that kind to fail): "
                 + ", ".join(f"{k} {n}" for k, n in t["faults_unused"].items())

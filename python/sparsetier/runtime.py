@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -71,6 +71,9 @@ class Request:
     outputs: list[torch.Tensor] = field(default_factory=list)
     ttft_s: float = 0.0
     matched_tokens: int = 0
+    # A restarted request: its first `carried` outputs came before the restart, and the
+    # tokens fed for them are part of `prompt` now.
+    carried: int = 0
 
     @property
     def done(self) -> bool:
@@ -207,6 +210,10 @@ class DecodeRuntime:
         self.failures: deque[tuple[int, int, str]] = deque(maxlen=keep_records)
         self.admission_failures: deque[tuple[int, str]] = deque(maxlen=keep_records)
         self.ttfts: deque[float] = deque(maxlen=keep_records)
+        # Requests that failed or were aborted, as they stood, for `restart` (the latest
+        # `keep_records`, oldest dropped first; a caller that will not restart one pops it).
+        self.ended: OrderedDict[int, Request] = OrderedDict()
+        self._keep_ended = keep_records
 
     @property
     def directory(self):
@@ -260,17 +267,44 @@ class DecodeRuntime:
             raise ConfigError.of("rid", str(rid), "an integer >= 0")
         if rid in self.requests:
             raise ConfigError.of("rid", str(rid), "a request id not running")
-        prompt = prompt.to("cpu", torch.long)
+        self.ended.pop(rid, None)  # a new request under that id: the old one is gone
+        return self._admit(Request(rid, prompt.to("cpu", torch.long), decode_steps), None)
+
+    def restart(self, rid: int) -> dict:
+        """Admits again a request that failed (in a step or in its prefill) or was aborted,
+        kept in `ended` as it stood: its prompt and the tokens it was fed that have outputs
+        are prefilled (whole pages may hit the prefix cache), its outputs so far are kept, and
+        it decodes the rest of its `decode_steps`, the step that failed first (the token fed
+        there is fed again). Returns the admission; raises RequestFailedError if the prefill
+        fails (it stays in `ended`, to try again)."""
+        if rid not in self.ended:
+            allowed = f"a failed or aborted request: one of {list(self.ended)}"
+            raise ConfigError.of("rid", str(rid), allowed)
+        if rid in self.requests:
+            raise ConfigError.of("rid", str(rid), "a request id not running")
+        old = self.ended.pop(rid)
+        # Fed tokens with an output; the one fed at a failed step has none and is fed again.
+        n = min(len(old.fed), len(old.outputs) - old.carried)
+        fed = torch.tensor(old.fed[:n], dtype=torch.long)
+        r = Request(rid, torch.cat([old.prompt, fed]), old.decode_steps)
+        r.outputs = old.outputs[: old.carried + n]
+        r.carried = old.carried + n
+        return self._admit(r, old)
+
+    def _admit(self, r: Request, restarting: Request | None) -> dict:
+        """Admits and prefills `r` (`restarting`: the ended request it continues, put back in
+        `ended` if this prefill fails too)."""
+        rid, prompt = r.rid, r.prompt
         with self._device_budget():
             t0 = time.perf_counter()
             adm = self.scheduler.admit(rid, prompt.numpy())
-            r = Request(rid, prompt, decode_steps)
             r.pos = r.matched_tokens = adm["matched_pages"] * self.ps
             try:
                 logits = self._prefill(r, restoring=adm["restored_pages"] > 0)
             except (CopyFailedError, TransferFailedError, _LoadFailed) as e:
                 # Its loads (or its prefix's restore) failed twice: end it, keep serving.
                 self.scheduler.finish_request(rid)
+                self._ended(restarting or Request(rid, prompt, r.decode_steps))
                 why = str(e)
                 self.admission_failures.append((rid, why))
                 self.failures.append((self.steps, rid, why))
@@ -286,11 +320,19 @@ class DecodeRuntime:
             # the decode steps', and its filled pages are written through now.
             self.prefill_records.append(self.scheduler.end_step())
             r.ttft_s = time.perf_counter() - t0
-            self.ttfts.append(r.ttft_s)
-            if self.metrics is not None:
-                self.metrics.prefill_seconds.observe(r.ttft_s)
+            if restarting is None:  # a restart's first token came long ago
+                self.ttfts.append(r.ttft_s)
+                if self.metrics is not None:
+                    self.metrics.prefill_seconds.observe(r.ttft_s)
             self.requests[rid] = r
             return adm
+
+    def _ended(self, r: Request) -> None:
+        """Keeps a failed or aborted request for `restart`, the latest `keep_records`."""
+        self.ended[r.rid] = r
+        self.ended.move_to_end(r.rid)
+        while self._keep_ended is not None and len(self.ended) > self._keep_ended:
+            self.ended.popitem(last=False)
 
     def _prefill(self, r: Request, restoring: bool) -> torch.Tensor:
         """Prefills r.prompt from r.pos in chunks; returns the last token's logits."""
@@ -367,7 +409,7 @@ class DecodeRuntime:
         once, or when transfers still touching them end); prefixes stay for others."""
         if rid not in self.requests:
             raise ConfigError.of("rid", str(rid), f"one of {sorted(self.requests)}")
-        self.requests.pop(rid)
+        self._ended(self.requests.pop(rid))
         self.scheduler.finish_request(rid)
         self.aborted += 1
         log.info("request %d aborted", rid)
@@ -465,7 +507,7 @@ class DecodeRuntime:
             for rid, why in sorted(failed.items()):
                 log.warning("request %d failed at step %d: %s", rid, rec.step, why)
                 self.failures.append((rec.step, rid, why))
-                self.requests.pop(rid)
+                self._ended(self.requests.pop(rid))
                 self.scheduler.finish_request(rid)
             self.records.append(rec)
             self.steps += 1
