@@ -302,18 +302,20 @@ def test_every_load_of_a_layer_failing_fails_only_the_requests_that_needed_it(io
     finish_all(faulty)
 
 
+@pytest.mark.parametrize("io", ENGINES)
 @pytest.mark.parametrize("mode", ["block", "token"])
-def test_a_restarted_request_keeps_its_outputs_and_decodes_the_rest_exactly(mode):
+def test_a_restarted_request_keeps_its_outputs_and_decodes_the_rest_exactly(mode, io):
     # "The runtime then ends or restarts those requests": a request whose load and retry
     # failed is restarted (its prompt and fed tokens prefilled again); it keeps the outputs it
     # had, recomputes the failed step's, and ends with all its steps. Its outputs equal a
     # resident run's that restarted it at the same step, the others' the plain resident run's.
-    faulty, a = run(60, False, mode=mode, faults={4: ("load", 2, 1)}, restart=True)
+    needs_engine(io)
+    faulty, a = run(60, False, mode=mode, faults={4: ("load", 2, 1)}, restart=True, io=io)
     failed = sorted({rid for _, rid, _ in faulty.failures})
     assert failed and len(failed) < 3
     step = faulty.failures[0][0]
-    _, b = run(400, False, mode=mode, aborts={step: failed}, restart=True)
-    _, plain = run(400, False, mode=mode)
+    _, b = run(400, False, mode=mode, aborts={step: failed}, restart=True, io=io)
+    _, plain = run(400, False, mode=mode, io=io)
     for r in range(3):
         assert a[r].shape[0] == 12 and torch.equal(a[r], b[r]), r
         # Before the failure every request decoded as in a run without one.
