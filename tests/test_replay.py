@@ -29,7 +29,7 @@ def demo_trace(prefetch: bool):
 def record(prefetch: bool, tmp_path):
     cfg, model, work = demo_trace(prefetch)
     path = str(tmp_path / f"t{int(prefetch)}.npz")
-    rt, *_ = _run(cfg, model, work, 150, (400, 200), None, {}, {}, set(), trace=path)
+    rt, *_ = _run(cfg, model, work, 150, (400, 200), None, {}, trace=path)
     return rt, load_trace(path)
 
 

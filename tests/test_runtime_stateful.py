@@ -1,0 +1,186 @@
+"""The decode runtime's request lifecycle as a hypothesis state machine: requests are added,
+decoded, aborted, finished, fail (injected load faults, a layer's load and retry both failing)
+and are restarted (`DecodeRuntime.restart`), in any order.
+
+The reference model is each request's state (running, or ended: failed or aborted) and its
+output count: a step gives every running request that is not done one output, except those it
+reports failed, which end with the count they had; an abort keeps the count, and a restart
+keeps it too (the outputs so far are the request's; the failed step's output is computed
+again later). After every rule the scheduler's own `validate()` runs and the runtime's
+requests and `ended` match the model; at the end, with every request finished or aborted and
+the engine drained, nothing is pinned, held or in flight. (Bit-exact outputs after a restart
+are checked against a resident run in `test_decode.py` and the demo's tests.)
+"""
+
+import torch
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+import sparsetier as sp
+from sparsetier.model import ModelConfig, TinySparseModel
+from sparsetier.runtime import DecodeRuntime
+
+MODEL = TinySparseModel(ModelConfig(seed=3))
+_g = torch.Generator().manual_seed(11)
+SYSTEM = torch.randint(0, 512, (37,), generator=_g)
+PROMPTS = [torch.cat([SYSTEM, torch.randint(0, 512, (n,), generator=_g)]) for n in (23, 48, 73)]
+CONCURRENT = 3
+
+
+class RuntimeMachine(RuleBasedStateMachine):
+    MODE = "block"
+
+    def __init__(self):
+        super().__init__()
+        # A device budget small enough that decode steps load from host (so load faults hit).
+        # Prefetch off, and every transfer settled after each rule (`settle`): which load a
+        # fault hits must not depend on copy timing, or hypothesis could not replay a case.
+        self.rt = DecodeRuntime(
+            MODEL, page_size=8, device_slots=60, host_pages=200, indexer_pages=80,
+            topk=3 if self.MODE == "block" else 10, selection=self.MODE, prefetch=False,
+        )  # fmt: skip
+        self.outputs: dict[int, int] = {}  # running rid -> outputs it has
+        self.steps_of: dict[int, int] = {}  # rid -> its decode steps
+        self.ended: dict[int, int] = {}  # failed or aborted rid -> outputs it had
+        self.failed: set[int] = set()  # ended rids that failed (the others were aborted)
+        self.next_rid = 0
+
+    @initialize()
+    def two_long_requests(self):
+        # Two requests over the longest prompt hold most of the device, so what comes next
+        # evicts and loads (and load faults find loads to fail).
+        for _ in range(2):
+            self.add(len(PROMPTS) - 1, 8)
+
+    def _running_undone(self) -> list[int]:
+        return [r for r, n in self.outputs.items() if n < self.steps_of[r]]
+
+    @precondition(lambda self: len(self.outputs) < CONCURRENT)
+    @rule(prompt=st.sampled_from(range(len(PROMPTS))), steps=st.integers(2, 8))
+    def add(self, prompt, steps):
+        rid = self.next_rid
+        self.next_rid += 1
+        self.steps_of[rid] = steps
+        try:
+            self.rt.add_request(rid, PROMPTS[prompt], steps)
+        except sp.RequestFailedError:
+            self.ended[rid] = 0
+            self.failed.add(rid)
+            return
+        self.outputs[rid] = 0
+
+    @precondition(lambda self: self.outputs)
+    @rule()
+    def step(self):
+        undone = self._running_undone()
+        rec = self.rt.step()
+        assert set(rec.failed) <= set(undone), (rec.failed, undone)
+        if rec.failed:
+            event("a step failed requests")
+        if rec.loaded:
+            event("a step loaded pages")
+        for rid in undone:
+            if rid in rec.failed:
+                self.ended[rid] = self.outputs.pop(rid)
+                self.failed.add(rid)
+            else:
+                self.outputs[rid] += 1
+
+    @precondition(lambda self: self.outputs)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.outputs)))
+        self.rt.abort(rid)
+        self.ended[rid] = self.outputs.pop(rid)
+        self.failed.discard(rid)
+
+    @precondition(lambda self: self.ended and len(self.outputs) < CONCURRENT)
+    @rule(data=st.data())
+    def restart(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.ended)))
+        try:
+            self.rt.restart(rid)
+        except sp.RequestFailedError:
+            event("a restart's prefill failed")
+            return  # its prefill failed too: still ended, as it was
+        event("restarted after a failure" if rid in self.failed else "restarted after an abort")
+        self.outputs[rid] = self.ended.pop(rid)
+        self.failed.discard(rid)
+
+    @rule(rid=st.integers(0, 40))
+    def restart_what_is_not_ended(self, rid):
+        if rid in self.ended:
+            return
+        try:
+            self.rt.restart(rid)
+        except sp.ConfigError as e:
+            assert e.field == "rid"
+        else:
+            raise AssertionError(f"restarted {rid}, which had not ended")
+
+    @precondition(lambda self: any(n >= self.steps_of[r] for r, n in self.outputs.items()))
+    @rule()
+    def finish_done(self):
+        for rid in [r for r, n in self.outputs.items() if n >= self.steps_of[r]]:
+            r = self.rt.finish_request(rid)
+            assert len(r.outputs) == self.steps_of[rid]
+            del self.outputs[rid]
+
+    def _armed(self, kind: str) -> int:
+        return self.rt.scheduler.stats()[f"faults_armed_{kind}"]
+
+    # One fault armed at a time: a load and its retry (count 2) fail a request; a failed
+    # backup is retried at the next step (failing without end, pages that cannot be written
+    # through cannot be evicted, and the device would fill: a capacity error, not a bug).
+    @precondition(lambda self: self._armed("loads") == 0)
+    @rule(count=st.integers(1, 2), layer=st.none() | st.integers(0, MODEL.c.layers - 1))
+    def load_faults(self, count, layer):
+        self.rt.inject_faults("load", count, layer)
+
+    @precondition(lambda self: self._armed("backups") == 0)
+    @rule()
+    def backup_fault(self):
+        self.rt.inject_faults("backup", 1)
+
+    @invariant()
+    def settle(self):
+        self.rt.drain()
+
+    @invariant()
+    def matches_the_model(self):
+        self.rt.scheduler.validate()
+        assert {r: len(q.outputs) for r, q in self.rt.requests.items()} == self.outputs
+        assert {r: len(q.outputs) for r, q in self.rt.ended.items()} == self.ended
+
+    def teardown(self):
+        for rid in list(self.rt.requests):
+            self.rt.abort(rid)
+        self.rt.drain()
+        self.rt.scheduler.validate()
+        s = self.rt.scheduler.stats()
+        assert (s["pins"], s["handles"], s["transfers_in_flight"]) == (0, 0, 0), s
+
+
+class TokenRuntimeMachine(RuntimeMachine):
+    MODE = "token"
+
+
+# Each rule runs the tiny model (a step or a prefill), so this machine takes a twentieth of
+# the profile's examples (SPARSETIER_HYPOTHESIS=deep: 100 of up to 25 rules).
+_fewer = settings(
+    max_examples=max(5, settings.default.max_examples // 10),
+    stateful_step_count=min(30, settings.default.stateful_step_count),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestRuntimeMachine = RuntimeMachine.TestCase
+TestRuntimeMachine.settings = _fewer
+TestTokenRuntimeMachine = TokenRuntimeMachine.TestCase
+TestTokenRuntimeMachine.settings = _fewer
