@@ -15,12 +15,14 @@ from sparsetier import object_keys
 FUZZ = Path(__file__).parent / "fuzz" / "fuzz_entry_points.py"
 
 
-def test_bounded_fuzz_pass_raises_only_typed_errors():
+def test_bounded_fuzz_pass_raises_only_typed_errors(tmp_path):
     # Through `sh`, which forks it: libFuzzer's out-of-memory check reads the peak RSS
     # (`ru_maxrss`), and a process exec'd straight from this one starts with this process's
     # peak (Linux keeps it across fork and exec), which the test session may have taken past
     # libFuzzer's 2 GB limit by itself. sh's child starts from sh's size instead.
-    fuzz = [sys.executable, str(FUZZ), "-runs=100000", "-max_len=512", "-seed=7"]
+    # A failing input is written under tmp_path (reported below), not into the checkout.
+    fuzz = [sys.executable, str(FUZZ), "-runs=100000", "-max_len=512", "-seed=7",
+            f"-artifact_prefix={tmp_path}/"]  # fmt: skip
     r = subprocess.run(
         ["sh", "-c", '"$0" "$@"', *fuzz],
         capture_output=True,
