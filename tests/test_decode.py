@@ -355,6 +355,21 @@ def test_restart_takes_only_ended_requests_and_keeps_the_latest():
     rt.restart(1)
     r = rt.requests[1]
     assert (len(r.outputs), r.carried, r.prompt.numel(), r.fed) == (1, 1, 31, [])
+    # A restart that raises anything else (here its prefill) leaves it restartable as it was.
+    rt.abort(1)
+    prefill, calls = rt._prefill, []
+
+    def broken(r, restoring):
+        calls.append(r.rid)
+        raise RuntimeError("prefill broke")
+
+    rt._prefill = broken
+    with pytest.raises(RuntimeError):
+        rt.restart(1)
+    rt._prefill = prefill
+    assert calls == [1] and 1 not in rt.requests and len(rt.ended[1].outputs) == 1
+    assert rt.scheduler.stats()["pins"] == 0
+    rt.restart(1)
     while not rt.requests[1].done:
         rt.step()
     assert len(rt.requests[1].outputs) == 4

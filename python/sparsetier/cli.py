@@ -494,8 +494,8 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--restart-failed",
         action="store_true",
-        help="queue a failed request's turn again once, as a new request (default: its "
-        "conversation ends)",
+        help="restart each failed request once from where it stood (DecodeRuntime.restart; "
+        "default: it ends, and its conversation with it)",
     )
     p.add_argument("--requests", type=int, default=d.requests)
     p.add_argument("--concurrent", type=int, default=d.concurrent, help="requests decoding at once")

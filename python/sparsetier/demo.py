@@ -46,8 +46,8 @@ class DemoConfig:
     kv_format: str = "bf16"  # or fp8: DeepSeek-V3.2's packed FP8 rows and Indexer-K pages
     token_map: str = "core"  # token mode: where tokens become pages (core, or device)
     faults: bool = False
-    # A turn whose request failed (a load and its retry, or its Indexer-K restore) is queued
-    # again once as a new request, as a server restarts it; off: its conversation ends there.
+    # A request that failed (a load and its retry, or its Indexer-K restore) is restarted once
+    # by the runtime (`DecodeRuntime.restart`); off: it ends, and its conversation with it.
     restart_failed: bool = False
     trace: str | None = None  # write the tiered run's directory trace here (.npz)
     device: str = "cpu"

@@ -314,6 +314,8 @@ class DecodeRuntime:
                 ) from e
             except BaseException:
                 self.scheduler.finish_request(rid)
+                if restarting is not None:
+                    self._ended(restarting)  # still restartable, as it was
                 raise
             r.next_token = int(logits.argmax())
             # The prefill is a scheduling round of its own: its plans are recorded apart from

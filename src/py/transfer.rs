@@ -654,10 +654,10 @@ pub fn compile_cuda_kernels(py: Python<'_>, arch: Option<&Bound<'_, PyAny>>) -> 
 static RAW_STREAM: PyOnceLock<Option<Py<PyAny>>> = PyOnceLock::new();
 
 /// The handle of torch's current CUDA stream on device `ordinal`. Every scheduler call on a
-/// CUDA engine asks (three a layer), so it goes through torch's raw getter (one C call, as
-/// Triton and Inductor do) rather than `torch.cuda.current_stream(i).cuda_stream`, which
-/// builds a `Stream` object each time; the same handle, and that path where the getter is
-/// missing.
+/// CUDA engine asks (plan and ready: two a layer), so it goes through torch's raw getter (one
+/// C call, as Triton and Inductor do) rather than `torch.cuda.current_stream(i).cuda_stream`,
+/// which builds a `Stream` object each time; the same handle, and that path where the getter
+/// is missing.
 fn current_torch_stream(py: Python<'_>, ordinal: usize) -> PyResult<u64> {
     let raw = RAW_STREAM.get_or_try_init(py, || -> PyResult<_> {
         let c = py.import("torch")?.getattr("_C")?;
