@@ -8,8 +8,15 @@ reports failed, which end with the count they had; an abort keeps the count, and
 keeps it too (the outputs so far are the request's; the failed step's output is computed
 again later). After every rule the scheduler's own `validate()` runs and the runtime's
 requests and `ended` match the model; at the end, with every request finished or aborted and
-the engine drained, nothing is pinned, held or in flight. (Bit-exact outputs after a restart
-are checked against a resident run in `test_decode.py` and the demo's tests.)
+the engine drained, nothing is pinned, held or in flight.
+
+The data is checked too, against a resident twin: a second runtime with room for every page
+(nothing evicted, nothing loaded, no faults) is driven in lockstep through the same rules, and
+ends each request the tiered one failed at the same point, dropping the failed step's output,
+as `sparsetier demo`'s resident run does. After every rule every request's outputs (running or
+ended, restarted ones included) are bit-identical in the two, and both matched the same prefix
+pages at admission. A case either runs with prefetch (and no faults: which load a fault hits
+would then depend on copy timing, and hypothesis could not replay it) or with faults.
 """
 
 import torch
@@ -39,21 +46,31 @@ class RuntimeMachine(RuleBasedStateMachine):
 
     def __init__(self):
         super().__init__()
-        # A device budget small enough that decode steps load from host (so load faults hit).
-        # Prefetch off, and every transfer settled after each rule (`settle`): which load a
-        # fault hits must not depend on copy timing, or hypothesis could not replay a case.
-        self.rt = DecodeRuntime(
-            MODEL, page_size=8, device_slots=60, host_pages=200, indexer_pages=80,
-            topk=3 if self.MODE == "block" else 10, selection=self.MODE, prefetch=False,
-        )  # fmt: skip
         self.outputs: dict[int, int] = {}  # running rid -> outputs it has
         self.steps_of: dict[int, int] = {}  # rid -> its decode steps
         self.ended: dict[int, int] = {}  # failed or aborted rid -> outputs it had
         self.failed: set[int] = set()  # ended rids that failed (the others were aborted)
+        self.matched: dict[int, int] = {}  # rid -> prefix pages its latest admission matched
         self.next_rid = 0
 
-    @initialize()
-    def two_long_requests(self):
+    def _runtime(self, device_slots: int, prefetch: bool) -> DecodeRuntime:
+        return DecodeRuntime(
+            MODEL, page_size=8, device_slots=device_slots, host_pages=200, indexer_pages=80,
+            topk=3 if self.MODE == "block" else 10, selection=self.MODE, prefetch=prefetch,
+        )  # fmt: skip
+
+    # A quarter of the cases prefetch; the rest inject faults.
+    @initialize(prefetch=st.sampled_from([False, False, False, True]))
+    def two_long_requests(self, prefetch):
+        # A device budget small enough that decode steps load from host (so load faults hit).
+        # Every transfer is settled after each rule (`settle`). The twin has room for every
+        # page and the same host and Indexer-K budgets, so its prefix cache keeps what the
+        # tiered one keeps.
+        self.prefetch = prefetch
+        if prefetch:
+            event("prefetch on (no faults)")
+        self.rt = self._runtime(60, prefetch)
+        self.twin = self._runtime(2000, False)
         # Two requests over the longest prompt hold most of the device, so what comes next
         # evicts and loads (and load faults find loads to fail).
         for _ in range(2):
@@ -68,12 +85,16 @@ class RuntimeMachine(RuleBasedStateMachine):
         rid = self.next_rid
         self.next_rid += 1
         self.steps_of[rid] = steps
+        twin = self.twin.add_request(rid, PROMPTS[prompt], steps)
+        self.matched[rid] = twin["matched_pages"]
         try:
-            self.rt.add_request(rid, PROMPTS[prompt], steps)
+            adm = self.rt.add_request(rid, PROMPTS[prompt], steps)
         except sp.RequestFailedError:
+            self.twin.abort(rid)  # ended where the tiered one's prefill failed
             self.ended[rid] = 0
             self.failed.add(rid)
             return
+        assert adm["matched_pages"] == self.matched[rid], (adm, twin)
         self.outputs[rid] = 0
 
     @precondition(lambda self: self.outputs)
@@ -81,6 +102,8 @@ class RuntimeMachine(RuleBasedStateMachine):
     def step(self):
         undone = self._running_undone()
         rec = self.rt.step()
+        twin = self.twin.step()
+        assert not twin.failed, twin.failed
         assert set(rec.failed) <= set(undone), (rec.failed, undone)
         if rec.failed:
             event("a step failed requests")
@@ -90,6 +113,9 @@ class RuntimeMachine(RuleBasedStateMachine):
             if rid in rec.failed:
                 self.ended[rid] = self.outputs.pop(rid)
                 self.failed.add(rid)
+                # As the failure did: the step's output is not the request's.
+                self.twin.abort(rid)
+                del self.twin.ended[rid].outputs[-1]
             else:
                 self.outputs[rid] += 1
 
@@ -98,6 +124,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     def abort(self, data):
         rid = data.draw(st.sampled_from(sorted(self.outputs)))
         self.rt.abort(rid)
+        self.twin.abort(rid)
         self.ended[rid] = self.outputs.pop(rid)
         self.failed.discard(rid)
 
@@ -105,11 +132,15 @@ class RuntimeMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def restart(self, data):
         rid = data.draw(st.sampled_from(sorted(self.ended)))
+        twin = self.twin.restart(rid)
+        self.matched[rid] = twin["matched_pages"]
         try:
-            self.rt.restart(rid)
+            adm = self.rt.restart(rid)
         except sp.RequestFailedError:
             event("a restart's prefill failed")
+            self.twin.abort(rid)
             return  # its prefill failed too: still ended, as it was
+        assert adm["matched_pages"] == self.matched[rid], (adm, twin)
         event("restarted after a failure" if rid in self.failed else "restarted after an abort")
         self.outputs[rid] = self.ended.pop(rid)
         self.failed.discard(rid)
@@ -131,6 +162,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         for rid in [r for r, n in self.outputs.items() if n >= self.steps_of[r]]:
             r = self.rt.finish_request(rid)
             assert len(r.outputs) == self.steps_of[rid]
+            self._same_outputs(rid, r, self.twin.finish_request(rid))
             del self.outputs[rid]
 
     def _armed(self, kind: str) -> int:
@@ -139,12 +171,12 @@ class RuntimeMachine(RuleBasedStateMachine):
     # One fault armed at a time: a load and its retry (count 2) fail a request; a failed
     # backup is retried at the next step (failing without end, pages that cannot be written
     # through cannot be evicted, and the device would fill: a capacity error, not a bug).
-    @precondition(lambda self: self._armed("loads") == 0)
+    @precondition(lambda self: not self.prefetch and self._armed("loads") == 0)
     @rule(count=st.integers(1, 2), layer=st.none() | st.integers(0, MODEL.c.layers - 1))
     def load_faults(self, count, layer):
         self.rt.inject_faults("load", count, layer)
 
-    @precondition(lambda self: self._armed("backups") == 0)
+    @precondition(lambda self: not self.prefetch and self._armed("backups") == 0)
     @rule()
     def backup_fault(self):
         self.rt.inject_faults("backup", 1)
@@ -158,6 +190,20 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.rt.scheduler.validate()
         assert {r: len(q.outputs) for r, q in self.rt.requests.items()} == self.outputs
         assert {r: len(q.outputs) for r, q in self.rt.ended.items()} == self.ended
+
+    @staticmethod
+    def _same_outputs(rid, tiered, twin):
+        assert len(tiered.outputs) == len(twin.outputs), rid
+        for n, (a, b) in enumerate(zip(tiered.outputs, twin.outputs, strict=True)):
+            assert torch.equal(a, b), f"request {rid}: output {n} differs from the resident run's"
+
+    @invariant()
+    def matches_the_resident_twin(self):
+        assert self.twin.requests.keys() == self.rt.requests.keys()
+        for rid, r in self.rt.requests.items():
+            self._same_outputs(rid, r, self.twin.requests[rid])
+        for rid in self.ended:
+            self._same_outputs(rid, self.rt.ended[rid], self.twin.ended[rid])
 
     def teardown(self):
         for rid in list(self.rt.requests):
