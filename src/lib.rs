@@ -35,8 +35,9 @@ mod py;
 
 /// The extension allocates with mimalloc: the prefix cache's serve loop and the decode step
 /// allocate and free many short-lived arrays (a request's pages and tokens, a layer's rows),
-/// where glibc's malloc spent a tenth of the time.
-#[cfg(feature = "python")]
+/// where glibc's malloc spent a tenth of the time. The unit tests use it too, so that the
+/// profiling harnesses (`full_shape`) allocate as the extension does.
+#[cfg(any(feature = "python", test))]
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
