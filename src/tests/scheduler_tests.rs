@@ -1296,6 +1296,90 @@ fn int32_rows_plan_as_their_int64_rows_do() {
     }
 }
 
+/// Request `r`'s block row at layer `l` (`len` tokens) in `step`: `k` pages drawn with
+/// repeats from a pool that changes a page a step (so rows keep most pages, drop some and
+/// pick new ones), the request's last page (partial at most lengths) in about half the rows.
+fn churning_row(step: u64, (r, l, len): (u64, u16, u64), k: usize) -> Vec<i64> {
+    let pages = len.div_ceil(u64::from(PS));
+    let seed = r * 31 + u64::from(l) * 7;
+    let pool: Vec<u64> = (0..4)
+        .map(|i| (seed + i * 5 + (step + i) / 4) % pages)
+        .collect();
+    let mut row: Vec<i64> = (0..k as u64)
+        .map(|j| pool[((j * 3 + step + seed) % 4) as usize] as i64)
+        .collect();
+    if (step + seed) % 2 == 0 {
+        row[0] = pages as i64 - 1;
+    }
+    row
+}
+
+#[test]
+fn sorted_block_rows_plan_as_their_unsorted_rows_do() {
+    // Block rows in page order take the merge by runs (`merge_sorted_block_row`); the same
+    // rows out of order take the general merge. Both must read the same bytes (`step` checks
+    // every cell through the table) and keep, load, count and give back the same pages:
+    // rows with repeated pages, the request's partial last page, pages dropped before and
+    // after the row's last, as int64 and int32 rows, padded and as CSR.
+    for (int32, csr) in [(false, false), (true, false), (false, true)] {
+        let mut sorted = three_requests(false);
+        let mut shuffled = three_requests(false);
+        for h in [&mut sorted, &mut shuffled] {
+            (h.int32, h.csr) = (int32, csr);
+        }
+        let k = 6;
+        for step in 0..12u64 {
+            let (f1, a) = sorted.step(&[0, 1, 2], PS, k, &mut |r, l, len| {
+                let mut row = churning_row(step, (r, l, len), k);
+                row.sort_unstable();
+                row
+            });
+            let (f2, b) = shuffled.step(&[0, 1, 2], PS, k, &mut |r, l, len| {
+                let mut row = churning_row(step, (r, l, len), k);
+                row.sort_unstable();
+                row.rotate_left(1); // out of order unless every page is the same
+                row
+            });
+            for h in [&mut sorted, &mut shuffled] {
+                h.s.drain().unwrap();
+            }
+            assert!(f1.is_empty() && f2.is_empty());
+            let key = |r: &StepRecord| {
+                (
+                    r.selected,
+                    r.pages,
+                    r.ready,
+                    r.loaded,
+                    r.bytes_needed,
+                    r.bytes_transferred,
+                    r.bytes_needed_of_transferred,
+                )
+            };
+            let case = format!("step {step}, int32 {int32}, csr {csr}");
+            assert_eq!(key(&a), key(&b), "{case}");
+            assert!(a.ready > 0 && a.selected > a.pages, "{case}: {a:?}");
+            for r in 0..3 {
+                for l in 0..LAYERS {
+                    let id = RequestId::new(r);
+                    assert_eq!(
+                        sorted.s.kept_pages(id, l),
+                        shuffled.s.kept_pages(id, l),
+                        "{case}, request {r}, layer {l}"
+                    );
+                }
+            }
+        }
+        let loaded = sorted.s.totals().loaded;
+        assert!(loaded > 3 * u64::from(LAYERS) * 4, "{loaded} pages loaded");
+        for h in [&mut sorted, &mut shuffled] {
+            for r in 0..3 {
+                h.s.finish_request(RequestId::new(r)).unwrap();
+            }
+            h.assert_quiet();
+        }
+    }
+}
+
 #[test]
 fn token_rows_mapped_to_counted_pages_plan_as_the_token_rows_do() {
     // Token mode with its tokens mapped to pages where they were selected (the runtime does
