@@ -485,14 +485,18 @@ fn merge_sorted_block_row<E: Entry>(
     let mut prev_key = NONE; // its key, if it was new
     while j < row.len() {
         // A run the row shares with the list: hits, their slots straight into the table.
-        let run = j;
-        while j < row.len() && kc < kept.len() && row[j].get() as u32 == kept[kc].page {
-            table[j] = kept[kc].slot;
-            kr.lists.push(kept[kc]);
-            (j, kc) = (j + 1, kc + 1);
+        let mut n = 0;
+        for ((&e, &k), cell) in row[j..].iter().zip(&kept[kc..]).zip(&mut table[j..]) {
+            if e.get() as u32 != k.page {
+                break;
+            }
+            *cell = k.slot;
+            kr.lists.push(k);
+            n += 1;
         }
-        if j > run {
-            hits += j - run;
+        if n > 0 {
+            (j, kc) = (j + n, kc + n);
+            hits += n;
             (prev, prev_key) = (row[j - 1].get() as u32, NONE);
             continue;
         }
