@@ -47,6 +47,9 @@ use crate::scheduler::SelectionUnit;
 /// Kept pages hold at most 1 / this of the device's usable slots (see `refresh_kept`).
 pub(super) const KEPT_SHARE_DIVISOR: u64 = 2;
 
+/// Bytes of the kept array a row's merge asks for past its own list (about two rows).
+const AHEAD_BYTES: usize = 768;
+
 impl StepScheduler {
     /// Whether a plan of `layer` over `unit` uses and refreshes the kept lists: entries of at
     /// most a page (block = page here, smaller ones in `kept_entries.rs`), and no other plan
@@ -92,7 +95,10 @@ impl StepScheduler {
                 && row.is_sorted();
             if in_order && !COUNTED {
                 // Block rows in order (the common case): merged straight from the row.
-                let kept = self.kept.list(l, r.kept_slot);
+                let kept = self.kept.list_ahead(l, r.kept_slot, AHEAD_BYTES);
+                if let Some(next) = selection.get(cells.end..) {
+                    crate::prefetch::prefetch_range(next, AHEAD_BYTES / 2);
+                }
                 merge_sorted_block_row(
                     kept,
                     row,

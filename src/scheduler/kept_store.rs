@@ -115,6 +115,19 @@ impl KeptStore {
         &l.lists[l.runs[slot.index()].range()]
     }
 
+    /// `slot`'s list at `layer`, with the next `ahead` bytes of the layer's array asked for:
+    /// a plan over the batch that last planned the layer reads the array front to back, so
+    /// these are the next rows' lists (their misses overlap this row's merge).
+    #[inline]
+    pub fn list_ahead(&self, layer: usize, slot: KeptSlot, ahead: usize) -> &[Kept] {
+        let l = &self.layers[layer];
+        let run = l.runs[slot.index()];
+        if let Some(next) = l.lists.get(run.end as usize..) {
+            crate::prefetch::prefetch_range(next, ahead);
+        }
+        &l.lists[run.range()]
+    }
+
     /// Empties `slot`'s list at `layer`, appending its objects to `objects`.
     pub fn drain(&mut self, layer: usize, slot: KeptSlot, objects: &mut Vec<u32>) {
         let l = &mut self.layers[layer];
