@@ -10,6 +10,8 @@
 //! unpinned. A hit costs a merge step against a list of ~32 entries the request owns, instead
 //! of a pin and an unpin on an object among millions. The plan's merge also lists the pages each
 //! row dropped, so its finish replaces the lists without merging again.
+//! Block rows in page order (the common case) merge by runs (`merge_sorted_block_row`): a run
+//! of pages the row shares with its list costs a compare and two copies a cell.
 //!
 //! What it costs: the kept pages stay on the device until dropped (one selection per layer per
 //! request; the device budget must hold that, which any plan needs anyway), and they are not
