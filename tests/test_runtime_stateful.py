@@ -16,7 +16,9 @@ ends each request the tiered one failed at the same point, dropping the failed s
 as `sparsetier demo`'s resident run does. After every rule every request's outputs (running or
 ended, restarted ones included) are bit-identical in the two, and both matched the same prefix
 pages at admission. A case either runs with prefetch (and no faults: which load a fault hits
-would then depend on copy timing, and hypothesis could not replay it) or with faults.
+would then depend on copy timing, and hypothesis could not replay it) or with faults. Three
+machines: block selections, token selections mapped to pages in the core, and token
+selections mapped on the model's device and planned as counted page rows.
 """
 
 import torch
@@ -43,6 +45,7 @@ CONCURRENT = 3
 
 class RuntimeMachine(RuleBasedStateMachine):
     MODE = "block"
+    TOKEN_MAP = "core"
 
     def __init__(self):
         super().__init__()
@@ -57,6 +60,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         return DecodeRuntime(
             MODEL, page_size=8, device_slots=device_slots, host_pages=200, indexer_pages=80,
             topk=3 if self.MODE == "block" else 10, selection=self.MODE, prefetch=prefetch,
+            token_map=self.TOKEN_MAP,
         )  # fmt: skip
 
     # A quarter of the cases prefetch; the rest inject faults.
@@ -218,6 +222,13 @@ class TokenRuntimeMachine(RuntimeMachine):
     MODE = "token"
 
 
+class MappedTokenRuntimeMachine(RuntimeMachine):
+    # Token rows mapped to pages with counts on the model's device (`token_map="device"`),
+    # planned as counted page rows (`plan_counted`), in both runtimes.
+    MODE = "token"
+    TOKEN_MAP = "device"
+
+
 # Each rule runs the tiny model (a step or a prefill), so this machine takes a twentieth of
 # the profile's examples (SPARSETIER_HYPOTHESIS=deep: 100 of up to 25 rules).
 _fewer = settings(
@@ -230,3 +241,5 @@ TestRuntimeMachine = RuntimeMachine.TestCase
 TestRuntimeMachine.settings = _fewer
 TestTokenRuntimeMachine = TokenRuntimeMachine.TestCase
 TestTokenRuntimeMachine.settings = _fewer
+TestMappedTokenRuntimeMachine = MappedTokenRuntimeMachine.TestCase
+TestMappedTokenRuntimeMachine.settings = _fewer
