@@ -382,8 +382,9 @@ mod tests {
     fn full_shape_step_time() {
         // SPARSETIER_LOCALITY: the chance a block stays (0.9).
         let locality = env_or("SPARSETIER_LOCALITY", 0.9);
-        // SPARSETIER_MODE=token: top-2048 tokens instead of 32 blocks.
-        let token = std::env::var("SPARSETIER_MODE").is_ok_and(|m| m == "token");
+        // SPARSETIER_MODE=token: top-2048 tokens instead of 32 blocks; =counted: the same
+        // tokens mapped to counted page rows before the timer (`plan_counted`).
+        let mode = std::env::var("SPARSETIER_MODE").unwrap_or_default();
         // SPARSETIER_BUDGET: device slots as a share of all objects (0.25).
         let budget = env_or("SPARSETIER_BUDGET", 0.25);
         // SPARSETIER_ENTRY=i32: rows handed over as int32.
@@ -392,10 +393,10 @@ mod tests {
             locality,
             budget,
             int32,
-            ..if token {
-                DecodeShape::deepseek_v32_tokens()
-            } else {
-                DecodeShape::deepseek_v32()
+            ..match mode.as_str() {
+                "token" => DecodeShape::deepseek_v32_tokens(),
+                "counted" => DecodeShape::deepseek_v32_tokens_counted(),
+                _ => DecodeShape::deepseek_v32(),
             }
         };
         // SPARSETIER_WARMUP: steps before the timed ones (3; ~130 reach the steady state, where
