@@ -27,6 +27,9 @@ struct Harness {
     csr: bool,
     /// Plans get their rows (or CSR entries) as int32 instead of int64.
     int32: bool,
+    /// Mapped token rows: each row's (page, count) cells are edited before planning (cells
+    /// split into repeats, put out of order).
+    edit_counted: Option<EditCounted>,
     dev: PageTransferBinding,
     _dev_buf: Box<[u8]>,
     _host_buf: Box<[u8]>,
@@ -69,6 +72,7 @@ impl Harness {
             map_tokens: false,
             csr: false,
             int32: false,
+            edit_counted: None,
             dev,
             _dev_buf: dev_buf,
             _host_buf: host_buf,
@@ -187,7 +191,10 @@ impl Harness {
             if self.map_tokens {
                 let rows: Vec<Vec<i64>> =
                     (0..rids.len()).map(|b| sel(rids[b], l, lens[b])).collect();
-                let (pages, c, width) = map_token_rows(&rows, PS);
+                let (mut pages, mut c, mut width) = map_token_rows(&rows, PS);
+                if let Some(edit) = self.edit_counted {
+                    (pages, c, width) = edit_counted_rows(&pages, &c, width, edit);
+                }
                 (flat, counts, k) = (pages, Some(c), width);
             } else {
                 for (b, &rid) in rids.iter().enumerate() {
@@ -402,6 +409,42 @@ fn map_token_rows(rows: &[Vec<i64>], ps: u32) -> (Vec<i64>, Vec<u32>, usize) {
         .flat_map(|r| r.iter().copied().chain(std::iter::repeat(-1)).take(k))
         .collect();
     crate::scheduler::bench::counted_rows(&flat, k, ps)
+}
+
+/// An edit of one counted row's (page, count) cells.
+type EditCounted = fn(&mut Vec<(i64, u32)>);
+
+/// Counted page rows (`width` cells a row, padding -1 with count 0) with each row's cells
+/// edited by `edit`, padded again to the widest.
+fn edit_counted_rows(
+    pages: &[i64],
+    counts: &[u32],
+    width: usize,
+    edit: EditCounted,
+) -> (Vec<i64>, Vec<u32>, usize) {
+    let rows: Vec<Vec<(i64, u32)>> = pages
+        .chunks(width)
+        .zip(counts.chunks(width))
+        .map(|(p, c)| {
+            let mut row: Vec<(i64, u32)> = p
+                .iter()
+                .copied()
+                .zip(c.iter().copied())
+                .filter(|&(p, _)| p >= 0)
+                .collect();
+            edit(&mut row);
+            row
+        })
+        .collect();
+    let width = rows.iter().map(Vec::len).max().unwrap_or(0).max(1);
+    let cells = rows.iter().flat_map(|r| {
+        r.iter()
+            .copied()
+            .chain(std::iter::repeat((-1, 0)))
+            .take(width)
+    });
+    let (pages, counts) = cells.unzip();
+    (pages, counts, width)
 }
 
 /// Sink, the last block, and pseudo-random blocks in between.
@@ -1373,6 +1416,81 @@ fn sorted_block_rows_plan_as_their_unsorted_rows_do() {
     }
 }
 
+/// Splits every cell counting two tokens or more into two cells of the same page (a page named
+/// twice, its tokens split between them).
+fn split_counts(row: &mut Vec<(i64, u32)>) {
+    *row = row
+        .iter()
+        .flat_map(|&(p, c)| {
+            let first = c.div_ceil(2);
+            std::iter::once((p, first)).chain((c > first).then_some((p, c - first)))
+        })
+        .collect();
+}
+
+/// [`split_counts`], then out of page order.
+fn split_counts_rotated(row: &mut Vec<(i64, u32)>) {
+    split_counts(row);
+    if !row.is_empty() {
+        row.rotate_left(1);
+    }
+}
+
+#[test]
+fn sorted_counted_rows_plan_as_their_unsorted_rows_do() {
+    // Token rows mapped to counted pages, in page order and the same cells out of order, with
+    // pages named twice (their counts split): the same bytes, counts and kept lists, as int64
+    // and int32, padded and as CSR. (Counted rows merge cell by cell in either order: merging
+    // them by runs, as block rows do, measured slower at token mode's shape, RESULTS.)
+    for (int32, csr) in [(false, false), (true, false), (false, true)] {
+        let mut sorted = three_requests(false);
+        let mut shuffled = three_requests(false);
+        sorted.edit_counted = Some(split_counts);
+        shuffled.edit_counted = Some(split_counts_rotated);
+        for h in [&mut sorted, &mut shuffled] {
+            (h.int32, h.csr, h.map_tokens) = (int32, csr, true);
+        }
+        for step in 0..12u64 {
+            // Up to three tokens of each of a row's churning pages.
+            let mut sel = |r: u64, l: u16, len: u64| -> Vec<i64> {
+                churning_row(step, (r, l, len), 6)
+                    .into_iter()
+                    .flat_map(|p| {
+                        let n = 1 + (p as u64 + step) % 3;
+                        (0..n).map(move |t| p * i64::from(PS) + t as i64)
+                    })
+                    .filter(|&t| (t as u64) < len)
+                    .collect()
+            };
+            let (f1, a) = sorted.step(&[0, 1, 2], 1, 24, &mut sel);
+            let (f2, b) = shuffled.step(&[0, 1, 2], 1, 24, &mut sel);
+            for h in [&mut sorted, &mut shuffled] {
+                h.s.drain().unwrap();
+            }
+            assert!(f1.is_empty() && f2.is_empty());
+            let case = format!("step {step}, int32 {int32}, csr {csr}");
+            assert_eq!(plan_counts(&a), plan_counts(&b), "{case}");
+            assert!(a.ready > 0 && a.selected > a.pages, "{case}: {a:?}");
+            for r in 0..3 {
+                for l in 0..LAYERS {
+                    let id = RequestId::new(r);
+                    assert_eq!(
+                        sorted.s.kept_pages(id, l),
+                        shuffled.s.kept_pages(id, l),
+                        "{case}, request {r}, layer {l}"
+                    );
+                }
+            }
+        }
+        for h in [&mut sorted, &mut shuffled] {
+            for r in 0..3 {
+                h.s.finish_request(RequestId::new(r)).unwrap();
+            }
+            h.assert_quiet();
+        }
+    }
+}
+
 #[test]
 fn token_rows_mapped_to_counted_pages_plan_as_the_token_rows_do() {
     // Token mode with its tokens mapped to pages where they were selected (the runtime does
@@ -1478,6 +1596,21 @@ fn counts_are_checked_against_the_pages_they_count() {
     // A token row: K and V planes of 4 bf16 values, 16 bytes.
     assert_eq!(rec.bytes_needed, (4 + 1 + 2 + 3 + 1) * 16);
     h.s.validate().unwrap();
+    // The pages are kept now: a bad count of a kept page, or of a page named twice, is
+    // refused just the same.
+    assert!(h.s.kept_pins() > 0);
+    h.s.append(&ids).unwrap();
+    for (pages, counts, field) in [
+        ([0, 1, 0, 2, 0, 1], [1, 5, 1, 1, 1, 1], "counts[0][1]"),
+        ([0, 1, 0, 2, 0, 1], [0, 1, 1, 1, 1, 1], "counts[0][0]"),
+        ([0, 1, 0, 0, 0, 1], [1, 1, 1, 0, 1, 1], "counts[1][1]"),
+    ] {
+        let e =
+            h.s.plan_counted(0, &ids, &pages, 2, u, Some(&counts))
+                .unwrap_err();
+        assert!(e.to_string().contains(field), "{e}");
+        h.s.validate().unwrap();
+    }
 }
 
 #[test]
