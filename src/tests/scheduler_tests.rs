@@ -1343,6 +1343,33 @@ fn plan_counts(r: &StepRecord) -> [u64; 7] {
     ]
 }
 
+/// Two harnesses that planned the same rows handed over differently: after the step (its
+/// write-throughs landed on both), nothing failed, both counted alike, kept hits were read,
+/// and every request keeps the same pages at the same slots.
+fn assert_planned_alike(
+    (x, y): (&mut Harness, &mut Harness),
+    (f1, a): (&[u64], &StepRecord),
+    (f2, b): (&[u64], &StepRecord),
+    case: &str,
+) {
+    for h in [&mut *x, &mut *y] {
+        h.s.drain().unwrap();
+    }
+    assert!(f1.is_empty() && f2.is_empty(), "{case}");
+    assert_eq!(plan_counts(a), plan_counts(b), "{case}");
+    assert!(a.ready > 0 && a.selected > a.pages, "{case}: {a:?}");
+    for r in 0..3 {
+        for l in 0..LAYERS {
+            let id = RequestId::new(r);
+            assert_eq!(
+                x.s.kept_pages(id, l),
+                y.s.kept_pages(id, l),
+                "{case}, request {r}, layer {l}"
+            );
+        }
+    }
+}
+
 /// Request `r`'s block row at layer `l` (`len` tokens) in `step`: `k` pages drawn with
 /// repeats from a pool that changes a page a step (so rows keep most pages, drop some and
 /// pick new ones), the request's last page (partial at most lengths) in about half the rows.
@@ -1387,23 +1414,8 @@ fn sorted_block_rows_plan_as_their_unsorted_rows_do() {
                 row.rotate_left(1); // out of order unless every page is the same
                 row
             });
-            for h in [&mut sorted, &mut shuffled] {
-                h.s.drain().unwrap();
-            }
-            assert!(f1.is_empty() && f2.is_empty());
             let case = format!("step {step}, int32 {int32}, csr {csr}");
-            assert_eq!(plan_counts(&a), plan_counts(&b), "{case}");
-            assert!(a.ready > 0 && a.selected > a.pages, "{case}: {a:?}");
-            for r in 0..3 {
-                for l in 0..LAYERS {
-                    let id = RequestId::new(r);
-                    assert_eq!(
-                        sorted.s.kept_pages(id, l),
-                        shuffled.s.kept_pages(id, l),
-                        "{case}, request {r}, layer {l}"
-                    );
-                }
-            }
+            assert_planned_alike((&mut sorted, &mut shuffled), (&f1, &a), (&f2, &b), &case);
         }
         let loaded = sorted.s.totals().loaded;
         assert!(loaded > 3 * u64::from(LAYERS) * 4, "{loaded} pages loaded");
@@ -1464,23 +1476,8 @@ fn sorted_counted_rows_plan_as_their_unsorted_rows_do() {
             };
             let (f1, a) = sorted.step(&[0, 1, 2], 1, 24, &mut sel);
             let (f2, b) = shuffled.step(&[0, 1, 2], 1, 24, &mut sel);
-            for h in [&mut sorted, &mut shuffled] {
-                h.s.drain().unwrap();
-            }
-            assert!(f1.is_empty() && f2.is_empty());
             let case = format!("step {step}, int32 {int32}, csr {csr}");
-            assert_eq!(plan_counts(&a), plan_counts(&b), "{case}");
-            assert!(a.ready > 0 && a.selected > a.pages, "{case}: {a:?}");
-            for r in 0..3 {
-                for l in 0..LAYERS {
-                    let id = RequestId::new(r);
-                    assert_eq!(
-                        sorted.s.kept_pages(id, l),
-                        shuffled.s.kept_pages(id, l),
-                        "{case}, request {r}, layer {l}"
-                    );
-                }
-            }
+            assert_planned_alike((&mut sorted, &mut shuffled), (&f1, &a), (&f2, &b), &case);
         }
         for h in [&mut sorted, &mut shuffled] {
             for r in 0..3 {
