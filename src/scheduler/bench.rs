@@ -117,6 +117,10 @@ pub struct DecodeWorkload {
     sel32: Vec<i32>,
     /// Counted shapes: per layer, the page rows, their counts and the row width.
     pages: Vec<(Vec<i64>, Vec<u32>, usize)>,
+    /// Steps the host pool has room for (each appends a token to every request), and steps
+    /// run so far.
+    capacity: u64,
+    ran: u64,
     _buffers: (Box<[u8]>, Box<[u8]>),
 }
 
@@ -185,6 +189,8 @@ impl DecodeWorkload {
             sel: Vec::new(),
             sel32: Vec::new(),
             pages: Vec::new(),
+            capacity: steps,
+            ran: 0,
             _buffers: (dev, host),
         })
     }
@@ -252,6 +258,17 @@ impl DecodeWorkload {
         }
     }
 
+    /// Steps the workload was built for and has not run (`new`'s `steps`): more run out of
+    /// host pages.
+    pub fn steps_left(&self) -> u64 {
+        self.capacity.saturating_sub(self.ran)
+    }
+
+    /// The shape it runs.
+    pub fn shape(&self) -> DecodeShape {
+        self.shape
+    }
+
     /// Runs `steps` decode steps; returns the time spent in scheduler calls.
     pub fn run(&mut self, steps: u64) -> Result<Duration> {
         let s = self.shape;
@@ -261,6 +278,7 @@ impl DecodeWorkload {
         let mut spent = Duration::ZERO;
         for _ in 0..steps {
             self.next_selection();
+            self.ran += 1;
             let t = Instant::now();
             self.sched.append(&self.rids)?;
             for l in 0..s.layers {
