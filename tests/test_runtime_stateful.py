@@ -229,8 +229,8 @@ class MappedTokenRuntimeMachine(RuntimeMachine):
     TOKEN_MAP = "device"
 
 
-# Each rule runs the tiny model (a step or a prefill), so this machine takes a twentieth of
-# the profile's examples (SPARSETIER_HYPOTHESIS=deep: 100 of up to 25 rules).
+# Each rule runs the tiny model (a step or a prefill) in two runtimes, so these machines take
+# a tenth of the profile's examples (SPARSETIER_HYPOTHESIS=deep: 200 of up to 30 rules).
 _fewer = settings(
     max_examples=max(5, settings.default.max_examples // 10),
     stateful_step_count=min(30, settings.default.stateful_step_count),
