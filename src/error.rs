@@ -188,6 +188,15 @@ pub enum Error {
         /// The handle id.
         id: u64,
     },
+    /// A broken internal invariant (a panic, caught): a bug in sparsetier. The object it
+    /// happened in refuses every later call (see [`crate::guard`]).
+    #[error("internal error at {site}: {message} (a bug in sparsetier; please report it)")]
+    Internal {
+        /// Where the failing call entered the core (file:line:column).
+        site: String,
+        /// The panic's message.
+        message: String,
+    },
 }
 
 /// The crate's result type.

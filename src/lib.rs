@@ -17,6 +17,7 @@ pub mod alloc;
 pub mod config;
 pub mod directory;
 pub mod error;
+pub mod guard;
 pub mod ids;
 pub mod layout;
 pub mod plan;

@@ -1,6 +1,7 @@
 """The indexer and sparse attention against float64 references, and the decode runtime:
 tiering is bit-exact, and prefetch hides what the overlap window covers."""
 
+import gc
 import math
 import time
 
@@ -386,6 +387,82 @@ def test_a_failed_backup_is_retried_and_costs_nothing_else(io):
     assert all(torch.equal(a[r], b[r]) for r in b)
     s = finish_all(faulty)
     assert s["host_writing"] == 0
+
+
+@pytest.mark.parametrize("fault", [(3, "load", 1, None), (4, "load", 2, 1), (0, "backup", 1, None)])
+def test_a_copy_worker_that_panics_fails_the_copy_as_a_failure_would(fault):
+    # A bug in the copy path (the cpu engine's worker panics on the copy): the engine catches
+    # it and fails what the copy had not written, and the runtime treats it as a failed copy:
+    # one panic is retried, a load and its retry panicking fail the requests that needed
+    # them, with the panic's message; every other output equals the all-resident run's (with
+    # the failed requests ended at the same step), and nothing stays pinned or quarantined.
+    step, kind, count, layer = fault
+    rt, a = run(60, False, faults={step: (kind, count, layer, None, True)})
+    stats = rt.scheduler.stats()
+    assert stats["faults_armed_loads"] + stats["faults_armed_backups"] == 0  # all taken
+    tot = rt.scheduler.totals()
+    assert tot["failed_loads" if kind == "load" else "failed_backups"] >= count
+    failed = sorted({rid for _, rid, _ in rt.failures})
+    assert all("copy worker panicked" in why for *_, why in rt.failures)
+    assert bool(failed) == (count == 2), rt.failures  # a retry that works fails nobody
+    aborts = {rt.failures[0][0]: failed} if failed else None
+    _, b = run(400, False, aborts=aborts)
+    assert set(a) == set(b) - set(failed) and all(torch.equal(a[r], b[r]) for r in a)
+    finish_all(rt)
+
+
+def test_an_internal_error_is_typed_and_the_scheduler_refuses_every_later_call():
+    # A bug inside the core (injected: the next plan panics after pinning and submitting its
+    # loads) reaches Python as InternalError, a SparsetierError, never as pyo3's
+    # PanicException (a BaseException); the scheduler and its directory, whose state may be
+    # half-changed, refuse every later call, and dropping them neither hangs nor crashes.
+    rt = DecodeRuntime(TinySparseModel(ModelConfig(seed=3)), page_size=8, device_slots=40,
+                       host_pages=200, indexer_pages=80)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    for rid in range(3):
+        rt.add_request(rid, torch.randint(0, 512, (40 + 9 * rid,), generator=g), 8)
+    rt.step()
+    directory = rt.scheduler.directory
+    rt.inject_faults("internal")
+    with pytest.raises(st.InternalError) as e:
+        rt.step()
+    assert isinstance(e.value, st.SparsetierError)
+    assert e.value.detail == "injected internal fault in plan"
+    assert "scheduler.rs" in e.value.site
+    calls = (rt.scheduler.stats, rt.scheduler.end_step, rt.scheduler.validate, rt.step,
+             lambda: rt.scheduler.directory)  # fmt: skip
+    for call in calls:
+        with pytest.raises(st.InternalError) as later:
+            call()
+        assert "unusable after an earlier internal error" in later.value.detail
+        assert "injected internal fault in plan" in later.value.detail
+    with pytest.raises(st.InternalError):
+        directory.stats()
+    # Constants are still read (they cannot be broken).
+    assert rt.scheduler.layers == rt.model.c.layers
+    # Another scheduler is untouched.
+    other, _ = run(40, False, steps=2)
+    finish_all(other)
+    rt = directory = calls = None
+    gc.collect()
+
+
+def test_injected_panics_are_checked():
+    rt, _ = run(400, False, steps=1)
+    for kwargs in (
+        {"kind": "load", "delay": 0.01, "panic": True},
+        {"kind": "restore", "panic": True},
+        {"kind": "internal", "count": 2},
+        {"kind": "internal", "panic": True},
+    ):
+        with pytest.raises(st.ConfigError) as e:
+            rt.inject_faults(**kwargs)
+        assert e.value.field in ("panic", "count/layer/delay/panic"), kwargs
+    with pytest.raises(st.ConfigError) as e:
+        rt.inject_faults("bug")
+    assert "internal" in e.value.allowed
+    assert rt.scheduler.stats()["faults_armed_loads"] == 0
+    finish_all(rt)
 
 
 def test_budget_too_small_is_a_config_error():

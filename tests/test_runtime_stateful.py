@@ -176,14 +176,19 @@ class RuntimeMachine(RuleBasedStateMachine):
     # backup is retried at the next step (failing without end, pages that cannot be written
     # through cannot be evicted, and the device would fill: a capacity error, not a bug).
     @precondition(lambda self: not self.prefetch and self._armed("loads") == 0)
-    @rule(count=st.integers(1, 2), layer=st.none() | st.integers(0, MODEL.c.layers - 1))
-    def load_faults(self, count, layer):
-        self.rt.inject_faults("load", count, layer)
+    # A copy worker's panic (a bug in the copy path) is a failure like any other.
+    @rule(
+        count=st.integers(1, 2),
+        layer=st.none() | st.integers(0, MODEL.c.layers - 1),
+        panic=st.booleans(),
+    )
+    def load_faults(self, count, layer, panic):
+        self.rt.inject_faults("load", count, layer, panic=panic)
 
     @precondition(lambda self: not self.prefetch and self._armed("backups") == 0)
-    @rule()
-    def backup_fault(self):
-        self.rt.inject_faults("backup", 1)
+    @rule(panic=st.booleans())
+    def backup_fault(self, panic):
+        self.rt.inject_faults("backup", 1, panic=panic)
 
     @invariant()
     def settle(self):

@@ -76,6 +76,17 @@ class InvariantError(SparsetierError, AssertionError):
     """An internal invariant is broken: a bug in sparsetier, never a user error."""
 
 
+class InternalError(InvariantError):
+    """A call into the core panicked (a broken invariant, caught before it reached Python).
+    The object it happened in (a step scheduler, its directory, a prefix cache) refuses every
+    later call with this error; a copy engine fails the transfer instead and goes on.
+    Attributes: ``site`` (where the call entered the core), ``detail`` (the panic's message).
+    """
+
+    site: str
+    detail: str
+
+
 class NotResidentError(SparsetierError, LookupError):
     """An object has no device copy and no ready host copy (or was never created).
     Attribute: ``key``."""
@@ -219,6 +230,7 @@ __all__ = [
     "CopyFailedError",
     "CudaError",
     "CudaUnavailableError",
+    "InternalError",
     "InvalidTransitionError",
     "InvariantError",
     "KeyExistsError",

@@ -417,14 +417,22 @@ class DecodeRuntime:
         log.info("request %d aborted", rid)
 
     def inject_faults(
-        self, kind: str, count: int = 1, layer: int | None = None, delay: float | None = None
+        self,
+        kind: str,
+        count: int = 1,
+        layer: int | None = None,
+        delay: float | None = None,
+        panic: bool = False,
     ) -> None:
         """Arms `count` failures of the scheduler's next `kind` submissions: `load` (a layer's
         selected blocks), `backup` (write-through) or `restore` (a prefix hit's Indexer-K); at
         `layer` only if given. They fail inside the copy engine (every engine; on the CUDA
         engines the earlier layers of that submission are copied and the rest fail). With
-        `delay` (seconds; cpu engine only) those copies are slow instead."""
-        self.scheduler.inject_faults(kind, count, layer, delay)
+        `delay` (seconds; cpu engine only) those copies are slow instead; with `panic` (cpu
+        engine only) the copy worker panics on them, as a bug would, and the engine fails
+        them. Kind `internal` (nothing else given): the scheduler's next plan panics inside
+        the core; `step` raises `InternalError`, and the scheduler refuses every later call."""
+        self.scheduler.inject_faults(kind, count, layer, delay, panic)
 
     # -- one decode step --------------------------------------------------------------
     @torch.no_grad()

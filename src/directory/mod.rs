@@ -32,8 +32,10 @@ pub use state::{DeviceState, HostState, ObjectHint};
 pub use transfer::{BackupPlan, LoadPlan};
 
 use crate::error::{Error, Result};
+use crate::guard::Poison;
 use crate::ids::{PinHandleId, TransferId};
 use parking_lot::{Condvar, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The thread-safe residency directory.
@@ -41,6 +43,9 @@ use std::time::{Duration, Instant};
 pub struct Directory {
     core: Mutex<self::core::Core>,
     finished: Condvar,
+    /// Set when a call through a binding panicked inside (see [`crate::guard`]); the
+    /// bindings refuse every later call. The core itself does not read it.
+    poison: Arc<Poison>,
 }
 
 /// The state of one object, copied out of the directory.
@@ -62,7 +67,13 @@ impl Directory {
         Ok(Directory {
             core: Mutex::new(self::core::Core::new(cfg)?),
             finished: Condvar::new(),
+            poison: Arc::default(),
         })
+    }
+
+    /// The flag the guards of this directory's owners share (see [`crate::guard`]).
+    pub fn poison(&self) -> &Arc<Poison> {
+        &self.poison
     }
 
     /// See [`core::Core::allocate`].

@@ -269,18 +269,30 @@ impl PyResidencyDirectory {
     pub(crate) fn shared(inner: std::sync::Arc<Directory>) -> Self {
         PyResidencyDirectory { inner }
     }
+
+    /// Runs `f` on the directory with a panic inside contained (`crate::guard`): it raises
+    /// `InternalError`, and every later call on this directory (and on the scheduler that
+    /// owns it) does too.
+    #[track_caller]
+    fn core<R>(&self, f: impl FnOnce(&Directory) -> crate::Result<R>) -> crate::Result<R> {
+        self.inner.poison().contain(|| f(&self.inner))
+    }
 }
 
 #[pymethods]
 impl PyResidencyDirectory {
     /// Starts recording every call the directory serves (for `sparsetier replay`).
-    fn start_journal(&self) {
-        self.inner.start_journal()
+    fn start_journal(&self, py: Python<'_>) -> PyResult<()> {
+        self.core(|d| {
+            d.start_journal();
+            Ok(())
+        })
+        .py_err(py)
     }
 
     /// Stops recording and returns the journal as a dict of numpy arrays, or None.
     fn take_journal<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        match self.inner.take_journal() {
+        match self.core(|d| Ok(d.take_journal())).py_err(py)? {
             Some(j) => crate::py::replay::journal_dict(py, &j).map(Some),
             None => Ok(None),
         }
@@ -329,7 +341,7 @@ impl PyResidencyDirectory {
     fn allocate<'py>(&self, keys: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let py = keys.py();
         let keys = parse_keys(keys)?;
-        let slots = py.detach(|| self.inner.allocate(&keys)).py_err(py)?;
+        let slots = py.detach(|| self.core(|d| d.allocate(&keys))).py_err(py)?;
         Ok(PyArray1::from_vec(
             py,
             slots.iter().map(|s| i64::from(s.raw())).collect(),
@@ -353,7 +365,9 @@ impl PyResidencyDirectory {
             None => None,
         };
         let keys = parse_keys(keys)?;
-        let r = py.detach(|| self.inner.resolve(&keys, needed)).py_err(py)?;
+        let r = py
+            .detach(|| self.core(|d| d.resolve(&keys, needed)))
+            .py_err(py)?;
         let loads = r
             .loads
             .iter()
@@ -390,26 +404,27 @@ impl PyResidencyDirectory {
                 ))
             }
         };
-        let m = self.inner.release(id).py_err(py)?;
+        let m = self.core(|d| d.release(id)).py_err(py)?;
         metrics_dict(py, &m)
     }
 
     /// Records that the engine submitted load `transfer_id`.
     fn mark_submitted(&self, transfer_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::transfer_id(transfer_id)?;
-        self.inner.mark_submitted(id).py_err(transfer_id.py())
+        self.core(|d| d.mark_submitted(id)).py_err(transfer_id.py())
     }
 
     /// Loading -> Ready for every object of load `transfer_id`; wakes waiters.
     fn complete(&self, transfer_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::transfer_id(transfer_id)?;
-        self.inner.complete(id).py_err(transfer_id.py())
+        self.core(|d| d.complete(id)).py_err(transfer_id.py())
     }
 
     /// Writing -> Ready for every host copy of backup `transfer_id`.
     fn backup_complete(&self, transfer_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::transfer_id(transfer_id)?;
-        self.inner.backup_complete(id).py_err(transfer_id.py())
+        self.core(|d| d.backup_complete(id))
+            .py_err(transfer_id.py())
     }
 
     /// Fails (or cancels) a transfer: its objects go back to Absent (load) or host None
@@ -417,14 +432,15 @@ impl PyResidencyDirectory {
     #[pyo3(signature = (transfer_id, reason, ended=false))]
     fn fail(&self, transfer_id: &Bound<'_, PyAny>, reason: &str, ended: bool) -> PyResult<()> {
         let id = self::transfer_id(transfer_id)?;
-        self.inner.fail(id, reason, ended).py_err(transfer_id.py())
+        self.core(|d| d.fail(id, reason, ended))
+            .py_err(transfer_id.py())
     }
 
     /// The engine reports failed transfer `transfer_id` can no longer write: its quarantined
     /// slots are freed, exactly once.
     fn transfer_ended(&self, transfer_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::transfer_id(transfer_id)?;
-        self.inner.transfer_ended(id).py_err(transfer_id.py())
+        self.core(|d| d.transfer_ended(id)).py_err(transfer_id.py())
     }
 
     /// Blocks (GIL released) until the transfer finishes. Raises TransferFailedError if it
@@ -443,14 +459,14 @@ impl PyResidencyDirectory {
             }
             None => None,
         };
-        py.detach(|| self.inner.wait(id, timeout)).py_err(py)
+        py.detach(|| self.core(|d| d.wait(id, timeout))).py_err(py)
     }
 
     /// Plans write-through backups of device-Ready objects without a host copy.
     fn backup(&self, keys: &Bound<'_, PyAny>) -> PyResult<PyBackupPlan> {
         let py = keys.py();
         let keys = parse_keys(keys)?;
-        let p = py.detach(|| self.inner.backup(&keys)).py_err(py)?;
+        let p = py.detach(|| self.core(|d| d.backup(&keys))).py_err(py)?;
         Ok(PyBackupPlan {
             transfer_id: p.transfer.map(|t| t.raw()),
             device_slots: i64s(py, &p.device_slots, |s| i64::from(s.raw())),
@@ -464,7 +480,7 @@ impl PyResidencyDirectory {
         let v = int(n, "n")?;
         let n =
             usize::try_from(v).map_err(|_| to_py(py, Error::config("n", v, "an integer >= 0")))?;
-        let keys = self.inner.evict(n);
+        let keys = self.core(|d| Ok(d.evict(n))).py_err(py)?;
         keys_array(py, &keys)
     }
 
@@ -491,8 +507,7 @@ impl PyResidencyDirectory {
                 Error::out_of_range("version", ver, 0, i128::from(u32::MAX) + 1),
             )
         })?;
-        self.inner
-            .drop_namespace(Namespace { id, version: ver })
+        self.core(|d| d.drop_namespace(Namespace { id, version: ver }))
             .py_err(py)
     }
 
@@ -516,7 +531,7 @@ impl PyResidencyDirectory {
                 )
             })?;
         let keys = parse_keys(&arr)?;
-        let Some(s) = self.inner.state(&keys[0]) else {
+        let Some(s) = self.core(|d| Ok(d.state(&keys[0]))).py_err(py)? else {
             return Ok(None);
         };
         let d = PyDict::new(py);
@@ -546,12 +561,12 @@ impl PyResidencyDirectory {
 
     /// Counts per state, pins, quarantined and free/used slots per tier, cumulative totals.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, &self.inner.stats())
+        stats_dict(py, &self.core(|d| Ok(d.stats())).py_err(py)?)
     }
 
     /// Raises InvariantError if any invariant is broken.
     fn validate(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner.validate().map_err(|why| {
+        self.core(|d| Ok(d.validate())).py_err(py)?.map_err(|why| {
             crate::py::error::typed_error(py, "InvariantError", why, &PyDict::new(py))
         })
     }

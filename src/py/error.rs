@@ -196,6 +196,11 @@ fn fill(d: &Bound<'_, PyDict>, err: &Error) -> PyResult<&'static str> {
             )?;
             "UnknownHandleError"
         }
+        Error::Internal { site, message } => {
+            d.set_item("site", site)?;
+            d.set_item("detail", message)?;
+            "InternalError"
+        }
     })
 }
 

@@ -6,6 +6,7 @@
 
 use crate::config::HitPolicy;
 use crate::error::Error;
+use crate::guard::Guarded;
 use crate::ids::PageId;
 use crate::py::alloc::{page_array, page_ids};
 use crate::py::args::{int, opt_int};
@@ -16,9 +17,9 @@ use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::storage::L3State;
 use crate::radix::{HiCache, HiCacheConfig, NodeId, PageKey, PoolPair, WritePolicy};
 use numpy::PyArray1;
-use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
 fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<u32> {
@@ -66,7 +67,10 @@ type PoolArg<'py> = (
 /// The hierarchical prefix cache.
 #[pyclass(name = "HiCache", module = "sparsetier._core", frozen)]
 pub struct PyHiCache {
-    inner: Mutex<HiCache>,
+    /// The cache, behind a guard that turns a panic inside into `InternalError` and refuses
+    /// every later call (`crate::guard`).
+    inner: Guarded<HiCache>,
+    page_size: usize,
     _tensors: Vec<Py<PyAny>>,
     engine: Option<Py<PyTransferEngine>>,
 }
@@ -74,7 +78,26 @@ pub struct PyHiCache {
 impl Drop for PyHiCache {
     fn drop(&mut self) {
         // The engine may still write our tensors: wait before they are released.
-        let _ = self.inner.get_mut().drain();
+        let poisoned = self.inner.poison().get().is_some();
+        let c = self.inner.get_mut();
+        let drained = !poisoned && catch_unwind(AssertUnwindSafe(|| c.drain())).is_ok();
+        if !drained {
+            // After an internal error the books may miss a transfer still in flight: the
+            // pools' tensors stay alive for good rather than a copy writing freed memory.
+            Python::attach(|py| {
+                for t in &self._tensors {
+                    std::mem::forget(t.clone_ref(py));
+                }
+            });
+        }
+    }
+}
+
+impl PyHiCache {
+    /// Runs `f` on the cache under its guard.
+    #[track_caller]
+    fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&mut HiCache) -> PyResult<R>) -> PyResult<R> {
+        self.inner.get(f).py_err(py)?
     }
 }
 
@@ -177,7 +200,8 @@ impl PyHiCache {
         let shared = engine.as_ref().map(|e| e.shared());
         let inner = HiCache::new(cfg, pairs, shared).py_err(py)?;
         Ok(PyHiCache {
-            inner: Mutex::new(inner),
+            page_size: inner.tree().page_size(),
+            inner: Guarded::new(inner),
             _tensors: tensors,
             engine: engine.map(|e| e.into()),
         })
@@ -186,7 +210,7 @@ impl PyHiCache {
     /// Tokens per page.
     #[getter]
     fn page_size(&self) -> usize {
-        self.inner.lock().tree().page_size()
+        self.page_size
     }
 
     /// The longest cached prefix, as a `PrefixMatch` (`device_len`, `host_len`, `device_pages`,
@@ -206,29 +230,31 @@ impl PyHiCache {
     ) -> PyResult<PyPrefixMatch> {
         let py = tokens.py();
         let ns = self::namespace(namespace)?;
-        let mut c = self.inner.lock();
-        with_lookup(tokens, |t| {
-            let n = t.len();
-            let mut m = match t {
-                Lookup::U32(t) => c.match_prefix(ns, t),
-                // Read only as far as the match goes: a bad id after it is refused by
-                // `insert`, which then inserts nothing (the caller frees the new pages).
-                Lookup::I64(t) => c.match_prefix(ns, t),
-            };
-            if lock || alloc {
-                c.lock(m.device_node).py_err(py)?;
-            }
-            let n_device = m.device_pages.len();
-            if alloc {
-                // The new pages go after the matched ones, in the match's own array.
-                let ps = c.tree().page_size();
-                if let Err(e) = c.alloc_device_into(n / ps - m.device_len / ps, &mut m.device_pages)
-                {
-                    c.unlock(m.device_node).py_err(py)?;
-                    return Err(to_py(py, e));
+        self.with(py, |c| {
+            with_lookup(tokens, |t| {
+                let n = t.len();
+                let mut m = match t {
+                    Lookup::U32(t) => c.match_prefix(ns, t),
+                    // Read only as far as the match goes: a bad id after it is refused by
+                    // `insert`, which then inserts nothing (the caller frees the new pages).
+                    Lookup::I64(t) => c.match_prefix(ns, t),
+                };
+                if lock || alloc {
+                    c.lock(m.device_node).py_err(py)?;
                 }
-            }
-            Ok(PyPrefixMatch::new(m, n_device, alloc, c.device_stamp()))
+                let n_device = m.device_pages.len();
+                if alloc {
+                    // The new pages go after the matched ones, in the match's own array.
+                    let ps = c.tree().page_size();
+                    if let Err(e) =
+                        c.alloc_device_into(n / ps - m.device_len / ps, &mut m.device_pages)
+                    {
+                        c.unlock(m.device_node).py_err(py)?;
+                        return Err(to_py(py, e));
+                    }
+                }
+                Ok(PyPrefixMatch::new(m, n_device, alloc, c.device_stamp()))
+            })
         })
     }
 
@@ -261,15 +287,16 @@ impl PyHiCache {
         };
         let ns = self::namespace(namespace)?;
         let unlock = unlock.map(node).transpose()?;
-        let mut c = self.inner.lock();
-        let r = with_lookup(tokens, |t| match t {
-            Lookup::U32(t) => c.insert_stamped(ns, t, pages, stamp, lock).py_err(py),
-            Lookup::I64(t) => c.insert_stamped(ns, t, pages, stamp, lock).py_err(py),
-        })?;
-        if let Some(u) = unlock {
-            c.unlock(u).py_err(py)?;
-        }
-        Ok(PyPrefixInsert::new(&r))
+        self.with(py, |c| {
+            let r = with_lookup(tokens, |t| match t {
+                Lookup::U32(t) => c.insert_stamped(ns, t, pages, stamp, lock).py_err(py),
+                Lookup::I64(t) => c.insert_stamped(ns, t, pages, stamp, lock).py_err(py),
+            })?;
+            if let Some(u) = unlock {
+                c.unlock(u).py_err(py)?;
+            }
+            Ok(PyPrefixInsert::new(&r))
+        })
     }
 
     /// `n` device pages for a request (evicting LRU device leaves if needed), all or nothing.
@@ -278,33 +305,35 @@ impl PyHiCache {
         let v = int(n, "n")?;
         let n =
             usize::try_from(v).map_err(|_| to_py(py, Error::config("n", v, "an integer >= 0")))?;
-        let pages = self.inner.lock().alloc_device(n).py_err(py)?;
+        let pages = self.inner.run(|c| c.alloc_device(n)).py_err(py)?;
         Ok(page_array(py, &pages))
     }
 
     /// Returns pages from `alloc_device` that were not inserted.
     fn free_device(&self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let p: Vec<PageId> = page_ids(pages, "pages")?;
-        self.inner.lock().free_device(&p).py_err(pages.py())
+        self.inner.run(|c| c.free_device(&p)).py_err(pages.py())
     }
 
     /// Removes a namespace (a retired model version) and frees its pages on both tiers;
     /// returns how many. Refused (ConfigError) while a node of it is locked or in flight.
     fn drop_namespace(&self, namespace: &Bound<'_, PyAny>) -> PyResult<usize> {
         let ns = self::namespace(Some(namespace))?;
-        self.inner.lock().drop_namespace(ns).py_err(namespace.py())
+        self.inner
+            .run(|c| c.drop_namespace(ns))
+            .py_err(namespace.py())
     }
 
     /// Locks the path from the root to `node`: none of it is evicted until `unlock`.
     fn lock(&self, node: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::node(node)?;
-        self.inner.lock().lock(id).py_err(node.py())
+        self.inner.run(|c| c.lock(id)).py_err(node.py())
     }
 
     /// Undoes one `lock`.
     fn unlock(&self, node: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::node(node)?;
-        self.inner.lock().unlock(id).py_err(node.py())
+        self.inner.run(|c| c.unlock(id)).py_err(node.py())
     }
 
     /// Device pages of the path to `node`.
@@ -315,9 +344,7 @@ impl PyHiCache {
         let id = self::node(node)?;
         let p = self
             .inner
-            .lock()
-            .tree()
-            .path_device_pages(id)
+            .run(|c| c.tree().path_device_pages(id))
             .py_err(node.py())?;
         Ok(page_array(node.py(), &p))
     }
@@ -325,18 +352,20 @@ impl PyHiCache {
     /// Fault injection for tests: the next `count` device allocations fail with
     /// `OutOfPagesError`, as a full device would.
     #[pyo3(signature = (count=1))]
-    fn inject_alloc_failures(&self, count: u32) {
-        self.inner.lock().inject_alloc_failures(count);
+    fn inject_alloc_failures(&self, py: Python<'_>, count: u32) -> PyResult<()> {
+        self.inner
+            .get(|c| c.inject_alloc_failures(count))
+            .py_err(py)
     }
 
     /// Evicts at least `n` device pages (LRU leaves; backed-up nodes keep their host copy).
-    fn evict_device(&self, n: usize) -> usize {
-        self.inner.lock().evict_device(n)
+    fn evict_device(&self, py: Python<'_>, n: usize) -> PyResult<usize> {
+        self.inner.get(|c| c.evict_device(n)).py_err(py)
     }
 
     /// Evicts at least `n` host pages of nodes no longer on the device and not locked.
     fn evict_host(&self, py: Python<'_>, n: usize) -> PyResult<usize> {
-        self.inner.lock().evict_host(n).py_err(py)
+        self.inner.run(|c| c.evict_host(n)).py_err(py)
     }
 
     /// Queues a restore of the host part of the prefix ending at `node` into fresh device pages
@@ -345,7 +374,7 @@ impl PyHiCache {
     fn load_back<'py>(&self, node: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let py = node.py();
         let id = self::node(node)?;
-        let Some(lb) = self.inner.lock().load_back(id).py_err(py)? else {
+        let Some(lb) = self.inner.run(|c| c.load_back(id)).py_err(py)? else {
             return Ok(None);
         };
         let d = PyDict::new(py);
@@ -361,17 +390,17 @@ impl PyHiCache {
         if let Some(e) = &self.engine {
             e.get().follow_torch_stream(py)?; // copies follow torch's queued writes
         }
-        self.inner.lock().flush().py_err(py)
+        self.inner.run(|c| c.flush()).py_err(py)
     }
 
     /// Settles finished transfers; returns how many.
     fn poll(&self, py: Python<'_>) -> PyResult<usize> {
-        self.inner.lock().poll().py_err(py)
+        self.inner.run(|c| c.poll()).py_err(py)
     }
 
     /// Waits (GIL released) until every submitted transfer has finished, and settles them.
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.lock().drain()).py_err(py)
+        py.detach(|| self.inner.run(|c| c.drain())).py_err(py)
     }
 
     /// Waits (GIL released) for `layer` (or all layers) of submitted transfer `transfer_id`;
@@ -409,7 +438,7 @@ impl PyHiCache {
             }
             None => None,
         };
-        let Some(ev) = self.inner.lock().events(id) else {
+        let Some(ev) = self.inner.get(|c| c.events(id)).py_err(py)? else {
             return Ok(());
         };
         py.detach(|| match layer {
@@ -421,45 +450,7 @@ impl PyHiCache {
 
     /// Counts: pages per tier, tree size, transfers in flight, and cumulative totals.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.inner.lock();
-        let d = PyDict::new(py);
-        let (hf, hc) = c.host_free_capacity();
-        d.set_item("device_capacity", c.device_capacity())?;
-        d.set_item("device_free", c.device_free())?;
-        d.set_item("device_in_tree", c.tree().device_pages())?;
-        d.set_item("device_outstanding", c.outstanding())?;
-        // Leaves evictable right now (a lower bound of what one eviction call frees), and every
-        // unlocked device page (SGLang's evictable_size: what admission should count).
-        d.set_item("device_evictable_now", c.evictable_device_pages())?;
-        d.set_item(
-            "device_evictable_total",
-            c.tree().evictable_device_pages_total(),
-        )?;
-        d.set_item("host_capacity", hc)?;
-        d.set_item("host_free", hf)?;
-        d.set_item("host_in_tree", c.tree().host_pages())?;
-        d.set_item("nodes", c.tree().node_count())?;
-        d.set_item("in_flight", c.in_flight())?;
-        let t = c.totals();
-        let totals = PyDict::new(py);
-        macro_rules! put {
-            ($($f:ident),*) => { $( totals.set_item(stringify!($f), t.$f)?; )* };
-        }
-        put!(
-            matches,
-            device_hit_tokens,
-            host_hit_tokens,
-            match_tokens,
-            pages_backed_up,
-            backups_skipped,
-            pages_loaded,
-            loads_refused,
-            failed_transfers,
-            device_evicted,
-            host_evicted
-        );
-        d.set_item("totals", totals)?;
-        Ok(d)
+        self.with(py, |c| hicache_stats_dict(py, c))
     }
 
     /// Puts an L3 tier under the host tier (see `sparsetier.l3`): the core plans writes
@@ -491,8 +482,7 @@ impl PyHiCache {
             return Err(to_py(py, Error::config("remember", 0, ">= 1 keys")));
         }
         self.inner
-            .lock()
-            .enable_storage(policy, salt.to_owned(), remember, write_ahead)
+            .run(|c| c.enable_storage(policy, salt.to_owned(), remember, write_ahead))
             .py_err(py)
     }
 
@@ -505,54 +495,33 @@ impl PyHiCache {
     ) -> PyResult<Vec<String>> {
         let py = tokens.py();
         let ns = self::namespace(namespace)?;
-        let c = self.inner.lock();
-        let keys = with_tokens(tokens, |t| c.storage_keys(ns, t).py_err(py))?;
+        let keys = self.with(py, |c| {
+            with_tokens(tokens, |t| c.storage_keys(ns, t).py_err(py))
+        })?;
         Ok(keys.iter().map(ToString::to_string).collect())
     }
 
     /// What this cache knows of each key: "unknown", "stored", "writing" or "prefetching".
     fn storage_states(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<&'static str>> {
-        let c = self.inner.lock();
-        let t = c.storage().ok_or_else(|| {
-            to_py(
-                py,
-                Error::config("storage_backend", "None", "a HiCache with an L3 tier"),
-            )
-        })?;
-        keys.iter()
-            .map(|k| {
-                let key = parse_key(k).ok_or_else(|| {
-                    to_py(
-                        py,
-                        Error::config("keys", k, "32 hex digits (from storage_keys)"),
-                    )
-                })?;
-                Ok(match t.state(&key) {
-                    L3State::Unknown => "unknown",
-                    L3State::Stored => "stored",
-                    L3State::Writing => "writing",
-                    L3State::Prefetching => "prefetching",
-                })
-            })
-            .collect()
+        self.with(py, |c| storage_states_of(py, c, &keys))
     }
 
     /// Turns the store on or off (off: unreachable; no new plans, write-back evicts without
     /// writing).
     fn set_storage_online(&self, py: Python<'_>, online: bool) -> PyResult<()> {
-        self.inner.lock().set_storage_online(online).py_err(py)
+        self.inner.run(|c| c.set_storage_online(online)).py_err(py)
     }
 
     /// Write-back ahead of need: while fewer than `write_ahead` of the host pages are free,
     /// plans writes for the least recently used host pages the store lacks. Returns the pages
     /// planned.
     fn storage_write_ahead(&self, py: Python<'_>) -> PyResult<usize> {
-        self.inner.lock().storage_write_ahead().py_err(py)
+        self.inner.run(|c| c.storage_write_ahead()).py_err(py)
     }
 
     /// Write plans queued since the last call: `(id, keys, host_pages)` each.
     fn take_storage_writes<'py>(&self, py: Python<'py>) -> PyResult<Vec<PlanTuple<'py>>> {
-        let plans = self.inner.lock().take_storage_writes().py_err(py)?;
+        let plans = self.inner.run(|c| c.take_storage_writes()).py_err(py)?;
         Ok(plans
             .into_iter()
             .map(|p| {
@@ -565,8 +534,7 @@ impl PyHiCache {
     /// Ends write `plan_id`: `ok[i]` says whether its page i was stored.
     fn storage_write_done(&self, py: Python<'_>, plan_id: u64, ok: Vec<bool>) -> PyResult<()> {
         self.inner
-            .lock()
-            .storage_write_done(plan_id, &ok)
+            .run(|c| c.storage_write_done(plan_id, &ok))
             .py_err(py)
     }
 
@@ -582,9 +550,10 @@ impl PyHiCache {
     ) -> PyResult<Option<PlanTuple<'py>>> {
         let py = tokens.py();
         let ns = self::namespace(namespace)?;
-        let mut c = self.inner.lock();
-        let plan = with_tokens(tokens, |t| {
-            c.plan_prefetch(ns, t, start_page, n_pages).py_err(py)
+        let plan = self.with(py, |c| {
+            with_tokens(tokens, |t| {
+                c.plan_prefetch(ns, t, start_page, n_pages).py_err(py)
+            })
         })?;
         Ok(plan.map(|p| {
             let keys = p.keys.iter().map(ToString::to_string).collect();
@@ -596,63 +565,30 @@ impl PyHiCache {
     /// copies; returns how many the tree took. Once per prefetch, before `prefetch_end`.
     fn prefetch_commit(&self, py: Python<'_>, plan_id: u64, arrived: usize) -> PyResult<usize> {
         self.inner
-            .lock()
-            .prefetch_commit(plan_id, arrived)
+            .run(|c| c.prefetch_commit(plan_id, arrived))
             .py_err(py)
     }
 
     /// Ends prefetch `plan_id` once no read writes its pages: frees what was not committed.
     fn prefetch_end(&self, py: Python<'_>, plan_id: u64) -> PyResult<()> {
-        self.inner.lock().prefetch_end(plan_id).py_err(py)
+        self.inner.run(|c| c.prefetch_end(plan_id)).py_err(py)
     }
 
     /// Byte ranges `(address, length)` of host page `page` in every pool, in store order.
     fn host_segments(&self, py: Python<'_>, page: u32) -> PyResult<Vec<(u64, u64)>> {
         self.inner
-            .lock()
-            .host_segments(PageId::new(page))
+            .run(|c| c.host_segments(PageId::new(page)))
             .py_err(py)
     }
 
     /// The L3 tier's state and counters, or None without one.
     fn storage_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let c = self.inner.lock();
-        let Some(s) = c.storage() else {
-            return Ok(None);
-        };
-        let d = PyDict::new(py);
-        d.set_item("online", s.online())?;
-        d.set_item(
-            "write_policy",
-            match s.policy() {
-                WritePolicy::WriteBack => "write_back",
-                WritePolicy::WriteThrough => "write_through",
-            },
-        )?;
-        d.set_item("writes_in_flight", s.writes_in_flight())?;
-        d.set_item("prefetches_in_flight", s.prefetches_in_flight())?;
-        d.set_item("stored_known", s.stored_len())?;
-        let t = s.totals();
-        macro_rules! put {
-            ($($f:ident),*) => { $( d.set_item(stringify!($f), t.$f)?; )* };
-        }
-        put!(
-            writes_planned,
-            pages_written,
-            write_failures,
-            evicted_unstored,
-            prefetches_planned,
-            pages_prefetched,
-            prefetch_missed,
-            prefetch_spare,
-            offline_events
-        );
-        Ok(Some(d))
+        self.with(py, |c| storage_stats_dict(py, c))
     }
 
     /// Raises InvariantError if the tree or page conservation is broken.
     fn validate(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner.lock().validate().map_err(|why| {
+        self.inner.get(|c| c.validate()).py_err(py)?.map_err(|why| {
             crate::py::error::typed_error(py, "InvariantError", why, &PyDict::new(py))
         })
     }
@@ -676,4 +612,107 @@ pub fn _bench_serve(
         .detach(|| crate::radix::bench::serve(&seqs, page_size, capacity_pages, inflight))
         .py_err(py)?;
     Ok((st.lat_ns, st.hit_tokens, st.total_tokens, st.failed))
+}
+
+/// Counts of a cache (`HiCache.stats`).
+fn hicache_stats_dict<'py>(py: Python<'py>, c: &HiCache) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let (hf, hc) = c.host_free_capacity();
+    d.set_item("device_capacity", c.device_capacity())?;
+    d.set_item("device_free", c.device_free())?;
+    d.set_item("device_in_tree", c.tree().device_pages())?;
+    d.set_item("device_outstanding", c.outstanding())?;
+    // Leaves evictable right now (a lower bound of what one eviction call frees), and every
+    // unlocked device page (SGLang's evictable_size: what admission should count).
+    d.set_item("device_evictable_now", c.evictable_device_pages())?;
+    d.set_item(
+        "device_evictable_total",
+        c.tree().evictable_device_pages_total(),
+    )?;
+    d.set_item("host_capacity", hc)?;
+    d.set_item("host_free", hf)?;
+    d.set_item("host_in_tree", c.tree().host_pages())?;
+    d.set_item("nodes", c.tree().node_count())?;
+    d.set_item("in_flight", c.in_flight())?;
+    let t = c.totals();
+    let totals = PyDict::new(py);
+    macro_rules! put {
+        ($($f:ident),*) => { $( totals.set_item(stringify!($f), t.$f)?; )* };
+    }
+    put!(
+        matches,
+        device_hit_tokens,
+        host_hit_tokens,
+        match_tokens,
+        pages_backed_up,
+        backups_skipped,
+        pages_loaded,
+        loads_refused,
+        failed_transfers,
+        device_evicted,
+        host_evicted
+    );
+    d.set_item("totals", totals)?;
+    Ok(d)
+}
+
+/// What `c` knows of each of `keys` (`HiCache.storage_states`).
+fn storage_states_of(py: Python<'_>, c: &HiCache, keys: &[String]) -> PyResult<Vec<&'static str>> {
+    let t = c.storage().ok_or_else(|| {
+        to_py(
+            py,
+            Error::config("storage_backend", "None", "a HiCache with an L3 tier"),
+        )
+    })?;
+    keys.iter()
+        .map(|k| {
+            let key = parse_key(k).ok_or_else(|| {
+                to_py(
+                    py,
+                    Error::config("keys", k, "32 hex digits (from storage_keys)"),
+                )
+            })?;
+            Ok(match t.state(&key) {
+                L3State::Unknown => "unknown",
+                L3State::Stored => "stored",
+                L3State::Writing => "writing",
+                L3State::Prefetching => "prefetching",
+            })
+        })
+        .collect()
+}
+
+/// The L3 tier's state and counters (`HiCache.storage_stats`).
+fn storage_stats_dict<'py>(py: Python<'py>, c: &HiCache) -> PyResult<Option<Bound<'py, PyDict>>> {
+    let Some(s) = c.storage() else {
+        return Ok(None);
+    };
+    let d = PyDict::new(py);
+    d.set_item("online", s.online())?;
+    d.set_item(
+        "write_policy",
+        match s.policy() {
+            WritePolicy::WriteBack => "write_back",
+            WritePolicy::WriteThrough => "write_through",
+        },
+    )?;
+    d.set_item("writes_in_flight", s.writes_in_flight())?;
+    d.set_item("prefetches_in_flight", s.prefetches_in_flight())?;
+    d.set_item("stored_known", s.stored_len())?;
+    let t = s.totals();
+    macro_rules! put {
+        ($($f:ident),*) => { $( d.set_item(stringify!($f), t.$f)?; )* };
+    }
+    put!(
+        writes_planned,
+        pages_written,
+        write_failures,
+        evicted_unstored,
+        prefetches_planned,
+        pages_prefetched,
+        prefetch_missed,
+        prefetch_spare,
+        offline_events
+    );
+    Ok(Some(d))
 }

@@ -11,6 +11,7 @@
 
 use crate::config::HitPolicy;
 use crate::error::Error;
+use crate::guard::Guarded;
 use crate::ids::{LayerPlanId, RequestId, SlotId};
 use crate::py::args::{int, int64_array, opt_int};
 use crate::py::directory::{stats_dict, PyResidencyDirectory};
@@ -27,11 +28,20 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rustc_hash::FxHashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// The batched, asynchronous decode-step scheduler over one-layer device and host KV pools.
 #[pyclass(name = "StepScheduler", module = "sparsetier._core", frozen)]
 pub struct PyStepScheduler {
-    inner: Mutex<StepScheduler>,
+    /// The core, behind a guard that turns a panic inside into `InternalError` and refuses
+    /// every later call; its poison flag is the directory's, so the directory's own binding
+    /// refuses too.
+    inner: Guarded<StepScheduler>,
+    /// What never changes, read without the lock.
+    layers: u16,
+    page_size: u32,
+    object_bytes: u64,
+    joined: bool,
     device: Py<PyPageTransferBinding>,
     host: Py<PyPageTransferBinding>,
     engine: Py<PyTransferEngine>,
@@ -343,14 +353,13 @@ impl PyStepScheduler {
         let cfg = scheduler_config(py, layers, d, h, device_reserve, prefetch, prefetch_depth)?;
         let inner =
             StepScheduler::new(cfg, d.inner.clone(), h.inner.clone(), e.shared()).py_err(py)?;
-        Ok(PyStepScheduler {
-            inner: Mutex::new(inner),
-            device: device.unbind(),
-            host: host.unbind(),
-            engine: engine.unbind(),
-            sidecars: Vec::new(),
-            tables: Mutex::default(),
-        })
+        Ok(PyStepScheduler::wrap(
+            inner,
+            device.unbind(),
+            host.unbind(),
+            engine.unbind(),
+            Vec::new(),
+        ))
     }
 
     /// A joined scheduler: `host_kv` is the group's multi-layer KV host pool (either layout),
@@ -404,20 +413,19 @@ impl PyStepScheduler {
             e.shared(),
         )
         .py_err(py)?;
-        Ok(PyStepScheduler {
-            inner: Mutex::new(inner),
-            device: device.unbind(),
-            host: host_kv.unbind(),
-            engine: engine.unbind(),
-            sidecars: vec![indexer_device.unbind(), indexer_host.unbind()],
-            tables: Mutex::default(),
-        })
+        Ok(PyStepScheduler::wrap(
+            inner,
+            device.unbind(),
+            host_kv.unbind(),
+            engine.unbind(),
+            vec![indexer_device.unbind(), indexer_host.unbind()],
+        ))
     }
 
     /// Whether this is a joined scheduler (with a prefix cache).
     #[getter]
     fn is_joined(&self) -> bool {
-        self.inner.lock().is_joined()
+        self.joined
     }
 
     /// Joined mode: admits request `rid` with its prompt `tokens` (1-D integers in
@@ -435,7 +443,7 @@ impl PyStepScheduler {
         let id = self::rid(rid)?;
         let toks = token_ids(tokens)?;
         let a = py
-            .detach(|| self.inner.lock().admit(id, &toks))
+            .detach(|| self.inner.run(|s| s.admit(id, &toks)))
             .py_err(py)?;
         let d = PyDict::new(py);
         d.set_item("matched_pages", a.matched_pages)?;
@@ -459,7 +467,7 @@ impl PyStepScheduler {
         let l = u32_arg(py, layer, "layer", 0)?;
         let l = u16::try_from(l)
             .map_err(|_| to_py(py, Error::out_of_range("layer", l, 0, self.layers())))?;
-        py.detach(|| self.inner.lock().wait_prefix(id, l, stream))
+        py.detach(|| self.inner.run(|s| s.wait_prefix(id, l, stream)))
             .py_err(py)
     }
 
@@ -470,16 +478,22 @@ impl PyStepScheduler {
         rid: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let id = self::rid(rid)?;
-        let s = self.inner.lock();
-        let pages = s.indexer_pages(id).py_err(py)?;
-        Ok(PyArray1::from_iter(py, pages.iter().map(|&p| i64::from(p))))
+        let pages = self
+            .inner
+            .run(|s| {
+                let pages = s.indexer_pages(id)?;
+                Ok(pages.iter().map(|&p| i64::from(p)).collect::<Vec<_>>())
+            })
+            .py_err(py)?;
+        Ok(PyArray1::from_vec(py, pages))
     }
 
     /// Joined mode: writes through and inserts every ended request now, waiting for the
     /// copies (so the next admission sees their pages).
     fn flush_finished(&self, py: Python<'_>) -> PyResult<()> {
         self.follow(py)?;
-        py.detach(|| self.inner.lock().flush_finished()).py_err(py)
+        py.detach(|| self.inner.run(|s| s.flush_finished()))
+            .py_err(py)
     }
 
     /// Joined mode: evicts up to `device` Indexer-K device pages and `host` host pages of
@@ -493,39 +507,13 @@ impl PyStepScheduler {
     ) -> PyResult<(usize, usize)> {
         let d = u32_arg(py, device, "device", 0)? as usize;
         let h = u32_arg(py, host, "host", 0)? as usize;
-        self.inner.lock().evict_prefix(d, h).py_err(py)
+        self.inner.run(|s| s.evict_prefix(d, h)).py_err(py)
     }
 
     /// Joined mode: prefix-tier counters (hits, bytes restored and loaded against a full
     /// restore) and the prefix cache's page counts; None for a plain scheduler.
     fn prefix_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let s = self.inner.lock();
-        let (Some(t), Some(p)) = (s.prefix_totals(), s.prefix_tier()) else {
-            return Ok(None);
-        };
-        let d = PyDict::new(py);
-        d.set_item("requests", t.requests)?;
-        d.set_item("hits", t.hits)?;
-        d.set_item("device_hit_tokens", t.device_hit_tokens)?;
-        d.set_item("host_hit_tokens", t.host_hit_tokens)?;
-        d.set_item("indexer_bytes_restored", t.sidecar_bytes_restored)?;
-        d.set_item("prefix_kv_bytes_loaded", t.prefix_kv_bytes_loaded)?;
-        d.set_item("prefix_kv_bytes_first", t.prefix_kv_bytes_first)?;
-        d.set_item("device_part_kv_bytes_loaded", t.device_part_kv_bytes_loaded)?;
-        d.set_item("full_restore_bytes", t.full_restore_bytes)?;
-        d.set_item("restores_refused", t.restores_refused)?;
-        d.set_item("restores_failed", t.restores_failed)?;
-        d.set_item("pages_inserted", t.pages_inserted)?;
-        d.set_item("writes_failed", t.writes_failed)?;
-        let c = p.cache();
-        let (hf, hc) = c.host_free_capacity();
-        d.set_item("device_free", c.device_free())?;
-        d.set_item("device_capacity", c.device_capacity())?;
-        d.set_item("host_free", hf)?;
-        d.set_item("host_capacity", hc)?;
-        d.set_item("tree_nodes", c.tree().node_count())?;
-        d.set_item("finishing", s.finishing())?;
-        Ok(Some(d))
+        self.with(py, |s| prefix_stats_dict(py, s))
     }
 
     /// Plans whose entries are at most a page (block = page, token mode) keep each row's
@@ -534,31 +522,31 @@ impl PyStepScheduler {
     /// kept pages are; kept pages hold at most half the device); False gives every kept page
     /// back and resolves every selected page each step.
     #[getter]
-    fn keep_selections(&self) -> bool {
-        self.inner.lock().keeps_selections()
+    fn keep_selections(&self, py: Python<'_>) -> PyResult<bool> {
+        self.inner.get(|s| s.keeps_selections()).py_err(py)
     }
 
     #[setter]
     fn set_keep_selections(&self, py: Python<'_>, on: bool) -> PyResult<()> {
-        self.inner.lock().set_keep_selections(on).py_err(py)
+        self.inner.run(|s| s.set_keep_selections(on)).py_err(py)
     }
 
     /// Model layers.
     #[getter]
     fn layers(&self) -> u16 {
-        self.inner.lock().config().layers
+        self.layers
     }
 
     /// Tokens per page.
     #[getter]
     fn page_size(&self) -> u32 {
-        self.inner.lock().config().page_size
+        self.page_size
     }
 
     /// Bytes of one object (one page of one layer, K and V).
     #[getter]
     fn object_bytes(&self) -> u64 {
-        self.inner.lock().object_bytes()
+        self.object_bytes
     }
 
     /// The device and host bindings and the engine the scheduler was built over.
@@ -576,8 +564,9 @@ impl PyStepScheduler {
 
     /// The residency directory, shared (read its stats; the scheduler makes the transitions).
     #[getter]
-    fn directory(&self) -> PyResidencyDirectory {
-        PyResidencyDirectory::shared(self.inner.lock().directory().clone())
+    fn directory(&self, py: Python<'_>) -> PyResult<PyResidencyDirectory> {
+        let d = self.inner.get(|s| s.directory().clone()).py_err(py)?;
+        Ok(PyResidencyDirectory::shared(d))
     }
 
     /// Stores a shared prefix of `pages` whole pages: returns its slots `[layers, pages]` to
@@ -595,7 +584,7 @@ impl PyStepScheduler {
         let pages = u32_arg(py, pages, "pages", 1)?;
         let layers = self.layers() as usize;
         let slots = py
-            .detach(|| self.inner.lock().add_prompt(ns, pages))
+            .detach(|| self.inner.run(|s| s.add_prompt(ns, pages)))
             .py_err(py)?;
         slots_2d(py, &slots, layers)
     }
@@ -605,7 +594,7 @@ impl PyStepScheduler {
         let ns = int(namespace, "namespace")?;
         let ns = u64::try_from(ns)
             .map_err(|_| to_py(py, Error::config("namespace", ns, "a stored prompt")))?;
-        self.inner.lock().drop_prompt(ns).py_err(py)
+        self.inner.run(|s| s.drop_prompt(ns)).py_err(py)
     }
 
     /// Admits a request of `tokens` prefilled tokens, optionally over `prefix = (namespace,
@@ -641,7 +630,7 @@ impl PyStepScheduler {
         };
         let layers = self.layers() as usize;
         let slots = py
-            .detach(|| self.inner.lock().add_request(id, n, prefix))
+            .detach(|| self.inner.run(|s| s.add_request(id, n, prefix)))
             .py_err(py)?;
         slots_2d(py, &slots, layers)
     }
@@ -658,7 +647,9 @@ impl PyStepScheduler {
         let id = self::rid(rid)?;
         let n = tokens_arg(tokens)?;
         let layers = self.layers() as usize;
-        let (first, slots) = py.detach(|| self.inner.lock().extend(id, n)).py_err(py)?;
+        let (first, slots) = py
+            .detach(|| self.inner.run(|s| s.extend(id, n)))
+            .py_err(py)?;
         Ok((first, slots_2d(py, &slots, layers)?))
     }
 
@@ -675,19 +666,20 @@ impl PyStepScheduler {
         self.follow(py)?;
         let id = self::rid(rid)?;
         let Some(tokens) = tokens else {
-            return self.inner.lock().finish_request(id).py_err(py);
+            return self.inner.run(|s| s.finish_request(id)).py_err(py);
         };
         let toks = token_ids(tokens)?;
-        self.inner.lock().end_request(id, Some(&toks)).py_err(py)
+        self.inner
+            .run(|s| s.end_request(id, Some(&toks)))
+            .py_err(py)
     }
 
     /// Tokens written for request `rid`.
     fn request_len(&self, py: Python<'_>, rid: &Bound<'_, PyAny>) -> PyResult<u64> {
         let id = self::rid(rid)?;
         self.inner
-            .lock()
-            .request(id)
-            .map(|r| r.len)
+            .get(|s| s.request(id).map(|r| r.len))
+            .py_err(py)?
             .ok_or_else(|| to_py(py, Error::config("rid", id, "a running request")))
     }
 
@@ -700,7 +692,9 @@ impl PyStepScheduler {
     ) -> PyResult<(Bound<'py, PyArray2<i32>>, Bound<'py, PyArray1<i32>>)> {
         self.follow(py)?;
         let ids = rid_list(rids)?;
-        let (slots, rows) = py.detach(|| self.inner.lock().append(&ids)).py_err(py)?;
+        let (slots, rows) = py
+            .detach(|| self.inner.run(|s| s.append(&ids)))
+            .py_err(py)?;
         let rows: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
         Ok((
             slots_2d(py, &slots, ids.len())?,
@@ -807,13 +801,14 @@ impl PyStepScheduler {
         let rows = ids.len();
         let (id, t) = py
             .detach(|| {
-                let mut s = self.inner.lock();
-                let counts = counts.as_deref();
-                let (id, _) = match flat {
-                    Entries::I64(f) => s.plan_counted(layer, &ids, f, k, unit, counts)?,
-                    Entries::I32(f) => s.plan_counted(layer, &ids, f, k, unit, counts)?,
-                };
-                Ok::<_, Error>((id, s.take_table(id)?))
+                self.inner.run(|s| {
+                    let counts = counts.as_deref();
+                    let (id, _) = match flat {
+                        Entries::I64(f) => s.plan_counted(layer, &ids, f, k, unit, counts)?,
+                        Entries::I32(f) => s.plan_counted(layer, &ids, f, k, unit, counts)?,
+                    };
+                    Ok((id, s.take_table(id)?))
+                })
             })
             .py_err(py)?;
         let t = table(py, t, rows)?;
@@ -894,13 +889,14 @@ impl PyStepScheduler {
         let offsets = offsets.as_slice().map_err(|_| strided("offsets"))?;
         let (id, t) = py
             .detach(|| {
-                let mut s = self.inner.lock();
-                let counts = counts.as_deref();
-                let (id, _) = match flat {
-                    Entries::I64(e) => s.plan_csr(layer, &ids, offsets, e, unit, counts)?,
-                    Entries::I32(e) => s.plan_csr(layer, &ids, offsets, e, unit, counts)?,
-                };
-                Ok::<_, Error>((id, s.take_table(id)?))
+                self.inner.run(|s| {
+                    let counts = counts.as_deref();
+                    let (id, _) = match flat {
+                        Entries::I64(e) => s.plan_csr(layer, &ids, offsets, e, unit, counts)?,
+                        Entries::I32(e) => s.plan_csr(layer, &ids, offsets, e, unit, counts)?,
+                    };
+                    Ok((id, s.take_table(id)?))
+                })
             })
             .py_err(py)?;
         let t = PyArray1::from_vec(py, t);
@@ -924,7 +920,7 @@ impl PyStepScheduler {
         self.follow(py)?;
         let id = plan_id(plan)?;
         let out = py
-            .detach(|| self.inner.lock().ready(id, stream))
+            .detach(|| self.inner.run(|s| s.ready(id, stream)))
             .py_err(py)?;
         let t = if out.slots_changed {
             Some(self.patched_table(py, id.raw(), &out)?)
@@ -946,7 +942,7 @@ impl PyStepScheduler {
         plan: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let id = plan_id(plan)?;
-        let c = self.inner.lock().finish(id).py_err(py)?;
+        let c = self.inner.run(|s| s.finish(id)).py_err(py)?;
         self.tables.lock().remove(&id.raw());
         counts_dict(py, &c)
     }
@@ -955,33 +951,37 @@ impl PyStepScheduler {
     /// step's record.
     fn end_step<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         self.follow(py)?;
-        let r = py.detach(|| self.inner.lock().end_step()).py_err(py)?;
+        let r = py.detach(|| self.inner.run(|s| s.end_step())).py_err(py)?;
         record_dict(py, &r)
     }
 
     /// Cumulative record: every finished step, plus what happened since the last one.
     fn totals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let r = self.inner.lock().totals();
+        let r = self.inner.get(|s| s.totals()).py_err(py)?;
         record_dict(py, &r)
     }
 
     /// Settles finished transfers.
     fn poll(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.lock().poll()).py_err(py)
+        py.detach(|| self.inner.run(|s| s.poll())).py_err(py)
     }
 
     /// Waits for and settles every transfer in flight; releases unconsumed prefetches.
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
         self.follow(py)?;
-        py.detach(|| self.inner.lock().drain()).py_err(py)
+        py.detach(|| self.inner.run(|s| s.drain())).py_err(py)
     }
 
     /// Arms `count` failures of the next `kind` (`load`, `backup` or `restore`) submissions,
     /// at `layer` only if given; they fail inside the engine (every engine). With `delay`
-    /// (seconds; cpu engine only) those copies start that much later instead of failing.
+    /// (seconds; cpu engine only) those copies start that much later instead of failing; with
+    /// `panic` (cpu engine only) the engine's worker panics on them instead, as a bug in the
+    /// copy path would, and the engine fails them. Kind `internal` (nothing else given): the
+    /// next plan panics inside the core, as a bug would; that call raises `InternalError`, and
+    /// so does every later call on this scheduler and its directory.
     #[pyo3(
-        signature = (kind, count=None, layer=None, delay=None),
-        text_signature = "($self, kind, count=1, layer=None, delay=None)"
+        signature = (kind, count=None, layer=None, delay=None, panic=false),
+        text_signature = "($self, kind, count=1, layer=None, delay=None, panic=False)"
     )]
     fn inject_faults(
         &self,
@@ -990,22 +990,53 @@ impl PyStepScheduler {
         count: Option<&Bound<'_, PyAny>>,
         layer: Option<&Bound<'_, PyAny>>,
         delay: Option<f64>,
+        panic: bool,
     ) -> PyResult<()> {
-        let direction = match kind {
-            "load" => Direction::Load,
-            "backup" => Direction::Backup,
-            "restore" => Direction::Load,
-            other => {
-                return Err(to_py(
-                    py,
-                    Error::config("kind", format!("{other:?}"), "load, backup or restore"),
-                ))
-            }
-        };
         let count = match count {
             Some(c) => u32_arg(py, c, "count", 1)?,
             None => 1,
         };
+        let direction = match kind {
+            "load" => Direction::Load,
+            "backup" => Direction::Backup,
+            "restore" => Direction::Load,
+            "internal" if count == 1 && layer.is_none() && delay.is_none() && !panic => {
+                return self.inner.get(|s| s.inject_internal_fault()).py_err(py);
+            }
+            "internal" => {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        "count/layer/delay/panic",
+                        "given",
+                        "count 1 and none of the others for an internal fault (the next plan \
+                         panics)",
+                    ),
+                ))
+            }
+            other => {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        "kind",
+                        format!("{other:?}"),
+                        "load, backup, restore or internal",
+                    ),
+                ))
+            }
+        };
+        if panic && (delay.is_some() || kind == "restore" || self.engine.get().needs_pinned()) {
+            return Err(to_py(
+                py,
+                Error::config(
+                    "panic",
+                    "True",
+                    "False with a delay, for restores, and on the kernel and direct engines \
+                     (their copies run on the GPU, not on a worker thread); a load or backup \
+                     on the cpu engine",
+                ),
+            ));
+        }
         let layer = match opt_int(layer, "layer")? {
             None => None,
             Some(l) => Some(
@@ -1043,44 +1074,66 @@ impl PyStepScheduler {
                     ),
                 ));
             }
-            self.inner.lock().inject_restore_faults(count);
-            return Ok(());
+            return self
+                .inner
+                .get(|s| s.inject_restore_faults(count))
+                .py_err(py);
         }
         self.inner
-            .lock()
-            .inject_faults(direction, count, layer, delay);
-        Ok(())
+            .get(|s| match panic {
+                true => s.inject_panics(direction, count, layer),
+                false => s.inject_faults(direction, count, layer, delay),
+            })
+            .py_err(py)
     }
 
     /// Directory counts now (objects, pins, slots, ...), with cumulative totals.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.lock();
-        let d = stats_dict(py, &s.directory().stats())?;
-        let (loads, backups) = s.in_flight();
-        let (plans, prefetches) = s.outstanding();
-        let (fl, fb, fr) = s.armed_faults();
-        d.set_item("faults_armed_loads", fl)?;
-        d.set_item("faults_armed_backups", fb)?;
-        d.set_item("faults_armed_restores", fr)?;
-        d.set_item("loads_in_flight", loads)?;
-        d.set_item("backups_in_flight", backups)?;
-        d.set_item("plans_outstanding", plans)?;
-        d.set_item("prefetches_outstanding", prefetches)?;
-        d.set_item("requests", s.requests().count())?;
-        d.set_item("kept_pins", s.kept_pins())?;
-        Ok(d)
+        self.with(py, |s| scheduler_stats_dict(py, s))
     }
 
     /// Raises InvariantError if any invariant of the scheduler or its directory is broken.
     fn validate(&self, py: Python<'_>) -> PyResult<()> {
         self.inner
-            .lock()
-            .validate()
+            .get(|s| s.validate())
+            .py_err(py)?
             .map_err(|why| typed_error(py, "InvariantError", why, &PyDict::new(py)))
     }
 }
 
 impl PyStepScheduler {
+    fn wrap(
+        inner: StepScheduler,
+        device: Py<PyPageTransferBinding>,
+        host: Py<PyPageTransferBinding>,
+        engine: Py<PyTransferEngine>,
+        sidecars: Vec<Py<PyPageTransferBinding>>,
+    ) -> Self {
+        let poison = std::sync::Arc::clone(inner.directory().poison());
+        PyStepScheduler {
+            layers: inner.config().layers,
+            page_size: inner.config().page_size,
+            object_bytes: inner.object_bytes(),
+            joined: inner.is_joined(),
+            inner: Guarded::sharing(inner, poison),
+            device,
+            host,
+            engine,
+            sidecars,
+            tables: Mutex::default(),
+        }
+    }
+
+    /// Runs `f` on the core under its guard, for calls that build Python objects from it.
+    #[track_caller]
+    fn with<R>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut StepScheduler) -> PyResult<R>,
+    ) -> PyResult<R> {
+        self.inner.get(f).py_err(py)?
+    }
+
     /// A layer index, checked against the scheduler's layers.
     fn layer_arg(&self, py: Python<'_>, layer: &Bound<'_, PyAny>) -> PyResult<u16> {
         let v = int(layer, "layer")?;
@@ -1140,6 +1193,68 @@ impl PyStepScheduler {
 impl Drop for PyStepScheduler {
     fn drop(&mut self) {
         // Copies in flight must end before the tensors they touch are released.
-        let _ = self.inner.get_mut().drain();
+        let poisoned = self.inner.poison().get().is_some();
+        let s = self.inner.get_mut();
+        let drained = !poisoned && catch_unwind(AssertUnwindSafe(|| s.drain())).is_ok();
+        if !drained {
+            // After an internal error the books may miss a transfer still in flight: the
+            // pools' tensors stay alive for good rather than a copy writing freed memory.
+            Python::attach(|py| {
+                for t in [&self.device, &self.host].into_iter().chain(&self.sidecars) {
+                    std::mem::forget(t.clone_ref(py));
+                }
+            });
+        }
     }
+}
+
+/// Joined mode's prefix counters and page counts (`prefix_stats`); None for a plain scheduler.
+fn prefix_stats_dict<'py>(
+    py: Python<'py>,
+    s: &StepScheduler,
+) -> PyResult<Option<Bound<'py, PyDict>>> {
+    let (Some(t), Some(p)) = (s.prefix_totals(), s.prefix_tier()) else {
+        return Ok(None);
+    };
+    let d = PyDict::new(py);
+    d.set_item("requests", t.requests)?;
+    d.set_item("hits", t.hits)?;
+    d.set_item("device_hit_tokens", t.device_hit_tokens)?;
+    d.set_item("host_hit_tokens", t.host_hit_tokens)?;
+    d.set_item("indexer_bytes_restored", t.sidecar_bytes_restored)?;
+    d.set_item("prefix_kv_bytes_loaded", t.prefix_kv_bytes_loaded)?;
+    d.set_item("prefix_kv_bytes_first", t.prefix_kv_bytes_first)?;
+    d.set_item("device_part_kv_bytes_loaded", t.device_part_kv_bytes_loaded)?;
+    d.set_item("full_restore_bytes", t.full_restore_bytes)?;
+    d.set_item("restores_refused", t.restores_refused)?;
+    d.set_item("restores_failed", t.restores_failed)?;
+    d.set_item("pages_inserted", t.pages_inserted)?;
+    d.set_item("writes_failed", t.writes_failed)?;
+    let c = p.cache();
+    let (hf, hc) = c.host_free_capacity();
+    d.set_item("device_free", c.device_free())?;
+    d.set_item("device_capacity", c.device_capacity())?;
+    d.set_item("host_free", hf)?;
+    d.set_item("host_capacity", hc)?;
+    d.set_item("tree_nodes", c.tree().node_count())?;
+    d.set_item("finishing", s.finishing())?;
+    Ok(Some(d))
+}
+
+/// The directory's counts with the scheduler's own (`stats`).
+fn scheduler_stats_dict<'py>(py: Python<'py>, s: &StepScheduler) -> PyResult<Bound<'py, PyDict>> {
+    let d = stats_dict(py, &s.directory().stats())?;
+    let (loads, backups) = s.in_flight();
+    let (plans, prefetches) = s.outstanding();
+    let (fl, fb, fr) = s.armed_faults();
+    d.set_item("faults_armed_loads", fl)?;
+    d.set_item("faults_armed_backups", fb)?;
+    d.set_item("faults_armed_restores", fr)?;
+    d.set_item("loads_in_flight", loads)?;
+    d.set_item("backups_in_flight", backups)?;
+    d.set_item("plans_outstanding", plans)?;
+    d.set_item("prefetches_outstanding", prefetches)?;
+    d.set_item("requests", s.requests().count())?;
+    d.set_item("kept_pins", s.kept_pins())?;
+    Ok(d)
 }

@@ -175,7 +175,16 @@ struct ArmedFault {
     direction: Direction,
     layer: Option<u16>,
     remaining: u32,
-    delay: Option<Duration>,
+    action: Armed,
+}
+
+/// What an armed fault does to the submission it lands on.
+#[derive(Debug, Clone, Copy)]
+enum Armed {
+    Fail,
+    Delay(Duration),
+    /// The engine's worker panics (the cpu engine contains it as a failure).
+    Panic,
 }
 
 /// The batched, asynchronous decode-step scheduler.
@@ -198,6 +207,8 @@ pub struct StepScheduler {
     plans: FxHashMap<LayerPlanId, LayerPlan>,
     prefetches: FxHashMap<u16, Prefetch>,
     faults: Vec<ArmedFault>,
+    /// The next plan panics inside the core (an injected bug: [`Self::inject_internal_fault`]).
+    internal_fault: bool,
     next_plan: u64,
     batch: u64,
     last_batch: Vec<RequestId>,
@@ -387,6 +398,7 @@ impl StepScheduler {
             plans: FxHashMap::default(),
             prefetches: FxHashMap::default(),
             faults: Vec::new(),
+            internal_fault: false,
             next_plan: 1,
             batch: 0,
             last_batch: Vec::new(),
@@ -1129,6 +1141,9 @@ impl StepScheduler {
         }
         let t_submit = Instant::now();
         let transfers = self.submit_resolved(&res, layer, &mut rec);
+        if std::mem::take(&mut self.internal_fault) {
+            crate::guard::injected_panic("injected internal fault in plan");
+        }
         let submitted_at = (!res.loads.is_empty()).then(Instant::now);
         rec.cpu_submit_ns = ns(t_submit.elapsed());
         // Kept cells hold their slots already: place the resolved keys' (a tenth of the cells
@@ -1553,8 +1568,26 @@ impl StepScheduler {
             direction,
             layer,
             remaining: count,
-            delay,
+            action: delay.map_or(Armed::Fail, Armed::Delay),
         });
+    }
+
+    /// Arms `count` panics of the engine's worker (cpu engine) in the next load (or backup)
+    /// submissions, at `layer` only if given: a bug in the copy path, which the engine turns
+    /// into a failed transfer.
+    pub fn inject_panics(&mut self, direction: Direction, count: u32, layer: Option<u16>) {
+        self.faults.push(ArmedFault {
+            direction,
+            layer,
+            remaining: count,
+            action: Armed::Panic,
+        });
+    }
+
+    /// The next plan panics inside the core after it has pinned and submitted its loads, as
+    /// a bug would (tests the bindings' containment: see [`crate::guard`]).
+    pub fn inject_internal_fault(&mut self) {
+        self.internal_fault = true;
     }
 
     /// Injected faults still armed, by kind: (loads, backups, restores). A fault stays armed
@@ -1581,9 +1614,10 @@ impl StepScheduler {
         });
         if let Some(f) = hit {
             f.remaining -= 1;
-            let action = match f.delay {
-                Some(d) => FaultAction::Delay(d),
-                None => FaultAction::Fail(format!("injected {} fault", direction.name())),
+            let action = match f.action {
+                Armed::Delay(d) => FaultAction::Delay(d),
+                Armed::Fail => FaultAction::Fail(format!("injected {} fault", direction.name())),
+                Armed::Panic => FaultAction::Panic(format!("injected {} panic", direction.name())),
             };
             self.engine.inject(Fault {
                 nth: self.engine.submitted(),

@@ -588,19 +588,29 @@ fn blocks_larger_than_pages_fill_several_cells() {
 fn one_failed_load_is_retried_and_nobody_fails() {
     for take in [false, true] {
         for csr in [false, true] {
-            one_failed_load_retried(take, csr);
+            one_failed_load_retried(take, csr, false);
         }
+    }
+    // A copy worker that panics on a load (a bug in the copy path) fails it the same way.
+    one_failed_load_retried(false, false, true);
+}
+
+/// Arms `count` load (or backup) faults: failures, or panics of the engine's worker.
+fn arm(s: &mut StepScheduler, d: Direction, count: u32, layer: Option<u16>, panic: bool) {
+    match panic {
+        true => s.inject_panics(d, count, layer),
+        false => s.inject_faults(d, count, layer, None),
     }
 }
 
-fn one_failed_load_retried(take_tables: bool, csr: bool) {
+fn one_failed_load_retried(take_tables: bool, csr: bool, panic: bool) {
     let mut h = Harness::new(40, 400, false);
     h.take_tables = take_tables;
     h.csr = csr;
     for rid in 0..3 {
         h.add(rid, 40, None);
     }
-    h.s.inject_faults(Direction::Load, 1, None, None);
+    arm(&mut h.s, Direction::Load, 1, None, panic);
     let mut retried = 0;
     for step in 0..4 {
         let (failed, rec) = h.step(&[0, 1, 2], PS, 4, &mut |r, l, len| {
@@ -618,12 +628,13 @@ fn one_failed_load_retried(take_tables: bool, csr: bool) {
 fn a_layer_whose_loads_fail_twice_fails_only_the_requests_that_needed_them() {
     for take in [false, true] {
         for csr in [false, true] {
-            loads_failing_twice(take, csr);
+            loads_failing_twice(take, csr, false);
         }
     }
+    loads_failing_twice(true, false, true);
 }
 
-fn loads_failing_twice(take_tables: bool, csr: bool) {
+fn loads_failing_twice(take_tables: bool, csr: bool, panic: bool) {
     let mut h = Harness::new(40, 400, false);
     h.take_tables = take_tables;
     h.csr = csr;
@@ -639,7 +650,7 @@ fn loads_failing_twice(take_tables: bool, csr: bool) {
             vec![0, 1, 2, n - 1]
         }
     };
-    h.s.inject_faults(Direction::Load, 2, Some(1), None);
+    arm(&mut h.s, Direction::Load, 2, Some(1), panic);
     let (failed, rec) = h.step(&[0, 1, 2], PS, 4, &mut sel);
     assert_eq!(failed, vec![0, 1]);
     assert_eq!(rec.failed_requests, 2);
@@ -663,17 +674,19 @@ fn loads_failing_twice(take_tables: bool, csr: bool) {
 
 #[test]
 fn a_failed_backup_is_retried_and_the_pages_become_evictable() {
-    let mut h = Harness::new(40, 400, false);
-    h.s.inject_faults(Direction::Backup, 1, None, None);
-    h.add(0, 16, None);
-    for _ in 0..3 {
-        h.step(&[0], PS, 2, &mut |_, _, len| blocks(1, len, PS, 2));
+    for panic in [false, true] {
+        let mut h = Harness::new(40, 400, false);
+        arm(&mut h.s, Direction::Backup, 1, None, panic);
+        h.add(0, 16, None);
+        for _ in 0..3 {
+            h.step(&[0], PS, 2, &mut |_, _, len| blocks(1, len, PS, 2));
+        }
+        h.assert_quiet();
+        assert_eq!(h.s.totals().failed_backups, 1);
+        let st = h.s.directory().stats();
+        // 4 full pages x 3 layers backed up on the retry; the page being written has no copy.
+        assert_eq!(st.host_ready, 4 * LAYERS as usize);
     }
-    h.assert_quiet();
-    assert_eq!(h.s.totals().failed_backups, 1);
-    let st = h.s.directory().stats();
-    // 4 full pages x 3 layers backed up on the retry; the page being written has no copy.
-    assert_eq!(st.host_ready, 4 * LAYERS as usize);
 }
 
 /// Request `r`'s selection that stays from step to step: the sink, block `2 + r`, block 5

@@ -288,6 +288,50 @@ fn injected_failure_leaves_later_layers_unpublished() {
 }
 
 #[test]
+fn a_worker_that_panics_fails_what_it_had_not_written_and_serves_on() {
+    let (mut bufs, specs) = kv_and_indexer(4);
+    // One worker: were the panic to end it, the next submission would never run.
+    let engine = CpuEngine::new(1).unwrap();
+    engine.inject(Fault {
+        nth: 0,
+        layer: Some(2),
+        action: FaultAction::Panic("copy bug".into()),
+    });
+    let poisoned = [vec![POISON; bufs[1].len()], vec![POISON; bufs[3].len()]];
+    let mut fresh: Vec<Vec<u8>> = vec![
+        bufs[0].clone(),
+        poisoned[0].clone(),
+        bufs[2].clone(),
+        poisoned[1].clone(),
+    ];
+    let ev = engine.submit(group_of(&mut fresh, &specs), None).unwrap();
+    let Err(Error::CopyFailed {
+        layer: 2, reason, ..
+    }) = ev.wait_all(Some(Duration::from_secs(10)))
+    else {
+        panic!("the panicking layer did not fail")
+    };
+    assert!(
+        reason.contains("copy worker panicked: copy bug"),
+        "{reason}"
+    );
+    ev.wait_layer(1, None).unwrap();
+    assert!(ev.wait_layer(3, None).is_err());
+    let g = specs[0].geometry(HostLayout::LayerFirst);
+    let pb = specs[0].page_bytes() as usize;
+    for l in 2..4u64 {
+        let o = g.page_offset(0, l, 0).unwrap() as usize;
+        assert!(fresh[1][o..o + pb].iter().all(|&b| b == POISON));
+    }
+    // The worker lives on: the next submission is copied whole.
+    engine
+        .submit(group_of(&mut bufs, &specs), None)
+        .unwrap()
+        .wait_all(Some(Duration::from_secs(10)))
+        .unwrap();
+}
+
+#[test]
 fn planning_errors() {
     let (bufs, specs) = kv_and_indexer(2);
     // Planning only: nothing is submitted, so shared borrows are enough.

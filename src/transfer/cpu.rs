@@ -1,21 +1,24 @@
 //! The cpu engine: both tiers in host memory, copies on worker threads, real per-layer events.
 //!
 //! It is how every machine without a GPU runs the whole system: Loading states, waits and
-//! overlap are real. A fault-injection hook can fail or delay the k-th submission, or one
-//! layer of it.
+//! overlap are real. A fault-injection hook can fail, delay or panic the k-th submission, or
+//! one layer of it.
 //!
 //! # Threads and drop
 //! `threads` workers take submissions from one channel; one submission runs on one worker,
-//! layer by layer. Dropping the engine closes the channel and joins the workers after they
-//! finish what was submitted.
+//! layer by layer. A worker that panics on a submission fails the layers it had not written
+//! and takes the next one. Dropping the engine closes the channel and joins the workers after
+//! they finish what was submitted.
 
 use super::engine::{submission_layers, CopyEngine};
 use super::events::TransferEvents;
 pub use super::fault::{Fault, FaultAction};
 use super::prepared::{CopyOp, PageTransferGroup};
 use crate::error::{Error, Result};
+use crate::guard::{injected_panic, panic_message};
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use parking_lot::Mutex;
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -50,7 +53,16 @@ impl CpuEngine {
                     .name(format!("sparsetier-cpu-copy-{i}"))
                     .spawn(move || {
                         while let Some(job) = next_job(&rx, poll) {
-                            run(&job);
+                            // A panic (a bug in the copy path) fails what the job has not
+                            // written instead of ending the worker: a dead worker would leave
+                            // every later submission pending, and its waiters hung.
+                            let ran = catch_unwind(AssertUnwindSafe(|| run(&job)));
+                            if let Err(payload) = ran {
+                                job.events.fail_pending(&format!(
+                                    "copy worker panicked: {}",
+                                    panic_message(payload.as_ref())
+                                ));
+                            }
                         }
                     })
                     .map_err(|e| {
@@ -112,6 +124,7 @@ fn run(job: &Job) {
                     job.events.record_failed_from(i, reason);
                     return;
                 }
+                FaultAction::Panic(message) => injected_panic(message),
             }
         }
         match job.group.layer_ops(layer) {

@@ -52,6 +52,7 @@ use super::events::{LayerStatus, TransferEvents};
 use super::fault::{first_failure, take_for, Fault, FaultAction};
 use super::prepared::{CopyOp, Direction, PageTransferGroup};
 use crate::error::{Error, Result};
+use crate::guard::panic_message;
 use crossbeam_channel::{unbounded, Sender};
 use cudarc::driver::{
     sys, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg,
@@ -358,7 +359,11 @@ impl CudaEngine {
                     .name((*name).into())
                     .spawn(move || {
                         for job in rx {
-                            watch(&job);
+                            // A panic here (a bug) must not end the watcher: every later
+                            // transfer's events would stay pending.
+                            if let Err(payload) = catch_unwind(AssertUnwindSafe(|| watch(&job))) {
+                                unwatch(&job, &panic_message(payload.as_ref()));
+                            }
                             watch_events.lock().remove(&job.cpu.seq());
                         }
                     })
@@ -616,6 +621,17 @@ fn watch(job: &InFlight) {
     }
 }
 
+/// After `watch` panicked: waits (best effort) until the GPU is done with every layer of the
+/// job, so no copy still writes into a slot a failed load gives back, then fails the layers
+/// not recorded.
+fn unwatch(job: &InFlight, message: &str) {
+    for ev in job.events.iter() {
+        let _ = catch_unwind(AssertUnwindSafe(|| ev.synchronize()));
+    }
+    job.cpu
+        .fail_pending(&format!("CUDA watcher panicked: {message}"));
+}
+
 /// Whether `layer` of a transfer is written (`true`), still pending (`false`), or failed (the
 /// error a consumer must get instead of the data).
 pub fn layer_outcome(events: &TransferEvents, layer: usize) -> Result<bool> {
@@ -814,6 +830,17 @@ impl CopyEngine for CudaEngine {
     }
 
     fn inject(&self, fault: Fault) -> Result<()> {
+        if let FaultAction::Panic(_) = &fault.action {
+            return Err(Error::config(
+                "panic",
+                "true",
+                format!(
+                    "no injected panic on the {} engine (its copies run on the GPU, not on a \
+                     worker thread of its own): a failure, or the cpu engine",
+                    self.name()
+                ),
+            ));
+        }
         if let FaultAction::Delay(d) = &fault.action {
             return Err(Error::config(
                 "delay",

@@ -89,6 +89,22 @@ impl TransferEvents {
         self.changed.notify_all();
     }
 
+    /// Marks every layer still pending failed (the worker copying them panicked: none of
+    /// them is known to be written).
+    pub fn fail_pending(&self, reason: &str) {
+        let mut s = self.status.lock();
+        let now = self.submitted.elapsed();
+        let (status, at) = &mut *s;
+        for (st, t) in status.iter_mut().zip(at.iter_mut()) {
+            if *st == LayerStatus::Pending {
+                *st = LayerStatus::Failed(reason.to_owned());
+                *t = Some(now);
+            }
+        }
+        drop(s);
+        self.changed.notify_all();
+    }
+
     /// The state of `layer`.
     pub fn status(&self, layer: usize) -> Result<LayerStatus> {
         let i = self.index(layer)?;

@@ -1,10 +1,10 @@
 //! Injected faults: the engines' test hook, armed per submission, so a failure takes the same
 //! path through events, waits and the scheduler as a real one.
 //!
-//! The cpu engine can fail or delay a layer. The CUDA engines can fail one: they stop
+//! The cpu engine can fail, delay or panic at a layer. The CUDA engines can fail one: they stop
 //! launching at that layer, so earlier layers are copied and published and the rest fail,
 //! as when a launch fails part-way. A GPU copy cannot be held back from the host, so they
-//! refuse delays.
+//! refuse delays; nor do they copy on a thread of theirs, so they refuse panics.
 
 use std::time::Duration;
 
@@ -15,6 +15,10 @@ pub enum FaultAction {
     Fail(String),
     /// The layer starts this much later.
     Delay(Duration),
+    /// The worker copying the layer panics with this message, as a bug in the copy path would
+    /// (cpu engine only): the engine catches it, fails the layer and every later one with
+    /// the panic's message, and goes on serving.
+    Panic(String),
 }
 
 /// A fault for submission number `nth` (0-based, in submission order), at one layer or at
