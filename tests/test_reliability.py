@@ -257,3 +257,18 @@ def test_bad_input_raises_a_typed_error_naming_the_field(name, call, exc, field)
     assert isinstance(e.value, st.SparsetierError)
     if field is not None:
         assert e.value.field == field
+
+
+def test_a_panic_inside_a_binding_is_an_internal_error():
+    # A bug (a panic) in a binding that keeps no state reaches Python as InternalError, a
+    # SparsetierError that `except Exception` catches, naming where the call entered the
+    # core; pyo3's own PanicException derives from BaseException and would not be caught.
+    with pytest.raises(st.InternalError) as e:
+        st._core._contained_panic("broken invariant")
+    assert isinstance(e.value, st.SparsetierError) and isinstance(e.value, Exception)
+    assert e.value.detail == "broken invariant"
+    assert "src/py/error.rs" in e.value.site
+    assert "a bug in sparsetier" in str(e.value)
+    # Nothing is left behind: the next call panics and is contained the same way.
+    with pytest.raises(st.InternalError):
+        st._core._contained_panic("again")

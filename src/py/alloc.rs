@@ -4,6 +4,7 @@
 
 use crate::alloc::PageAllocator;
 use crate::error::Error;
+use crate::guard::Guarded;
 use crate::ids::PageId;
 use crate::py::args::{int, int64_array};
 use crate::py::error::{to_py, IntoPyResult};
@@ -11,9 +12,11 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 
 /// Fixed-capacity page allocator: batch `alloc(n)` / `free(pages)`, all-or-nothing.
-#[pyclass(name = "PageAllocator", module = "sparsetier._core")]
+#[pyclass(name = "PageAllocator", module = "sparsetier._core", frozen)]
 pub struct PyPageAllocator {
-    inner: PageAllocator,
+    /// Behind a guard: a panic inside (a bug) is `InternalError`, and the allocator refuses
+    /// every later call (`crate::guard`).
+    inner: Guarded<PageAllocator>,
 }
 
 /// Reads a 1-D array of page ids (numpy array, torch CPU tensor or list) as `PageId`s. Every
@@ -60,80 +63,87 @@ impl PyPageAllocator {
             _ => 0,
         };
         Ok(PyPageAllocator {
-            inner: PageAllocator::new(total, reserve).py_err(py)?,
+            inner: Guarded::new(PageAllocator::new(total, reserve).py_err(py)?),
         })
     }
 
     /// Allocates `n` pages or raises `OutOfPagesError` having allocated nothing.
-    fn alloc<'py>(&mut self, n: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    fn alloc<'py>(&self, n: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let py = n.py();
         let v = int(n, "n")?;
-        let n = usize::try_from(v).map_err(|_| {
-            to_py(
-                py,
-                Error::config(
-                    "n",
-                    v,
-                    format!("an integer with 0 <= n <= {}", self.inner.capacity()),
-                ),
-            )
-        })?;
-        let pages = self.inner.alloc(n).py_err(py)?;
+        let n = match usize::try_from(v) {
+            Ok(n) => n,
+            Err(_) => {
+                let cap = self.capacity(py)?;
+                let allowed = format!("an integer with 0 <= n <= {cap}");
+                return Err(to_py(py, Error::config("n", v, allowed)));
+            }
+        };
+        let pages = self.inner.run(|a| a.alloc(n)).py_err(py)?;
         Ok(page_array(py, &pages))
     }
 
     /// Frees `pages` or raises `AllocatorError` having freed nothing.
-    fn free(&mut self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn free(&self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = page_ids(pages, "pages")?;
-        self.inner.free(&ids).py_err(pages.py())
+        self.inner.run(|a| a.free(&ids)).py_err(pages.py())
     }
 
     /// Whether `page` is handed out now.
     fn is_allocated(&self, page: &Bound<'_, PyAny>) -> PyResult<bool> {
         let v = int(page, "page")?;
-        Ok(u32::try_from(v).is_ok_and(|p| self.inner.is_allocated(PageId::new(p))))
+        let Ok(p) = u32::try_from(v) else {
+            return Ok(false);
+        };
+        self.inner
+            .get(|a| a.is_allocated(PageId::new(p)))
+            .py_err(page.py())
     }
 
     /// Raises `InvariantError` if an allocator invariant is broken.
     fn validate(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner.validate().map_err(|why| {
+        self.inner.get(|a| a.validate()).py_err(py)?.map_err(|why| {
             crate::py::error::typed_error(py, "InvariantError", why, &pyo3::types::PyDict::new(py))
         })
     }
 
     /// Usable pages (reserve excluded).
     #[getter]
-    fn capacity(&self) -> usize {
-        self.inner.capacity()
+    fn capacity(&self, py: Python<'_>) -> PyResult<usize> {
+        self.inner.get(|a| a.capacity()).py_err(py)
     }
     /// Pages of the buffer, reserve included.
     #[getter]
-    fn total_pages(&self) -> u32 {
-        self.inner.total_pages()
+    fn total_pages(&self, py: Python<'_>) -> PyResult<u32> {
+        self.inner.get(|a| a.total_pages()).py_err(py)
     }
     /// Reserved pages at the front of the buffer.
     #[getter]
-    fn reserve_pages(&self) -> u32 {
-        self.inner.reserve_pages()
+    fn reserve_pages(&self, py: Python<'_>) -> PyResult<u32> {
+        self.inner.get(|a| a.reserve_pages()).py_err(py)
     }
     /// Pages free now.
     #[getter]
-    fn free_count(&self) -> usize {
-        self.inner.free_count()
+    fn free_count(&self, py: Python<'_>) -> PyResult<usize> {
+        self.inner.get(|a| a.free_count()).py_err(py)
     }
     /// Pages handed out now.
     #[getter]
-    fn used_count(&self) -> usize {
-        self.inner.used_count()
+    fn used_count(&self, py: Python<'_>) -> PyResult<usize> {
+        self.inner.get(|a| a.used_count()).py_err(py)
     }
 
-    fn __repr__(&self) -> String {
-        format!(
-            "PageAllocator(capacity={}, free={}, used={}, reserve_pages={})",
-            self.inner.capacity(),
-            self.inner.free_count(),
-            self.inner.used_count(),
-            self.inner.reserve_pages()
-        )
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        self.inner
+            .get(|a| {
+                format!(
+                    "PageAllocator(capacity={}, free={}, used={}, reserve_pages={})",
+                    a.capacity(),
+                    a.free_count(),
+                    a.used_count(),
+                    a.reserve_pages()
+                )
+            })
+            .py_err(py)
     }
 }

@@ -12,7 +12,7 @@ use crate::directory::{
 use crate::error::Error;
 use crate::ids::{PinHandleId, TransferId};
 use crate::py::args::{int, int64_array, opt_int, short};
-use crate::py::error::{to_py, IntoPyResult};
+use crate::py::error::{contained, to_py, IntoPyResult};
 use numpy::{PyArray1, PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -580,37 +580,40 @@ pub fn token_pages<'py>(
     page_size: &Bound<'py, PyAny>,
     token_bytes: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let py = positions.py();
-    let arr = int64_array(positions, "positions", "token positions")?;
-    let pos: Vec<u64> = arr
-        .as_array()
-        .iter()
-        .map(|&p| {
-            u64::try_from(p).map_err(|_| {
-                to_py(
-                    py,
-                    Error::out_of_range("positions", p, 0, i128::from(i64::MAX) + 1),
-                )
+    contained(|| {
+        let py = positions.py();
+        let arr = int64_array(positions, "positions", "token positions")?;
+        let pos: Vec<u64> = arr
+            .as_array()
+            .iter()
+            .map(|&p| {
+                u64::try_from(p).map_err(|_| {
+                    to_py(
+                        py,
+                        Error::out_of_range("positions", p, 0, i128::from(i64::MAX) + 1),
+                    )
+                })
             })
-        })
-        .collect::<PyResult<_>>()?;
-    let ps = crate::config::positive_u32("page_size", int(page_size, "page_size")?).py_err(py)?;
-    let tb = int(token_bytes, "token_bytes")?;
-    let tb = u64::try_from(tb)
-        .ok()
-        .filter(|&b| b >= 1)
-        .ok_or_else(|| to_py(py, Error::config("token_bytes", tb, "an integer >= 1")))?;
-    let tp = core_token_pages(&pos, ps, tb).py_err(py)?;
-    let d = PyDict::new(py);
-    d.set_item(
-        "pages",
-        PyArray1::from_vec(py, tp.pages.iter().map(|&p| i64::from(p)).collect()),
-    )?;
-    d.set_item("tokens", tp.tokens)?;
-    d.set_item("bytes_needed", tp.bytes_needed)?;
-    d.set_item("bytes_to_move", tp.bytes_to_move)?;
-    d.set_item("read_amplification", tp.read_amplification())?;
-    Ok(d)
+            .collect::<PyResult<_>>()?;
+        let ps =
+            crate::config::positive_u32("page_size", int(page_size, "page_size")?).py_err(py)?;
+        let tb = int(token_bytes, "token_bytes")?;
+        let tb = u64::try_from(tb)
+            .ok()
+            .filter(|&b| b >= 1)
+            .ok_or_else(|| to_py(py, Error::config("token_bytes", tb, "an integer >= 1")))?;
+        let tp = core_token_pages(&pos, ps, tb).py_err(py)?;
+        let d = PyDict::new(py);
+        d.set_item(
+            "pages",
+            PyArray1::from_vec(py, tp.pages.iter().map(|&p| i64::from(p)).collect()),
+        )?;
+        d.set_item("tokens", tp.tokens)?;
+        d.set_item("bytes_needed", tp.bytes_needed)?;
+        d.set_item("bytes_to_move", tp.bytes_to_move)?;
+        d.set_item("read_amplification", tp.read_amplification())?;
+        Ok(d)
+    })
 }
 
 /// Benchmark hook: the Rust-side time of `iters` resolves of the shared workload
@@ -618,20 +621,22 @@ pub fn token_pages<'py>(
 /// `sparsetier bench directory` to report the binding's overhead in the same run.
 #[pyfunction]
 pub fn _bench_resolve(py: Python<'_>, batch: usize, hit_rate: f64, iters: u64) -> PyResult<f64> {
-    if batch == 0 || iters == 0 || !(0.0..=1.0).contains(&hit_rate) {
-        return Err(to_py(
-            py,
-            Error::config(
-                "batch/hit_rate/iters",
-                format!("{batch}/{hit_rate}/{iters}"),
-                "batch >= 1, 0 <= hit_rate <= 1, iters >= 1",
-            ),
-        ));
-    }
-    let w = crate::directory::bench::ResolveWorkload::new(batch, hit_rate).py_err(py)?;
-    let total = py.detach(|| {
-        w.time_resolves(iters.min(3)); // warm-up
-        w.time_resolves(iters)
-    });
-    Ok(total.as_nanos() as f64 / iters as f64)
+    contained(|| {
+        if batch == 0 || iters == 0 || !(0.0..=1.0).contains(&hit_rate) {
+            return Err(to_py(
+                py,
+                Error::config(
+                    "batch/hit_rate/iters",
+                    format!("{batch}/{hit_rate}/{iters}"),
+                    "batch >= 1, 0 <= hit_rate <= 1, iters >= 1",
+                ),
+            ));
+        }
+        let w = crate::directory::bench::ResolveWorkload::new(batch, hit_rate).py_err(py)?;
+        let total = py.detach(|| {
+            w.time_resolves(iters.min(3)); // warm-up
+            w.time_resolves(iters)
+        });
+        Ok(total.as_nanos() as f64 / iters as f64)
+    })
 }

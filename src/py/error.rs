@@ -215,3 +215,26 @@ impl<T> IntoPyResult<T> for crate::Result<T> {
         self.map_err(|e| to_py(py, e))
     }
 }
+
+/// Runs a binding's body with a panic inside (a bug) turned into `InternalError` naming the
+/// call's site, instead of pyo3's `PanicException` (a `BaseException`). For the bindings
+/// that keep no state a panic could break (values, pure functions, one-shot transfers); the
+/// stateful owners sit behind a [`crate::guard::Guarded`], which also refuses later calls.
+#[track_caller]
+pub fn contained<R>(f: impl FnOnce() -> PyResult<R>) -> PyResult<R> {
+    let site = std::panic::Location::caller();
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|payload| {
+        let e = Error::Internal {
+            site: site.to_string(),
+            message: crate::guard::panic_message(payload.as_ref()),
+        };
+        Err(Python::attach(|py| to_py(py, e)))
+    })
+}
+
+/// Tests: panics with `message` inside [`contained`], as a bug in a binding would; it must
+/// raise `InternalError`.
+#[pyfunction]
+pub fn _contained_panic(message: &str) -> PyResult<()> {
+    contained(|| crate::guard::injected_panic(message))
+}

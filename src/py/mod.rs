@@ -53,5 +53,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(replay::replay_trace, m)?)?;
     m.add_function(wrap_pyfunction!(replay::trace_peak_live, m)?)?;
     m.add_function(wrap_pyfunction!(soak::run_soak, m)?)?;
+    m.add_function(wrap_pyfunction!(error::_contained_panic, m)?)?;
     Ok(())
 }

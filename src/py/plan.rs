@@ -4,7 +4,7 @@ use crate::config::{HitPolicy, RawStackConfig, StackConfig};
 use crate::error::Error;
 use crate::plan::{plan_stack as core_plan, Plan, PoolGroup, PoolPlan, Tier};
 use crate::py::args::{opt_float, opt_int, opt_string, string};
-use crate::py::error::{to_py, IntoPyResult};
+use crate::py::error::{contained, to_py, IntoPyResult};
 use crate::py::pool::PyPoolSpec;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -179,40 +179,42 @@ impl PyPlan {
 
     /// The plan as plain data: `{"pools": [...], "totals": {...}, "budget": {...}}`.
     fn to_dict<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let pools = PyList::empty(py);
-        for p in &self.plan.pools {
-            let d = PyDict::new(py);
-            d.set_item("component", p.component.name())?;
-            d.set_item("tier", p.tier.name())?;
-            d.set_item("layout", p.layout.name())?;
-            d.set_item("page_bytes", p.page_bytes)?;
-            d.set_item("pages", p.pages)?;
-            d.set_item("reserve_pages", p.reserve_pages)?;
-            d.set_item("tokens", p.tokens)?;
-            d.set_item("bytes", p.bytes)?;
-            pools.append(d)?;
-        }
-        let totals = PyDict::new(py);
-        totals.set_item("device", self.tier_dict(py, Tier::Device)?)?;
-        totals.set_item("host", self.tier_dict(py, Tier::Host)?)?;
-        let budget = PyDict::new(py);
-        budget.set_item("target_bytes", self.plan.target_bytes)?;
-        budget.set_item("actual_bytes", self.plan.actual_bytes)?;
-        let config = PyDict::new(py);
-        config.set_item("page_size", self.config.page_size)?;
-        config.set_item("layout", self.config.layout.name())?;
-        config.set_item("io_backend", self.config.io_backend.name())?;
-        config.set_item("write_policy", self.config.write_policy.name())?;
-        config.set_item(
-            "storage_backend",
-            self.config.storage_backend.map(|s| s.name()),
-        )?;
-        let out = PyDict::new(py);
-        out.set_item("pools", pools)?;
-        out.set_item("totals", totals)?;
-        out.set_item("budget", budget)?;
-        out.set_item("config", config)?;
-        Ok(out)
+        contained(|| {
+            let pools = PyList::empty(py);
+            for p in &self.plan.pools {
+                let d = PyDict::new(py);
+                d.set_item("component", p.component.name())?;
+                d.set_item("tier", p.tier.name())?;
+                d.set_item("layout", p.layout.name())?;
+                d.set_item("page_bytes", p.page_bytes)?;
+                d.set_item("pages", p.pages)?;
+                d.set_item("reserve_pages", p.reserve_pages)?;
+                d.set_item("tokens", p.tokens)?;
+                d.set_item("bytes", p.bytes)?;
+                pools.append(d)?;
+            }
+            let totals = PyDict::new(py);
+            totals.set_item("device", self.tier_dict(py, Tier::Device)?)?;
+            totals.set_item("host", self.tier_dict(py, Tier::Host)?)?;
+            let budget = PyDict::new(py);
+            budget.set_item("target_bytes", self.plan.target_bytes)?;
+            budget.set_item("actual_bytes", self.plan.actual_bytes)?;
+            let config = PyDict::new(py);
+            config.set_item("page_size", self.config.page_size)?;
+            config.set_item("layout", self.config.layout.name())?;
+            config.set_item("io_backend", self.config.io_backend.name())?;
+            config.set_item("write_policy", self.config.write_policy.name())?;
+            config.set_item(
+                "storage_backend",
+                self.config.storage_backend.map(|s| s.name()),
+            )?;
+            let out = PyDict::new(py);
+            out.set_item("pools", pools)?;
+            out.set_item("totals", totals)?;
+            out.set_item("budget", budget)?;
+            out.set_item("config", config)?;
+            Ok(out)
+        })
     }
 
     fn __repr__(&self) -> String {
@@ -249,55 +251,57 @@ pub fn plan_stack(
     host_reserve: Option<&Bound<'_, PyAny>>,
     swa_window: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<PyPlan> {
-    let py = pools.py();
-    let specs = pool_specs(pools)?;
-    let str_or = |o: Option<&Bound<'_, PyAny>>, field: &str, d: &str| -> PyResult<String> {
-        match o {
-            Some(v) if !v.is_none() => string(v, field),
-            _ => Ok(d.to_owned()),
-        }
-    };
-    let defaults = RawStackConfig::default();
-    let layout = str_or(layout, "layout", defaults.layout)?;
-    let io_backend = str_or(io_backend, "io_backend", defaults.io_backend)?;
-    let write_policy = str_or(write_policy, "write_policy", defaults.write_policy)?;
-    // Any non-None storage backend is refused; a non-string one is shown by its repr.
-    let storage_backend = match storage_backend {
-        Some(v) if !v.is_none() => Some(
-            opt_string(Some(v), "storage_backend")
-                .ok()
-                .flatten()
-                .unwrap_or_else(|| crate::py::args::repr(v)),
-        ),
-        _ => None,
-    };
-    let raw = RawStackConfig {
-        page_size: match opt_int(page_size, "page_size")? {
-            Some(p) => p,
-            None => specs
-                .first()
-                .map_or(defaults.page_size, |s| i64::from(s.page_size)),
-        },
-        hicache_size: opt_float(hicache_size, "hicache_size")?,
-        hicache_ratio: opt_float(hicache_ratio, "hicache_ratio")?,
-        layout: &layout,
-        io_backend: &io_backend,
-        write_policy: &write_policy,
-        storage_backend: storage_backend.as_deref(),
-        load_end_layer: opt_int(load_end_layer, "load_end_layer")?,
-        pp_size: opt_int(pp_size, "pp_size")?.unwrap_or(defaults.pp_size),
-        device_reserve: opt_int(device_reserve, "device_reserve")?
-            .unwrap_or(defaults.device_reserve),
-        host_reserve: opt_int(host_reserve, "host_reserve")?.unwrap_or(defaults.host_reserve),
-    };
-    let config = raw.check().py_err(py)?;
-    let window = match opt_int(swa_window, "swa_window")? {
-        Some(w) => Some(crate::config::positive_u32("swa_window", w).py_err(py)?),
-        None => None,
-    };
-    let group = PoolGroup::new(&specs, window).py_err(py)?;
-    let plan = core_plan(&group, &config).py_err(py)?;
-    Ok(PyPlan { plan, config })
+    contained(|| {
+        let py = pools.py();
+        let specs = pool_specs(pools)?;
+        let str_or = |o: Option<&Bound<'_, PyAny>>, field: &str, d: &str| -> PyResult<String> {
+            match o {
+                Some(v) if !v.is_none() => string(v, field),
+                _ => Ok(d.to_owned()),
+            }
+        };
+        let defaults = RawStackConfig::default();
+        let layout = str_or(layout, "layout", defaults.layout)?;
+        let io_backend = str_or(io_backend, "io_backend", defaults.io_backend)?;
+        let write_policy = str_or(write_policy, "write_policy", defaults.write_policy)?;
+        // Any non-None storage backend is refused; a non-string one is shown by its repr.
+        let storage_backend = match storage_backend {
+            Some(v) if !v.is_none() => Some(
+                opt_string(Some(v), "storage_backend")
+                    .ok()
+                    .flatten()
+                    .unwrap_or_else(|| crate::py::args::repr(v)),
+            ),
+            _ => None,
+        };
+        let raw = RawStackConfig {
+            page_size: match opt_int(page_size, "page_size")? {
+                Some(p) => p,
+                None => specs
+                    .first()
+                    .map_or(defaults.page_size, |s| i64::from(s.page_size)),
+            },
+            hicache_size: opt_float(hicache_size, "hicache_size")?,
+            hicache_ratio: opt_float(hicache_ratio, "hicache_ratio")?,
+            layout: &layout,
+            io_backend: &io_backend,
+            write_policy: &write_policy,
+            storage_backend: storage_backend.as_deref(),
+            load_end_layer: opt_int(load_end_layer, "load_end_layer")?,
+            pp_size: opt_int(pp_size, "pp_size")?.unwrap_or(defaults.pp_size),
+            device_reserve: opt_int(device_reserve, "device_reserve")?
+                .unwrap_or(defaults.device_reserve),
+            host_reserve: opt_int(host_reserve, "host_reserve")?.unwrap_or(defaults.host_reserve),
+        };
+        let config = raw.check().py_err(py)?;
+        let window = match opt_int(swa_window, "swa_window")? {
+            Some(w) => Some(crate::config::positive_u32("swa_window", w).py_err(py)?),
+            None => None,
+        };
+        let group = PoolGroup::new(&specs, window).py_err(py)?;
+        let plan = core_plan(&group, &config).py_err(py)?;
+        Ok(PyPlan { plan, config })
+    })
 }
 
 fn pool_specs(pools: &Bound<'_, PyAny>) -> PyResult<Vec<crate::pool::PoolSpec>> {

@@ -4,7 +4,7 @@ use crate::error::Error;
 use crate::layout::{Component, Dtype, HostLayout};
 use crate::pool::PoolSpec;
 use crate::py::args::{int, opt_int, string};
-use crate::py::error::{to_py, IntoPyResult};
+use crate::py::error::{contained, to_py, IntoPyResult};
 use crate::py::tensor::TensorInfo;
 use crate::row::{PageLayout, PartKind, RowPart};
 use pyo3::prelude::*;
@@ -131,62 +131,66 @@ impl PyPoolSpec {
         row_parts: Option<&Bound<'_, PyAny>>,
         page_layout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let py = component.py();
-        let component =
-            Component::parse("component", &string(component, "component")?).py_err(py)?;
-        let dtype = match dtype {
-            Some(d) if !d.is_none() => Dtype::parse("dtype", &d.str()?.to_string()).py_err(py)?,
-            _ => Dtype::Bf16,
-        };
-        let ppl = match opt_int(planes_per_layer, "planes_per_layer")? {
-            Some(v) => crate::config::positive_u32("planes_per_layer", v).py_err(py)?,
-            None => component.default_planes_per_layer(),
-        };
-        let page_size = match page_size {
-            Some(p) if !p.is_none() => u32_arg(p, "page_size")?,
-            _ => 64,
-        };
-        let pages = match pages {
-            Some(p) if !p.is_none() => u32_arg(p, "pages")?,
-            _ => 1,
-        };
-        let inner = PoolSpec::new(
-            component,
-            u32_arg(layers, "layers")?,
-            ppl,
-            u32_arg(heads, "heads")?,
-            u32_arg(head_dim, "head_dim")?,
-            dtype,
-            page_size,
-            pages,
-        )
-        .py_err(py)?;
-        let layout = match page_layout {
-            Some(l) if !l.is_none() => {
-                Some(PageLayout::parse("page_layout", &string(l, "page_layout")?).py_err(py)?)
-            }
-            _ => None,
-        };
-        let inner = match row_parts {
-            Some(r) if !r.is_none() => inner
-                .with_row(
-                    &row_parts_arg(r)?,
-                    layout.unwrap_or(PageLayout::Interleaved),
-                )
-                .py_err(py)?,
-            _ if layout == Some(PageLayout::ValuesThenScales) => {
-                return Err(to_py(
-                    py,
-                    Error::config(
-                        "page_layout",
-                        "values_then_scales",
-                        "interleaved, unless row_parts names the parts to split",
-                    ),
-                ))
-            }
-            _ => inner,
-        };
-        Ok(PyPoolSpec { inner })
+        contained(|| {
+            let py = component.py();
+            let component =
+                Component::parse("component", &string(component, "component")?).py_err(py)?;
+            let dtype = match dtype {
+                Some(d) if !d.is_none() => {
+                    Dtype::parse("dtype", &d.str()?.to_string()).py_err(py)?
+                }
+                _ => Dtype::Bf16,
+            };
+            let ppl = match opt_int(planes_per_layer, "planes_per_layer")? {
+                Some(v) => crate::config::positive_u32("planes_per_layer", v).py_err(py)?,
+                None => component.default_planes_per_layer(),
+            };
+            let page_size = match page_size {
+                Some(p) if !p.is_none() => u32_arg(p, "page_size")?,
+                _ => 64,
+            };
+            let pages = match pages {
+                Some(p) if !p.is_none() => u32_arg(p, "pages")?,
+                _ => 1,
+            };
+            let inner = PoolSpec::new(
+                component,
+                u32_arg(layers, "layers")?,
+                ppl,
+                u32_arg(heads, "heads")?,
+                u32_arg(head_dim, "head_dim")?,
+                dtype,
+                page_size,
+                pages,
+            )
+            .py_err(py)?;
+            let layout = match page_layout {
+                Some(l) if !l.is_none() => {
+                    Some(PageLayout::parse("page_layout", &string(l, "page_layout")?).py_err(py)?)
+                }
+                _ => None,
+            };
+            let inner = match row_parts {
+                Some(r) if !r.is_none() => inner
+                    .with_row(
+                        &row_parts_arg(r)?,
+                        layout.unwrap_or(PageLayout::Interleaved),
+                    )
+                    .py_err(py)?,
+                _ if layout == Some(PageLayout::ValuesThenScales) => {
+                    return Err(to_py(
+                        py,
+                        Error::config(
+                            "page_layout",
+                            "values_then_scales",
+                            "interleaved, unless row_parts names the parts to split",
+                        ),
+                    ))
+                }
+                _ => inner,
+            };
+            Ok(PyPoolSpec { inner })
+        })
     }
 
     /// A spec read off an existing device pool tensor of shape
@@ -198,57 +202,59 @@ impl PyPoolSpec {
         tensor: &Bound<'_, PyAny>,
         field: &str,
     ) -> PyResult<Self> {
-        let py = tensor.py();
-        let component =
-            Component::parse("component", &string(component, "component")?).py_err(py)?;
-        let info = TensorInfo::inspect(tensor, field)?;
-        let dtype = info.pool_dtype(field).py_err(py)?;
-        info.require_contiguous(field).py_err(py)?;
-        if info.shape.len() != 6 {
-            return Err(to_py(
-                py,
-                Error::config(
-                    format!("{field}.shape"),
-                    format!("{:?}", info.shape),
-                    "6 dims: [planes, layers, pages, page_size, heads, head_dim]",
-                ),
-            ));
-        }
-        let dim = |i: usize, name: &str| -> PyResult<u32> {
-            u32::try_from(info.shape[i])
-                .ok()
-                .filter(|&v| v >= 1)
-                .ok_or_else(|| {
-                    to_py(
-                        py,
-                        Error::config(
-                            format!("{field}.shape[{i}] ({name})"),
-                            info.shape[i],
-                            format!("1 <= {name} <= {}", u32::MAX),
-                        ),
-                    )
-                })
-        };
-        let inner = PoolSpec::new(
-            component,
-            dim(1, "layers")?,
-            dim(0, "planes")?,
-            dim(4, "heads")?,
-            dim(5, "head_dim")?,
-            dtype,
-            dim(3, "page_size")?,
-            dim(2, "pages")?,
-        )
-        .map_err(|e| match e {
-            Error::Config {
-                field: f,
-                value,
-                allowed,
-            } => Error::config(format!("{field}: {f}"), value, allowed),
-            other => other,
+        contained(|| {
+            let py = tensor.py();
+            let component =
+                Component::parse("component", &string(component, "component")?).py_err(py)?;
+            let info = TensorInfo::inspect(tensor, field)?;
+            let dtype = info.pool_dtype(field).py_err(py)?;
+            info.require_contiguous(field).py_err(py)?;
+            if info.shape.len() != 6 {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        format!("{field}.shape"),
+                        format!("{:?}", info.shape),
+                        "6 dims: [planes, layers, pages, page_size, heads, head_dim]",
+                    ),
+                ));
+            }
+            let dim = |i: usize, name: &str| -> PyResult<u32> {
+                u32::try_from(info.shape[i])
+                    .ok()
+                    .filter(|&v| v >= 1)
+                    .ok_or_else(|| {
+                        to_py(
+                            py,
+                            Error::config(
+                                format!("{field}.shape[{i}] ({name})"),
+                                info.shape[i],
+                                format!("1 <= {name} <= {}", u32::MAX),
+                            ),
+                        )
+                    })
+            };
+            let inner = PoolSpec::new(
+                component,
+                dim(1, "layers")?,
+                dim(0, "planes")?,
+                dim(4, "heads")?,
+                dim(5, "head_dim")?,
+                dtype,
+                dim(3, "page_size")?,
+                dim(2, "pages")?,
+            )
+            .map_err(|e| match e {
+                Error::Config {
+                    field: f,
+                    value,
+                    allowed,
+                } => Error::config(format!("{field}: {f}"), value, allowed),
+                other => other,
+            })
+            .py_err(py)?;
+            Ok(PyPoolSpec { inner })
         })
-        .py_err(py)?;
-        Ok(PyPoolSpec { inner })
     }
 
     /// Raises `ConfigError` unless `tensor` is a contiguous buffer of this pool in `layout`,
@@ -261,51 +267,55 @@ impl PyPoolSpec {
         device: Option<&str>,
         field: &str,
     ) -> PyResult<()> {
-        let py = tensor.py();
-        let layout = HostLayout::parse("layout", layout).py_err(py)?;
-        let info = TensorInfo::inspect(tensor, field)?;
-        if let Some(want) = device {
-            if info.device_type != want {
+        contained(|| {
+            let py = tensor.py();
+            let layout = HostLayout::parse("layout", layout).py_err(py)?;
+            let info = TensorInfo::inspect(tensor, field)?;
+            if let Some(want) = device {
+                if info.device_type != want {
+                    return Err(to_py(
+                        py,
+                        Error::config(
+                            format!("{field}.device"),
+                            &info.device_type,
+                            format!("a {want} tensor"),
+                        ),
+                    ));
+                }
+            }
+            let dtype = info.pool_dtype(field).py_err(py)?;
+            if dtype != self.inner.dtype {
                 return Err(to_py(
                     py,
                     Error::config(
-                        format!("{field}.device"),
-                        &info.device_type,
-                        format!("a {want} tensor"),
+                        format!("{field}.dtype"),
+                        format!("torch.{}", info.dtype),
+                        self.inner.dtype.name(),
                     ),
                 ));
             }
-        }
-        let dtype = info.pool_dtype(field).py_err(py)?;
-        if dtype != self.inner.dtype {
-            return Err(to_py(
-                py,
-                Error::config(
-                    format!("{field}.dtype"),
-                    format!("torch.{}", info.dtype),
-                    self.inner.dtype.name(),
-                ),
-            ));
-        }
-        let want = self.shape_in(layout);
-        if info.shape != want {
-            return Err(to_py(
-                py,
-                Error::config(
-                    format!("{field}.shape"),
-                    format!("{:?}", info.shape),
-                    format!("{want:?}"),
-                ),
-            ));
-        }
-        info.require_contiguous(field).py_err(py)
+            let want = self.shape_in(layout);
+            if info.shape != want {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        format!("{field}.shape"),
+                        format!("{:?}", info.shape),
+                        format!("{want:?}"),
+                    ),
+                ));
+            }
+            info.require_contiguous(field).py_err(py)
+        })
     }
 
     /// Tensor shape of the buffer in `layout`.
     #[pyo3(signature = (layout="layer_first"))]
     fn shape(&self, py: Python<'_>, layout: &str) -> PyResult<Vec<u64>> {
-        let layout = HostLayout::parse("layout", layout).py_err(py)?;
-        Ok(self.shape_in(layout))
+        contained(|| {
+            let layout = HostLayout::parse("layout", layout).py_err(py)?;
+            Ok(self.shape_in(layout))
+        })
     }
 
     /// Byte offset of `page` of (`plane`, `layer`) in a buffer of this pool in `layout`.
@@ -316,11 +326,13 @@ impl PyPoolSpec {
         layer: &Bound<'_, PyAny>,
         page: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
-        let g = self.inner.geometry(layout_arg(layout)?);
-        let plane = index_arg(plane, "plane", g.planes)?;
-        let layer = index_arg(layer, "layer", g.layers)?;
-        let page = index_arg(page, "page", g.pages)?;
-        g.page_offset(plane, layer, page).py_err(layout.py())
+        contained(|| {
+            let g = self.inner.geometry(layout_arg(layout)?);
+            let plane = index_arg(plane, "plane", g.planes)?;
+            let layer = index_arg(layer, "layer", g.layers)?;
+            let page = index_arg(page, "page", g.pages)?;
+            g.page_offset(plane, layer, page).py_err(layout.py())
+        })
     }
 
     /// Byte offset of token row `token` of `page` of (`plane`, `layer`) in `layout` (of its
@@ -333,8 +345,10 @@ impl PyPoolSpec {
         page: &Bound<'_, PyAny>,
         token: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
-        let zero = 0u32.into_pyobject(layout.py())?.into_any();
-        self.part_offset(layout, plane, layer, page, token, &zero)
+        contained(|| {
+            let zero = 0u32.into_pyobject(layout.py())?.into_any();
+            self.part_offset(layout, plane, layer, page, token, &zero)
+        })
     }
 
     /// Byte offset of part `part` (an index into `row_parts`) of token `token`'s row of
@@ -350,33 +364,37 @@ impl PyPoolSpec {
         token: &Bound<'_, PyAny>,
         part: &Bound<'_, PyAny>,
     ) -> PyResult<u64> {
-        let g = self.inner.geometry(layout_arg(layout)?);
-        let plane = index_arg(plane, "plane", g.planes)?;
-        let layer = index_arg(layer, "layer", g.layers)?;
-        let page = index_arg(page, "page", g.pages)?;
-        let token = index_arg(token, "token", g.page_size)?;
-        let part = index_arg(part, "part", self.inner.row.parts().len() as u64)?;
-        g.part_offset(plane, layer, page, token, part)
-            .py_err(layout.py())
+        contained(|| {
+            let g = self.inner.geometry(layout_arg(layout)?);
+            let plane = index_arg(plane, "plane", g.planes)?;
+            let layer = index_arg(layer, "layer", g.layers)?;
+            let page = index_arg(page, "page", g.pages)?;
+            let token = index_arg(token, "token", g.page_size)?;
+            let part = index_arg(part, "part", self.inner.row.parts().len() as u64)?;
+            g.part_offset(plane, layer, page, token, part)
+                .py_err(layout.py())
+        })
     }
 
     /// The parts of a token's row: `[{name, dtype, count, bytes}]` (one `values` part for a
     /// plain pool).
     #[getter]
     fn row_parts<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, pyo3::types::PyDict>>> {
-        self.inner
-            .row
-            .parts()
-            .iter()
-            .map(|p| {
-                let d = pyo3::types::PyDict::new(py);
-                d.set_item("name", p.kind.name())?;
-                d.set_item("dtype", p.dtype.name())?;
-                d.set_item("count", p.count)?;
-                d.set_item("bytes", p.bytes())?;
-                Ok(d)
-            })
-            .collect()
+        contained(|| {
+            self.inner
+                .row
+                .parts()
+                .iter()
+                .map(|p| {
+                    let d = pyo3::types::PyDict::new(py);
+                    d.set_item("name", p.kind.name())?;
+                    d.set_item("dtype", p.dtype.name())?;
+                    d.set_item("count", p.count)?;
+                    d.set_item("bytes", p.bytes())?;
+                    Ok(d)
+                })
+                .collect()
+        })
     }
 
     /// `interleaved` or `values_then_scales`.
@@ -404,9 +422,11 @@ impl PyPoolSpec {
 
     /// The same geometry with another page count.
     fn with_pages(&self, pages: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let n = u32_arg(pages, "pages")?;
-        Ok(PyPoolSpec {
-            inner: self.inner.with_pages(n).py_err(pages.py())?,
+        contained(|| {
+            let n = u32_arg(pages, "pages")?;
+            Ok(PyPoolSpec {
+                inner: self.inner.with_pages(n).py_err(pages.py())?,
+            })
         })
     }
 

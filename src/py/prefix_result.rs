@@ -6,6 +6,7 @@
 
 use crate::alloc::FreeStamp;
 use crate::ids::PageId;
+use crate::py::error::contained;
 use numpy::ndarray::{s, Array1};
 use numpy::PyArray1;
 use pyo3::exceptions::PyKeyError;
@@ -118,16 +119,18 @@ impl PyPrefixMatch {
     }
 
     fn __getitem__<'py>(slf: &Bound<'py, Self>, key: &str) -> PyResult<Bound<'py, PyAny>> {
-        let py = slf.py();
-        let me = slf.get();
-        Ok(match key {
-            "device_len" => me.device_len.into_pyobject(py)?.into_any(),
-            "host_len" => me.host_len.into_pyobject(py)?.into_any(),
-            "device_node" => me.device_node.into_pyobject(py)?.into_any(),
-            "last_node" => me.last_node.into_pyobject(py)?.into_any(),
-            "device_pages" => Self::device_pages(slf).into_any(),
-            "new_pages" if me.allocated => Self::new_pages(slf).into_pyobject(py)?.into_any(),
-            _ => return Err(PyKeyError::new_err(key.to_owned())),
+        contained(|| {
+            let py = slf.py();
+            let me = slf.get();
+            Ok(match key {
+                "device_len" => me.device_len.into_pyobject(py)?.into_any(),
+                "host_len" => me.host_len.into_pyobject(py)?.into_any(),
+                "device_node" => me.device_node.into_pyobject(py)?.into_any(),
+                "last_node" => me.last_node.into_pyobject(py)?.into_any(),
+                "device_pages" => Self::device_pages(slf).into_any(),
+                "new_pages" if me.allocated => Self::new_pages(slf).into_pyobject(py)?.into_any(),
+                _ => return Err(PyKeyError::new_err(key.to_owned())),
+            })
         })
     }
 
@@ -140,20 +143,22 @@ impl PyPrefixMatch {
 
     /// The fields as a dict (what `match_prefix` returned before).
     fn to_dict<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(slf.py());
-        for k in [
-            "device_len",
-            "host_len",
-            "device_pages",
-            "device_node",
-            "last_node",
-        ] {
-            d.set_item(k, Self::__getitem__(slf, k)?)?;
-        }
-        if slf.get().allocated {
-            d.set_item("new_pages", Self::__getitem__(slf, "new_pages")?)?;
-        }
-        Ok(d)
+        contained(|| {
+            let d = PyDict::new(slf.py());
+            for k in [
+                "device_len",
+                "host_len",
+                "device_pages",
+                "device_node",
+                "last_node",
+            ] {
+                d.set_item(k, Self::__getitem__(slf, k)?)?;
+            }
+            if slf.get().allocated {
+                d.set_item("new_pages", Self::__getitem__(slf, "new_pages")?)?;
+            }
+            Ok(d)
+        })
     }
 
     fn __repr__(&self) -> String {
@@ -198,13 +203,15 @@ impl PyPrefixInsert {
     }
 
     fn __getitem__<'py>(slf: &Bound<'py, Self>, key: &str) -> PyResult<Bound<'py, PyAny>> {
-        let py = slf.py();
-        let me = slf.get();
-        Ok(match key {
-            "prefix_len" => me.prefix_len.into_pyobject(py)?.into_any(),
-            "last_node" => me.last_node.into_pyobject(py)?.into_any(),
-            "duplicates" => Self::duplicates(slf).into_any(),
-            _ => return Err(PyKeyError::new_err(key.to_owned())),
+        contained(|| {
+            let py = slf.py();
+            let me = slf.get();
+            Ok(match key {
+                "prefix_len" => me.prefix_len.into_pyobject(py)?.into_any(),
+                "last_node" => me.last_node.into_pyobject(py)?.into_any(),
+                "duplicates" => Self::duplicates(slf).into_any(),
+                _ => return Err(PyKeyError::new_err(key.to_owned())),
+            })
         })
     }
 

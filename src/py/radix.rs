@@ -10,7 +10,7 @@ use crate::guard::Guarded;
 use crate::ids::PageId;
 use crate::py::alloc::{page_array, page_ids};
 use crate::py::args::{int, opt_int};
-use crate::py::error::{to_py, IntoPyResult};
+use crate::py::error::{contained, to_py, IntoPyResult};
 use crate::py::prefix_result::{PyPrefixInsert, PyPrefixMatch};
 use crate::py::tokens::{with_lookup, with_tokens, Lookup};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
@@ -604,14 +604,16 @@ pub fn _bench_serve(
     capacity_pages: u32,
     inflight: usize,
 ) -> PyResult<(Vec<u64>, u64, u64, u64)> {
-    let seqs: Vec<Vec<u32>> = seqs
-        .iter()
-        .map(|s| with_tokens(s, |t| Ok(t.to_vec())))
-        .collect::<PyResult<_>>()?;
-    let st = py
-        .detach(|| crate::radix::bench::serve(&seqs, page_size, capacity_pages, inflight))
-        .py_err(py)?;
-    Ok((st.lat_ns, st.hit_tokens, st.total_tokens, st.failed))
+    contained(|| {
+        let seqs: Vec<Vec<u32>> = seqs
+            .iter()
+            .map(|s| with_tokens(s, |t| Ok(t.to_vec())))
+            .collect::<PyResult<_>>()?;
+        let st = py
+            .detach(|| crate::radix::bench::serve(&seqs, page_size, capacity_pages, inflight))
+            .py_err(py)?;
+        Ok((st.lat_ns, st.hit_tokens, st.total_tokens, st.failed))
+    })
 }
 
 /// Counts of a cache (`HiCache.stats`).

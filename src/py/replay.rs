@@ -4,7 +4,7 @@
 use crate::directory::journal::Journal;
 use crate::error::Error;
 use crate::py::args::string;
-use crate::py::error::{to_py, IntoPyResult};
+use crate::py::error::{contained, to_py, IntoPyResult};
 use crate::replay::{peak_live, replay_lru, replay_min, ReplayStats};
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
@@ -105,35 +105,37 @@ pub fn replay_trace<'py>(
     budget: i64,
     policy: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let policy = match policy {
-        Some(p) => string(p, "policy")?,
-        None => "lru".to_owned(),
-    };
-    let budget = u32::try_from(budget)
-        .ok()
-        .filter(|&b| b >= 1)
-        .ok_or_else(|| {
-            to_py(
-                py,
-                Error::config("budget", budget, "1 <= budget < 2^32 slots"),
-            )
-        })?;
-    let j = journal_of(trace)?;
-    let s = match policy.as_str() {
-        "lru" => py.detach(|| replay_lru(&j, budget)).py_err(py)?,
-        "min" => py.detach(|| replay_min(&j, budget)).py_err(py)?,
-        other => {
-            return Err(to_py(
-                py,
-                Error::config("policy", format!("{other:?}"), "lru or min"),
-            ))
-        }
-    };
-    stats_dict(py, &s)
+    contained(|| {
+        let policy = match policy {
+            Some(p) => string(p, "policy")?,
+            None => "lru".to_owned(),
+        };
+        let budget = u32::try_from(budget)
+            .ok()
+            .filter(|&b| b >= 1)
+            .ok_or_else(|| {
+                to_py(
+                    py,
+                    Error::config("budget", budget, "1 <= budget < 2^32 slots"),
+                )
+            })?;
+        let j = journal_of(trace)?;
+        let s = match policy.as_str() {
+            "lru" => py.detach(|| replay_lru(&j, budget)).py_err(py)?,
+            "min" => py.detach(|| replay_min(&j, budget)).py_err(py)?,
+            other => {
+                return Err(to_py(
+                    py,
+                    Error::config("policy", format!("{other:?}"), "lru or min"),
+                ))
+            }
+        };
+        stats_dict(py, &s)
+    })
 }
 
 /// The most objects a trace holds alive at once (a budget at which nothing is evicted).
 #[pyfunction]
 pub fn trace_peak_live(trace: &Bound<'_, PyDict>) -> PyResult<u64> {
-    Ok(peak_live(&journal_of(trace)?))
+    contained(|| Ok(peak_live(&journal_of(trace)?)))
 }

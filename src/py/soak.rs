@@ -3,7 +3,7 @@
 
 use crate::error::Error;
 use crate::py::args::int;
-use crate::py::error::{to_py, typed_error};
+use crate::py::error::{contained, to_py, typed_error};
 use crate::scheduler::soak::{run, SoakConfig, SoakError, SoakReport};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -65,48 +65,50 @@ pub fn run_soak<'py>(
     seed: &Bound<'py, PyAny>,
     on_report: Option<Py<PyAny>>,
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
-    const U32: &str = "an integer in [1, 2^32)";
-    let cfg = SoakConfig {
-        requests: sized(py, requests, "requests", "an integer >= 1")?,
-        concurrent: sized(py, concurrent, "concurrent", "an integer >= 1")?,
-        layers: sized(py, layers, "layers", "an integer in [1, 65536)")?,
-        page_size: sized(py, page_size, "page_size", U32)?,
-        device_slots: sized(py, device_slots, "device_slots", U32)?,
-        host_pages: sized(py, host_pages, "host_pages", U32)?,
-        indexer_pages: sized(py, indexer_pages, "indexer_pages", U32)?,
-        prompts: sized(py, prompts, "prompts", U32)?,
-        steps: sized(py, steps, "steps", U32)?,
-        faults,
-        every: sized(py, every, "every", "an integer >= 1")?,
-        seed: sized(py, seed, "seed", "an integer >= 0")?,
-    };
-    // The callback's own exception, kept to raise as it was (not as a core error).
-    let mut raised: Option<PyErr> = None;
-    let out = py.detach(|| {
-        run(cfg, |r| {
-            let Some(cb) = &on_report else {
-                return Ok(());
-            };
-            Python::attach(|py| {
-                let res = py
-                    .check_signals()
-                    .and_then(|()| cb.call1(py, (report_dict(py, r)?,)).map(drop));
-                res.map_err(|e| {
-                    raised = Some(e);
-                    Error::config("on_report", "raised", "a callback that returns")
+    contained(|| {
+        const U32: &str = "an integer in [1, 2^32)";
+        let cfg = SoakConfig {
+            requests: sized(py, requests, "requests", "an integer >= 1")?,
+            concurrent: sized(py, concurrent, "concurrent", "an integer >= 1")?,
+            layers: sized(py, layers, "layers", "an integer in [1, 65536)")?,
+            page_size: sized(py, page_size, "page_size", U32)?,
+            device_slots: sized(py, device_slots, "device_slots", U32)?,
+            host_pages: sized(py, host_pages, "host_pages", U32)?,
+            indexer_pages: sized(py, indexer_pages, "indexer_pages", U32)?,
+            prompts: sized(py, prompts, "prompts", U32)?,
+            steps: sized(py, steps, "steps", U32)?,
+            faults,
+            every: sized(py, every, "every", "an integer >= 1")?,
+            seed: sized(py, seed, "seed", "an integer >= 0")?,
+        };
+        // The callback's own exception, kept to raise as it was (not as a core error).
+        let mut raised: Option<PyErr> = None;
+        let out = py.detach(|| {
+            run(cfg, |r| {
+                let Some(cb) = &on_report else {
+                    return Ok(());
+                };
+                Python::attach(|py| {
+                    let res = py
+                        .check_signals()
+                        .and_then(|()| cb.call1(py, (report_dict(py, r)?,)).map(drop));
+                    res.map_err(|e| {
+                        raised = Some(e);
+                        Error::config("on_report", "raised", "a callback that returns")
+                    })
                 })
             })
-        })
-    });
-    if let Some(e) = raised {
-        return Err(e);
-    }
-    let reports = match out {
-        Ok(r) => r,
-        Err(SoakError::Core(e)) => return Err(to_py(py, e)),
-        Err(SoakError::Broken(why)) => {
-            return Err(typed_error(py, "InvariantError", why, &PyDict::new(py)))
+        });
+        if let Some(e) = raised {
+            return Err(e);
         }
-    };
-    reports.iter().map(|r| report_dict(py, r)).collect()
+        let reports = match out {
+            Ok(r) => r,
+            Err(SoakError::Core(e)) => return Err(to_py(py, e)),
+            Err(SoakError::Broken(why)) => {
+                return Err(typed_error(py, "InvariantError", why, &PyDict::new(py)))
+            }
+        };
+        reports.iter().map(|r| report_dict(py, r)).collect()
+    })
 }

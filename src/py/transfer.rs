@@ -8,7 +8,7 @@
 use crate::error::Error;
 use crate::layout::HostLayout;
 use crate::py::args::{int, int64_array, opt_int, string};
-use crate::py::error::{to_py, IntoPyResult};
+use crate::py::error::{contained, to_py, IntoPyResult};
 use crate::py::pool::PyPoolSpec;
 use crate::py::tensor::TensorInfo;
 use crate::transfer::cuda::{CudaEngine, CudaMode};
@@ -36,37 +36,40 @@ impl PyPageTransferBinding {
     #[new]
     #[pyo3(signature = (tensor, spec, layout="layer_first"))]
     fn new(tensor: &Bound<'_, PyAny>, spec: &PyPoolSpec, layout: &str) -> PyResult<Self> {
-        let py = tensor.py();
-        let layout = HostLayout::parse("layout", layout).py_err(py)?;
-        spec.check_tensor_in(tensor, layout, None, "tensor")?;
-        let info = TensorInfo::inspect(tensor, "tensor")?;
-        let kind = match info.device_type.as_str() {
-            "cpu" => MemoryKind::Host,
-            "cuda" => MemoryKind::Device,
-            other => {
-                return Err(to_py(
-                    py,
-                    Error::config("tensor.device", other, "a cpu or cuda tensor"),
-                ))
+        contained(|| {
+            let py = tensor.py();
+            let layout = HostLayout::parse("layout", layout).py_err(py)?;
+            spec.check_tensor_in(tensor, layout, None, "tensor")?;
+            let info = TensorInfo::inspect(tensor, "tensor")?;
+            let kind = match info.device_type.as_str() {
+                "cpu" => MemoryKind::Host,
+                "cuda" => MemoryKind::Device,
+                other => {
+                    return Err(to_py(
+                        py,
+                        Error::config("tensor.device", other, "a cpu or cuda tensor"),
+                    ))
+                }
+            };
+            let pinned =
+                kind == MemoryKind::Host && tensor.call_method0("is_pinned")?.extract::<bool>()?;
+            let ptr: u64 = tensor.call_method0("data_ptr")?.extract()?;
+            let len = spec.inner.total_bytes();
+            // SAFETY: `tensor` was checked to be a contiguous buffer of exactly `len` bytes with
+            // the spec's dtype and shape; we hold a reference to it for as long as this binding
+            // lives, and the engine keeps one until every transfer over it has finished.
+            let mut inner =
+                unsafe { PageTransferBinding::new(ptr, len, &spec.inner, layout, kind) }
+                    .py_err(py)?;
+            if kind == MemoryKind::Device {
+                let index: Option<u32> = tensor.getattr("device")?.getattr("index")?.extract()?;
+                inner = inner.on_device(index.unwrap_or(0));
             }
-        };
-        let pinned =
-            kind == MemoryKind::Host && tensor.call_method0("is_pinned")?.extract::<bool>()?;
-        let ptr: u64 = tensor.call_method0("data_ptr")?.extract()?;
-        let len = spec.inner.total_bytes();
-        // SAFETY: `tensor` was checked to be a contiguous buffer of exactly `len` bytes with
-        // the spec's dtype and shape; we hold a reference to it for as long as this binding
-        // lives, and the engine keeps one until every transfer over it has finished.
-        let mut inner =
-            unsafe { PageTransferBinding::new(ptr, len, &spec.inner, layout, kind) }.py_err(py)?;
-        if kind == MemoryKind::Device {
-            let index: Option<u32> = tensor.getattr("device")?.getattr("index")?.extract()?;
-            inner = inner.on_device(index.unwrap_or(0));
-        }
-        Ok(PyPageTransferBinding {
-            inner,
-            tensor: tensor.clone().unbind(),
-            pinned,
+            Ok(PyPageTransferBinding {
+                inner,
+                tensor: tensor.clone().unbind(),
+                pinned,
+            })
         })
     }
 
@@ -107,17 +110,19 @@ impl PyPageTransferBinding {
     /// Planes `(start, count)` of `layer`, or of every layer for None.
     #[pyo3(signature = (layer=None))]
     fn plane_range(&self, py: Python<'_>, layer: Option<i64>) -> PyResult<(usize, usize)> {
-        let l = match layer {
-            None => None,
-            Some(v) => Some(usize::try_from(v).map_err(|_| {
-                to_py(
-                    py,
-                    Error::out_of_range("layer", v, 0, self.inner.layers() as u64),
-                )
-            })?),
-        };
-        let r = self.inner.plane_range(l).py_err(py)?;
-        Ok((r.start, r.len()))
+        contained(|| {
+            let l = match layer {
+                None => None,
+                Some(v) => Some(usize::try_from(v).map_err(|_| {
+                    to_py(
+                        py,
+                        Error::out_of_range("layer", v, 0, self.inner.layers() as u64),
+                    )
+                })?),
+            };
+            let r = self.inner.plane_range(l).py_err(py)?;
+            Ok((r.start, r.len()))
+        })
     }
 }
 
@@ -159,33 +164,36 @@ impl PyPreparedPageTransfer {
         direction: &str,
         granularity: &str,
     ) -> PyResult<Self> {
-        let py = src_units.py();
-        let direction = match direction {
-            "load" => Direction::Load,
-            "backup" => Direction::Backup,
-            other => {
-                return Err(to_py(
-                    py,
-                    Error::config("direction", format!("{other:?}"), "load or backup"),
-                ))
-            }
-        };
-        let g = Granularity::parse("granularity", granularity).py_err(py)?;
-        let map = PageTransferMap::new(
-            g,
-            &units(src_units, "src_units")?,
-            &units(dst_units, "dst_units")?,
-        )
-        .py_err(py)?;
-        let inner = PreparedPageTransfer::new(src.inner.clone(), dst.inner.clone(), map, direction)
+        contained(|| {
+            let py = src_units.py();
+            let direction = match direction {
+                "load" => Direction::Load,
+                "backup" => Direction::Backup,
+                other => {
+                    return Err(to_py(
+                        py,
+                        Error::config("direction", format!("{other:?}"), "load or backup"),
+                    ))
+                }
+            };
+            let g = Granularity::parse("granularity", granularity).py_err(py)?;
+            let map = PageTransferMap::new(
+                g,
+                &units(src_units, "src_units")?,
+                &units(dst_units, "dst_units")?,
+            )
             .py_err(py)?;
-        let pinned = [src, dst]
-            .iter()
-            .all(|b| b.inner.kind() == MemoryKind::Device || b.pinned);
-        Ok(PyPreparedPageTransfer {
-            inner,
-            tensors: [src.tensor.clone_ref(py), dst.tensor.clone_ref(py)],
-            pinned,
+            let inner =
+                PreparedPageTransfer::new(src.inner.clone(), dst.inner.clone(), map, direction)
+                    .py_err(py)?;
+            let pinned = [src, dst]
+                .iter()
+                .all(|b| b.inner.kind() == MemoryKind::Device || b.pinned);
+            Ok(PyPreparedPageTransfer {
+                inner,
+                tensors: [src.tensor.clone_ref(py), dst.tensor.clone_ref(py)],
+                pinned,
+            })
         })
     }
 
@@ -212,17 +220,19 @@ pub struct PyPageTransferGroup {
 impl PyPageTransferGroup {
     #[new]
     fn new(py: Python<'_>, members: Vec<PyRef<'_, PyPreparedPageTransfer>>) -> PyResult<Self> {
-        let inner =
-            PageTransferGroup::new(members.iter().map(|m| m.inner.clone()).collect()).py_err(py)?;
-        let tensors = members
-            .iter()
-            .flat_map(|m| m.tensors.iter().map(|t| t.clone_ref(py)))
-            .collect();
-        let pinned = members.iter().all(|m| m.pinned);
-        Ok(PyPageTransferGroup {
-            inner: Arc::new(inner),
-            tensors,
-            pinned,
+        contained(|| {
+            let inner = PageTransferGroup::new(members.iter().map(|m| m.inner.clone()).collect())
+                .py_err(py)?;
+            let tensors = members
+                .iter()
+                .flat_map(|m| m.tensors.iter().map(|t| t.clone_ref(py)))
+                .collect();
+            let pinned = members.iter().all(|m| m.pinned);
+            Ok(PyPageTransferGroup {
+                inner: Arc::new(inner),
+                tensors,
+                pinned,
+            })
         })
     }
     /// Layers (the largest member's).
@@ -237,7 +247,7 @@ impl PyPageTransferGroup {
     }
     /// Contiguous copies for `layer` (what an engine runs).
     fn ops_count(&self, py: Python<'_>, layer: usize) -> PyResult<usize> {
-        Ok(self.inner.layer_ops(layer).py_err(py)?.len())
+        contained(|| Ok(self.inner.layer_ops(layer).py_err(py)?.len()))
     }
 }
 
@@ -302,24 +312,28 @@ impl PyTransferHandle {
     /// `CopyFailedError` if it failed, `WaitTimeoutError` after `timeout` seconds.
     #[pyo3(signature = (layer=None, timeout=None))]
     fn wait(&self, py: Python<'_>, layer: Option<i64>, timeout: Option<f64>) -> PyResult<()> {
-        let l = layer_arg(py, &self.events, layer)?;
-        let t = timeout_arg(py, timeout)?;
-        let ev = Arc::clone(&self.events);
-        let r = py.detach(move || match l {
-            None => ev.wait_all(t),
-            Some(l) => ev.wait_layer(l, t),
-        });
-        self.engine.get().prune();
-        r.py_err(py)
+        contained(|| {
+            let l = layer_arg(py, &self.events, layer)?;
+            let t = timeout_arg(py, timeout)?;
+            let ev = Arc::clone(&self.events);
+            let r = py.detach(move || match l {
+                None => ev.wait_all(t),
+                Some(l) => ev.wait_layer(l, t),
+            });
+            self.engine.get().prune();
+            r.py_err(py)
+        })
     }
 
     /// `pending`, `done`, or `failed: <reason>` for `layer`.
     fn status(&self, py: Python<'_>, layer: i64) -> PyResult<String> {
-        let l = layer_arg(py, &self.events, Some(layer))?.expect("given");
-        Ok(match self.events.status(l).py_err(py)? {
-            LayerStatus::Pending => "pending".into(),
-            LayerStatus::Done => "done".into(),
-            LayerStatus::Failed(r) => format!("failed: {r}"),
+        contained(|| {
+            let l = layer_arg(py, &self.events, Some(layer))?.expect("given");
+            Ok(match self.events.status(l).py_err(py)? {
+                LayerStatus::Pending => "pending".into(),
+                LayerStatus::Done => "done".into(),
+                LayerStatus::Failed(r) => format!("failed: {r}"),
+            })
         })
     }
 
@@ -355,29 +369,31 @@ impl PyTransferHandle {
     /// blocking the CPU. Only for the kernel and direct engines. A failed layer raises
     /// CopyFailedError/TransferFailedError instead.
     fn stream_wait(&self, py: Python<'_>, layer: i64, stream: u64) -> PyResult<()> {
-        let l = layer_arg(py, &self.events, Some(layer))?.expect("given");
-        let idx = self
-            .events
-            .layers()
-            .iter()
-            .position(|&x| x == l)
-            .expect("checked");
-        let engine = self.engine.get();
-        match &engine.inner {
-            // Through the trait: a failed layer is an error, never a wait that lets stale
-            // data through (the inherent call only knows the CUDA events still held).
-            Engine::Cuda(e) => {
-                CopyEngine::stream_wait(e.as_ref(), &self.events, idx, stream).py_err(py)
+        contained(|| {
+            let l = layer_arg(py, &self.events, Some(layer))?.expect("given");
+            let idx = self
+                .events
+                .layers()
+                .iter()
+                .position(|&x| x == l)
+                .expect("checked");
+            let engine = self.engine.get();
+            match &engine.inner {
+                // Through the trait: a failed layer is an error, never a wait that lets stale
+                // data through (the inherent call only knows the CUDA events still held).
+                Engine::Cuda(e) => {
+                    CopyEngine::stream_wait(e.as_ref(), &self.events, idx, stream).py_err(py)
+                }
+                Engine::Cpu(_) => Err(to_py(
+                    py,
+                    Error::config(
+                        "io_backend",
+                        "cpu",
+                        "kernel or direct: a stream wait needs a CUDA engine",
+                    ),
+                )),
             }
-            Engine::Cpu(_) => Err(to_py(
-                py,
-                Error::config(
-                    "io_backend",
-                    "cpu",
-                    "kernel or direct: a stream wait needs a CUDA engine",
-                ),
-            )),
-        }
+        })
     }
 }
 
@@ -438,55 +454,57 @@ impl PyTransferEngine {
         per_segment: bool,
         lanes: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let backend = crate::config::IoBackend::parse("io_backend", io_backend).py_err(py)?;
-        let device = match opt_int(device, "device")? {
-            Some(d) => d,
-            // The CUDA engines default to torch's current device, as the tensors do.
-            None if backend != crate::config::IoBackend::Cpu => torch_current_device(py),
-            None => 0,
-        };
-        let device = usize::try_from(device).map_err(|_| {
-            to_py(
-                py,
-                Error::config("device", device, "a CUDA device ordinal >= 0"),
-            )
-        })?;
-        let inner = match backend {
-            crate::config::IoBackend::Cpu => {
-                let t = opt_int(threads, "threads")?.unwrap_or(2);
-                let t = usize::try_from(t)
-                    .map_err(|_| to_py(py, Error::config("threads", t, "1 <= threads <= 256")))?;
-                Engine::Cpu(Arc::new(CpuEngine::new(t).py_err(py)?))
-            }
-            crate::config::IoBackend::Kernel => {
-                let s = opt_int(sm_limit, "sm_limit")?.unwrap_or(8);
-                let s = u32::try_from(s)
-                    .ok()
-                    .filter(|&s| s >= 1)
-                    .ok_or_else(|| to_py(py, Error::config("sm_limit", s, "an integer >= 1")))?;
-                let lanes = match opt_int(lanes, "lanes")? {
-                    None => None,
-                    Some(l) => Some(u32::try_from(l).map_err(|_| {
-                        to_py(
-                            py,
-                            Error::config("lanes", l, "a power of two from 4 to 512"),
-                        )
-                    })?),
-                };
-                crate::transfer::cuda::check_lanes(lanes).py_err(py)?;
-                let mode = CudaMode::Kernel { sm_limit: s, lanes };
-                Engine::Cuda(Arc::new(
-                    py.detach(|| CudaEngine::new(device, mode)).py_err(py)?,
-                ))
-            }
-            crate::config::IoBackend::Direct => Engine::Cuda(Arc::new(
-                py.detach(|| CudaEngine::new(device, CudaMode::Direct { per_segment }))
-                    .py_err(py)?,
-            )),
-        };
-        Ok(PyTransferEngine {
-            inner,
-            keepalive: Mutex::new(Vec::new()),
+        contained(|| {
+            let backend = crate::config::IoBackend::parse("io_backend", io_backend).py_err(py)?;
+            let device = match opt_int(device, "device")? {
+                Some(d) => d,
+                // The CUDA engines default to torch's current device, as the tensors do.
+                None if backend != crate::config::IoBackend::Cpu => torch_current_device(py),
+                None => 0,
+            };
+            let device = usize::try_from(device).map_err(|_| {
+                to_py(
+                    py,
+                    Error::config("device", device, "a CUDA device ordinal >= 0"),
+                )
+            })?;
+            let inner = match backend {
+                crate::config::IoBackend::Cpu => {
+                    let t = opt_int(threads, "threads")?.unwrap_or(2);
+                    let t = usize::try_from(t).map_err(|_| {
+                        to_py(py, Error::config("threads", t, "1 <= threads <= 256"))
+                    })?;
+                    Engine::Cpu(Arc::new(CpuEngine::new(t).py_err(py)?))
+                }
+                crate::config::IoBackend::Kernel => {
+                    let s = opt_int(sm_limit, "sm_limit")?.unwrap_or(8);
+                    let s = u32::try_from(s).ok().filter(|&s| s >= 1).ok_or_else(|| {
+                        to_py(py, Error::config("sm_limit", s, "an integer >= 1"))
+                    })?;
+                    let lanes = match opt_int(lanes, "lanes")? {
+                        None => None,
+                        Some(l) => Some(u32::try_from(l).map_err(|_| {
+                            to_py(
+                                py,
+                                Error::config("lanes", l, "a power of two from 4 to 512"),
+                            )
+                        })?),
+                    };
+                    crate::transfer::cuda::check_lanes(lanes).py_err(py)?;
+                    let mode = CudaMode::Kernel { sm_limit: s, lanes };
+                    Engine::Cuda(Arc::new(
+                        py.detach(|| CudaEngine::new(device, mode)).py_err(py)?,
+                    ))
+                }
+                crate::config::IoBackend::Direct => Engine::Cuda(Arc::new(
+                    py.detach(|| CudaEngine::new(device, CudaMode::Direct { per_segment }))
+                        .py_err(py)?,
+                )),
+            };
+            Ok(PyTransferEngine {
+                inner,
+                keepalive: Mutex::new(Vec::new()),
+            })
         })
     }
 
@@ -503,38 +521,40 @@ impl PyTransferEngine {
         group: &PyPageTransferGroup,
         layer: Option<i64>,
     ) -> PyResult<PyTransferHandle> {
-        let py = slf.py();
-        let this = slf.get();
-        this.follow_torch_stream(py)?; // copies follow torch's queued writes
-        if matches!(this.inner, Engine::Cuda(_)) && !group.pinned {
-            return Err(to_py(
-                py,
-                Error::config(
-                    "group",
-                    "a group with pageable host tensors",
-                    "pinned host tensors (tensor.pin_memory()) for the kernel and direct engines",
-                ),
-            ));
-        }
-        let layer = match layer {
-            None => None,
-            Some(v) => Some(usize::try_from(v).map_err(|_| {
-                to_py(
+        contained(|| {
+            let py = slf.py();
+            let this = slf.get();
+            this.follow_torch_stream(py)?; // copies follow torch's queued writes
+            if matches!(this.inner, Engine::Cuda(_)) && !group.pinned {
+                return Err(to_py(
                     py,
-                    Error::out_of_range("layer", v, 0, group.inner.layers() as u64),
-                )
-            })?),
-        };
-        let g = Arc::clone(&group.inner);
-        let events = py
-            .detach(|| this.inner.dyn_ref().submit(g, layer))
-            .py_err(py)?;
-        this.prune();
-        let tensors = group.tensors.iter().map(|t| t.clone_ref(py)).collect();
-        this.keepalive.lock().push((Arc::clone(&events), tensors));
-        Ok(PyTransferHandle {
-            events,
-            engine: slf.clone().unbind(),
+                    Error::config(
+                        "group",
+                        "a group with pageable host tensors",
+                        "pinned host tensors (tensor.pin_memory()) for the kernel and direct engines",
+                    ),
+                ));
+            }
+            let layer = match layer {
+                None => None,
+                Some(v) => Some(usize::try_from(v).map_err(|_| {
+                    to_py(
+                        py,
+                        Error::out_of_range("layer", v, 0, group.inner.layers() as u64),
+                    )
+                })?),
+            };
+            let g = Arc::clone(&group.inner);
+            let events = py
+                .detach(|| this.inner.dyn_ref().submit(g, layer))
+                .py_err(py)?;
+            this.prune();
+            let tensors = group.tensors.iter().map(|t| t.clone_ref(py)).collect();
+            this.keepalive.lock().push((Arc::clone(&events), tensors));
+            Ok(PyTransferHandle {
+                events,
+                engine: slf.clone().unbind(),
+            })
         })
     }
 
@@ -550,36 +570,38 @@ impl PyTransferEngine {
         fail: Option<String>,
         delay: Option<f64>,
     ) -> PyResult<()> {
-        let nth = int(nth, "nth")?;
-        let nth = u64::try_from(nth)
-            .map_err(|_| to_py(py, Error::config("nth", nth, "a submission number >= 0")))?;
-        let layer = match opt_int(layer, "layer")? {
-            None => None,
-            Some(l) => Some(
-                usize::try_from(l)
-                    .map_err(|_| to_py(py, Error::config("layer", l, "a layer >= 0")))?,
-            ),
-        };
-        let action = match (fail, delay) {
-            (Some(reason), None) => FaultAction::Fail(reason),
-            (None, Some(s)) if s.is_finite() && s >= 0.0 => {
-                FaultAction::Delay(Duration::from_secs_f64(s))
-            }
-            _ => {
-                return Err(to_py(
-                    py,
-                    Error::config(
-                        "fail/delay",
-                        "both or neither, or a bad delay",
-                        "exactly one of fail=<reason> or delay=<seconds >= 0>",
-                    ),
-                ))
-            }
-        };
-        self.inner
-            .dyn_ref()
-            .inject(Fault { nth, layer, action })
-            .py_err(py)
+        contained(|| {
+            let nth = int(nth, "nth")?;
+            let nth = u64::try_from(nth)
+                .map_err(|_| to_py(py, Error::config("nth", nth, "a submission number >= 0")))?;
+            let layer = match opt_int(layer, "layer")? {
+                None => None,
+                Some(l) => Some(
+                    usize::try_from(l)
+                        .map_err(|_| to_py(py, Error::config("layer", l, "a layer >= 0")))?,
+                ),
+            };
+            let action = match (fail, delay) {
+                (Some(reason), None) => FaultAction::Fail(reason),
+                (None, Some(s)) if s.is_finite() && s >= 0.0 => {
+                    FaultAction::Delay(Duration::from_secs_f64(s))
+                }
+                _ => {
+                    return Err(to_py(
+                        py,
+                        Error::config(
+                            "fail/delay",
+                            "both or neither, or a bad delay",
+                            "exactly one of fail=<reason> or delay=<seconds >= 0>",
+                        ),
+                    ))
+                }
+            };
+            self.inner
+                .dyn_ref()
+                .inject(Fault { nth, layer, action })
+                .py_err(py)
+        })
     }
 
     /// Submissions not yet finished (finished ones release their tensors here).
@@ -616,37 +638,41 @@ pub fn kernel_cubin<'py>(
     arch: &Bound<'py, PyAny>,
     cache_dir: Option<std::path::PathBuf>,
 ) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
-    let a = string(arch, "arch")?;
-    let c = py
-        .detach(|| crate::transfer::cubin::cubin(&a, cache_dir.as_deref()))
-        .py_err(py)?;
-    let d = pyo3::types::PyDict::new(py);
-    d.set_item("arch", c.arch)?;
-    d.set_item("image", pyo3::types::PyBytes::new(py, &c.image))?;
-    d.set_item("path", c.path)?;
-    d.set_item("from_cache", c.from_cache)?;
-    Ok(d)
+    contained(|| {
+        let a = string(arch, "arch")?;
+        let c = py
+            .detach(|| crate::transfer::cubin::cubin(&a, cache_dir.as_deref()))
+            .py_err(py)?;
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("arch", c.arch)?;
+        d.set_item("image", pyo3::types::PyBytes::new(py, &c.image))?;
+        d.set_item("path", c.path)?;
+        d.set_item("from_cache", c.from_cache)?;
+        Ok(d)
+    })
 }
 
 /// Compiles the copy kernel with NVRTC for `arch` and returns the PTX (needs libnvrtc only).
 #[pyfunction]
 #[pyo3(signature = (arch=None), text_signature = "(arch='sm_90')")]
 pub fn compile_cuda_kernels(py: Python<'_>, arch: Option<&Bound<'_, PyAny>>) -> PyResult<String> {
-    const ARCHES: [&str; 7] = [
-        "sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120",
-    ];
-    let a = match arch {
-        Some(o) => string(o, "arch")?,
-        None => "sm_90".to_owned(),
-    };
-    let Some(&a) = ARCHES.iter().find(|x| **x == a) else {
-        return Err(to_py(
-            py,
-            Error::config("arch", format!("{a:?}"), format!("one of {ARCHES:?}")),
-        ));
-    };
-    py.detach(|| crate::transfer::cuda::compile_kernels(a))
-        .py_err(py)
+    contained(|| {
+        const ARCHES: [&str; 7] = [
+            "sm_80", "sm_86", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_120",
+        ];
+        let a = match arch {
+            Some(o) => string(o, "arch")?,
+            None => "sm_90".to_owned(),
+        };
+        let Some(&a) = ARCHES.iter().find(|x| **x == a) else {
+            return Err(to_py(
+                py,
+                Error::config("arch", format!("{a:?}"), format!("one of {ARCHES:?}")),
+            ));
+        };
+        py.detach(|| crate::transfer::cuda::compile_kernels(a))
+            .py_err(py)
+    })
 }
 
 /// torch's raw-stream getter, looked up once: `torch._C._cuda_getCurrentRawStream`, or None
