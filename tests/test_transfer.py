@@ -122,6 +122,25 @@ def test_injected_failure_is_reported_and_later_layers_stay_unwritten():
         assert not (dst[:, 1, [0, 3, 7]] == POISON).all()
 
 
+def test_a_worker_that_panics_fails_the_copy_and_serves_on():
+    # A bug in the copy path: the single worker panics at layer 2. The engine fails layers 2
+    # and 3 with the panic's message (1 was written) and copies the next submission whole.
+    g, pairs = group_kv_indexer()
+    e = st.TransferEngine("cpu", threads=1)
+    e.inject_fault(0, layer=2, panic="copy bug")
+    h = e.submit(g)
+    with pytest.raises(st.CopyFailedError) as err:
+        h.wait(timeout=10)
+    assert err.value.layer == 2 and "copy worker panicked: copy bug" in err.value.reason
+    h.wait(layer=1)
+    for _, dst in pairs:
+        assert (dst[:, 2:] == POISON).all()
+    g2, pairs2 = group_kv_indexer()
+    e.submit(g2).wait(timeout=10)
+    for src, dst in pairs2:
+        assert torch.equal(dst[:, :, [0, 3, 7]], view(src, "layer_page_first")[:, :, [1, 2, 5]])
+
+
 def test_engine_keeps_tensors_alive_until_finished():
     e = st.TransferEngine("cpu", threads=1)
     e.inject_fault(0, delay=1.0)

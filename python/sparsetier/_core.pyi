@@ -343,6 +343,7 @@ class TransferEngine:
         layer: int | None = None,
         fail: str | None = None,
         delay: float | None = None,
+        panic: str | None = None,
     ) -> None: ...
     @property
     def in_flight(self) -> int: ...

@@ -558,10 +558,12 @@ impl PyTransferEngine {
         })
     }
 
-    /// Arms a fault for submission number `nth`: `fail` with a reason, or `delay` seconds (cpu
-    /// engine only), at `layer` (default: the submission's first layer). On the CUDA engines
-    /// the layers before it are copied and it and every later layer fail.
-    #[pyo3(signature = (nth, *, layer=None, fail=None, delay=None))]
+    /// Arms a fault for submission number `nth`: `fail` with a reason, `delay` seconds (cpu
+    /// engine only), or `panic` with a message (cpu engine only: the worker panics, as a bug
+    /// would, and the engine fails the copy from there with the panic's message), at `layer`
+    /// (default: the submission's first layer). On the CUDA engines the layers before it are
+    /// copied and it and every later layer fail.
+    #[pyo3(signature = (nth, *, layer=None, fail=None, delay=None, panic=None))]
     fn inject_fault(
         &self,
         py: Python<'_>,
@@ -569,6 +571,7 @@ impl PyTransferEngine {
         layer: Option<&Bound<'_, PyAny>>,
         fail: Option<String>,
         delay: Option<f64>,
+        panic: Option<String>,
     ) -> PyResult<()> {
         contained(|| {
             let nth = int(nth, "nth")?;
@@ -581,18 +584,20 @@ impl PyTransferEngine {
                         .map_err(|_| to_py(py, Error::config("layer", l, "a layer >= 0")))?,
                 ),
             };
-            let action = match (fail, delay) {
-                (Some(reason), None) => FaultAction::Fail(reason),
-                (None, Some(s)) if s.is_finite() && s >= 0.0 => {
+            let action = match (fail, delay, panic) {
+                (Some(reason), None, None) => FaultAction::Fail(reason),
+                (None, Some(s), None) if s.is_finite() && s >= 0.0 => {
                     FaultAction::Delay(Duration::from_secs_f64(s))
                 }
+                (None, None, Some(message)) => FaultAction::Panic(message),
                 _ => {
                     return Err(to_py(
                         py,
                         Error::config(
-                            "fail/delay",
-                            "both or neither, or a bad delay",
-                            "exactly one of fail=<reason> or delay=<seconds >= 0>",
+                            "fail/delay/panic",
+                            "more than one or none, or a bad delay",
+                            "exactly one of fail=<reason>, delay=<seconds >= 0> or \
+                             panic=<message>",
                         ),
                     ))
                 }
