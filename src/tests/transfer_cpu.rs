@@ -258,13 +258,7 @@ fn injected_failure_leaves_later_layers_unpublished() {
         .unwrap()
         .wait_all(None)
         .unwrap();
-    let poisoned = [vec![POISON; bufs[1].len()], vec![POISON; bufs[3].len()]];
-    let mut fresh: Vec<Vec<u8>> = vec![
-        bufs[0].clone(),
-        poisoned[0].clone(),
-        bufs[2].clone(),
-        poisoned[1].clone(),
-    ];
+    let mut fresh = poisoned_destinations(&bufs);
     let ev = engine.submit(group_of(&mut fresh, &specs), None).unwrap();
     assert!(matches!(
         ev.wait_all(None),
@@ -276,14 +270,29 @@ fn injected_failure_leaves_later_layers_unpublished() {
         Err(Error::CopyFailed { .. })
     ));
     assert!(ev.is_finished());
-    // Layers 2 and 3 of the destination were never written: still poisoned.
+    assert_written_before(&fresh, &specs, 2);
+}
+
+/// The sources of `bufs` (KV and Indexer-K pairs) with destinations filled with [`POISON`].
+fn poisoned_destinations(bufs: &[Vec<u8>]) -> Vec<Vec<u8>> {
+    vec![
+        bufs[0].clone(),
+        vec![POISON; bufs[1].len()],
+        bufs[2].clone(),
+        vec![POISON; bufs[3].len()],
+    ]
+}
+
+/// The KV destination's page 0 was written at layer `first_unwritten - 1` and never from
+/// layer `first_unwritten` on (still [`POISON`]).
+fn assert_written_before(fresh: &[Vec<u8>], specs: &[PoolSpec], first_unwritten: u64) {
     let g = specs[0].geometry(HostLayout::LayerFirst);
     let pb = specs[0].page_bytes() as usize;
-    for l in 2..4u64 {
+    for l in first_unwritten..u64::from(specs[0].layers) {
         let o = g.page_offset(0, l, 0).unwrap() as usize;
         assert!(fresh[1][o..o + pb].iter().all(|&b| b == POISON));
     }
-    let o = g.page_offset(0, 1, 0).unwrap() as usize;
+    let o = g.page_offset(0, first_unwritten - 1, 0).unwrap() as usize;
     assert!(fresh[1][o..o + pb].iter().any(|&b| b != POISON));
 }
 
@@ -297,13 +306,7 @@ fn a_worker_that_panics_fails_what_it_had_not_written_and_serves_on() {
         layer: Some(2),
         action: FaultAction::Panic("copy bug".into()),
     });
-    let poisoned = [vec![POISON; bufs[1].len()], vec![POISON; bufs[3].len()]];
-    let mut fresh: Vec<Vec<u8>> = vec![
-        bufs[0].clone(),
-        poisoned[0].clone(),
-        bufs[2].clone(),
-        poisoned[1].clone(),
-    ];
+    let mut fresh = poisoned_destinations(&bufs);
     let ev = engine.submit(group_of(&mut fresh, &specs), None).unwrap();
     let Err(Error::CopyFailed {
         layer: 2, reason, ..
@@ -317,12 +320,7 @@ fn a_worker_that_panics_fails_what_it_had_not_written_and_serves_on() {
     );
     ev.wait_layer(1, None).unwrap();
     assert!(ev.wait_layer(3, None).is_err());
-    let g = specs[0].geometry(HostLayout::LayerFirst);
-    let pb = specs[0].page_bytes() as usize;
-    for l in 2..4u64 {
-        let o = g.page_offset(0, l, 0).unwrap() as usize;
-        assert!(fresh[1][o..o + pb].iter().all(|&b| b == POISON));
-    }
+    assert_written_before(&fresh, &specs, 2);
     // The worker lives on: the next submission is copied whole.
     engine
         .submit(group_of(&mut bufs, &specs), None)
