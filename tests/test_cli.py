@@ -274,6 +274,8 @@ def test_demo_with_faults_reports_them_and_ends_clean(tmp_path, capsys):
     assert t["failed_backups"] + unused.get("backups", 0) == 1
     assert t["failed_restores"] + unused.get("restores", 0) == 1
     assert t["failures"], "the layer whose load and retry fail must fail some request"
+    # On the cpu engine the single load fault is a copy worker's panic, taken as a failure.
+    assert t["copy_panics"] == 1 and "1 of them a copy worker's panic" in out
     assert (t["end_pins"], t["end_quarantined_slots"], t["end_device_leaked"]) == (0, 0, 0)
     assert t["end_transfers_in_flight"] == 0
 

@@ -400,6 +400,7 @@ def test_a_copy_worker_that_panics_fails_the_copy_as_a_failure_would(fault):
     rt, a = run(60, False, faults={step: (kind, count, layer, None, True)})
     stats = rt.scheduler.stats()
     assert stats["faults_armed_loads"] + stats["faults_armed_backups"] == 0  # all taken
+    assert stats["copy_panics_injected"] == count
     tot = rt.scheduler.totals()
     assert tot["failed_loads" if kind == "load" else "failed_backups"] >= count
     failed = sorted({rid for _, rid, _ in rt.failures})

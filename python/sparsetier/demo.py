@@ -105,6 +105,19 @@ FAULT_PLAN = {
     15: ("backup", 1, None),
 }
 
+#: On the cpu engine the single load failure is a copy worker's panic instead: a bug in the
+#: copy path, which the engine contains as a failed copy (the CUDA engines copy on the GPU,
+#: with no worker of theirs to panic, and take the plain failure).
+PANIC_STEP = 3
+
+
+def fault_plan(device: str) -> dict[int, tuple]:
+    """What `--faults` arms on `device`, by global decode step."""
+    plan = dict(FAULT_PLAN)
+    if device == "cpu":
+        plan[PANIC_STEP] = (*plan[PANIC_STEP], None, True)
+    return plan
+
 
 @dataclass
 class FailureLog:
@@ -155,6 +168,10 @@ def _run(
     log = FailureLog()
     play = replay or FailureLog()
 
+    def arm(step: int) -> None:
+        if step in faults:
+            rt.inject_faults(*faults.pop(step))
+
     def admit(rid: int, attempt: str, call) -> bool:
         """Runs a prefill (`attempt`: "add" or "restart"); False if it failed here or, in the
         resident run, where the tiered run's failed (then the request is ended at once)."""
@@ -186,9 +203,7 @@ def _run(
             c, i, prompt = queue.pop(0)
             rid = rids.setdefault((c, i), len(rids))
             before = rt.prefix_stats()["prefix_kv_bytes_first"]
-            step = rt.steps
-            if step in faults:
-                rt.inject_faults(*faults.pop(step))
+            arm(rt.steps)
             live[rid] = (c, i)
 
             def add(rid=rid, c=c, i=i, prompt=prompt):
@@ -199,8 +214,7 @@ def _run(
             else:
                 ended(rid)
         step = rt.steps
-        if step in faults:
-            rt.inject_faults(*faults.pop(step))
+        arm(step)
         rec = rt.step()
         if progress is not None:
             progress.update(1)
@@ -264,7 +278,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         from tqdm import tqdm
 
         bar = tqdm(desc="tiered decode", unit="step")
-    faults = dict(FAULT_PLAN) if cfg.faults else {}
+    faults = fault_plan(cfg.device) if cfg.faults else {}
     t0 = time.perf_counter()
     sizes = (host_pages, idx_pages)
     rt, out, adms, prefill_bytes, failures = _run(
@@ -330,6 +344,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
             for k in ("loads", "backups", "restores")
             if end[f"faults_armed_{k}"]
         },
+        # Copy-worker panics injected (cpu engine) with a submission, contained as failures.
+        "copy_panics": end["copy_panics_injected"],
         "prefix_wait_s": rt.prefix_wait_s,
         "device_slots": device,
         "peak_objects": peak,
@@ -431,7 +447,9 @@ def format_summary(r: dict) -> str:
         ),
         (
             "faults",
-            f"{t['failed_loads']} failed loads ({t['retried_loads']} retried), "
+            f"{t['failed_loads']} failed loads ({t['retried_loads']} retried"
+            + (f"; {t['copy_panics']} of them a copy worker's panic" if t["copy_panics"] else "")
+            + "), "
             f"{t['failed_backups']} failed backups, {t['failed_restores']} failed restores, "
             f"failed requests {t['failed_requests_list']}"
             + (f"; restarted {t['restarted']}" if t["restarted"] else "")

@@ -209,6 +209,8 @@ pub struct StepScheduler {
     faults: Vec<ArmedFault>,
     /// The next plan panics inside the core (an injected bug: [`Self::inject_internal_fault`]).
     internal_fault: bool,
+    /// Injected copy-worker panics handed to the engine with a submission.
+    panics_armed: u64,
     next_plan: u64,
     batch: u64,
     last_batch: Vec<RequestId>,
@@ -399,6 +401,7 @@ impl StepScheduler {
             prefetches: FxHashMap::default(),
             faults: Vec::new(),
             internal_fault: false,
+            panics_armed: 0,
             next_plan: 1,
             batch: 0,
             last_batch: Vec::new(),
@@ -1584,6 +1587,12 @@ impl StepScheduler {
         });
     }
 
+    /// Injected copy-worker panics handed to the engine so far, each with the submission it
+    /// fails (a panic armed but not yet handed over is in [`Self::armed_faults`]).
+    pub fn panics_armed(&self) -> u64 {
+        self.panics_armed
+    }
+
     /// The next plan panics inside the core after it has pinned and submitted its loads, as
     /// a bug would (tests the bindings' containment: see [`crate::guard`]).
     pub fn inject_internal_fault(&mut self) {
@@ -1617,7 +1626,10 @@ impl StepScheduler {
             let action = match f.action {
                 Armed::Delay(d) => FaultAction::Delay(d),
                 Armed::Fail => FaultAction::Fail(format!("injected {} fault", direction.name())),
-                Armed::Panic => FaultAction::Panic(format!("injected {} panic", direction.name())),
+                Armed::Panic => {
+                    self.panics_armed += 1;
+                    FaultAction::Panic(format!("injected {} panic", direction.name()))
+                }
             };
             self.engine.inject(Fault {
                 nth: self.engine.submitted(),
