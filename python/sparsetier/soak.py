@@ -37,7 +37,7 @@ from sparsetier._core import (
     TransferEngine,
     run_soak,
 )
-from sparsetier.errors import ConfigError, OutOfPagesError, SparsetierError
+from sparsetier.errors import ConfigError, InvariantError, OutOfPagesError, SparsetierError
 
 
 @dataclass
@@ -238,6 +238,8 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False, engine: str = "python") 
                 idx[rid] = s.indexer_pages(rid)
                 data.write_keys(idx[rid][pos // ps], toks[pos], pos)
                 running[rid] = [list(toks), cfg.steps]
+            except InvariantError:
+                raise  # a bug, never a fault to end the request over
             except SparsetierError:
                 idx.pop(rid, None)
                 s.finish_request(rid)

@@ -1,6 +1,8 @@
 """Fuzz target (atheris) for the planning code and the builder's checks: pool specs, stack
 plans, transfer plans and directory operations fed with arbitrary values. Any failure must be
-a typed `sparsetier.SparsetierError`; anything else (another exception, a crash) is a finding.
+a typed `sparsetier.SparsetierError`; anything else (another exception, a crash) is a finding,
+and so is an `InvariantError` (a broken invariant, or its subclass `InternalError`: a panic the
+core caught at the boundary), though it is typed.
 
     python tests/fuzz/fuzz_entry_points.py -runs=20000     # bounded pass (CI runs one)
     python tests/fuzz/fuzz_entry_points.py -max_total_time=600
@@ -102,6 +104,8 @@ def scheduler_ops(f: atheris.FuzzedDataProvider) -> None:
                 s.finish(plan)
             else:
                 s.extend(an_int(f), an_int(f))
+        except st.InvariantError:
+            raise  # a bug: a broken invariant, or a panic caught in the core
         except st.SparsetierError:
             pass
         s.validate()
@@ -158,6 +162,8 @@ def joined_ops(f: atheris.FuzzedDataProvider) -> None:
                 s.append(np.array([rid]))
             else:
                 s.end_step()
+        except st.InvariantError:
+            raise  # a bug: a broken invariant, or a panic caught in the core
         except st.SparsetierError:
             pass
         s.validate()
@@ -213,6 +219,8 @@ def one(data: bytes) -> None:
                         d.evict(an_int(f))
                     else:
                         d.drop_namespace(an_int(f))
+                except st.InvariantError:
+                    raise  # a bug: a broken invariant, or a panic caught in the core
                 except st.SparsetierError:
                     pass
                 d.validate()
@@ -236,6 +244,8 @@ def one(data: bytes) -> None:
                 granularity="token" if f.ConsumeBool() else "page",
             )
             st.TransferEngine("cpu").submit(st.PageTransferGroup([t])).wait()
+    except st.InvariantError:
+        raise  # a bug: a broken invariant, or a panic caught in the core
     except st.SparsetierError:
         pass
 
