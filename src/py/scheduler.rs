@@ -1250,7 +1250,7 @@ fn scheduler_stats_dict<'py>(py: Python<'py>, s: &StepScheduler) -> PyResult<Bou
     d.set_item("faults_armed_loads", fl)?;
     d.set_item("faults_armed_backups", fb)?;
     d.set_item("faults_armed_restores", fr)?;
-    d.set_item("copy_panics_injected", s.panics_armed())?;
+    d.set_item("copy_panics_injected", s.copy_panics_injected())?;
     d.set_item("loads_in_flight", loads)?;
     d.set_item("backups_in_flight", backups)?;
     d.set_item("plans_outstanding", plans)?;

@@ -210,7 +210,7 @@ pub struct StepScheduler {
     /// The next plan panics inside the core (an injected bug: [`Self::inject_internal_fault`]).
     internal_fault: bool,
     /// Injected copy-worker panics handed to the engine with a submission.
-    panics_armed: u64,
+    copy_panics_injected: u64,
     next_plan: u64,
     batch: u64,
     last_batch: Vec<RequestId>,
@@ -401,7 +401,7 @@ impl StepScheduler {
             prefetches: FxHashMap::default(),
             faults: Vec::new(),
             internal_fault: false,
-            panics_armed: 0,
+            copy_panics_injected: 0,
             next_plan: 1,
             batch: 0,
             last_batch: Vec::new(),
@@ -1589,8 +1589,8 @@ impl StepScheduler {
 
     /// Injected copy-worker panics handed to the engine so far, each with the submission it
     /// fails (a panic armed but not yet handed over is in [`Self::armed_faults`]).
-    pub fn panics_armed(&self) -> u64 {
-        self.panics_armed
+    pub fn copy_panics_injected(&self) -> u64 {
+        self.copy_panics_injected
     }
 
     /// The next plan panics inside the core after it has pinned and submitted its loads, as
@@ -1627,7 +1627,7 @@ impl StepScheduler {
                 Armed::Delay(d) => FaultAction::Delay(d),
                 Armed::Fail => FaultAction::Fail(format!("injected {} fault", direction.name())),
                 Armed::Panic => {
-                    self.panics_armed += 1;
+                    self.copy_panics_injected += 1;
                     FaultAction::Panic(format!("injected {} panic", direction.name()))
                 }
             };
