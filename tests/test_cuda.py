@@ -303,3 +303,7 @@ def test_an_injected_failure_copies_the_layers_before_it_and_fails_the_rest(back
     with pytest.raises(st.ConfigError) as err:
         e.inject_fault(2, delay=0.01)
     assert err.value.field == "delay"
+    # Nor a copy worker's panic: its copies run on the GPU, not on a thread of its own.
+    with pytest.raises(st.ConfigError) as err:
+        e.inject_fault(2, panic="copy bug")
+    assert err.value.field == "panic"
