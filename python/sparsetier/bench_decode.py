@@ -484,6 +484,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         "config": asdict(cfg),
         "machine": f"{platform.machine()}, {_cpu_model()}, {os.cpu_count()} cores, "
         f"{torch.get_num_threads()} torch threads"
+        + _caches()
         + (f", {torch.cuda.get_device_name()}" if cfg.io_backend != "cpu" else ""),
         "date": time.strftime("%Y-%m-%d"),
         "memory": _memory_pages(),
@@ -526,6 +527,25 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "cpu"
+
+
+def _caches() -> str:
+    """Core 0's L2 and L3 as Linux reports them (", L2 1024K, L3 32768K"; empty where it does
+    not): the same code's step moved by a third between VMs whose memory systems differed
+    (RESULTS, "The same code on another VM")."""
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    out = []
+    try:
+        for index in sorted(os.listdir(root)):
+            if not index.startswith("index"):
+                continue
+            with open(f"{root}/{index}/level") as lf, open(f"{root}/{index}/size") as sf:
+                level = lf.read().strip()
+                if level in ("2", "3"):
+                    out.append(f"L{level} {sf.read().strip()}")
+    except OSError:
+        return ""
+    return "".join(f", {c}" for c in out)
 
 
 def _memory_pages() -> str:
