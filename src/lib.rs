@@ -20,6 +20,7 @@ pub mod error;
 pub mod guard;
 pub mod ids;
 pub mod layout;
+pub mod offload;
 pub mod plan;
 pub mod pool;
 pub mod prefetch;

@@ -142,6 +142,81 @@ impl PageTransferBinding {
         })
     }
 
+    /// Describes a buffer of `pages` opaque blocks: block `i` is the `page_bytes` bytes at
+    /// `base + i * page_stride` (one layer, one plane, moved as bytes). How an engine's own
+    /// block tensors are seen (vLLM's `(num_blocks, page_size_bytes)` int8 views, a page
+    /// possibly padded past what is copied).
+    ///
+    /// # Safety
+    /// As for [`Self::new`]: `base..base + len` is one allocation that stays valid, and only
+    /// the copy engines write it while a transfer over it is in flight.
+    pub unsafe fn blocks(
+        base: u64,
+        len: u64,
+        pages: u32,
+        page_bytes: u64,
+        page_stride: u64,
+        kind: MemoryKind,
+    ) -> Result<Self> {
+        if base == 0 {
+            return Err(Error::plan(
+                "base",
+                "a null pointer",
+                "the buffer's address",
+            ));
+        }
+        let count = u32::try_from(page_bytes)
+            .ok()
+            .filter(|&b| b > 0)
+            .ok_or_else(|| Error::plan("page_bytes", page_bytes, "1 <= page_bytes < 2^32"))?;
+        if page_bytes > page_stride {
+            return Err(Error::plan(
+                "page_bytes",
+                page_bytes,
+                format!("at most the block stride, {page_stride}"),
+            ));
+        }
+        if pages == 0 {
+            return Err(Error::plan("pages", 0, "at least one block"));
+        }
+        u64::from(pages - 1)
+            .checked_mul(page_stride)
+            .and_then(|o| o.checked_add(page_bytes))
+            .filter(|&e| e <= len)
+            .ok_or_else(|| {
+                Error::plan(
+                    "len",
+                    len,
+                    format!(
+                        "at least {pages} blocks of {page_bytes} bytes at stride {page_stride}"
+                    ),
+                )
+            })?;
+        base.checked_add(len).ok_or_else(|| {
+            Error::plan(
+                "base + len",
+                "an overflow",
+                "a buffer inside the address space",
+            )
+        })?;
+        // One-byte elements: the bytes are moved as they are.
+        let row = RowFormat::plain(crate::layout::Dtype::Fp8E4m3, count);
+        Ok(PageTransferBinding {
+            planes: vec![base],
+            planes_per_layer: 1,
+            pages,
+            page_size: 1,
+            token_bytes: page_bytes,
+            pieces: row.pieces(1),
+            row,
+            page_stride,
+            base,
+            len,
+            kind,
+            device: None,
+        })
+    }
+
     /// Planes of `layer`, or of every layer for `None`. A layer out of range is an error.
     pub fn plane_range(&self, layer: Option<usize>) -> Result<Range<usize>> {
         let width = self.planes_per_layer;
