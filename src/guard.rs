@@ -111,6 +111,22 @@ impl<T> Guarded<T> {
             .contain_at(Location::caller(), || Ok(f(&mut self.value.lock())))
     }
 
+    /// [`Self::run`] if the lock is free now; `None` (without running `f`) if another thread
+    /// holds it. A caller holding Python's GIL tries this first and waits with
+    /// [`Self::wait_free`] only after releasing the GIL, so it never blocks a thread that
+    /// needs the GIL to finish.
+    #[track_caller]
+    pub fn try_run<R>(&self, f: impl FnOnce(&mut T) -> Result<R>) -> Option<Result<R>> {
+        let site = Location::caller();
+        let mut guard = self.value.try_lock()?;
+        Some(self.poison.contain_at(site, || f(&mut guard)))
+    }
+
+    /// Blocks until the lock is free (and leaves it free).
+    pub fn wait_free(&self) {
+        drop(self.value.lock());
+    }
+
     /// The flag.
     pub fn poison(&self) -> &Arc<Poison> {
         &self.poison

@@ -9,6 +9,7 @@ mod alloc;
 mod args;
 mod directory;
 mod error;
+mod offload;
 mod plan;
 mod pool;
 mod prefix_result;
@@ -54,5 +55,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(replay::trace_peak_live, m)?)?;
     m.add_function(wrap_pyfunction!(soak::run_soak, m)?)?;
     m.add_function(wrap_pyfunction!(error::_contained_panic, m)?)?;
+    m.add_class::<offload::PyChunkDirectory>()?;
+    m.add_class::<offload::PyRequestHandle>()?;
+    m.add_class::<offload::PyBlockMover>()?;
     Ok(())
 }
