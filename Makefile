@@ -4,7 +4,10 @@
 SPARSETIER_VENV ?= $(HOME)/.cache/sparsetier/venv
 VENV := $(SPARSETIER_VENV)
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.sparsetier-deps-$(shell cat requirements-dev.txt Makefile | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.sparsetier-deps-$(shell cat requirements-dev.txt requirements-vllm.txt Makefile | sha1sum | cut -c1-12)
+# vLLM's own KV-offload tests, from its sdist (its wheel has none): the spec of sparsetier.vllm.
+VLLM_VERSION := 0.33.0
+export SPARSETIER_VLLM_TESTS := $(VENV)/vllm-tests-$(VLLM_VERSION)
 # NVRTC of the CUDA 13.0 series (the GPU machine's driver), kept apart from torch's own NVRTC:
 # the CI test compiles cuda/*.cu with it for sm_90.
 NVRTC_DIR := $(VENV)/nvrtc-13.0
@@ -19,9 +22,11 @@ test: venv build lint rust-test py-test
 $(PY):
 	python3 -m venv $(VENV)
 
-$(STAMP): requirements-dev.txt | $(PY)
+$(STAMP): requirements-dev.txt requirements-vllm.txt | $(PY)
 	$(PY) -m pip install --upgrade --quiet pip
 	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-vllm.txt
+	$(PY) scripts/fetch_vllm_tests.py $(VLLM_VERSION) $(SPARSETIER_VLLM_TESTS)
 	$(PY) -m pip install --quiet --upgrade --target $(NVRTC_DIR) "nvidia-cuda-nvrtc>=13.0,<13.1"
 	touch $@
 

@@ -194,9 +194,7 @@ class Differential(RuleBasedStateMachine):
     def load(self, i, n):
         r = self.live(i)
         hits = [
-            k
-            for k in r.keys(0, len(r.blocks))
-            if self.ref.lookup(k, r.ctx) is LookupResult.HIT
+            k for k in r.keys(0, len(r.blocks)) if self.ref.lookup(k, r.ctx) is LookupResult.HIT
         ][:n]
         if not hits:
             return

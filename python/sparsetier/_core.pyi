@@ -9,6 +9,8 @@ import numpy.typing as npt
 
 __all__ = [
     "BackupPlan",
+    "BlockMover",
+    "ChunkDirectory",
     "HiCache",
     "LoadPlan",
     "PageAllocator",
@@ -21,6 +23,7 @@ __all__ = [
     "PrefixInsert",
     "PrefixMatch",
     "PreparedPageTransfer",
+    "RequestHandle",
     "ResidencyDirectory",
     "ResolveResult",
     "StepScheduler",
@@ -347,6 +350,8 @@ class TransferEngine:
     ) -> None: ...
     @property
     def in_flight(self) -> int: ...
+    @property
+    def submitted(self) -> int: ...
 
 @final
 class StepScheduler:
@@ -567,3 +572,71 @@ class HiCache:
 def _bench_serve(
     seqs: list[Any], page_size: int, capacity_pages: int, inflight: int
 ) -> tuple[list[int], int, int, int]: ...
+
+@final
+class RequestHandle:
+    """A request's record in one ChunkDirectory, kept on its vLLM ReqContext."""
+
+@final
+class ChunkDirectory:
+    def __new__(
+        cls,
+        num_chunks: int,
+        *,
+        results: tuple[object, object, object],
+        cache_policy: str = "lru",
+        store_threshold: int | None = None,
+        max_tracker_size: int | None = None,
+        enable_events: bool = False,
+        base_position: object | None = None,
+    ) -> ChunkDirectory: ...
+    @property
+    def num_chunks(self) -> int: ...
+    def lookup(self, key: object, req_context: object | None = None) -> Any: ...
+    def on_new_request(self, req_context: object) -> None: ...
+    def prepare_load(self, keys: object, req_context: object) -> npt.NDArray[np.int32]: ...
+    def complete_load(self, keys: object) -> None: ...
+    def touch(self, keys: object) -> None: ...
+    def prepare_store(
+        self, keys: object, req_context: object
+    ) -> tuple[list[bytes], npt.NDArray[np.int32], list[bytes]] | None: ...
+    def complete_store(self, keys: object, success: bool = True) -> None: ...
+    def finish_request(self, req_context: object) -> None: ...
+    def reset(self) -> None: ...
+    def take_events(self) -> list[tuple[list[bytes], bool, bool]] | None: ...
+    def absent(self, keys: object) -> list[bytes]: ...
+    def take_stats(self) -> tuple[float, float, float, list[int], int | None]: ...
+    @property
+    def stores_skipped(self) -> int: ...
+    def tracked_count(self, key: object) -> int | None: ...
+    def tracked_keys(self) -> list[bytes] | None: ...
+    def counts(self) -> dict[str, Any]: ...
+    def validate(self) -> None: ...
+
+@final
+class BlockMover:
+    def __new__(
+        cls,
+        device_tensors: Sequence[Any],
+        host_tensors: Sequence[Any],
+        groups: Sequence[Sequence[tuple[int, int]]],
+        blocks_per_chunk: int,
+        num_chunks: int,
+        engine: TransferEngine,
+        expedited: TransferEngine | None = None,
+    ) -> BlockMover: ...
+    def submit(
+        self,
+        job_id: int,
+        store: bool,
+        block_ids: object,
+        group_sizes: object,
+        block_indices: object,
+        chunk_ids: object,
+        expedited: bool = False,
+    ) -> None: ...
+    def finished(self) -> list[tuple[int, bool, int, float, str | None]]: ...
+    def wait(self, job_ids: Sequence[int]) -> None: ...
+    @property
+    def pending(self) -> int: ...
+    def shutdown(self) -> None: ...

@@ -128,7 +128,11 @@ pub struct PyChunkDirectory {
 }
 
 impl PyChunkDirectory {
-    fn run<R>(&self, py: Python<'_>, f: impl FnOnce(&mut ChunkDirectory) -> crate::Result<R>) -> PyResult<R> {
+    fn run<R>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut ChunkDirectory) -> crate::Result<R>,
+    ) -> PyResult<R> {
         let rx = &self.released_rx;
         unblocked(py, &self.inner, |d| {
             while let Ok(r) = rx.try_recv() {
@@ -191,14 +195,18 @@ impl PyChunkDirectory {
                 (!v.is_none()).then_some(v)
             }
         };
-        v.map(|v| int(&v, "req_context offload key position")).transpose()
+        v.map(|v| int(&v, "req_context offload key position"))
+            .transpose()
     }
 
     fn positions(c: &Context<'_>, keys: &Keys<'_>) -> PyResult<Vec<Option<i64>>> {
         keys.objs.iter().map(|k| Self::position(c, k)).collect()
     }
 
-    fn chunk_array<'py>(py: Python<'py>, ids: impl Iterator<Item = u32>) -> Bound<'py, PyArray1<i32>> {
+    fn chunk_array<'py>(
+        py: Python<'py>,
+        ids: impl Iterator<Item = u32>,
+    ) -> Bound<'py, PyArray1<i32>> {
         let v: Vec<i32> = ids.map(|c| c as i32).collect();
         PyArray1::from_vec(py, v)
     }
@@ -225,17 +233,29 @@ impl PyChunkDirectory {
         contained(|| {
             let num_chunks = int(num_chunks, "num_chunks")?;
             let num_chunks = u32::try_from(num_chunks).map_err(|_| {
-                to_py(py, Error::config("num_chunks", num_chunks, "0 <= num_chunks < 2^32"))
+                to_py(
+                    py,
+                    Error::config("num_chunks", num_chunks, "0 <= num_chunks < 2^32"),
+                )
             })?;
             let policy = PolicyKind::parse("cache_policy", cache_policy).py_err(py)?;
             let threshold = opt_int(store_threshold, "store_threshold")?.unwrap_or(0);
             let threshold = u32::try_from(threshold).map_err(|_| {
-                to_py(py, Error::config("store_threshold", threshold, "an integer >= 0"))
+                to_py(
+                    py,
+                    Error::config("store_threshold", threshold, "an integer >= 0"),
+                )
             })?;
             let tracker = opt_int(max_tracker_size, "max_tracker_size")?.unwrap_or(64_000);
-            let tracker = usize::try_from(tracker).ok().filter(|&t| t >= 1).ok_or_else(|| {
-                to_py(py, Error::config("max_tracker_size", tracker, "an integer >= 1"))
-            })?;
+            let tracker = usize::try_from(tracker)
+                .ok()
+                .filter(|&t| t >= 1)
+                .ok_or_else(|| {
+                    to_py(
+                        py,
+                        Error::config("max_tracker_size", tracker, "an integer >= 1"),
+                    )
+                })?;
             let (tx, rx) = crossbeam_channel::unbounded();
             Ok(PyChunkDirectory {
                 inner: Guarded::new(ChunkDirectory::new(DirectoryConfig {
@@ -270,7 +290,10 @@ impl PyChunkDirectory {
     ) -> PyResult<Py<PyAny>> {
         let _ = req_context;
         let k = key.cast::<PyBytes>().map_err(|_| {
-            to_py(py, Error::config("key", short(key), "bytes (an OffloadKey)"))
+            to_py(
+                py,
+                Error::config("key", short(key), "bytes (an OffloadKey)"),
+            )
         })?;
         let bytes = k.as_bytes();
         let found = self.run(py, |d| Ok(d.lookup(bytes)))?;
@@ -325,11 +348,18 @@ impl PyChunkDirectory {
     }
 
     /// `None` if nothing can be stored now, else `(keys_to_store, chunk_ids, evicted_keys)`.
+    #[allow(clippy::type_complexity)]
     fn prepare_store<'py>(
         &self,
         keys: &Bound<'py, PyAny>,
         req_context: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<(Bound<'py, PyList>, Bound<'py, PyArray1<i32>>, Bound<'py, PyList>)>> {
+    ) -> PyResult<
+        Option<(
+            Bound<'py, PyList>,
+            Bound<'py, PyArray1<i32>>,
+            Bound<'py, PyList>,
+        )>,
+    > {
         let py = keys.py();
         let k = Keys::read(keys)?;
         let c = self.context(req_context)?;
@@ -425,9 +455,13 @@ impl PyChunkDirectory {
         let py = keys.py();
         let k = Keys::read(keys)?;
         let bytes = k.bytes();
-        let gone: Vec<bool> =
-            self.run(py, |d| Ok(bytes.iter().map(|b| d.lookup(b) == Lookup::Miss).collect()))?;
-        PyList::new(py, k.objs.iter().zip(gone).filter(|(_, g)| *g).map(|(o, _)| o))
+        let gone: Vec<bool> = self.run(py, |d| {
+            Ok(bytes.iter().map(|b| d.lookup(b) == Lookup::Miss).collect())
+        })?;
+        PyList::new(
+            py,
+            k.objs.iter().zip(gone).filter(|(_, g)| *g).map(|(o, _)| o),
+        )
     }
 
     /// `(usage, write_usage, read_usage, allocation_sizes, stores_skipped or None)`; the
@@ -454,7 +488,10 @@ impl PyChunkDirectory {
     fn tracked_count(&self, key: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
         let py = key.py();
         let k = key.cast::<PyBytes>().map_err(|_| {
-            to_py(py, Error::config("key", short(key), "bytes (an OffloadKey)"))
+            to_py(
+                py,
+                Error::config("key", short(key), "bytes (an OffloadKey)"),
+            )
         })?;
         let b = k.as_bytes();
         self.run(py, |d| Ok(d.tracked_count(b)))
@@ -515,13 +552,21 @@ fn tensor_2d(t: &Bound<'_, PyAny>, field: &str) -> PyResult<Tensor2d> {
     if !matches!(info.dtype.as_str(), "int8" | "uint8") {
         return Err(to_py(
             py,
-            Error::config(format!("{field}.dtype"), format!("torch.{}", info.dtype), "torch.int8 or torch.uint8 (a byte view)"),
+            Error::config(
+                format!("{field}.dtype"),
+                format!("torch.{}", info.dtype),
+                "torch.int8 or torch.uint8 (a byte view)",
+            ),
         ));
     }
     if info.shape.len() != 2 {
         return Err(to_py(
             py,
-            Error::config(format!("{field}.shape"), format!("{:?}", info.shape), "(blocks, bytes per block)"),
+            Error::config(
+                format!("{field}.shape"),
+                format!("{:?}", info.shape),
+                "(blocks, bytes per block)",
+            ),
         ));
     }
     let strides: Vec<i64> = t.call_method0("stride")?.extract()?;
@@ -536,12 +581,22 @@ fn tensor_2d(t: &Bound<'_, PyAny>, field: &str) -> PyResult<Tensor2d> {
             ),
         ));
     }
-    let rows = u32::try_from(rows).map_err(|_| to_py(py, Error::config(format!("{field}.shape[0]"), rows, "fewer than 2^32 blocks")))?;
+    let rows = u32::try_from(rows).map_err(|_| {
+        to_py(
+            py,
+            Error::config(format!("{field}.shape[0]"), rows, "fewer than 2^32 blocks"),
+        )
+    })?;
     let stride = strides[0] as u64;
     let kind = match info.device_type.as_str() {
         "cpu" => MemoryKind::Host,
         "cuda" => MemoryKind::Device,
-        other => return Err(to_py(py, Error::config(format!("{field}.device"), other, "a cpu or cuda tensor"))),
+        other => {
+            return Err(to_py(
+                py,
+                Error::config(format!("{field}.device"), other, "a cpu or cuda tensor"),
+            ))
+        }
     };
     let ordinal = if kind == MemoryKind::Device {
         let i: Option<u32> = t.getattr("device")?.getattr("index")?.extract()?;
@@ -552,7 +607,16 @@ fn tensor_2d(t: &Bound<'_, PyAny>, field: &str) -> PyResult<Tensor2d> {
     let pinned = kind == MemoryKind::Host && t.call_method0("is_pinned")?.extract::<bool>()?;
     let base: u64 = t.call_method0("data_ptr")?.extract()?;
     let len = u64::from(rows - 1) * stride + row_bytes;
-    Ok(Tensor2d { base, len, rows, row_bytes, stride, kind, ordinal, pinned })
+    Ok(Tensor2d {
+        base,
+        len,
+        rows,
+        row_bytes,
+        stride,
+        kind,
+        ordinal,
+        pinned,
+    })
 }
 
 /// The worker side: moves blocks between an engine's block tensors and host pools
@@ -573,6 +637,7 @@ impl PyBlockMover {
     /// `expedited` (the same engine if None).
     #[new]
     #[pyo3(signature = (device_tensors, host_tensors, groups, blocks_per_chunk, num_chunks, engine, expedited=None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         device_tensors: Vec<Bound<'_, PyAny>>,
@@ -586,11 +651,17 @@ impl PyBlockMover {
         contained(|| {
             let bpc = int(blocks_per_chunk, "blocks_per_chunk")?;
             let bpc = u32::try_from(bpc).ok().filter(|&b| b >= 1).ok_or_else(|| {
-                to_py(py, Error::config("blocks_per_chunk", bpc, "an integer >= 1"))
+                to_py(
+                    py,
+                    Error::config("blocks_per_chunk", bpc, "an integer >= 1"),
+                )
             })?;
             let chunks = int(num_chunks, "num_chunks")?;
             let chunks = u32::try_from(chunks).map_err(|_| {
-                to_py(py, Error::config("num_chunks", chunks, "0 <= num_chunks < 2^32"))
+                to_py(
+                    py,
+                    Error::config("num_chunks", chunks, "0 <= num_chunks < 2^32"),
+                )
             })?;
             if device_tensors.len() != host_tensors.len() {
                 return Err(to_py(
@@ -635,7 +706,11 @@ impl PyBlockMover {
                 if !cuda && dev.kind != MemoryKind::Host {
                     return Err(to_py(
                         py,
-                        Error::config("io_backend", "cpu", "cpu tensors for the cpu engine; cuda tensors need kernel or direct"),
+                        Error::config(
+                            "io_backend",
+                            "cpu",
+                            "cpu tensors for the cpu engine; cuda tensors need kernel or direct",
+                        ),
                     ));
                 }
                 tensors.push(BlockTensor {
@@ -652,7 +727,11 @@ impl PyBlockMover {
             }
             let groups = groups
                 .into_iter()
-                .map(|g| g.into_iter().map(|(tensor, bytes)| Ref { tensor, bytes }).collect())
+                .map(|g| {
+                    g.into_iter()
+                        .map(|(tensor, bytes)| Ref { tensor, bytes })
+                        .collect()
+                })
                 .collect();
             // SAFETY: every tensor was checked (dtype, shape, strides, device, pinning) and
             // is kept alive in `_tensors` for the mover's life; the mover drops first and
@@ -668,7 +747,11 @@ impl PyBlockMover {
                 )
             }
             .py_err(py)?;
-            let keep = device_tensors.iter().chain(&host_tensors).map(|t| t.clone().unbind()).collect();
+            let keep = device_tensors
+                .iter()
+                .chain(&host_tensors)
+                .map(|t| t.clone().unbind())
+                .collect();
             Ok(PyBlockMover {
                 inner: Guarded::new(mover),
                 engines: [engine.unbind(), expedited.unbind()],
@@ -696,7 +779,11 @@ impl PyBlockMover {
         let id = u64::try_from(id)
             .map_err(|_| to_py(py, Error::config("job_id", id, "an integer >= 0")))?;
         let spec = JobSpec {
-            direction: if store { Direction::Backup } else { Direction::Load },
+            direction: if store {
+                Direction::Backup
+            } else {
+                Direction::Load
+            },
             blocks: ids(block_ids, "gpu_spec.block_ids")?,
             group_sizes: ids(group_sizes, "gpu_spec.group_sizes")?,
             block_indices: ids(block_indices, "gpu_spec.block_indices")?,

@@ -614,6 +614,13 @@ impl PyTransferEngine {
     fn in_flight(&self) -> usize {
         self.prune()
     }
+
+    /// Submissions so far: the next one is number `submitted` (what `inject_fault`'s `nth`
+    /// counts).
+    #[getter]
+    fn submitted(&self) -> u64 {
+        self.inner.dyn_ref().submitted()
+    }
 }
 
 /// Whether the CUDA engines can start here: `(True, "")` or `(False, why and what to install)`.

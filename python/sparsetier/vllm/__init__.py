@@ -23,9 +23,7 @@ from __future__ import annotations
 try:
     import vllm.v1.kv_offload.base  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised only without vLLM
-    raise ImportError(
-        "sparsetier.vllm needs vLLM 0.33 (pip install 'sparsetier[vllm]')"
-    ) from e
+    raise ImportError("sparsetier.vllm needs vLLM 0.33 (pip install 'sparsetier[vllm]')") from e
 
 from sparsetier.vllm.manager import SparsetierOffloadingManager
 from sparsetier.vllm.spec import SparsetierOffloadingSpec

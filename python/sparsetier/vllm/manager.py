@@ -110,9 +110,7 @@ class SparsetierOffloadingManager(OffloadingManager):
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return CacheHitSource.HOST
 
-    def prepare_load(
-        self, keys: Collection[OffloadKey], req_context: ReqContext
-    ) -> LoadStoreSpec:
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return CPULoadStoreSpec(self._dir.prepare_load(keys, req_context))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:

@@ -96,6 +96,7 @@ class SparsetierOffloadingWorker(OffloadingWorker):
         # Expedited loads (waited on within the step) get their own engine and stream, so
         # they never queue behind regular transfers.
         expedited = TransferEngine(io_backend, **kwargs)
+        self.engines = (engine, expedited)
         self._mover = BlockMover(
             device_tensors,
             self.host_tensors,
