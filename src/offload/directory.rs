@@ -28,13 +28,12 @@
 //! finished) is refused before anything changes.
 
 use super::arc::ArcPolicy;
-use super::keys::{group_of, Chunk, ChunkId, KeyId, KeyTable};
+use super::keys::{group_of, Chunk, ChunkId, KeyBytes, KeyId, KeyTable};
 use super::lru::LruPolicy;
 use super::request::{flags, RequestRecord, RequestRef, RequestTable};
 use super::tracker::ReuseTracker;
 use crate::error::{Error, Result};
 use rustc_hash::{FxHashMap, FxHashSet};
-use std::sync::Arc;
 
 /// The eviction policy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -92,7 +91,7 @@ pub enum Lookup {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Event {
     /// The keys.
-    pub keys: Vec<Arc<[u8]>>,
+    pub keys: Vec<KeyBytes>,
     /// Removed (true) or stored.
     pub removed: bool,
     /// A failed store's cleanup: the keys were never announced as stored.
@@ -107,7 +106,7 @@ pub struct StoreOutcome {
     /// Their chunks, in the same order.
     pub chunks: Vec<ChunkId>,
     /// Keys evicted to make room, in eviction order.
-    pub evicted: Vec<Arc<[u8]>>,
+    pub evicted: Vec<KeyBytes>,
 }
 
 /// Pool usage, as fractions of the chunks (vLLM's gauges).
@@ -153,12 +152,19 @@ pub struct ChunkDirectory {
     scratch: Vec<KeyId>,
 }
 
-/// The offer positions, or an error naming the field, of `keys` that are bad keys.
-fn check_keys(keys: &[&[u8]]) -> Result<()> {
-    for (i, k) in keys.iter().enumerate() {
-        group_of(k, &format!("keys[{i}]"))?;
+/// Sorts `keys` stably by position if every one has a position (else leaves them).
+fn sort_by_position(keys: &mut [(Option<i64>, KeyId)]) {
+    if keys.iter().all(|k| k.0.is_some()) && !keys.is_sorted_by_key(|k| k.0) {
+        keys.sort_by_key(|k| k.0);
     }
-    Ok(())
+}
+
+/// Refuses, naming the field, a key too short to end in a group index.
+fn check_keys(keys: &[&[u8]]) -> Result<()> {
+    match keys.iter().position(|k| k.len() < 4) {
+        Some(i) => group_of(keys[i], &format!("keys[{i}]")).map(|_| ()),
+        None => Ok(()),
+    }
 }
 
 fn printable(bytes: &[u8]) -> String {
@@ -246,10 +252,7 @@ impl ChunkDirectory {
             return Ok(());
         }
         for (i, k) in keys.iter().enumerate() {
-            let seen = self
-                .keys
-                .find(k)
-                .is_some_and(|id| rec.seen.contains_key(&id));
+            let seen = self.keys.find(k).is_some_and(|id| rec.has_seen(id));
             if !seen {
                 return Err(Error::InvalidTransition {
                     op: "access",
@@ -275,7 +278,7 @@ impl ChunkDirectory {
         let mut fresh = Vec::new();
         let mut fresh_pos = Vec::new();
         for (&id, &p) in ids.iter().zip(positions) {
-            if rec.see(&mut self.keys, id) {
+            if rec.see(&mut self.keys, id, p) {
                 fresh.push(id);
                 fresh_pos.push(p);
             }
@@ -525,7 +528,7 @@ impl ChunkDirectory {
                 let e = self.keys.get_mut(id);
                 let c = e.chunk.take().expect("evicted keys are resident");
                 self.free_list.push(c.id);
-                evicted.push(Arc::clone(&e.bytes));
+                evicted.push(e.bytes.clone());
                 self.scratch.push(id);
             }
         }
@@ -584,14 +587,14 @@ impl ChunkDirectory {
                 if let Policy::Lru(lru) = &mut self.policy {
                     lru.mark_evictable(&mut self.keys, id);
                 }
-                stored.push(Arc::clone(&self.keys.get(id).bytes));
+                stored.push(self.keys.get(id).bytes.clone());
             } else {
                 if let Policy::Arc(arc) = &mut self.policy {
                     arc.remove(&mut self.keys, id);
                 }
                 let e = self.keys.get_mut(id);
                 e.chunk = None;
-                removed.push(Arc::clone(&e.bytes));
+                removed.push(e.bytes.clone());
                 self.free_list.push(c.id);
                 self.keys.release(id);
             }
@@ -622,22 +625,26 @@ impl ChunkDirectory {
 
     // ---- request end, reset ----
 
-    /// The keys request `have` saw, first-seen order (to ask their positions).
-    pub fn request_keys(&mut self, have: RequestRef) -> Vec<Arc<[u8]>> {
+    /// The keys request `have` saw whose position its context had not given when they were
+    /// first seen (to ask again before it finishes); usually none.
+    pub fn unpositioned_keys(&mut self, have: RequestRef) -> Vec<KeyBytes> {
         let generation = self.generation;
         match self.requests.get_mut(have) {
             Some(rec) if rec.cache_generation == generation && !rec.finished => rec
                 .order
                 .iter()
-                .map(|&id| Arc::clone(&self.keys.get(id).bytes))
+                .filter(|s| s.position.is_none())
+                .map(|s| self.keys.get(s.id).bytes.clone())
                 .collect(),
             _ => Vec::new(),
         }
     }
 
-    /// A request ended: its keys, head to tail by `positions` (token end of each key, where
-    /// known), take their request-scoped recency. A stale or finished record is left alone.
-    pub fn finish_request(&mut self, have: RequestRef, positions: &[(&[u8], i64)]) {
+    /// A request ended: its keys, head to tail by token position, take their request-scoped
+    /// recency. A key's position is the one its context gave when the request first saw it,
+    /// or else the one in `late` (what [`Self::unpositioned_keys`] asked). A stale or
+    /// finished record is left alone.
+    pub fn finish_request(&mut self, have: RequestRef, late: &[(&[u8], i64)]) {
         let generation = self.generation;
         let Some(rec) = self.requests.get_mut(have) else {
             return;
@@ -646,34 +653,37 @@ impl ChunkDirectory {
             return;
         }
         rec.finished = true;
-        let mut pos: FxHashMap<KeyId, i64> = FxHashMap::default();
-        for &(k, p) in positions {
-            if let Some(id) = self.keys.find(k) {
-                if rec.seen.contains_key(&id) {
-                    pos.insert(id, p);
-                }
+        for &(k, p) in late {
+            if let Some(&i) = self.keys.find(k).and_then(|id| rec.seen.get(&id)) {
+                let s = &mut rec.order[i as usize];
+                s.position = s.position.or(Some(p));
             }
         }
-        // Per group (ascending), first-seen order, by position if every key has one.
-        let mut groups: Vec<(u32, Vec<KeyId>)> = Vec::new();
-        for &id in &rec.order {
-            let g = self.keys.get(id).group;
-            match groups.iter_mut().find(|(gg, _)| *gg == g) {
-                Some((_, v)) => v.push(id),
-                None => groups.push((g, vec![id])),
-            }
+        // Per group (ascending), first-seen order, by position if every key has one; then
+        // all of them by position if every key has one (vLLM's order_request_keys).
+        let mut groups: Vec<u32> = rec
+            .order
+            .iter()
+            .map(|s| self.keys.get(s.id).group)
+            .collect();
+        let mut distinct = groups.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        let mut ordered: Vec<(Option<i64>, KeyId)> = Vec::with_capacity(rec.order.len());
+        for g in &distinct {
+            let from = ordered.len();
+            ordered.extend(
+                rec.order
+                    .iter()
+                    .zip(&groups)
+                    .filter(|(_, gg)| *gg == g)
+                    .map(|(s, _)| (s.position, s.id)),
+            );
+            sort_by_position(&mut ordered[from..]);
         }
-        groups.sort_by_key(|(g, _)| *g);
-        let mut ordered = Vec::with_capacity(rec.order.len());
-        for (_, mut v) in groups {
-            if v.iter().all(|id| pos.contains_key(id)) {
-                v.sort_by_key(|id| pos[id]);
-            }
-            ordered.extend(v);
-        }
-        if ordered.iter().all(|id| pos.contains_key(id)) {
-            ordered.sort_by_key(|id| pos[id]);
-        }
+        sort_by_position(&mut ordered);
+        groups.clear();
+        let ordered: Vec<KeyId> = ordered.into_iter().map(|(_, id)| id).collect();
         match &mut self.policy {
             Policy::Lru(lru) => lru.on_request_finished(&mut self.keys, &ordered),
             Policy::Arc(arc) => {
@@ -727,7 +737,7 @@ impl ChunkDirectory {
 
     /// Whether each key is absent (not stored): a failed store's cleanup is reported only
     /// for keys no retry stored since.
-    pub fn absent(&self, keys: &[Arc<[u8]>]) -> Vec<bool> {
+    pub fn absent(&self, keys: &[&[u8]]) -> Vec<bool> {
         keys.iter()
             .map(|k| self.lookup(k) == Lookup::Miss)
             .collect()
@@ -771,12 +781,12 @@ impl ChunkDirectory {
     }
 
     /// The tracked keys, least recently offered first (None without a threshold).
-    pub fn tracked_keys(&self) -> Option<Vec<Arc<[u8]>>> {
+    pub fn tracked_keys(&self) -> Option<Vec<KeyBytes>> {
         let t = self.tracker.as_ref()?;
         Some(
             t.keys(&self.keys)
                 .into_iter()
-                .map(|id| Arc::clone(&self.keys.get(id).bytes))
+                .map(|id| self.keys.get(id).bytes.clone())
                 .collect(),
         )
     }
@@ -874,11 +884,11 @@ impl ChunkDirectory {
             if rec.order.len() != rec.seen.len() {
                 return Err("a request record's order and seen set differ".into());
             }
-            for id in &rec.order {
-                if !rec.seen.contains_key(id) {
+            for (i, s) in rec.order.iter().enumerate() {
+                if rec.seen.get(&s.id) != Some(&(i as u32)) {
                     return Err("a request record's order and seen set differ".into());
                 }
-                *holders.entry(*id).or_insert(0) += 1;
+                *holders.entry(s.id).or_insert(0) += 1;
             }
         }
         for (id, e) in self.keys.iter() {

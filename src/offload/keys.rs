@@ -12,9 +12,8 @@
 //! leaves the crate, so a reused slot cannot alias a caller's handle.
 
 use crate::error::{Error, Result};
-use rustc_hash::FxHashMap;
-use std::sync::Arc;
-
+use hashbrown::HashTable;
+use std::hash::BuildHasher;
 /// Index of an interned key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct KeyId(u32);
@@ -83,20 +82,72 @@ pub(crate) enum ArcList {
     B2,
 }
 
-/// Everything the directory keeps about one key.
+/// A key's bytes, inline up to 38 bytes (a 32-byte hash and the group index fit), so that
+/// comparing a key reads the entry it lives in and nothing else.
+#[derive(Clone, PartialEq, Eq)]
+pub enum KeyBytes {
+    /// Up to 38 bytes, in place.
+    Inline {
+        /// Bytes used.
+        len: u8,
+        /// The bytes.
+        data: [u8; 38],
+    },
+    /// Longer keys.
+    Heap(Box<[u8]>),
+}
+
+impl KeyBytes {
+    /// A copy of `bytes`.
+    pub fn new(bytes: &[u8]) -> Self {
+        if bytes.len() <= 38 {
+            let mut data = [0u8; 38];
+            data[..bytes.len()].copy_from_slice(bytes);
+            KeyBytes::Inline {
+                len: bytes.len() as u8,
+                data,
+            }
+        } else {
+            KeyBytes::Heap(bytes.into())
+        }
+    }
+}
+
+impl std::ops::Deref for KeyBytes {
+    type Target = [u8];
+    #[inline]
+    fn deref(&self) -> &[u8] {
+        match self {
+            KeyBytes::Inline { len, data } => &data[..*len as usize],
+            KeyBytes::Heap(b) => b,
+        }
+    }
+}
+
+impl std::fmt::Debug for KeyBytes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:02x?}", &**self)
+    }
+}
+
+/// Everything the directory keeps about one key. What a lookup reads (hash, bytes, chunk)
+/// comes first, within one cache line.
 #[derive(Debug, Clone)]
+#[repr(C)]
 pub struct KeyEntry {
-    /// The key's bytes, shared with LRU heap entries and queued events.
-    pub(crate) bytes: Arc<[u8]>,
-    /// The KV-cache group index (the key's last four bytes).
-    pub(crate) group: u32,
+    /// The index's hash of the bytes.
+    pub(crate) hash: u64,
+    /// The key's bytes.
+    pub(crate) bytes: KeyBytes,
     /// Its chunk while resident.
     pub(crate) chunk: Option<Chunk>,
+    /// The KV-cache group index (the key's last four bytes).
+    pub(crate) group: u32,
     /// Request records that saw it.
     pub(crate) holders: u32,
     /// LRU recency: (request or global rank, minus token position); lower is evicted first.
     pub(crate) rank: (u64, i64),
-    /// Bumped on every LRU heap push: only the entry with the latest stamp is current.
+    /// Bumped on every LRU queue push: only the entry with the latest stamp is current.
     pub(crate) heap_seq: u32,
     /// Its ARC list, if any, and its links there.
     pub(crate) arc: Option<ArcList>,
@@ -113,14 +164,31 @@ impl KeyEntry {
     pub(crate) fn is_referenced(&self) -> bool {
         self.chunk.is_some() || self.arc.is_some() || self.tracked.is_some() || self.holders > 0
     }
+
+    /// The key's bytes.
+    #[inline]
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
 }
 
-/// The arena of keys and the map from bytes to ids.
-#[derive(Debug, Default)]
+/// The arena of keys and the index from bytes to ids: a table of ids hashed by the hash each
+/// entry keeps, so that a probe touches the small table and, only for a likely match, one
+/// entry; removing an id never reads its bytes.
+#[derive(Default)]
 pub struct KeyTable {
     slots: Vec<Option<KeyEntry>>,
     free: Vec<u32>,
-    index: FxHashMap<Arc<[u8]>, KeyId>,
+    index: HashTable<KeyId>,
+    hasher: rustc_hash::FxBuildHasher,
+}
+
+impl std::fmt::Debug for KeyTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KeyTable")
+            .field("keys", &self.index.len())
+            .finish()
+    }
 }
 
 /// The KV-group index an offload key ends with, or an error naming `field`.
@@ -142,23 +210,36 @@ pub fn group_of(bytes: &[u8], field: &str) -> Result<u32> {
 }
 
 impl KeyTable {
+    #[inline]
+    fn hash(&self, bytes: &[u8]) -> u64 {
+        self.hasher.hash_one(bytes)
+    }
+
     /// The id of `bytes`, if known.
     #[inline]
     pub fn find(&self, bytes: &[u8]) -> Option<KeyId> {
-        self.index.get(bytes).copied()
+        let h = self.hash(bytes);
+        let slots = &self.slots;
+        self.index
+            .find(h, |id| {
+                let e = slots[id.index()].as_ref().expect("indexed ids are live");
+                e.hash == h && *e.bytes == *bytes
+            })
+            .copied()
     }
 
     /// The id of `bytes`, interning it (unreferenced) if new. `bytes` must be a checked key
     /// ([`group_of`]).
     pub fn intern(&mut self, bytes: &[u8]) -> KeyId {
-        if let Some(&id) = self.index.get(bytes) {
+        let h = self.hash(bytes);
+        if let Some(id) = self.find(bytes) {
             return id;
         }
-        let shared: Arc<[u8]> = Arc::from(bytes);
         let entry = KeyEntry {
-            group: group_of(bytes, "key").unwrap_or(0),
-            bytes: Arc::clone(&shared),
+            hash: h,
+            bytes: KeyBytes::new(bytes),
             chunk: None,
+            group: group_of(bytes, "key").unwrap_or(0),
             holders: 0,
             rank: (0, 0),
             heap_seq: 0,
@@ -178,7 +259,13 @@ impl KeyTable {
                 KeyId((self.slots.len() - 1) as u32)
             }
         };
-        self.index.insert(shared, id);
+        let slots = &self.slots;
+        self.index.insert_unique(h, id, |id| {
+            slots[id.index()]
+                .as_ref()
+                .expect("indexed ids are live")
+                .hash
+        });
         id
     }
 
@@ -189,7 +276,9 @@ impl KeyTable {
             .is_some_and(|e| !e.is_referenced());
         if unreferenced {
             let e = self.slots[id.index()].take().expect("checked above");
-            self.index.remove(&e.bytes);
+            if let Ok(found) = self.index.find_entry(e.hash, |x| *x == id) {
+                found.remove();
+            }
             self.free.push(id.0);
         }
     }
@@ -235,7 +324,7 @@ impl KeyTable {
             ));
         }
         for (id, e) in self.iter() {
-            if self.index.get(&e.bytes) != Some(&id) {
+            if self.find(&e.bytes) != Some(id) {
                 return Err(format!("key {id:?} is not indexed under its bytes"));
             }
             if !e.is_referenced() {

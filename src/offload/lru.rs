@@ -7,45 +7,29 @@
 //! `(r, -p)`, `r` being one rank the request takes the first time it needs one: a request's
 //! keys then share a recency, tails before heads, however its stores and loads complete.
 //!
-//! Evictable keys (resident, no load reading them, store complete) sit in a min-heap with
+//! Evictable keys (resident, no load reading them, store complete) sit in a min-queue with
 //! lazy deletion: every push stamps the key (`heap_seq`), and an entry is current only while
-//! its key is still evictable with that stamp. Ranks mostly grow, so a push rarely sifts.
+//! its key is still evictable with that stamp. Ranks mostly grow, so most pushes append to
+//! the queue's sorted run and most pops take its front (`queue.rs`).
 
 use super::keys::{KeyId, KeyTable};
-use std::cmp::Ordering;
-use std::collections::BinaryHeap;
-use std::sync::Arc;
+use super::queue::MinQueue;
 
-/// One heap entry; ordered so that `BinaryHeap` (a max-heap) pops the lowest rank first.
-#[derive(Debug, Clone)]
+/// One queue entry. Entries of equal rank (a request's keys at one position, one per KV
+/// group) leave in byte order of their keys, as vLLM's heap of `(rank, key)` tuples has them:
+/// `evict` sorts each run of equal ranks it takes by the keys' bytes, so an entry carries
+/// no bytes of its own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Entry {
     rank: (u64, i64),
-    bytes: Arc<[u8]>,
     id: KeyId,
     seq: u32,
-}
-
-impl PartialEq for Entry {
-    fn eq(&self, other: &Self) -> bool {
-        self.cmp(other) == Ordering::Equal
-    }
-}
-impl Eq for Entry {}
-impl PartialOrd for Entry {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Entry {
-    fn cmp(&self, other: &Self) -> Ordering {
-        (other.rank, &*other.bytes, other.seq).cmp(&(self.rank, &*self.bytes, self.seq))
-    }
 }
 
 /// The LRU policy's state (module docs).
 #[derive(Debug, Default)]
 pub struct LruPolicy {
-    heap: BinaryHeap<Entry>,
+    heap: MinQueue<Entry>,
     next_rank: u64,
     /// Evictable keys (each has exactly one current heap entry).
     evictable: usize,
@@ -63,7 +47,6 @@ impl LruPolicy {
         e.heap_seq = e.heap_seq.wrapping_add(1);
         self.heap.push(Entry {
             rank: e.rank,
-            bytes: Arc::clone(&e.bytes),
             id,
             seq: e.heap_seq,
         });
@@ -160,8 +143,9 @@ impl LruPolicy {
         self.touch(keys, ordered);
     }
 
-    /// Evicts exactly `n` evictable keys not `protected`, lowest rank first, or none at all
-    /// (`None`). The caller removes the returned keys' chunks.
+    /// Evicts exactly `n` evictable keys not `protected`, lowest rank first (equal ranks in
+    /// byte order of the keys), or none at all (`None`). The caller removes the returned
+    /// keys' chunks.
     pub fn evict(
         &mut self,
         keys: &KeyTable,
@@ -171,24 +155,47 @@ impl LruPolicy {
         if n == 0 {
             return Some(Vec::new());
         }
-        let mut selected = Vec::with_capacity(n);
+        let mut selected: Vec<Entry> = Vec::with_capacity(n);
         let mut deferred = Vec::new();
-        while selected.len() < n {
-            let Some(en) = self.heap.pop() else { break };
-            if !Self::current(keys, en.id, en.seq) {
-                continue;
+        let mut run: Vec<Entry> = Vec::new();
+        'take: while selected.len() < n {
+            // The next run of current entries of one rank, in byte order of their keys.
+            run.clear();
+            while let Some(en) = self.heap.peek().copied() {
+                if run.first().is_some_and(|f| f.rank != en.rank) {
+                    break;
+                }
+                self.heap.pop();
+                if Self::current(keys, en.id, en.seq) {
+                    run.push(en);
+                }
             }
-            if protected(en.id) {
-                deferred.push(en);
-            } else {
-                selected.push(en);
+            if run.is_empty() {
+                break;
+            }
+            if run.len() > 1 {
+                run.sort_by(|a, b| keys.get(a.id).bytes().cmp(keys.get(b.id).bytes()));
+            }
+            let mut rest = run.drain(..);
+            for en in rest.by_ref() {
+                if protected(en.id) {
+                    deferred.push(en);
+                } else {
+                    selected.push(en);
+                    if selected.len() == n {
+                        deferred.extend(rest);
+                        break 'take;
+                    }
+                }
             }
         }
         let ok = selected.len() == n;
         if !ok {
-            self.heap.extend(selected.drain(..));
+            deferred.append(&mut selected);
         }
-        self.heap.extend(deferred);
+        for en in deferred {
+            self.heap.push(en);
+        }
         if !ok {
             return None;
         }
@@ -237,7 +244,7 @@ impl LruPolicy {
                 evictable.len()
             ));
         }
-        for en in &self.heap {
+        for en in self.heap.iter() {
             if Self::current(keys, en.id, en.seq) && keys.get(en.id).rank != en.rank {
                 return Err(format!(
                     "key {:?}'s current heap entry has a stale rank",

@@ -20,17 +20,19 @@
 //! depend on it. `docs/vllm.md` maps each call.
 
 pub mod arc;
+pub mod bench;
 pub mod directory;
 pub mod keys;
 pub mod lru;
 pub mod mover;
+pub mod queue;
 pub mod request;
 pub mod tracker;
 
 pub use directory::{
     ChunkDirectory, DirectoryConfig, Event, Lookup, PolicyKind, Stats, StoreOutcome, Usage,
 };
-pub use keys::{group_of, ChunkId};
+pub use keys::{group_of, ChunkId, KeyBytes};
 pub use mover::{BlockMover, BlockTensor, JobOutcome, JobSpec, Ref};
 pub use request::RequestRef;
 

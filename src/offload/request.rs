@@ -21,6 +21,9 @@ pub(crate) mod flags {
     pub const STORE_MISS: u8 = 4;
 }
 
+/// Freed records kept for reuse.
+const SPARE_RECORDS: usize = 64;
+
 /// A handle to a request record, as a context carries it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct RequestRef {
@@ -28,6 +31,15 @@ pub struct RequestRef {
     pub slot: u32,
     /// The slot's generation when the record was made.
     pub generation: u32,
+}
+
+/// A key a request saw: where its token span ends (as its context said when the key was
+/// first seen, if it said) and what the request did to it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Seen {
+    pub id: KeyId,
+    pub position: Option<i64>,
+    pub flags: u8,
 }
 
 /// One request's accesses (module docs).
@@ -38,9 +50,9 @@ pub(crate) struct RequestRecord {
     /// The LRU rank the request took, once it needed one.
     pub rank: Option<u64>,
     /// Keys seen, first-seen order.
-    pub order: Vec<KeyId>,
-    /// Flags of each seen key.
-    pub seen: FxHashMap<KeyId, u8>,
+    pub order: Vec<Seen>,
+    /// Where each seen key is in `order`.
+    pub seen: FxHashMap<KeyId, u32>,
     pub finished: bool,
 }
 
@@ -56,33 +68,44 @@ impl RequestRecord {
 
     /// Releases the keys it holds.
     pub fn drop_keys(&mut self, keys: &mut KeyTable) {
-        for id in self.order.drain(..) {
-            keys.get_mut(id).holders -= 1;
-            keys.release(id);
+        for s in self.order.drain(..) {
+            keys.get_mut(s.id).holders -= 1;
+            keys.release(s.id);
         }
         self.seen.clear();
     }
 
-    /// Marks `id` seen (holding it) if new; returns whether it was new.
-    pub fn see(&mut self, keys: &mut KeyTable, id: KeyId) -> bool {
-        if self.seen.contains_key(&id) {
+    /// Marks `id` seen at `position` (holding it) if new; returns whether it was new.
+    pub fn see(&mut self, keys: &mut KeyTable, id: KeyId, position: Option<i64>) -> bool {
+        let next = self.order.len() as u32;
+        if *self.seen.entry(id).or_insert(next) != next {
             return false;
         }
-        self.seen.insert(id, 0);
-        self.order.push(id);
+        self.order.push(Seen {
+            id,
+            position,
+            flags: 0,
+        });
         keys.get_mut(id).holders += 1;
         true
     }
 
+    /// Whether `id` was seen.
+    pub fn has_seen(&self, id: KeyId) -> bool {
+        self.seen.contains_key(&id)
+    }
+
     /// The flags of a seen key (0 if unseen).
     pub fn flags(&self, id: KeyId) -> u8 {
-        self.seen.get(&id).copied().unwrap_or(0)
+        self.seen
+            .get(&id)
+            .map_or(0, |&i| self.order[i as usize].flags)
     }
 
     /// Adds `f` to a seen key's flags.
     pub fn set(&mut self, id: KeyId, f: u8) {
-        if let Some(v) = self.seen.get_mut(&id) {
-            *v |= f;
+        if let Some(&i) = self.seen.get(&id) {
+            self.order[i as usize].flags |= f;
         }
     }
 }
@@ -92,6 +115,9 @@ impl RequestRecord {
 pub(crate) struct RequestTable {
     slots: Vec<(u32, Option<RequestRecord>)>,
     free: Vec<u32>,
+    /// Freed records, emptied, whose maps and lists keep their capacity for the next ones
+    /// (a long request's record grows to thousands of keys).
+    spare: Vec<RequestRecord>,
 }
 
 impl RequestTable {
@@ -105,10 +131,8 @@ impl RequestTable {
 
     /// A new record for `cache_generation`.
     pub fn create(&mut self, cache_generation: u64) -> RequestRef {
-        let rec = RequestRecord {
-            cache_generation,
-            ..Default::default()
-        };
+        let mut rec = self.spare.pop().unwrap_or_default();
+        rec.cache_generation = cache_generation;
         match self.free.pop() {
             Some(slot) => {
                 let (g, r) = &mut self.slots[slot as usize];
@@ -134,6 +158,11 @@ impl RequestTable {
             if *g == r.generation {
                 if let Some(mut rec) = slot.take() {
                     rec.drop_keys(keys);
+                    rec.rank = None;
+                    rec.finished = false;
+                    if self.spare.len() < SPARE_RECORDS {
+                        self.spare.push(rec);
+                    }
                     *g = g.wrapping_add(1);
                     self.free.push(r.slot);
                 }

@@ -392,32 +392,21 @@ impl PyChunkDirectory {
         let Some(r) = self.handle_of(req_context)? else {
             return Ok(());
         };
-        let c = self.context(req_context)?;
-        let pairs: Vec<(Bound<'_, PyBytes>, i64)> = match &c.map {
-            Some(m) => {
-                let mut v = Vec::with_capacity(m.len());
-                for (k, p) in m.iter() {
-                    if let Ok(k) = k.cast_into::<PyBytes>() {
-                        v.push((k, int(&p, "req_context offload key position")?));
-                    }
+        // Positions the context gave after the keys were first seen (usually none).
+        let missing = self.run(py, |d| Ok(d.unpositioned_keys(r)))?;
+        let mut late: Vec<(Bound<'_, PyBytes>, i64)> = Vec::new();
+        if !missing.is_empty() {
+            let c = self.context(req_context)?;
+            for b in missing {
+                let k = PyBytes::new(py, &b);
+                if let Some(p) = Self::position(&c, &k)? {
+                    late.push((k, p));
                 }
-                v
             }
-            None => {
-                let seen = self.run(py, |d| Ok(d.request_keys(r)))?;
-                let mut v = Vec::with_capacity(seen.len());
-                for b in seen {
-                    let k = PyBytes::new(py, &b);
-                    if let Some(p) = Self::position(&c, &k)? {
-                        v.push((k, p));
-                    }
-                }
-                v
-            }
-        };
-        let pairs: Vec<(&[u8], i64)> = pairs.iter().map(|(k, p)| (k.as_bytes(), *p)).collect();
+        }
+        let late: Vec<(&[u8], i64)> = late.iter().map(|(k, p)| (k.as_bytes(), *p)).collect();
         self.run(py, |d| {
-            d.finish_request(r, &pairs);
+            d.finish_request(r, &late);
             Ok(())
         })
     }

@@ -477,3 +477,60 @@ fn a_failed_copy_is_a_failed_job_and_bad_specs_are_refused() {
     drop(m);
     drop(buf);
 }
+
+/// The bench's stream, served and checked (`cargo test -- --ignored offload_stream_phases
+/// --nocapture` prints the phases' times).
+#[test]
+fn the_bench_stream_serves_and_stays_valid() {
+    use crate::offload::bench::{RequestStream, StreamShape};
+    let shape = StreamShape {
+        blocks: 64,
+        prefix_blocks: 40,
+        prefixes: 4,
+        pool_requests: 3.0,
+        step: 8,
+        ..StreamShape::default()
+    };
+    for policy in [PolicyKind::Lru, PolicyKind::Arc] {
+        let mut s = RequestStream::new(shape, 40, policy);
+        while s.left() > 0 {
+            s.serve();
+            s.directory().validate().unwrap();
+        }
+        assert_eq!(s.directory().pinned(), 0);
+    }
+}
+
+#[test]
+#[ignore = "a timing printout, not a check"]
+fn offload_stream_phases() {
+    use crate::offload::bench::{RequestStream, StreamShape};
+    let mut s = RequestStream::new(StreamShape::default(), 120, PolicyKind::Lru);
+    let faults = || {
+        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `u` is a valid rusage for getrusage to fill.
+        unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };
+        u.ru_minflt
+    };
+    let f0 = faults();
+    let (mut l, mut d, mut st) = (0.0, 0.0, 0.0);
+    let reps = std::env::var("REPS").map_or(1, |r| r.parse().unwrap());
+    for i in 0..120 * reps {
+        if s.left() == 0 {
+            s.restart();
+        }
+        let t = s.serve();
+        if i >= 20 && i < 120 {
+            l += t.lookup.as_secs_f64();
+            d += t.load.as_secs_f64();
+            st += t.store.as_secs_f64();
+        }
+    }
+    println!(
+        "per request ms: lookup {:.3} load {:.3} store+finish {:.3}; minor faults {}",
+        l * 10.0,
+        d * 10.0,
+        st * 10.0,
+        faults() - f0
+    );
+}

@@ -9,8 +9,9 @@ and context once, crosses into Rust once for the whole batch, and builds vLLM's 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING
-
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+    OffloadingConnectorStats,
+)
 from vllm.v1.kv_offload.base import (
     ConfigInfoMapping,
     LoadStoreSpec,
@@ -32,11 +33,6 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from sparsetier._core import ChunkDirectory
 from sparsetier.errors import ConfigError
-
-if TYPE_CHECKING:
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-        OffloadingConnectorStats,
-    )
 
 _RESULTS = (LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING)
 
@@ -101,6 +97,10 @@ class SparsetierOffloadingManager(OffloadingManager):
             base_position=ReqContext.get_offload_key_position,
         )
         self._counts = _TrackerView(self._dir) if store_threshold >= 2 else None
+        # The connector looks keys up one at a time (thousands a request): the instance's
+        # `lookup` is the core's own method, with no Python frame in between. It returns
+        # the `LookupResult` members above, as the method below does.
+        self.lookup = self._dir.lookup  # type: ignore[method-assign]
 
     # --- lookups and loads ---
 
@@ -176,10 +176,6 @@ class SparsetierOffloadingManager(OffloadingManager):
         return [self._config_info]
 
     def get_stats(self) -> OffloadingConnectorStats | None:
-        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
-            OffloadingConnectorStats,
-        )
-
         usage, write, read, sizes, skipped = self._dir.take_stats()
         stats = OffloadingConnectorStats()
         stats.set_gauge(CPUOffloadingMetrics.CPU_CACHE_USAGE_PERC, usage)
