@@ -520,7 +520,7 @@ fn offload_stream_phases() {
             s.restart();
         }
         let t = s.serve();
-        if i >= 20 && i < 120 {
+        if (20..120).contains(&i) {
             l += t.lookup.as_secs_f64();
             d += t.load.as_secs_f64();
             st += t.store.as_secs_f64();
