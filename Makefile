@@ -64,7 +64,7 @@ demo: build
 plan: build
 	sparsetier plan --layers 61 --kv-heads 8 --head-dim 128 --device-gb 40 --hicache-size 200
 
-# Criterion benches (alloc, directory, prefix, scheduler), then the Python ones; figures:
+# Criterion benches (alloc, directory, prefix, scheduler, offload), then the Python ones; figures:
 # benches/RESULTS.md.
 bench: build
 	cargo bench
@@ -74,6 +74,7 @@ bench: build
 	sparsetier bench prefix --page-size 16
 	sparsetier bench decode --mode block
 	sparsetier bench decode --mode token --steps 6
+	sparsetier bench vllm
 
 clean:
 	cargo clean

@@ -14,7 +14,10 @@
 #                             tests/test_gpu_runtime.py (the decode runtime on the GPU) and
 #                             tests/test_packed.py (packed FP8 rows through both engines),
 #                             tests/test_decode.py (its prefix-restore test on the GPU too),
-#                             tests/test_token_map.py (the mapping on the GPU, eager and graphed)
+#                             tests/test_token_map.py (the mapping on the GPU, eager and graphed),
+#                             tests/test_block_mover.py (the vLLM worker's block moves:
+#                             DeepSeek-V3.2-shaped MLA and indexer blocks to pinned host pools
+#                             and back, and a failed copy, through the kernel and direct engines)
 #         demo_cuda.txt       `sparsetier demo --device cuda` (tiered == resident on the GPU,
 #                             through the step scheduler with stream waits), block and token
 #                             selection, with and without prefetch, in FP8 (--kv-format),
@@ -70,7 +73,8 @@ run)
     if has tests; then
         timeout 170 python3 -m pytest -q -rs -p no:cacheprovider $per_test tests/test_cuda.py \
             tests/test_hicache.py tests/test_gpu_runtime.py tests/test_packed.py \
-            tests/test_decode.py tests/test_token_map.py > "$OUT/pytest.txt" 2>&1
+            tests/test_decode.py tests/test_token_map.py tests/test_block_mover.py \
+            > "$OUT/pytest.txt" 2>&1
         echo "exit $?" >> "$OUT/pytest.txt"
     fi
     if has demos; then

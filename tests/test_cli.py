@@ -640,3 +640,17 @@ def test_bench_prefix_compares_token_containers(capsys):
     out = capsys.readouterr().out
     for kind in ("q", "numpy", "uint32", "list"):
         assert f"\n{kind} " in out
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_bench_vllm_runs_both_managers_on_one_stream(policy, tmp_path, capsys):
+    out = tmp_path / "v.json"
+    args = ["bench", "vllm", "--requests", "24", "--prompt-tokens", "2048", "--prefixes", "3"]
+    args += ["--prefix-blocks", "80", "--kv-groups", "2", "--policy", policy, "--json", str(out)]
+    assert main(args) == 0
+    assert "median paired ratio" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["keys_per_request"] == 2 * 2048 // 16
+    assert r["evictions"] > 0, "the pool is smaller than the stream"
+    assert r["hit_keys_per_request"] > 0, "shared prefixes hit"
+    assert r["paired"] == 24 - 4 and r["ratio_median"] > 0

@@ -54,6 +54,17 @@ class Side:
     evictions: int = 0
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _keys(cfg: VllmBenchConfig):
     """The request stream: for each request, its keys per group, head first."""
     import numpy as np
@@ -74,9 +85,7 @@ def _keys(cfg: VllmBenchConfig):
     for i, p in enumerate(choice):
         if p not in prefix_hashes:
             prefix_hashes[p] = [digest(f"p{p}:{b}") for b in range(cfg.prefix_blocks)]
-        hashes = prefix_hashes[p] + [
-            digest(f"r{i}:{b}") for b in range(blocks - cfg.prefix_blocks)
-        ]
+        hashes = prefix_hashes[p] + [digest(f"r{i}:{b}") for b in range(blocks - cfg.prefix_blocks)]
         stream.append([[make_offload_key(h, g) for h in hashes] for g in range(cfg.groups)])
     return stream
 
@@ -173,7 +182,7 @@ def run(cfg: VllmBenchConfig, progress: bool = True) -> dict:
             gc.enable()
     a, b = sides["vllm"], sides["sparsetier"]
     assert a.hits == b.hits and a.evictions == b.evictions, "the managers disagreed"
-    w = cfg.warmup
+    w = min(cfg.warmup, cfg.requests // 5)
     ratios = [x / y for x, y in zip(a.total_ms[w:], b.total_ms[w:], strict=True)]
     q = statistics.quantiles(ratios, n=4)
     phases = {
@@ -185,8 +194,9 @@ def run(cfg: VllmBenchConfig, progress: bool = True) -> dict:
     }
     return {
         "config": asdict(cfg),
-        "machine": f"{platform.processor() or platform.machine()}, {platform.node()}",
+        "machine": _cpu_model(),
         "date": time.strftime("%Y-%m-%d"),
+        "paired": len(ratios),
         "keys_per_request": blocks * cfg.groups,
         "hit_keys_per_request": a.hits / cfg.requests,
         "evictions": a.evictions,
@@ -202,8 +212,8 @@ def run(cfg: VllmBenchConfig, progress: bool = True) -> dict:
 def format_report(r: dict) -> str:
     c = r["config"]
     lines = [
-        f"bench vllm ({r['date']}, {r['machine']}): {c['requests'] - c['warmup']} requests "
-        f"paired after {c['warmup']} warm-up, {c['prompt_tokens']}-token prompts "
+        f"bench vllm ({r['date']}, {r['machine']}): {r['paired']} requests "
+        f"paired after {c['requests'] - r['paired']} warm-up, {c['prompt_tokens']}-token prompts "
         f"({r['keys_per_request']} keys), {c['prefixes']} prefixes of {c['prefix_blocks']} "
         f"blocks (Zipf {c['zipf']}), pool of {c['pool_requests']} prompts, {c['policy']}",
         f"  hit keys per request: {r['hit_keys_per_request']:.0f}; evictions: {r['evictions']}",
@@ -211,9 +221,7 @@ def format_report(r: dict) -> str:
     ]
     for p, v in r["phases"].items():
         ratio = v["vllm_ms"] / v["sparsetier_ms"] if v["sparsetier_ms"] else float("inf")
-        lines.append(
-            f"  {p:<14}{v['vllm_ms']:>10.2f}{v['sparsetier_ms']:>15.3f}{ratio:>8.1f}"
-        )
+        lines.append(f"  {p:<14}{v['vllm_ms']:>10.2f}{v['sparsetier_ms']:>15.3f}{ratio:>8.1f}")
     lines.append(
         f"  {'request':<14}{r['vllm_ms']:>10.2f}{r['sparsetier_ms']:>15.3f}"
         f"{r['vllm_ms'] / r['sparsetier_ms']:>8.1f}"

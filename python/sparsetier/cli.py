@@ -253,12 +253,14 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--trace", metavar="PATH", help="decode: write the scheduler's trace (.npz)")
     p.add_argument(
         "what",
-        choices=["directory", "transfer", "prefix", "decode", "replay", "l3"],
+        choices=["directory", "transfer", "prefix", "decode", "replay", "l3", "vllm"],
         help="directory: binding overhead vs Rust; transfer: copy-engine GB/s vs baselines; "
         "prefix: the prefix cache's serve loop (vs SGLang with --peers-python); decode: CPU "
         "per decode step in the step scheduler vs per-request calls (DeepSeek-V3.2 shape); "
         "replay: seconds to replay a 1M-key trace at 10 budgets, LRU and MIN; l3: put/get "
-        "throughput of the L3 backends vs memcpy, and the serve loop's hits with and without L3",
+        "throughput of the L3 backends vs memcpy, and the serve loop's hits with and without L3; "
+        "vllm: scheduler CPU per request of sparsetier.vllm's manager vs vLLM's "
+        "CPUOffloadingManager, paired in one process",
     )
     from sparsetier.bench_decode import DecodeBenchConfig
 
@@ -323,6 +325,19 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hit-rates", type=float, nargs="+", default=[1.0, 0.9, 0.5])
     p.add_argument("--l3-backends", nargs="+", choices=["file", "mooncake"],
                    default=["file", "mooncake"], help="l3: the backends to run")  # fmt: skip
+    from sparsetier.bench_vllm import VllmBenchConfig
+
+    dv = VllmBenchConfig()
+    p.add_argument("--requests", type=int, default=dv.requests, help="vllm: requests")
+    p.add_argument("--prompt-tokens", type=int, default=dv.prompt_tokens, help="vllm")
+    p.add_argument("--prefixes", type=int, default=dv.prefixes,
+                   help="vllm: shared prefixes (Zipf popularity)")  # fmt: skip
+    p.add_argument("--prefix-blocks", type=int, default=dv.prefix_blocks, help="vllm")
+    p.add_argument("--kv-groups", type=int, default=dv.groups,
+                   help="vllm: KV-cache groups (2: DeepSeek-V3.2's MLA and indexer)")  # fmt: skip
+    p.add_argument("--pool-requests", type=float, default=dv.pool_requests,
+                   help="vllm: host pool, in prompts (fewer than the stream: evicts)")  # fmt: skip
+    p.add_argument("--policy", choices=["lru", "arc"], default=dv.policy, help="vllm")
     p.add_argument("--json", metavar="PATH",
                    help="also write the rows as JSON (a .jsonl path gets one line appended a "
                         "run, so that repeated runs collect in one file)")  # fmt: skip
@@ -342,6 +357,23 @@ def _write_json(path: str, r) -> None:
 def _run_bench(args: argparse.Namespace) -> None:
     from sparsetier import bench
 
+    if args.what == "vllm":
+        from sparsetier import bench_vllm
+
+        cfg = bench_vllm.VllmBenchConfig(
+            requests=args.requests,
+            prompt_tokens=args.prompt_tokens,
+            prefixes=args.prefixes,
+            prefix_blocks=args.prefix_blocks,
+            groups=args.kv_groups,
+            pool_requests=args.pool_requests,
+            policy=args.policy,
+        )
+        r = bench_vllm.run(cfg, progress=True)
+        print(bench_vllm.format_report(r))
+        if args.json:
+            _write_json(args.json, r)
+        return
     if args.what == "replay":
         from sparsetier.replay import bench as bench_replay
 

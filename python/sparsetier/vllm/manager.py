@@ -9,6 +9,7 @@ and context once, crosses into Rust once for the whole batch, and builds vLLM's 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
     OffloadingConnectorStats,
 )
