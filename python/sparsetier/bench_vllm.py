@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import gc
 import hashlib
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -52,17 +51,6 @@ class Side:
     phases: dict[str, list[float]] = field(default_factory=dict)
     hits: int = 0
     evictions: int = 0
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _keys(cfg: VllmBenchConfig):
@@ -154,6 +142,7 @@ def _serve(manager, ctx, per_group, cfg: VllmBenchConfig, side: Side) -> None:
 def run(cfg: VllmBenchConfig, progress: bool = True) -> dict:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
+    from sparsetier.bench_decode import _cpu_model
     from sparsetier.vllm import SparsetierOffloadingManager
 
     stream = _keys(cfg)

@@ -203,6 +203,20 @@ impl PyChunkDirectory {
         keys.objs.iter().map(|k| Self::position(c, k)).collect()
     }
 
+    /// What a batch call reads before taking the lock: the keys, their positions on the
+    /// context, and the context's handle.
+    fn batch<'py>(
+        &self,
+        keys: &Bound<'py, PyAny>,
+        req_context: &Bound<'py, PyAny>,
+    ) -> PyResult<(Keys<'py>, Vec<Option<i64>>, Option<RequestRef>)> {
+        let k = Keys::read(keys)?;
+        let c = self.context(req_context)?;
+        let pos = Self::positions(&c, &k)?;
+        let had = self.handle_of(req_context)?;
+        Ok((k, pos, had))
+    }
+
     fn chunk_array<'py>(
         py: Python<'py>,
         ids: impl Iterator<Item = u32>,
@@ -320,10 +334,7 @@ impl PyChunkDirectory {
         req_context: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let py = keys.py();
-        let k = Keys::read(keys)?;
-        let c = self.context(req_context)?;
-        let pos = Self::positions(&c, &k)?;
-        let had = self.handle_of(req_context)?;
+        let (k, pos, had) = self.batch(keys, req_context)?;
         let bytes = k.bytes();
         let (r, chunks) = self.run(py, |d| d.prepare_load(had, &bytes, &pos))?;
         self.keep(req_context, had, r)?;
@@ -361,10 +372,7 @@ impl PyChunkDirectory {
         )>,
     > {
         let py = keys.py();
-        let k = Keys::read(keys)?;
-        let c = self.context(req_context)?;
-        let pos = Self::positions(&c, &k)?;
-        let had = self.handle_of(req_context)?;
+        let (k, pos, had) = self.batch(keys, req_context)?;
         let bytes = k.bytes();
         let (r, out) = self.run(py, |d| d.prepare_store(had, &bytes, &pos))?;
         self.keep(req_context, had, r)?;
@@ -577,16 +585,7 @@ fn tensor_2d(t: &Bound<'_, PyAny>, field: &str) -> PyResult<Tensor2d> {
         )
     })?;
     let stride = strides[0] as u64;
-    let kind = match info.device_type.as_str() {
-        "cpu" => MemoryKind::Host,
-        "cuda" => MemoryKind::Device,
-        other => {
-            return Err(to_py(
-                py,
-                Error::config(format!("{field}.device"), other, "a cpu or cuda tensor"),
-            ))
-        }
-    };
+    let kind = info.memory_kind(field).py_err(py)?;
     let ordinal = if kind == MemoryKind::Device {
         let i: Option<u32> = t.getattr("device")?.getattr("index")?.extract()?;
         Some(i.unwrap_or(0))

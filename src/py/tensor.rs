@@ -5,6 +5,7 @@ use crate::error::Error;
 use crate::layout::Dtype;
 use crate::py::args::short;
 use crate::py::error::to_py;
+use crate::transfer::MemoryKind;
 use pyo3::prelude::*;
 
 /// What the bindings know about a tensor after inspecting it.
@@ -63,6 +64,19 @@ impl TensorInfo {
                      torch.float8_e4m3fn, torch.uint8 (fp8 as raw bytes)",
                 )
             }),
+        }
+    }
+
+    /// Host or device memory, by the tensor's device; other devices are refused.
+    pub fn memory_kind(&self, field: &str) -> Result<MemoryKind, Error> {
+        match self.device_type.as_str() {
+            "cpu" => Ok(MemoryKind::Host),
+            "cuda" => Ok(MemoryKind::Device),
+            other => Err(Error::config(
+                format!("{field}.device"),
+                other,
+                "a cpu or cuda tensor",
+            )),
         }
     }
 

@@ -41,16 +41,7 @@ impl PyPageTransferBinding {
             let layout = HostLayout::parse("layout", layout).py_err(py)?;
             spec.check_tensor_in(tensor, layout, None, "tensor")?;
             let info = TensorInfo::inspect(tensor, "tensor")?;
-            let kind = match info.device_type.as_str() {
-                "cpu" => MemoryKind::Host,
-                "cuda" => MemoryKind::Device,
-                other => {
-                    return Err(to_py(
-                        py,
-                        Error::config("tensor.device", other, "a cpu or cuda tensor"),
-                    ))
-                }
-            };
+            let kind = info.memory_kind("tensor").py_err(py)?;
             let pinned =
                 kind == MemoryKind::Host && tensor.call_method0("is_pinned")?.extract::<bool>()?;
             let ptr: u64 = tensor.call_method0("data_ptr")?.extract()?;

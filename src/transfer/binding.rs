@@ -45,6 +45,24 @@ impl LayerPageOrder {
     }
 }
 
+/// Refuses a null base and a range past the end of the address space.
+fn check_extent(base: u64, len: u64) -> Result<()> {
+    if base == 0 {
+        return Err(Error::plan(
+            "base",
+            "a null pointer",
+            "the buffer's address",
+        ));
+    }
+    base.checked_add(len).map(|_| ()).ok_or_else(|| {
+        Error::plan(
+            "base + len",
+            "an overflow",
+            "a buffer inside the address space",
+        )
+    })
+}
+
 /// One pool buffer's planes: base address of each (layer, plane), page stride and sizes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PageTransferBinding {
@@ -89,13 +107,7 @@ impl PageTransferBinding {
         layout: HostLayout,
         kind: MemoryKind,
     ) -> Result<Self> {
-        if base == 0 {
-            return Err(Error::plan(
-                "base",
-                "a null pointer",
-                "the buffer's address",
-            ));
-        }
+        check_extent(base, len)?;
         if len != spec.total_bytes() {
             return Err(Error::plan(
                 "len",
@@ -107,13 +119,6 @@ impl PageTransferBinding {
                 ),
             ));
         }
-        base.checked_add(len).ok_or_else(|| {
-            Error::plan(
-                "base + len",
-                "an overflow",
-                "a buffer inside the address space",
-            )
-        })?;
         let g = spec.geometry(layout);
         let mut planes = Vec::with_capacity((g.layers * g.planes) as usize);
         for layer in 0..g.layers {
@@ -158,13 +163,7 @@ impl PageTransferBinding {
         page_stride: u64,
         kind: MemoryKind,
     ) -> Result<Self> {
-        if base == 0 {
-            return Err(Error::plan(
-                "base",
-                "a null pointer",
-                "the buffer's address",
-            ));
-        }
+        check_extent(base, len)?;
         let count = u32::try_from(page_bytes)
             .ok()
             .filter(|&b| b > 0)
@@ -192,13 +191,6 @@ impl PageTransferBinding {
                     ),
                 )
             })?;
-        base.checked_add(len).ok_or_else(|| {
-            Error::plan(
-                "base + len",
-                "an overflow",
-                "a buffer inside the address space",
-            )
-        })?;
         // One-byte elements: the bytes are moved as they are.
         let row = RowFormat::plain(crate::layout::Dtype::Fp8E4m3, count);
         Ok(PageTransferBinding {
