@@ -98,7 +98,12 @@ def test_the_spec_loads_through_vllms_factory():
     assert "vllm:kv_offload_stores_skipped" in metrics
     worker = spec.get_worker(kv_caches())
     assert isinstance(worker, SparsetierOffloadingWorker) and worker.io_backend == "cpu"
+    assert spec.group_bytes_per_block == [LAYERS * MLA_PAGE, LAYERS * INDEXER_PAGE]
     worker.shutdown()
+    one_group = kv_caches()
+    one_group.group_data_refs = one_group.group_data_refs[:1]
+    with pytest.raises(ConfigError, match="group_data_refs"):
+        OffloadingSpecFactory.create_spec(cfg).get_worker(one_group)
     # Tensor parallel: the budget is shared by every rank's copy, as vLLM's CPU spec counts it.
     assert OffloadingSpecFactory.create_spec(config(world_size=2)).num_chunks == 6
 

@@ -172,6 +172,18 @@ class SparsetierOffloadingSpec(OffloadingSpec):
                     self.options.cpu_bytes_to_use,
                     f"at least one chunk: {self.kv_bytes_per_chunk} bytes or more",
                 )
+            groups = len(kv_caches.group_data_refs)
+            if groups != len(self.config.groups):
+                raise ConfigError.of(
+                    "kv_caches.group_data_refs",
+                    f"{groups} groups",
+                    f"{len(self.config.groups)}: one per KV-cache group of the config",
+                )
+            # Bytes one block takes in every group, for the record (the config has only
+            # their sum): DeepSeek-V3.2's MLA and indexer groups differ.
+            self.group_bytes_per_block = [
+                sum(ref.page_size_bytes for ref in refs) for refs in kv_caches.group_data_refs
+            ]
             per_block = sum(t.page_size_bytes for t in kv_caches.tensors)
             if per_block > self.config.worker_kv_bytes_per_block > 0:
                 raise ConfigError.of(
