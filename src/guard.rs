@@ -117,7 +117,15 @@ impl<T> Guarded<T> {
     /// needs the GIL to finish.
     #[track_caller]
     pub fn try_run<R>(&self, f: impl FnOnce(&mut T) -> Result<R>) -> Option<Result<R>> {
-        let site = Location::caller();
+        self.try_run_at(Location::caller(), f)
+    }
+
+    /// [`Self::try_run`], naming `site` as the call's place in an internal error.
+    pub fn try_run_at<R>(
+        &self,
+        site: &'static Location<'static>,
+        f: impl FnOnce(&mut T) -> Result<R>,
+    ) -> Option<Result<R>> {
         let mut guard = self.value.try_lock()?;
         Some(self.poison.contain_at(site, || f(&mut guard)))
     }

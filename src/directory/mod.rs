@@ -201,7 +201,8 @@ impl Directory {
     /// Blocks until transfer `id` finishes: `Ok` when it completed, [`Error::TransferFailed`]
     /// when it failed, [`Error::WaitTimeout`] when `timeout` passes first.
     pub fn wait(&self, id: TransferId, timeout: Option<Duration>) -> Result<()> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A deadline past what the clock can hold is no deadline.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let mut core = self.core.lock();
         loop {
             if let Some(outcome) = core.outcome(id)? {

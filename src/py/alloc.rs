@@ -8,6 +8,7 @@ use crate::guard::Guarded;
 use crate::ids::PageId;
 use crate::py::args::{int, int64_array};
 use crate::py::error::{to_py, IntoPyResult};
+use crate::py::lock::Unblocked;
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
@@ -79,14 +80,14 @@ impl PyPageAllocator {
                 return Err(to_py(py, Error::config("n", v, allowed)));
             }
         };
-        let pages = self.inner.run(|a| a.alloc(n)).py_err(py)?;
+        let pages = self.inner.run_py(py, |a| a.alloc(n))?;
         Ok(page_array(py, &pages))
     }
 
     /// Frees `pages` or raises `AllocatorError` having freed nothing.
     fn free(&self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let ids = page_ids(pages, "pages")?;
-        self.inner.run(|a| a.free(&ids)).py_err(pages.py())
+        self.inner.run_py(pages.py(), |a| a.free(&ids))
     }
 
     /// Whether `page` is handed out now.
@@ -96,13 +97,12 @@ impl PyPageAllocator {
             return Ok(false);
         };
         self.inner
-            .get(|a| a.is_allocated(PageId::new(p)))
-            .py_err(page.py())
+            .get_py(page.py(), |a| a.is_allocated(PageId::new(p)))
     }
 
     /// Raises `InvariantError` if an allocator invariant is broken.
     fn validate(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner.get(|a| a.validate()).py_err(py)?.map_err(|why| {
+        self.inner.get_py(py, |a| a.validate())?.map_err(|why| {
             crate::py::error::typed_error(py, "InvariantError", why, &pyo3::types::PyDict::new(py))
         })
     }
@@ -110,40 +110,38 @@ impl PyPageAllocator {
     /// Usable pages (reserve excluded).
     #[getter]
     fn capacity(&self, py: Python<'_>) -> PyResult<usize> {
-        self.inner.get(|a| a.capacity()).py_err(py)
+        self.inner.get_py(py, |a| a.capacity())
     }
     /// Pages of the buffer, reserve included.
     #[getter]
     fn total_pages(&self, py: Python<'_>) -> PyResult<u32> {
-        self.inner.get(|a| a.total_pages()).py_err(py)
+        self.inner.get_py(py, |a| a.total_pages())
     }
     /// Reserved pages at the front of the buffer.
     #[getter]
     fn reserve_pages(&self, py: Python<'_>) -> PyResult<u32> {
-        self.inner.get(|a| a.reserve_pages()).py_err(py)
+        self.inner.get_py(py, |a| a.reserve_pages())
     }
     /// Pages free now.
     #[getter]
     fn free_count(&self, py: Python<'_>) -> PyResult<usize> {
-        self.inner.get(|a| a.free_count()).py_err(py)
+        self.inner.get_py(py, |a| a.free_count())
     }
     /// Pages handed out now.
     #[getter]
     fn used_count(&self, py: Python<'_>) -> PyResult<usize> {
-        self.inner.get(|a| a.used_count()).py_err(py)
+        self.inner.get_py(py, |a| a.used_count())
     }
 
     fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
-        self.inner
-            .get(|a| {
-                format!(
-                    "PageAllocator(capacity={}, free={}, used={}, reserve_pages={})",
-                    a.capacity(),
-                    a.free_count(),
-                    a.used_count(),
-                    a.reserve_pages()
-                )
-            })
-            .py_err(py)
+        self.inner.get_py(py, |a| {
+            format!(
+                "PageAllocator(capacity={}, free={}, used={}, reserve_pages={})",
+                a.capacity(),
+                a.free_count(),
+                a.used_count(),
+                a.reserve_pages()
+            )
+        })
     }
 }

@@ -74,9 +74,10 @@ pub fn repr(obj: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "<unprintable>".to_owned())
 }
 
-/// A 1-D int64 array: numpy int64 arrays are borrowed as they are; anything numpy can turn
-/// into one (lists, torch CPU tensors, other integer dtypes) is converted. Anything else is a
-/// `ConfigError` naming `field` and saying it should be `what`.
+/// A 1-D int64 array: native int64 numpy arrays are borrowed as they are; other integer
+/// arrays and sequences (lists, torch CPU tensors, other integer dtypes or byte orders) are
+/// converted by value. Floats, bools, strings and unsigned values past int64 are refused, not
+/// truncated: anything else is a `ConfigError` naming `field` and saying it should be `what`.
 pub fn int64_array<'py>(
     obj: &Bound<'py, PyAny>,
     field: &str,
@@ -92,9 +93,24 @@ pub fn int64_array<'py>(
             Error::config(field, value, format!("a 1-D array of {what}")),
         )
     };
-    let converted = py
-        .import("numpy")?
-        .call_method1("asarray", (obj, "int64"))
+    let np = py.import("numpy")?;
+    let as_is = np
+        .call_method1("asarray", (obj,))
+        .map_err(|_| bad(short(obj)))?;
+    let dtype = as_is.getattr("dtype")?;
+    let kind: String = dtype.getattr("kind")?.extract()?;
+    let size: usize = as_is.getattr("size")?.extract()?;
+    if size > 0 && kind != "i" && kind != "u" {
+        return Err(bad(format!("{} (an array of {})", short(obj), dtype)));
+    }
+    if size > 0 && kind == "u" && dtype.getattr("itemsize")?.extract::<usize>()? == 8 {
+        let max: u64 = as_is.call_method0("max")?.extract()?;
+        if max > i64::MAX as u64 {
+            return Err(bad(format!("an unsigned value {max}, past int64")));
+        }
+    }
+    let converted = np
+        .call_method1("asarray", (as_is, "int64"))
         .map_err(|_| bad(short(obj)))?;
     converted.extract().map_err(|_| {
         let shape = converted
@@ -112,5 +128,47 @@ pub fn short(obj: &Bound<'_, PyAny>) -> String {
         format!("{}...", r.chars().take(57).collect::<String>())
     } else {
         r
+    }
+}
+
+/// Waits longer than this are waits without a limit (a deadline further off would overflow
+/// the clock's arithmetic; about 31 years).
+pub const FOREVER_SECONDS: f64 = 1e9;
+
+/// A timeout in seconds: None, or seconds >= 0; beyond [`FOREVER_SECONDS`] (or infinite) it
+/// means no limit. NaN and negative values are refused naming `field`.
+pub fn timeout(field: &str, t: Option<f64>) -> Result<Option<std::time::Duration>, Error> {
+    match t {
+        None => Ok(None),
+        Some(s) if s >= FOREVER_SECONDS => Ok(None),
+        Some(s) if s >= 0.0 => Ok(Some(std::time::Duration::from_secs_f64(s))),
+        Some(s) => Err(Error::config(
+            field,
+            s,
+            "None, or seconds >= 0 (inf or beyond 1e9: no limit)",
+        )),
+    }
+}
+
+/// A delay in seconds: 0 to [`FOREVER_SECONDS`]; anything else is refused naming `field`.
+pub fn delay(field: &str, s: f64) -> Result<std::time::Duration, Error> {
+    if (0.0..=FOREVER_SECONDS).contains(&s) {
+        Ok(std::time::Duration::from_secs_f64(s))
+    } else {
+        Err(Error::config(field, s, "seconds from 0 to 1e9"))
+    }
+}
+
+/// `obj` itself, or, for a numpy array not in C order (a transpose, Fortran order, a strided
+/// view), a C-ordered copy of it: a 2-D array is read by value, whatever its strides, never in
+/// memory order.
+pub fn c_order<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    use numpy::PyUntypedArrayMethods;
+    match obj.cast::<numpy::PyUntypedArray>() {
+        Ok(a) if !a.is_c_contiguous() => obj
+            .py()
+            .import("numpy")?
+            .call_method1("ascontiguousarray", (obj,)),
+        _ => Ok(obj.clone()),
     }
 }

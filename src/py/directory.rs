@@ -16,7 +16,6 @@ use crate::py::error::{contained, to_py, IntoPyResult};
 use numpy::{PyArray1, PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use std::time::Duration;
 
 /// Parses an `(N, 4)` int64 key array (or anything numpy can turn into one).
 fn parse_keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<ObjectKey>> {
@@ -449,16 +448,7 @@ impl PyResidencyDirectory {
     fn wait(&self, transfer_id: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<()> {
         let py = transfer_id.py();
         let id = self::transfer_id(transfer_id)?;
-        let timeout = match timeout {
-            Some(t) if t.is_finite() && t >= 0.0 => Some(Duration::from_secs_f64(t)),
-            Some(t) => {
-                return Err(to_py(
-                    py,
-                    Error::config("timeout", t, "None or a number of seconds >= 0"),
-                ))
-            }
-            None => None,
-        };
+        let timeout = crate::py::args::timeout("timeout", timeout).py_err(py)?;
         py.detach(|| self.core(|d| d.wait(id, timeout))).py_err(py)
     }
 

@@ -15,6 +15,7 @@ use crate::offload::{
 };
 use crate::py::args::{int, int64_array, opt_int, repr, short};
 use crate::py::error::{contained, to_py, IntoPyResult};
+use crate::py::lock::Unblocked;
 use crate::py::tensor::TensorInfo;
 use crate::py::transfer::PyTransferEngine;
 use crate::transfer::{Direction, MemoryKind};
@@ -23,23 +24,6 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 use std::sync::atomic::{AtomicU64, Ordering};
-
-/// Runs `f` on `g`'s value: at once if the lock is free, else after waiting for it with the
-/// GIL released (never blocking, with the GIL held, a thread that needs the GIL to finish).
-pub fn unblocked<T: Send, R>(
-    py: Python<'_>,
-    g: &Guarded<T>,
-    f: impl FnOnce(&mut T) -> crate::Result<R>,
-) -> PyResult<R> {
-    let mut f = Some(f);
-    loop {
-        let call = |v: &mut T| (f.take().expect("runs once"))(v);
-        if let Some(r) = g.try_run(call) {
-            return r.py_err(py);
-        }
-        py.detach(|| g.wait_free());
-    }
-}
 
 static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
 
@@ -134,7 +118,7 @@ impl PyChunkDirectory {
         f: impl FnOnce(&mut ChunkDirectory) -> crate::Result<R>,
     ) -> PyResult<R> {
         let rx = &self.released_rx;
-        unblocked(py, &self.inner, |d| {
+        self.inner.run_py(py, |d| {
             while let Ok(r) = rx.try_recv() {
                 d.release_request(r);
             }
@@ -780,13 +764,13 @@ impl PyBlockMover {
         for e in &self.engines {
             e.get().follow_torch_stream(py)?;
         }
-        unblocked(py, &self.inner, |m| m.submit(id, &spec, expedited))
+        self.inner.run_py(py, |m| m.submit(id, &spec, expedited))
     }
 
     /// Jobs finished since the last call: `(job_id, success, bytes, seconds, error)`.
     #[allow(clippy::type_complexity)]
     fn finished(&self, py: Python<'_>) -> PyResult<Vec<(u64, bool, u64, f64, Option<String>)>> {
-        let out = unblocked(py, &self.inner, |m| Ok(m.finished()))?;
+        let out = self.inner.get_py(py, |m| m.finished())?;
         Ok(out
             .into_iter()
             .map(|o| (o.job_id, o.success, o.bytes, o.seconds, o.error))
@@ -795,7 +779,7 @@ impl PyBlockMover {
 
     /// Blocks (GIL released) until the given jobs are finished; unknown ids are skipped.
     fn wait(&self, py: Python<'_>, job_ids: Vec<u64>) -> PyResult<()> {
-        let events = unblocked(py, &self.inner, |m| Ok(m.events_of(&job_ids)))?;
+        let events = self.inner.get_py(py, |m| m.events_of(&job_ids))?;
         py.detach(|| {
             for ev in events {
                 let _ = ev.wait_all(None);
@@ -807,12 +791,12 @@ impl PyBlockMover {
     /// Jobs not yet reported by `finished`.
     #[getter]
     fn pending(&self, py: Python<'_>) -> PyResult<usize> {
-        unblocked(py, &self.inner, |m| Ok(m.pending()))
+        self.inner.get_py(py, |m| m.pending())
     }
 
     /// Waits for every job (GIL released).
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
-        let events = unblocked(py, &self.inner, |m| Ok(m.all_events()))?;
+        let events = self.inner.get_py(py, |m| m.all_events())?;
         py.detach(|| {
             for ev in events {
                 let _ = ev.wait_all(None);

@@ -11,7 +11,9 @@ use crate::ids::PageId;
 use crate::py::alloc::{page_array, page_ids};
 use crate::py::args::{int, opt_int};
 use crate::py::error::{contained, to_py, IntoPyResult};
+use crate::py::lock::Unblocked;
 use crate::py::prefix_result::{PyPrefixInsert, PyPrefixMatch};
+use crate::py::stats::Stats;
 use crate::py::tokens::{with_lookup, with_tokens, Lookup};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::storage::L3State;
@@ -20,7 +22,6 @@ use numpy::PyArray1;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::time::Duration;
 
 fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<u32> {
     match opt_int(obj, "namespace")? {
@@ -94,10 +95,22 @@ impl Drop for PyHiCache {
 }
 
 impl PyHiCache {
-    /// Runs `f` on the cache under its guard.
+    /// Runs `f` over tokens borrowed from a caller's buffer under the cache's lock: at once
+    /// if the lock is free (read with the GIL held, no Python thread writes the buffer
+    /// meanwhile), else over a copy taken before the GIL is let go to wait for it.
     #[track_caller]
-    fn with<R>(&self, py: Python<'_>, f: impl FnOnce(&mut HiCache) -> PyResult<R>) -> PyResult<R> {
-        self.inner.get(f).py_err(py)?
+    fn run_tokens<R>(
+        &self,
+        py: Python<'_>,
+        t: Lookup<'_>,
+        f: impl Fn(&mut HiCache, Lookup<'_>) -> crate::Result<R>,
+    ) -> PyResult<R> {
+        let site = std::panic::Location::caller();
+        if let Some(r) = self.inner.try_run_at(site, |c| f(c, t)) {
+            return r.py_err(py);
+        }
+        let owned = t.copied();
+        self.inner.run_py(py, |c| f(c, owned.view()))
     }
 }
 
@@ -230,9 +243,11 @@ impl PyHiCache {
     ) -> PyResult<PyPrefixMatch> {
         let py = tokens.py();
         let ns = self::namespace(namespace)?;
-        self.with(py, |c| {
-            with_lookup(tokens, |t| {
-                let n = t.len();
+        // The tokens are borrowed (or converted) before the lock: their conversion may run
+        // Python code, which never runs under a core lock.
+        with_lookup(tokens, |t| {
+            let n = t.len();
+            self.run_tokens(py, t, |c, t| {
                 let mut m = match t {
                     Lookup::U32(t) => c.match_prefix(ns, t),
                     // Read only as far as the match goes: a bad id after it is refused by
@@ -240,7 +255,7 @@ impl PyHiCache {
                     Lookup::I64(t) => c.match_prefix(ns, t),
                 };
                 if lock || alloc {
-                    c.lock(m.device_node).py_err(py)?;
+                    c.lock(m.device_node)?;
                 }
                 let n_device = m.device_pages.len();
                 if alloc {
@@ -249,8 +264,8 @@ impl PyHiCache {
                     if let Err(e) =
                         c.alloc_device_into(n / ps - m.device_len / ps, &mut m.device_pages)
                     {
-                        c.unlock(m.device_node).py_err(py)?;
-                        return Err(to_py(py, e));
+                        c.unlock(m.device_node)?;
+                        return Err(e);
                     }
                 }
                 Ok(PyPrefixMatch::new(m, n_device, alloc, c.device_stamp()))
@@ -287,15 +302,28 @@ impl PyHiCache {
         };
         let ns = self::namespace(namespace)?;
         let unlock = unlock.map(node).transpose()?;
-        self.with(py, |c| {
-            let r = with_lookup(tokens, |t| match t {
-                Lookup::U32(t) => c.insert_stamped(ns, t, pages, stamp, lock).py_err(py),
-                Lookup::I64(t) => c.insert_stamped(ns, t, pages, stamp, lock).py_err(py),
-            })?;
-            if let Some(u) = unlock {
-                c.unlock(u).py_err(py)?;
-            }
-            Ok(PyPrefixInsert::new(&r))
+        with_lookup(tokens, |t| {
+            self.run_tokens(py, t, |c, t| {
+                // The match's lock goes first, so that a stale or unlocked node is refused
+                // before the insert changes anything; an insert that fails takes it again.
+                // Nothing evicts in between: the insert allocates no page.
+                if let Some(u) = unlock {
+                    c.unlock(u)?;
+                }
+                let r = match t {
+                    Lookup::U32(t) => c.insert_stamped(ns, t, pages, stamp, lock),
+                    Lookup::I64(t) => c.insert_stamped(ns, t, pages, stamp, lock),
+                };
+                match r {
+                    Ok(r) => Ok(PyPrefixInsert::new(&r)),
+                    Err(e) => {
+                        if let Some(u) = unlock {
+                            c.lock(u)?;
+                        }
+                        Err(e)
+                    }
+                }
+            })
         })
     }
 
@@ -305,35 +333,33 @@ impl PyHiCache {
         let v = int(n, "n")?;
         let n =
             usize::try_from(v).map_err(|_| to_py(py, Error::config("n", v, "an integer >= 0")))?;
-        let pages = self.inner.run(|c| c.alloc_device(n)).py_err(py)?;
+        let pages = self.inner.run_py(py, |c| c.alloc_device(n))?;
         Ok(page_array(py, &pages))
     }
 
     /// Returns pages from `alloc_device` that were not inserted.
     fn free_device(&self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
         let p: Vec<PageId> = page_ids(pages, "pages")?;
-        self.inner.run(|c| c.free_device(&p)).py_err(pages.py())
+        self.inner.run_py(pages.py(), |c| c.free_device(&p))
     }
 
     /// Removes a namespace (a retired model version) and frees its pages on both tiers;
     /// returns how many. Refused (ConfigError) while a node of it is locked or in flight.
     fn drop_namespace(&self, namespace: &Bound<'_, PyAny>) -> PyResult<usize> {
         let ns = self::namespace(Some(namespace))?;
-        self.inner
-            .run(|c| c.drop_namespace(ns))
-            .py_err(namespace.py())
+        self.inner.run_py(namespace.py(), |c| c.drop_namespace(ns))
     }
 
     /// Locks the path from the root to `node`: none of it is evicted until `unlock`.
     fn lock(&self, node: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::node(node)?;
-        self.inner.run(|c| c.lock(id)).py_err(node.py())
+        self.inner.run_py(node.py(), |c| c.lock(id))
     }
 
     /// Undoes one `lock`.
     fn unlock(&self, node: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::node(node)?;
-        self.inner.run(|c| c.unlock(id)).py_err(node.py())
+        self.inner.run_py(node.py(), |c| c.unlock(id))
     }
 
     /// Device pages of the path to `node`.
@@ -344,8 +370,7 @@ impl PyHiCache {
         let id = self::node(node)?;
         let p = self
             .inner
-            .run(|c| c.tree().path_device_pages(id))
-            .py_err(node.py())?;
+            .run_py(node.py(), |c| c.tree().path_device_pages(id))?;
         Ok(page_array(node.py(), &p))
     }
 
@@ -353,19 +378,17 @@ impl PyHiCache {
     /// `OutOfPagesError`, as a full device would.
     #[pyo3(signature = (count=1))]
     fn inject_alloc_failures(&self, py: Python<'_>, count: u32) -> PyResult<()> {
-        self.inner
-            .get(|c| c.inject_alloc_failures(count))
-            .py_err(py)
+        self.inner.get_py(py, |c| c.inject_alloc_failures(count))
     }
 
     /// Evicts at least `n` device pages (LRU leaves; backed-up nodes keep their host copy).
     fn evict_device(&self, py: Python<'_>, n: usize) -> PyResult<usize> {
-        self.inner.get(|c| c.evict_device(n)).py_err(py)
+        self.inner.get_py(py, |c| c.evict_device(n))
     }
 
     /// Evicts at least `n` host pages of nodes no longer on the device and not locked.
     fn evict_host(&self, py: Python<'_>, n: usize) -> PyResult<usize> {
-        self.inner.run(|c| c.evict_host(n)).py_err(py)
+        self.inner.run_py(py, |c| c.evict_host(n))
     }
 
     /// Queues a restore of the host part of the prefix ending at `node` into fresh device pages
@@ -374,7 +397,7 @@ impl PyHiCache {
     fn load_back<'py>(&self, node: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let py = node.py();
         let id = self::node(node)?;
-        let Some(lb) = self.inner.run(|c| c.load_back(id)).py_err(py)? else {
+        let Some(lb) = self.inner.run_py(py, |c| c.load_back(id))? else {
             return Ok(None);
         };
         let d = PyDict::new(py);
@@ -390,12 +413,12 @@ impl PyHiCache {
         if let Some(e) = &self.engine {
             e.get().follow_torch_stream(py)?; // copies follow torch's queued writes
         }
-        self.inner.run(|c| c.flush()).py_err(py)
+        self.inner.run_py(py, |c| c.flush())
     }
 
     /// Settles finished transfers; returns how many.
     fn poll(&self, py: Python<'_>) -> PyResult<usize> {
-        self.inner.run(|c| c.poll()).py_err(py)
+        self.inner.run_py(py, |c| c.poll())
     }
 
     /// Waits (GIL released) until every submitted transfer has finished, and settles them.
@@ -428,17 +451,8 @@ impl PyHiCache {
                 to_py(py, Error::out_of_range("layer", l, 0, i128::from(u32::MAX)))
             })?),
         };
-        let t = match timeout {
-            Some(s) if s.is_finite() && s >= 0.0 => Some(Duration::from_secs_f64(s)),
-            Some(s) => {
-                return Err(to_py(
-                    py,
-                    Error::config("timeout", s, "None or seconds >= 0"),
-                ))
-            }
-            None => None,
-        };
-        let Some(ev) = self.inner.get(|c| c.events(id)).py_err(py)? else {
+        let t = crate::py::args::timeout("timeout", timeout).py_err(py)?;
+        let Some(ev) = self.inner.get_py(py, |c| c.events(id))? else {
             return Ok(());
         };
         py.detach(|| match layer {
@@ -450,7 +464,7 @@ impl PyHiCache {
 
     /// Counts: pages per tier, tree size, transfers in flight, and cumulative totals.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.with(py, |c| hicache_stats_dict(py, c))
+        self.inner.get_py(py, |c| hicache_stats(c))?.to_dict(py)
     }
 
     /// Puts an L3 tier under the host tier (see `sparsetier.l3`): the core plans writes
@@ -481,9 +495,9 @@ impl PyHiCache {
         if remember == 0 {
             return Err(to_py(py, Error::config("remember", 0, ">= 1 keys")));
         }
-        self.inner
-            .run(|c| c.enable_storage(policy, salt.to_owned(), remember, write_ahead))
-            .py_err(py)
+        self.inner.run_py(py, |c| {
+            c.enable_storage(policy, salt.to_owned(), remember, write_ahead)
+        })
     }
 
     /// The store keys (32 hex digits) of the whole pages of `tokens`.
@@ -495,33 +509,36 @@ impl PyHiCache {
     ) -> PyResult<Vec<String>> {
         let py = tokens.py();
         let ns = self::namespace(namespace)?;
-        let keys = self.with(py, |c| {
-            with_tokens(tokens, |t| c.storage_keys(ns, t).py_err(py))
+        let keys = with_tokens(tokens, |t| {
+            self.run_tokens(py, Lookup::U32(t), |c, t| match t {
+                Lookup::U32(t) => c.storage_keys(ns, t),
+                Lookup::I64(_) => unreachable!("passed as u32"),
+            })
         })?;
         Ok(keys.iter().map(ToString::to_string).collect())
     }
 
     /// What this cache knows of each key: "unknown", "stored", "writing" or "prefetching".
     fn storage_states(&self, py: Python<'_>, keys: Vec<String>) -> PyResult<Vec<&'static str>> {
-        self.with(py, |c| storage_states_of(py, c, &keys))
+        self.inner.run_py(py, |c| storage_states_of(c, &keys))
     }
 
     /// Turns the store on or off (off: unreachable; no new plans, write-back evicts without
     /// writing).
     fn set_storage_online(&self, py: Python<'_>, online: bool) -> PyResult<()> {
-        self.inner.run(|c| c.set_storage_online(online)).py_err(py)
+        self.inner.run_py(py, |c| c.set_storage_online(online))
     }
 
     /// Write-back ahead of need: while fewer than `write_ahead` of the host pages are free,
     /// plans writes for the least recently used host pages the store lacks. Returns the pages
     /// planned.
     fn storage_write_ahead(&self, py: Python<'_>) -> PyResult<usize> {
-        self.inner.run(|c| c.storage_write_ahead()).py_err(py)
+        self.inner.run_py(py, |c| c.storage_write_ahead())
     }
 
     /// Write plans queued since the last call: `(id, keys, host_pages)` each.
     fn take_storage_writes<'py>(&self, py: Python<'py>) -> PyResult<Vec<PlanTuple<'py>>> {
-        let plans = self.inner.run(|c| c.take_storage_writes()).py_err(py)?;
+        let plans = self.inner.run_py(py, |c| c.take_storage_writes())?;
         Ok(plans
             .into_iter()
             .map(|p| {
@@ -534,8 +551,7 @@ impl PyHiCache {
     /// Ends write `plan_id`: `ok[i]` says whether its page i was stored.
     fn storage_write_done(&self, py: Python<'_>, plan_id: u64, ok: Vec<bool>) -> PyResult<()> {
         self.inner
-            .run(|c| c.storage_write_done(plan_id, &ok))
-            .py_err(py)
+            .run_py(py, |c| c.storage_write_done(plan_id, &ok))
     }
 
     /// Plans a prefetch of pages `start_page..start_page + n_pages` of `tokens` from the store
@@ -550,9 +566,10 @@ impl PyHiCache {
     ) -> PyResult<Option<PlanTuple<'py>>> {
         let py = tokens.py();
         let ns = self::namespace(namespace)?;
-        let plan = self.with(py, |c| {
-            with_tokens(tokens, |t| {
-                c.plan_prefetch(ns, t, start_page, n_pages).py_err(py)
+        let plan = with_tokens(tokens, |t| {
+            self.run_tokens(py, Lookup::U32(t), |c, t| match t {
+                Lookup::U32(t) => c.plan_prefetch(ns, t, start_page, n_pages),
+                Lookup::I64(_) => unreachable!("passed as u32"),
             })
         })?;
         Ok(plan.map(|p| {
@@ -565,30 +582,31 @@ impl PyHiCache {
     /// copies; returns how many the tree took. Once per prefetch, before `prefetch_end`.
     fn prefetch_commit(&self, py: Python<'_>, plan_id: u64, arrived: usize) -> PyResult<usize> {
         self.inner
-            .run(|c| c.prefetch_commit(plan_id, arrived))
-            .py_err(py)
+            .run_py(py, |c| c.prefetch_commit(plan_id, arrived))
     }
 
     /// Ends prefetch `plan_id` once no read writes its pages: frees what was not committed.
     fn prefetch_end(&self, py: Python<'_>, plan_id: u64) -> PyResult<()> {
-        self.inner.run(|c| c.prefetch_end(plan_id)).py_err(py)
+        self.inner.run_py(py, |c| c.prefetch_end(plan_id))
     }
 
     /// Byte ranges `(address, length)` of host page `page` in every pool, in store order.
     fn host_segments(&self, py: Python<'_>, page: u32) -> PyResult<Vec<(u64, u64)>> {
         self.inner
-            .run(|c| c.host_segments(PageId::new(page)))
-            .py_err(py)
+            .run_py(py, |c| c.host_segments(PageId::new(page)))
     }
 
     /// The L3 tier's state and counters, or None without one.
     fn storage_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        self.with(py, |c| storage_stats_dict(py, c))
+        match self.inner.get_py(py, |c| storage_stats(c))? {
+            Some(s) => Ok(Some(s.to_dict(py)?)),
+            None => Ok(None),
+        }
     }
 
     /// Raises InvariantError if the tree or page conservation is broken.
     fn validate(&self, py: Python<'_>) -> PyResult<()> {
-        self.inner.get(|c| c.validate()).py_err(py)?.map_err(|why| {
+        self.inner.get_py(py, |c| c.validate())?.map_err(|why| {
             crate::py::error::typed_error(py, "InvariantError", why, &PyDict::new(py))
         })
     }
@@ -617,29 +635,29 @@ pub fn _bench_serve(
 }
 
 /// Counts of a cache (`HiCache.stats`).
-fn hicache_stats_dict<'py>(py: Python<'py>, c: &HiCache) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
+fn hicache_stats(c: &HiCache) -> Stats {
+    let mut d = Stats::default();
     let (hf, hc) = c.host_free_capacity();
-    d.set_item("device_capacity", c.device_capacity())?;
-    d.set_item("device_free", c.device_free())?;
-    d.set_item("device_in_tree", c.tree().device_pages())?;
-    d.set_item("device_outstanding", c.outstanding())?;
+    d.put("device_capacity", c.device_capacity());
+    d.put("device_free", c.device_free());
+    d.put("device_in_tree", c.tree().device_pages());
+    d.put("device_outstanding", c.outstanding());
     // Leaves evictable right now (a lower bound of what one eviction call frees), and every
     // unlocked device page (SGLang's evictable_size: what admission should count).
-    d.set_item("device_evictable_now", c.evictable_device_pages())?;
-    d.set_item(
+    d.put("device_evictable_now", c.evictable_device_pages());
+    d.put(
         "device_evictable_total",
         c.tree().evictable_device_pages_total(),
-    )?;
-    d.set_item("host_capacity", hc)?;
-    d.set_item("host_free", hf)?;
-    d.set_item("host_in_tree", c.tree().host_pages())?;
-    d.set_item("nodes", c.tree().node_count())?;
-    d.set_item("in_flight", c.in_flight())?;
+    );
+    d.put("host_capacity", hc);
+    d.put("host_free", hf);
+    d.put("host_in_tree", c.tree().host_pages());
+    d.put("nodes", c.tree().node_count());
+    d.put("in_flight", c.in_flight());
     let t = c.totals();
-    let totals = PyDict::new(py);
+    let mut totals = Stats::default();
     macro_rules! put {
-        ($($f:ident),*) => { $( totals.set_item(stringify!($f), t.$f)?; )* };
+        ($($f:ident),*) => { $( totals.put(stringify!($f), t.$f); )* };
     }
     put!(
         matches,
@@ -654,26 +672,19 @@ fn hicache_stats_dict<'py>(py: Python<'py>, c: &HiCache) -> PyResult<Bound<'py, 
         device_evicted,
         host_evicted
     );
-    d.set_item("totals", totals)?;
-    Ok(d)
+    d.put("totals", totals);
+    d
 }
 
 /// What `c` knows of each of `keys` (`HiCache.storage_states`).
-fn storage_states_of(py: Python<'_>, c: &HiCache, keys: &[String]) -> PyResult<Vec<&'static str>> {
-    let t = c.storage().ok_or_else(|| {
-        to_py(
-            py,
-            Error::config("storage_backend", "None", "a HiCache with an L3 tier"),
-        )
-    })?;
+fn storage_states_of(c: &HiCache, keys: &[String]) -> crate::Result<Vec<&'static str>> {
+    let t = c
+        .storage()
+        .ok_or_else(|| Error::config("storage_backend", "None", "a HiCache with an L3 tier"))?;
     keys.iter()
         .map(|k| {
-            let key = parse_key(k).ok_or_else(|| {
-                to_py(
-                    py,
-                    Error::config("keys", k, "32 hex digits (from storage_keys)"),
-                )
-            })?;
+            let key = parse_key(k)
+                .ok_or_else(|| Error::config("keys", k, "32 hex digits (from storage_keys)"))?;
             Ok(match t.state(&key) {
                 L3State::Unknown => "unknown",
                 L3State::Stored => "stored",
@@ -685,25 +696,23 @@ fn storage_states_of(py: Python<'_>, c: &HiCache, keys: &[String]) -> PyResult<V
 }
 
 /// The L3 tier's state and counters (`HiCache.storage_stats`).
-fn storage_stats_dict<'py>(py: Python<'py>, c: &HiCache) -> PyResult<Option<Bound<'py, PyDict>>> {
-    let Some(s) = c.storage() else {
-        return Ok(None);
-    };
-    let d = PyDict::new(py);
-    d.set_item("online", s.online())?;
-    d.set_item(
+fn storage_stats(c: &HiCache) -> Option<Stats> {
+    let s = c.storage()?;
+    let mut d = Stats::default();
+    d.put("online", s.online());
+    d.put(
         "write_policy",
         match s.policy() {
             WritePolicy::WriteBack => "write_back",
             WritePolicy::WriteThrough => "write_through",
         },
-    )?;
-    d.set_item("writes_in_flight", s.writes_in_flight())?;
-    d.set_item("prefetches_in_flight", s.prefetches_in_flight())?;
-    d.set_item("stored_known", s.stored_len())?;
+    );
+    d.put("writes_in_flight", s.writes_in_flight());
+    d.put("prefetches_in_flight", s.prefetches_in_flight());
+    d.put("stored_known", s.stored_len());
     let t = s.totals();
     macro_rules! put {
-        ($($f:ident),*) => { $( d.set_item(stringify!($f), t.$f)?; )* };
+        ($($f:ident),*) => { $( d.put(stringify!($f), t.$f); )* };
     }
     put!(
         writes_planned,
@@ -716,5 +725,5 @@ fn storage_stats_dict<'py>(py: Python<'py>, c: &HiCache) -> PyResult<Option<Boun
         prefetch_spare,
         offline_events
     );
-    Ok(Some(d))
+    Some(d)
 }

@@ -16,6 +16,8 @@ use crate::ids::{LayerPlanId, RequestId, SlotId};
 use crate::py::args::{int, int64_array, opt_int};
 use crate::py::directory::{stats_dict, PyResidencyDirectory};
 use crate::py::error::{to_py, typed_error, IntoPyResult};
+use crate::py::lock::Unblocked;
+use crate::py::stats::Stats;
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::PoolPair;
 use crate::scheduler::{
@@ -121,8 +123,10 @@ enum Rows2<'py> {
 }
 
 impl<'py> Rows2<'py> {
-    /// The array, if it is a 2-D int64 or int32 numpy array.
+    /// The array, if it is a 2-D int64 or int32 numpy array, in C order (a copy of one in
+    /// any other order: a row is read as a row).
     fn extract(obj: &Bound<'py, PyAny>) -> Option<Self> {
+        let obj = crate::py::args::c_order(obj).ok()?;
         if let Ok(a) = obj.extract() {
             return Some(Rows2::I64(a));
         }
@@ -136,11 +140,12 @@ impl<'py> Rows2<'py> {
         }
     }
 
-    /// Its entries, if it is C-contiguous.
+    /// Its entries, if it is C-contiguous (a Fortran-ordered array's memory is not its rows).
     fn as_slice(&self) -> Option<Entries<'_>> {
         match self {
-            Rows2::I64(a) => a.as_slice().ok().map(Entries::I64),
-            Rows2::I32(a) => a.as_slice().ok().map(Entries::I32),
+            Rows2::I64(a) if a.is_c_contiguous() => a.as_slice().ok().map(Entries::I64),
+            Rows2::I32(a) if a.is_c_contiguous() => a.as_slice().ok().map(Entries::I32),
+            _ => None,
         }
     }
 }
@@ -478,13 +483,10 @@ impl PyStepScheduler {
         rid: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         let id = self::rid(rid)?;
-        let pages = self
-            .inner
-            .run(|s| {
-                let pages = s.indexer_pages(id)?;
-                Ok(pages.iter().map(|&p| i64::from(p)).collect::<Vec<_>>())
-            })
-            .py_err(py)?;
+        let pages = self.inner.run_py(py, |s| {
+            let pages = s.indexer_pages(id)?;
+            Ok(pages.iter().map(|&p| i64::from(p)).collect::<Vec<_>>())
+        })?;
         Ok(PyArray1::from_vec(py, pages))
     }
 
@@ -507,13 +509,16 @@ impl PyStepScheduler {
     ) -> PyResult<(usize, usize)> {
         let d = u32_arg(py, device, "device", 0)? as usize;
         let h = u32_arg(py, host, "host", 0)? as usize;
-        self.inner.run(|s| s.evict_prefix(d, h)).py_err(py)
+        self.inner.run_py(py, |s| s.evict_prefix(d, h))
     }
 
     /// Joined mode: prefix-tier counters (hits, bytes restored and loaded against a full
     /// restore) and the prefix cache's page counts; None for a plain scheduler.
     fn prefix_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        self.with(py, |s| prefix_stats_dict(py, s))
+        match self.inner.get_py(py, |s| prefix_stats(s))? {
+            Some(d) => Ok(Some(d.to_dict(py)?)),
+            None => Ok(None),
+        }
     }
 
     /// Plans whose entries are at most a page (block = page, token mode) keep each row's
@@ -523,12 +528,12 @@ impl PyStepScheduler {
     /// back and resolves every selected page each step.
     #[getter]
     fn keep_selections(&self, py: Python<'_>) -> PyResult<bool> {
-        self.inner.get(|s| s.keeps_selections()).py_err(py)
+        self.inner.get_py(py, |s| s.keeps_selections())
     }
 
     #[setter]
     fn set_keep_selections(&self, py: Python<'_>, on: bool) -> PyResult<()> {
-        self.inner.run(|s| s.set_keep_selections(on)).py_err(py)
+        self.inner.run_py(py, |s| s.set_keep_selections(on))
     }
 
     /// Model layers.
@@ -565,7 +570,7 @@ impl PyStepScheduler {
     /// The residency directory, shared (read its stats; the scheduler makes the transitions).
     #[getter]
     fn directory(&self, py: Python<'_>) -> PyResult<PyResidencyDirectory> {
-        let d = self.inner.get(|s| s.directory().clone()).py_err(py)?;
+        let d = self.inner.get_py(py, |s| s.directory().clone())?;
         Ok(PyResidencyDirectory::shared(d))
     }
 
@@ -594,7 +599,7 @@ impl PyStepScheduler {
         let ns = int(namespace, "namespace")?;
         let ns = u64::try_from(ns)
             .map_err(|_| to_py(py, Error::config("namespace", ns, "a stored prompt")))?;
-        self.inner.run(|s| s.drop_prompt(ns)).py_err(py)
+        self.inner.run_py(py, |s| s.drop_prompt(ns))
     }
 
     /// Admits a request of `tokens` prefilled tokens, optionally over `prefix = (namespace,
@@ -666,20 +671,17 @@ impl PyStepScheduler {
         self.follow(py)?;
         let id = self::rid(rid)?;
         let Some(tokens) = tokens else {
-            return self.inner.run(|s| s.finish_request(id)).py_err(py);
+            return self.inner.run_py(py, |s| s.finish_request(id));
         };
         let toks = token_ids(tokens)?;
-        self.inner
-            .run(|s| s.end_request(id, Some(&toks)))
-            .py_err(py)
+        self.inner.run_py(py, |s| s.end_request(id, Some(&toks)))
     }
 
     /// Tokens written for request `rid`.
     fn request_len(&self, py: Python<'_>, rid: &Bound<'_, PyAny>) -> PyResult<u64> {
         let id = self::rid(rid)?;
         self.inner
-            .get(|s| s.request(id).map(|r| r.len))
-            .py_err(py)?
+            .get_py(py, |s| s.request(id).map(|r| r.len))?
             .ok_or_else(|| to_py(py, Error::config("rid", id, "a running request")))
     }
 
@@ -761,7 +763,7 @@ impl PyStepScheduler {
         let counts: Option<PyReadonlyArray2<'py, i32>> = match counts {
             None => None,
             Some(c) if c.is_none() => None,
-            Some(c) => Some(c.extract().map_err(|_| {
+            Some(c) => Some(crate::py::args::c_order(c)?.extract().map_err(|_| {
                 to_py(
                     py,
                     Error::config(
@@ -786,12 +788,20 @@ impl PyStepScheduler {
                         ),
                     ));
                 }
-                let c = c.as_slice().map_err(|_| {
-                    to_py(
-                        py,
-                        Error::config("counts", "a non-contiguous array", "a C-contiguous array"),
-                    )
-                })?;
+                let c = c
+                    .as_slice()
+                    .ok()
+                    .filter(|_| c.is_c_contiguous())
+                    .ok_or_else(|| {
+                        to_py(
+                            py,
+                            Error::config(
+                                "counts",
+                                "a non-contiguous array",
+                                "a C-contiguous array",
+                            ),
+                        )
+                    })?;
                 let w = k.max(1);
                 Some(counts_u32(py, c, ps, |j| {
                     format!("counts[{}][{}]", j / w, j % w)
@@ -942,7 +952,7 @@ impl PyStepScheduler {
         plan: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let id = plan_id(plan)?;
-        let c = self.inner.run(|s| s.finish(id)).py_err(py)?;
+        let c = self.inner.run_py(py, |s| s.finish(id))?;
         self.tables.lock().remove(&id.raw());
         counts_dict(py, &c)
     }
@@ -957,7 +967,7 @@ impl PyStepScheduler {
 
     /// Cumulative record: every finished step, plus what happened since the last one.
     fn totals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let r = self.inner.get(|s| s.totals()).py_err(py)?;
+        let r = self.inner.get_py(py, |s| s.totals())?;
         record_dict(py, &r)
     }
 
@@ -1001,7 +1011,7 @@ impl PyStepScheduler {
             "backup" => Direction::Backup,
             "restore" => Direction::Load,
             "internal" if count == 1 && layer.is_none() && delay.is_none() && !panic => {
-                return self.inner.get(|s| s.inject_internal_fault()).py_err(py);
+                return self.inner.get_py(py, |s| s.inject_internal_fault());
             }
             "internal" => {
                 return Err(to_py(
@@ -1060,8 +1070,7 @@ impl PyStepScheduler {
                     ),
                 ))
             }
-            Some(d) if d.is_finite() && d >= 0.0 => Some(std::time::Duration::from_secs_f64(d)),
-            Some(d) => return Err(to_py(py, Error::config("delay", d, "None or seconds >= 0"))),
+            Some(d) => Some(crate::py::args::delay("delay", d).py_err(py)?),
         };
         if kind == "restore" {
             if layer.is_some() || delay.is_some() {
@@ -1074,29 +1083,28 @@ impl PyStepScheduler {
                     ),
                 ));
             }
-            return self
-                .inner
-                .get(|s| s.inject_restore_faults(count))
-                .py_err(py);
+            return self.inner.get_py(py, |s| s.inject_restore_faults(count));
         }
-        self.inner
-            .get(|s| match panic {
-                true => s.inject_panics(direction, count, layer),
-                false => s.inject_faults(direction, count, layer, delay),
-            })
-            .py_err(py)
+        self.inner.get_py(py, |s| match panic {
+            true => s.inject_panics(direction, count, layer),
+            false => s.inject_faults(direction, count, layer, delay),
+        })
     }
 
     /// Directory counts now (objects, pins, slots, ...), with cumulative totals.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        self.with(py, |s| scheduler_stats_dict(py, s))
+        let (dir, own) = self.inner.get_py(py, |s| scheduler_stats(s))?;
+        let d = stats_dict(py, &dir)?;
+        for (k, v) in own.to_dict(py)?.iter() {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
     }
 
     /// Raises InvariantError if any invariant of the scheduler or its directory is broken.
     fn validate(&self, py: Python<'_>) -> PyResult<()> {
         self.inner
-            .get(|s| s.validate())
-            .py_err(py)?
+            .get_py(py, |s| s.validate())?
             .map_err(|why| typed_error(py, "InvariantError", why, &PyDict::new(py)))
     }
 }
@@ -1122,16 +1130,6 @@ impl PyStepScheduler {
             sidecars,
             tables: Mutex::default(),
         }
-    }
-
-    /// Runs `f` on the core under its guard, for calls that build Python objects from it.
-    #[track_caller]
-    fn with<R>(
-        &self,
-        py: Python<'_>,
-        f: impl FnOnce(&mut StepScheduler) -> PyResult<R>,
-    ) -> PyResult<R> {
-        self.inner.get(f).py_err(py)?
     }
 
     /// A layer index, checked against the scheduler's layers.
@@ -1208,54 +1206,50 @@ impl Drop for PyStepScheduler {
     }
 }
 
-/// Joined mode's prefix counters and page counts (`prefix_stats`); None for a plain scheduler.
-fn prefix_stats_dict<'py>(
-    py: Python<'py>,
-    s: &StepScheduler,
-) -> PyResult<Option<Bound<'py, PyDict>>> {
-    let (Some(t), Some(p)) = (s.prefix_totals(), s.prefix_tier()) else {
-        return Ok(None);
-    };
-    let d = PyDict::new(py);
-    d.set_item("requests", t.requests)?;
-    d.set_item("hits", t.hits)?;
-    d.set_item("device_hit_tokens", t.device_hit_tokens)?;
-    d.set_item("host_hit_tokens", t.host_hit_tokens)?;
-    d.set_item("indexer_bytes_restored", t.sidecar_bytes_restored)?;
-    d.set_item("prefix_kv_bytes_loaded", t.prefix_kv_bytes_loaded)?;
-    d.set_item("prefix_kv_bytes_first", t.prefix_kv_bytes_first)?;
-    d.set_item("device_part_kv_bytes_loaded", t.device_part_kv_bytes_loaded)?;
-    d.set_item("full_restore_bytes", t.full_restore_bytes)?;
-    d.set_item("restores_refused", t.restores_refused)?;
-    d.set_item("restores_failed", t.restores_failed)?;
-    d.set_item("pages_inserted", t.pages_inserted)?;
-    d.set_item("writes_failed", t.writes_failed)?;
+/// Joined mode's prefix-tier counters and the prefix cache's page counts (`prefix_stats`),
+/// read under the lock.
+fn prefix_stats(s: &StepScheduler) -> Option<Stats> {
+    let (t, p) = (s.prefix_totals()?, s.prefix_tier()?);
+    let mut d = Stats::default();
+    d.put("requests", t.requests);
+    d.put("hits", t.hits);
+    d.put("device_hit_tokens", t.device_hit_tokens);
+    d.put("host_hit_tokens", t.host_hit_tokens);
+    d.put("indexer_bytes_restored", t.sidecar_bytes_restored);
+    d.put("prefix_kv_bytes_loaded", t.prefix_kv_bytes_loaded);
+    d.put("prefix_kv_bytes_first", t.prefix_kv_bytes_first);
+    d.put("device_part_kv_bytes_loaded", t.device_part_kv_bytes_loaded);
+    d.put("full_restore_bytes", t.full_restore_bytes);
+    d.put("restores_refused", t.restores_refused);
+    d.put("restores_failed", t.restores_failed);
+    d.put("pages_inserted", t.pages_inserted);
+    d.put("writes_failed", t.writes_failed);
     let c = p.cache();
     let (hf, hc) = c.host_free_capacity();
-    d.set_item("device_free", c.device_free())?;
-    d.set_item("device_capacity", c.device_capacity())?;
-    d.set_item("host_free", hf)?;
-    d.set_item("host_capacity", hc)?;
-    d.set_item("tree_nodes", c.tree().node_count())?;
-    d.set_item("finishing", s.finishing())?;
-    Ok(Some(d))
+    d.put("device_free", c.device_free());
+    d.put("device_capacity", c.device_capacity());
+    d.put("host_free", hf);
+    d.put("host_capacity", hc);
+    d.put("tree_nodes", c.tree().node_count());
+    d.put("finishing", s.finishing());
+    Some(d)
 }
 
-/// The directory's counts with the scheduler's own (`stats`).
-fn scheduler_stats_dict<'py>(py: Python<'py>, s: &StepScheduler) -> PyResult<Bound<'py, PyDict>> {
-    let d = stats_dict(py, &s.directory().stats())?;
+/// The directory's counts and the scheduler's own (`stats`), read under the lock.
+fn scheduler_stats(s: &StepScheduler) -> (crate::directory::DirectoryStats, Stats) {
+    let mut d = Stats::default();
     let (loads, backups) = s.in_flight();
     let (plans, prefetches) = s.outstanding();
     let (fl, fb, fr) = s.armed_faults();
-    d.set_item("faults_armed_loads", fl)?;
-    d.set_item("faults_armed_backups", fb)?;
-    d.set_item("faults_armed_restores", fr)?;
-    d.set_item("copy_panics_injected", s.copy_panics_injected())?;
-    d.set_item("loads_in_flight", loads)?;
-    d.set_item("backups_in_flight", backups)?;
-    d.set_item("plans_outstanding", plans)?;
-    d.set_item("prefetches_outstanding", prefetches)?;
-    d.set_item("requests", s.requests().count())?;
-    d.set_item("kept_pins", s.kept_pins())?;
-    Ok(d)
+    d.put("faults_armed_loads", fl);
+    d.put("faults_armed_backups", fb);
+    d.put("faults_armed_restores", fr);
+    d.put("copy_panics_injected", s.copy_panics_injected());
+    d.put("loads_in_flight", loads);
+    d.put("backups_in_flight", backups);
+    d.put("plans_outstanding", plans);
+    d.put("prefetches_outstanding", prefetches);
+    d.put("requests", s.requests().count());
+    d.put("kept_pins", s.kept_pins());
+    (s.directory().stats(), d)
 }

@@ -22,6 +22,7 @@ thread_local! {
 }
 
 /// Tokens for a lookup: the tree's width, or int64 compared as is.
+#[derive(Clone, Copy)]
 pub enum Lookup<'a> {
     /// `u32` token ids.
     U32(&'a [u32]),
@@ -36,6 +37,32 @@ impl Lookup<'_> {
         match self {
             Lookup::U32(s) => s.len(),
             Lookup::I64(s) => s.len(),
+        }
+    }
+
+    /// A copy that outlives the borrowed buffer (to read after the GIL was let go).
+    pub fn copied(self) -> OwnedLookup {
+        match self {
+            Lookup::U32(s) => OwnedLookup::U32(s.to_vec()),
+            Lookup::I64(s) => OwnedLookup::I64(s.to_vec()),
+        }
+    }
+}
+
+/// Tokens copied out of a caller's buffer.
+pub enum OwnedLookup {
+    /// `u32` token ids.
+    U32(Vec<u32>),
+    /// `int64` values.
+    I64(Vec<i64>),
+}
+
+impl OwnedLookup {
+    /// The tokens, borrowed.
+    pub fn view(&self) -> Lookup<'_> {
+        match self {
+            OwnedLookup::U32(v) => Lookup::U32(v),
+            OwnedLookup::I64(v) => Lookup::I64(v),
         }
     }
 }
@@ -66,6 +93,17 @@ pub fn with_tokens<R>(
 ) -> PyResult<R> {
     let py = obj.py();
     if let Some(buf) = buffer(obj)? {
+        if is_raw_bytes(obj) && buf.item_size() == 1 && !buf.is_c_contiguous() {
+            // Read as they are, a strided view's bytes would be a token a byte.
+            return Err(to_py(
+                py,
+                Error::config(
+                    "tokens",
+                    "a strided memoryview of bytes",
+                    "contiguous bytes of little-endian uint32 token ids",
+                ),
+            ));
+        }
         if buf.dimensions() <= 1 && buf.is_c_contiguous() {
             if is_raw_bytes(obj) && buf.item_size() == 1 {
                 return narrow_le_bytes(py, &buf, f);
@@ -128,8 +166,22 @@ fn is_torch_tensor(obj: &Bound<'_, PyAny>) -> bool {
         .is_ok_and(|m| m.to_str().is_ok_and(|m| m == "torch"))
 }
 
-/// The buffer as a slice of `T`, when its format is `T`'s.
+/// Whether the buffer's values are in this machine's byte order. pyo3 0.30 takes a
+/// big-endian format (`>`) for native on a little-endian machine, so it is checked here:
+/// values in the other order go the slow way, which converts them by value.
+fn native_order(buf: &PyUntypedBuffer) -> bool {
+    match buf.format().to_bytes().first() {
+        Some(b'>' | b'!') => cfg!(target_endian = "big"),
+        Some(b'<') => cfg!(target_endian = "little"),
+        _ => true,
+    }
+}
+
+/// The buffer as a slice of `T`, when its format is `T`'s, in native byte order.
 fn typed<T: Element>(buf: &PyUntypedBuffer) -> Option<&[T]> {
+    if !native_order(buf) {
+        return None;
+    }
     let b = buf.as_typed::<T>().ok()?;
     let ptr = b.as_slice_ptr()?;
     // SAFETY: the buffer is C-contiguous and of `T`'s format and size (checked by `as_typed`

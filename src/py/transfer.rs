@@ -287,13 +287,9 @@ fn layer_arg(py: Python<'_>, ev: &TransferEvents, layer: Option<i64>) -> PyResul
 }
 
 fn timeout_arg(py: Python<'_>, t: Option<f64>) -> PyResult<Option<Duration>> {
-    match t {
-        None => Ok(None),
-        Some(s) if s.is_finite() && s >= 0.0 => Ok(Some(Duration::from_secs_f64(s))),
-        Some(s) => Err(to_py(
-            py,
-            Error::config("timeout", s, "None or seconds >= 0"),
-        )),
+    match crate::py::args::timeout("timeout", t) {
+        Ok(t) => Ok(t),
+        Err(e) => Err(to_py(py, e)),
     }
 }
 
@@ -577,7 +573,7 @@ impl PyTransferEngine {
             };
             let action = match (fail, delay, panic) {
                 (Some(reason), None, None) => FaultAction::Fail(reason),
-                (None, Some(s), None) if s.is_finite() && s >= 0.0 => {
+                (None, Some(s), None) if crate::py::args::delay("delay", s).is_ok() => {
                     FaultAction::Delay(Duration::from_secs_f64(s))
                 }
                 (None, None, Some(message)) => FaultAction::Panic(message),

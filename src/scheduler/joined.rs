@@ -214,15 +214,19 @@ impl StepScheduler {
         let ps = self.cfg.page_size as usize;
         let full = (r.len as usize / ps) as u32;
         if let Some(t) = tokens {
-            let m = r.matched as usize * ps;
-            if t.len() < full as usize * ps || t[..m] != r.tokens[..m] {
+            // Every prompt token the inserted pages hold is checked against the prompt the
+            // request was admitted with (a later request over other tokens must not read
+            // this one's KV); the generated ones the core never saw.
+            let whole = full as usize * ps;
+            let p = r.tokens.len().min(whole);
+            if t.len() < whole || t[..p] != r.tokens[..p] {
                 return Err(Error::config(
                     "tokens",
                     format!("{} tokens", t.len()),
                     format!(
-                        "the request's tokens: at least {} (its whole pages), starting with \
-                         the {m} it matched",
-                        full as usize * ps
+                        "the request's tokens: at least {whole} (its whole pages), starting \
+                         with the {} it was admitted with",
+                        r.tokens.len()
                     ),
                 ));
             }

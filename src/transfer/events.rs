@@ -166,7 +166,8 @@ impl TransferEvents {
         ready: impl Fn(&[LayerStatus]) -> Option<Result<()>>,
     ) -> Result<()> {
         let start = Instant::now();
-        let deadline = timeout.map(|t| start + t);
+        // A deadline past what the clock can hold is no deadline.
+        let deadline = timeout.and_then(|t| start.checked_add(t));
         // Most copies a step waits for are short: spin a few microseconds before parking, so
         // the wait does not pay a sleep and a wake-up (two context switches) for them.
         while start.elapsed() < timeout.map_or(SPIN, |t| t.min(SPIN)) {

@@ -1,0 +1,234 @@
+"""Misuse (issue 40): calls an engine author or an unlucky caller makes end in the right
+result or a typed error raised before any change, never a hang, a deadlock or a misread.
+
+Each test names the class of defect it covers.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+import pytest
+from scheduler_support import small_scheduler
+
+import sparsetier as st
+from sparsetier.errors import ConfigError, SparsetierError
+
+# How long a probe waits for another thread before it calls the wait a hang (not a timing
+# check: a working build answers at once; a deadlocked one never does).
+HANG = 20.0
+
+
+class BlockingTokens:
+    """Tokens whose conversion runs Python code that blocks until released: numpy calls
+    `__array__`, as it does for any object with one."""
+
+    def __init__(self, tokens) -> None:
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.released_in_time = None
+
+    def __array__(self, dtype=None, copy=None):
+        self.entered.set()
+        self.released_in_time = self.release.wait(HANG)
+        return self.tokens if dtype is None else self.tokens.astype(dtype)
+
+
+def converting_in_another_thread(call, tokens: BlockingTokens) -> threading.Thread:
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    assert tokens.entered.wait(HANG), "the conversion never started"
+    return t
+
+
+# ---- class 1: no core lock is waited on with the GIL held, no Python code runs under one ----
+
+
+@pytest.mark.parametrize("call", ["match_prefix", "insert"])
+def test_another_thread_is_served_while_tokens_convert(call):
+    c = st.HiCache(1, 64)
+    tokens = BlockingTokens(np.arange(1, 9))
+    calls = {
+        "match_prefix": lambda: c.match_prefix(tokens),
+        "insert": lambda: c.insert(tokens, c.alloc_device(8)),
+    }
+    t = converting_in_another_thread(calls[call], tokens)
+    # With the conversion under the cache's lock, these waited for it (and it for them).
+    c.stats()
+    c.match_prefix(np.arange(1, 4))
+    c.validate()
+    tokens.release.set()
+    t.join(HANG)
+    assert not t.is_alive()
+    assert tokens.released_in_time, "the other thread was blocked until the conversion ended"
+    c.validate()
+
+
+# ---- class 4: any float duration is valid up to forever, or refused; never a panic ----
+
+
+@pytest.mark.parametrize("timeout", [sys.maxsize, 1e20, float("inf")])
+def test_a_long_timeout_means_no_limit(timeout):
+    c = st.HiCache(1, 8)
+    c.wait(0, timeout=timeout)  # nothing in flight: returns
+    d = st.ResidencyDirectory(device_pages=4, host_pages=4, object_bytes=64)
+    with pytest.raises(st.UnknownTransferError):
+        d.wait(0, timeout=timeout)
+    d.validate()
+
+
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("-inf")])
+def test_a_bad_timeout_is_a_config_error(timeout):
+    with pytest.raises(ConfigError, match="timeout"):
+        st.HiCache(1, 8).wait(0, timeout=timeout)
+    with pytest.raises(ConfigError, match="timeout"):
+        st.ResidencyDirectory(device_pages=4, host_pages=4, object_bytes=64).wait(
+            0, timeout=timeout
+        )
+
+
+@pytest.mark.parametrize("delay", [1e20, float("inf"), float("nan"), -1.0])
+def test_an_impossible_fault_delay_is_refused_and_poisons_nothing(delay):
+    s = small_scheduler(4, 16, 64, 2, {1: 8})
+    with pytest.raises(ConfigError, match="delay"):
+        s.inject_faults("load", 1, delay=delay)
+    e = st.TransferEngine("cpu")
+    with pytest.raises(ConfigError):
+        e.inject_fault(0, delay=delay)
+    s.validate()
+    s.stats()  # still usable
+
+
+def test_errors_are_sparsetier_errors():
+    assert issubclass(ConfigError, SparsetierError)
+
+
+# ---- classes 5, 7, 11: every array argument is read by value (any strides, order, byte
+# order) or refused; never read in memory order, byte-swapped, or truncated ----
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32"])
+def test_a_fortran_ordered_selection_plans_the_rows_it_holds(dtype):
+    tables = []
+    for order in ("C", "F"):
+        s = small_scheduler(4, 16, 64, 1, {1: 12, 2: 12})
+        sel = np.array([[0, 2], [1, 2]], dtype=dtype, order=order)
+        counts = np.array([[4, 4], [4, 4]], dtype=np.int32, order=order)
+        _, table = s.plan(0, [1, 2], sel, 4, counts)
+        tables.append(table.tolist())
+        s.validate()
+    assert tables[0] == tables[1]
+    # The transpose (torch.topk(...).indices.T.numpy() is one) is read as its rows.
+    s = small_scheduler(4, 16, 64, 1, {1: 12, 2: 12})
+    _, table = s.plan(0, [1, 2], np.array([[0, 1], [2, 2]], dtype=dtype).T, 4)
+    assert table.tolist() == tables[0]
+
+
+@pytest.mark.parametrize("dtype", [">u4", ">i8", "<i8", ">i4", "<u2"])
+def test_tokens_in_any_byte_order_are_read_by_value(dtype):
+    c = st.HiCache(1, 64)
+    m = c.match_prefix(np.arange(1, 9), alloc=True)
+    c.insert(np.arange(1, 9), m)
+    assert c.match_prefix(np.arange(1, 9, dtype=dtype)).device_len == 8
+    c2 = st.HiCache(1, 64)
+    m = c2.match_prefix(np.arange(1, 9, dtype=dtype), alloc=True)
+    c2.insert(np.arange(1, 9, dtype=dtype), m)
+    assert c2.match_prefix(np.arange(1, 9)).device_len == 8
+    c.validate()
+    c2.validate()
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [[1.7, 2.0], np.array([1.5, 2.5]), [True, False], np.array([True]), ["1", "2"], [1, "a"]],
+)
+def test_tokens_that_are_not_integers_are_refused_before_any_change(tokens):
+    c = st.HiCache(1, 64)
+    pages = c.alloc_device(2)
+    before = c.stats()
+    with pytest.raises(ConfigError, match="tokens"):
+        c.match_prefix(tokens)
+    with pytest.raises(ConfigError, match="tokens"):
+        c.insert(tokens, pages)
+    assert c.stats() == before
+    c.free_device(pages)
+    c.validate()
+
+
+def test_a_strided_memoryview_of_bytes_is_refused_not_read_a_byte_a_token():
+    c = st.HiCache(1, 64)
+    raw = np.arange(1, 9, dtype="<u4").tobytes()
+    m = c.match_prefix(raw, alloc=True)
+    c.insert(raw, m)
+    assert c.match_prefix(memoryview(raw)).device_len == 8
+    with pytest.raises(ConfigError, match="strided"):
+        c.match_prefix(memoryview(raw)[::2])
+    c.validate()
+
+
+def test_ids_past_int64_are_refused_not_wrapped():
+    c = st.HiCache(1, 64)
+    with pytest.raises(ConfigError, match="pages"):
+        c.free_device(np.array([2**63], dtype=np.uint64))
+    with pytest.raises(ConfigError, match="pages"):
+        c.free_device([1.0])
+    c.validate()
+
+
+# ---- class 10: every argument is checked before anything changes ----
+
+
+def test_insert_with_a_stale_unlock_changes_nothing():
+    c = st.HiCache(1, 64)
+    m = c.match_prefix(np.arange(1, 5), alloc=True)
+    nodes = c.stats()["nodes"]
+    with pytest.raises((st.UnknownNodeError, st.NotLockedError)):
+        c.insert(np.arange(1, 5), m, lock=True, unlock=987654321)
+    assert c.stats()["nodes"] == nodes, "the insert took effect before the refusal"
+    r = c.insert(np.arange(1, 5), m, lock=True, unlock=m.device_node)
+    c.unlock(r.last_node)
+    c.validate()
+    assert c.evict_device(4) == 4, "nothing stays locked"
+
+
+# ---- class 9: a finished request inserts only the tokens it was admitted with ----
+
+
+def _joined():
+    import torch
+
+    ps, layers = 4, 2
+    kv = st.PoolSpec("KV", 1, 1, 8, "bf16", ps, 24)
+    kv_host = st.PoolSpec("KV", layers, 1, 8, "bf16", ps, 24)
+    ik = st.PoolSpec("INDEXER", layers, 1, 8, "bf16", ps, 24)
+    return st.StepScheduler.joined(
+        st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv),
+        st.PageTransferBinding(torch.zeros(kv_host.shape(), dtype=torch.bfloat16), kv_host),
+        st.TransferEngine("cpu"),
+        indexer_device=st.PageTransferBinding(torch.zeros(ik.shape(), dtype=torch.bfloat16), ik),
+        indexer_host=st.PageTransferBinding(
+            torch.zeros(ik.with_pages(24).shape(), dtype=torch.bfloat16), ik.with_pages(24)
+        ),
+    )
+
+
+def test_finishing_with_other_tokens_than_the_admitted_prompt_is_refused():
+    s = _joined()
+    prompt = np.arange(1, 11, dtype=np.int64)  # 10 tokens: two whole pages
+    s.admit(7, prompt)
+    s.extend(7, len(prompt))
+    s.end_step()
+    s.drain()
+    other = prompt.copy()
+    other[6] = 999  # inside the prompt's second page, past anything matched
+    with pytest.raises(ConfigError, match="admitted"):
+        s.finish_request(7, other)
+    s.finish_request(7, prompt)
+    s.flush_finished()
+    s.validate()
+    # The next request over the other tokens matches only the page it shares with the prompt.
+    assert s.admit(8, other)["matched_pages"] == 1
+    assert s.admit(9, prompt)["matched_pages"] == 2
