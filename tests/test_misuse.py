@@ -232,3 +232,90 @@ def test_finishing_with_other_tokens_than_the_admitted_prompt_is_refused():
     # The next request over the other tokens matches only the page it shares with the prompt.
     assert s.admit(8, other)["matched_pages"] == 1
     assert s.admit(9, prompt)["matched_pages"] == 2
+
+
+# ---- classes 2 and 8: an L3 store that fails as the OS fails, and objects out of place ----
+
+
+def _l3_stack(tmp_path):
+    from l3_support import stack
+
+    return stack("file", tmp_path)
+
+
+def test_a_page_whose_directory_cannot_be_made_is_a_counted_store_failure(tmp_path):
+    from l3_support import PS, insert, push_to_l3, restore, same, tokens
+
+    s = _l3_stack(tmp_path)
+    t = tokens(5 * PS, seed=11)
+    keys = s.hicache.storage_keys(t)
+    # A stray file where page 2's fan-out directory goes.
+    (tmp_path / keys[2][:2]).write_bytes(b"not a directory")
+    want = insert(s, t, "index")
+    push_to_l3(s)  # write-back: every page is offered to the store; one fails
+    s.storage.drain()  # ends
+    stats = s.hicache.storage_stats()
+    assert stats["write_failures"] >= 1
+    assert stats["online"], "one page failing is not the store going away"
+    assert stats["writes_in_flight"] == 0
+    assert s.storage.backend.write_errors >= 1
+    c = s.hicache.stats()
+    assert c["host_in_tree"] == 0, "no host page stays pinned by a lost write plan"
+    n, got = restore(s, t)
+    assert n == 2, "the pages before the one that could not be stored come back"
+    for comp in want:
+        assert same({comp: got[comp]}, {comp: want[comp][:, :, :2]})
+    s.hicache.validate()
+    s.storage.close()
+
+
+def test_a_store_root_replaced_by_a_file_goes_offline_and_comes_back(tmp_path):
+    from l3_support import PS, insert, push_to_l3, tokens
+
+    root = tmp_path / "store"
+    s = _l3_stack(root)
+    s.storage.retry_interval = 0.0
+    insert(s, tokens(2 * PS, seed=1), "random")
+    aside = tmp_path / "aside"
+    root.rename(aside)
+    root.write_bytes(b"a file where the store was")
+    insert(s, tokens(2 * PS, seed=2), "random")
+    push_to_l3(s)
+    s.storage.drain()
+    assert not s.hicache.storage_stats()["online"]
+    root.unlink()
+    aside.rename(root)
+    s.storage.poll()
+    assert s.hicache.storage_stats()["online"], "the store answers again"
+    s.hicache.validate()
+    s.storage.close()
+
+
+def test_a_store_root_under_a_regular_file_is_a_config_error(tmp_path):
+    from sparsetier.l3 import FileStore
+
+    (tmp_path / "f").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="root"):
+        FileStore(tmp_path / "f" / "store")
+
+
+def test_swapped_page_files_are_misses_not_each_others_data(tmp_path):
+    from l3_support import PS, insert, push_to_l3, restore, same, tokens
+
+    s = _l3_stack(tmp_path)
+    t = tokens(4 * PS, seed=3)
+    want = insert(s, t, "index")
+    push_to_l3(s)
+    keys = s.hicache.storage_keys(t)
+    a = tmp_path / keys[1][:2] / f"{keys[1]}.page"
+    b = tmp_path / keys[2][:2] / f"{keys[2]}.page"
+    raw_a, raw_b = a.read_bytes(), b.read_bytes()
+    a.write_bytes(raw_b)
+    b.write_bytes(raw_a)
+    n, got = restore(s, t)
+    assert n == 1, "page 1 holds page 2's object: a miss, and nothing after it"
+    for comp in want:
+        assert same({comp: got[comp]}, {comp: want[comp][:, :, :1]})
+    assert s.storage.backend.foreign == 2, "both swapped objects (one read chunk)"
+    s.hicache.validate()
+    s.storage.close()

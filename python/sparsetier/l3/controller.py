@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sparsetier._core import HiCache
-from sparsetier.errors import ConfigError, StoreUnavailableError
+from sparsetier.errors import ConfigError, InvariantError, StoreUnavailableError
 from sparsetier.l3.backend import Segments, StorageBackend
 
 log = logging.getLogger("sparsetier.l3")
@@ -106,6 +106,9 @@ class StorageController:
         except StoreUnavailableError as e:
             self._go_offline(str(e))
             return 0
+        except Exception as e:
+            self._go_offline(repr(e))
+            return 0
         n = 0
         for h in have:
             if not h:
@@ -162,6 +165,8 @@ class StorageController:
         if self.online:
             self.cache.storage_write_ahead()
         self.flush()
+        # A backend call on the caller's thread that fails otherwise than going away is the
+        # store misbehaving: L3 goes off as for a lost store, and is probed again later.
         settled = 0
         for plan_id, fut in list(self._writes.items()):
             if fut.done():
@@ -176,7 +181,7 @@ class StorageController:
             self._go_offline(self._lost.pop())
         if not self.online and time.monotonic() >= self._next_probe:
             self._next_probe = time.monotonic() + self.retry_interval
-            if self.backend.healthy():
+            if self._healthy():
                 self.cache.set_storage_online(True)
                 log.warning("sparsetier L3: %s store answers again; L3 on", self.backend.name)
         return settled
@@ -184,7 +189,9 @@ class StorageController:
     def drain(self) -> None:
         """Waits for every write and prefetch, commits what the prefetches fetched, and
         settles everything, until nothing is in flight (settling can plan more: write-ahead
-        after a store comes back, write-through of what just landed)."""
+        after a store comes back, write-through of what just landed). It always ends: when
+        nothing is left here to wait for, whatever the core still counts in flight is an
+        invariant broken, raised as ``InvariantError``."""
         while True:
             self.flush()
             for p in list(self._prefetches.values()):
@@ -198,6 +205,20 @@ class StorageController:
             stats = self.cache.storage_stats() or {}
             if not stats.get("writes_in_flight") and not stats.get("prefetches_in_flight"):
                 return
+            if not self._writes and not self._prefetches and not self.cache_has_queued():
+                raise InvariantError(
+                    f"L3 drain: the core counts {stats.get('writes_in_flight')} writes and "
+                    f"{stats.get('prefetches_in_flight')} prefetches in flight, none of "
+                    "which this controller runs"
+                )
+
+    def cache_has_queued(self) -> bool:
+        """Whether the cache queued write plans not yet handed to the worker."""
+        plans = self.cache.take_storage_writes()
+        for plan_id, keys, pages in plans:
+            segs = [self.cache.host_segments(int(h)) for h in pages]
+            self._writes[plan_id] = self._pool.submit(self._run_write, keys, segs)
+        return bool(plans)
 
     def close(self) -> None:
         """Drains, stops the worker and closes the backend."""
@@ -232,6 +253,12 @@ class StorageController:
             )
         self._next_probe = time.monotonic() + self.retry_interval
 
+    def _healthy(self) -> bool:
+        try:
+            return bool(self.backend.healthy())
+        except Exception:
+            return False
+
     def _end_prefetch(self, p: Prefetch) -> None:
         if p.plan_id in self._prefetches:
             del self._prefetches[p.plan_id]
@@ -240,11 +267,21 @@ class StorageController:
     # Worker thread: backend calls only; the cache is never touched here.
 
     def _run_write(self, keys: list[str], segs: list[Segments]) -> list[bool]:
+        # Whatever the backend does, the plan is reported: a page it did not say it stored
+        # is a failed store (counted by the core), so no plan is lost and its pins go.
         try:
-            return [bool(x) for x in self.backend.put(keys, segs)]
+            ok = [bool(x) for x in self.backend.put(keys, segs)]
         except StoreUnavailableError as e:
             self._lost.append(str(e))
             return [False] * len(keys)
+        except Exception as e:
+            log.warning("sparsetier L3: %s put failed: %r", self.backend.name, e)
+            return [False] * len(keys)
+        if len(ok) != len(keys):
+            log.warning("sparsetier L3: %s put answered for %d of %d pages",
+                        self.backend.name, len(ok), len(keys))  # fmt: skip
+            return [False] * len(keys)
+        return ok
 
     def _run_prefetch(self, p: Prefetch, keys: list[str], segs: list[Segments]) -> None:
         try:
@@ -260,5 +297,9 @@ class StorageController:
         except StoreUnavailableError as e:
             p.failed = True
             self._lost.append(str(e))
+        except Exception as e:
+            # The pages that arrived before stay; the rest are not fetched.
+            p.failed = True
+            log.warning("sparsetier L3: %s get failed: %r", self.backend.name, e)
         finally:
             p.done.set()

@@ -1,9 +1,16 @@
 """``file``: the embedded L3 backend, one checksummed file per page in a local directory.
 
-An object is a 24-byte header (magic, version, CRC-32 of the payload, payload length) and
-the page's segments back to back. Writes go to a temporary name and are renamed into place,
-so a reader sees a whole object or none. A read that finds a bad header, a wrong length or a
-wrong checksum is a miss, and the object is removed so that it is written again.
+An object is a 64-byte header (magic, version, CRC-32 of the payload, payload length, the
+page's key, and a fingerprint of the pool shape: the page's segment lengths) and the page's
+segments back to back. Writes go to a temporary name and are renamed into place, so a reader
+sees a whole object or none. A read that finds a bad header, a wrong length or a wrong
+checksum is a miss (``corrupt``); one that finds another key's object or another pool shape
+(files swapped or copied between stores) is a miss too (``foreign``), never data. Either way
+the object is removed so that it is written again.
+
+Every OS error while storing a page (its fan-out directory cannot be made, the disk is full,
+a permission) is a failed store of that page, counted in ``write_errors``; a missing root is
+the store being gone (``StoreUnavailableError``).
 """
 
 from __future__ import annotations
@@ -14,12 +21,21 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-from sparsetier.errors import StoreUnavailableError
+from sparsetier.errors import ConfigError, StoreUnavailableError
 from sparsetier.l3.backend import Segments, view
 
-_HEADER = struct.Struct("<8sIIQ")
+_HEADER = struct.Struct("<8sIIQ32sI4x")
 _MAGIC = b"STIERL3\0"
-_VERSION = 1
+_VERSION = 2
+
+
+def _shape(segs: Segments) -> int:
+    """A fingerprint of the page's layout: its segment lengths, in order."""
+    return zlib.crc32(struct.pack(f"<{len(segs)}Q", *(n for _, n in segs)))
+
+
+def _key_field(key: str) -> bytes:
+    return key.encode()[:32]
 
 
 class FileStore:
@@ -29,8 +45,15 @@ class FileStore:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError.of(
+                "root", str(root), f"a directory that can be created ({e.strerror})"
+            ) from None
         self.corrupt = 0
+        self.foreign = 0
+        self.write_errors = 0
 
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.page"
@@ -59,16 +82,20 @@ class FileStore:
         for v in views:
             crc = zlib.crc32(v, crc)
         total = sum(n for _, n in segs)
-        path.parent.mkdir(exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         try:
+            path.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as f:
-                f.write(_HEADER.pack(_MAGIC, _VERSION, crc, total))
+                f.write(_HEADER.pack(_MAGIC, _VERSION, crc, total, _key_field(key), _shape(segs)))
                 for v in views:
                     f.write(v)
             os.replace(tmp, path)
         except OSError:
-            tmp.unlink(missing_ok=True)
+            self.write_errors += 1
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
             return False
         return True
 
@@ -83,8 +110,13 @@ class FileStore:
                 head = f.read(_HEADER.size)
                 if len(head) != _HEADER.size:
                     return self._bad(path)
-                magic, version, crc, total = _HEADER.unpack(head)
-                if (magic, version) != (_MAGIC, _VERSION) or total != sum(n for _, n in segs):
+                magic, version, crc, total, stored_key, shape = _HEADER.unpack(head)
+                if (magic, version) != (_MAGIC, _VERSION):
+                    return self._bad(path)
+                if stored_key.rstrip(b"\0") != _key_field(key) or shape != _shape(segs):
+                    self.foreign += 1
+                    return self._bad(path, counted=True)
+                if total != sum(n for _, n in segs):
                     return self._bad(path)
                 got = 0
                 for a, n in segs:
@@ -101,15 +133,22 @@ class FileStore:
             return False
         return True
 
-    def _bad(self, path: Path) -> bool:
-        self.corrupt += 1
-        path.unlink(missing_ok=True)
+    def _bad(self, path: Path, counted: bool = False) -> bool:
+        if not counted:
+            self.corrupt += 1
+        try:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass  # removed the next time, or overwritten
         return False
 
     def remove(self, keys: Sequence[str]) -> None:
         self._reachable()
         for k in keys:
-            self._path(k).unlink(missing_ok=True)
+            try:
+                self._path(k).unlink(missing_ok=True)
+            except OSError:
+                pass  # a page that cannot be removed is one the store keeps
 
     def register(self, address: int, length: int) -> None:
         del address, length  # plain file I/O needs no registration

@@ -202,7 +202,7 @@ class MooncakeStore:
         done = [i for i, good in enumerate(ok) if good]
         if done:
             # The manifests last: a page exists once its manifest does.
-            manifests = [_manifest(pages[i]) for i in done]
+            manifests = [_manifest(pages[i], keys[i]) for i in done]
             rc = self._store.put_batch([f"{keys[i]}.m" for i in done], manifests)
             self._check(rc, "put")
             if rc < 0 and rc != _EXISTS:
@@ -223,8 +223,8 @@ class MooncakeStore:
         for rc in rcs:
             self._check(rc, "get")
         return [
-            rc == sum(sz) and m == _manifest(segs)
-            for rc, sz, m, segs in zip(rcs, sizes, manifests, pages, strict=True)
+            rc == sum(sz) and m == _manifest(segs, k)
+            for rc, sz, m, segs, k in zip(rcs, sizes, manifests, pages, keys, strict=True)
         ]
 
     def remove(self, keys: Sequence[str]) -> None:
@@ -260,9 +260,10 @@ class MooncakeStore:
         self._store.close()
 
 
-def _manifest(segs: Segments) -> bytes:
-    """Segment count, then (length, CRC-32) per segment, of the page in host memory."""
+def _manifest(segs: Segments, key: str) -> bytes:
+    """The page's key, then the segment count and (length, CRC-32) per segment of the page in
+    host memory: an object read under another key (swapped, copied) is a miss, never data."""
     out = [len(segs)]
     for a, n in segs:
         out += [n, zlib.crc32(view(a, n))]
-    return struct.pack(f"<I{2 * len(segs)}Q", *out)
+    return key.encode() + b"\0" + struct.pack(f"<I{2 * len(segs)}Q", *out)
