@@ -319,3 +319,106 @@ def test_swapped_page_files_are_misses_not_each_others_data(tmp_path):
     assert s.storage.backend.foreign == 2, "both swapped objects (one read chunk)"
     s.hicache.validate()
     s.storage.close()
+
+
+# ---- class 11: the smaller cases, each a typed error naming its field ----
+
+
+@pytest.mark.parametrize(
+    "call, field",
+    [
+        (lambda c: c.evict_device(-1), "n"),
+        (lambda c: c.evict_host(-1), "n"),
+        (lambda c: c.inject_alloc_failures(-3), "count"),
+        (lambda c: c.prefetch_end(-1), "plan_id"),
+        (lambda c: c.host_segments(-1), "page"),
+        (lambda c: c.evict_device(2**70), "n"),
+        (lambda c: c.evict_device(True), "n"),
+    ],
+)
+def test_negative_and_huge_counts_are_config_errors(call, field):
+    c = st.HiCache(1, 8)
+    with pytest.raises(ConfigError) as e:
+        call(c)
+    assert e.value.field == field
+    c.validate()
+
+
+def _runtime():
+    from sparsetier.model import ModelConfig, TinySparseModel
+    from sparsetier.runtime import DecodeRuntime
+
+    m = TinySparseModel(ModelConfig(layers=1, vocab=64))
+    return DecodeRuntime(m, page_size=4, device_slots=64, host_pages=64, indexer_pages=32)
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        [1, 2, 3],
+        np.arange(1, 4),
+        "abc",
+        None,
+        pytest.param("empty", id="empty"),
+        pytest.param("2d", id="2d"),
+        pytest.param("oov", id="out-of-vocabulary"),
+        pytest.param("negative", id="negative"),
+        pytest.param("float", id="float"),
+    ],
+)
+def test_bad_prompts_are_config_errors_naming_the_prompt(prompt):
+    import torch
+
+    rt = _runtime()
+    prompt = (
+        {
+            "empty": torch.zeros(0, dtype=torch.long),
+            "2d": torch.ones(2, 3, dtype=torch.long),
+            "oov": torch.tensor([1, 2, 64]),
+            "negative": torch.tensor([1, -2]),
+            "float": torch.tensor([1.0, 2.0]),
+        }.get(prompt, prompt)
+        if isinstance(prompt, str)
+        else prompt
+    )
+    with pytest.raises(ConfigError) as e:
+        rt.add_request(0, prompt, 2)
+    assert e.value.field == "prompt"
+    assert not rt.requests
+    rt.scheduler.validate()
+
+
+def test_unknown_requests_are_config_errors():
+    rt = _runtime()
+    with pytest.raises(ConfigError, match="rid"):
+        rt.finish_request(5)
+    with pytest.raises(ConfigError, match="rid"):
+        rt.add_request(-1, np.arange(3), 1)
+    with pytest.raises(ConfigError, match="decode_steps"):
+        import torch
+
+        rt.add_request(0, torch.arange(1, 4), -1)
+
+
+def test_a_wait_that_times_out_names_the_callers_transfer():
+    import torch
+
+    kv = st.PoolSpec("KV", 1, 1, 8, "bf16", 1, 8)
+    e = st.TransferEngine("cpu")
+    dev = st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv)
+    host = st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv)
+    c = st.HiCache(1, 8, host_pages=8, pools=[(dev, host, None)], engine=e)
+    # Engine submissions the cache never made, so its transfer ids and the engine's differ.
+    for _ in range(3):
+        backup = st.PreparedPageTransfer(dev, host, [1], [1], direction="backup")
+        e.submit(st.PageTransferGroup([backup])).wait()
+    e.inject_fault(e.submitted, delay=2.0)
+    m = c.match_prefix(np.arange(1, 3), alloc=True)
+    c.insert(np.arange(1, 3), m, unlock=m.device_node)
+    [tid] = c.flush()
+    assert tid != e.submitted - 1, "the ids coincide: the test cannot tell them apart"
+    with pytest.raises(st.WaitTimeoutError) as err:
+        c.wait(tid, timeout=0.01)
+    assert err.value.transfer_id == tid
+    c.drain()
+    c.validate()

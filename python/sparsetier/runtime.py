@@ -263,12 +263,32 @@ class DecodeRuntime:
         Returns the admission (`matched_pages`, `device_pages`, `restored_pages`). Raises
         RequestFailedError (the request ended, the rest unaffected) when a load it needs fails
         twice."""
-        if rid < 0:
-            raise ConfigError.of("rid", str(rid), "an integer >= 0")
+        if isinstance(rid, bool) or not isinstance(rid, int) or rid < 0:
+            raise ConfigError.of("rid", repr(rid), "an integer >= 0")
         if rid in self.requests:
             raise ConfigError.of("rid", str(rid), "a request id not running")
+        prompt = self._prompt(prompt)
+        if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 0:
+            raise ConfigError.of("decode_steps", repr(decode_steps), "an integer >= 0")
         self.ended.pop(rid, None)  # a new request under that id: the old one is gone
-        return self._admit(Request(rid, prompt.to("cpu", torch.long), decode_steps), None)
+        return self._admit(Request(rid, prompt, decode_steps), None)
+
+    def _prompt(self, prompt) -> torch.Tensor:
+        """The prompt as a 1-D int64 CPU tensor of token ids in the model's vocabulary, or a
+        ConfigError naming `prompt` (checked before anything is admitted)."""
+        vocab = self.model.c.vocab
+        allowed = f"a non-empty 1-D tensor of token ids in [0, {vocab})"
+        if not isinstance(prompt, torch.Tensor):
+            raise ConfigError.of("prompt", type(prompt).__name__, allowed)
+        if prompt.dim() != 1 or prompt.numel() == 0:
+            raise ConfigError.of("prompt", f"shape {tuple(prompt.shape)}", allowed)
+        if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise ConfigError.of("prompt", str(prompt.dtype), allowed)
+        p = prompt.to("cpu", torch.long)
+        lo, hi = int(p.min()), int(p.max())
+        if lo < 0 or hi >= vocab:
+            raise ConfigError.of("prompt", f"a token id {lo if lo < 0 else hi}", allowed)
+        return p
 
     def restart(self, rid: int) -> dict:
         """Admits again a request that failed (in a step or in its prefill) or was aborted,
@@ -399,6 +419,10 @@ class DecodeRuntime:
     def finish_request(self, rid: int) -> Request:
         """Ends a finished request: its pages go into the prefix tree (written through first),
         so a later request over the same tokens hits them."""
+        if rid not in self.requests:
+            raise ConfigError.of(
+                "rid", str(rid), f"a running request: one of {sorted(self.requests)}"
+            )
         r = self.requests.pop(rid)
         self.scheduler.finish_request(rid, r.tokens()[: r.pos])
         # Inserted now, not at a later step: the next admission sees the same tree in every

@@ -172,3 +172,19 @@ pub fn c_order<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
         _ => Ok(obj.clone()),
     }
 }
+
+/// A count, index or id argument: an integer from 0 to what `T` holds, else a `ConfigError`
+/// naming `field` (never pyo3's `OverflowError` for a negative value).
+pub fn unsigned<T: TryFrom<i64>>(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<T> {
+    let v = int(obj, field)?;
+    T::try_from(v).map_err(|_| {
+        to_py(
+            obj.py(),
+            Error::config(
+                field,
+                v,
+                format!("an integer >= 0 that fits a {}", std::any::type_name::<T>()),
+            ),
+        )
+    })
+}

@@ -9,7 +9,7 @@ use crate::error::Error;
 use crate::guard::Guarded;
 use crate::ids::PageId;
 use crate::py::alloc::{page_array, page_ids};
-use crate::py::args::{int, opt_int};
+use crate::py::args::{int, opt_int, unsigned};
 use crate::py::error::{contained, to_py, IntoPyResult};
 use crate::py::lock::Unblocked;
 use crate::py::prefix_result::{PyPrefixInsert, PyPrefixMatch};
@@ -376,18 +376,25 @@ impl PyHiCache {
 
     /// Fault injection for tests: the next `count` device allocations fail with
     /// `OutOfPagesError`, as a full device would.
-    #[pyo3(signature = (count=1))]
-    fn inject_alloc_failures(&self, py: Python<'_>, count: u32) -> PyResult<()> {
+    #[pyo3(signature = (count=None))]
+    fn inject_alloc_failures(
+        &self,
+        py: Python<'_>,
+        count: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let count: u32 = count.map_or(Ok(1), |c| unsigned(c, "count"))?;
         self.inner.get_py(py, |c| c.inject_alloc_failures(count))
     }
 
     /// Evicts at least `n` device pages (LRU leaves; backed-up nodes keep their host copy).
-    fn evict_device(&self, py: Python<'_>, n: usize) -> PyResult<usize> {
+    fn evict_device(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let n: usize = unsigned(n, "n")?;
         self.inner.get_py(py, |c| c.evict_device(n))
     }
 
     /// Evicts at least `n` host pages of nodes no longer on the device and not locked.
-    fn evict_host(&self, py: Python<'_>, n: usize) -> PyResult<usize> {
+    fn evict_host(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let n: usize = unsigned(n, "n")?;
         self.inner.run_py(py, |c| c.evict_host(n))
     }
 
@@ -458,6 +465,11 @@ impl PyHiCache {
         py.detach(|| match layer {
             None => ev.wait_all(t),
             Some(l) => ev.wait_layer(l, t),
+        })
+        // The events count the engine's submissions; the error names the caller's transfer.
+        .map_err(|e| match e {
+            Error::WaitTimeout { timeout_ms, .. } => Error::WaitTimeout { id, timeout_ms },
+            e => e,
         })
         .py_err(py)
     }
@@ -549,7 +561,13 @@ impl PyHiCache {
     }
 
     /// Ends write `plan_id`: `ok[i]` says whether its page i was stored.
-    fn storage_write_done(&self, py: Python<'_>, plan_id: u64, ok: Vec<bool>) -> PyResult<()> {
+    fn storage_write_done(
+        &self,
+        py: Python<'_>,
+        plan_id: &Bound<'_, PyAny>,
+        ok: Vec<bool>,
+    ) -> PyResult<()> {
+        let plan_id: u64 = unsigned(plan_id, "plan_id")?;
         self.inner
             .run_py(py, |c| c.storage_write_done(plan_id, &ok))
     }
@@ -560,11 +578,13 @@ impl PyHiCache {
     fn plan_prefetch<'py>(
         &self,
         tokens: &Bound<'py, PyAny>,
-        start_page: usize,
-        n_pages: usize,
+        start_page: &Bound<'py, PyAny>,
+        n_pages: &Bound<'py, PyAny>,
         namespace: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<PlanTuple<'py>>> {
         let py = tokens.py();
+        let start_page: usize = unsigned(start_page, "start_page")?;
+        let n_pages: usize = unsigned(n_pages, "n_pages")?;
         let ns = self::namespace(namespace)?;
         let plan = with_tokens(tokens, |t| {
             self.run_tokens(py, Lookup::U32(t), |c, t| match t {
@@ -580,18 +600,27 @@ impl PyHiCache {
 
     /// Inserts the first `arrived` pages of prefetch `plan_id` (complete, verified) as host
     /// copies; returns how many the tree took. Once per prefetch, before `prefetch_end`.
-    fn prefetch_commit(&self, py: Python<'_>, plan_id: u64, arrived: usize) -> PyResult<usize> {
+    fn prefetch_commit(
+        &self,
+        py: Python<'_>,
+        plan_id: &Bound<'_, PyAny>,
+        arrived: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let plan_id: u64 = unsigned(plan_id, "plan_id")?;
+        let arrived: usize = unsigned(arrived, "arrived")?;
         self.inner
             .run_py(py, |c| c.prefetch_commit(plan_id, arrived))
     }
 
     /// Ends prefetch `plan_id` once no read writes its pages: frees what was not committed.
-    fn prefetch_end(&self, py: Python<'_>, plan_id: u64) -> PyResult<()> {
+    fn prefetch_end(&self, py: Python<'_>, plan_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let plan_id: u64 = unsigned(plan_id, "plan_id")?;
         self.inner.run_py(py, |c| c.prefetch_end(plan_id))
     }
 
     /// Byte ranges `(address, length)` of host page `page` in every pool, in store order.
-    fn host_segments(&self, py: Python<'_>, page: u32) -> PyResult<Vec<(u64, u64)>> {
+    fn host_segments(&self, py: Python<'_>, page: &Bound<'_, PyAny>) -> PyResult<Vec<(u64, u64)>> {
+        let page: u32 = unsigned(page, "page")?;
         self.inner
             .run_py(py, |c| c.host_segments(PageId::new(page)))
     }
