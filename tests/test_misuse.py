@@ -422,3 +422,155 @@ def test_a_wait_that_times_out_names_the_callers_transfer():
     assert err.value.transfer_id == tid
     c.drain()
     c.validate()
+
+
+# ---- threads: every pair of calls on one object, and four threads at once ----
+
+
+def _hicache_calls():
+    """Calls a serving loop makes on one HiCache, each self-contained (it cleans up what it
+    takes), some converting tokens through Python code."""
+
+    def match_insert(c, rng):
+        toks = rng.integers(1, 50, size=int(rng.integers(1, 12)))
+        m = c.match_prefix(toks, alloc=True)
+        r = c.insert(toks, m, unlock=m.device_node)
+        del r
+
+    def match_slow(c, rng):
+        c.match_prefix(BlockingTokensNow(rng.integers(1, 50, size=6)))
+
+    def alloc_free(c, rng):
+        try:
+            c.free_device(c.alloc_device(int(rng.integers(0, 3))))
+        except st.OutOfPagesError:
+            pass
+
+    return {
+        "match_insert": match_insert,
+        "match_slow": match_slow,
+        "alloc_free": alloc_free,
+        "lock_unlock": lambda c, rng: _lock_unlock(c, rng),
+        "evict": lambda c, rng: c.evict_device(int(rng.integers(0, 4))),
+        "stats": lambda c, rng: c.stats(),
+        "validate": lambda c, rng: c.validate(),
+        "wait": lambda c, rng: c.wait(0, timeout=0.0),
+    }
+
+
+class BlockingTokensNow:
+    """Tokens whose conversion runs Python code (and lets other threads run) but never waits."""
+
+    def __init__(self, tokens) -> None:
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+
+    def __array__(self, dtype=None, copy=None):
+        threading.Event().wait(0)  # a call into Python that yields
+        return self.tokens if dtype is None else self.tokens.astype(dtype)
+
+
+def _lock_unlock(c, rng):
+    m = c.match_prefix(rng.integers(1, 50, size=4), lock=True)
+    c.unlock(m.device_node)
+
+
+def _hammer(target, calls, threads: int, rounds: int = 60):
+    errors: list[BaseException] = []
+
+    def run(name, seed):
+        rng = np.random.default_rng(seed)
+        try:
+            for _ in range(rounds):
+                calls[name](target, rng)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    return errors, run
+
+
+@pytest.mark.parametrize("pair", [(a, b) for a in range(8) for b in range(a, 8)])
+def test_every_pair_of_calls_on_one_hicache(pair):
+    calls = _hicache_calls()
+    names = list(calls)
+    c = st.HiCache(1, 48)
+    errors, run = _hammer(c, calls, 2)
+    ts = [threading.Thread(target=run, args=(names[i], k), daemon=True) for k, i in enumerate(pair)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(HANG)
+    assert not any(t.is_alive() for t in ts), f"{[names[i] for i in pair]} hung"
+    assert errors == []
+    c.validate()
+
+
+def test_four_threads_on_one_hicache_and_one_scheduler():
+    calls = _hicache_calls()
+    c = st.HiCache(1, 64)
+    s = small_scheduler(4, 32, 64, 2, {1: 8, 2: 8})
+    errors, run = _hammer(c, calls, 4)
+
+    def sched(seed):
+        try:
+            for _ in range(60):
+                s.stats()
+                s.validate()
+                s.request_len(1)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    names = list(calls)
+    ts = [
+        threading.Thread(target=run, args=(names[k % len(names)], k), daemon=True) for k in range(3)
+    ]
+    ts.append(threading.Thread(target=sched, args=(9,), daemon=True))
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(HANG)
+    assert not any(t.is_alive() for t in ts)
+    assert errors == []
+    c.validate()
+    s.validate()
+
+
+# ---- class 3: a lock is released only on the node it was taken on ----
+
+
+def _two_levels(c):
+    m = c.match_prefix(np.arange(1, 5), alloc=True)
+    parent = c.insert(np.arange(1, 5), m, unlock=m.device_node).last_node
+    m = c.match_prefix(np.arange(1, 9), alloc=True)
+    child = c.insert(np.arange(1, 9), m, unlock=m.device_node).last_node
+    return parent, child
+
+
+def test_unlocking_a_node_locked_only_through_its_child_is_refused():
+    c = st.HiCache(1, 64)
+    parent, child = _two_levels(c)
+    c.lock(child)
+    with pytest.raises(st.NotLockedError):
+        c.unlock(parent)  # its count comes from the child's lock
+    c.validate()
+    c.unlock(child)
+    c.lock(parent)
+    # The parent's pages stay: only the child's four are evicted.
+    assert c.evict_device(100) == 4
+    assert c.match_prefix(np.arange(1, 5)).device_len == 4
+    c.unlock(parent)
+    c.validate()
+
+
+def test_a_second_unlock_of_a_match_released_by_insert_is_refused():
+    c = st.HiCache(1, 64)
+    _two_levels(c)
+    m = c.match_prefix(np.arange(1, 13), alloc=True)
+    r = c.insert(np.arange(1, 13), m, lock=True, unlock=m.device_node)
+    with pytest.raises(st.NotLockedError):
+        c.unlock(m.device_node)  # insert released it already
+    c.validate()
+    c.unlock(r.last_node)
+    with pytest.raises(st.NotLockedError):
+        c.unlock(r.last_node)
+    c.validate()
+    assert c.evict_device(100) == 12, "nothing stays locked"
