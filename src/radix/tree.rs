@@ -76,7 +76,13 @@ struct Node {
     /// Host pages, one per key page; empty when `host` is `None`.
     host_pages: Vec<PageId>,
     host: HostCopy,
+    /// Locks held on this node or below it (what keeps it from eviction).
     lock_ref: u32,
+    /// Locks taken on this node itself (`lock`, or an insert that locked its path here): only
+    /// these can be released by `unlock` of this node; a lock of a descendant is released by
+    /// unlocking that descendant. Invariant: `lock_ref` is `own_locks` plus the children's
+    /// `lock_ref`.
+    own_locks: u32,
     /// L3 writes reading the host pages: the node stays off the host LRU set (its device
     /// pages and its ancestors are unaffected; an ancestor has this child, so it is no host
     /// leaf either).
@@ -236,6 +242,7 @@ impl RadixTree {
             host_pages: Vec::new(),
             host: HostCopy::None,
             lock_ref: 0,
+            own_locks: 0,
             storage_pins: 0,
             hits: 0,
             stamp: 0,
@@ -624,6 +631,11 @@ impl RadixTree {
         if lock {
             self.lock_from(last);
         }
+        // The lock belongs to the node the insert returns: the new leaf, else `last`.
+        let locks_last = lock && pos >= n_pages * ps;
+        if locks_last && self.nodes[last].parent != NIL {
+            self.nodes[last].own_locks += 1;
+        }
         let mut duplicates = Vec::new();
         let mut own = 0;
         let mut needs_backup = Vec::new();
@@ -652,6 +664,7 @@ impl RadixTree {
             let leaf = self.new_node(last, suffix);
             // Locked from the start: nothing is on the device yet, so no locked pages change.
             self.nodes[leaf].lock_ref = u32::from(lock);
+            self.nodes[leaf].own_locks = u32::from(lock);
             self.add_child(last, leaf);
             self.refresh(last);
             self.set_device(leaf, pages[at..].to_vec());
@@ -730,6 +743,9 @@ impl RadixTree {
     /// locked.
     pub fn lock(&mut self, node: NodeId) -> Result<()> {
         let idx = self.resolve(node)?;
+        if self.nodes[idx].parent != NIL {
+            self.nodes[idx].own_locks += 1;
+        }
         self.lock_from(idx);
         Ok(())
     }
@@ -745,11 +761,25 @@ impl RadixTree {
         }
     }
 
-    /// Undoes one `lock` of `node`.
+    /// The lock counts of child `c` and of the siblings chained behind it under one key.
+    fn chain_lock_refs(&self, mut c: usize) -> u32 {
+        let mut sum = 0;
+        while c != NIL {
+            sum += self.nodes[c].lock_ref;
+            c = self.nodes[c].next_same_key;
+        }
+        sum
+    }
+
+    /// Undoes one `lock` of `node` (or the lock an insert took on it). A node locked only
+    /// through a descendant is not locked itself: refused, and nothing changes.
     pub fn unlock(&mut self, node: NodeId) -> Result<()> {
         let start = self.resolve(node)?;
-        if self.nodes[start].parent != NIL && self.nodes[start].lock_ref == 0 {
-            return Err(Error::NotLocked { id: node.raw() });
+        if self.nodes[start].parent != NIL {
+            if self.nodes[start].own_locks == 0 {
+                return Err(Error::NotLocked { id: node.raw() });
+            }
+            self.nodes[start].own_locks -= 1;
         }
         let mut idx = start;
         while self.nodes[idx].parent != NIL {
@@ -1092,6 +1122,13 @@ impl RadixTree {
                     return Err(format!(
                         "node {idx}: locked {} times under a parent locked {parent_lock}",
                         n.lock_ref
+                    ));
+                }
+                let below: u32 = n.children.values().map(|&c| self.chain_lock_refs(c)).sum();
+                if n.lock_ref != n.own_locks + below {
+                    return Err(format!(
+                        "node {idx}: lock count {} is not its own locks {} and its children's {below}",
+                        n.lock_ref, n.own_locks
                     ));
                 }
             }
