@@ -574,3 +574,19 @@ def test_a_second_unlock_of_a_match_released_by_insert_is_refused():
         c.unlock(r.last_node)
     c.validate()
     assert c.evict_device(100) == 12, "nothing stays locked"
+
+
+@pytest.mark.parametrize("dtype", ["int64", "int32"])
+@pytest.mark.parametrize("bad", [-2, -1000])
+def test_selection_entries_below_minus_one_are_refused_not_skipped(dtype, bad):
+    s = small_scheduler(4, 16, 64, 1, {1: 12, 2: 12})
+    with pytest.raises(st.OutOfRangeError) as e:
+        s.plan(0, [1, 2], np.array([[0, 1], [bad, 2]], dtype=dtype), 4)
+    assert e.value.field == "selection[1][0]"
+    offsets = np.array([0, 2, 4])
+    with pytest.raises(st.OutOfRangeError):
+        s.plan_csr(0, [1, 2], offsets, np.array([0, 1, 2, bad], dtype=dtype), 4)
+    # -1 stays padding.
+    _, table = s.plan(0, [1, 2], np.array([[0, 1], [-1, 2]], dtype=dtype), 4)
+    assert table[1][0] == -1
+    s.validate()

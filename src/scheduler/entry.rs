@@ -4,13 +4,14 @@
 //! 64 MB: reading them is most of what token mode's rows cost the CPU. The same rows as int32
 //! are half the bytes to copy from the GPU and to read, and a sorted row's compares take eight
 //! entries an AVX2 instruction instead of four. The row builders are generic over both; -1
-//! (any negative entry) is padding in both.
+//! is padding in both; any other negative entry is refused (an out-of-range error naming
+//! its cell), never skipped.
 
 use std::fmt::Display;
 
 /// An entry type a plan reads rows of.
 pub trait Entry: Copy + Ord + Display + Send + Sync + 'static {
-    /// The entry as an i64 (padding < 0).
+    /// The entry as an i64 (padding is -1).
     fn get(self) -> i64;
     /// The greatest value of this type that is at most `v` (`v` >= 0): `v` where it fits,
     /// else the type's maximum (every entry of the type is then <= it).

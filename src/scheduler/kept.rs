@@ -123,10 +123,10 @@ impl StepScheduler {
             } else {
                 for (j, &e) in row.iter().enumerate() {
                     let e = e.get();
-                    if e < 0 {
-                        continue;
+                    if e == -1 {
+                        continue; // padding
                     }
-                    if e as u64 >= entries {
+                    if e < 0 || e as u64 >= entries {
                         return Err(Error::out_of_range(
                             rows_in.name(false, b, j),
                             e,

@@ -134,11 +134,11 @@ impl Distinct {
         let mut in_order = true; // every new page so far above the previous one
         for (j, &e) in row.iter().enumerate() {
             let e = e.get();
-            if e < 0 {
-                self.of_column.push(NONE);
+            if e == -1 {
+                self.of_column.push(NONE); // padding
                 continue;
             }
-            if e as u64 >= entries {
+            if e < 0 || e as u64 >= entries {
                 return Err((j, e));
             }
             let e = e as u64;

@@ -214,10 +214,10 @@ impl StepScheduler {
             let mut row_pages = Vec::with_capacity(cells.len());
             for (j, &e) in selection[cells.clone()].iter().enumerate() {
                 let e = e.get();
-                if e < 0 {
-                    continue;
+                if e == -1 {
+                    continue; // padding
                 }
-                if e as u64 >= unit.entries(len) {
+                if e < 0 || e as u64 >= unit.entries(len) {
                     return Err(Error::out_of_range(
                         rows_in.name(false, b, j),
                         e,
