@@ -1,39 +1,135 @@
 //! The page allocator of one tier.
 //!
 //! # What it owns
-//! The free list of one pool group on one tier. Pages `[0, reserve)` are never handed out
-//! (a device pool keeps page 0 as the padding target of dummy writes); pages
-//! `[reserve, total)` are the usable capacity.
+//! The free list of one pool group on one tier, and who holds each page handed out. Pages
+//! `[0, reserve)` are never handed out (a device pool keeps page 0 as the padding target of
+//! dummy writes); pages `[reserve, total)` are the usable capacity.
+//!
+//! # Holders (receipts)
+//! A page handed out is held either by the allocator's owner itself ([`Holder::OWNER`]: a
+//! cache's tree, a directory) or by one caller's allocation, named by the receipt that
+//! allocation got ([`Holder::fresh`]). A call that names pages says whose it expects
+//! ([`Expect`]); a page held by anyone else is refused before anything changes, so a page can
+//! never get a second owner through a stale list or a second insert.
 //!
 //! # Invariants (checked by [`PageAllocator::validate`])
 //! - `free + used == capacity` at every step;
-//! - no page is on the free list twice, and no allocated page is on it at all.
+//! - no page is on the free list twice, and no held page is on it at all.
 //!
 //! # Cost
-//! `alloc(n)` and `free(pages)` are O(1) per page: the free list is a stack and the ownership
-//! check is one flag per page. Both are all-or-nothing: a failed call changes nothing.
+//! `alloc(n)`, `free(pages)` and `claim(pages)` are O(1) per page: the free list is a stack
+//! and the holder is one word per page. All are all-or-nothing: a failed call changes nothing.
 
 use crate::error::{Error, Result};
 use crate::ids::PageId;
-use std::sync::atomic::{AtomicU64, Ordering};
-
-/// Names of allocators, for [`FreeStamp`]s.
-static NEXT_ALLOCATOR: AtomicU64 = AtomicU64::new(0);
-
-/// An allocator and how many pages it had taken back (or seen handed on) when the stamp was
-/// made. Pages only stop being allocated through [`PageAllocator::free`], so pages that were
-/// all allocated under a stamp still are, with the same owners, while the allocator's stamp is
-/// the same: [`PageAllocator::unchanged_since`] lets a caller skip checking them one by one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FreeStamp {
-    allocator: u64,
-    freed: u64,
-}
+use std::num::NonZeroU32;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// Most pages one allocator manages (2^28: 17 billion tokens at 64-token pages). Its
-/// bookkeeping is 5 bytes a page, allocated up front, so a mistyped size must be refused
+/// bookkeeping is 8 bytes a page, allocated up front, so a mistyped size must be refused
 /// rather than attempted.
 pub const MAX_PAGES: u32 = 1 << 28;
+
+/// The holder word of a free page.
+const FREE: u32 = 0;
+
+/// The next receipt, shared by every allocator: a receipt from one cache names no pages in
+/// another. It wraps past `u32::MAX`, so a receipt could come back only after four billion
+/// allocations.
+static NEXT_RECEIPT: AtomicU32 = AtomicU32::new(2);
+
+/// Names of allocators, for [`Stamp`]s.
+static NEXT_ALLOCATOR: AtomicU64 = AtomicU64::new(0);
+
+/// An allocator, and how many times caller pages had left their holders (freed, or claimed
+/// by the owner) when the stamp was made. While an allocator's stamp is the same, every
+/// allocation made before it still holds all its pages: [`PageAllocator::claim_fresh`] lets
+/// the cache take such pages without reading their holders one by one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stamp {
+    allocator: u64,
+    departures: u64,
+}
+
+/// Who holds a page that is handed out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Holder(NonZeroU32);
+
+impl Holder {
+    /// The allocator's owner itself (the cache's tree, its copies in flight, a directory).
+    pub const OWNER: Holder = Holder(NonZeroU32::MIN);
+
+    /// The raw holder word (1 for the owner, a receipt from 2 up).
+    pub fn raw(self) -> u32 {
+        self.0.get()
+    }
+
+    /// A receipt for a new caller allocation (see [`PageAllocator::alloc_as`]), unique
+    /// among the allocations alive in this process.
+    pub fn fresh() -> Holder {
+        loop {
+            let r = NEXT_RECEIPT.fetch_add(1, Ordering::Relaxed);
+            if r > Holder::OWNER.raw() {
+                return Holder(NonZeroU32::new(r).expect("above 1"));
+            }
+        }
+    }
+}
+
+/// The holders a call accepts for the pages it names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expect {
+    /// Exactly this holder: the allocation the caller names by its receipt.
+    Holder(Holder),
+    /// Any caller's allocation, not the owner (a bare page list carries no receipt).
+    AnyCaller,
+    /// No page at all (a match that allocated nothing names only pages the tree already
+    /// holds at their positions).
+    Nobody,
+}
+
+impl Expect {
+    #[inline]
+    fn accepts(self, held: u32) -> bool {
+        match self {
+            Expect::Holder(h) => held == h.raw(),
+            Expect::AnyCaller => held > Holder::OWNER.raw(),
+            Expect::Nobody => false,
+        }
+    }
+
+    fn allowed(self) -> String {
+        match self {
+            Expect::Holder(h) if h == Holder::OWNER => "pages the cache itself holds".into(),
+            Expect::Holder(h) => format!(
+                "pages of allocation {} (the PageAllocation or PrefixMatch given), not yet \
+                 inserted or freed",
+                h.raw()
+            ),
+            Expect::AnyCaller => "pages from alloc_device (or match_prefix(alloc=True)) not yet \
+                                  inserted or freed, or the matched path's own pages"
+                .into(),
+            Expect::Nobody => "the matched path's own pages (this match allocated no pages)".into(),
+        }
+    }
+}
+
+/// Whether `p` is among the first `done` pages of `parts` (a page named twice in one call).
+fn named(parts: &[&[PageId]], done: usize, p: PageId) -> bool {
+    parts
+        .iter()
+        .flat_map(|part| part.iter())
+        .take(done)
+        .any(|&q| q == p)
+}
+
+fn held_by(held: u32) -> String {
+    match held {
+        FREE => "no one (it is free)".into(),
+        1 => "the cache itself".into(),
+        r => format!("another allocation (receipt {r})"),
+    }
+}
 
 /// Fixed-capacity, all-or-nothing page allocator.
 #[derive(Debug)]
@@ -42,12 +138,12 @@ pub struct PageAllocator {
     reserve: u32,
     /// Free pages; the next page handed out is the last one.
     free: Vec<PageId>,
-    /// `allocated[p]` is true while page `p` is handed out.
-    allocated: Vec<bool>,
+    /// `holder[p]`: [`FREE`], or the raw [`Holder`] of page `p`.
+    holder: Vec<u32>,
     /// Unique to this allocator (a clone gets its own).
     id: u64,
-    /// Pages taken back by `free` or handed on (`hand_on`) so far.
-    freed: u64,
+    /// Calls so far that moved caller pages off their holders (see [`Stamp`]).
+    departures: u64,
 }
 
 impl Clone for PageAllocator {
@@ -56,9 +152,9 @@ impl Clone for PageAllocator {
             total: self.total,
             reserve: self.reserve,
             free: self.free.clone(),
-            allocated: self.allocated.clone(),
+            holder: self.holder.clone(),
             id: NEXT_ALLOCATOR.fetch_add(1, Ordering::Relaxed),
-            freed: self.freed,
+            departures: self.departures,
         }
     }
 }
@@ -88,9 +184,9 @@ impl PageAllocator {
             total,
             reserve,
             free,
-            allocated: vec![false; total as usize],
+            holder: vec![FREE; total as usize],
             id: NEXT_ALLOCATOR.fetch_add(1, Ordering::Relaxed),
-            freed: 0,
+            departures: 0,
         })
     }
 
@@ -121,33 +217,62 @@ impl PageAllocator {
 
     /// Whether `page` is handed out now.
     pub fn is_allocated(&self, page: PageId) -> bool {
-        self.allocated.get(page.index()).copied().unwrap_or(false)
+        self.held(page) != FREE
     }
 
-    /// This allocator now (see [`FreeStamp`]).
-    pub fn stamp(&self) -> FreeStamp {
-        FreeStamp {
+    /// Who holds `page` now (`None`: free, reserved or out of range).
+    pub fn holder(&self, page: PageId) -> Option<Holder> {
+        NonZeroU32::new(self.held(page)).map(Holder)
+    }
+
+    #[inline]
+    fn held(&self, page: PageId) -> u32 {
+        self.holder.get(page.index()).copied().unwrap_or(FREE)
+    }
+
+    /// This allocator now (see [`Stamp`]).
+    pub fn stamp(&self) -> Stamp {
+        Stamp {
             allocator: self.id,
-            freed: self.freed,
+            departures: self.departures,
         }
     }
 
-    /// Whether `stamp` is this allocator's and no page came back since it was made.
-    pub fn unchanged_since(&self, stamp: FreeStamp) -> bool {
-        stamp == self.stamp()
-    }
-
-    /// The first of `pages` that is not allocated here, if any (the callers' check of pages
-    /// handed back): all are tested first without an early exit, the culprit looked for only
-    /// when there is one.
-    pub fn first_unallocated(&self, pages: &[PageId]) -> Option<PageId> {
-        if pages.iter().fold(true, |ok, &p| ok & self.is_allocated(p)) {
+    /// The first of `pages` that `expect` does not accept, if any (all are tested first
+    /// without an early exit, the culprit looked for only when there is one).
+    pub fn first_not_held(&self, pages: &[PageId], expect: Expect) -> Option<PageId> {
+        if pages
+            .iter()
+            .fold(true, |ok, &p| ok & expect.accepts(self.held(p)))
+        {
             return None;
         }
-        pages.iter().copied().find(|&p| !self.is_allocated(p))
+        pages
+            .iter()
+            .copied()
+            .find(|&p| !expect.accepts(self.held(p)))
     }
 
-    /// Allocates `n` pages, or none: [`Error::OutOfPages`] when fewer than `n` are free.
+    /// The error for `page`, which `expect` does not accept under `field`.
+    pub fn not_held(&self, field: &str, page: PageId, expect: Expect) -> Error {
+        let held_by = if page.raw() < self.reserve || page.raw() >= self.total {
+            format!(
+                "no one: the cache's pages are {} <= page < {}",
+                self.reserve, self.total
+            )
+        } else {
+            held_by(self.held(page))
+        };
+        Error::NotHeld {
+            field: field.into(),
+            page: page.raw(),
+            held_by,
+            allowed: expect.allowed(),
+        }
+    }
+
+    /// Allocates `n` pages for the owner, or none: [`Error::OutOfPages`] when fewer than `n`
+    /// are free.
     pub fn alloc(&mut self, n: usize) -> Result<Vec<PageId>> {
         // Checked before reserving: `n` may come straight from a caller.
         let mut out = Vec::with_capacity(n.min(self.free.len()));
@@ -155,16 +280,21 @@ impl PageAllocator {
         Ok(out)
     }
 
-    /// One page, or `None` when none is free.
+    /// One page for the owner, or `None` when none is free.
     #[inline]
     pub fn alloc_one(&mut self) -> Option<PageId> {
         let p = self.free.pop()?;
-        self.allocated[p.index()] = true;
+        self.holder[p.index()] = Holder::OWNER.raw();
         Some(p)
     }
 
     /// Like [`Self::alloc`], appending to `out` (which is left untouched on error).
     pub fn alloc_into(&mut self, n: usize, out: &mut Vec<PageId>) -> Result<()> {
+        self.alloc_as(n, out, Holder::OWNER)
+    }
+
+    /// Like [`Self::alloc_into`], the pages held by `holder`.
+    pub fn alloc_as(&mut self, n: usize, out: &mut Vec<PageId>, holder: Holder) -> Result<()> {
         if n > self.free.len() {
             return Err(Error::OutOfPages {
                 requested: n,
@@ -177,49 +307,163 @@ impl PageAllocator {
         // page to the next (a push per page reloads and stores the length each time).
         let taken = &self.free[start..];
         out.extend(taken.iter().rev());
+        let marks = &mut self.holder[..];
         for &p in taken {
-            self.allocated[p.index()] = true;
+            marks[p.index()] = holder.raw();
         }
         self.free.truncate(start);
         Ok(())
     }
 
-    /// Returns `pages` to the free list, or none of them: a page outside the usable range is
-    /// [`Error::NotOwned`], a page not allocated (or listed twice) is [`Error::DoubleFree`].
+    /// Returns the owner's `pages` to the free list, or none of them: a page outside the
+    /// usable range is [`Error::NotOwned`], a free page (or one listed twice)
+    /// [`Error::DoubleFree`], a caller's page [`Error::NotHeld`].
     pub fn free(&mut self, pages: &[PageId]) -> Result<()> {
-        // Stage: clear the flags, undoing them if any page is refused.
-        for (i, &p) in pages.iter().enumerate() {
-            let refused = if p.raw() < self.reserve || p.raw() >= self.total {
-                Some(Error::NotOwned {
+        self.free_held(pages, Expect::Holder(Holder::OWNER), "pages")
+    }
+
+    /// [`Self::free`] of pages `expect` accepts (named `field` in an error).
+    pub fn free_held(&mut self, pages: &[PageId], expect: Expect, field: &str) -> Result<()> {
+        let (lo, hi) = (self.reserve, self.total);
+        self.stage(&[pages], FREE, expect, |me, p, twice| {
+            let held = me.held(p);
+            if p.raw() < lo || p.raw() >= hi {
+                Error::NotOwned {
                     page: p.raw(),
-                    lo: self.reserve,
-                    hi: self.total,
-                })
-            } else if !self.allocated[p.index()] {
-                Some(Error::DoubleFree { page: p.raw() })
-            } else {
-                None
-            };
-            if let Some(err) = refused {
-                for &q in &pages[..i] {
-                    self.allocated[q.index()] = true;
+                    lo,
+                    hi,
                 }
-                return Err(err);
+            } else if held == FREE || twice {
+                Error::DoubleFree { page: p.raw() }
+            } else {
+                me.not_held(field, p, expect)
             }
-            self.allocated[p.index()] = false;
+        })?;
+        if expect != Expect::Holder(Holder::OWNER) {
+            self.departures += 1;
         }
-        // Commit.
         self.free.extend_from_slice(pages);
-        self.freed += pages.len() as u64;
         Ok(())
     }
 
-    /// Records that allocated `pages` changed hands without coming back (pages a cache evicted
-    /// and gives straight to a new owner): they stay allocated, but a [`FreeStamp`] taken
-    /// before no longer vouches for them.
-    pub fn hand_on(&mut self, pages: &[PageId]) {
-        debug_assert!(self.first_unallocated(pages).is_none());
-        self.freed += pages.len() as u64;
+    /// Gives the owner the pages of `parts` (a caller's pages joining the cache), all or
+    /// nothing: each must be held as `expect` says, and none may be named twice; else
+    /// [`Error::NotHeld`] naming `field`, and nothing changes.
+    pub fn claim(&mut self, parts: &[&[PageId]], expect: Expect, field: &str) -> Result<()> {
+        // The owner has nothing to claim from itself (and a page it holds, named twice,
+        // would pass unseen): it is refused as from nobody.
+        let expect = match expect {
+            Expect::Holder(Holder::OWNER) => Expect::Nobody,
+            e => e,
+        };
+        self.stage(parts, Holder::OWNER.raw(), expect, |me, p, twice| {
+            let mut e = me.not_held(field, p, expect);
+            if let (true, Error::NotHeld { held_by, .. }) = (twice, &mut e) {
+                *held_by = "this same call: the page is named twice".into();
+            }
+            e
+        })?;
+        self.departures += 1;
+        Ok(())
+    }
+
+    /// [`Self::claim`] of `checked` and `fresh` for allocation `r`, where `fresh` are pages `r`
+    /// was given (distinct, none in `checked`) and `stamp` was read after that allocation.
+    /// While the stamp still holds, `r` holds them all: they are taken without reading their
+    /// holders (a page-1 prompt's thousands of pages), and only `checked` is read.
+    pub fn claim_fresh(
+        &mut self,
+        checked: &[PageId],
+        fresh: &[PageId],
+        r: Holder,
+        stamp: Stamp,
+        field: &str,
+    ) -> Result<()> {
+        if stamp != self.stamp() {
+            return self.claim(&[checked, fresh], Expect::Holder(r), field);
+        }
+        self.claim(&[checked], Expect::Holder(r), field)?;
+        debug_assert!(
+            fresh.iter().all(|&p| self.held(p) == r.raw()),
+            "not all r's"
+        );
+        let marks = &mut self.holder[..];
+        for &p in fresh {
+            marks[p.index()] = Holder::OWNER.raw();
+        }
+        Ok(())
+    }
+
+    /// Sets the holder of every page of `parts` to `to`, all or nothing. Every page must be
+    /// held as `expect` says, and none named twice; else `refuse` makes the error for the
+    /// first page refused (with the holders as they were; `true` for a page named twice), and
+    /// nothing changes.
+    fn stage(
+        &mut self,
+        parts: &[&[PageId]],
+        to: u32,
+        expect: Expect,
+        refuse: impl Fn(&Self, PageId, bool) -> Error,
+    ) -> Result<()> {
+        if let Expect::Holder(h) = expect {
+            // One accepted holder: one pass, undone by writing it back (a page named twice
+            // meets `to` the second time).
+            let h = h.raw();
+            let mut done = 0usize;
+            for part in parts {
+                for &p in *part {
+                    let was = self.held(p);
+                    if was != h {
+                        self.undo(parts, done, |_| h);
+                        return Err(refuse(self, p, named(parts, done, p)));
+                    }
+                    self.holder[p.index()] = to;
+                    done += 1;
+                }
+            }
+            return Ok(());
+        }
+        // Holders of many kinds: each page's own is kept to undo.
+        let mut before: Vec<u32> = Vec::new();
+        for part in parts {
+            for &p in *part {
+                let was = self.held(p);
+                if !expect.accepts(was) {
+                    let done = before.len();
+                    self.undo(parts, done, |k| before[k]);
+                    return Err(refuse(self, p, named(parts, done, p)));
+                }
+                self.holder[p.index()] = to;
+                before.push(was);
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives the first `done` pages of `parts` the holders `was(k)` back, last first (a page
+    /// changed twice ends with its first holder).
+    fn undo(&mut self, parts: &[&[PageId]], done: usize, was: impl Fn(usize) -> u32) {
+        let all: Vec<PageId> = parts
+            .iter()
+            .flat_map(|part| part.iter().copied())
+            .take(done)
+            .collect();
+        for (k, &p) in all.iter().enumerate().rev() {
+            self.holder[p.index()] = was(k);
+        }
+    }
+
+    /// Hands the owner's `pages` to `to` without freeing them (pages a cache evicted and
+    /// gives straight to a new allocation, or an allocation the cache keeps).
+    pub fn hand_over(&mut self, pages: &[PageId], to: Holder) {
+        debug_assert!(
+            pages.iter().all(|&p| self.held(p) != FREE),
+            "a free page handed over"
+        );
+        let marks = &mut self.holder[..];
+        for &p in pages {
+            marks[p.index()] = to.raw();
+        }
     }
 
     /// Checks the invariants; returns a description of the first one broken.
@@ -232,12 +476,15 @@ impl PageAllocator {
             if std::mem::replace(&mut seen[p.index()], true) {
                 return Err(format!("page {p} is on the free list twice"));
             }
-            if self.allocated[p.index()] {
-                return Err(format!("page {p} is both free and allocated"));
+            if self.holder[p.index()] != FREE {
+                return Err(format!("page {p} is both free and held"));
             }
         }
-        let used = self.allocated.iter().filter(|&&a| a).count();
-        if self.allocated[..self.reserve as usize].iter().any(|&a| a) {
+        let used = self.holder.iter().filter(|&&h| h != FREE).count();
+        if self.holder[..self.reserve as usize]
+            .iter()
+            .any(|&h| h != FREE)
+        {
             return Err("a reserved page is allocated".into());
         }
         if used + self.free.len() != self.capacity() {
@@ -259,26 +506,78 @@ mod alloc_proptest;
 mod tests {
     use super::*;
 
+    fn raw(pages: &[PageId]) -> Vec<u32> {
+        pages.iter().map(|p| p.raw()).collect()
+    }
+
     #[test]
-    fn a_stamp_holds_until_a_page_comes_back() {
-        let mut a = PageAllocator::new(8, 1).unwrap();
-        let s = a.stamp();
-        let got = a.alloc(3).unwrap();
-        a.alloc_one().unwrap();
-        assert!(a.unchanged_since(s), "allocating takes nothing back");
-        assert!(a.free(&[PageId::new(0)]).is_err());
-        assert!(a.unchanged_since(s), "a refused free changes nothing");
-        a.free(&got[..1]).unwrap();
-        assert!(!a.unchanged_since(s));
-        let other = PageAllocator::new(8, 1).unwrap();
-        assert!(
-            !other.unchanged_since(a.stamp()),
-            "another allocator's stamp"
-        );
-        assert!(
-            !a.clone().unchanged_since(a.stamp()),
-            "a clone is another allocator"
-        );
+    fn a_receipt_names_its_pages_only() {
+        let mut a = PageAllocator::new(16, 1).unwrap();
+        let (r1, r2) = (Holder::fresh(), Holder::fresh());
+        assert_ne!(r1, r2);
+        let (mut p1, mut p2) = (Vec::new(), Vec::new());
+        a.alloc_as(3, &mut p1, r1).unwrap();
+        a.alloc_as(3, &mut p2, r2).unwrap();
+        let tree = a.alloc(2).unwrap();
+        assert_eq!(a.holder(p1[0]), Some(r1));
+        assert_eq!(a.holder(tree[0]), Some(Holder::OWNER));
+        // Another allocation's pages, the owner's, or a free page: refused, nothing changes.
+        let free = PageId::new(15);
+        for (bad, held) in [
+            (p2[1], "receipt"),
+            (tree[0], "cache itself"),
+            (free, "free"),
+        ] {
+            let mixed = [p1[0], p1[1], bad];
+            match a.claim(&[&mixed], Expect::Holder(r1), "device_pages") {
+                Err(Error::NotHeld { page, held_by, .. }) => {
+                    assert_eq!(page, bad.raw());
+                    assert!(held_by.contains(held), "{held_by}");
+                }
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(a.holder(p1[0]), Some(r1), "rolled back");
+            a.validate().unwrap();
+        }
+        // Named twice: the second sight finds the owner.
+        assert!(a
+            .claim(&[&p1[..2], &p1[1..2]], Expect::Holder(r1), "device_pages")
+            .is_err());
+        assert!(p1.iter().all(|&p| a.holder(p) == Some(r1)));
+        a.claim(&[&p1[..1], &p1[1..]], Expect::Holder(r1), "device_pages")
+            .unwrap();
+        assert!(p1.iter().all(|&p| a.holder(p) == Some(Holder::OWNER)));
+        // A bare list accepts any allocation's pages, not the owner's; a refusal restores each
+        // page's own holder.
+        let mixed = [p2[0], tree[1], p2[2]];
+        assert!(a
+            .claim(&[&mixed], Expect::AnyCaller, "device_pages")
+            .is_err());
+        assert_eq!(a.holder(p2[0]), Some(r2));
+        assert!(a.free_held(&p1, Expect::AnyCaller, "pages").is_err());
+        assert!(a.free_held(&p2, Expect::Holder(r1), "pages").is_err());
+        assert_eq!(raw(&p2).len(), 3);
+        a.free_held(&p2, Expect::Holder(r2), "pages").unwrap();
+        assert_eq!(a.free(&p2), Err(Error::DoubleFree { page: p2[0].raw() }));
+        // Evicted pages handed on to a new allocation.
+        let r3 = Holder::fresh();
+        a.hand_over(&tree, r3);
+        assert!(a.free(&tree).is_err(), "no longer the owner's");
+        a.free_held(&tree, Expect::Holder(r3), "pages").unwrap();
+        a.free(&p1).unwrap();
+        assert_eq!(a.used_count(), 0);
+        a.validate().unwrap();
+    }
+
+    #[test]
+    fn expect_nobody_accepts_no_page() {
+        let mut a = PageAllocator::new(4, 0).unwrap();
+        let r = Holder::fresh();
+        let mut p = Vec::new();
+        a.alloc_as(1, &mut p, r).unwrap();
+        assert!(a.claim(&[&p], Expect::Nobody, "device_pages").is_err());
+        a.claim(&[&[]], Expect::Nobody, "device_pages").unwrap();
+        assert_eq!(a.holder(p[0]), Some(r));
     }
 
     #[test]

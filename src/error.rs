@@ -57,6 +57,19 @@ pub enum Error {
         /// One past the last page.
         hi: u32,
     },
+    /// A call named a page its caller does not hold (a second owner would follow); nothing
+    /// changed.
+    #[error("{field}: page {page} is held by {held_by}; allowed: {allowed}")]
+    NotHeld {
+        /// The argument that named the page.
+        field: String,
+        /// The page.
+        page: u32,
+        /// Who holds it now.
+        held_by: String,
+        /// What the call accepts.
+        allowed: String,
+    },
     /// The directory could not find slots on a tier even after evicting every evictable object;
     /// nothing in the batch was applied.
     #[error(

@@ -201,6 +201,47 @@ class HiCacheMachine(RuleBasedStateMachine):
         self.submissions += len(self.c.flush())
         return self.c.stats()["in_flight"] > 0
 
+    @precondition(lambda self: self.seqs)
+    @rule(data=st.data(), kind=st.sampled_from(["tree_page", "stale", "twice"]))
+    def insert_pages_not_held(self, data, kind):
+        """An insert naming a page its caller does not hold (one of the tree's, a stale
+        allocation's, one named twice) is refused and changes nothing."""
+        seq = data.draw(st.sampled_from(self.seqs))
+        fresh_tokens = seq + 1000  # never inserted: every page would be new
+        n = len(seq) // PS
+        try:
+            fresh = self.c.alloc_device(n)
+        except sp.OutOfPagesError:
+            return  # everything else locked
+        given = fresh.pages.copy()
+        if kind == "tree_page":
+            m = self.c.match_prefix(seq)
+            if m.device_len == 0:
+                self.c.free_device(fresh)
+                return
+            given[-1] = m.device_pages[0]
+        elif kind == "stale":
+            self.c.free_device(fresh)
+            given = fresh  # the allocation itself, its pages handed back
+            try:
+                fresh = self.c.alloc_device(n)  # the same pages, another receipt
+            except sp.OutOfPagesError:
+                return
+        elif n > 1:
+            given[-1] = given[0]
+        else:
+            self.c.free_device(fresh)
+            return
+        books = self.c.stats()
+        try:
+            self.c.insert(fresh_tokens, given)
+        except sp.NotHeldError:
+            pass
+        else:
+            raise AssertionError(f"{kind}: an insert of pages not held was accepted")
+        assert self.c.stats() == books, "a refused insert changed the cache"
+        self.c.free_device(fresh)
+
     @rule()
     def flush(self):
         self.submissions += len(self.c.flush())

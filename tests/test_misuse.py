@@ -590,3 +590,132 @@ def test_selection_entries_below_minus_one_are_refused_not_skipped(dtype, bad):
     _, table = s.plan(0, [1, 2], np.array([[0, 1], [-1, 2]], dtype=dtype), 4)
     assert table[1][0] == -1
     s.validate()
+
+
+# ---- class 6: a page has one owner; an insert or a free names only pages its caller holds ----
+
+
+def _books(c):
+    """What a refused call must leave as it was."""
+    s = c.stats()
+    keys = ("nodes", "device_free", "device_in_tree", "device_outstanding", "device_locked")
+    return {k: s[k] for k in keys if k in s}
+
+
+def _refused(c, call, held_by):
+    before = _books(c)
+    with pytest.raises(st.NotHeldError) as e:
+        call()
+    assert e.value.field in ("device_pages", "pages"), e.value.field
+    assert held_by in e.value.held_by, e.value.held_by
+    assert _books(c) == before, "a refused call changed the cache"
+    c.validate()
+    return e.value
+
+
+def test_a_match_inserted_again_under_other_tokens_is_refused():
+    c = st.HiCache(1, 64)
+    a, b = np.arange(1, 9), np.arange(101, 109)
+    m = c.match_prefix(a, alloc=True)
+    c.insert(a, m, unlock=m.device_node)
+    _refused(c, lambda: c.insert(b, m), "the cache itself")
+    assert c.match_prefix(b).device_len == 0
+    assert c.evict_device(100) == 8, "each page is evicted once"
+    c.validate()
+
+
+def test_pages_the_tree_holds_are_refused_whole_or_mixed_in():
+    c = st.HiCache(1, 64)
+    a, b = np.arange(1, 9), np.arange(101, 109)
+    r = c.insert(a, c.alloc_device(8))
+    tree_pages = c.path_device_pages(r.last_node)
+    _refused(c, lambda: c.insert(b, tree_pages), "the cache itself")
+    fresh = c.alloc_device(8)
+    mixed = np.concatenate([fresh.pages[:7], tree_pages[3:4]])
+    _refused(c, lambda: c.insert(b, mixed), "the cache itself")
+    _refused(c, lambda: c.free_device(tree_pages), "the cache itself")
+    # The refused calls took nothing: the allocation is still whole and inserts.
+    c.insert(b, fresh)
+    assert c.match_prefix(b).device_len == 8
+    c.validate()
+
+
+def test_a_stale_allocation_is_refused_and_the_new_owner_keeps_its_pages():
+    c = st.HiCache(1, 8)
+    toks = np.arange(1, 5)
+    old = c.alloc_device(4)
+    c.free_device(old)
+    new = c.alloc_device(4)
+    assert sorted(new.tolist()) == sorted(old.tolist()), "the same pages, handed on"
+    assert new.receipt != old.receipt
+    _refused(c, lambda: c.insert(toks, old), "another allocation")
+    _refused(c, lambda: c.free_device(old), "another allocation")
+    # A match's new pages are its allocation's too.
+    c.free_device(new)
+    m = c.match_prefix(toks, alloc=True)
+    _refused(c, lambda: c.insert(toks, old), "another allocation")
+    c.free_device(m)
+    _refused(c, lambda: c.insert(toks, m), "no one")
+    c.unlock(m.device_node)
+    assert c.stats()["device_free"] == 8
+    c.validate()
+
+
+def test_pages_evicted_and_handed_on_leave_the_old_match():
+    c = st.HiCache(1, 8)
+    a, b = np.arange(1, 9), np.arange(101, 109)
+    m = c.match_prefix(a, alloc=True)
+    c.insert(a, m, unlock=m.device_node)
+    # All eight pages leave the tree for this allocation.
+    fresh = c.alloc_device(8)
+    assert sorted(fresh.tolist()) == sorted(m.pages.tolist())
+    _refused(c, lambda: c.insert(a, m), "another allocation")
+    c.insert(b, fresh)
+    c.validate()
+
+
+def test_a_page_named_twice_is_refused():
+    c = st.HiCache(1, 64)
+    fresh = c.alloc_device(4)
+    p = fresh.pages
+    twice = np.array([p[0], p[1], p[2], p[0]])
+    err = _refused(c, lambda: c.insert(np.arange(1, 5), twice), "named twice")
+    assert err.value == p[0]
+    with pytest.raises(st.AllocatorError):
+        c.free_device(twice)
+    c.insert(np.arange(1, 5), fresh)
+    c.validate()
+
+
+def test_another_caches_allocation_is_refused():
+    c, other = st.HiCache(1, 64), st.HiCache(1, 64)
+    theirs = other.alloc_device(4)
+    c.alloc_device(4)  # the same page numbers, held here by another allocation
+    _refused(c, lambda: c.insert(np.arange(1, 5), theirs), "another allocation")
+    _refused(c, lambda: c.free_device(theirs), "another allocation")
+    other.insert(np.arange(1, 5), theirs)
+    other.validate()
+
+
+def test_out_of_range_pages_are_refused_naming_the_range():
+    c = st.HiCache(1, 16, device_reserve=1)
+    err = _refused(c, lambda: c.insert(np.arange(1, 2), [9999]), "1 <= page < 16")
+    assert isinstance(err, ConfigError)
+    _refused(c, lambda: c.insert(np.arange(1, 2), [0]), "1 <= page < 16")
+
+
+def test_an_allocation_reads_as_an_array_of_its_pages():
+    import torch
+
+    c = st.HiCache(1, 64)
+    a = c.alloc_device(5)
+    assert len(a) == 5 and list(a) == a.tolist() == a.pages.tolist()
+    assert np.asarray(a).dtype == np.int64
+    assert np.asarray(a, dtype=np.int32).tolist() == a.tolist()
+    assert torch.as_tensor(a).tolist() == a.tolist()
+    assert a[1] == a.pages[1] and a[1:3].tolist() == a.tolist()[1:3]
+    # Writing into a view changes the view only: the cache takes the pages it handed out.
+    a.pages[0] = 63
+    c.insert(np.arange(1, 6), a)
+    assert 63 not in c.match_prefix(np.arange(1, 6)).device_pages.tolist()
+    c.validate()

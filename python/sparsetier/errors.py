@@ -72,6 +72,16 @@ class AllocatorError(SparsetierError, ValueError):
     allowed: str
 
 
+class NotHeldError(AllocatorError, ConfigError):  # type: ignore[misc]  # value: the page (int)
+    """A call named a page its caller does not hold: a page the cache already owns, a free
+    page, or a page of another allocation (a stale list, a match inserted twice). Nothing
+    changed. Attributes: ``field``, ``value`` (the page), ``allowed``, ``held_by``. It is a
+    ``ConfigError`` too, which is what such pages raised before receipts.
+    """
+
+    held_by: str
+
+
 class InvariantError(SparsetierError, AssertionError):
     """An internal invariant is broken: a bug in sparsetier, never a user error."""
 
@@ -235,6 +245,7 @@ __all__ = [
     "InvariantError",
     "KeyExistsError",
     "NamespaceDroppedError",
+    "NotHeldError",
     "NotLockedError",
     "NotResidentError",
     "OutOfPagesError",

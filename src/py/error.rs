@@ -103,6 +103,16 @@ fn fill(d: &Bound<'_, PyDict>, err: &Error) -> PyResult<&'static str> {
             field_value_allowed(d, "pages", page, format!("{lo} <= page < {hi}"))?;
             "AllocatorError"
         }
+        Error::NotHeld {
+            field,
+            page,
+            held_by,
+            allowed,
+        } => {
+            field_value_allowed(d, field, page, allowed)?;
+            d.set_item("held_by", held_by)?;
+            "NotHeldError"
+        }
         Error::NotResident { key } => {
             d.set_item("key", key)?;
             "NotResidentError"

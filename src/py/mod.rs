@@ -11,6 +11,7 @@ mod directory;
 mod error;
 mod lock;
 mod offload;
+mod page_allocation;
 mod plan;
 mod pool;
 mod prefix_result;
@@ -50,6 +51,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<radix::PyHiCache>()?;
     m.add_class::<prefix_result::PyPrefixMatch>()?;
     m.add_class::<prefix_result::PyPrefixInsert>()?;
+    m.add_class::<page_allocation::PyPageAllocation>()?;
     m.add_function(wrap_pyfunction!(radix::_bench_serve, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::compile_cuda_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::kernel_cubin, m)?)?;

@@ -4,7 +4,7 @@
 //! copy per access). `insert(tokens, match)` takes the match's pages without any array. Both
 //! also answer `result["field"]` as the dicts they replace did.
 
-use crate::alloc::FreeStamp;
+use crate::alloc::{Holder, Stamp};
 use crate::ids::PageId;
 use crate::py::error::contained;
 use numpy::ndarray::{s, Array1};
@@ -15,7 +15,7 @@ use pyo3::types::PyDict;
 use std::sync::OnceLock;
 
 /// A numpy view of `pages[range]` kept alive by `owner`.
-fn view<'py>(
+pub fn view<'py>(
     owner: &Bound<'py, PyAny>,
     pages: &Array1<i64>,
     range: std::ops::Range<usize>,
@@ -28,7 +28,7 @@ fn view<'py>(
     unsafe { PyArray1::borrow_from_array(&part, owner.clone()) }
 }
 
-fn to_i64(pages: impl IntoIterator<Item = PageId>) -> Array1<i64> {
+pub fn to_i64(pages: impl IntoIterator<Item = PageId>) -> Array1<i64> {
     pages.into_iter().map(|p| i64::from(p.raw())).collect()
 }
 
@@ -46,22 +46,24 @@ pub struct PyPrefixMatch {
     /// Device pages of the match, then (with `alloc`) the new pages for the rest.
     pages: Vec<PageId>,
     n_device: usize,
-    allocated: bool,
-    /// The device allocator when the match was made: `insert` skips checking `pages` while it
-    /// is unchanged (all of them were allocated then).
-    stamp: FreeStamp,
+    /// The receipt of the new pages (with `alloc`): `insert` and `free_device` take those
+    /// pages only while this allocation still holds them.
+    receipt: Option<Holder>,
+    /// The device allocator right after the allocation: while it holds, `insert` takes the
+    /// new pages without reading them one by one.
+    stamp: Stamp,
     /// `pages` as int64, made on the first access from Python.
     wide: OnceLock<Array1<i64>>,
 }
 
 impl PyPrefixMatch {
-    /// A match whose `device_pages` hold its `n_device` matched pages, then (when `allocated`)
-    /// the new ones.
+    /// A match whose `device_pages` hold its `n_device` matched pages, then (with a
+    /// `receipt`) the new ones.
     pub fn new(
         m: crate::radix::MatchResult,
         n_device: usize,
-        allocated: bool,
-        stamp: FreeStamp,
+        receipt: Option<Holder>,
+        stamp: Stamp,
     ) -> PyPrefixMatch {
         let pages = m.device_pages;
         PyPrefixMatch {
@@ -71,7 +73,7 @@ impl PyPrefixMatch {
             last_node: m.last_node.raw(),
             pages,
             n_device,
-            allocated,
+            receipt,
             stamp,
             wide: OnceLock::new(),
         }
@@ -83,9 +85,19 @@ impl PyPrefixMatch {
         &self.pages
     }
 
-    /// The device allocator's stamp when the match (and its allocation) was made.
-    pub fn stamp(&self) -> FreeStamp {
-        self.stamp
+    /// The receipt of the new pages, if the match allocated any.
+    pub fn holder(&self) -> Option<Holder> {
+        self.receipt
+    }
+
+    /// The allocator's stamp after the allocation, and where the new pages start.
+    pub fn fresh(&self) -> (Stamp, usize) {
+        (self.stamp, self.n_device)
+    }
+
+    /// The new pages (empty without `alloc`).
+    pub fn new_page_ids(&self) -> &[PageId] {
+        &self.pages[self.n_device..]
     }
 
     fn wide(&self) -> &Array1<i64> {
@@ -106,7 +118,8 @@ impl PyPrefixMatch {
     #[getter]
     fn new_pages<'py>(slf: &Bound<'py, Self>) -> Option<Bound<'py, PyArray1<i64>>> {
         let me = slf.get();
-        me.allocated
+        me.receipt
+            .is_some()
             .then(|| view(slf.as_any(), me.wide(), me.n_device..me.pages.len()))
     }
 
@@ -128,7 +141,9 @@ impl PyPrefixMatch {
                 "device_node" => me.device_node.into_pyobject(py)?.into_any(),
                 "last_node" => me.last_node.into_pyobject(py)?.into_any(),
                 "device_pages" => Self::device_pages(slf).into_any(),
-                "new_pages" if me.allocated => Self::new_pages(slf).into_pyobject(py)?.into_any(),
+                "new_pages" if me.receipt.is_some() => {
+                    Self::new_pages(slf).into_pyobject(py)?.into_any()
+                }
                 _ => return Err(PyKeyError::new_err(key.to_owned())),
             })
         })
@@ -138,7 +153,7 @@ impl PyPrefixMatch {
         matches!(
             key,
             "device_len" | "host_len" | "device_node" | "last_node" | "device_pages"
-        ) || (key == "new_pages" && self.allocated)
+        ) || (key == "new_pages" && self.receipt.is_some())
     }
 
     /// The fields as a dict (what `match_prefix` returned before).
@@ -154,7 +169,7 @@ impl PyPrefixMatch {
             ] {
                 d.set_item(k, Self::__getitem__(slf, k)?)?;
             }
-            if slf.get().allocated {
+            if slf.get().receipt.is_some() {
                 d.set_item("new_pages", Self::__getitem__(slf, "new_pages")?)?;
             }
             Ok(d)

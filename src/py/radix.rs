@@ -4,6 +4,7 @@
 //! int64 arrays, node ids as ints (stale ids raise instead of aliasing). The cache keeps the
 //! pool tensors alive and, when dropped, waits for its transfers before letting them go.
 
+use crate::alloc::Expect;
 use crate::config::HitPolicy;
 use crate::error::Error;
 use crate::guard::Guarded;
@@ -12,6 +13,7 @@ use crate::py::alloc::{page_array, page_ids};
 use crate::py::args::{int, opt_int, unsigned};
 use crate::py::error::{contained, to_py, IntoPyResult};
 use crate::py::lock::Unblocked;
+use crate::py::page_allocation::PyPageAllocation;
 use crate::py::prefix_result::{PyPrefixInsert, PyPrefixMatch};
 use crate::py::stats::Stats;
 use crate::py::tokens::{with_lookup, with_tokens, Lookup};
@@ -258,29 +260,32 @@ impl PyHiCache {
                     c.lock(m.device_node)?;
                 }
                 let n_device = m.device_pages.len();
+                let mut receipt = None;
                 if alloc {
                     // The new pages go after the matched ones, in the match's own array.
                     let ps = c.tree().page_size();
-                    if let Err(e) =
-                        c.alloc_device_into(n / ps - m.device_len / ps, &mut m.device_pages)
-                    {
-                        c.unlock(m.device_node)?;
-                        return Err(e);
+                    match c.alloc_device_into(n / ps - m.device_len / ps, &mut m.device_pages) {
+                        Ok(r) => receipt = Some(r),
+                        Err(e) => {
+                            c.unlock(m.device_node)?;
+                            return Err(e);
+                        }
                     }
                 }
-                Ok(PyPrefixMatch::new(m, n_device, alloc, c.device_stamp()))
+                Ok(PyPrefixMatch::new(m, n_device, receipt, c.device_stamp()))
             })
         })
     }
 
     /// Inserts `tokens` with one device page per whole page (fresh pages from
-    /// `alloc_device`, or the matched path's own pages for the prefix): `device_pages` is an
-    /// array of page ids, or the `PrefixMatch` of `match_prefix(..., alloc=True)` (its pages,
-    /// without building an array; checked page by page only if a device page was freed since
-    /// the match). Duplicates are freed here; write-through backups are
-    /// queued. With `lock`, the new path is locked; `unlock` names a node to unlock in the same
-    /// call (the match's lock). Returns a `PrefixInsert` (`prefix_len`, `duplicates`,
-    /// `last_node`).
+    /// `alloc_device`, or the matched path's own pages for the prefix). `device_pages` is the
+    /// `PrefixMatch` of `match_prefix(..., alloc=True)` or the `PageAllocation` of
+    /// `alloc_device` (their pages, without building an array; every page not the tree's own
+    /// at its position must still be that allocation's), or an array of page ids (each such
+    /// page must be held by some allocation). Anything else is `NotHeldError` before anything
+    /// changes. Duplicates are freed here; write-through backups are queued. With `lock`, the
+    /// new path is locked; `unlock` names a node to unlock in the same call (the match's
+    /// lock). Returns a `PrefixInsert` (`prefix_len`, `duplicates`, `last_node`).
     #[pyo3(signature = (tokens, device_pages, namespace=None, *, lock=false, unlock=None))]
     fn insert(
         &self,
@@ -293,12 +298,20 @@ impl PyHiCache {
         let py = tokens.py();
         // A match's pages are borrowed (a frozen result: they cannot change), an array's read.
         let given: Vec<PageId>;
-        let (pages, stamp): (&[PageId], _) = match device_pages.cast::<PyPrefixMatch>() {
-            Ok(m) => (m.get().page_ids(), Some(m.get().stamp())),
-            Err(_) => {
-                given = page_ids(device_pages, "device_pages")?;
-                (&given, None)
-            }
+        let (pages, expect, fresh) = if let Ok(m) = device_pages.cast::<PyPrefixMatch>() {
+            let m = m.get();
+            let expect = m.holder().map_or(Expect::Nobody, Expect::Holder);
+            (m.page_ids(), expect, Some(m.fresh()))
+        } else if let Ok(a) = device_pages.cast::<PyPageAllocation>() {
+            let a = a.get();
+            (
+                a.page_ids(),
+                Expect::Holder(a.holder()),
+                Some((a.stamp(), 0)),
+            )
+        } else {
+            given = page_ids(device_pages, "device_pages")?;
+            (&given[..], Expect::AnyCaller, None)
         };
         let ns = self::namespace(namespace)?;
         let unlock = unlock.map(node).transpose()?;
@@ -311,8 +324,8 @@ impl PyHiCache {
                     c.unlock(u)?;
                 }
                 let r = match t {
-                    Lookup::U32(t) => c.insert_stamped(ns, t, pages, stamp, lock),
-                    Lookup::I64(t) => c.insert_stamped(ns, t, pages, stamp, lock),
+                    Lookup::U32(t) => c.insert_held(ns, t, pages, expect, fresh, lock),
+                    Lookup::I64(t) => c.insert_held(ns, t, pages, expect, fresh, lock),
                 };
                 match r {
                     Ok(r) => Ok(PyPrefixInsert::new(&r)),
@@ -327,20 +340,48 @@ impl PyHiCache {
         })
     }
 
-    /// `n` device pages for a request (evicting LRU device leaves if needed), all or nothing.
-    fn alloc_device<'py>(&self, n: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    /// `n` device pages for a request (evicting LRU device leaves if needed), all or nothing:
+    /// a `PageAllocation` (its pages, as an array too, and the receipt that names them).
+    fn alloc_device(&self, n: &Bound<'_, PyAny>) -> PyResult<PyPageAllocation> {
         let py = n.py();
         let v = int(n, "n")?;
         let n =
             usize::try_from(v).map_err(|_| to_py(py, Error::config("n", v, "an integer >= 0")))?;
-        let pages = self.inner.run_py(py, |c| c.alloc_device(n))?;
-        Ok(page_array(py, &pages))
+        self.inner.run_py(py, |c| {
+            let mut pages = Vec::new();
+            let receipt = c.alloc_device_into(n, &mut pages)?;
+            Ok(PyPageAllocation::new(pages, receipt, c.device_stamp()))
+        })
     }
 
-    /// Returns pages from `alloc_device` that were not inserted.
+    /// Returns pages that were not inserted: a `PageAllocation` (all its pages), the
+    /// `PrefixMatch` of `match_prefix(..., alloc=True)` (its new pages; unlock its node
+    /// apart), or an array of pages from allocations. A page its caller does not hold (the
+    /// cache's, a free one, another allocation's) is `NotHeldError`, and nothing is freed.
     fn free_device(&self, pages: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = pages.py();
+        if let Ok(m) = pages.cast::<PyPrefixMatch>() {
+            let m = m.get();
+            let Some(r) = m.holder() else {
+                let why =
+                    "a PrefixMatch from match_prefix(alloc=True), a PageAllocation or an array";
+                return Err(to_py(
+                    py,
+                    Error::config("pages", "a match without new pages", why),
+                ));
+            };
+            return self.inner.run_py(py, |c| {
+                c.free_device_held(m.new_page_ids(), Expect::Holder(r))
+            });
+        }
+        if let Ok(a) = pages.cast::<PyPageAllocation>() {
+            let a = a.get();
+            return self.inner.run_py(py, |c| {
+                c.free_device_held(a.page_ids(), Expect::Holder(a.holder()))
+            });
+        }
         let p: Vec<PageId> = page_ids(pages, "pages")?;
-        self.inner.run_py(pages.py(), |c| c.free_device(&p))
+        self.inner.run_py(py, |c| c.free_device(&p))
     }
 
     /// Removes a namespace (a retired model version) and frees its pages on both tiers;

@@ -18,7 +18,7 @@
 
 use super::storage::StorageTier;
 use super::tree::{InsertResult, MatchResult, NodeId, RadixTree};
-use crate::alloc::{FreeStamp, PageAllocator};
+use crate::alloc::{Expect, Holder, PageAllocator, Stamp};
 use crate::config::HitPolicy;
 use crate::error::{Error, Result};
 use crate::ids::PageId;
@@ -276,8 +276,17 @@ impl HiCache {
     }
 
     /// [`Self::alloc_device`], appending the pages to `out` (a match's own pages: no second
-    /// array); on an error `out` is as it was.
-    pub fn alloc_device_into(&mut self, n: usize, out: &mut Vec<PageId>) -> Result<()> {
+    /// array); on an error `out` is as it was. Returns the allocation's receipt: an insert or
+    /// free that names it takes only these pages.
+    pub fn alloc_device_into(&mut self, n: usize, out: &mut Vec<PageId>) -> Result<Holder> {
+        let receipt = Holder::fresh();
+        self.alloc_device_as(n, out, receipt)?;
+        Ok(receipt)
+    }
+
+    /// [`Self::alloc_device_into`] for `holder` (the tree's own restores take
+    /// [`Holder::OWNER`]).
+    fn alloc_device_as(&mut self, n: usize, out: &mut Vec<PageId>, holder: Holder) -> Result<()> {
         if self.failing_allocs > 0 {
             self.failing_allocs -= 1;
             return Err(Error::OutOfPages {
@@ -309,23 +318,28 @@ impl HiCache {
                 let k = freed.len().min(n);
                 let spare = freed.split_off(k);
                 self.device.free(&spare).expect("tree pages are allocated");
-                self.device.hand_on(&freed);
+                self.device.hand_over(&freed, holder);
                 out.extend_from_slice(&freed);
                 self.device
-                    .alloc_into(n - k, out)
+                    .alloc_as(n - k, out, holder)
                     .expect("checked: enough pages free");
                 self.outstanding += n;
                 return Ok(());
             }
             self.device.free(&freed).expect("tree pages are allocated");
         }
-        self.device.alloc_into(n, out)?;
+        self.device.alloc_as(n, out, holder)?;
         self.outstanding += n;
         Ok(())
     }
 
-    /// Returns pages from `alloc_device` that were not inserted.
+    /// Returns pages from `alloc_device` that were not inserted (any allocation's).
     pub fn free_device(&mut self, pages: &[PageId]) -> Result<()> {
+        self.free_device_held(pages, Expect::AnyCaller)
+    }
+
+    /// [`Self::free_device`] of pages `expect` accepts (an allocation's, by its receipt).
+    pub fn free_device_held(&mut self, pages: &[PageId], expect: Expect) -> Result<()> {
         if pages.len() > self.outstanding {
             return Err(Error::config(
                 "pages",
@@ -336,7 +350,7 @@ impl HiCache {
                 ),
             ));
         }
-        self.device.free(pages)?;
+        self.device.free_held(pages, expect, "pages")?;
         self.outstanding -= pages.len();
         Ok(())
     }
@@ -376,7 +390,10 @@ impl HiCache {
             let freed = self.evict_host_tree(short)?;
             self.release_host(freed);
         }
-        let pages = self.host.as_mut().expect("checked").alloc(n)?;
+        let h = self.host.as_mut().expect("checked");
+        let receipt = Holder::fresh();
+        let mut pages = Vec::with_capacity(n);
+        h.alloc_as(n, &mut pages, receipt)?;
         self.outstanding_host += n;
         Ok(pages)
     }
@@ -396,7 +413,7 @@ impl HiCache {
         self.host
             .as_mut()
             .expect("outstanding pages imply a host tier")
-            .free(pages)?;
+            .free_held(pages, Expect::AnyCaller, "host_pages")?;
         self.outstanding_host -= pages.len();
         Ok(())
     }
@@ -418,27 +435,25 @@ impl HiCache {
         pages: &[PageId],
         host_pages: &[PageId],
     ) -> Result<(InsertResult, Vec<PageId>)> {
-        if let Some(p) = self.device.first_unallocated(pages) {
-            return Err(Error::config(
-                "device_pages",
-                p.raw(),
-                "pages from alloc_device (or the matched path's own pages)",
-            ));
-        }
         let host = self
             .host
             .as_ref()
             .ok_or_else(|| Error::config("host_pages", 0, "a HiCache with a host tier"))?;
-        if let Some(p) = host.first_unallocated(host_pages) {
-            return Err(Error::config(
-                "host_pages",
-                p.raw(),
-                "pages from alloc_host (or the matched path's own pages)",
-            ));
+        if let Some(&p) = host_pages.iter().find(|&&p| !host.is_allocated(p)) {
+            return Err(host.not_held("host_pages", p, Expect::AnyCaller));
         }
-        let (r, spare, taken) = self.tree.insert_with_host(ns, tokens, pages, host_pages)?;
+        let device = &mut self.device;
+        let (r, spare, taken) =
+            self.tree
+                .insert_with_host(ns, tokens, pages, host_pages, |path, leaf| {
+                    device.claim(&[path, leaf], Expect::AnyCaller, "device_pages")
+                })?;
         self.outstanding = self.outstanding.saturating_sub(pages.len() - r.own);
-        self.outstanding_host -= taken;
+        self.outstanding_host -= taken.len();
+        self.host
+            .as_mut()
+            .expect("checked")
+            .hand_over(&taken, Holder::OWNER);
         self.device
             .free(&r.duplicates)
             .expect("duplicates were allocated");
@@ -490,42 +505,43 @@ impl HiCache {
         tokens: &[T],
         pages: &[PageId],
     ) -> Result<InsertResult> {
-        self.insert_stamped(ns, tokens, pages, None, false)
+        self.insert_held(ns, tokens, pages, Expect::AnyCaller, None, false)
     }
 
-    /// The device allocator's stamp: pages that are all allocated now (a match's and its new
-    /// ones) still are while [`Self::insert_stamped`] finds the same stamp.
-    pub fn device_stamp(&self) -> FreeStamp {
+    /// The device allocator's stamp: read after an allocation, it lets
+    /// [`Self::insert_held`] take that allocation's pages unread while it holds.
+    pub fn device_stamp(&self) -> Stamp {
         self.device.stamp()
     }
 
-    /// [`Self::insert`] of pages that were all allocated when `stamp` was taken: while no
-    /// device page has been freed since, they need no check one by one (a page-1 prompt's
-    /// thousands of pages, each a read in the allocator's flags). With `lock`, the inserted
-    /// path comes back locked (as `lock(last_node)`; not locked on an error).
-    pub fn insert_stamped<T: super::tree::TokenId>(
+    /// [`Self::insert`] where every given page the tree does not already hold at its position
+    /// must be held as `expect` says (an allocation's receipt): a page the tree holds
+    /// elsewhere, a free page or another allocation's is [`Error::NotHeld`], before anything
+    /// changes. With `fresh = (stamp, first)`, `pages[first..]` are the pages the allocation
+    /// named by `expect` was given, and `stamp` was read after it: while the stamp holds, those
+    /// of them that make the new leaf are taken unread. With `lock`, the inserted path comes
+    /// back locked (as `lock(last_node)`; not locked on an error).
+    pub fn insert_held<T: super::tree::TokenId>(
         &mut self,
         ns: u32,
         tokens: &[T],
         pages: &[PageId],
-        stamp: Option<FreeStamp>,
+        expect: Expect,
+        fresh: Option<(Stamp, usize)>,
         lock: bool,
     ) -> Result<InsertResult> {
-        let trusted = stamp.is_some_and(|s| self.device.unchanged_since(s));
-        debug_assert!(!trusted || self.device.first_unallocated(pages).is_none());
-        let unallocated = if trusted {
-            None
-        } else {
-            self.device.first_unallocated(pages)
-        };
-        if let Some(p) = unallocated {
-            return Err(Error::config(
-                "device_pages",
-                p.raw(),
-                "pages from alloc_device (or the matched path's own pages)",
-            ));
-        }
-        let r = self.tree.insert_locked(ns, tokens, pages, lock)?;
+        let device = &mut self.device;
+        let n = pages.len();
+        let r = self
+            .tree
+            .insert_claimed(ns, tokens, pages, lock, |path, leaf| {
+                match (expect, fresh) {
+                    (Expect::Holder(r), Some((stamp, first))) if n - leaf.len() >= first => {
+                        device.claim_fresh(path, leaf, r, stamp, "device_pages")
+                    }
+                    _ => device.claim(&[path, leaf], expect, "device_pages"),
+                }
+            })?;
         self.outstanding = self.outstanding.saturating_sub(pages.len() - r.own);
         self.device
             .free(&r.duplicates)
@@ -605,7 +621,10 @@ impl HiCache {
             * self.tree.page_size();
         // Keep the prefix from eviction while we make room for it.
         self.tree.lock(node)?;
-        let got = self.alloc_device(need);
+        let mut fresh = Vec::with_capacity(need);
+        let got = self
+            .alloc_device_as(need, &mut fresh, Holder::OWNER)
+            .map(|()| fresh);
         self.tree.unlock(node)?;
         let pages = match got {
             Ok(p) => p,

@@ -110,6 +110,16 @@ impl Node {
 /// A walk's nodes: a path is a few nodes deep, so it lives on the stack.
 type Path = smallvec::SmallVec<[usize; 8]>;
 
+/// Where a walk of some tokens ends, found without changing the tree.
+struct Descent {
+    /// Nodes matched in full, root first.
+    path: Path,
+    /// The node where the match ends inside, and its pages matched (the walk splits it there).
+    split: Option<(usize, usize)>,
+    /// Tokens matched, the split node's included.
+    pos: usize,
+}
+
 /// What `match_prefix` found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MatchResult {
@@ -496,41 +506,94 @@ impl RadixTree {
     /// ends inside it. Returns the path's nodes and the tokens they cover. The caller touches
     /// the path.
     fn walk<T: TokenId>(&mut self, ns: u32, tokens: &[T]) -> (Path, usize) {
+        let found = self.descend(ns, tokens);
+        self.take_path(ns, found)
+    }
+
+    /// The path of `tokens` (whole pages only) as it stands, changing nothing (no split, no
+    /// root made): see [`Descent`].
+    fn descend<T: TokenId>(&self, ns: u32, tokens: &[T]) -> Descent {
         let ps = self.page_size;
         let len = tokens.len() / ps * ps;
-        let mut node = self.root(ns);
-        let mut path = Path::new();
-        let mut pos = 0;
-        while pos < len {
-            let Some(child) = self.find_child(node, &tokens[pos..pos + ps]) else {
+        let mut d = Descent {
+            path: Path::new(),
+            split: None,
+            pos: 0,
+        };
+        let Some(&root) = self.roots.get(&ns) else {
+            return d;
+        };
+        let mut node = root;
+        while d.pos < len {
+            let Some(child) = self.find_child(node, &tokens[d.pos..d.pos + ps]) else {
                 break;
             };
             let key = &self.nodes[child].key;
             let node_len = key.len();
-            let max_pages = node_len.min(len - pos) / ps;
+            let max_pages = node_len.min(len - d.pos) / ps;
             // First differing token, rounded down to whole pages (the first page matched: it
             // is the child's key).
             let limit = max_pages * ps;
-            let common = T::common_prefix(&key[..limit], &tokens[pos..pos + limit]);
+            let common = T::common_prefix(&key[..limit], &tokens[d.pos..d.pos + limit]);
             let same = (common / ps).max(1);
-            let matched = same * ps;
-            let target = if matched < node_len {
-                // Touched before the split, as SGLang does: the tail keeps this access. (The
-                // callers touch the whole path afterwards, in order: nothing else is touched
-                // here.)
-                self.touch(child);
-                self.split(child, same)
-            } else {
-                child
-            };
-            path.push(target);
-            pos += matched;
-            node = target;
-            if matched < node_len {
+            d.pos += same * ps;
+            if same * ps < node_len {
+                d.split = Some((child, same));
                 break;
             }
+            d.path.push(child);
+            node = child;
         }
-        (path, pos)
+        d
+    }
+
+    /// Makes a descent's path real: the namespace's root, and the split of its last node.
+    /// Returns the path's nodes and the tokens they cover.
+    fn take_path(&mut self, ns: u32, d: Descent) -> (Path, usize) {
+        self.root(ns);
+        let mut path = d.path;
+        if let Some((child, same)) = d.split {
+            // Touched before the split, as SGLang does: the tail keeps this access. (The
+            // callers touch the whole path afterwards, in order: nothing else is touched here.)
+            self.touch(child);
+            path.push(self.split(child, same));
+        }
+        (path, d.pos)
+    }
+
+    /// The given pages on a descent's path that the tree does not hold at their positions:
+    /// those at positions on the device under other pages (duplicates) first, then those for
+    /// host-only nodes. Returns them, how many are duplicates, and how many given pages are
+    /// the tree's own at their positions.
+    fn foreign_pages(&self, d: &Descent, pages: &[PageId]) -> (Vec<PageId>, usize, usize) {
+        let ps = self.page_size;
+        let (mut foreign, mut off_device) = (Vec::new(), Vec::new());
+        let mut own = 0;
+        let mut at = 0;
+        let split = d.split.map(|(idx, same)| (idx, same * ps));
+        let nodes = d.path.iter().map(|&idx| (idx, self.nodes[idx].key.len()));
+        for (idx, len) in nodes.chain(split) {
+            let n = &self.nodes[idx];
+            let given = &pages[at..at + len / ps];
+            if !n.on_device() {
+                off_device.extend_from_slice(given);
+            } else if given == &n.device[..given.len()] {
+                // The pages of a matched path usually come back as they are.
+                own += given.len();
+            } else {
+                for (g, mine) in given.iter().zip(&n.device) {
+                    if g == mine {
+                        own += 1;
+                    } else {
+                        foreign.push(*g);
+                    }
+                }
+            }
+            at += given.len();
+        }
+        let n_dup = foreign.len();
+        foreign.append(&mut off_device);
+        (foreign, n_dup, own)
     }
 
     /// The longest cached prefix of `tokens` in namespace `ns`: its device part, then the part
@@ -607,6 +670,21 @@ impl RadixTree {
         pages: &[PageId],
         lock: bool,
     ) -> Result<InsertResult> {
+        self.insert_claimed(ns, tokens, pages, lock, |_, _| Ok(()))
+    }
+
+    /// [`Self::insert_locked`] that first shows `claim` the given pages the tree does not
+    /// already hold at their position: those on the matched path (duplicates, and pages for
+    /// host-only nodes), then the new leaf's. An error from `claim` is returned with the tree
+    /// as it was (the page allocator refuses pages their caller does not hold there).
+    pub fn insert_claimed<T: TokenId>(
+        &mut self,
+        ns: u32,
+        tokens: &[T],
+        pages: &[PageId],
+        lock: bool,
+        claim: impl FnOnce(&[PageId], &[PageId]) -> Result<()>,
+    ) -> Result<InsertResult> {
         let ps = self.page_size;
         let n_pages = tokens.len() / ps;
         if pages.len() != n_pages {
@@ -619,11 +697,16 @@ impl RadixTree {
                 ),
             ));
         }
-        let (path, pos) = self.walk(ns, &tokens[..n_pages * ps]);
-        // The new part as the tree stores it, before anything changes (the walk's splits
-        // leave an equivalent tree).
+        let tokens = &tokens[..n_pages * ps];
+        // Everything that can refuse the insert runs before anything changes: the new part
+        // as the tree stores it (every value a token id), then the claim of the given pages.
+        let found = self.descend(ns, tokens);
+        let pos = found.pos;
         let mut suffix = Vec::with_capacity(n_pages * ps - pos);
-        T::extend_ids(&tokens[pos..n_pages * ps], &mut suffix)?;
+        T::extend_ids(&tokens[pos..], &mut suffix)?;
+        let (foreign, n_dup, own) = self.foreign_pages(&found, pages);
+        claim(&foreign, &pages[pos / ps..])?;
+        let (path, _) = self.take_path(ns, found);
         let mut last = match path.last() {
             Some(&l) => l,
             None => self.root(ns),
@@ -636,23 +719,14 @@ impl RadixTree {
         if locks_last && self.nodes[last].parent != NIL {
             self.nodes[last].own_locks += 1;
         }
-        let mut duplicates = Vec::new();
-        let mut own = 0;
+        let mut duplicates = foreign;
+        duplicates.truncate(n_dup);
         let mut needs_backup = Vec::new();
         let mut at = 0; // page index into `pages`
         for &idx in &path {
             let k = self.nodes[idx].key.len() / ps;
-            let given = &pages[at..at + k];
-            if self.nodes[idx].on_device() {
-                for (g, mine) in given.iter().zip(&self.nodes[idx].device) {
-                    if g == mine {
-                        own += 1;
-                    } else {
-                        duplicates.push(*g);
-                    }
-                }
-            } else {
-                self.set_device(idx, given.to_vec());
+            if !self.nodes[idx].on_device() {
+                self.set_device(idx, pages[at..at + k].to_vec());
             }
             if self.nodes[idx].host == HostCopy::None && self.nodes[idx].loading.is_none() {
                 needs_backup.push(self.id(idx));
@@ -685,15 +759,16 @@ impl RadixTree {
     /// a request's main KV was written through layer by layer, its Indexer-K at its end):
     /// every node of the path without a host copy takes the given host pages as Ready, so
     /// nothing is queued for backup. Returns the insert, the given host pages the tree did not
-    /// take (positions that already had another host copy: the caller frees those) and how
-    /// many given host pages it took.
+    /// take (positions that already had another host copy: the caller frees those) and the
+    /// given host pages it took. `claim` sees the device pages as in [`Self::insert_claimed`].
     pub fn insert_with_host(
         &mut self,
         ns: u32,
         tokens: &[u32],
         pages: &[PageId],
         host_pages: &[PageId],
-    ) -> Result<(InsertResult, Vec<PageId>, usize)> {
+        claim: impl FnOnce(&[PageId], &[PageId]) -> Result<()>,
+    ) -> Result<(InsertResult, Vec<PageId>, Vec<PageId>)> {
         if host_pages.len() != pages.len() {
             return Err(Error::config(
                 "host_pages",
@@ -701,7 +776,7 @@ impl RadixTree {
                 format!("{}: one per device page", pages.len()),
             ));
         }
-        let mut r = self.insert(ns, tokens, pages)?;
+        let mut r = self.insert_claimed(ns, tokens, pages, false, claim)?;
         let mut path = Vec::new();
         let mut idx = self.resolve(r.last_node)?;
         while self.nodes[idx].parent != NIL {
@@ -711,7 +786,7 @@ impl RadixTree {
         path.reverse();
         let ps = self.page_size;
         let mut spare = Vec::new();
-        let mut taken = 0;
+        let mut taken = Vec::new();
         let mut at = 0;
         for idx in path {
             let k = self.nodes[idx].key.len() / ps;
@@ -722,7 +797,7 @@ impl RadixTree {
                 n.host_pages = given.to_vec();
                 n.host = HostCopy::Ready;
                 self.refresh(idx);
-                taken += k;
+                taken.extend_from_slice(given);
             } else {
                 let mine = &self.nodes[idx].host_pages;
                 spare.extend(
