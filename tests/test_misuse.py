@@ -321,6 +321,137 @@ def test_swapped_page_files_are_misses_not_each_others_data(tmp_path):
     s.storage.close()
 
 
+def _page_file(root, key):
+    return root / key[:2] / f"{key}.page"
+
+
+def _in_thread(call):
+    """Runs `call` in a thread; fails the test if it has not ended after HANG seconds."""
+    out: dict = {}
+    th = threading.Thread(target=lambda: out.update(r=call()), daemon=True)
+    th.start()
+    th.join(HANG)
+    assert not th.is_alive(), "the call hangs"
+    return out["r"]
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink_loop", "truncated", "empty"])
+def test_a_page_file_that_is_not_a_page_is_a_counted_miss(tmp_path, kind):
+    """What sits where a stored page was (a FIFO, which a plain open would wait on forever, a
+    directory, a symlink loop, a cut or empty file) is a miss counted by the store, never a
+    hang or data; the pages before it come back, and the page is written again later."""
+    import os
+
+    from l3_support import PS, insert, push_to_l3, restore, same, tokens
+
+    s = _l3_stack(tmp_path)
+    t = tokens(4 * PS, seed=21)
+    want = insert(s, t, "index")
+    push_to_l3(s)
+    path = _page_file(tmp_path, s.hicache.storage_keys(t)[2])
+    raw = path.read_bytes()
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "symlink_loop":
+        path.symlink_to(path.name)
+    elif kind == "truncated":
+        path.write_bytes(raw[: len(raw) // 2])
+    else:
+        path.write_bytes(b"")
+    b = s.storage.backend
+    corrupt = b.corrupt
+    n, got = _in_thread(lambda: restore(s, t))
+    assert n == 2, "the pages before the bad one come back, nothing after it"
+    for comp in want:
+        assert same({comp: got[comp]}, {comp: want[comp][:, :, :2]})
+    if kind in ("truncated", "empty"):
+        assert b.corrupt == corrupt + 1, "the bad object is counted"
+    # A bad object is removed (to be written again); what is not a regular file never counts
+    # as a stored page.
+    assert b.exists([s.hicache.storage_keys(t)[2]]) == [False]
+    assert s.hicache.storage_stats()["online"], "one bad page is not the store going away"
+    s.hicache.validate()
+    s.storage.close()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "symlink_loop"])
+def test_reading_a_page_that_is_not_a_regular_file_never_blocks(tmp_path, kind):
+    """The backend read itself, where the object turned into a FIFO, a directory or a symlink
+    loop after it was found: a counted miss at once."""
+    import ctypes
+    import os
+
+    from sparsetier.l3 import FileStore
+
+    b = FileStore(tmp_path)
+    src = (ctypes.c_char * 64).from_buffer_copy(bytes(range(64)))
+    dst = (ctypes.c_char * 64)()
+    key = "ab" + "0" * 30
+    assert b.put([key], [[(ctypes.addressof(src), 64)]]) == [True]
+    path = _page_file(tmp_path, key)
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to(path.name)
+    got = _in_thread(lambda: b.get([key], [[(ctypes.addressof(dst), 64)]]))
+    assert got == [False]
+    assert b.corrupt + b.read_errors == 1, "the miss is counted"
+    assert bytes(dst) == bytes(64), "nothing was written into the page"
+
+
+_FAILING_STORE = """
+import os, resource, signal, sys
+sys.path.insert(0, {tests!r})
+from l3_support import PS, insert, push_to_l3, stack, tokens
+s = stack("file", {root!r})
+t = tokens(4 * PS, seed=5)
+insert(s, t, "random")
+{limit}
+push_to_l3(s)
+s.storage.drain()
+st = s.hicache.storage_stats()
+assert st["writes_in_flight"] == 0, st
+assert s.storage.backend.write_errors >= 1, "the OS error is counted"
+assert s.hicache.stats()["host_in_tree"] == 0, "no host page stays pinned"
+s.hicache.validate()
+s.storage.close()
+print("ok", s.storage.backend.write_errors)
+"""
+
+
+@pytest.mark.parametrize(
+    "limit",
+    [
+        # The file size limit: a write past it fails with EFBIG (SIGXFSZ ignored).
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN); "
+        "resource.setrlimit(resource.RLIMIT_FSIZE, (100, resource.getrlimit("
+        "resource.RLIMIT_FSIZE)[1]))",
+        # Too many open files: every descriptor the limit allows is taken, so opening a page
+        # file fails with EMFILE.
+        "n = resource.getrlimit(resource.RLIMIT_NOFILE); resource.setrlimit("
+        "resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 16, n[1])); hog = []\n"
+        "try:\n    while True: hog.append(open(os.devnull))\nexcept OSError: pass",
+    ],
+    ids=["file_too_large", "too_many_open_files"],
+)
+def test_an_os_error_while_writing_is_a_counted_store_failure(tmp_path, limit):
+    """Write failures the OS gives a process (EFBIG past its file size limit, EMFILE past its
+    open files) are counted store failures: the drain ends, no host page stays pinned."""
+    import subprocess
+    from pathlib import Path
+
+    code = _FAILING_STORE.format(tests=str(Path(__file__).parent), root=str(tmp_path), limit=limit)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("ok")
+
+
 # ---- class 11: the smaller cases, each a typed error naming its field ----
 
 

@@ -9,13 +9,17 @@ checksum is a miss (``corrupt``); one that finds another key's object or another
 the object is removed so that it is written again.
 
 Every OS error while storing a page (its fan-out directory cannot be made, the disk is full,
-a permission) is a failed store of that page, counted in ``write_errors``; a missing root is
-the store being gone (``StoreUnavailableError``).
+a permission, the file size or open file limit) is a failed store of that page, counted in
+``write_errors``; every OS error while reading one (a symlink loop, an I/O error) is a miss,
+counted in ``read_errors``. Something other than a regular file where a page was (a FIFO,
+which a plain open would wait on forever, or a directory) is a ``corrupt`` miss, never opened
+for a blocking read. A missing root is the store being gone (``StoreUnavailableError``).
 """
 
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import zlib
 from collections.abc import Sequence
@@ -54,6 +58,7 @@ class FileStore:
         self.corrupt = 0
         self.foreign = 0
         self.write_errors = 0
+        self.read_errors = 0
 
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.page"
@@ -106,7 +111,18 @@ class FileStore:
     def _get_one(self, key: str, segs: Segments) -> bool:
         path = self._path(key)
         try:
-            with open(path, "rb") as f:
+            # Non-blocking: a FIFO put in a page's place must not hold the reader forever.
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        except FileNotFoundError:
+            return False
+        except OSError:
+            self.read_errors += 1
+            return False
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                return self._bad(path)
+            with os.fdopen(fd, "rb") as f:
                 head = f.read(_HEADER.size)
                 if len(head) != _HEADER.size:
                     return self._bad(path)
@@ -127,9 +143,8 @@ class FileStore:
                     got = zlib.crc32(v, got)
                 if f.read(1) or got != crc:
                     return self._bad(path)
-        except FileNotFoundError:
-            return False
         except OSError:
+            self.read_errors += 1
             return False
         return True
 
