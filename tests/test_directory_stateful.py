@@ -276,11 +276,17 @@ class DirectoryMachine(RuleBasedStateMachine):
         super().__init__()
         self.d = sp.ResidencyDirectory(DEVICE, HOST, object_bytes=4096)
         self.m = Model()
+        # The directory's transfer ids in the order it issued them: the model numbers them
+        # 1, 2, ...; the directory draws them from the process-wide serial (an id of one
+        # directory is never another's).
+        self.tids: list[int] = []
         # Host-only objects from the start, so loads, joins and failures happen early.
         for page in range(PRELOADED):
             k = object_keys(0, [page])
             self.d.allocate(k)
-            self.d.backup_complete(self.d.backup(k).transfer_id)
+            t = self.d.backup(k).transfer_id
+            self.tids.append(t)
+            self.d.backup_complete(t)
             self.d.evict(1)
             self.m.objs[self.m.uid] = Obj((0, page), dev="Absent", host="Ready")
             self.m.index[(0, page)] = self.m.uid
@@ -296,6 +302,17 @@ class DirectoryMachine(RuleBasedStateMachine):
             call()
         return None
 
+    def real(self, t: int) -> int:
+        """The directory's id of model transfer `t` (one never issued past the last)."""
+        return self.tids[t - 1] if t - 1 < len(self.tids) else 2**62 + t
+
+    def issued(self, plans) -> None:
+        for t in plans:
+            if t is not None:
+                assert t not in self.tids, "a transfer id issued twice"
+                self.tids.append(t)
+        assert len(self.tids) + 1 == self.m.next_tid
+
     def pick_tid(self, data):
         live = [t for t, tr in self.m.transfers.items() if tr.state == "flight"]
         pool = live * 3 + list(self.m.transfers) + [self.m.next_tid + 5]
@@ -310,29 +327,30 @@ class DirectoryMachine(RuleBasedStateMachine):
         hid = self.m.next_hid
         r = self.check(self.m.resolve(keys), lambda: self.d.resolve(as_keys(keys)))
         if r is not None:
-            assert r.handle.id == hid
+            assert all(h.id != r.handle.id for h in self.handles.values())
             assert len(r.slots) == len(keys)
             self.handles[hid] = r.handle
+            self.issued([p.transfer_id for p in r.loads])
 
     @rule(data=st.data())
     def complete(self, data):
         t = self.pick_tid(data)
-        self.check(self.m.complete(t, True), lambda: self.d.complete(t))
+        self.check(self.m.complete(t, True), lambda: self.d.complete(self.real(t)))
 
     @rule(data=st.data())
     def backup_complete(self, data):
         t = self.pick_tid(data)
-        self.check(self.m.complete(t, False), lambda: self.d.backup_complete(t))
+        self.check(self.m.complete(t, False), lambda: self.d.backup_complete(self.real(t)))
 
     @rule(data=st.data(), ended=st.booleans())
     def fail(self, data, ended):
         t = self.pick_tid(data)
-        self.check(self.m.fail(t, ended), lambda: self.d.fail(t, "model", ended=ended))
+        self.check(self.m.fail(t, ended), lambda: self.d.fail(self.real(t), "model", ended=ended))
 
     @rule(data=st.data())
     def transfer_ended(self, data):
         t = data.draw(st.sampled_from([*self.m.quarantine, self.m.next_tid + 5]))
-        self.check(self.m.ended(t), lambda: self.d.transfer_ended(t))
+        self.check(self.m.ended(t), lambda: self.d.transfer_ended(self.real(t)))
 
     @rule(data=st.data())
     def release(self, data):
@@ -350,7 +368,9 @@ class DirectoryMachine(RuleBasedStateMachine):
 
     @rule(keys=key_lists)
     def backup(self, keys):
-        self.check(self.m.backup(keys), lambda: self.d.backup(as_keys(keys)))
+        plan = self.check(self.m.backup(keys), lambda: self.d.backup(as_keys(keys)))
+        if plan is not None:
+            self.issued([plan.transfer_id])
 
     @rule(n=st.integers(0, 3))
     def evict(self, n):
@@ -385,7 +405,7 @@ class DirectoryMachine(RuleBasedStateMachine):
                 o = self.m.objs[u]
                 assert (got["device"], got["host"], got["pins"]) == (o.dev, o.host, o.pins)
                 if o.dev == "Loading":
-                    assert got["transfer_id"] == o.dev_t
+                    assert got["transfer_id"] == self.real(o.dev_t)
                 if o.dev == "Absent":
                     assert got["device_slot"] is None  # nothing mapped after a failed load
                 else:

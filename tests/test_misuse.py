@@ -73,7 +73,9 @@ def test_another_thread_is_served_while_tokens_convert(call):
 @pytest.mark.parametrize("timeout", [sys.maxsize, 1e20, float("inf")])
 def test_a_long_timeout_means_no_limit(timeout):
     c = st.HiCache(1, 8)
-    c.wait(0, timeout=timeout)  # nothing in flight: returns
+    with pytest.raises(st.UnknownTransferError):
+        c.wait(0, timeout=timeout)  # read, then looked up: never issued here
+    c.validate()
     d = st.ResidencyDirectory(device_pages=4, host_pages=4, object_bytes=64)
     with pytest.raises(st.UnknownTransferError):
         d.wait(0, timeout=timeout)
@@ -585,8 +587,17 @@ def _hicache_calls():
         "evict": lambda c, rng: c.evict_device(int(rng.integers(0, 4))),
         "stats": lambda c, rng: c.stats(),
         "validate": lambda c, rng: c.validate(),
-        "wait": lambda c, rng: c.wait(0, timeout=0.0),
+        "wait": _wait_unknown,
     }
+
+
+def _wait_unknown(c, rng):
+    """A wait whose lookup runs under the cache's lock (an id this cache never issued)."""
+    try:
+        c.wait(0, timeout=0.0)
+    except st.UnknownTransferError:
+        return
+    raise AssertionError("transfer 0 was never issued")
 
 
 class BlockingTokensNow:
@@ -850,3 +861,94 @@ def test_an_allocation_reads_as_an_array_of_its_pages():
     c.insert(np.arange(1, 6), a)
     assert 63 not in c.match_prefix(np.arange(1, 6)).device_pages.tolist()
     c.validate()
+
+
+# ---- handles from another object: unknown there, never the name of one of its own ----
+
+
+def _directory_with_a_load():
+    d = st.ResidencyDirectory(8, 16, object_bytes=64)
+    k = np.array([[0, 0, p, -1] for p in range(4)], dtype=np.int64)
+    d.allocate(k)
+    plan = d.backup(k)
+    d.mark_submitted(plan.transfer_id)
+    d.backup_complete(plan.transfer_id)
+    assert len(d.evict(4)) == 4
+    r = d.resolve(k)
+    assert r.loads, "the objects load back"
+    return d, r
+
+
+def test_a_directorys_handles_are_unknown_to_another_directory():
+    a, ra = _directory_with_a_load()
+    b, rb = _directory_with_a_load()
+    tid = ra.loads[0].transfer_id
+    assert tid != rb.loads[0].transfer_id and ra.handle.id != rb.handle.id
+    with pytest.raises(st.UnknownHandleError):
+        b.release(ra.handle)
+    for call in (b.mark_submitted, b.complete, b.backup_complete, b.transfer_ended):
+        with pytest.raises(st.UnknownTransferError):
+            call(tid)
+    with pytest.raises(st.UnknownTransferError):
+        b.fail(tid, "not mine")
+    with pytest.raises(st.UnknownTransferError):
+        b.wait(tid, timeout=0.0)
+    b.validate()
+    # b's own handles still work, and a's are untouched.
+    b.mark_submitted(rb.loads[0].transfer_id)
+    b.complete(rb.loads[0].transfer_id)
+    b.release(rb.handle)
+    a.mark_submitted(tid)
+    a.complete(tid)
+    a.release(ra.handle)
+    a.validate()
+    b.validate()
+
+
+def test_a_caches_nodes_and_transfers_are_unknown_to_another_cache():
+    from l3_support import PS, insert, tokens
+
+    sa = st.build_sparse_stack(
+        [st.PoolSpec("KV", 1, 1, 8, "bf16", PS, 16)], hicache_ratio=1.0, layout="layer_first"
+    )
+    sb = st.build_sparse_stack(
+        [st.PoolSpec("KV", 1, 1, 8, "bf16", PS, 16)], hicache_ratio=1.0, layout="layer_first"
+    )
+    t = tokens(2 * PS, seed=4)
+    for s in (sa, sb):
+        insert(s, t)
+    ma = sa.hicache.match_prefix(t)
+    mb = sb.hicache.match_prefix(t)
+    assert ma.last_node != mb.last_node, "node ids are the cache's own"
+    cb = sb.hicache
+    for call in (cb.lock, cb.unlock, cb.load_back, cb.path_device_pages):
+        with pytest.raises(st.UnknownNodeError):
+            call(ma.last_node)
+    with pytest.raises((st.NotLockedError, st.UnknownNodeError)):
+        cb.insert(t, cb.match_prefix(t, alloc=True), unlock=ma.device_node)
+    sa.hicache.evict_device(100)
+    lb = sa.hicache.load_back(sa.hicache.match_prefix(t).last_node)
+    sa.hicache.flush()
+    with pytest.raises(st.UnknownTransferError):
+        cb.wait(lb["transfer_id"], timeout=0.0)
+    sa.hicache.drain()
+    for s in (sa, sb):
+        s.hicache.validate()
+
+
+def test_a_schedulers_plans_are_unknown_to_another_scheduler():
+    a = small_scheduler(4, 16, 64, 1, {1: 12, 2: 12})
+    b = small_scheduler(4, 16, 64, 1, {1: 12, 2: 12})
+    pa, _ = a.plan(0, [1, 2], np.array([[0, 1], [0, 2]]), 4)
+    pb, _ = b.plan(0, [1, 2], np.array([[0, 1], [0, 2]]), 4)
+    assert pa != pb
+    with pytest.raises(SparsetierError):
+        b.ready(pa)
+    with pytest.raises(SparsetierError):
+        b.finish(pa)
+    b.ready(pb)
+    b.finish(pb)
+    a.ready(pa)
+    a.finish(pa)
+    a.validate()
+    b.validate()

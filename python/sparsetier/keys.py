@@ -12,6 +12,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from sparsetier.errors import ConfigError
+
 ALL_LAYERS = -1
 
 
@@ -24,9 +26,29 @@ def object_keys(
     [[7, 0, 17, 3], [7, 0, 42, 3], [7, 0, 81, 3]]
     """
     cols = np.broadcast_arrays(
-        np.asarray(namespace, dtype=np.int64),
-        np.asarray(version, dtype=np.int64),
-        np.asarray(pages, dtype=np.int64),
-        np.asarray(layer, dtype=np.int64),
+        _ints(namespace, "namespace"),
+        _ints(version, "version"),
+        _ints(pages, "pages"),
+        _ints(layer, "layer"),
     )
     return np.ascontiguousarray(np.stack([c.reshape(-1) for c in cols], axis=1))
+
+
+def _ints(value: Any, field: str) -> npt.NDArray[np.int64]:
+    """`value` as int64 by value; floats, bools, strings and values past int64 are refused
+    (``ConfigError`` naming `field`), never truncated or wrapped."""
+    try:
+        a = np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
+        a = None
+    ok = a is not None and (a.size == 0 or a.dtype.kind in "iu")
+    if ok and a is not None and a.size and a.dtype.kind == "u" and a.dtype.itemsize == 8:
+        ok = int(a.max()) <= np.iinfo(np.int64).max
+    if not ok or a is None:
+        raise ConfigError.of(field, _short(value), "integers (int64)")
+    return a.astype(np.int64, copy=False)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

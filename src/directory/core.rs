@@ -150,8 +150,6 @@ pub struct Core {
     quarantine: FxHashMap<TransferId, Quarantine>,
     quarantined_device: usize,
     quarantined_host: usize,
-    next_transfer: u64,
-    next_handle: u64,
     clock: u64,
     /// The last batch's number (resolve or backup); objects it saw carry it.
     epoch: u32,
@@ -200,8 +198,6 @@ impl Core {
             quarantine: FxHashMap::default(),
             quarantined_device: 0,
             quarantined_host: 0,
-            next_transfer: 1,
-            next_handle: 1,
             clock: 0,
             epoch: 0,
             object_bytes: cfg.object_bytes,
@@ -240,8 +236,7 @@ impl Core {
     }
 
     fn new_transfer(&mut self, kind: TransferKind) -> TransferId {
-        let id = TransferId::new(self.next_transfer);
-        self.next_transfer += 1;
+        let id = TransferId::new(crate::ids::serial());
         self.transfers.insert(
             id,
             Transfer {
@@ -705,8 +700,7 @@ impl Core {
         for t in &transfers {
             self.transfers.get_mut(t).expect("in flight").refs += 1;
         }
-        let handle = PinHandleId::new(self.next_handle);
-        self.next_handle += 1;
+        let handle = PinHandleId::new(crate::ids::serial());
         self.handles.insert(
             handle,
             Handle {

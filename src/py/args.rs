@@ -74,25 +74,17 @@ pub fn repr(obj: &Bound<'_, PyAny>) -> String {
         .unwrap_or_else(|_| "<unprintable>".to_owned())
 }
 
-/// A 1-D int64 array: native int64 numpy arrays are borrowed as they are; other integer
-/// arrays and sequences (lists, torch CPU tensors, other integer dtypes or byte orders) are
-/// converted by value. Floats, bools, strings and unsigned values past int64 are refused, not
-/// truncated: anything else is a `ConfigError` naming `field` and saying it should be `what`.
-pub fn int64_array<'py>(
+/// `obj` as a numpy int64 array of any shape, read by value: numpy arrays, torch CPU tensors,
+/// lists and tuples of ints, in any order, strides and byte order. Floats, bools, strings and
+/// objects are refused (`ConfigError` naming `field`, allowing `allowed`), as are unsigned
+/// values past int64; nothing is truncated or wrapped.
+pub fn int64_ndarray<'py>(
     obj: &Bound<'py, PyAny>,
     field: &str,
-    what: &str,
-) -> PyResult<numpy::PyReadonlyArray1<'py, i64>> {
-    if let Ok(a) = obj.extract() {
-        return Ok(a);
-    }
+    allowed: &str,
+) -> PyResult<Bound<'py, PyAny>> {
     let py = obj.py();
-    let bad = |value: String| {
-        to_py(
-            py,
-            Error::config(field, value, format!("a 1-D array of {what}")),
-        )
-    };
+    let bad = |value: String| to_py(py, Error::config(field, value, allowed));
     let np = py.import("numpy")?;
     let as_is = np
         .call_method1("asarray", (obj,))
@@ -109,15 +101,34 @@ pub fn int64_array<'py>(
             return Err(bad(format!("an unsigned value {max}, past int64")));
         }
     }
-    let converted = np
-        .call_method1("asarray", (as_is, "int64"))
-        .map_err(|_| bad(short(obj)))?;
+    np.call_method1("ascontiguousarray", (as_is, "int64"))
+        .map_err(|_| bad(short(obj)))
+}
+
+/// A 1-D int64 array: native int64 numpy arrays are borrowed as they are; other integer
+/// arrays and sequences (lists, torch CPU tensors, other integer dtypes or byte orders) are
+/// converted by value. Floats, bools, strings and unsigned values past int64 are refused, not
+/// truncated: anything else is a `ConfigError` naming `field` and saying it should be `what`.
+pub fn int64_array<'py>(
+    obj: &Bound<'py, PyAny>,
+    field: &str,
+    what: &str,
+) -> PyResult<numpy::PyReadonlyArray1<'py, i64>> {
+    if let Ok(a) = obj.extract() {
+        return Ok(a);
+    }
+    let py = obj.py();
+    let allowed = format!("a 1-D array of {what}");
+    let converted = int64_ndarray(obj, field, &allowed)?;
     converted.extract().map_err(|_| {
         let shape = converted
             .getattr("shape")
             .map(|s| s.to_string())
             .unwrap_or_default();
-        bad(format!("an array of shape {shape}"))
+        to_py(
+            py,
+            Error::config(field, format!("an array of shape {shape}"), allowed),
+        )
     })
 }
 

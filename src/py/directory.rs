@@ -11,33 +11,30 @@ use crate::directory::{
 };
 use crate::error::Error;
 use crate::ids::{PinHandleId, TransferId};
-use crate::py::args::{int, int64_array, opt_int, short};
+use crate::py::args::{int, int64_array, int64_ndarray, opt_int, short};
 use crate::py::error::{contained, to_py, IntoPyResult};
 use numpy::{PyArray1, PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-/// Parses an `(N, 4)` int64 key array (or anything numpy can turn into one).
+/// Parses an `(N, 4)` int64 key array (or any integer array or sequence numpy reads as one,
+/// by value; floats, bools and strings are refused, never truncated).
 fn parse_keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<ObjectKey>> {
     let py = obj.py();
+    const ALLOWED: &str =
+        "an int64 array of shape (N, 4): namespace, version, page, layer (-1 = all)";
+    let converted;
     let arr: PyReadonlyArray2<'_, i64> = match obj.extract() {
         Ok(a) => a,
         Err(_) => {
-            let bad = || {
-                to_py(
-                    py,
-                    Error::config(
-                        "keys",
-                        short(obj),
-                        "an int64 array of shape (N, 4): namespace, version, page, layer (-1 = all)",
-                    ),
-                )
-            };
-            let np = py.import("numpy")?;
-            let conv = np
-                .call_method1("asarray", (obj, "int64"))
-                .map_err(|_| bad())?;
-            conv.extract().map_err(|_| bad())?
+            converted = int64_ndarray(obj, "keys", ALLOWED)?;
+            match converted.extract() {
+                Ok(a) => a,
+                Err(_) => {
+                    let shape = converted.getattr("shape")?.to_string();
+                    return Err(to_py(py, Error::config("keys.shape", shape, ALLOWED)));
+                }
+            }
         }
     };
     let shape = arr.shape();
@@ -504,22 +501,10 @@ impl PyResidencyDirectory {
     /// The states of one live object `(namespace, version, page, layer)`, or None.
     fn state<'py>(&self, key: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyDict>>> {
         let py = key.py();
-        let np = py.import("numpy")?;
-        let arr = np
-            .call_method1(
-                "reshape",
-                (np.call_method1("asarray", (key, "int64"))?, (1, 4)),
-            )
-            .map_err(|_| {
-                to_py(
-                    py,
-                    Error::config(
-                        "key",
-                        short(key),
-                        "a (namespace, version, page, layer) tuple",
-                    ),
-                )
-            })?;
+        let allowed = "a (namespace, version, page, layer) tuple of ints";
+        let arr = int64_ndarray(key, "key", allowed)?
+            .call_method1("reshape", ((1, 4),))
+            .map_err(|_| to_py(py, Error::config("key", short(key), allowed)))?;
         let keys = parse_keys(&arr)?;
         let Some(s) = self.core(|d| Ok(d.state(&keys[0]))).py_err(py)? else {
             return Ok(None);

@@ -778,8 +778,26 @@ impl PyBlockMover {
     }
 
     /// Blocks (GIL released) until the given jobs are finished; unknown ids are skipped.
-    fn wait(&self, py: Python<'_>, job_ids: Vec<u64>) -> PyResult<()> {
-        let events = self.inner.get_py(py, |m| m.events_of(&job_ids))?;
+    /// `job_ids` is a 1-D array or sequence of ints >= 0 (read by value; floats, bools and
+    /// strings are refused).
+    fn wait(&self, job_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = job_ids.py();
+        let arr = int64_array(job_ids, "job_ids", "job ids (ints >= 0)")?;
+        let ids = arr
+            .as_array()
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| {
+                u64::try_from(v).map_err(|_| {
+                    let field = format!("job_ids[{i}]");
+                    to_py(
+                        py,
+                        Error::out_of_range(field, v, 0, i128::from(i64::MAX) + 1),
+                    )
+                })
+            })
+            .collect::<PyResult<Vec<u64>>>()?;
+        let events = self.inner.get_py(py, |m| m.events_of(&ids))?;
         py.detach(|| {
             for ev in events {
                 let _ = ev.wait_all(None);

@@ -475,7 +475,8 @@ impl PyHiCache {
     }
 
     /// Waits (GIL released) for `layer` (or all layers) of submitted transfer `transfer_id`;
-    /// raises CopyFailedError if it failed. A transfer already settled returns at once.
+    /// raises CopyFailedError if it failed. A transfer already settled returns at once; one
+    /// still queued (not flushed) is TransferStateError, another cache's UnknownTransferError.
     #[pyo3(signature = (transfer_id, layer=None, timeout=None))]
     fn wait(
         &self,
@@ -500,8 +501,8 @@ impl PyHiCache {
             })?),
         };
         let t = crate::py::args::timeout("timeout", timeout).py_err(py)?;
-        let Some(ev) = self.inner.get_py(py, |c| c.events(id))? else {
-            return Ok(());
+        let Some(ev) = self.inner.run_py(py, |c| c.wait_target(id))? else {
+            return Ok(()); // settled
         };
         py.detach(|| match layer {
             None => ev.wait_all(t),

@@ -3,7 +3,7 @@
 
 use crate::directory::journal::Journal;
 use crate::error::Error;
-use crate::py::args::string;
+use crate::py::args::{int64_ndarray, string, unsigned};
 use crate::py::error::{contained, to_py, IntoPyResult};
 use crate::replay::{peak_live, replay_lru, replay_min, ReplayStats};
 use numpy::{PyArray1, PyReadonlyArray1};
@@ -42,9 +42,24 @@ fn array<'py, T: numpy::Element + Copy>(
             ),
         )
     })?;
-    let arr = py
-        .import("numpy")?
-        .call_method1("ascontiguousarray", (item, numpy::dtype::<T>(py)))?;
+    // Read by value as integers (floats, bools, strings refused), then checked to fit the
+    // field's type before the cast: nothing is truncated or wrapped.
+    let name = format!("trace.{field}");
+    let ints = int64_ndarray(&item, &name, "an array of integers")?;
+    let np = py.import("numpy")?;
+    if ints.getattr("size")?.extract::<usize>()? > 0 {
+        let info = np.call_method1("iinfo", (numpy::dtype::<T>(py),))?;
+        let (lo, hi): (i128, i128) = (
+            info.getattr("min")?.extract()?,
+            info.getattr("max")?.extract()?,
+        );
+        let min: i128 = ints.call_method0("min")?.extract()?;
+        let max: i128 = ints.call_method0("max")?.extract()?;
+        if let Some(bad) = [min, max].into_iter().find(|&v| v < lo || v > hi) {
+            return Err(to_py(py, Error::out_of_range(name, bad, lo, hi + 1)));
+        }
+    }
+    let arr = np.call_method1("ascontiguousarray", (ints, numpy::dtype::<T>(py)))?;
     let a: PyReadonlyArray1<'py, T> = arr.extract().map_err(|_| {
         to_py(
             py,
@@ -57,10 +72,10 @@ fn array<'py, T: numpy::Element + Copy>(
 fn journal_of(trace: &Bound<'_, PyDict>) -> PyResult<Journal> {
     let py = trace.py();
     let scalar = |f: &str| -> PyResult<u64> {
-        trace
+        let v = trace
             .get_item(f)?
-            .ok_or_else(|| to_py(py, Error::config("trace", format!("no {f:?}"), "a trace")))?
-            .extract()
+            .ok_or_else(|| to_py(py, Error::config("trace", format!("no {f:?}"), "a trace")))?;
+        unsigned(&v, &format!("trace.{f}"))
     };
     let j = Journal {
         ops: array(trace, "ops")?,

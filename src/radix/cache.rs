@@ -124,7 +124,8 @@ pub struct HiCache {
     pending_backup: Option<Pending>,
     pending_load: Option<Pending>,
     inflight: FxHashMap<u64, InFlight>,
-    next_transfer: u64,
+    /// The transfer ids this cache issued (an id of another cache is unknown here).
+    transfer_ids: crate::ids::IdSpace,
     outstanding: usize,
     totals: CacheTotals,
     /// Fault injection: this many coming device allocations fail.
@@ -208,7 +209,7 @@ impl HiCache {
             pending_backup: None,
             pending_load: None,
             inflight: FxHashMap::default(),
-            next_transfer: 1,
+            transfer_ids: crate::ids::IdSpace::default(),
             outstanding: 0,
             totals: CacheTotals::default(),
             failing_allocs: 0,
@@ -579,8 +580,7 @@ impl HiCache {
         let id = match &self.pending_backup {
             Some(p) => p.id,
             None => {
-                let id = self.next_transfer;
-                self.next_transfer += 1;
+                let id = self.transfer_ids.issue();
                 self.pending_backup = Some(Pending {
                     id,
                     pairs: Vec::new(),
@@ -647,8 +647,7 @@ impl HiCache {
         let id = match &self.pending_load {
             Some(p) => p.id,
             None => {
-                let id = self.next_transfer;
-                self.next_transfer += 1;
+                let id = self.transfer_ids.issue();
                 self.pending_load = Some(Pending {
                     id,
                     pairs: Vec::new(),
@@ -796,6 +795,30 @@ impl HiCache {
     /// The per-layer events of submitted transfer `id`.
     pub fn events(&self, id: u64) -> Option<Arc<TransferEvents>> {
         self.inflight.get(&id).and_then(|f| f.events.clone())
+    }
+
+    /// What a wait for transfer `id` waits on: its events while it is in flight, `None` once
+    /// it settled. A transfer queued and not yet flushed is [`Error::TransferState`] (waiting
+    /// would end before its copy began); an id this cache never issued is
+    /// [`Error::UnknownTransfer`].
+    pub fn wait_target(&self, id: u64) -> Result<Option<Arc<TransferEvents>>> {
+        let queued = [&self.pending_load, &self.pending_backup]
+            .iter()
+            .any(|p| p.as_ref().is_some_and(|p| p.id == id));
+        if queued {
+            return Err(Error::TransferState {
+                op: "wait for",
+                id,
+                state: "queued: it is submitted at the next flush".into(),
+            });
+        }
+        if let Some(f) = self.inflight.get(&id) {
+            return Ok(f.events.clone());
+        }
+        if self.transfer_ids.issued(id) {
+            return Ok(None);
+        }
+        Err(Error::UnknownTransfer { id })
     }
 
     /// Settles every finished transfer; returns how many.

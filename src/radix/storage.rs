@@ -214,7 +214,6 @@ pub struct StorageTier {
     failed: RecentKeys,
     writing: FxHashMap<PageKey, u32>,
     prefetching: FxHashMap<PageKey, u32>,
-    next_id: u64,
     pub(crate) totals: StorageTotals,
 }
 
@@ -234,7 +233,6 @@ impl StorageTier {
             failed: RecentKeys::new(remember),
             writing: FxHashMap::default(),
             prefetching: FxHashMap::default(),
-            next_id: 1,
             totals: StorageTotals::default(),
         }
     }
@@ -319,9 +317,7 @@ impl StorageTier {
     }
 
     fn id(&mut self) -> u64 {
-        let id = self.next_id;
-        self.next_id += 1;
-        id
+        crate::ids::serial()
     }
 
     pub(crate) fn add_write(

@@ -110,6 +110,17 @@ impl Node {
 /// A walk's nodes: a path is a few nodes deep, so it lives on the stack.
 type Path = smallvec::SmallVec<[usize; 8]>;
 
+/// The generation of a new node: the low 32 bits of the process-wide serial, never 0 (node
+/// ids of every tree in the process stay apart until four billion nodes were made).
+fn next_generation() -> u32 {
+    loop {
+        let g = crate::ids::serial() as u32;
+        if g != 0 {
+            return g;
+        }
+    }
+}
+
 /// Where a walk of some tokens ends, found without changing the tree.
 struct Descent {
     /// Nodes matched in full, root first.
@@ -163,7 +174,6 @@ pub struct RadixTree {
     page_size: usize,
     nodes: Slab<Node>,
     roots: FxHashMap<u32, usize>,
-    next_gen: u32,
     clock: u64,
     device_lru: BTreeSet<(u64, usize)>,
     host_lru: BTreeSet<(u64, usize)>,
@@ -189,7 +199,6 @@ impl RadixTree {
             page_size,
             nodes: Slab::new(),
             roots: FxHashMap::default(),
-            next_gen: 1,
             clock: 0,
             device_lru: BTreeSet::new(),
             host_lru: BTreeSet::new(),
@@ -241,8 +250,8 @@ impl RadixTree {
     }
 
     fn new_node(&mut self, parent: usize, key: Vec<u32>) -> usize {
-        let gen = self.next_gen;
-        self.next_gen = self.next_gen.wrapping_add(1).max(1);
+        // From the process-wide serial: a node id from another tree is unknown here.
+        let gen = next_generation();
         self.nodes.insert(Node {
             gen,
             parent,

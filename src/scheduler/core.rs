@@ -211,7 +211,6 @@ pub struct StepScheduler {
     internal_fault: bool,
     /// Injected copy-worker panics handed to the engine with a submission.
     copy_panics_injected: u64,
-    next_plan: u64,
     batch: u64,
     last_batch: Vec<RequestId>,
     pins: u64,
@@ -402,7 +401,6 @@ impl StepScheduler {
             faults: Vec::new(),
             internal_fault: false,
             copy_panics_injected: 0,
-            next_plan: 1,
             batch: 0,
             last_batch: Vec::new(),
             pins: 0,
@@ -1161,8 +1159,7 @@ impl StepScheduler {
         self.pins += pins;
         self.rec.pinned_peak = self.rec.pinned_peak.max(self.pins + self.kept_pins);
         counts.loaded = res.metrics.absent;
-        let id = LayerPlanId::new(self.next_plan);
-        self.next_plan += 1;
+        let id = LayerPlanId::new(crate::ids::serial());
         rec.queue_ns = submitted_at.map_or(0, |s| (s - t0).as_nanos() as u64);
         rec.selection_done_ns = self.since(t0);
         rec.submitted_ns = submitted_at.map_or(0, |s| self.since(s));

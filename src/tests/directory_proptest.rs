@@ -522,13 +522,56 @@ fn kind(e: &Error) -> Outcome {
     }
 }
 
+/// The directory and the ids it issued, in order. The model numbers transfers and pin handles
+/// 1, 2, ... per directory; the directory draws them from the process-wide serial (an id of
+/// one directory is never another's), so the test maps one onto the other.
+struct Sut {
+    d: Directory,
+    tids: Vec<TransferId>,
+    hids: Vec<PinHandleId>,
+}
+
+impl Sut {
+    /// The directory's transfer for model transfer `t` (one never issued for a model id the
+    /// directory has not reached).
+    fn tid(&self, t: u64) -> TransferId {
+        let at = usize::try_from(t - 1).unwrap();
+        self.tids
+            .get(at)
+            .copied()
+            .unwrap_or(TransferId::new(u64::MAX - t))
+    }
+
+    fn hid(&self, h: u64) -> PinHandleId {
+        let at = usize::try_from(h - 1).unwrap();
+        self.hids
+            .get(at)
+            .copied()
+            .unwrap_or(PinHandleId::new(u64::MAX - h))
+    }
+
+    /// The model's number of transfer `t`.
+    fn model_tid(&self, t: TransferId) -> u64 {
+        1 + self
+            .tids
+            .iter()
+            .position(|&x| x == t)
+            .expect("an issued transfer") as u64
+    }
+
+    fn issued(&mut self, t: TransferId) {
+        assert!(!self.tids.contains(&t), "transfer {t} issued twice");
+        self.tids.push(t);
+    }
+}
+
 struct DirTest;
 
 impl StateMachineTest for DirTest {
-    type SystemUnderTest = Directory;
+    type SystemUnderTest = Sut;
     type Reference = Ref;
 
-    fn init_test(_: &Model) -> Directory {
+    fn init_test(_: &Model) -> Sut {
         let d = Directory::new(DirectoryConfig {
             device_pages: DEVICE,
             device_reserve: 0,
@@ -537,35 +580,51 @@ impl StateMachineTest for DirTest {
             object_bytes: 4096,
         })
         .unwrap();
+        let mut sut = Sut {
+            d,
+            tids: Vec::new(),
+            hids: Vec::new(),
+        };
         for page in 0..PRELOADED {
             let k = [okey((0, page))];
-            d.allocate(&k).unwrap();
-            d.backup_complete(d.backup(&k).unwrap().transfer.unwrap())
-                .unwrap();
-            assert_eq!(d.evict(1), k.to_vec());
+            sut.d.allocate(&k).unwrap();
+            let t = sut.d.backup(&k).unwrap().transfer.unwrap();
+            sut.issued(t);
+            sut.d.backup_complete(t).unwrap();
+            assert_eq!(sut.d.evict(1), k.to_vec());
         }
-        d
+        sut
     }
 
-    fn apply(d: Directory, m: &Model, step: Step) -> Directory {
+    fn apply(mut sut: Sut, m: &Model, step: Step) -> Sut {
         let keys = |k: &[K]| k.iter().map(|&k| okey(k)).collect::<Vec<_>>();
         let got: Result<()> = match &step {
-            Step::Allocate(k) => d.allocate(&keys(k)).map(drop),
-            Step::Resolve(k) => d.resolve(&keys(k), None).map(|r| {
-                assert_eq!(r.handle, PinHandleId::new(m.next_hid - 1));
+            Step::Allocate(k) => sut.d.allocate(&keys(k)).map(drop),
+            Step::Resolve(k) => sut.d.resolve(&keys(k), None).map(|r| {
+                assert!(!sut.hids.contains(&r.handle), "a handle issued twice");
+                sut.hids.push(r.handle);
+                assert_eq!(sut.hids.len() as u64, m.next_hid - 1);
+                for l in &r.loads {
+                    sut.issued(l.transfer);
+                }
                 assert_eq!(r.slots.len(), k.len());
             }),
-            Step::Complete(t) => d.complete(TransferId::new(*t)),
-            Step::BackupComplete(t) => d.backup_complete(TransferId::new(*t)),
-            Step::Fail(t, e) => d.fail(TransferId::new(*t), "model", *e),
-            Step::Ended(t) => d.transfer_ended(TransferId::new(*t)),
-            Step::Release(h) => d.release(PinHandleId::new(*h)).map(drop),
-            Step::Backup(k) => d.backup(&keys(k)).map(drop),
+            Step::Complete(t) => sut.d.complete(sut.tid(*t)),
+            Step::BackupComplete(t) => sut.d.backup_complete(sut.tid(*t)),
+            Step::Fail(t, e) => sut.d.fail(sut.tid(*t), "model", *e),
+            Step::Ended(t) => sut.d.transfer_ended(sut.tid(*t)),
+            Step::Release(h) => sut.d.release(sut.hid(*h)).map(drop),
+            Step::Backup(k) => sut.d.backup(&keys(k)).map(|p| {
+                if let Some(t) = p.transfer {
+                    sut.issued(t);
+                }
+            }),
             Step::Evict(n) => {
-                d.evict(*n);
+                sut.d.evict(*n);
                 Ok(())
             }
-            Step::Drop(ns) => d
+            Step::Drop(ns) => sut
+                .d
                 .drop_namespace(Namespace {
                     id: u64::from(*ns),
                     version: 0,
@@ -577,10 +636,12 @@ impl StateMachineTest for DirTest {
             Err(e) => kind(&e),
         };
         assert_eq!(got, m.outcome, "outcome of {step:?}");
-        d
+        assert_eq!(sut.tids.len() as u64 + 1, m.next_tid, "transfers issued");
+        sut
     }
 
-    fn check_invariants(d: &Directory, m: &Model) {
+    fn check_invariants(sut: &Sut, m: &Model) {
+        let d = &sut.d;
         d.validate().unwrap();
         for ns in 0..NAMESPACES {
             for page in 0..PAGES {
@@ -592,12 +653,16 @@ impl StateMachineTest for DirTest {
                     (Some(g), Some(w)) => {
                         let dev = match g.device {
                             DeviceState::Absent => MDev::Absent,
-                            DeviceState::Loading { transfer, .. } => MDev::Loading(transfer.raw()),
+                            DeviceState::Loading { transfer, .. } => {
+                                MDev::Loading(sut.model_tid(transfer))
+                            }
                             DeviceState::Ready { .. } => MDev::Ready,
                         };
                         let host = match g.host {
                             HostState::None => MHost::None,
-                            HostState::Writing { transfer, .. } => MHost::Writing(transfer.raw()),
+                            HostState::Writing { transfer, .. } => {
+                                MHost::Writing(sut.model_tid(transfer))
+                            }
                             HostState::Ready { .. } => MHost::Ready,
                         };
                         assert_eq!((dev, host, g.pins), (w.dev, w.host, w.pins), "object {k:?}");
@@ -622,20 +687,20 @@ impl StateMachineTest for DirTest {
 struct DirSweepTest;
 
 impl StateMachineTest for DirSweepTest {
-    type SystemUnderTest = Directory;
+    type SystemUnderTest = Sut;
     type Reference = Ref;
 
-    fn init_test(model: &Model) -> Directory {
-        let d = DirTest::init_test(model);
-        d.tune_lru(-2, 1, 1);
-        d
+    fn init_test(model: &Model) -> Sut {
+        let sut = DirTest::init_test(model);
+        sut.d.tune_lru(-2, 1, 1);
+        sut
     }
 
-    fn apply(sut: Directory, model: &Model, step: Step) -> Directory {
+    fn apply(sut: Sut, model: &Model, step: Step) -> Sut {
         DirTest::apply(sut, model, step)
     }
 
-    fn check_invariants(sut: &Directory, model: &Model) {
+    fn check_invariants(sut: &Sut, model: &Model) {
         DirTest::check_invariants(sut, model)
     }
 }

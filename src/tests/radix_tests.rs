@@ -121,13 +121,20 @@ proptest::proptest! {
                     next_page += n;
                     let a = plain.insert(0, &t, &given).unwrap();
                     let b = chained.insert(0, &t, &given).unwrap();
-                    proptest::prop_assert_eq!(&a, &b);
-                    nodes.push(a.last_node);
+                    // Node ids differ between trees (each draws its own from the process-wide
+                    // serial): the rest must agree, and the ids go in pairs.
+                    let strip = |r: &InsertResult| {
+                        (r.prefix_len, r.duplicates.clone(), r.own, r.needs_backup.len())
+                    };
+                    proptest::prop_assert_eq!(strip(&a), strip(&b));
+                    nodes.push((a.last_node, b.last_node));
                 }
                 Op::Match(t) => {
                     let wide: Vec<i64> = t.iter().map(|&v| i64::from(v)).collect();
                     let a = plain.match_prefix(0, &t);
-                    proptest::prop_assert_eq!(&a, &chained.match_prefix(0, &wide));
+                    let b = chained.match_prefix(0, &wide);
+                    let strip = |m: &MatchResult| (m.device_len, m.host_len, m.device_pages.clone());
+                    proptest::prop_assert_eq!(strip(&a), strip(&b));
                 }
                 Op::Evict(n, drop) => {
                     proptest::prop_assert_eq!(
@@ -136,8 +143,8 @@ proptest::proptest! {
                     );
                 }
                 Op::Lock(i) if i < nodes.len() => {
-                    let (a, b) = (plain.lock(nodes[i]), chained.lock(nodes[i]));
-                    proptest::prop_assert_eq!(format!("{a:?}"), format!("{b:?}"));
+                    let (a, b) = (plain.lock(nodes[i].0), chained.lock(nodes[i].1));
+                    proptest::prop_assert_eq!(a.is_ok(), b.is_ok());
                     if a.is_ok() {
                         held.push(nodes[i]);
                     }
@@ -145,9 +152,9 @@ proptest::proptest! {
                 // Only locks this test holds are undone (an unlock of another node is the
                 // caller's error, which the tree does not detect on interior nodes).
                 Op::Unlock(i) if i < held.len() => {
-                    let node = held.swap_remove(i);
-                    plain.unlock(node).unwrap();
-                    chained.unlock(node).unwrap();
+                    let (p, c) = held.swap_remove(i);
+                    plain.unlock(p).unwrap();
+                    chained.unlock(c).unwrap();
                 }
                 Op::Lock(_) | Op::Unlock(_) => {}
             }
