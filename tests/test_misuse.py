@@ -407,6 +407,34 @@ def test_reading_a_page_that_is_not_a_regular_file_never_blocks(tmp_path, kind):
     assert bytes(dst) == bytes(64), "nothing was written into the page"
 
 
+def test_a_full_disk_is_a_counted_store_failure(tmp_path):
+    """ENOSPC from the OS: the page's temporary file is /dev/full (a symlink in its place), so
+    the write fails as on a full disk; the store counts it, unpins the page and stays online."""
+    import os
+
+    from l3_support import PS, insert, push_to_l3, tokens
+
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    s = _l3_stack(tmp_path)
+    t = tokens(3 * PS, seed=8)
+    key = s.hicache.storage_keys(t)[1]
+    (tmp_path / key[:2]).mkdir(exist_ok=True)
+    tmp = _page_file(tmp_path, key).with_suffix(f".tmp{os.getpid()}")
+    tmp.symlink_to("/dev/full")
+    insert(s, t, "random")
+    push_to_l3(s)
+    s.storage.drain()
+    assert s.storage.backend.write_errors == 1
+    stats = s.hicache.storage_stats()
+    assert stats["online"] and stats["writes_in_flight"] == 0
+    assert s.hicache.stats()["host_in_tree"] == 0, "no host page stays pinned"
+    assert not tmp.exists() and not tmp.is_symlink(), "the temporary name is cleaned up"
+    assert s.storage.backend.exists([key]) == [False]
+    s.hicache.validate()
+    s.storage.close()
+
+
 _FAILING_STORE = """
 import os, resource, signal, sys
 sys.path.insert(0, {tests!r})
