@@ -1,5 +1,5 @@
 """A small step scheduler on the cpu engine, its requests prefilled and settled: what the
-Python tests of `plan`, `plan_csr` and the token mapping start from."""
+Python tests of `plan`, `plan_csr` and the token mapping start from; and a small joined one."""
 
 from __future__ import annotations
 
@@ -37,3 +37,17 @@ def end_steps_alike(a: st.StepScheduler, b: st.StepScheduler, fields, *context) 
     b.drain()
     for f in fields:
         assert ra[f] == rb[f], (f, *context, ra, rb)
+
+
+def small_joined(page_size: int = 4, layers: int = 2, pages: int = 24) -> st.StepScheduler:
+    """A joined scheduler (main KV host-resident, Indexer-K on both tiers) on bf16 pools."""
+    kv = st.PoolSpec("KV", 1, 1, 8, "bf16", page_size, pages)
+    kv_host = st.PoolSpec("KV", layers, 1, 8, "bf16", page_size, pages)
+    ik = st.PoolSpec("INDEXER", layers, 1, 8, "bf16", page_size, pages)
+    return st.StepScheduler.joined(
+        st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv),
+        st.PageTransferBinding(torch.zeros(kv_host.shape(), dtype=torch.bfloat16), kv_host),
+        st.TransferEngine("cpu"),
+        indexer_device=st.PageTransferBinding(torch.zeros(ik.shape(), dtype=torch.bfloat16), ik),
+        indexer_host=st.PageTransferBinding(torch.zeros(ik.shape(), dtype=torch.bfloat16), ik),
+    )

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-from scheduler_support import small_scheduler
+from scheduler_support import small_joined, small_scheduler
 
 import sparsetier as st
 from sparsetier.errors import ConfigError, SparsetierError
@@ -199,26 +199,8 @@ def test_insert_with_a_stale_unlock_changes_nothing():
 # ---- class 9: a finished request inserts only the tokens it was admitted with ----
 
 
-def _joined():
-    import torch
-
-    ps, layers = 4, 2
-    kv = st.PoolSpec("KV", 1, 1, 8, "bf16", ps, 24)
-    kv_host = st.PoolSpec("KV", layers, 1, 8, "bf16", ps, 24)
-    ik = st.PoolSpec("INDEXER", layers, 1, 8, "bf16", ps, 24)
-    return st.StepScheduler.joined(
-        st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv),
-        st.PageTransferBinding(torch.zeros(kv_host.shape(), dtype=torch.bfloat16), kv_host),
-        st.TransferEngine("cpu"),
-        indexer_device=st.PageTransferBinding(torch.zeros(ik.shape(), dtype=torch.bfloat16), ik),
-        indexer_host=st.PageTransferBinding(
-            torch.zeros(ik.with_pages(24).shape(), dtype=torch.bfloat16), ik.with_pages(24)
-        ),
-    )
-
-
 def test_finishing_with_other_tokens_than_the_admitted_prompt_is_refused():
-    s = _joined()
+    s = small_joined()
     prompt = np.arange(1, 11, dtype=np.int64)  # 10 tokens: two whole pages
     s.admit(7, prompt)
     s.extend(7, len(prompt))

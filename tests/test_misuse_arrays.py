@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from scheduler_support import small_scheduler
+from scheduler_support import small_joined, small_scheduler
 
 import sparsetier as st
 from sparsetier._core import BlockMover
@@ -401,22 +401,8 @@ def _offsets_bad(ref):
 PROMPT = np.array([5, 9, 2, 7, 11, 3, 8, 1, 4, 6], dtype=np.int64)
 
 
-def _joined():
-    ps, layers = 4, 2
-    kv = st.PoolSpec("KV", 1, 1, 8, "bf16", ps, 24)
-    kv_host = st.PoolSpec("KV", layers, 1, 8, "bf16", ps, 24)
-    ik = st.PoolSpec("INDEXER", layers, 1, 8, "bf16", ps, 24)
-    return st.StepScheduler.joined(
-        st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv),
-        st.PageTransferBinding(torch.zeros(kv_host.shape(), dtype=torch.bfloat16), kv_host),
-        st.TransferEngine("cpu"),
-        indexer_device=st.PageTransferBinding(torch.zeros(ik.shape(), dtype=torch.bfloat16), ik),
-        indexer_host=st.PageTransferBinding(torch.zeros(ik.shape(), dtype=torch.bfloat16), ik),
-    )
-
-
 def _joined_with_prefix():
-    s = _joined()
+    s = small_joined()
     s.admit(7, PROMPT)
     s.extend(7, len(PROMPT))
     s.end_step()
@@ -427,7 +413,7 @@ def _joined_with_prefix():
 
 
 def _joined_running():
-    s = _joined()
+    s = small_joined()
     s.admit(7, PROMPT)
     s.extend(7, len(PROMPT))
     s.end_step()

@@ -111,7 +111,13 @@ impl ReferenceStateMachine for RefMachine {
     }
 
     fn apply(mut state: Model, step: &Step) -> Model {
-        let distinct = |pages: &[u32]| pages.iter().collect::<BTreeSet<_>>().len() == pages.len();
+        // Distinct, and each held as `a` accepts: what a free or a claim needs.
+        let acceptable = |state: &Model, pages: &[u32], a: Accept| {
+            pages.iter().collect::<BTreeSet<_>>().len() == pages.len()
+                && pages
+                    .iter()
+                    .all(|p| state.held.get(p).is_some_and(|w| a.accepts(*w)))
+        };
         match step {
             Step::Alloc(n, w) => {
                 if *n <= state.free.len() {
@@ -122,11 +128,7 @@ impl ReferenceStateMachine for RefMachine {
                 }
             }
             Step::Free(pages, a) => {
-                let ok = distinct(pages)
-                    && pages
-                        .iter()
-                        .all(|p| state.held.get(p).is_some_and(|w| a.accepts(*w)));
-                if ok {
+                if acceptable(&state, pages, *a) {
                     for p in pages {
                         state.held.remove(p);
                         state.free.push(*p);
@@ -139,11 +141,7 @@ impl ReferenceStateMachine for RefMachine {
                     Accept::Only(Who::Owner) => Accept::Nobody,
                     a => *a,
                 };
-                let ok = distinct(pages)
-                    && pages
-                        .iter()
-                        .all(|p| state.held.get(p).is_some_and(|w| a.accepts(*w)));
-                if ok {
+                if acceptable(&state, pages, a) {
                     for p in pages {
                         state.held.insert(*p, Who::Owner);
                     }
