@@ -656,6 +656,120 @@ def test_every_pair_of_calls_on_one_hicache(pair):
     c.validate()
 
 
+def _directory_calls():
+    """Calls a decode loop makes on one ResidencyDirectory. Races between them may refuse a
+    call with a typed error (another thread's load holds the slot, a key is gone); anything
+    else, or a hang, fails the test."""
+
+    def typed(f):
+        def call(d, rng):
+            try:
+                f(d, rng)
+            except SparsetierError:
+                pass
+
+        return call
+
+    def keys(rng, n=4):
+        return st.object_keys(0, rng.choice(12, size=n, replace=False))
+
+    def resolve_release(d, rng):
+        r = d.resolve(keys(rng))
+        for load in r.loads:
+            d.mark_submitted(load.transfer_id)
+            d.complete(load.transfer_id)
+        d.release(r.handle)
+
+    def backup(d, rng):
+        plan = d.backup(keys(rng, 2))
+        if plan.transfer_id is not None:
+            d.mark_submitted(plan.transfer_id)
+            d.backup_complete(plan.transfer_id)
+
+    def allocate_drop(d, rng):
+        ns = int(rng.integers(1, 1 << 30))
+        d.allocate(st.object_keys(ns, [0, 1]))
+        d.drop_namespace(ns)
+
+    def wait_unknown(d, rng):
+        with pytest.raises(st.UnknownTransferError):
+            d.wait(1 << 62, timeout=0.0)
+
+    return {
+        "resolve_release": typed(resolve_release),
+        "backup": typed(backup),
+        "allocate_drop": typed(allocate_drop),
+        "evict": lambda d, rng: d.evict(int(rng.integers(0, 3))),
+        "state": lambda d, rng: d.state((0, 0, int(rng.integers(0, 12)), -1)),
+        "stats": lambda d, rng: d.stats(),
+        "validate": lambda d, rng: d.validate(),
+        "wait": wait_unknown,
+    }
+
+
+def _directory_for_threads():
+    d = st.ResidencyDirectory(16, 32, object_bytes=64)
+    k = st.object_keys(0, range(12))
+    d.allocate(k)
+    plan = d.backup(k)
+    d.mark_submitted(plan.transfer_id)
+    d.backup_complete(plan.transfer_id)
+    d.evict(12)
+    return d
+
+
+@pytest.mark.parametrize("pair", [(a, b) for a in range(8) for b in range(a, 8)])
+def test_every_pair_of_calls_on_one_directory(pair):
+    calls = _directory_calls()
+    names = list(calls)
+    d = _directory_for_threads()
+    errors, run = _hammer(d, calls, 2)
+    ts = [threading.Thread(target=run, args=(names[i], k), daemon=True) for k, i in enumerate(pair)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(HANG)
+    assert not any(t.is_alive() for t in ts), f"{[names[i] for i in pair]} hung"
+    assert errors == []
+    d.validate()
+    s = d.stats()
+    # Every call released what it pinned and settled what it started.
+    assert (s["pins"], s["handles"], s["transfers_in_flight"]) == (0, 0, 0), s
+
+
+def _allocator_calls():
+    def alloc_free(a, rng):
+        try:
+            pages = a.alloc(int(rng.integers(0, 5)))
+        except st.OutOfPagesError:
+            return
+        a.free(pages[::-1].copy())
+
+    return {
+        "alloc_free": alloc_free,
+        "is_allocated": lambda a, rng: a.is_allocated(int(rng.integers(0, 40))),
+        "validate": lambda a, rng: a.validate(),
+        "repr": lambda a, rng: repr(a),
+    }
+
+
+@pytest.mark.parametrize("pair", [(a, b) for a in range(4) for b in range(a, 4)])
+def test_every_pair_of_calls_on_one_page_allocator(pair):
+    calls = _allocator_calls()
+    names = list(calls)
+    a = st.PageAllocator(32, reserve_pages=1)
+    errors, run = _hammer(a, calls, 2, rounds=200)
+    ts = [threading.Thread(target=run, args=(names[i], k), daemon=True) for k, i in enumerate(pair)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(HANG)
+    assert not any(t.is_alive() for t in ts), f"{[names[i] for i in pair]} hung"
+    assert errors == []
+    a.validate()
+    assert a.used_count == 0
+
+
 def test_four_threads_on_one_hicache_and_one_scheduler():
     calls = _hicache_calls()
     c = st.HiCache(1, 64)
