@@ -238,21 +238,6 @@ impl PageAllocator {
         }
     }
 
-    /// The first of `pages` that `expect` does not accept, if any (all are tested first
-    /// without an early exit, the culprit looked for only when there is one).
-    pub fn first_not_held(&self, pages: &[PageId], expect: Expect) -> Option<PageId> {
-        if pages
-            .iter()
-            .fold(true, |ok, &p| ok & expect.accepts(self.held(p)))
-        {
-            return None;
-        }
-        pages
-            .iter()
-            .copied()
-            .find(|&p| !expect.accepts(self.held(p)))
-    }
-
     /// The error for `page`, which `expect` does not accept under `field`.
     pub fn not_held(&self, field: &str, page: PageId, expect: Expect) -> Error {
         let held_by = if page.raw() < self.reserve || page.raw() >= self.total {
@@ -453,8 +438,9 @@ impl PageAllocator {
         }
     }
 
-    /// Hands the owner's `pages` to `to` without freeing them (pages a cache evicted and
-    /// gives straight to a new allocation, or an allocation the cache keeps).
+    /// Gives held `pages` to `to` without freeing them or reading their holders: pages a
+    /// cache evicted and hands straight to a new allocation, or pages of its own caller's
+    /// allocation it keeps (the joined mode's host pages). The caller vouches for them.
     pub fn hand_over(&mut self, pages: &[PageId], to: Holder) {
         debug_assert!(
             pages.iter().all(|&p| self.held(p) != FREE),
@@ -463,6 +449,10 @@ impl PageAllocator {
         let marks = &mut self.holder[..];
         for &p in pages {
             marks[p.index()] = to.raw();
+        }
+        if to == Holder::OWNER {
+            // Caller pages left their holder: stamps taken before no longer vouch for them.
+            self.departures += 1;
         }
     }
 

@@ -1,5 +1,6 @@
 """A small step scheduler on the cpu engine, its requests prefilled and settled: what the
-Python tests of `plan`, `plan_csr` and the token mapping start from; and a small joined one."""
+Python tests of `plan`, `plan_csr` and the token mapping start from; a small joined one; and a
+small HiCache over one pool on both tiers."""
 
 from __future__ import annotations
 
@@ -51,3 +52,14 @@ def small_joined(page_size: int = 4, layers: int = 2, pages: int = 24) -> st.Ste
         indexer_device=st.PageTransferBinding(torch.zeros(ik.shape(), dtype=torch.bfloat16), ik),
         indexer_host=st.PageTransferBinding(torch.zeros(ik.shape(), dtype=torch.bfloat16), ik),
     )
+
+
+def pooled_hicache(page_size: int, pages: int = 8):
+    """A HiCache over one bf16 KV pool on both tiers and the cpu engine: the cache, its engine
+    and the device and host bindings."""
+    kv = st.PoolSpec("KV", 1, 1, 8, "bf16", page_size, pages)
+    e = st.TransferEngine("cpu")
+    dev = st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv)
+    host = st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv)
+    c = st.HiCache(page_size, pages, host_pages=pages, pools=[(dev, host, None)], engine=e)
+    return c, e, dev, host

@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 import pytest
-from scheduler_support import small_joined, small_scheduler
+from scheduler_support import pooled_hicache, small_joined, small_scheduler
 
 import sparsetier as st
 from sparsetier.errors import ConfigError, SparsetierError
@@ -544,13 +544,7 @@ def test_unknown_requests_are_config_errors():
 
 
 def test_a_wait_that_times_out_names_the_callers_transfer():
-    import torch
-
-    kv = st.PoolSpec("KV", 1, 1, 8, "bf16", 1, 8)
-    e = st.TransferEngine("cpu")
-    dev = st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv)
-    host = st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv)
-    c = st.HiCache(1, 8, host_pages=8, pools=[(dev, host, None)], engine=e)
+    c, e, dev, host = pooled_hicache(1)
     # Engine submissions the cache never made, so its transfer ids and the engine's differ.
     for _ in range(3):
         backup = st.PreparedPageTransfer(dev, host, [1], [1], direction="backup")
@@ -626,7 +620,8 @@ def _lock_unlock(c, rng):
     c.unlock(m.device_node)
 
 
-def _hammer(target, calls, threads: int, rounds: int = 60):
+def _hammer(target, calls, rounds: int = 60):
+    """A thread body running `calls[name]` on `target` `rounds` times, and where it reports."""
     errors: list[BaseException] = []
 
     def run(name, seed):
@@ -640,12 +635,11 @@ def _hammer(target, calls, threads: int, rounds: int = 60):
     return errors, run
 
 
-@pytest.mark.parametrize("pair", [(a, b) for a in range(8) for b in range(a, 8)])
-def test_every_pair_of_calls_on_one_hicache(pair):
-    calls = _hicache_calls()
+def _run_pair(target, calls, pair, rounds: int = 60) -> None:
+    """Calls `pair` (two indices into `calls`) in two threads on `target`: both end, neither
+    raises."""
     names = list(calls)
-    c = st.HiCache(1, 48)
-    errors, run = _hammer(c, calls, 2)
+    errors, run = _hammer(target, calls, rounds)
     ts = [threading.Thread(target=run, args=(names[i], k), daemon=True) for k, i in enumerate(pair)]
     for t in ts:
         t.start()
@@ -653,6 +647,12 @@ def test_every_pair_of_calls_on_one_hicache(pair):
         t.join(HANG)
     assert not any(t.is_alive() for t in ts), f"{[names[i] for i in pair]} hung"
     assert errors == []
+
+
+@pytest.mark.parametrize("pair", [(a, b) for a in range(8) for b in range(a, 8)])
+def test_every_pair_of_calls_on_one_hicache(pair):
+    c = st.HiCache(1, 48)
+    _run_pair(c, _hicache_calls(), pair)
     c.validate()
 
 
@@ -720,17 +720,8 @@ def _directory_for_threads():
 
 @pytest.mark.parametrize("pair", [(a, b) for a in range(8) for b in range(a, 8)])
 def test_every_pair_of_calls_on_one_directory(pair):
-    calls = _directory_calls()
-    names = list(calls)
     d = _directory_for_threads()
-    errors, run = _hammer(d, calls, 2)
-    ts = [threading.Thread(target=run, args=(names[i], k), daemon=True) for k, i in enumerate(pair)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(HANG)
-    assert not any(t.is_alive() for t in ts), f"{[names[i] for i in pair]} hung"
-    assert errors == []
+    _run_pair(d, _directory_calls(), pair)
     d.validate()
     s = d.stats()
     # Every call released what it pinned and settled what it started.
@@ -755,17 +746,8 @@ def _allocator_calls():
 
 @pytest.mark.parametrize("pair", [(a, b) for a in range(4) for b in range(a, 4)])
 def test_every_pair_of_calls_on_one_page_allocator(pair):
-    calls = _allocator_calls()
-    names = list(calls)
     a = st.PageAllocator(32, reserve_pages=1)
-    errors, run = _hammer(a, calls, 2, rounds=200)
-    ts = [threading.Thread(target=run, args=(names[i], k), daemon=True) for k, i in enumerate(pair)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(HANG)
-    assert not any(t.is_alive() for t in ts), f"{[names[i] for i in pair]} hung"
-    assert errors == []
+    _run_pair(a, _allocator_calls(), pair, rounds=200)
     a.validate()
     assert a.used_count == 0
 
@@ -774,7 +756,7 @@ def test_four_threads_on_one_hicache_and_one_scheduler():
     calls = _hicache_calls()
     c = st.HiCache(1, 64)
     s = small_scheduler(4, 32, 64, 2, {1: 8, 2: 8})
-    errors, run = _hammer(c, calls, 4)
+    errors, run = _hammer(c, calls)
 
     def sched(seed):
         try:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from scheduler_support import small_joined, small_scheduler
+from scheduler_support import pooled_hicache, small_joined, small_scheduler
 
 import sparsetier as st
 from sparsetier._core import BlockMover
@@ -179,11 +179,7 @@ def _match_observe(c, m):
 
 
 def _storage_cache():
-    kv = st.PoolSpec("KV", 1, 1, 8, "bf16", 2, 8)
-    e = st.TransferEngine("cpu")
-    dev = st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv)
-    host = st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv)
-    c = st.HiCache(2, 8, host_pages=8, pools=[(dev, host, None)], engine=e)
+    c, *_ = pooled_hicache(2)
     c.enable_storage()
     return c
 
