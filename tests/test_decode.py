@@ -227,6 +227,30 @@ def test_a_step_makes_one_plan_per_layer_for_the_whole_batch():
     assert rt.directory.stats()["handles"] == 0
 
 
+def test_a_plan_that_makes_room_after_its_rows_dropped_kept_pages_starts_over():
+    # The second plan of layer 1 keeps none of the pages the first kept, and finds the device
+    # full of pages not yet written through: making room gives every kept page back, those it
+    # dropped included, so it must start over rather than give them back again at finish.
+    # (Found by test_misuse.py's pair of threads planning and appending.)
+    s = small_scheduler(4, 32, 128, 2, {1: 8, 2: 8})
+    for _ in range(22):  # 30 tokens each: 8 pages x 2 layers x 2 requests fill the device
+        s.append([1, 2])
+    for layer, sel in [(0, [[3, 1, 1], [3, 1, 1]]), (1, [[2, 1, 5], [5, 5, 4]])]:
+        p, _ = s.plan(layer, [1, 2], np.array(sel), 4)
+        s.ready(p)
+        s.finish(p)
+    for _ in range(3):  # some find no room: kept pages are not evictable
+        try:
+            s.append([1, 2])
+        except st.OutOfPagesError:
+            pass
+    p, _ = s.plan(1, [1, 2], np.array([[0, 4, 3], [-1, -1, 1]]), 4)
+    s.ready(p)
+    s.finish(p)
+    s.validate()
+    assert s.stats()["pins"] == s.stats()["kept_pins"]
+
+
 def test_token_mode_maps_tokens_to_pages_and_reports_read_amplification():
     rt, _ = run(40, prefetch=False, mode="token")
     tot = rt.scheduler.totals()

@@ -752,6 +752,120 @@ def test_every_pair_of_calls_on_one_page_allocator(pair):
     assert a.used_count == 0
 
 
+def _scheduler_calls():
+    """Calls a decode loop makes on one StepScheduler, each on requests of its own thread or
+    on the two shared ones. Races between them may refuse a call with a typed error (another
+    thread's plan is open on the layer, the step is ending); anything else, or a hang, fails
+    the test."""
+    serial = iter(range(100, 1 << 30))
+
+    def typed(f):
+        def call(s, rng):
+            try:
+                f(s, rng)
+            except SparsetierError:
+                pass
+
+        return call
+
+    def request(s, rng):
+        rid = next(serial)
+        s.add_request(rid, int(rng.integers(1, 9)))
+        try:
+            s.extend(rid, int(rng.integers(1, 3)))
+        finally:
+            s.finish_request(rid)
+
+    def plan(s, rng):
+        sel = rng.integers(-1, 2, size=(2, 2))
+        p, _ = s.plan(int(rng.integers(0, 2)), [1, 2], sel, 4)
+        try:
+            s.ready(p)
+        finally:
+            s.finish(p)
+
+    return {
+        "request": typed(request),
+        "plan": typed(plan),
+        "end_step": typed(lambda s, rng: s.end_step()),
+        "poll_drain": lambda s, rng: s.poll() if rng.integers(0, 2) else s.drain(),
+        "append": typed(lambda s, rng: s.append([1, 2])),
+        "stats": lambda s, rng: (s.stats(), s.totals(), s.request_len(1)),
+        "validate": lambda s, rng: s.validate(),
+    }
+
+
+@pytest.mark.parametrize("pair", [(a, b) for a in range(7) for b in range(a, 7)])
+def test_every_pair_of_calls_on_one_scheduler(pair):
+    s = small_scheduler(4, 32, 128, 2, {1: 8, 2: 8})
+    _run_pair(s, _scheduler_calls(), pair, rounds=40)
+    s.drain()
+    s.end_step()
+    s.drain()
+    s.validate()
+    got = s.stats()
+    # Every plan finished (the pins left are the kept selections), every finished request
+    # gave back its pages, nothing in flight.
+    assert got["pins"] == got["kept_pins"], got
+    assert (got["plans_outstanding"], got["transfers_in_flight"]) == (0, 0), got
+    assert got["requests"] == 2, got
+
+
+def _joined_calls():
+    """Calls a serving loop makes on one joined scheduler: conversations over a few shared
+    prompts that admit, prefill, finish into the prefix cache and get evicted."""
+    serial = iter(range(100, 1 << 30))
+
+    def typed(f):
+        def call(s, rng):
+            try:
+                f(s, rng)
+            except SparsetierError:
+                pass
+
+        return call
+
+    def conversation(s, rng):
+        rid = next(serial)
+        prompt = np.arange(1, 1 + 4 * int(rng.integers(1, 4)), dtype=np.int64)
+        prompt[-1] += int(rng.integers(0, 3))
+        s.admit(rid, prompt)
+        try:
+            if len(prompt) > s.request_len(rid):  # the matched part is there already
+                s.extend(rid, len(prompt) - s.request_len(rid))
+        finally:
+            s.finish_request(rid, prompt)
+
+    return {
+        "conversation": typed(conversation),
+        "flush": lambda s, rng: s.flush_finished(),
+        "end_step": typed(lambda s, rng: (s.end_step(), s.drain())),
+        "evict": lambda s, rng: s.evict_prefix(int(rng.integers(0, 3)), int(rng.integers(0, 3))),
+        "stats": lambda s, rng: (s.stats(), s.prefix_stats()),
+        "validate": lambda s, rng: s.validate(),
+    }
+
+
+@pytest.mark.parametrize("pair", [(a, b) for a in range(6) for b in range(a, 6)])
+def test_every_pair_of_calls_on_one_joined_scheduler(pair):
+    s = small_joined(pages=48)
+    _run_pair(s, _joined_calls(), pair, rounds=30)
+    s.end_step()
+    s.drain()
+    s.flush_finished()
+    s.validate()
+    got = s.stats()
+    assert (got["requests"], got["plans_outstanding"], got["transfers_in_flight"]) == (0, 0, 0)
+    # The cache still serves: a finished conversation is matched whole by the next one.
+    prompt = np.arange(1, 14, dtype=np.int64)  # three whole pages and one token
+    s.admit(1, prompt)
+    s.extend(1, len(prompt) - s.request_len(1))
+    s.finish_request(1, prompt)
+    s.flush_finished()
+    assert s.admit(2, prompt)["matched_pages"] == 3
+    s.validate()
+
+
 def test_four_threads_on_one_hicache_and_one_scheduler():
     calls = _hicache_calls()
     c = st.HiCache(1, 64)

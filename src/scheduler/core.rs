@@ -1036,10 +1036,13 @@ impl StepScheduler {
         } else {
             match self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes)) {
                 Err(Error::OutOfSlots { .. }) => {
-                    // Makes room, kept pages included: a plan that read kept slots starts
-                    // over (nothing of it is committed yet).
+                    // Makes room, kept pages included: a plan that read kept lists starts
+                    // over (nothing of it is committed yet). That includes a row that kept
+                    // none of its list: the pages it dropped were just given back, and its
+                    // finish would give them back again.
                     self.make_room()?;
-                    if kept_hits > 0 {
+                    let read_kept = kept_rows.as_ref().is_some_and(|k| !k.dropped.is_empty());
+                    if kept_hits > 0 || read_kept {
                         // This attempt's time counts; the plan starts over.
                         self.rec.cpu_resolve_ns += ns(t_rows.elapsed());
                         let cpu = ns(t0.elapsed());

@@ -16,7 +16,8 @@
 //! What it costs: the kept pages stay on the device until dropped (one selection per layer per
 //! request; the device budget must hold that, which any plan needs anyway), and they are not
 //! eviction candidates meanwhile. Making room gives back every kept page no outstanding plan
-//! reads (`make_room`); a plan that ran out of slots after reading kept slots starts over.
+//! reads (`make_room`); a plan that ran out of slots after reading kept lists (a hit, or a
+//! page its row dropped) starts over.
 //! Entries smaller than a page (token mode's tokens) keep their pages the same way; their rows
 //! map entries to pages first (`kept_entries.rs`). Blocks larger than a page and a directory
 //! journal (whose replay models handles only) leave the kept lists alone and resolve every
