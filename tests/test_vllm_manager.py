@@ -404,3 +404,73 @@ def test_threads_share_one_manager():
     assert errors == []
     m.validate()
     assert m.core_counts()["pinned"] == 0
+
+
+def _manager_calls():
+    """What vLLM's scheduler and workers call on one manager, each call on keys of its own
+    thread (`t` in the key) and self-contained: it finishes the request it started."""
+    import itertools
+
+    serial = itertools.count()
+
+    def keys(t, i):
+        return [make_offload_key(f"t{t}-{(i + j) % 20}".encode(), j % 2) for j in range(4)]
+
+    def store(m, t, i):
+        ctx = ReqContext(req_id=f"s{t}-{next(serial)}")
+        out = m.prepare_store(keys(t, i), ctx)
+        if out is not None:
+            m.complete_store(out.keys_to_store, ctx, success=i % 5 != 0)
+        m.on_request_finished(ctx)
+
+    def load(m, t, i):
+        ctx = ReqContext(req_id=f"l{t}-{next(serial)}")
+        hits = [k for k in keys(t, i) if m.lookup(k, ctx) is LookupResult.HIT]
+        if hits:
+            m.prepare_load(hits, ctx)
+            m.touch(hits, ctx)
+            m.complete_load(hits, ctx)
+        m.on_request_finished(ctx)
+
+    return {
+        "store": store,
+        "load": load,
+        "events": lambda m, t, i: list(m.take_events()),
+        "stats": lambda m, t, i: (m.get_stats(), m.core_counts()),
+        "validate": lambda m, t, i: m.validate(),
+        "reset": lambda m, t, i: m.reset_cache(),
+    }
+
+
+@pytest.mark.parametrize("pair", [(a, b) for a in range(6) for b in range(a, 6)])
+def test_every_pair_of_calls_on_one_manager(pair):
+    """Every pair of the manager's calls in two threads: both end, neither raises, and
+    nothing stays pinned. A reset drops every chunk at once, as vLLM's does, pinned or not;
+    vLLM's scheduler never completes a job from before a reset, and a store or load another
+    thread completes after one is refused with a typed error, its pins gone with the reset."""
+    import threading
+
+    m = SparsetierOffloadingManager(num_chunks=48, enable_events=True)
+    calls = _manager_calls()
+    names = list(calls)
+    errors: list[BaseException] = []
+
+    def run(name, t):
+        for i in range(150):
+            try:
+                calls[name](m, t, i)
+            except (InvalidTransitionError, NotResidentError) as e:
+                if "reset" not in [names[j] for j in pair]:
+                    errors.append(e)
+            except BaseException as e:  # pragma: no cover - reported below
+                errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(names[i], t), daemon=True) for t, i in enumerate(pair)]
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in ts), f"{[names[i] for i in pair]} hung"
+    assert errors == []
+    m.validate()
+    assert m.core_counts()["pinned"] == 0
