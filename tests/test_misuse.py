@@ -417,6 +417,16 @@ def test_a_full_disk_is_a_counted_store_failure(tmp_path):
     s.storage.close()
 
 
+def _run_script(code: str) -> None:
+    """Runs `code` in a Python of its own (limits, users and descriptors it changes stay
+    there): it must print "ok"."""
+    import subprocess
+
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.startswith("ok")
+
+
 _FAILING_STORE = """
 import os, resource, signal, sys
 sys.path.insert(0, {tests!r})
@@ -449,19 +459,116 @@ print("ok", s.storage.backend.write_errors)
         "n = resource.getrlimit(resource.RLIMIT_NOFILE); resource.setrlimit("
         "resource.RLIMIT_NOFILE, (len(os.listdir('/proc/self/fd')) + 16, n[1])); hog = []\n"
         "try:\n    while True: hog.append(open(os.devnull))\nexcept OSError: pass",
+        # No permission to write in the store (EACCES): the process gives up root (the store
+        # stays readable, 0755), or a process that never had root finds it read-only.
+        "if os.getuid() == 0:\n    os.setgid(65534); os.setuid(65534)\n"
+        "else:\n    os.chmod(s.storage.backend.root, 0o500)",
     ],
-    ids=["file_too_large", "too_many_open_files"],
+    ids=["file_too_large", "too_many_open_files", "permission_denied"],
 )
 def test_an_os_error_while_writing_is_a_counted_store_failure(tmp_path, limit):
     """Write failures the OS gives a process (EFBIG past its file size limit, EMFILE past its
-    open files) are counted store failures: the drain ends, no host page stays pinned."""
-    import subprocess
+    open files, EACCES on a store it may not write) are counted store failures: the drain
+    ends, no host page stays pinned."""
+    import shutil
+    import tempfile
     from pathlib import Path
 
-    code = _FAILING_STORE.format(tests=str(Path(__file__).parent), root=str(tmp_path), limit=limit)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.startswith("ok")
+    # A store root every user may reach (pytest's own directories are the owner's only), so a
+    # process that gave up root finds the store there but may not write in it.
+    root = Path(tempfile.mkdtemp(prefix="sparsetier-l3-"))
+    try:
+        root.chmod(0o755)
+        code = _FAILING_STORE.format(tests=str(Path(__file__).parent), root=str(root), limit=limit)
+        _run_script(code)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+_LOCKED_OUT = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from l3_support import PS, insert, push_to_l3, restore, same, stack, tokens
+s = stack("file", {root!r})
+s.storage.retry_interval = 0.0
+t = tokens(3 * PS, seed=4)
+want = insert(s, t, "random")
+os.setegid(65534); os.seteuid(65534)  # the store's parent is its owner's only: EACCES
+push_to_l3(s)
+s.storage.drain()
+st = s.hicache.storage_stats()
+assert not st["online"], st
+assert st["writes_in_flight"] == 0, st
+assert s.hicache.stats()["host_in_tree"] == 0, "no host page stays pinned"
+s.hicache.validate()
+os.seteuid(0); os.setegid(0)
+s.storage.poll()
+assert s.hicache.storage_stats()["online"], "the store answers again"
+insert(s, t, "random", seed=1)
+push_to_l3(s)
+n, got = restore(s, t)
+assert n == 3 and same(got, want), n
+s.hicache.validate()
+s.storage.close()
+print("ok")
+"""
+
+
+def test_a_store_the_process_may_not_reach_goes_offline_and_comes_back(tmp_path):
+    """EACCES on the store's parent (its owner's only, and the process gave up root): the
+    store is gone, as a removed one is; nothing stays pinned, the drain ends, and once the
+    process may reach it again it answers and serves."""
+    import os
+    from pathlib import Path
+
+    if os.getuid() != 0:
+        pytest.skip("needs root, to give it up and take it back")
+    tmp_path.chmod(0o700)
+    code = _LOCKED_OUT.format(tests=str(Path(__file__).parent), root=str(tmp_path / "store"))
+    _run_script(code)
+
+
+_UNREADABLE_PAGE = """
+import os, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from l3_support import PS, insert, push_to_l3, restore, same, stack, tokens
+s = stack("file", {root!r})
+t = tokens(4 * PS, seed=6)
+want = insert(s, t, "random")
+push_to_l3(s)
+key = s.hicache.storage_keys(t)[2]
+Path({root!r}, key[:2], key + ".page").chmod(0)
+os.setegid(65534); os.seteuid(65534)  # may search the store, may not read that page: EACCES
+n, got = restore(s, t)
+assert n == 2, n
+assert s.storage.backend.read_errors == 1, s.storage.backend.read_errors
+for comp in want:
+    assert same({{comp: got[comp]}}, {{comp: want[comp][:, :, :2]}})
+assert s.hicache.storage_stats()["online"]
+s.hicache.validate()
+s.storage.close()
+print("ok")
+"""
+
+
+def test_a_page_the_process_may_not_read_is_a_counted_miss(tmp_path):
+    """EACCES on one page file: that page and those after it are misses, counted in
+    `read_errors`; the pages before it are restored exactly and the store stays online."""
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    if os.getuid() != 0:
+        pytest.skip("needs root, to give it up")
+    root = Path(tempfile.mkdtemp(prefix="sparsetier-l3-"))
+    try:
+        root.chmod(0o755)
+        code = _UNREADABLE_PAGE.format(tests=str(Path(__file__).parent), root=str(root))
+        _run_script(code)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 # ---- class 11: the smaller cases, each a typed error naming its field ----

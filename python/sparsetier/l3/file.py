@@ -13,7 +13,8 @@ a permission, the file size or open file limit) is a failed store of that page, 
 ``write_errors``; every OS error while reading one (a symlink loop, an I/O error) is a miss,
 counted in ``read_errors``. Something other than a regular file where a page was (a FIFO,
 which a plain open would wait on forever, or a directory) is a ``corrupt`` miss, never opened
-for a blocking read. A missing root is the store being gone (``StoreUnavailableError``).
+for a blocking read. A missing root, or one the process may not reach (a permission on a
+parent, an I/O error on the mount), is the store being gone (``StoreUnavailableError``).
 """
 
 from __future__ import annotations
@@ -64,15 +65,28 @@ class FileStore:
         return self.root / key[:2] / f"{key}.page"
 
     def _reachable(self) -> None:
-        # A missing root is an unmounted or removed store, not a miss per page.
-        if not self.root.is_dir():
+        # A missing or unreachable root is an unmounted, removed or locked-out store, not a
+        # miss per page.
+        try:
+            gone = not self.root.is_dir()
+            why = "is gone"
+        except OSError as e:  # EACCES on a parent, an I/O error on the mount
+            gone, why = True, f"cannot be reached ({e.strerror})"
+        if gone:
             raise StoreUnavailableError(
-                f"L3 directory {self.root} is gone", backend="file", detail=str(self.root)
+                f"L3 directory {self.root} {why}", backend="file", detail=str(self.root)
             )
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         self._reachable()
-        return [self._path(k).is_file() for k in keys]
+        return [self._is_page(k) for k in keys]
+
+    def _is_page(self, key: str) -> bool:
+        try:
+            return self._path(key).is_file()
+        except OSError:  # a fan-out directory it may not search: a miss, counted
+            self.read_errors += 1
+            return False
 
     def put(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
         self._reachable()
@@ -80,8 +94,12 @@ class FileStore:
 
     def _put_one(self, key: str, segs: Segments) -> bool:
         path = self._path(key)
-        if path.is_file():
-            return True  # same key, same prefix: the stored page is this page
+        try:
+            if path.is_file():
+                return True  # same key, same prefix: the stored page is this page
+        except OSError:
+            self.write_errors += 1
+            return False
         views = [view(a, n) for a, n in segs]
         crc = 0
         for v in views:
@@ -169,7 +187,10 @@ class FileStore:
         del address, length  # plain file I/O needs no registration
 
     def healthy(self) -> bool:
-        return self.root.is_dir() and os.access(self.root, os.W_OK)
+        try:
+            return self.root.is_dir() and os.access(self.root, os.W_OK | os.X_OK)
+        except OSError:
+            return False
 
     def close(self) -> None:
         pass
