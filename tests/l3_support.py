@@ -4,7 +4,6 @@ call until the test releases it (fault and timing injection around the real stor
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import threading
 
@@ -13,12 +12,13 @@ import torch
 
 import sparsetier as st
 from sparsetier.l3 import StorageController
+from sparsetier.l3.mooncake import find_master
 
 PS = 4
 
 
 def mooncake_skip_reason() -> str | None:
-    exe = shutil.which("mooncake_master")
+    exe = find_master()
     if exe is None:
         return "mooncake_master not installed (pip install mooncake-transfer-engine-non-cuda)"
     r = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=30)

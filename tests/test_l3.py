@@ -395,3 +395,21 @@ def test_drain_leaves_nothing_in_flight_even_when_settling_plans_more(tmp_path):
     assert st_["writes_in_flight"] == 0 and st_["prefetches_in_flight"] == 0
     assert st_["pages_written"] == 12
     s.storage.close()
+
+
+def test_the_master_is_found_beside_the_interpreter_without_activation(tmp_path):
+    """A venv used without activation (its bin not on PATH) still finds its mooncake_master."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    beside = Path(sys.executable).parent / "mooncake_master"
+    if not beside.is_file():
+        pytest.skip("mooncake_master not installed beside this interpreter")
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PATH")}
+    env["PATH"] = "/usr/bin:/bin"
+    code = "from sparsetier.l3.mooncake import find_master; print(find_master())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(beside)

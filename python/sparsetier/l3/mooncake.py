@@ -14,13 +14,16 @@ localhost ports, for tests, benchmarks and single-machine use. Across machines, 
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import struct
 import subprocess
+import sys
 import time
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from sparsetier.errors import ConfigError, StoreUnavailableError
@@ -37,11 +40,21 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def find_master() -> str | None:
+    """The ``mooncake_master`` installed beside the running interpreter (the one its wheel put
+    in this environment's ``bin``, found even when the environment is not activated), else
+    the first on ``PATH``."""
+    beside = Path(sys.executable).parent / "mooncake_master"
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    return shutil.which("mooncake_master")
+
+
 class MooncakeMaster:
     """A ``mooncake_master`` process on localhost with its built-in HTTP metadata server."""
 
     def __init__(self) -> None:
-        exe = shutil.which("mooncake_master")
+        exe = find_master()
         if exe is None:
             raise ConfigError.of(
                 "storage_backend",
