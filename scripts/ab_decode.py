@@ -32,7 +32,7 @@ import statistics
 
 import numpy as np
 
-from sparsetier.bench_decode import (
+from sparsetier.tools.bench_decode import (
     DecodeBenchConfig,
     Selections,
     WarmUp,

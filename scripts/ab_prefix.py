@@ -20,7 +20,7 @@ import time
 from ab_decode import load
 
 from sparsetier.errors import OutOfPagesError
-from sparsetier.workload import Workload, WorkloadSpec, as_tokens
+from sparsetier.tools.workload import Workload, WorkloadSpec, as_tokens
 
 
 def serve(core, seqs, ps: int, cap_pages: int, inflight: int = 32) -> tuple[float, int]:

@@ -81,11 +81,11 @@ run)
         for mode in block token; do
             # Injected load, backup and restore failures through the CUDA engine's fault hook;
             # each failed turn restarted once (the resident run restarts the same ones).
-            timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet --faults \
+            timeout 60 python3 -m sparsetier.tools.cli demo --device cuda --quiet --faults \
                 --restart-failed --selection "$mode" >> "$OUT/demo_cuda.txt" 2>&1
             echo "demo $mode faults restarted: exit $?" >> "$OUT/demo_cuda.txt"
         done
-        timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet --kv-format fp8 \
+        timeout 60 python3 -m sparsetier.tools.cli demo --device cuda --quiet --kv-format fp8 \
             >> "$OUT/demo_cuda.txt" 2>&1
         echo "demo block prefetch fp8: exit $?" >> "$OUT/demo_cuda.txt"
         for mode in block token; do
@@ -93,7 +93,7 @@ run)
                 # JSON of the block run with prefetch only (8 files at most come back).
                 flag=$([ "$pf" = no-prefetch ] && echo --no-prefetch)
                 [ "$mode$pf" = blockprefetch ] && flag="--json $OUT/demo_block.json"
-                timeout 60 python3 -m sparsetier.cli demo --device cuda --quiet \
+                timeout 60 python3 -m sparsetier.tools.cli demo --device cuda --quiet \
                     --selection "$mode" $flag >> "$OUT/demo_cuda.txt" 2>&1
                 echo "demo $mode $pf: exit $?" >> "$OUT/demo_cuda.txt"
             done
@@ -109,24 +109,24 @@ run)
     if has decode; then
         # The decode step's CPU time (issue 10) on this machine's server CPU (the GPU idle):
         # the issue's run (block mode, its three stacks); token mode comes last.
-        timeout 150 python3 -m sparsetier.cli bench decode --steps 30 --mode block \
+        timeout 150 python3 -m sparsetier.tools.cli bench decode --steps 30 --mode block \
             > "$OUT/bench_decode.txt" 2>&1
         echo "block exit $?" >> "$OUT/bench_decode.txt"
         # The same with the pools on the GPU and the kernel engine: copies by the GPU,
         # `ready` a stream wait (the deployment the issue's CPU figure is about).
-        timeout 150 python3 -m sparsetier.cli bench decode --steps 30 --mode block \
+        timeout 150 python3 -m sparsetier.tools.cli bench decode --steps 30 --mode block \
             --io-backend kernel >> "$OUT/bench_decode.txt" 2>&1
         echo "block kernel exit $?" >> "$OUT/bench_decode.txt"
     fi
     if has transfer; then
         # Every row alternates with the peak copy (the median paired ratio).
-        timeout 240 python3 -m sparsetier.cli bench transfer --device cuda --total-mb 256 \
+        timeout 240 python3 -m sparsetier.tools.cli bench transfer --device cuda --total-mb 256 \
             --json "$OUT/bench_transfer.json" > "$OUT/bench_transfer.txt" 2>&1
         echo "exit $?" >> "$OUT/bench_transfer.txt"
     fi
     if has token; then
         # Token mode: the core's mapping of tokens to pages against map_tokens on the GPU.
-        timeout 200 python3 -m sparsetier.cli bench decode --steps 8 --mode token \
+        timeout 200 python3 -m sparsetier.tools.cli bench decode --steps 8 --mode token \
             --map-device cuda >> "$OUT/bench_decode.txt" 2>&1
         echo "token exit $?" >> "$OUT/bench_decode.txt"
         # Where one layer's device mapping spends its CPU (8 files at most come back).

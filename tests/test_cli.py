@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import sparsetier as st
-from sparsetier.cli import main
 from sparsetier.replay import load_trace
+from sparsetier.tools.cli import main
 
 
 def torch_cuda() -> bool:
@@ -126,7 +126,7 @@ def test_device_gb(capsys):
 )
 def test_bad_flags_exit_2_with_the_message(extra):
     r = subprocess.run(
-        [sys.executable, "-m", "sparsetier.cli", *SOURCE, *extra],
+        [sys.executable, "-m", "sparsetier.tools.cli", *SOURCE, *extra],
         capture_output=True,
         text=True,
         check=False,
@@ -140,7 +140,7 @@ def test_bad_flags_exit_2_with_the_message(extra):
 def test_bench_page_size_zero_is_refused_not_replaced(what):
     # 0 is a value the user gave, not "unset": it must be refused, not swapped for a default.
     r = subprocess.run(
-        [sys.executable, "-m", "sparsetier.cli", "bench", what, "--page-size", "0"],
+        [sys.executable, "-m", "sparsetier.tools.cli", "bench", what, "--page-size", "0"],
         capture_output=True,
         text=True,
         check=False,
@@ -152,7 +152,7 @@ def test_bench_page_size_zero_is_refused_not_replaced(what):
 
 def test_unknown_flag_exits_2():
     r = subprocess.run(
-        [sys.executable, "-m", "sparsetier.cli", "plan", "--bogus"],
+        [sys.executable, "-m", "sparsetier.tools.cli", "plan", "--bogus"],
         capture_output=True,
         text=True,
         check=False,
@@ -175,7 +175,7 @@ def test_bench_directory_runs_and_reports_ratios(tmp_path, capsys):
 
 def test_bench_bad_flags_exit_2():
     r = subprocess.run(
-        [sys.executable, "-m", "sparsetier.cli", "bench", "directory", "--hit-rates", "1.5"],
+        [sys.executable, "-m", "sparsetier.tools.cli", "bench", "directory", "--hit-rates", "1.5"],
         capture_output=True,
         text=True,
         check=False,
@@ -202,7 +202,7 @@ def test_bench_transfer_cuda_without_gpu_exits_2():
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the cuda bench would run")
     r = subprocess.run(
-        [sys.executable, "-m", "sparsetier.cli", "bench", "transfer", "--device", "cuda"],
+        [sys.executable, "-m", "sparsetier.tools.cli", "bench", "transfer", "--device", "cuda"],
         capture_output=True,
         text=True,
         check=False,
@@ -323,7 +323,7 @@ def test_bench_decode_runs_both_sides(mode, tmp_path, capsys):
 
 
 def test_bench_decode_says_whether_the_allocator_was_given_huge_pages(monkeypatch):
-    from sparsetier.bench_decode import _memory_pages
+    from sparsetier.tools.bench_decode import _memory_pages
 
     monkeypatch.delenv("MIMALLOC_ALLOW_LARGE_OS_PAGES", raising=False)
     assert _memory_pages().endswith("large OS pages off")
@@ -406,7 +406,7 @@ def test_bench_decode_hands_rows_over_as_int32_and_plans_them_alike(mode, tmp_pa
         assert [s[key] for s in runs["int64"]["steps"]] == [s[key] for s in runs["int32"]["steps"]]
     with pytest.raises(SystemExit):
         main([*small, "--entry-dtype", "int16"])
-    from sparsetier import bench_decode
+    from sparsetier.tools import bench_decode
 
     with pytest.raises(st.ConfigError) as e:
         bench_decode.DecodeBenchConfig(entry_dtype="int16").check()
@@ -481,7 +481,7 @@ def test_bench_decode_times_the_steady_state_after_the_device_turns_over(tmp_pat
 
 
 def test_warm_up_ends_at_turnover_at_a_quiet_step_or_at_its_cap(monkeypatch):
-    from sparsetier import bench_decode as bd
+    from sparsetier.tools import bench_decode as bd
 
     def steps_until_done(cfg, loads):
         w = bd.WarmUp(cfg, device_pages=100)
@@ -527,7 +527,7 @@ NO_GPU = [] if torch_cuda() else [["--device", "cuda"]]
 )
 def test_demo_bad_flags_exit_2(extra):
     r = subprocess.run(
-        [sys.executable, "-m", "sparsetier.cli", "demo", "--quiet", *extra],
+        [sys.executable, "-m", "sparsetier.tools.cli", "demo", "--quiet", *extra],
         capture_output=True,
         text=True,
         check=False,

@@ -13,8 +13,8 @@ from scheduler_support import small_scheduler
 import sparsetier as st
 from sparsetier.attention import attend, sparse_attention
 from sparsetier.indexer import SparseIndexer, select_blocks
-from sparsetier.model import ModelConfig, TinySparseModel
-from sparsetier.runtime import DecodeRuntime
+from sparsetier.tools.model import ModelConfig, TinySparseModel
+from sparsetier.tools.runtime import DecodeRuntime
 
 
 def rope64(x, pos, theta=10_000.0):

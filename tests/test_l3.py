@@ -324,7 +324,7 @@ def test_bad_configuration_is_refused(tmp_path):
 
 
 def test_plan_shows_the_l3_tier(capsys):
-    from sparsetier.cli import main
+    from sparsetier.tools.cli import main
 
     args = ["plan", "--layers", "4", "--kv-heads", "2", "--head-dim", "64", "--device-pages"]
     assert main([*args, "64", "--storage-backend", "file"]) == 0
@@ -371,7 +371,7 @@ def test_a_skipped_backup_is_retried():
 
 
 def test_bench_l3_runs_and_l3_only_adds_hits(tmp_path):
-    from sparsetier import bench_l3
+    from sparsetier.tools import bench_l3
 
     rows = bench_l3.throughput(["file"], pages=16, reps=2)
     assert [r["op"] for r in rows] == ["put", "get"]

@@ -595,8 +595,8 @@ def test_negative_and_huge_counts_are_config_errors(call, field):
 
 
 def _runtime():
-    from sparsetier.model import ModelConfig, TinySparseModel
-    from sparsetier.runtime import DecodeRuntime
+    from sparsetier.tools.model import ModelConfig, TinySparseModel
+    from sparsetier.tools.runtime import DecodeRuntime
 
     m = TinySparseModel(ModelConfig(layers=1, vocab=64))
     return DecodeRuntime(m, page_size=4, device_slots=64, host_pages=64, indexer_pages=32)

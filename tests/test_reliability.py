@@ -201,8 +201,8 @@ def _dir():
 
 
 def _runtime(**kw):
-    from sparsetier.model import TinySparseModel
-    from sparsetier.runtime import DecodeRuntime
+    from sparsetier.tools.model import TinySparseModel
+    from sparsetier.tools.runtime import DecodeRuntime
 
     return DecodeRuntime(TinySparseModel(), device_slots=64, host_pages=64, indexer_pages=64, **kw)
 

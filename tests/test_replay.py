@@ -12,10 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sparsetier as sp
-from sparsetier.cli import main
-from sparsetier.demo import DemoConfig, _run, _workload
-from sparsetier.model import ModelConfig, TinySparseModel
 from sparsetier.replay import load_trace, save_trace, sweep
+from sparsetier.tools.cli import main
+from sparsetier.tools.demo import DemoConfig, _run, _workload
+from sparsetier.tools.model import ModelConfig, TinySparseModel
 
 
 @functools.cache

@@ -33,8 +33,8 @@ from hypothesis.stateful import (
 )
 
 import sparsetier as sp
-from sparsetier.model import ModelConfig, TinySparseModel
-from sparsetier.runtime import DecodeRuntime
+from sparsetier.tools.model import ModelConfig, TinySparseModel
+from sparsetier.tools.runtime import DecodeRuntime
 
 MODEL = TinySparseModel(ModelConfig(seed=3))
 _g = torch.Generator().manual_seed(11)

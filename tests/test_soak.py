@@ -5,9 +5,9 @@ CI)."""
 import numpy as np
 import pytest
 
-from sparsetier import soak
-from sparsetier.cli import main
-from sparsetier.soak import SoakConfig, run
+from sparsetier.tools import soak
+from sparsetier.tools.cli import main
+from sparsetier.tools.soak import SoakConfig, run
 
 
 @pytest.mark.parametrize("engine", soak.ENGINES)

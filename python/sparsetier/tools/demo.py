@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from sparsetier.errors import ConfigError, RequestFailedError
-from sparsetier.model import ModelConfig, TinySparseModel
-from sparsetier.record import fmt_ratio
-from sparsetier.runtime import DecodeRuntime
-from sparsetier.workload import Workload, WorkloadSpec
+from sparsetier.tools.model import ModelConfig, TinySparseModel
+from sparsetier.tools.record import fmt_ratio
+from sparsetier.tools.runtime import DecodeRuntime
+from sparsetier.tools.workload import Workload, WorkloadSpec
 
 
 @dataclass

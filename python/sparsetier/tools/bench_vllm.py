@@ -142,7 +142,7 @@ def _serve(manager, ctx, per_group, cfg: VllmBenchConfig, side: Side) -> None:
 def run(cfg: VllmBenchConfig, progress: bool = True) -> dict:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-    from sparsetier.bench_decode import _cpu_model
+    from sparsetier.tools.bench_decode import _cpu_model
     from sparsetier.vllm import SparsetierOffloadingManager
 
     stream = _keys(cfg)

@@ -24,7 +24,7 @@ import time
 
 import numpy as np
 
-from sparsetier.bench import PAGE_SIZES, TransferRow, _paired, _pool, _units
+from sparsetier.tools.bench import PAGE_SIZES, TransferRow, _paired, _pool, _units
 
 #: DeepSeek-V3.2's token rows: packed FP8 main KV (656 B) and FP8 Indexer-K with its scale
 #: (132 B); 64 tokens a page.

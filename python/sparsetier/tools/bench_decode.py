@@ -62,8 +62,8 @@ from sparsetier._core import (
 )
 from sparsetier.errors import ConfigError
 from sparsetier.keys import object_keys
-from sparsetier.record import CPU_PARTS, fmt_ratio
 from sparsetier.token_map import TokenMapper
+from sparsetier.tools.record import CPU_PARTS, fmt_ratio
 
 
 @dataclass

@@ -25,7 +25,7 @@ import numpy as np
 from sparsetier import _core
 from sparsetier._core import HiCache
 from sparsetier.errors import OutOfPagesError
-from sparsetier.workload import Workload, WorkloadSpec, as_tokens, load_stream
+from sparsetier.tools.workload import Workload, WorkloadSpec, as_tokens, load_stream
 
 
 def _stats(ns: list[int] | np.ndarray) -> dict[str, float]:
@@ -195,7 +195,7 @@ def format_report(r: dict, peers: dict[str, dict] | None = None) -> str:
 
 
 def run_paired(args: Any) -> str:
-    """``bench prefix --paired``: `sparsetier.bench_prefix_paired` in the peers' python, with
+    """``bench prefix --paired``: `sparsetier.tools.bench_prefix_paired` in the peers' python, with
     this package importable there; returns its report."""
     import os
     import sys
@@ -206,7 +206,7 @@ def run_paired(args: Any) -> str:
     here = str(Path(sparsetier.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
     cmd = [
-        args.peers_python, "-W", "ignore", "-m", "sparsetier.bench_prefix_paired",
+        args.peers_python, "-W", "ignore", "-m", "sparsetier.tools.bench_prefix_paired",
         "--peers-dir", str(Path(args.peers_dir).resolve()), "--page-size", str(args.page_size),
         "--num-seqs", str(args.num_seqs), "--num-queries", str(args.num_queries),
         "--serve-reqs", str(args.serve_reqs), "--reps", str(args.reps),
@@ -229,8 +229,8 @@ def compare_containers(
     paired ratio to uint32 (the tree's own width, borrowed as is)."""
     import statistics
 
-    from sparsetier.bench_prefix_paired import fill_sparsetier, serve_sparsetier
-    from sparsetier.workload import TOKEN_TYPES
+    from sparsetier.tools.bench_prefix_paired import fill_sparsetier, serve_sparsetier
+    from sparsetier.tools.workload import TOKEN_TYPES
 
     ps = page_size
     wl = Workload(WorkloadSpec(num_seqs=num_seqs, align=ps))

@@ -37,7 +37,7 @@ from typing import Any
 
 from sparsetier._core import HiCache
 from sparsetier.errors import OutOfPagesError
-from sparsetier.workload import Workload, WorkloadSpec, as_tokens
+from sparsetier.tools.workload import Workload, WorkloadSpec, as_tokens
 
 
 def serve_sparsetier(seqs: list, ps: int, cap_tokens: int, inflight: int) -> tuple[float, int]:

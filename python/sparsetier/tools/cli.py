@@ -262,7 +262,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
         "vllm: scheduler CPU per request of sparsetier.vllm's manager vs vLLM's "
         "CPUOffloadingManager, paired in one process",
     )
-    from sparsetier.bench_decode import DecodeBenchConfig
+    from sparsetier.tools.bench_decode import DecodeBenchConfig
 
     dd = DecodeBenchConfig()
     p.add_argument("--mode", choices=["block", "token"], default=dd.mode, help="decode")
@@ -325,7 +325,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hit-rates", type=float, nargs="+", default=[1.0, 0.9, 0.5])
     p.add_argument("--l3-backends", nargs="+", choices=["file", "mooncake"],
                    default=["file", "mooncake"], help="l3: the backends to run")  # fmt: skip
-    from sparsetier.bench_vllm import VllmBenchConfig
+    from sparsetier.tools.bench_vllm import VllmBenchConfig
 
     dv = VllmBenchConfig()
     p.add_argument("--requests", type=int, default=dv.requests, help="vllm: requests")
@@ -355,10 +355,10 @@ def _write_json(path: str, r) -> None:
 
 
 def _run_bench(args: argparse.Namespace) -> None:
-    from sparsetier import bench
+    from sparsetier.tools import bench
 
     if args.what == "vllm":
-        from sparsetier import bench_vllm
+        from sparsetier.tools import bench_vllm
 
         cfg = bench_vllm.VllmBenchConfig(
             requests=args.requests,
@@ -386,7 +386,7 @@ def _run_bench(args: argparse.Namespace) -> None:
             _write_json(args.json, r)
         return
     if args.what == "l3":
-        from sparsetier import bench_l3
+        from sparsetier.tools import bench_l3
 
         if args.serve_reqs < 1:
             raise ConfigError.of("serve_reqs", str(args.serve_reqs), "an integer >= 1")
@@ -396,7 +396,7 @@ def _run_bench(args: argparse.Namespace) -> None:
             _write_json(args.json, r)
         return
     if args.what == "decode":
-        from sparsetier import bench_decode
+        from sparsetier.tools import bench_decode
 
         cfg = bench_decode.DecodeBenchConfig(
             layers=args.layers, batch=args.batch,
@@ -418,7 +418,7 @@ def _run_bench(args: argparse.Namespace) -> None:
     if args.page_size is None:
         args.page_size = 1
     if args.what == "prefix":
-        from sparsetier import bench_prefix
+        from sparsetier.tools import bench_prefix
 
         for name in ("page_size", "num_seqs", "num_queries", "serve_reqs"):
             v = getattr(args, name)
@@ -466,7 +466,7 @@ def _run_bench(args: argparse.Namespace) -> None:
         if args.device == "cpu":
             rows = bench.bench_transfer_cpu(args.total_mb)
         else:
-            from sparsetier import bench_gpu
+            from sparsetier.tools import bench_gpu
 
             rows = bench_gpu.bench_transfer_cuda(args.total_mb)
         print(bench.format_transfer(rows))
@@ -487,7 +487,7 @@ def _run_bench(args: argparse.Namespace) -> None:
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
-    from sparsetier.demo import DemoConfig
+    from sparsetier.tools.demo import DemoConfig
 
     d = DemoConfig()
     p = sub.add_parser("demo", help="sparse decode with tiered KV, checked against all-resident")
@@ -582,7 +582,7 @@ def _replay_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _soak_parser(sub: argparse._SubParsersAction) -> None:
-    from sparsetier.soak import SoakConfig
+    from sparsetier.tools.soak import SoakConfig
 
     d = SoakConfig()
     p = sub.add_parser("soak", help="a long run of the joined scheduler: RSS and p99 over time")
@@ -602,7 +602,7 @@ def _soak_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_soak(args: argparse.Namespace) -> int:
-    from sparsetier import soak
+    from sparsetier.tools import soak
 
     names = ("requests", "concurrent", "layers", "device_slots", "host_pages", "indexer_pages",
              "prompts", "steps", "every", "seed", "faults", "page_size")  # fmt: skip
@@ -639,7 +639,7 @@ def _run_soak(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from sparsetier import demo
+    from sparsetier.tools import demo
 
     checks = [
         ("budget", args.budget, 0 < args.budget <= 1, "0 < budget <= 1"),

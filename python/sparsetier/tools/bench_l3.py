@@ -4,7 +4,7 @@
    batches of ``batch`` pages, against a memcpy of the same bytes measured alternately in the
    same process (A, B, A, B...): the median paired ratio says how close to a plain copy the
    store gets.
-2. **Serve**: the peers' shared-prefix workload (``sparsetier.workload``) through one
+2. **Serve**: the peers' shared-prefix workload (``sparsetier.tools.workload``) through one
    ``HiCache`` whose host tier is too small for the working set, once without L3 and once per
    backend, same stream, same process. Reported: the prefix hit rate per tier and the
    TTFT proxy, pages each request must recompute (its whole pages not found on any tier).
@@ -21,7 +21,7 @@ import numpy as np
 
 import sparsetier as st
 from sparsetier.errors import OutOfPagesError
-from sparsetier.workload import Workload, WorkloadSpec
+from sparsetier.tools.workload import Workload, WorkloadSpec
 
 
 def _mooncake() -> Any:

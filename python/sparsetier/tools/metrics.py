@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from sparsetier.record import CPU_PARTS
+from sparsetier.tools.record import CPU_PARTS
 
 if TYPE_CHECKING:
-    from sparsetier.runtime import DecodeRuntime
+    from sparsetier.tools.runtime import DecodeRuntime
 
 #: Scheduler totals exported as counters (name without the `sparsetier_` prefix: meaning).
 COUNTERS = {

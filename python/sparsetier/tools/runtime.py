@@ -1,0 +1,571 @@
+"""The decode runtime: prefill and batched decode steps of a sparse-attention model whose main
+KV does not fit on the device, over a radix prefix cache, scheduled by the Rust `StepScheduler`
+in its joined mode.
+
+A request, joined:
+
+    admit(rid, prompt)          -> the prefix cache matches its whole pages; their Indexer-K
+                                   is restored in the background (layer by layer), their main
+                                   KV stays on host
+    prefill, chunk by chunk     -> extend (new pages) + per layer: K/V rows, Indexer-K rows,
+                                   wait_prefix(layer), select per token (one topk for the
+                                   chunk), one plan over the chunk's selected blocks (loading
+                                   only the matched blocks it picks), attention
+    decode steps (batched)      -> append + per layer: plan / ready / attend / finish
+    finish_request(rid, tokens) -> its pages go into the prefix tree once written through, so
+                                   the next turn (prompt + answer + new message) hits them
+
+Prefill and decode attend the same way (DSA: every token reads its top-k selection), so a
+token's output does not depend on how much of its prompt was matched. Every decision about
+where a page lives, and every transition, is the scheduler's; this module moves tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict, deque
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sparsetier._core import PageTransferBinding, PoolSpec, StepScheduler, TransferEngine
+from sparsetier.attention import sparse_attention_batched
+from sparsetier.errors import (
+    ConfigError,
+    CopyFailedError,
+    OutOfPagesError,
+    RequestFailedError,
+    TransferFailedError,
+)
+from sparsetier.indexer import MODES
+from sparsetier.kv_format import kv_format as make_kv_format
+from sparsetier.token_map import TokenMapper
+from sparsetier.tools.model import TinySparseModel, rms
+
+try:
+    from sparsetier.tools.metrics import RuntimeMetrics
+except ImportError:  # prometheus-client is optional (sparsetier[metrics])
+    RuntimeMetrics = None
+
+log = logging.getLogger("sparsetier.tools.runtime")
+
+LAYOUTS = ("layer_first", "layer_page_first")
+
+
+class _LoadFailed(Exception):
+    """A prefill plan's loads failed twice (reported to the caller as RequestFailedError)."""
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: torch.Tensor
+    decode_steps: int
+    pos: int = 0  # tokens written so far
+    next_token: int = 0
+    idx_pages: torch.Tensor | None = None  # Indexer-K device pages (int64), from the scheduler
+    fed: list[int] = field(default_factory=list)  # generated tokens fed back (written)
+    outputs: list[torch.Tensor] = field(default_factory=list)
+    ttft_s: float = 0.0
+    matched_tokens: int = 0
+    # A restarted request: its first `carried` outputs came before the restart, and the
+    # tokens fed for them are part of `prompt` now.
+    carried: int = 0
+
+    @property
+    def done(self) -> bool:
+        return len(self.outputs) >= self.decode_steps
+
+    def tokens(self) -> np.ndarray:
+        """Every token written: the prompt, then the generated tokens fed back."""
+        return np.concatenate([self.prompt.numpy(), np.asarray(self.fed, dtype=np.int64)])
+
+
+@dataclass
+class StepRecord:
+    """One decode step: the scheduler's record (seed 002's table, counted in Rust) and the
+    step's wall time."""
+
+    step: int
+    requests: int
+    step_s: float
+    core: dict
+    failed: list[int] = field(default_factory=list)
+
+    def __getattr__(self, name: str):
+        core = self.__dict__.get("core")
+        if core is not None and name in core:
+            return core[name]
+        raise AttributeError(name)
+
+
+class DecodeRuntime:
+    """Prefills and decodes requests with main KV tiered between `device_slots` device pages
+    (one layer of one page each) and `host_pages` host pages (every layer of a page), which
+    the prefix cache owns; Indexer-K lives in `indexer_pages` whole device pages."""
+
+    def __init__(
+        self,
+        model: TinySparseModel,
+        *,
+        page_size: int = 16,
+        device_slots: int,
+        host_pages: int,
+        indexer_pages: int,
+        topk: int = 8,
+        window: int = 1,
+        prefetch: bool = True,
+        io_backend: str = "cpu",
+        device: str = "cpu",
+        selection: str = "block",
+        block_size: int | None = None,
+        reduce: str = "max",
+        layout: str = "layer_first",
+        prefill_chunk: int = 256,
+        keep_records: int | None = 4096,
+        kv_format: str = "bf16",
+        token_map: str = "core",
+    ) -> None:
+        c = model.c
+        if selection not in MODES:
+            raise ConfigError.of("selection", selection, "block or token")
+        if token_map not in ("core", "device"):
+            raise ConfigError.of("token_map", token_map, "core or device")
+        # Token mode's decode steps: the core maps token rows to pages (default), or
+        # `map_tokens` does it on the model's device and the core plans page rows with counts
+        # (a prefill chunk's union of tokens, one request's, is planned as tokens either way).
+        # On an H200 host the device mapping cost more CPU a step than the core's (RESULTS,
+        # "Token mode mapped on the GPU"): its ~20 small ops a layer took longer to launch
+        # than the core takes to map the layer. `TokenMapper` replays them as one CUDA graph
+        # (not yet run on a GPU).
+        self.token_map = token_map
+        self._mapper = TokenMapper(page_size) if token_map == "device" else None
+        if layout not in LAYOUTS:
+            raise ConfigError.of("layout", layout, " or ".join(LAYOUTS))
+        if prefill_chunk < 1:
+            raise ConfigError.of("prefill_chunk", str(prefill_chunk), "an integer >= 1")
+        unit = (block_size or page_size) if selection == "block" else 1
+        if unit % page_size and page_size % unit:
+            raise ConfigError.of(
+                "block_size",
+                str(unit),
+                f"a divisor or a multiple of the page size {page_size}",
+            )
+        if selection == "block" and topk < window + 1:
+            raise ConfigError.of(
+                "topk",
+                str(topk),
+                f">= {window + 1} (the sink block and the local window are always read)",
+            )
+        if selection == "token" and topk < 2:
+            raise ConfigError.of("topk", str(topk), ">= 2 (the sink token and the query's own)")
+        self.model, self.ps, self.topk, self.window = model, page_size, topk, window
+        self.mode, self.unit, self.reduce, self.prefetch = selection, unit, reduce, prefetch
+        self.chunk = prefill_chunk
+        self.device = torch.device(device)
+        if (self.device.type == "cuda") != (io_backend != "cpu"):
+            raise ConfigError.of(
+                "io_backend", io_backend, "cpu with device cpu; kernel or direct with device cuda"
+            )
+        # bf16 heads, or FP8 values with fp32 scales in packed rows (DeepSeek-V3.2's formats).
+        self.fmt = fmt = make_kv_format(kv_format, c.kv_heads, c.head_dim, c.indexer_dim)
+        kv = fmt.kv_spec(1, page_size, device_slots)
+        kv_host = fmt.kv_spec(c.layers, page_size, host_pages)
+        ik = fmt.indexer_spec(c.layers, page_size, indexer_pages)
+        ik_host = ik.with_pages(host_pages)
+        self.kv_spec = kv
+        cuda = self.device.type == "cuda"
+
+        def host(spec: PoolSpec) -> torch.Tensor:
+            t = torch.zeros(spec.shape(layout), dtype=fmt.dtype)
+            return t.pin_memory() if cuda else t
+
+        self.device_kv = torch.zeros(kv.shape(), dtype=fmt.dtype, device=self.device)
+        self.indexer_pool = torch.zeros(ik.shape(), dtype=fmt.dtype, device=self.device)
+        self.host_kv, self.indexer_host = host(kv_host), host(ik_host)
+        self.engine = TransferEngine(io_backend)
+        self.scheduler = StepScheduler.joined(
+            PageTransferBinding(self.device_kv, kv),
+            PageTransferBinding(self.host_kv, kv_host, layout),
+            self.engine,
+            indexer_device=PageTransferBinding(self.indexer_pool, ik),
+            indexer_host=PageTransferBinding(self.indexer_host, ik_host, layout),
+            prefetch=prefetch,
+        )
+        self.requests: dict[int, Request] = {}
+        if keep_records is not None and keep_records < 1:
+            raise ConfigError.of("keep_records", str(keep_records), "None (all) or >= 1")
+        # The latest records only (a serving process lives for weeks); the scheduler's
+        # `totals()` keeps the cumulative counts. `None` keeps every one (the demo's JSON).
+        self.records: deque[StepRecord] = deque(maxlen=keep_records)
+        self.prefill_records: deque[dict] = deque(maxlen=keep_records)
+        self.steps = 0  # decode steps run
+        self.metrics = RuntimeMetrics(self) if RuntimeMetrics is not None else None
+        self.prefix_wait_s = 0.0  # blocked on Indexer-K restores during prefills
+        self.aborted = 0
+        # The latest ones, like the records (the metrics histograms keep the whole run).
+        self.failures: deque[tuple[int, int, str]] = deque(maxlen=keep_records)
+        self.admission_failures: deque[tuple[int, str]] = deque(maxlen=keep_records)
+        self.ttfts: deque[float] = deque(maxlen=keep_records)
+        # Requests that failed or were aborted, as they stood, for `restart` (the latest
+        # `keep_records`, oldest dropped first; a caller that will not restart one pops it).
+        self.ended: OrderedDict[int, Request] = OrderedDict()
+        self._keep_ended = keep_records
+
+    @property
+    def directory(self):
+        """The scheduler's residency directory (stats and checks; it makes no transition)."""
+        return self.scheduler.directory
+
+    def _stream(self) -> int | None:
+        return torch.cuda.current_stream().cuda_stream if self.device.type == "cuda" else None
+
+    def _table(self, arr: np.ndarray) -> torch.Tensor:
+        t = torch.from_numpy(arr)
+        if self.device.type == "cuda":
+            return t.pin_memory().to(self.device, non_blocking=True)
+        return t
+
+    @contextmanager
+    def _device_budget(self):
+        """Reports the scheduler's refusals of a device too small for the work (out of slots,
+        or a prefill larger than the whole device) as the runtime's `device_slots` error."""
+        try:
+            yield
+        except (OutOfPagesError, ConfigError) as e:
+            if isinstance(e, ConfigError) and e.field not in ("tokens", "pages"):
+                raise
+            raise ConfigError.of(
+                "device_slots",
+                str(self.kv_spec.pages),
+                "more device pages (and Indexer-K pages): the page being written of every layer"
+                " of every running request stays on the device, plus each layer's selected "
+                f"pages for the batch, and a prefill chunk's pages for every layer ({e})",
+            ) from e
+
+    def _locs(self, r: Request, pos: torch.Tensor) -> torch.Tensor:
+        return r.idx_pages[pos // self.ps] * self.ps + pos % self.ps
+
+    def _refresh_idx(self, r: Request) -> None:
+        r.idx_pages = torch.as_tensor(
+            self.scheduler.indexer_pages(r.rid), dtype=torch.long, device=self.device
+        )
+
+    # -- requests ---------------------------------------------------------------------
+    @torch.no_grad()
+    def add_request(self, rid: int, prompt: torch.Tensor, decode_steps: int) -> dict:
+        """Admits and prefills a request. Its prompt's whole pages are matched in the prefix
+        cache: their Indexer-K comes back layer by layer while the suffix prefill runs, their
+        main KV stays on host and only the blocks the prefill's selections pick are loaded.
+        Returns the admission (`matched_pages`, `device_pages`, `restored_pages`). Raises
+        RequestFailedError (the request ended, the rest unaffected) when a load it needs fails
+        twice."""
+        if isinstance(rid, bool) or not isinstance(rid, int) or rid < 0:
+            raise ConfigError.of("rid", repr(rid), "an integer >= 0")
+        if rid in self.requests:
+            raise ConfigError.of("rid", str(rid), "a request id not running")
+        prompt = self._prompt(prompt)
+        if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 0:
+            raise ConfigError.of("decode_steps", repr(decode_steps), "an integer >= 0")
+        self.ended.pop(rid, None)  # a new request under that id: the old one is gone
+        return self._admit(Request(rid, prompt, decode_steps), None)
+
+    def _prompt(self, prompt) -> torch.Tensor:
+        """The prompt as a 1-D int64 CPU tensor of token ids in the model's vocabulary, or a
+        ConfigError naming `prompt` (checked before anything is admitted)."""
+        vocab = self.model.c.vocab
+        allowed = f"a non-empty 1-D tensor of token ids in [0, {vocab})"
+        if not isinstance(prompt, torch.Tensor):
+            raise ConfigError.of("prompt", type(prompt).__name__, allowed)
+        if prompt.dim() != 1 or prompt.numel() == 0:
+            raise ConfigError.of("prompt", f"shape {tuple(prompt.shape)}", allowed)
+        if prompt.dtype.is_floating_point or prompt.dtype.is_complex or prompt.dtype == torch.bool:
+            raise ConfigError.of("prompt", str(prompt.dtype), allowed)
+        p = prompt.to("cpu", torch.long)
+        lo, hi = int(p.min()), int(p.max())
+        if lo < 0 or hi >= vocab:
+            raise ConfigError.of("prompt", f"a token id {lo if lo < 0 else hi}", allowed)
+        return p
+
+    def restart(self, rid: int) -> dict:
+        """Admits again a request that failed (in a step or in its prefill) or was aborted,
+        kept in `ended` as it stood: its prompt and the tokens it was fed that have outputs
+        are prefilled (whole pages may hit the prefix cache), its outputs so far are kept, and
+        it decodes the rest of its `decode_steps`, the step that failed first (the token fed
+        there is fed again). Returns the admission; raises RequestFailedError if the prefill
+        fails (it stays in `ended`, to try again)."""
+        if rid not in self.ended:
+            allowed = f"a failed or aborted request: one of {list(self.ended)}"
+            raise ConfigError.of("rid", str(rid), allowed)
+        if rid in self.requests:
+            raise ConfigError.of("rid", str(rid), "a request id not running")
+        old = self.ended.pop(rid)
+        # Fed tokens with an output; the one fed at a failed step has none and is fed again.
+        n = min(len(old.fed), len(old.outputs) - old.carried)
+        fed = torch.tensor(old.fed[:n], dtype=torch.long)
+        r = Request(rid, torch.cat([old.prompt, fed]), old.decode_steps)
+        r.outputs = old.outputs[: old.carried + n]
+        r.carried = old.carried + n
+        return self._admit(r, old)
+
+    def _admit(self, r: Request, restarting: Request | None) -> dict:
+        """Admits and prefills `r` (`restarting`: the ended request it continues, put back in
+        `ended` if this prefill fails too)."""
+        rid, prompt = r.rid, r.prompt
+        with self._device_budget():
+            t0 = time.perf_counter()
+            adm = self.scheduler.admit(rid, prompt.numpy())
+            r.pos = r.matched_tokens = adm["matched_pages"] * self.ps
+            try:
+                logits = self._prefill(r, restoring=adm["restored_pages"] > 0)
+            except (CopyFailedError, TransferFailedError, _LoadFailed) as e:
+                # Its loads (or its prefix's restore) failed twice: end it, keep serving.
+                self.scheduler.finish_request(rid)
+                self._ended(restarting or Request(rid, prompt, r.decode_steps))
+                why = str(e)
+                self.admission_failures.append((rid, why))
+                self.failures.append((self.steps, rid, why))
+                log.warning("request %d failed in prefill: %s", rid, why)
+                raise RequestFailedError(
+                    f"request {rid} failed in prefill: {why}", rid=rid, reason=why
+                ) from e
+            except BaseException:
+                self.scheduler.finish_request(rid)
+                if restarting is not None:
+                    self._ended(restarting)  # still restartable, as it was
+                raise
+            r.next_token = int(logits.argmax())
+            # The prefill is a scheduling round of its own: its plans are recorded apart from
+            # the decode steps', and its filled pages are written through now.
+            self.prefill_records.append(self.scheduler.end_step())
+            r.ttft_s = time.perf_counter() - t0
+            if restarting is None:  # a restart's first token came long ago
+                self.ttfts.append(r.ttft_s)
+                if self.metrics is not None:
+                    self.metrics.prefill_seconds.observe(r.ttft_s)
+            self.requests[rid] = r
+            return adm
+
+    def _ended(self, r: Request) -> None:
+        """Keeps a failed or aborted request for `restart`, the latest `keep_records`."""
+        self.ended[r.rid] = r
+        self.ended.move_to_end(r.rid)
+        while self._keep_ended is not None and len(self.ended) > self._keep_ended:
+            self.ended.popitem(last=False)
+
+    def _prefill(self, r: Request, restoring: bool) -> torch.Tensor:
+        """Prefills r.prompt from r.pos in chunks; returns the last token's logits."""
+        m, ps, dev, sched = self.model, self.ps, self.device, self.scheduler
+        n = r.prompt.numel()
+        stream = self._stream()
+        logits = None
+        for c0 in range(r.pos, n, self.chunk):
+            c1 = min(n, c0 + self.chunk)
+            first_page, slots = sched.extend(r.rid, c1 - c0)
+            self._refresh_idx(r)
+            pos = torch.arange(c0, c1, device=dev)
+            page_slot = torch.as_tensor(slots, dtype=torch.long, device=dev)
+            slot = page_slot[:, pos // ps - first_page]  # [layers, T]
+            hist = self._locs(r, torch.arange(c1, device=dev))
+            x = m.embed(r.prompt[c0:c1].to(dev))
+            for li, layer in enumerate(m.layers):
+                q, k, v = layer.qkv(x, pos)
+                self.fmt.write_kv(self.device_kv, 0, slot[li], pos % ps, k)
+                self.fmt.write_kv(self.device_kv, 1, slot[li], pos % ps, v)
+                h = rms(x)
+                self.fmt.write_keys(layer.indexer, h, pos, self._locs(r, pos), self.indexer_pool,
+                                    li)  # fmt: skip
+                if restoring:
+                    t = time.perf_counter()
+                    sched.wait_prefix(r.rid, li, stream)
+                    self.prefix_wait_s += time.perf_counter() - t
+                keys = self.fmt.gather_keys(self.indexer_pool, li, hist)
+                sel = layer.indexer.select(
+                    h, pos, keys, mode=self.mode, unit=self.unit, topk=self.topk,
+                    window=self.window, reduce=self.reduce,
+                )  # fmt: skip
+                out = self._attend_chunk(r.rid, li, q, sel, pos, stream)
+                x = layer.finish(x, out)
+            r.pos = c1
+            logits = m.logits(x[-1:])[0]
+        return logits
+
+    def _attend_chunk(self, rid, li, q, sel, pos, stream) -> torch.Tensor:
+        """Attention of one request's chunk of tokens over their selections: one plan over the
+        distinct entries the chunk selected, then each token reads its own through it."""
+        entries = torch.unique(sel[sel >= 0])  # ascending
+        sched = self.scheduler
+        plan, table = sched.plan(li, np.array([rid]), entries.cpu().numpy()[None, :], self.unit)
+        failed, new = sched.ready(plan, stream)
+        if new is not None:
+            table = new
+        try:
+            if failed:
+                raise _LoadFailed(failed[0][2])
+            ppe = max(1, self.unit // self.ps)
+            cells = self._table(table)[0].view(-1, ppe).to(self.device, torch.long)
+            j = torch.searchsorted(entries, sel.clamp(min=0))
+            tok_table = cells[j.clamp(max=entries.numel() - 1)].reshape(sel.shape[0], -1)
+            tok_table = tok_table.masked_fill((sel < 0).repeat_interleave(ppe, dim=1), -1)
+            return sparse_attention_batched(
+                q, self.device_kv, tok_table, sel, pos, self.unit, self.ps, self.fmt
+            )
+        finally:
+            sched.finish(plan)
+
+    def finish_request(self, rid: int) -> Request:
+        """Ends a finished request: its pages go into the prefix tree (written through first),
+        so a later request over the same tokens hits them."""
+        if rid not in self.requests:
+            raise ConfigError.of(
+                "rid", str(rid), f"a running request: one of {sorted(self.requests)}"
+            )
+        r = self.requests.pop(rid)
+        self.scheduler.finish_request(rid, r.tokens()[: r.pos])
+        # Inserted now, not at a later step: the next admission sees the same tree in every
+        # run of the same workload.
+        self.scheduler.flush_finished()
+        return r
+
+    def abort(self, rid: int) -> None:
+        """Ends a request between steps without inserting it: its own pages are let go (at
+        once, or when transfers still touching them end); prefixes stay for others."""
+        if rid not in self.requests:
+            raise ConfigError.of("rid", str(rid), f"one of {sorted(self.requests)}")
+        self._ended(self.requests.pop(rid))
+        self.scheduler.finish_request(rid)
+        self.aborted += 1
+        log.info("request %d aborted", rid)
+
+    def inject_faults(
+        self,
+        kind: str,
+        count: int = 1,
+        layer: int | None = None,
+        delay: float | None = None,
+        panic: bool = False,
+    ) -> None:
+        """Arms `count` failures of the scheduler's next `kind` submissions: `load` (a layer's
+        selected blocks), `backup` (write-through) or `restore` (a prefix hit's Indexer-K); at
+        `layer` only if given. They fail inside the copy engine (every engine; on the CUDA
+        engines the earlier layers of that submission are copied and the rest fail). With
+        `delay` (seconds; cpu engine only) those copies are slow instead; with `panic` (cpu
+        engine only) the copy worker panics on them, as a bug would, and the engine fails
+        them. Kind `internal` (nothing else given): the scheduler's next plan panics inside
+        the core; `step` raises `InternalError`, and the scheduler refuses every later call."""
+        self.scheduler.inject_faults(kind, count, layer, delay, panic)
+
+    # -- one decode step --------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> StepRecord:
+        """One decode step of every running request; requests whose loads failed twice are
+        reported in the record (and in `failures`) and ended after the step."""
+        with self._device_budget():
+            m, ps, dev = self.model, self.ps, self.device
+            reqs = [r for r in self.requests.values() if not r.done]
+            t_step = time.perf_counter()
+            if not reqs:
+                core = self.scheduler.end_step()
+                rec = StepRecord(self.steps, 0, time.perf_counter() - t_step, core)
+                self.records.append(rec)
+                self.steps += 1
+                return rec
+            rids_np = np.array([r.rid for r in reqs], dtype=np.int64)
+            slots_np, rows_np = self.scheduler.append(rids_np)
+            for b in np.flatnonzero(rows_np == 0):
+                self._refresh_idx(reqs[b])  # a page started: its Indexer-K page is new
+            # Per-step batch state (built once per step, not per layer).
+            pos = torch.tensor([r.pos for r in reqs], device=dev)
+            tokens = torch.tensor([r.next_token for r in reqs], device=dev)
+            idx_tbl = torch.nn.utils.rnn.pad_sequence([r.idx_pages for r in reqs], batch_first=True)
+            t_hist = int(pos.max()) + 1
+            t = torch.arange(t_hist, device=dev)
+            hist_locs = idx_tbl[:, (t // ps).clamp(max=idx_tbl.shape[1] - 1)] * ps + t % ps
+            my_locs = idx_tbl.gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps
+            slots = torch.from_numpy(slots_np).to(dev, torch.long)
+            rows = torch.from_numpy(rows_np).to(dev, torch.long)
+            x = m.embed(tokens)
+            failed: dict[int, str] = {}
+            stream = self._stream()
+            for li, layer in enumerate(m.layers):
+                q, k, v = layer.qkv(x, pos)
+                self.fmt.write_kv(self.device_kv, 0, slots[:, li], rows, k)
+                self.fmt.write_kv(self.device_kv, 1, slots[:, li], rows, v)
+                h = rms(x)
+                self.fmt.write_keys(layer.indexer, h, pos, my_locs, self.indexer_pool, li)
+                keys = self.fmt.gather_keys(self.indexer_pool, li, hist_locs)
+                sel = layer.indexer.select(
+                    h, pos, keys, mode=self.mode, unit=self.unit, topk=self.topk,
+                    window=self.window, reduce=self.reduce,
+                )  # fmt: skip
+                mapped = self.mode == "token" and self.token_map == "device"
+                if mapped:
+                    # Tokens become pages on the model's device; the core plans page rows.
+                    tp = self._mapper(sel)
+                    pages_np, counts_np = tp.to_host()
+                    plan, table = self.scheduler.plan(li, rids_np, pages_np, ps, counts_np)
+                else:
+                    # As int32: half the bytes to copy off the device and for the core to read
+                    # (entries are below 2^31: token indices or block ids of one context).
+                    sel32 = sel.to(torch.int32).cpu().numpy()
+                    plan, table = self.scheduler.plan(li, rids_np, sel32, self.unit)
+                bad, new = self.scheduler.ready(plan, stream)
+                if new is not None:
+                    table = new
+                for _, rid, why in bad:
+                    failed.setdefault(rid, why)
+                table_dev = self._table(table)
+                if mapped:
+                    table_dev = tp.token_table(table_dev)
+                out = sparse_attention_batched(q, self.device_kv, table_dev, sel, pos,
+                                               self.unit, ps, self.fmt)  # fmt: skip
+                x = layer.finish(x, out)
+                self.scheduler.finish(plan)
+            logits = m.logits(x)
+            nxt = logits.argmax(dim=-1).tolist()
+            out_cpu = logits.cpu()
+            for b, r in enumerate(reqs):
+                r.fed.append(r.next_token)
+                r.pos += 1
+                if r.rid in failed:
+                    continue
+                r.outputs.append(out_cpu[b])
+                r.next_token = nxt[b]
+            core = self.scheduler.end_step()
+            rec = StepRecord(
+                self.steps, len(reqs), time.perf_counter() - t_step, core, sorted(failed)
+            )
+            for rid, why in sorted(failed.items()):
+                log.warning("request %d failed at step %d: %s", rid, rec.step, why)
+                self.failures.append((rec.step, rid, why))
+                self._ended(self.requests.pop(rid))
+                self.scheduler.finish_request(rid)
+            self.records.append(rec)
+            self.steps += 1
+            if self.metrics is not None:
+                self.metrics.step_seconds.observe(rec.step_s)
+            return rec
+
+    def metrics_text(self) -> str:
+        """Every counter, gauge and latency histogram in Prometheus' text format (constant
+        memory however long the runtime runs). Needs `prometheus-client`."""
+        if self.metrics is None:
+            raise ConfigError.of(
+                "metrics", "prometheus-client missing", "pip install 'sparsetier[metrics]'"
+            )
+        return self.metrics.text()
+
+    def prefix_stats(self) -> dict:
+        """The prefix tier's counters: hits, Indexer-K bytes restored, main-KV bytes loaded for
+        matched blocks, and what a full restore of the matched host pages would have moved."""
+        return self.scheduler.prefix_stats()
+
+    def drain(self) -> None:
+        """Waits for every transfer in flight (what to call before reading final stats)."""
+        self.scheduler.drain()
+
+
+__all__ = ["LAYOUTS", "DecodeRuntime", "Request", "StepRecord"]
