@@ -150,6 +150,21 @@ def test_bench_page_size_zero_is_refused_not_replaced(what):
     assert "page_size" in r.stderr and "allowed" in r.stderr
 
 
+def test_each_benchmark_takes_only_its_own_flags(capsys):
+    # `bench` has a subcommand per benchmark: a flag of another one is an error, not ignored.
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "directory", "--mode", "token"])
+    assert e.value.code == 2
+    assert "unrecognized arguments: --mode" in capsys.readouterr().err
+
+
+def test_bench_prefix_against_sglang_needs_a_peers_dir(monkeypatch, capsys):
+    # No default path outside the repository: the peer scripts' folder is given or refused.
+    monkeypatch.delenv("SPARSETIER_PEERS_DIR", raising=False)
+    assert main(["bench", "prefix", "--peers-python", sys.executable, "--num-seqs", "2"]) == 2
+    assert "peers_dir" in capsys.readouterr().err
+
+
 def test_unknown_flag_exits_2():
     r = subprocess.run(
         [sys.executable, "-m", "sparsetier.tools.cli", "plan", "--bogus"],

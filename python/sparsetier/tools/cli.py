@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -249,98 +250,131 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _bench_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks, as ratios to a baseline from the same run")
-    p.add_argument("--trace", metavar="PATH", help="decode: write the scheduler's trace (.npz)")
-    p.add_argument(
-        "what",
-        choices=["directory", "transfer", "prefix", "decode", "replay", "l3", "vllm"],
-        help="directory: binding overhead vs Rust; transfer: copy-engine GB/s vs baselines; "
-        "prefix: the prefix cache's serve loop (vs SGLang with --peers-python); decode: CPU "
-        "per decode step in the step scheduler vs per-request calls (DeepSeek-V3.2 shape); "
-        "replay: seconds to replay a 1M-key trace at 10 budgets, LRU and MIN; l3: put/get "
-        "throughput of the L3 backends vs memcpy, and the serve loop's hits with and without L3; "
-        "vllm: scheduler CPU per request of sparsetier.vllm's manager vs vLLM's "
-        "CPUOffloadingManager, paired in one process",
+    p = sub.add_parser(
+        "bench",
+        help="benchmarks, as ratios to a baseline from the same run",
+        description="Each benchmark reports a ratio against a baseline measured in the same "
+        "run (figures: benches/RESULTS.md).",
     )
+    benches = p.add_subparsers(dest="what", required=True, metavar="BENCHMARK")
+    out = argparse.ArgumentParser(add_help=False)
+    out.add_argument("--json", metavar="PATH",
+                     help="also write the rows as JSON (a .jsonl path gets one line appended a "
+                          "run, so that repeated runs collect in one file)")  # fmt: skip
+    _bench_decode_parser(benches, out)
+    _bench_prefix_parser(benches, out)
+    _bench_vllm_parser(benches, out)
+    b = benches.add_parser("l3", parents=[out],
+                           help="put/get throughput of the L3 backends vs memcpy, and the serve "
+                           "loop's hits with and without L3")  # fmt: skip
+    b.add_argument("--backends", "--l3-backends", dest="l3_backends", nargs="+",
+                   choices=["file", "mooncake"], default=["file", "mooncake"])  # fmt: skip
+    b.add_argument("--serve-reqs", type=int, default=500, help="served requests")
+    b.set_defaults(bench=_bench_l3)
+    b = benches.add_parser("transfer", parents=[out],
+                           help="copy-engine GB/s vs the baselines")  # fmt: skip
+    b.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    b.add_argument("--total-mb", type=int, default=128, help="bytes per copy, MiB")
+    b.set_defaults(bench=_bench_transfer)
+    b = benches.add_parser("directory", parents=[out],
+                           help="the directory binding's overhead vs the Rust loop")  # fmt: skip
+    b.add_argument("--batches", type=int, nargs="+", default=[64, 2048, 16384])
+    b.add_argument("--hit-rates", type=float, nargs="+", default=[1.0, 0.9, 0.5])
+    b.set_defaults(bench=_bench_directory)
+    b = benches.add_parser("replay", parents=[out],
+                           help="seconds to replay a 1M-key trace at 10 budgets, LRU and "
+                           "MIN")  # fmt: skip
+    b.set_defaults(bench=_bench_replay)
+
+
+def _bench_decode_parser(benches: argparse._SubParsersAction, out: argparse.ArgumentParser) -> None:
     from sparsetier.tools.bench_decode import DecodeBenchConfig
 
     dd = DecodeBenchConfig()
-    p.add_argument("--mode", choices=["block", "token"], default=dd.mode, help="decode")
-    p.add_argument("--layers", type=int, default=dd.layers, help="decode: model layers")
-    p.add_argument("--batch", type=int, default=dd.batch, help="decode: requests per step")
-    p.add_argument("--context-min", type=int, default=dd.context_min, help="decode")
-    p.add_argument("--context-max", type=int, default=dd.context_max, help="decode")
-    p.add_argument("--budget", type=float, default=dd.budget, help="decode: device share")
-    p.add_argument("--blocks", type=int, default=dd.blocks, help="decode: blocks per request")
-    p.add_argument("--tokens", type=int, default=dd.tokens, help="decode: token mode top-k")
+    p = benches.add_parser("decode", parents=[out],
+                           help="CPU per decode step in the step scheduler vs per-request calls "
+                           "(DeepSeek-V3.2's shape)")  # fmt: skip
+    p.add_argument("--mode", choices=["block", "token"], default=dd.mode)
+    p.add_argument("--layers", type=int, default=dd.layers, help="model layers")
+    p.add_argument("--batch", type=int, default=dd.batch, help="requests per step")
+    p.add_argument("--page-size", type=int, default=dd.page_size, help="tokens per page")
+    p.add_argument("--context-min", type=int, default=dd.context_min)
+    p.add_argument("--context-max", type=int, default=dd.context_max)
+    p.add_argument("--budget", type=float, default=dd.budget, help="device share")
+    p.add_argument("--blocks", type=int, default=dd.blocks, help="blocks per request")
+    p.add_argument("--tokens", type=int, default=dd.tokens, help="token mode's top-k")
     p.add_argument("--token-pages", type=int, default=dd.token_pages,
-                   help="decode: hot pages token mode draws from")  # fmt: skip
-    p.add_argument(
-        "--locality",
-        type=float,
-        default=dd.locality,
-        help="decode: chance a selected block stays from one step to the next",
-    )
-    p.add_argument("--steps", type=int, default=dd.steps, help="decode: timed steps")
+                   help="hot pages token mode draws from")  # fmt: skip
+    p.add_argument("--locality", type=float, default=dd.locality,
+                   help="chance a selected block stays from one step to the next")  # fmt: skip
+    p.add_argument("--steps", type=int, default=dd.steps, help="timed steps")
     p.add_argument("--warmup", type=int, default=dd.warmup,
-                   help="decode: untimed steps first (default: until the device has turned "
-                   "over, the steady state)")  # fmt: skip
-    p.add_argument("--prefetch", action="store_true", help="decode: prefetch on")
-    p.add_argument("--no-baseline", action="store_true", help="decode: skip the baseline")
+                   help="untimed steps first (default: until the device has turned over, the "
+                   "steady state)")  # fmt: skip
+    p.add_argument("--prefetch", action="store_true", help="prefetch on")
+    p.add_argument("--no-baseline", action="store_true", help="skip the baseline")
     p.add_argument("--map-device", choices=["cpu", "cuda"],
-                   help="decode, token mode: a fourth stack mapping tokens to pages on this "
-                   "torch device (sparsetier.token_map)")  # fmt: skip
+                   help="token mode: a fourth stack mapping tokens to pages on this torch "
+                   "device (sparsetier.token_map)")  # fmt: skip
     p.add_argument("--no-unkept", action="store_true",
-                   help="decode: skip the stack without kept selections")  # fmt: skip
+                   help="skip the stack without kept selections")  # fmt: skip
     p.add_argument("--alone-steps", type=int, default=None,
-                   help="decode: then this many steps of the scheduler alone, back to back "
-                   "(default: as many as --steps; 0: none)")  # fmt: skip
+                   help="then this many steps of the scheduler alone, back to back (default: "
+                   "as many as --steps; 0: none)")  # fmt: skip
     p.add_argument("--io-backend", choices=["cpu", "kernel", "direct"], default="cpu",
-                   help="decode: every stack's copy engine (kernel or direct: device pools on "
-                   "the GPU, pinned host pools, ready as a stream wait)")  # fmt: skip
+                   help="every stack's copy engine (kernel or direct: device pools on the GPU, "
+                   "pinned host pools, ready as a stream wait)")  # fmt: skip
     p.add_argument("--entry-dtype", choices=["int64", "int32"], default=dd.entry_dtype,
-                   help="decode: the selections' dtype (int64: torch.topk's; int32: half the "
-                   "bytes, as top-k kernels often return)")  # fmt: skip
-    p.add_argument("--page-size", type=int, default=None,
-                   help="prefix: tokens per page (1); decode: 64")  # fmt: skip
-    p.add_argument("--num-seqs", type=int, default=500, help="prefix: fill sequences")
-    p.add_argument("--num-queries", type=int, default=300, help="prefix: hot-match queries")
-    p.add_argument("--serve-reqs", type=int, default=500, help="prefix: served requests")
-    p.add_argument("--followup-frac", type=float, default=0.0, help="prefix: multi-turn share")
-    p.add_argument("--stream", help="prefix: replay a stream from the peers' workload.py --dump")
-    p.add_argument("--peers-python", help="prefix: python of the peers venv, to run SGLang too")
-    p.add_argument("--peers-dir", default="../shared/peers", help="prefix: the peer scripts")
+                   help="the selections' dtype (int64: torch.topk's; int32: half the bytes, as "
+                   "top-k kernels often return)")  # fmt: skip
+    p.add_argument("--trace", metavar="PATH", help="write the scheduler's trace (.npz)")
+    p.set_defaults(bench=_bench_decode)
+
+
+def _bench_prefix_parser(benches: argparse._SubParsersAction, out: argparse.ArgumentParser) -> None:
+    p = benches.add_parser("prefix", parents=[out],
+                           help="the prefix cache's serve loop (vs SGLang's radix cache with "
+                           "--peers-python)")  # fmt: skip
+    p.add_argument("--page-size", type=int, default=1, help="tokens per page")
+    p.add_argument("--num-seqs", type=int, default=500, help="fill sequences")
+    p.add_argument("--num-queries", type=int, default=300, help="hot-match queries")
+    p.add_argument("--serve-reqs", type=int, default=500, help="served requests")
+    p.add_argument("--followup-frac", type=float, default=0.0, help="multi-turn share")
+    p.add_argument("--stream", help="replay a stream from the peers' workload.py --dump")
+    p.add_argument("--peers-python", help="python of a venv with SGLang, to run it too")
+    p.add_argument("--peers-dir", default=os.environ.get("SPARSETIER_PEERS_DIR"),
+                   help="the peer scripts (bench_sglang_radix.py); default: "
+                   "$SPARSETIER_PEERS_DIR")  # fmt: skip
     p.add_argument("--paired", action="store_true",
-                   help="prefix: SGLang and sparsetier alternately in one process (the peers' "
-                   "python, --peers-python), median and spread of the paired ratios")  # fmt: skip
+                   help="SGLang and sparsetier alternately in one process (the peers' python, "
+                   "--peers-python), median and spread of the paired ratios")  # fmt: skip
     p.add_argument("--token-type", choices=["q", "numpy", "uint32", "list"], default="q",
-                   help="prefix: the token container both sides get (q: array('q'))")  # fmt: skip
-    p.add_argument("--reps", type=int, default=7, help="prefix --paired: repetitions")
+                   help="the token container both sides get (q: array('q'))")  # fmt: skip
+    p.add_argument("--reps", type=int, default=7, help="--paired and --containers: repetitions")
     p.add_argument("--containers", action="store_true",
-                   help="prefix: the serve loop per token container, alternating")  # fmt: skip
-    p.add_argument("--max-len", type=int, default=4096, help="prefix --paired: longest prompt")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="transfer only")
-    p.add_argument("--total-mb", type=int, default=128, help="transfer: bytes per copy, MiB")
-    p.add_argument("--batches", type=int, nargs="+", default=[64, 2048, 16384])
-    p.add_argument("--hit-rates", type=float, nargs="+", default=[1.0, 0.9, 0.5])
-    p.add_argument("--l3-backends", nargs="+", choices=["file", "mooncake"],
-                   default=["file", "mooncake"], help="l3: the backends to run")  # fmt: skip
+                   help="the serve loop per token container, alternating")  # fmt: skip
+    p.add_argument("--max-len", type=int, default=4096, help="--paired: longest prompt")
+    p.set_defaults(bench=_bench_prefix)
+
+
+def _bench_vllm_parser(benches: argparse._SubParsersAction, out: argparse.ArgumentParser) -> None:
     from sparsetier.tools.bench_vllm import VllmBenchConfig
 
     dv = VllmBenchConfig()
-    p.add_argument("--requests", type=int, default=dv.requests, help="vllm: requests")
-    p.add_argument("--prompt-tokens", type=int, default=dv.prompt_tokens, help="vllm")
+    p = benches.add_parser("vllm", parents=[out],
+                           help="scheduler CPU per request of sparsetier.vllm's manager vs "
+                           "vLLM's CPUOffloadingManager, paired in one process")  # fmt: skip
+    p.add_argument("--requests", type=int, default=dv.requests)
+    p.add_argument("--prompt-tokens", type=int, default=dv.prompt_tokens)
     p.add_argument("--prefixes", type=int, default=dv.prefixes,
-                   help="vllm: shared prefixes (Zipf popularity)")  # fmt: skip
-    p.add_argument("--prefix-blocks", type=int, default=dv.prefix_blocks, help="vllm")
+                   help="shared prefixes (Zipf popularity)")  # fmt: skip
+    p.add_argument("--prefix-blocks", type=int, default=dv.prefix_blocks)
     p.add_argument("--kv-groups", type=int, default=dv.groups,
-                   help="vllm: KV-cache groups (2: DeepSeek-V3.2's MLA and indexer)")  # fmt: skip
+                   help="KV-cache groups (2: DeepSeek-V3.2's MLA and indexer)")  # fmt: skip
     p.add_argument("--pool-requests", type=float, default=dv.pool_requests,
-                   help="vllm: host pool, in prompts (fewer than the stream: evicts)")  # fmt: skip
-    p.add_argument("--policy", choices=["lru", "arc"], default=dv.policy, help="vllm")
-    p.add_argument("--json", metavar="PATH",
-                   help="also write the rows as JSON (a .jsonl path gets one line appended a "
-                        "run, so that repeated runs collect in one file)")  # fmt: skip
+                   help="host pool, in prompts (fewer than the stream: evicts)")  # fmt: skip
+    p.add_argument("--policy", choices=["lru", "arc"], default=dv.policy)
+    p.set_defaults(bench=_bench_vllm)
 
 
 def _write_json(path: str, r) -> None:
@@ -354,125 +388,128 @@ def _write_json(path: str, r) -> None:
             json.dump(r, f, indent=2)
 
 
-def _run_bench(args: argparse.Namespace) -> None:
+def _positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        v = getattr(args, name)
+        if v < 1:
+            raise ConfigError.of(name, str(v), "an integer >= 1")
+
+
+def _bench_vllm(args: argparse.Namespace) -> dict:
+    from sparsetier.tools import bench_vllm
+
+    cfg = bench_vllm.VllmBenchConfig(
+        requests=args.requests,
+        prompt_tokens=args.prompt_tokens,
+        prefixes=args.prefixes,
+        prefix_blocks=args.prefix_blocks,
+        groups=args.kv_groups,
+        pool_requests=args.pool_requests,
+        policy=args.policy,
+    )
+    r = bench_vllm.run(cfg, progress=True)
+    print(bench_vllm.format_report(r))
+    return r
+
+
+def _bench_replay(args: argparse.Namespace) -> dict:
+    from sparsetier.replay import bench as bench_replay
+
+    r = bench_replay()
+    print(
+        f"replay of a {r['keys']}-key synthetic trace at {r['budgets']} budgets: "
+        f"LRU (the directory) {r['lru_s']:.2f} s, MIN {r['min_s']:.2f} s"
+    )
+    return r
+
+
+def _bench_l3(args: argparse.Namespace) -> dict:
+    from sparsetier.tools import bench_l3
+
+    _positive(args, "serve_reqs")
+    r = bench_l3.run(args.l3_backends, requests=args.serve_reqs)
+    print(bench_l3.format_report(r))
+    return r
+
+
+def _bench_decode(args: argparse.Namespace) -> dict:
+    from sparsetier.tools import bench_decode
+
+    cfg = bench_decode.DecodeBenchConfig(
+        layers=args.layers, batch=args.batch, page_size=args.page_size,
+        context_min=args.context_min, context_max=args.context_max, budget=args.budget,
+        mode=args.mode, blocks=args.blocks, tokens=args.tokens,
+        token_pages=args.token_pages, locality=args.locality, steps=args.steps,
+        warmup=args.warmup,
+        prefetch=args.prefetch, baseline=not args.no_baseline, trace=args.trace,
+        unkept=not args.no_unkept,
+        map_device=args.map_device, io_backend=args.io_backend,
+        alone_steps=args.alone_steps, entry_dtype=args.entry_dtype,
+    )  # fmt: skip
+    r = bench_decode.run(cfg, progress=True)
+    print(bench_decode.format_report(r))
+    return r
+
+
+def _bench_prefix(args: argparse.Namespace) -> dict | None:
+    from sparsetier.tools import bench_prefix
+
+    _positive(args, "page_size", "num_seqs", "num_queries", "serve_reqs")
+    kw = {
+        "page_size": args.page_size,
+        "num_seqs": args.num_seqs,
+        "num_queries": args.num_queries,
+        "serve_reqs": args.serve_reqs,
+        "followup_frac": args.followup_frac,
+    }
+    if args.containers:
+        rc = bench_prefix.compare_containers(
+            args.page_size, args.serve_reqs, args.reps, args.num_seqs
+        )
+        print(bench_prefix.format_containers(rc))
+        return None
+    if (args.paired or args.peers_python) and not args.peers_dir:
+        raise ConfigError.of(
+            "peers_dir", "None", "the folder of the peer scripts (--peers-dir or "
+            "$SPARSETIER_PEERS_DIR) to run SGLang"
+        )  # fmt: skip
+    if args.paired:
+        if not args.peers_python:
+            raise ConfigError.of("peers_python", "None", "the peers' python for --paired")
+        if args.token_type != "q":
+            raise ConfigError.of(
+                "token_type", args.token_type, "q with --paired (SGLang accepts array('q') only)"
+            )
+        print(bench_prefix.run_paired(args))
+        return None
+    r = bench_prefix.run(**kw, stream=args.stream, token_type=args.token_type)
+    peers = {}
+    if args.peers_python:
+        for impl in ("unified-rust", "radix"):
+            peer = bench_prefix.run_peer(
+                args.peers_python, args.peers_dir, impl, args.page_size, kw
+            )
+            peers[f"sglang {impl}"] = bench_prefix.peer_ops(peer)
+    print(bench_prefix.format_report(r, peers))
+    return {"sparsetier": r, "peers": peers}
+
+
+def _bench_transfer(args: argparse.Namespace) -> dict:
     from sparsetier.tools import bench
 
-    if args.what == "vllm":
-        from sparsetier.tools import bench_vllm
+    _positive(args, "total_mb")
+    if args.device == "cpu":
+        rows = bench.bench_transfer_cpu(args.total_mb)
+    else:
+        from sparsetier.tools import bench_gpu
 
-        cfg = bench_vllm.VllmBenchConfig(
-            requests=args.requests,
-            prompt_tokens=args.prompt_tokens,
-            prefixes=args.prefixes,
-            prefix_blocks=args.prefix_blocks,
-            groups=args.kv_groups,
-            pool_requests=args.pool_requests,
-            policy=args.policy,
-        )
-        r = bench_vllm.run(cfg, progress=True)
-        print(bench_vllm.format_report(r))
-        if args.json:
-            _write_json(args.json, r)
-        return
-    if args.what == "replay":
-        from sparsetier.replay import bench as bench_replay
+        rows = bench_gpu.bench_transfer_cuda(args.total_mb)
+    print(bench.format_transfer(rows))
+    return bench.transfer_json(rows)
 
-        r = bench_replay()
-        print(
-            f"replay of a {r['keys']}-key synthetic trace at {r['budgets']} budgets: "
-            f"LRU (the directory) {r['lru_s']:.2f} s, MIN {r['min_s']:.2f} s"
-        )
-        if args.json:
-            _write_json(args.json, r)
-        return
-    if args.what == "l3":
-        from sparsetier.tools import bench_l3
 
-        if args.serve_reqs < 1:
-            raise ConfigError.of("serve_reqs", str(args.serve_reqs), "an integer >= 1")
-        r = bench_l3.run(args.l3_backends, requests=args.serve_reqs)
-        print(bench_l3.format_report(r))
-        if args.json:
-            _write_json(args.json, r)
-        return
-    if args.what == "decode":
-        from sparsetier.tools import bench_decode
-
-        cfg = bench_decode.DecodeBenchConfig(
-            layers=args.layers, batch=args.batch,
-            page_size=64 if args.page_size is None else args.page_size,
-            context_min=args.context_min, context_max=args.context_max, budget=args.budget,
-            mode=args.mode, blocks=args.blocks, tokens=args.tokens,
-            token_pages=args.token_pages, locality=args.locality, steps=args.steps,
-            warmup=args.warmup,
-            prefetch=args.prefetch, baseline=not args.no_baseline, trace=args.trace,
-            unkept=not args.no_unkept,
-            map_device=args.map_device, io_backend=args.io_backend,
-            alone_steps=args.alone_steps, entry_dtype=args.entry_dtype,
-        )  # fmt: skip
-        r = bench_decode.run(cfg, progress=True)
-        print(bench_decode.format_report(r))
-        if args.json:
-            _write_json(args.json, r)
-        return
-    if args.page_size is None:
-        args.page_size = 1
-    if args.what == "prefix":
-        from sparsetier.tools import bench_prefix
-
-        for name in ("page_size", "num_seqs", "num_queries", "serve_reqs"):
-            v = getattr(args, name)
-            if v < 1:
-                raise ConfigError.of(name, str(v), "an integer >= 1")
-        kw = {
-            "page_size": args.page_size,
-            "num_seqs": args.num_seqs,
-            "num_queries": args.num_queries,
-            "serve_reqs": args.serve_reqs,
-            "followup_frac": args.followup_frac,
-        }
-        if args.containers:
-            rc = bench_prefix.compare_containers(
-                args.page_size, args.serve_reqs, args.reps, args.num_seqs
-            )
-            print(bench_prefix.format_containers(rc))
-            return
-        if args.paired:
-            if not args.peers_python:
-                raise ConfigError.of("peers_python", "None", "the peers' python for --paired")
-            if args.token_type != "q":
-                raise ConfigError.of(
-                    "token_type",
-                    args.token_type,
-                    "q with --paired (SGLang accepts array('q') only)",
-                )
-            print(bench_prefix.run_paired(args))
-            return
-        r = bench_prefix.run(**kw, stream=args.stream, token_type=args.token_type)
-        peers = {}
-        if args.peers_python:
-            for impl in ("unified-rust", "radix"):
-                peer = bench_prefix.run_peer(
-                    args.peers_python, args.peers_dir, impl, args.page_size, kw
-                )
-                peers[f"sglang {impl}"] = bench_prefix.peer_ops(peer)
-        print(bench_prefix.format_report(r, peers))
-        if args.json:
-            _write_json(args.json, {"sparsetier": r, "peers": peers})
-        return
-    if args.what == "transfer":
-        if args.total_mb < 1:
-            raise ConfigError.of("total_mb", str(args.total_mb), "an integer >= 1")
-        if args.device == "cpu":
-            rows = bench.bench_transfer_cpu(args.total_mb)
-        else:
-            from sparsetier.tools import bench_gpu
-
-            rows = bench_gpu.bench_transfer_cuda(args.total_mb)
-        print(bench.format_transfer(rows))
-        if args.json:
-            _write_json(args.json, bench.transfer_json(rows))
-        return
+def _bench_directory(args: argparse.Namespace) -> dict:
+    from sparsetier.tools import bench
 
     for b in args.batches:
         if b < 1:
@@ -482,8 +519,13 @@ def _run_bench(args: argparse.Namespace) -> None:
             raise ConfigError.of("hit_rates", str(h), "numbers in [0, 1]")
     rows = bench.bench_directory(tuple(args.batches), tuple(args.hit_rates))
     print(bench.format_directory(rows))
-    if args.json:
-        _write_json(args.json, bench.directory_json(rows))
+    return bench.directory_json(rows)
+
+
+def _run_bench(args: argparse.Namespace) -> None:
+    r = args.bench(args)
+    if args.json and r is not None:
+        _write_json(args.json, r)
 
 
 def _demo_parser(sub: argparse._SubParsersAction) -> None:
