@@ -1,16 +1,35 @@
 //! sparsetier: a tiered KV-cache runtime for sparse-attention LLM inference.
 //!
-//! The crate owns every decision about where cached data lives and when it moves. This
-//! foundation holds the vocabulary of the design (`../shared/DESIGN.md`):
+//! The crate owns every decision about where cached data lives (L1: GPU pages, L2: pinned host
+//! pages, L3: storage under the host tier) and when it moves; Python hands it buffers and runs
+//! the model. `docs/architecture.md` describes the concepts and maps the code. The modules:
 //!
-//! - [`layout`]: dtypes, components, host layouts and byte offsets inside a pool buffer;
-//! - [`pool`]: the geometry of one pool ([`pool::PoolSpec`]);
-//! - [`alloc`]: the all-or-nothing page allocator of one tier;
+//! - [`alloc`]: the all-or-nothing page allocator of one tier, and who holds each page;
 //! - [`config`]: the configuration boundary (io backend, write policy, host budget, ...);
-//! - [`plan`]: pool groups and the host-budget split across KV, Indexer-K, SWA and draft.
+//! - [`directory`]: the residency directory: each object's device and host state, its pins,
+//!   the LRU of evictable objects, transfers in flight;
+//! - [`error`]: the crate's one error enum, every variant structured;
+//! - [`guard`]: panic containment: a panic poisons the state it broke, every later call is
+//!   refused;
+//! - [`ids`]: newtype ids and the process-wide serial every issued id comes from;
+//! - [`layout`]: dtypes, components, host layouts and byte offsets inside a pool buffer;
+//! - [`offload`]: the host tier behind vLLM's offloading connector (its chunk directory,
+//!   LRU and ARC, the block mover);
+//! - [`plan`]: pool groups and the host-budget split across KV, Indexer-K, SWA and draft;
+//! - [`pool`]: the geometry of one pool ([`pool::PoolSpec`]);
+//! - [`prefetch`]: the software prefetch hint of loops over millions of objects;
+//! - [`radix`]: the radix prefix cache (`HiCache`) over device and host pages, and the state
+//!   of its L3 tier;
+//! - [`replay`]: a directory journal re-run at other device sizes, under LRU and Belady's MIN;
+//! - [`row`]: a token row's named parts (values, scales, rope) and page layouts;
+//! - [`scheduler`]: the batched decode step (`StepScheduler`): kept selections, the joined
+//!   mode over the prefix cache, the soak loop;
+//! - [`transfer`]: page transfer plans and the copy engines (cpu, CUDA kernel and direct);
+//! - `testing`: helpers shared by tests, soaks and benches (hidden from the docs);
+//! - `py`: the pyo3 bindings, behind the `python` feature, so `cargo test` and `cargo bench`
+//!   need no interpreter.
 //!
-//! Python bindings live in `py/`, behind the `python` feature, so `cargo test` and
-//! `cargo bench` need no interpreter.
+//! The tests live in `src/tests/`, each compiled into the module it tests.
 #![deny(missing_docs)]
 
 pub mod alloc;
@@ -37,7 +56,8 @@ mod py;
 
 /// The extension allocates with mimalloc: the prefix cache's serve loop and the decode step
 /// allocate and free many short-lived arrays (a request's pages and tokens, a layer's rows),
-/// where glibc's malloc spent a tenth of the time. The unit tests use it too, so that the
+/// where glibc's malloc was measurably slower (benches/RESULTS.md, "Memory system: huge pages,
+/// allocators, caches"). The unit tests use it too, so that the
 /// profiling harnesses (`full_shape`) allocate as the extension does.
 #[cfg(any(feature = "python", test))]
 #[global_allocator]

@@ -142,8 +142,7 @@ impl<T: Versioned, S: Copy> Arena<T, S> {
     /// Hints the CPU to fetch slot `i` (any `i`: out of range or vacant is harmless): every
     /// cache line it spans. A slot larger than a line spans two or three; asking for the
     /// first alone leaves the others to demand misses, taken one after another when the slot
-    /// is read (the Rust-only decode step, builds alternating: ~0.95x the time; through the
-    /// extension, paired in one process: no measurable change).
+    /// is read (benches/RESULTS.md, "Decode step: changes, measured").
     #[inline]
     pub fn prefetch(&self, i: usize) {
         crate::prefetch::prefetch_bytes(

@@ -13,14 +13,16 @@
 //! entry of a removed object can never match the object that later reuses its index.
 //!
 //! The queue is a ring: a pop frees its entry's room at once. (A vector with a head index left
-//! a dead prefix that had to be moved out: a million entries, about 3 ms, every ~90 decode
-//! steps at DeepSeek-V3.2's shape, all inside one step.)
+//! a dead prefix that had to be moved out, about a million entries every ~90 decode steps at
+//! DeepSeek-V3.2's shape, all inside one step: benches/RESULTS.md, "Decode step: changes,
+//! measured".)
 //!
 //! Compaction is incremental, a *sweep*: once stale entries outnumber the members, each push
 //! moves the sweep on by [`SWEEP_STEP`] entries, keeping the live ones in place, in order.
 //! Compacting the whole queue at once read every entry's object in one call: millions of
-//! cache misses, tens of milliseconds inside one decode step, in a workload that re-pins
-//! evictable pages often and evicts rarely (a device budget that holds most of the KV). While
+//! cache misses inside one decode step, in a workload that re-pins evictable pages often and
+//! evicts rarely (a device budget that holds most of the KV; benches/RESULTS.md, "LRU
+//! compaction under a large device budget"). While
 //! a sweep runs the queue is three runs: `[..write)` swept, `[write..read)` a hole (entries
 //! already moved or dropped), `[read..)` not yet swept; pops and iteration skip the hole, and a
 //! sweep ends when `read` reaches the back (pushes meanwhile go on the back, and are swept
@@ -34,7 +36,7 @@ pub const SWEEP_STEP: usize = 8;
 
 /// Entries a sweep moves on at once: owed pushes are paid in runs this long, whose object
 /// reads are all asked for first, so that they overlap (one push's eight, amid other misses,
-/// measured twice the cost per entry of a long run).
+/// cost more per entry than a long run).
 pub const SWEEP_RUN: usize = 512;
 
 /// FIFO of (index, sequence) entries; an entry is live while its object's mark equals its

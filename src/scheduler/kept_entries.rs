@@ -10,7 +10,8 @@
 //! (as block mode merges its pages, `kept.rs`), and its cells written a fixed window at a time
 //! with the outcome (a kept slot, or -1 until the resolve places its key), the next run
 //! overwriting what spilled; each cell is written once. (Mapping the runs first, then merging,
-//! then filling, each through per-page vectors, cost a token step 1.15-1.17x more.) Any other
+//! then filling, each through per-page vectors, was slower: benches/RESULTS.md, "Decode step,
+//! token mode".) Any other
 //! row goes entry by entry, dedups through a stamp per page ([`RowDedup`]) once it goes out of
 //! order, sorts its distinct pages if need be, merges them and then writes its cells.
 //!
@@ -475,9 +476,8 @@ fn merge_runs_any<E: Entry>(s: SortedRow<'_, E>, o: RunsOut<'_>) {
 /// Whether `row` is sorted: every pair compared, no early exit, so the compares vectorize (a
 /// token row is 2048 entries; the usual answer is yes). Compiled for AVX2 where the CPU has
 /// it: the wheel targets baseline x86-64, whose SSE2 has no 64-bit compare, and this pass is
-/// the first to read each row (8 million entries a step at DeepSeek-V3.2's shape: 11 ms for
-/// the step's rows in baseline code, 7.5 ms with AVX2, about what memory delivers; a
-/// microbenchmark on the development VM, 2026-11-30).
+/// the first to read each row (8 million entries a step at DeepSeek-V3.2's shape), so it should
+/// keep up with memory, which baseline code does not (benches/RESULTS.md, "Memory system").
 fn is_sorted<E: Entry>(row: &[E]) -> bool {
     #[cfg(target_arch = "x86_64")]
     {

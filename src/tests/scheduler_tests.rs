@@ -1467,7 +1467,8 @@ fn counted_rows_plan_alike_in_any_order_and_with_pages_named_twice() {
     // their counts split over two cells (a page named twice), and those cells out of order:
     // the same bytes, counts (a split page's tokens add up) and kept lists, as int64 and
     // int32, padded and as CSR. (Counted rows merge cell by cell in any order: merging them by
-    // runs, as block rows do, measured slower at token mode's shape, RESULTS.)
+    // runs, as block rows do, measured slower at token mode's shape: benches/RESULTS.md,
+    // "Decode step, token mode".)
     for (int32, csr) in [(false, false), (true, false), (false, true)] {
         let mut plain = three_requests(false);
         let mut split = three_requests(false);

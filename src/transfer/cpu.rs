@@ -91,7 +91,8 @@ impl CpuEngine {
 /// How long a worker polls for the next job before it blocks (where the machine has more
 /// than one CPU): a submission that finds it polling costs no wake-up (a futex call and an
 /// inter-processor interrupt, tens of microseconds on a VM), and a decode step submits once
-/// per layer, a few hundred microseconds apart. `bench decode`'s Rust step: 0.90x the time.
+/// per layer, a few hundred microseconds apart (benches/RESULTS.md, "Decode step: changes,
+/// measured").
 const POLL: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// The next job, or None once every sender is gone.

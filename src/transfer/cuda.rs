@@ -1,8 +1,9 @@
 //! The CUDA copy engines, launched through cudarc: `kernel` (a copy kernel on SMs) and
 //! `direct` (`cuMemcpyBatchAsync`, or an explicit per-segment `cuMemcpyAsync` mode).
 //!
-//! Ran on an H200 on 2026-11-29 and 2026-11-30 (`scripts/gpu-check.sh`: the CUDA tests, the
-//! decode runtime, injected faults, compute-sanitizer, the transfer bench). The code compiles
+//! Run on a GPU by `scripts/gpu-check.sh` (the CUDA tests, the decode runtime, injected
+//! faults, compute-sanitizer, the transfer bench; what ran, where and when: benches/RESULTS.md,
+//! "GPU check runs (H200)"). The code compiles
 //! everywhere (cudarc loads libcuda and libnvrtc at run time) and the kernel source is compiled
 //! with NVRTC in CI, which has no GPU.
 //!
