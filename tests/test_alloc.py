@@ -7,7 +7,8 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from sparsetier import AllocatorError, ConfigError, OutOfPagesError, OutOfRangeError, PageAllocator
+from sparsetier import AllocatorError, ConfigError, OutOfPagesError, OutOfRangeError
+from sparsetier.lowlevel import PageAllocator
 
 
 def test_alloc_is_all_or_nothing():

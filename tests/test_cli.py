@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import sparsetier as st
+from sparsetier import lowlevel
 from sparsetier.replay import load_trace
 from sparsetier.tools.cli import main
 
@@ -522,9 +523,9 @@ def test_bench_decode_writes_a_trace_the_replay_reproduces(tmp_path, capsys):
             "--trace", str(trace)]  # fmt: skip
     assert main(args) == 0
     t = load_trace(str(trace))
-    r = st.replay_trace(t, t["device_slots"], "lru")
+    r = lowlevel.replay_trace(t, t["device_slots"], "lru")
     assert r["feasible"] and r["accesses"] > 0
-    assert st.replay_trace(t, t["device_slots"], "min")["hits"] >= r["hits"]
+    assert lowlevel.replay_trace(t, t["device_slots"], "min")["hits"] >= r["hits"]
 
 
 NO_GPU = [] if torch_cuda() else [["--device", "cuda"]]

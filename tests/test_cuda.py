@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import sparsetier as st
+from sparsetier import lowlevel
 
 HAS_GPU = torch.cuda.is_available() and st.cuda_status()[0]
 needs_gpu = pytest.mark.skipif(
@@ -24,9 +25,9 @@ if path is None:
     raise SystemExit("NVRTC not found: `make test` installs nvidia-cuda-nvrtc 13.0 into the "
                      "venv and sets SPARSETIER_NVRTC_DIR; or pip install "
                      "'nvidia-cuda-nvrtc>=13.0,<13.1'")
-import sparsetier
+from sparsetier import lowlevel
 print(json.dumps({"path": str(path), "version": nvrtc_version(),
-                  "ptx": sparsetier.compile_cuda_kernels("sm_90")}))
+                  "ptx": lowlevel.compile_cuda_kernels("sm_90")}))
 """
 
 
@@ -53,15 +54,15 @@ import json, sys
 from sparsetier.cuda_libs import preload_nvrtc
 if preload_nvrtc() is None:
     raise SystemExit("NVRTC not found")
-import sparsetier
+from sparsetier import lowlevel
 d = sys.argv[1]
 out = []
 for arch in ("sm_90", "sm_80", "sm_90"):
-    c = sparsetier.kernel_cubin(arch, d)
+    c = lowlevel.kernel_cubin(arch, d)
     out.append({"arch": c["arch"], "elf": c["image"][:4] == b"\\x7fELF", "size": len(c["image"]),
                 "path": str(c["path"]), "from_cache": c["from_cache"]})
 open(out[0]["path"], "wb").write(b"not a cubin")  # a damaged cache file is compiled again
-c = sparsetier.kernel_cubin("sm_90", d)
+c = lowlevel.kernel_cubin("sm_90", d)
 out.append({"from_cache": c["from_cache"], "elf": c["image"][:4] == b"\\x7fELF"})
 print(json.dumps(out))
 """
@@ -84,9 +85,9 @@ def test_kernel_compiles_to_a_cubin_per_arch_cached_on_disk(tmp_path):
 
 def test_bad_arch_is_refused():
     with pytest.raises(st.ConfigError):
-        st.compile_cuda_kernels("sm_21")
+        lowlevel.compile_cuda_kernels("sm_21")
     with pytest.raises(st.ConfigError) as e:
-        st.kernel_cubin("compute_90")
+        lowlevel.kernel_cubin("compute_90")
     assert e.value.field == "arch"
 
 
@@ -115,14 +116,14 @@ def gpu_round_trip(
         src_u, dst_u = [3, 4, 5, 11, 20], [0, 1, 2, 9, 16]
     else:
         src_u, dst_u = [3 * ps, 3 * ps + 1, 20 * ps + 5], [7, 8, 16 * ps + 2]
-    load = st.PreparedPageTransfer(
+    load = lowlevel.PreparedPageTransfer(
         st.PageTransferBinding(host, host_spec, layout),
         st.PageTransferBinding(dev, dev_spec),
         src_u,
         dst_u,
         granularity=granularity,
     )
-    h = engine.submit(st.PageTransferGroup([load]))
+    h = engine.submit(lowlevel.PageTransferGroup([load]))
     stream = torch.cuda.current_stream()
     for layer in range(3):
         h.stream_wait(layer, stream.cuda_stream)
@@ -135,7 +136,7 @@ def gpu_round_trip(
         else:
             assert torch.equal(got[:, :, b // ps, b % ps], s[:, :, a // ps, a % ps])
     back = torch.full(host_spec.shape(layout), 7, dtype=tdt).pin_memory()
-    backup = st.PreparedPageTransfer(
+    backup = lowlevel.PreparedPageTransfer(
         st.PageTransferBinding(dev, dev_spec),
         st.PageTransferBinding(back, host_spec, layout),
         dst_u,
@@ -143,7 +144,7 @@ def gpu_round_trip(
         direction="backup",
         granularity=granularity,
     )
-    engine.submit(st.PageTransferGroup([backup])).wait(timeout=30)
+    engine.submit(lowlevel.PageTransferGroup([backup])).wait(timeout=30)
     b = back if layout == "layer_first" else back.transpose(1, 2)
     for a, d in zip(src_u, dst_u, strict=True):
         if granularity == "page":
@@ -195,11 +196,11 @@ def test_copies_follow_torchs_queued_writes(backend):
     with torch.cuda.stream(side):
         for _ in range(20):  # long enough that an unordered copy would race it
             dev.mul_(0.0).add_(3.0)
-        t = st.PreparedPageTransfer(
+        t = lowlevel.PreparedPageTransfer(
             st.PageTransferBinding(dev, spec), st.PageTransferBinding(host, spec),
             list(range(512)), list(range(512)), direction="backup",
         )  # fmt: skip
-        e.submit(st.PageTransferGroup([t])).wait(timeout=60)
+        e.submit(lowlevel.PageTransferGroup([t])).wait(timeout=60)
     assert bool((host == 3.0).all())
 
 
@@ -230,11 +231,11 @@ def test_engine_defaults_to_torchs_device_and_refuses_another():
     spec = st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 4)
     a = torch.zeros(spec.shape(), dtype=torch.bfloat16, device="cuda:1")
     host = torch.zeros(spec.shape(), dtype=torch.bfloat16).pin_memory()
-    t = st.PreparedPageTransfer(
+    t = lowlevel.PreparedPageTransfer(
         st.PageTransferBinding(host, spec), st.PageTransferBinding(a, spec), [0], [1]
     )
     with pytest.raises(st.ConfigError) as err:
-        st.TransferEngine("kernel", device=0).submit(st.PageTransferGroup([t]))
+        st.TransferEngine("kernel", device=0).submit(lowlevel.PageTransferGroup([t]))
     assert err.value.field == "tensor.device"
 
 
@@ -249,13 +250,13 @@ def test_consumer_stream_really_waits_on_the_layer_event():
     host = torch.randn(spec.shape()).to(torch.bfloat16).pin_memory()
     dev = torch.zeros(spec.shape(), dtype=torch.bfloat16, device="cuda")
     e = st.TransferEngine("kernel", sm_limit=1)  # slow on purpose: one SM's worth of blocks
-    t = st.PreparedPageTransfer(
+    t = lowlevel.PreparedPageTransfer(
         st.PageTransferBinding(host, spec),
         st.PageTransferBinding(dev, spec),
         list(range(256)),
         list(range(256)),
     )
-    h = e.submit(st.PageTransferGroup([t]))
+    h = e.submit(lowlevel.PageTransferGroup([t]))
     consumer = torch.cuda.Stream()
     with torch.cuda.stream(consumer):
         h.stream_wait(1, consumer.cuda_stream)
@@ -275,11 +276,11 @@ def test_an_injected_failure_copies_the_layers_before_it_and_fails_the_rest(back
     host = torch.randn(spec.shape()).to(torch.bfloat16).pin_memory()
     dev = torch.zeros(spec.shape(), dtype=torch.bfloat16, device="cuda")
     e = st.TransferEngine(backend)
-    t = st.PreparedPageTransfer(
+    t = lowlevel.PreparedPageTransfer(
         st.PageTransferBinding(host, spec), st.PageTransferBinding(dev, spec),
         list(range(32)), list(range(32)),
     )  # fmt: skip
-    g = st.PageTransferGroup([t])
+    g = lowlevel.PageTransferGroup([t])
     e.inject_fault(0, layer=at, fail="injected")
     h = e.submit(g)
     consumer = torch.cuda.Stream()

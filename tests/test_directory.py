@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 
 import sparsetier as st
-from sparsetier import object_keys
+from sparsetier import lowlevel
+from sparsetier.lowlevel import object_keys
 
 KIB = 1024
 
 
 def make(device=16, host=16, object_bytes=64 * KIB):
-    return st.ResidencyDirectory(device, host, object_bytes=object_bytes)
+    return lowlevel.ResidencyDirectory(device, host, object_bytes=object_bytes)
 
 
 def host_only(d, pages, ns=7, layer=3):
@@ -66,7 +67,7 @@ def test_seven_of_ten_resident_restore_192_kib():
 
 
 def test_scattered_tokens_amplify_64x_and_shared_pages_less():
-    tp = st.token_pages(np.arange(10) * 64 + 9, page_size=64, token_bytes=KIB)
+    tp = lowlevel.token_pages(np.arange(10) * 64 + 9, page_size=64, token_bytes=KIB)
     assert (tp["bytes_needed"], tp["bytes_to_move"], tp["read_amplification"]) == (
         10 * KIB,
         640 * KIB,
@@ -76,7 +77,7 @@ def test_scattered_tokens_amplify_64x_and_shared_pages_less():
     host_only(d, range(10))
     r = d.resolve(object_keys(7, tp["pages"], layer=3), bytes_needed=tp["bytes_needed"])
     assert r.metrics["moved_per_needed"] == 64.0  # every page moved: = read amplification
-    shared = st.token_pages([0, 1, 2, 3, 64, 65], page_size=64, token_bytes=KIB)
+    shared = lowlevel.token_pages([0, 1, 2, 3, 64, 65], page_size=64, token_bytes=KIB)
     assert shared["pages"].tolist() == [0, 1]
     assert shared["read_amplification"] == pytest.approx(128 / 6)
 
@@ -158,11 +159,11 @@ def test_bad_keys(keys, exc, field):
 
 def test_bad_arguments():
     with pytest.raises(st.ConfigError):
-        st.ResidencyDirectory(0, 4, object_bytes=1)
+        lowlevel.ResidencyDirectory(0, 4, object_bytes=1)
     with pytest.raises(st.ConfigError):
-        st.ResidencyDirectory(4, 4, object_bytes=0)
+        lowlevel.ResidencyDirectory(4, 4, object_bytes=0)
     with pytest.raises(st.ConfigError):
-        st.ResidencyDirectory(4, 4, object_bytes=1, device_reserve=4)
+        lowlevel.ResidencyDirectory(4, 4, object_bytes=1, device_reserve=4)
     d = make()
     with pytest.raises(st.OutOfRangeError):
         d.complete(-3)
@@ -173,7 +174,7 @@ def test_bad_arguments():
     with pytest.raises(st.ConfigError):
         d.wait(1, timeout=-1.0)
     with pytest.raises(st.ConfigError):
-        st.token_pages([1, 2], page_size=0, token_bytes=1)
+        lowlevel.token_pages([1, 2], page_size=0, token_bytes=1)
 
 
 def test_threads_hammer_one_directory():

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 import sparsetier as sp
-from sparsetier import object_keys
+from sparsetier import lowlevel
+from sparsetier.lowlevel import object_keys
 
 DEVICE, HOST, PAGES, NAMESPACES, PRELOADED = 4, 8, 5, 2, 4
 
@@ -274,7 +275,7 @@ key_lists = st.lists(
 class DirectoryMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.d = sp.ResidencyDirectory(DEVICE, HOST, object_bytes=4096)
+        self.d = lowlevel.ResidencyDirectory(DEVICE, HOST, object_bytes=4096)
         self.m = Model()
         # The directory's transfer ids in the order it issued them: the model numbers them
         # 1, 2, ...; the directory draws them from the process-wide serial (an id of one

@@ -14,6 +14,7 @@ import pytest
 from scheduler_support import pooled_hicache, small_joined, small_scheduler
 
 import sparsetier as st
+from sparsetier import lowlevel
 from sparsetier.errors import ConfigError, SparsetierError
 
 # How long a probe waits for another thread before it calls the wait a hang (not a timing
@@ -76,7 +77,7 @@ def test_a_long_timeout_means_no_limit(timeout):
     with pytest.raises(st.UnknownTransferError):
         c.wait(0, timeout=timeout)  # read, then looked up: never issued here
     c.validate()
-    d = st.ResidencyDirectory(device_pages=4, host_pages=4, object_bytes=64)
+    d = lowlevel.ResidencyDirectory(device_pages=4, host_pages=4, object_bytes=64)
     with pytest.raises(st.UnknownTransferError):
         d.wait(0, timeout=timeout)
     d.validate()
@@ -87,7 +88,7 @@ def test_a_bad_timeout_is_a_config_error(timeout):
     with pytest.raises(ConfigError, match="timeout"):
         st.HiCache(1, 8).wait(0, timeout=timeout)
     with pytest.raises(ConfigError, match="timeout"):
-        st.ResidencyDirectory(device_pages=4, host_pages=4, object_bytes=64).wait(
+        lowlevel.ResidencyDirectory(device_pages=4, host_pages=4, object_bytes=64).wait(
             0, timeout=timeout
         )
 
@@ -654,8 +655,8 @@ def test_a_wait_that_times_out_names_the_callers_transfer():
     c, e, dev, host = pooled_hicache(1)
     # Engine submissions the cache never made, so its transfer ids and the engine's differ.
     for _ in range(3):
-        backup = st.PreparedPageTransfer(dev, host, [1], [1], direction="backup")
-        e.submit(st.PageTransferGroup([backup])).wait()
+        backup = lowlevel.PreparedPageTransfer(dev, host, [1], [1], direction="backup")
+        e.submit(lowlevel.PageTransferGroup([backup])).wait()
     e.inject_fault(e.submitted, delay=2.0)
     m = c.match_prefix(np.arange(1, 3), alloc=True)
     c.insert(np.arange(1, 3), m, unlock=m.device_node)
@@ -778,7 +779,7 @@ def _directory_calls():
         return call
 
     def keys(rng, n=4):
-        return st.object_keys(0, rng.choice(12, size=n, replace=False))
+        return lowlevel.object_keys(0, rng.choice(12, size=n, replace=False))
 
     def resolve_release(d, rng):
         r = d.resolve(keys(rng))
@@ -795,7 +796,7 @@ def _directory_calls():
 
     def allocate_drop(d, rng):
         ns = int(rng.integers(1, 1 << 30))
-        d.allocate(st.object_keys(ns, [0, 1]))
+        d.allocate(lowlevel.object_keys(ns, [0, 1]))
         d.drop_namespace(ns)
 
     def wait_unknown(d, rng):
@@ -815,8 +816,8 @@ def _directory_calls():
 
 
 def _directory_for_threads():
-    d = st.ResidencyDirectory(16, 32, object_bytes=64)
-    k = st.object_keys(0, range(12))
+    d = lowlevel.ResidencyDirectory(16, 32, object_bytes=64)
+    k = lowlevel.object_keys(0, range(12))
     d.allocate(k)
     plan = d.backup(k)
     d.mark_submitted(plan.transfer_id)
@@ -853,7 +854,7 @@ def _allocator_calls():
 
 @pytest.mark.parametrize("pair", [(a, b) for a in range(4) for b in range(a, 4)])
 def test_every_pair_of_calls_on_one_page_allocator(pair):
-    a = st.PageAllocator(32, reserve_pages=1)
+    a = lowlevel.PageAllocator(32, reserve_pages=1)
     _run_pair(a, _allocator_calls(), pair, rounds=200)
     a.validate()
     assert a.used_count == 0
@@ -1194,7 +1195,7 @@ def test_an_allocation_reads_as_an_array_of_its_pages():
 
 
 def _directory_with_a_load():
-    d = st.ResidencyDirectory(8, 16, object_bytes=64)
+    d = lowlevel.ResidencyDirectory(8, 16, object_bytes=64)
     k = np.array([[0, 0, p, -1] for p in range(4)], dtype=np.int64)
     d.allocate(k)
     plan = d.backup(k)

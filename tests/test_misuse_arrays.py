@@ -27,6 +27,7 @@ import torch
 from scheduler_support import pooled_hicache, small_joined, small_scheduler
 
 import sparsetier as st
+from sparsetier import lowlevel
 from sparsetier._core import BlockMover
 from sparsetier.errors import SparsetierError
 
@@ -123,7 +124,7 @@ def _unsigned_ok(ref: np.ndarray, at: int) -> bool:
 
 
 def _alloc():
-    a = st.PageAllocator(16)
+    a = lowlevel.PageAllocator(16)
     a.alloc(8)
     return a
 
@@ -197,11 +198,11 @@ def _tokens_bad(ref):
 
 
 def _directory():
-    d = st.ResidencyDirectory(16, 16, object_bytes=64)
-    d.allocate(st.object_keys(7, [17, 18], layer=3))
-    d.allocate(st.object_keys(7, [19]))
+    d = lowlevel.ResidencyDirectory(16, 16, object_bytes=64)
+    d.allocate(lowlevel.object_keys(7, [17, 18], layer=3))
+    d.allocate(lowlevel.object_keys(7, [19]))
     for p in (42, 81):
-        k = st.object_keys(7, [p], layer=3)
+        k = lowlevel.object_keys(7, [p], layer=3)
         d.allocate(k)
         d.backup_complete(d.backup(k).transfer_id)
         d.evict(1)
@@ -436,8 +437,8 @@ def _transfer_make():
 
 def _transfer(obj, src_units, dst_units):
     (src, dst), _ = obj
-    t = st.PreparedPageTransfer(src, dst, src_units, dst_units, direction="load")
-    st.TransferEngine("cpu").submit(st.PageTransferGroup([t])).wait()
+    t = lowlevel.PreparedPageTransfer(src, dst, src_units, dst_units, direction="load")
+    st.TransferEngine("cpu").submit(lowlevel.PageTransferGroup([t])).wait()
     return t.stats()
 
 
@@ -534,14 +535,14 @@ _TRACE: dict = {}
 
 def _trace():
     if not _TRACE:
-        d = st.ResidencyDirectory(64, 64, object_bytes=8)
+        d = lowlevel.ResidencyDirectory(64, 64, object_bytes=8)
         d.start_journal()
         for o in range(4):
-            k = st.object_keys(o, [o + 1], layer=o % 2)
+            k = lowlevel.object_keys(o, [o + 1], layer=o % 2)
             d.allocate(k)
             d.backup_complete(d.backup(k).transfer_id)
         for batch in ([0, 1], [2], [0, 3], [1, 2, 3], [0]):
-            keys = np.concatenate([st.object_keys(o, [o + 1], layer=o % 2) for o in batch])
+            keys = np.concatenate([lowlevel.object_keys(o, [o + 1], layer=o % 2) for o in batch])
             d.release(d.resolve(keys).handle)
         _TRACE.update(d.take_journal())
     return _TRACE
@@ -549,7 +550,7 @@ def _trace():
 
 def _replay_call(name):
     def call(_, x):
-        return st.replay_trace(dict(_trace(), **{name: x}), 3, "lru")
+        return lowlevel.replay_trace(dict(_trace(), **{name: x}), 3, "lru")
 
     return call
 
@@ -609,12 +610,12 @@ ARGS: list[Arg] = [
     ),
     Arg(
         "token_pages:positions", lambda: None,
-        lambda _, x: st.token_pages(x, page_size=4, token_bytes=8), lambda _, r: plain(r),
+        lambda _, x: lowlevel.token_pages(x, page_size=4, token_bytes=8), lambda _, r: plain(r),
         POSITIONS, ("positions",),
         {k: v for k, v in extremes(POSITIONS).items() if k != "2^32+v"},
     ),
     Arg(
-        "object_keys:pages", lambda: None, lambda _, x: st.object_keys(7, x, layer=3),
+        "object_keys:pages", lambda: None, lambda _, x: lowlevel.object_keys(7, x, layer=3),
         lambda _, r: (r.dtype.str, plain(r)), OBJ_PAGES, ("pages",),
         {k: v for k, v in extremes(OBJ_PAGES).items() if k in ("u64_max", "u64_2^63+v")},
     ),

@@ -10,7 +10,7 @@ from hypothesis import settings as st_settings
 from hypothesis import strategies as hyp
 
 import sparsetier as st
-from sparsetier import fp8
+from sparsetier import fp8, lowlevel
 from sparsetier.presets import DEEPSEEK_V32
 
 GPU = torch.cuda.is_available() and st.cuda_status()[0]
@@ -87,11 +87,13 @@ def test_packed_pools_round_trip_byte_exact(io, layout, comp, granularity):
         src, dst = [9, 10, 11, 12, 40, 95, 2], [0, 1, 2, 3, 15, 55, 8]
     hb = st.PageTransferBinding(host, host_spec, layout)
     db = st.PageTransferBinding(dev, dev_spec)
-    load = st.PreparedPageTransfer(hb, db, src, dst, granularity=granularity)
-    engine.submit(st.PageTransferGroup([load])).wait(timeout=30)
+    load = lowlevel.PreparedPageTransfer(hb, db, src, dst, granularity=granularity)
+    engine.submit(lowlevel.PageTransferGroup([load])).wait(timeout=30)
     host.zero_()  # the backup must bring every moved byte back
-    back = st.PreparedPageTransfer(db, hb, dst, src, direction="backup", granularity=granularity)
-    engine.submit(st.PageTransferGroup([back])).wait(timeout=30)
+    back = lowlevel.PreparedPageTransfer(
+        db, hb, dst, src, direction="backup", granularity=granularity
+    )
+    engine.submit(lowlevel.PageTransferGroup([back])).wait(timeout=30)
     got = dev.cpu().view(-1)
     hflat, oflat = host.view(-1), original.view(-1)
     want = torch.zeros_like(got)
@@ -119,7 +121,7 @@ def test_a_split_page_cannot_be_moved_into_an_interleaved_pool():
     a = torch.zeros(tuple(split.shape()), dtype=torch.uint8)
     b = torch.zeros(tuple(plain.shape()), dtype=torch.uint8)
     with pytest.raises(st.PlanError) as e:
-        st.PreparedPageTransfer(
+        lowlevel.PreparedPageTransfer(
             st.PageTransferBinding(a, split), st.PageTransferBinding(b, plain), [0], [1]
         )
     assert e.value.field == "dst.row_format"
@@ -170,8 +172,8 @@ def test_any_packed_row_moves_exactly_where_the_reference_says(data):
     host = torch.randint(0, 256, tuple(hs.shape(layout)), generator=g, dtype=torch.uint8)
     dev = torch.zeros(tuple(ds.shape()), dtype=torch.uint8)
     hb, db = st.PageTransferBinding(host, hs, layout), st.PageTransferBinding(dev, ds)
-    t = st.PreparedPageTransfer(hb, db, src, dst, granularity=gran)
-    st.TransferEngine("cpu").submit(st.PageTransferGroup([t])).wait(timeout=30)
+    t = lowlevel.PreparedPageTransfer(hb, db, src, dst, granularity=gran)
+    st.TransferEngine("cpu").submit(lowlevel.PageTransferGroup([t])).wait(timeout=30)
     want = torch.zeros(dev.numel(), dtype=torch.uint8)
     hflat = host.view(-1)
     lpf = layout == "layer_page_first"

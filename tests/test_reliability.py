@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import sparsetier as st
-from sparsetier import object_keys
+from sparsetier import lowlevel
+from sparsetier.lowlevel import object_keys
 
 FUZZ = Path(__file__).parent / "fuzz" / "fuzz_entry_points.py"
 
@@ -43,7 +44,7 @@ def host_only(d, ns, pages):
 
 
 def test_abort_in_each_phase_releases_exactly_once_and_spares_sharers():
-    d = st.ResidencyDirectory(8, 16, object_bytes=64)
+    d = lowlevel.ResidencyDirectory(8, 16, object_bytes=64)
     host_only(d, 0, [0, 1, 2, 3])  # a shared prefix: namespace 0
     # before submit: resolved, loads planned but never submitted -> cancel the load
     a = d.resolve(object_keys(0, [0, 1]))
@@ -88,13 +89,13 @@ def test_abort_while_waiting_on_a_layer_event():
     dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
     e = st.TransferEngine("cpu", threads=1)
     e.inject_fault(0, layer=2, delay=0.05)
-    t = st.PreparedPageTransfer(
+    t = lowlevel.PreparedPageTransfer(
         st.PageTransferBinding(host, spec, "layer_page_first"),
         st.PageTransferBinding(dev, spec),
         [1],
         [2],
     )
-    h = e.submit(st.PageTransferGroup([t]))
+    h = e.submit(lowlevel.PageTransferGroup([t]))
     with pytest.raises(st.WaitTimeoutError):
         h.wait(layer=2, timeout=0.001)  # the waiter gives up (aborts) ...
     h.wait(layer=1)  # ... earlier layers were published
@@ -117,7 +118,7 @@ def test_allocation_failure_is_typed_and_changes_nothing():
 
 def test_threads_against_one_cache_and_one_directory():
     c = st.HiCache(4, 64, drop_unbacked=True)
-    d = st.ResidencyDirectory(24, 128, object_bytes=64)
+    d = lowlevel.ResidencyDirectory(24, 128, object_bytes=64)
     host_only(d, 0, range(32))
     lock = threading.Lock()  # HiCache is one object behind a mutex; calls interleave freely
     errors = []
@@ -197,7 +198,7 @@ def _cache():
 
 
 def _dir():
-    return st.ResidencyDirectory(4, 4, object_bytes=8)
+    return lowlevel.ResidencyDirectory(4, 4, object_bytes=8)
 
 
 def _runtime(**kw):
@@ -215,10 +216,10 @@ BAD_INPUT = [
     ("HiCache.insert page not allocated", lambda: _cache().insert([1, 2, 3, 4], [3]), st.ConfigError, "device_pages"),
     ("HiCache.alloc_device negative", lambda: _cache().alloc_device(-2), st.ConfigError, "n"),
     ("HiCache.alloc_device huge", lambda: _cache().alloc_device(1 << 40), st.OutOfPagesError, None),
-    ("PageAllocator pages huge", lambda: st.PageAllocator(1 << 31), st.ConfigError, "pages"),
-    ("ResidencyDirectory pages huge", lambda: st.ResidencyDirectory(1 << 31, 4, object_bytes=8), st.ConfigError, "device_pages"),
+    ("PageAllocator pages huge", lambda: lowlevel.PageAllocator(1 << 31), st.ConfigError, "pages"),
+    ("ResidencyDirectory pages huge", lambda: lowlevel.ResidencyDirectory(1 << 31, 4, object_bytes=8), st.ConfigError, "device_pages"),
     ("HiCache pages huge", lambda: st.HiCache(4, 1 << 31), st.ConfigError, "pages"),
-    ("PageAllocator.alloc huge", lambda: st.PageAllocator(8).alloc(1 << 40), st.OutOfPagesError, None),
+    ("PageAllocator.alloc huge", lambda: lowlevel.PageAllocator(8).alloc(1 << 40), st.OutOfPagesError, None),
     ("HiCache.lock stale", lambda: _cache().lock(1 << 40), st.UnknownNodeError, "node"),
     ("HiCache.lock negative", lambda: _cache().lock(-1), st.UnknownNodeError, "node"),
     ("HiCache.free_device foreign", lambda: _cache().free_device([1]), st.ConfigError, "pages"),
@@ -229,14 +230,14 @@ BAD_INPUT = [
     ("ResidencyDirectory.drop_namespace", lambda: _dir().drop_namespace(-5), st.OutOfRangeError, "namespace"),
     ("ResidencyDirectory.fail unknown", lambda: _dir().fail(99, "x"), st.UnknownTransferError, "transfer_id"),
     ("ResidencyDirectory.transfer_ended unknown", lambda: _dir().transfer_ended(99), st.UnknownTransferError, "transfer_id"),
-    ("token_pages negative", lambda: st.token_pages([-1], 16, 2), st.OutOfRangeError, "positions"),
-    ("token_pages zero bytes", lambda: st.token_pages([1], 16, 0), st.ConfigError, "token_bytes"),
+    ("token_pages negative", lambda: lowlevel.token_pages([-1], 16, 2), st.OutOfRangeError, "positions"),
+    ("token_pages zero bytes", lambda: lowlevel.token_pages([1], 16, 0), st.ConfigError, "token_bytes"),
     ("PoolSpec.check_tensor layout", lambda: st.PoolSpec("KV", 1, 1, 8).check_tensor(None, "rows"), st.ConfigError, "layout"),
     ("PoolSpec.shape layout", lambda: st.PoolSpec("KV", 1, 1, 8).shape("rows"), st.ConfigError, "layout"),
     ("PoolSpec.with_pages zero", lambda: st.PoolSpec("KV", 1, 1, 8).with_pages(0), st.ConfigError, "pages"),
     ("plan_stack pools not a list", lambda: st.plan_stack(5), st.ConfigError, "pools"),
     ("plan_stack pool not a spec", lambda: st.plan_stack(["KV"]), st.ConfigError, "pools[0]"),
-    ("compile_cuda_kernels arch", lambda: st.compile_cuda_kernels(90), st.ConfigError, "arch"),
+    ("compile_cuda_kernels arch", lambda: lowlevel.compile_cuda_kernels(90), st.ConfigError, "arch"),
     ("TransferEngine device", lambda: st.TransferEngine("kernel", device=-1), st.ConfigError, "device"),
     ("DecodeRuntime kv_format", lambda: _runtime(kv_format="int4"), st.ConfigError, "kv_format"),
     ("PoolSpec row_parts sum", lambda: st.PoolSpec("INDEXER", 1, 1, 132, "fp8", row_parts=[("values", "fp8", 128)]), st.ConfigError, "row_parts"),

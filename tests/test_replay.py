@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import sparsetier as sp
+from sparsetier import lowlevel
 from sparsetier.replay import load_trace, save_trace, sweep
 from sparsetier.tools.cli import main
 from sparsetier.tools.demo import DemoConfig, _run, _workload
@@ -37,7 +38,7 @@ def record(prefetch: bool, tmp_path):
 def test_lru_replay_reproduces_the_recorded_run_to_the_object(prefetch, tmp_path):
     rt, trace = record(prefetch, tmp_path)
     tot = rt.scheduler.totals()
-    r = sp.replay_trace(trace, trace["device_slots"], "lru")
+    r = lowlevel.replay_trace(trace, trace["device_slots"], "lru")
     assert r["feasible"]
     assert r["hits"] == tot["ready"] + tot["joined"]
     assert r["loads"] == tot["loaded"] + tot["prefetch_loaded"]
@@ -52,7 +53,7 @@ def test_min_is_never_below_lru_and_both_reach_the_peak(tmp_path):
         if policy == "lru" and r.feasible:
             m = by[("min", b)]
             assert m.feasible and m.hits >= r.hits, b
-    peak = sp.trace_peak_live(trace)
+    peak = lowlevel.trace_peak_live(trace)
     lru, mn = by[("lru", peak)], by[("min", peak)]
     assert lru.hits == mn.hits and lru.loads == mn.loads  # nothing to evict: no policy matters
 
@@ -60,14 +61,14 @@ def test_min_is_never_below_lru_and_both_reach_the_peak(tmp_path):
 def trace_of(n_objects, reads):
     """A trace of `n_objects` pages created (and written through) one by one, then read in
     batches `reads` (each resolved and released), recorded on a directory that fits them."""
-    d = sp.ResidencyDirectory(64, 64, object_bytes=8)
+    d = lowlevel.ResidencyDirectory(64, 64, object_bytes=8)
     d.start_journal()
     for o in range(n_objects):
-        k = sp.object_keys(o, [0])
+        k = lowlevel.object_keys(o, [0])
         d.allocate(k)
         d.backup_complete(d.backup(k).transfer_id)
     for batch in reads:
-        keys = np.concatenate([sp.object_keys(o, [0]) for o in sorted(set(batch))])
+        keys = np.concatenate([lowlevel.object_keys(o, [0]) for o in sorted(set(batch))])
         d.release(d.resolve(keys).handle)
     return d.take_journal()
 
@@ -107,8 +108,8 @@ def test_min_is_the_offline_optimum(n, reads, cap):
     if cap > n or any(len(set(b)) > cap for b in reads):
         return
     trace = trace_of(n, reads)
-    m = sp.replay_trace(trace, cap, "min")
-    lru = sp.replay_trace(trace, cap, "lru")
+    m = lowlevel.replay_trace(trace, cap, "min")
+    lru = lowlevel.replay_trace(trace, cap, "lru")
     assert m["feasible"] and lru["feasible"]
     opt = optimum(n, reads, cap)
     assert m["accesses"] - m["hits"] == opt
@@ -121,14 +122,14 @@ def test_trace_files_round_trip_and_bad_ones_are_typed(tmp_path):
     save_trace(p, t)
     back = load_trace(p)
     assert all(np.array_equal(back[k], t[k]) for k in ("ops", "ns", "starts"))
-    assert sp.replay_trace(back, 2, "min") == sp.replay_trace(t, 2, "min")
+    assert lowlevel.replay_trace(back, 2, "min") == lowlevel.replay_trace(t, 2, "min")
     with pytest.raises(sp.ConfigError):
-        sp.replay_trace(t, 2, "fifo")
+        lowlevel.replay_trace(t, 2, "fifo")
     with pytest.raises(sp.ConfigError):
-        sp.replay_trace(t, 0, "lru")
+        lowlevel.replay_trace(t, 0, "lru")
     bad = dict(t, starts=t["starts"][::-1].copy())
     with pytest.raises(sp.ConfigError):
-        sp.replay_trace(bad, 2, "lru")
+        lowlevel.replay_trace(bad, 2, "lru")
     with pytest.raises(sp.ConfigError):
         load_trace(str(tmp_path / "missing.npz"))
 

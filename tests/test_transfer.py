@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import sparsetier as st
+from sparsetier import lowlevel
 
 POISON = -7.0
 
@@ -51,7 +52,7 @@ def test_cpu_round_trip(layout, component, direction, granularity, layer):
     rng = np.random.default_rng(3)
     dst_units = rng.choice(per(dst_spec.pages), size=5, replace=False)
     src_units = np.concatenate([[0, 1], rng.integers(0, per(src_spec.pages), size=3)])
-    t = st.PreparedPageTransfer(
+    t = lowlevel.PreparedPageTransfer(
         st.PageTransferBinding(src, src_spec, src_layout),
         st.PageTransferBinding(dst, dst_spec, dst_layout),
         src_units,
@@ -60,7 +61,7 @@ def test_cpu_round_trip(layout, component, direction, granularity, layer):
         granularity=granularity,
     )
     engine = st.TransferEngine("cpu", threads=2)
-    h = engine.submit(st.PageTransferGroup([t]), layer=layer)
+    h = engine.submit(lowlevel.PageTransferGroup([t]), layer=layer)
     h.wait(timeout=10)
     assert h.finished
     want = view(poisoned(dst_spec, dst_layout), dst_layout).clone()
@@ -81,7 +82,7 @@ def group_kv_indexer(layers=4):
         spec = pools(comp, layers=layers, pages=8)
         src, dst = filled(spec, "layer_page_first", 1), poisoned(spec, "layer_first")
         members.append(
-            st.PreparedPageTransfer(
+            lowlevel.PreparedPageTransfer(
                 st.PageTransferBinding(src, spec, "layer_page_first"),
                 st.PageTransferBinding(dst, spec),
                 [1, 2, 5],
@@ -89,7 +90,7 @@ def group_kv_indexer(layers=4):
             )
         )
         dsts.append((src, dst))
-    return st.PageTransferGroup(members), dsts
+    return lowlevel.PageTransferGroup(members), dsts
 
 
 def test_group_events_per_layer_and_delay():
@@ -162,26 +163,26 @@ def test_planning_errors():
     a, b = filled(spec, "layer_first", 0), poisoned(spec, "layer_first")
     ba, bb = st.PageTransferBinding(a, spec), st.PageTransferBinding(b, spec)
     with pytest.raises(st.PlanError) as e:
-        st.PreparedPageTransfer(ba, bb, [1, 2], [3, 3])
+        lowlevel.PreparedPageTransfer(ba, bb, [1, 2], [3, 3])
     assert e.value.field == "dst"
     with pytest.raises(st.OutOfRangeError):
-        st.PreparedPageTransfer(ba, bb, [0], [8])
+        lowlevel.PreparedPageTransfer(ba, bb, [0], [8])
     with pytest.raises(st.PlanError):
-        st.PreparedPageTransfer(ba, ba, [0], [1])  # overlapping buffers
+        lowlevel.PreparedPageTransfer(ba, ba, [0], [1])  # overlapping buffers
     with pytest.raises(st.ConfigError):
-        st.PreparedPageTransfer(ba, bb, [0], [1], direction="sideways")
+        lowlevel.PreparedPageTransfer(ba, bb, [0], [1], direction="sideways")
     with pytest.raises(st.ConfigError):
-        st.PreparedPageTransfer(ba, bb, [0], [1], granularity="byte")
+        lowlevel.PreparedPageTransfer(ba, bb, [0], [1], granularity="byte")
     with pytest.raises(st.OutOfRangeError):
-        st.PreparedPageTransfer(ba, bb, [-1], [1])
+        lowlevel.PreparedPageTransfer(ba, bb, [-1], [1])
     other = pools("INDEXER", pages=8)
     with pytest.raises(st.PlanError):
-        st.PreparedPageTransfer(
+        lowlevel.PreparedPageTransfer(
             ba, st.PageTransferBinding(poisoned(other, "layer_first"), other), [0], [1]
         )
     with pytest.raises(st.PlanError):
-        st.PageTransferGroup([])
-    t = st.PreparedPageTransfer(ba, bb, [0, 1, 2, 6], [3, 4, 5, 0])
+        lowlevel.PageTransferGroup([])
+    t = lowlevel.PreparedPageTransfer(ba, bb, [0, 1, 2, 6], [3, 4, 5, 0])
     assert t.stats() == (4, 2, 4 * spec.page_bytes * 2 * 3)
 
 

@@ -1,39 +1,33 @@
 """sparsetier: a tiered KV-cache runtime for sparse-attention LLM inference.
 
 The Rust core (``sparsetier._core``) owns every decision about where cached data lives; this
-package is the thin Python layer over torch tensors.
+package is the thin Python layer over torch tensors. The names here are the API an engine
+uses (``docs/api.md``): build the pools (``build_sparse_stack``), run decode steps
+(``StepScheduler``), keep prefixes (``HiCache``). ``sparsetier.lowlevel`` holds the pieces
+those are built from; ``sparsetier.vllm`` plugs into vLLM; ``sparsetier.tools`` holds the
+command line, the demo and the benchmarks.
 """
 
 from __future__ import annotations
 
+import warnings
+from typing import Any
+
+from sparsetier import lowlevel as _lowlevel
 from sparsetier._core import (
-    BackupPlan,
     HiCache,
-    LoadPlan,
     PageAllocation,
-    PageAllocator,
     PageTransferBinding,
-    PageTransferGroup,
-    PinHandle,
     Plan,
     PoolPlan,
     PoolSpec,
     PrefixInsert,
     PrefixMatch,
-    PreparedPageTransfer,
-    ResidencyDirectory,
-    ResolveResult,
     StepScheduler,
     TransferEngine,
-    TransferHandle,
     __version__,
-    compile_cuda_kernels,
     cuda_status,
-    kernel_cubin,
     plan_stack,
-    replay_trace,
-    token_pages,
-    trace_peak_live,
 )
 from sparsetier.builder import DevicePool, SparseStack, build_sparse_stack
 from sparsetier.errors import (
@@ -63,12 +57,9 @@ from sparsetier.errors import (
     UnknownTransferError,
     WaitTimeoutError,
 )
-from sparsetier.keys import ALL_LAYERS, object_keys
 
 __all__ = [
-    "ALL_LAYERS",
     "AllocatorError",
-    "BackupPlan",
     "ConfigError",
     "CopyFailedError",
     "CudaError",
@@ -79,7 +70,6 @@ __all__ = [
     "InvalidTransitionError",
     "InvariantError",
     "KeyExistsError",
-    "LoadPlan",
     "NamespaceDroppedError",
     "NotHeldError",
     "NotLockedError",
@@ -87,27 +77,20 @@ __all__ = [
     "OutOfPagesError",
     "OutOfRangeError",
     "PageAllocation",
-    "PageAllocator",
     "PageTransferBinding",
-    "PageTransferGroup",
-    "PinHandle",
     "Plan",
     "PlanError",
     "PoolPlan",
     "PoolSpec",
     "PrefixInsert",
     "PrefixMatch",
-    "PreparedPageTransfer",
     "RequestFailedError",
-    "ResidencyDirectory",
-    "ResolveResult",
     "SparseStack",
     "SparsetierError",
     "StepScheduler",
     "StoreUnavailableError",
     "TransferEngine",
     "TransferFailedError",
-    "TransferHandle",
     "TransferStateError",
     "UnknownHandleError",
     "UnknownNodeError",
@@ -115,12 +98,19 @@ __all__ = [
     "WaitTimeoutError",
     "__version__",
     "build_sparse_stack",
-    "compile_cuda_kernels",
     "cuda_status",
-    "kernel_cubin",
-    "object_keys",
     "plan_stack",
-    "replay_trace",
-    "token_pages",
-    "trace_peak_live",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The low-level names lived here until this release; they stay one more, with a warning.
+    if name in _lowlevel.__all__:
+        warnings.warn(
+            f"sparsetier.{name} moved to sparsetier.lowlevel.{name}; the old name goes in "
+            "the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(_lowlevel, name)
+    raise AttributeError(f"module 'sparsetier' has no attribute {name!r}")

@@ -7,9 +7,8 @@ that itself from token rows (the runtime's default, `token_map="core"`); `map_to
 with batched tensor ops on the device the indexer ran on (`token_map="device"`), and the core
 then plans page rows about 16x narrower, with counts (`StepScheduler.plan(..., counts)`).
 
-Measured on an H200 host (2026-11-30, RESULTS "Token mode mapped on the GPU"): the core's
-part of a step halves, but the ~20 small ops a layer take ~0.86 ms of CPU to launch there,
-so a whole step costs more CPU than the core's own mapping (74.6 ms against 43.3 ms). So
+On a GPU the core's part of a step halves, but the ~20 small ops a layer cost more CPU to
+launch than the core's own mapping saves (benches/RESULTS.md, "Token mode mapped on the GPU"). So
 `TokenMapper`, what the runtime and `bench decode` call, captures those ops once per shape as
 a CUDA graph and replays it: one launch a layer. **Not yet run on a GPU** (written without
 one; on the CPU it is `map_tokens`); where a capture fails it says so once and maps eagerly.

@@ -15,6 +15,7 @@ import numpy as np
 
 with atheris.instrument_imports():
     import sparsetier as st
+    from sparsetier import lowlevel
 
 COMPONENTS = ["KV", "INDEXER", "SWA", "DRAFT", "kv", "", "VALUE", "\x00"]
 DTYPES = ["bf16", "fp16", "fp32", "fp8_e4m3", "torch.bfloat16", "int8", ""]
@@ -194,7 +195,7 @@ def one(data: bytes) -> None:
                 swa_window=an_int(f) if f.ConsumeBool() else None,
             ).to_dict()
         elif what == 2:
-            d = st.ResidencyDirectory(
+            d = lowlevel.ResidencyDirectory(
                 f.ConsumeIntInRange(1, 16), f.ConsumeIntInRange(1, 16), object_bytes=an_int(f)
             )
             for _ in range(f.ConsumeIntInRange(1, 12)):
@@ -236,14 +237,14 @@ def one(data: bytes) -> None:
             n = f.ConsumeIntInRange(0, 6)
             src = [an_int(f) for _ in range(n)]
             dst = [an_int(f) for _ in range(f.ConsumeIntInRange(0, 6))]
-            t = st.PreparedPageTransfer(
+            t = lowlevel.PreparedPageTransfer(
                 st.PageTransferBinding(a, s),
                 st.PageTransferBinding(b, s),
                 src,
                 dst,
                 granularity="token" if f.ConsumeBool() else "page",
             )
-            st.TransferEngine("cpu").submit(st.PageTransferGroup([t])).wait()
+            st.TransferEngine("cpu").submit(lowlevel.PageTransferGroup([t])).wait()
     except st.InvariantError:
         raise  # a bug: a broken invariant, or a panic caught in the core
     except st.SparsetierError:

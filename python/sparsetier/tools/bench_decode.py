@@ -30,9 +30,9 @@ ratios B / A.
 The timed steps start once the scheduler is in its steady state: by default (`warmup=None`)
 the warm-up lasts until the scheduler has loaded as many pages as the device has slots, so that
 the pages the prefill left resident (evicted in the order the prefill wrote them, neighbours in
-memory) have been turned over for pages loaded at random, or until a step loads nothing. At
-DeepSeek-V3.2's shape that takes ~137 steps, and a step after it costs ~15 % more than one of
-the first steps (one 300-step run, 2026-11-30: benches/RESULTS.md, "The steady state").
+memory) have been turned over for pages loaded at random, or until a step loads nothing. A step
+after it costs more than one of the first steps (benches/RESULTS.md, "Decode step, block mode",
+the steady state).
 `warmup=N` fixes it at N steps instead.
 
 Selections are synthetic with step-to-step locality: each selected block (or hot page, in token
@@ -531,8 +531,8 @@ def _cpu_model() -> str:
 
 def _caches() -> str:
     """Core 0's L2 and L3 as Linux reports them (", L2 1024K, L3 32768K"; empty where it does
-    not): the same code's step moved by a third between VMs whose memory systems differed
-    (RESULTS, "The same code on another VM")."""
+    not): the same code's step moves between VMs whose memory systems differ
+    (benches/RESULTS.md, "Decode step, block mode")."""
     root = "/sys/devices/system/cpu/cpu0/cache"
     out = []
     try:
@@ -549,8 +549,8 @@ def _caches() -> str:
 
 
 def _memory_pages() -> str:
-    """The page sizes the run could get, which move its figures (RESULTS, "An Intel Xeon VM,
-    huge pages, and the Python calls"): transparent huge pages' mode, the 2 MB pages reserved,
+    """The page sizes the run could get, which move its figures (benches/RESULTS.md,
+    "Memory system: huge pages, allocators, caches"): transparent huge pages' mode, the 2 MB pages reserved,
     and whether the extension's allocator was told to use them."""
 
     def read(path: str) -> str | None:

@@ -1,6 +1,6 @@
 """``sparsetier bench prefix``: the prefix cache on the peers' workload and serve loop.
 
-Phases, as `../shared/peers/bench_sglang_radix.py` runs them: fill (match, alloc, insert into
+Phases, as SGLang's peer benchmark (`bench_sglang_radix.py` in `--peers-dir`) runs them: fill (match, alloc, insert into
 an unbounded pool), hot match (fresh queries that hit a shared prompt, and full re-queries),
 lock/unlock, and the serve loop: a pool of 25 % of the cached tokens, each request does match,
 lock, evict on demand, alloc, insert, re-lock, and 32 requests stay locked. Every op is timed

@@ -1,7 +1,7 @@
 """``sparsetier bench prefix --paired``: sparsetier and SGLang's prefix cache in one process,
 alternating (A, B, A, B...), on the same token objects.
 
-Runs in a Python where both import: the peers' venv (``../shared/peers/setup_venv.sh``) with
+Runs in a Python where both import: a venv with SGLang installed (``--peers-python``) with
 this package on ``PYTHONPATH`` (the CLI arranges it). Both sides get the same sequences as the
 same objects, ``array('q')`` (SGLang's own container, and the only one its Rust tree core
 accepts), and pay any conversion inside their timers. Per repetition:

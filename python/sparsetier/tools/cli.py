@@ -637,7 +637,7 @@ def _soak_parser(sub: argparse._SubParsersAction) -> None:
         "--engine",
         choices=("python", "rust"),
         default="rust",
-        help="the loop: rust (about 10x faster, for long runs) or python (through the bindings)",
+        help="the loop: rust (faster, for long runs) or python (through the bindings)",
     )
     p.add_argument("--json", metavar="PATH", help="write every report as a JSON line")
     p.add_argument("--plot", metavar="PNG", help="RSS and plan p99 over requests")

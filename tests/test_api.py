@@ -1,0 +1,71 @@
+"""The public surface: what `sparsetier` exports is what `docs/api.md` lists, the library
+never imports its tools, and the names that moved keep working one release with a warning."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import sparsetier
+from sparsetier import lowlevel
+
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "api.md"
+
+
+def _documented(section: str) -> set[str]:
+    """The names listed in `docs/api.md` under the heading `section` (`` `name` `` at the
+    start of a table row)."""
+    text = DOCS.read_text()
+    start = text.index(f"\n## {section}\n")
+    end = text.find("\n## ", start + 1)
+    body = text[start : end if end > 0 else len(text)]
+    return set(re.findall(r"^\| `([A-Za-z_][\w]*)`", body, re.M))
+
+
+def test_the_top_level_exports_what_the_api_document_lists():
+    assert set(sparsetier.__all__) == _documented("sparsetier")
+    for name in sparsetier.__all__:
+        assert hasattr(sparsetier, name), name
+
+
+def test_the_low_level_module_exports_what_the_api_document_lists():
+    assert set(lowlevel.__all__) == _documented("sparsetier.lowlevel")
+    assert not set(lowlevel.__all__) & set(sparsetier.__all__)
+
+
+def test_the_library_never_imports_its_tools():
+    code = (
+        "import sys, sparsetier, sparsetier.lowlevel, sparsetier.l3, sparsetier.vllm; "
+        "print([m for m in sys.modules if m.startswith('sparsetier.tools')])"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert r.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("name", sorted(lowlevel.__all__))
+def test_a_moved_name_still_works_one_release_with_a_warning(name):
+    with pytest.warns(DeprecationWarning, match=f"sparsetier.lowlevel.{name}"):
+        got = getattr(sparsetier, name)
+    assert got is getattr(lowlevel, name)
+
+
+@pytest.mark.parametrize(
+    ("old", "name"), [("runtime", "DecodeRuntime"), ("model", "TinySparseModel")]
+)
+def test_moved_modules_still_import_one_release_with_a_warning(old, name):
+    import importlib
+
+    sys.modules.pop(f"sparsetier.{old}", None)
+    with pytest.warns(DeprecationWarning, match=rf"sparsetier\.{old} moved"):
+        mod = importlib.import_module(f"sparsetier.{old}")
+    new = importlib.import_module(f"sparsetier.tools.{old}")
+    assert getattr(mod, name) is getattr(new, name)
+
+
+def test_an_unknown_name_is_an_attribute_error():
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        sparsetier.nothing  # noqa: B018
