@@ -549,9 +549,9 @@ def _caches() -> str:
 
 
 def _memory_pages() -> str:
-    """The page sizes the run could get, which move its figures (benches/RESULTS.md,
-    "Memory system: huge pages, allocators, caches"): transparent huge pages' mode, the 2 MB pages reserved,
-    and whether the extension's allocator was told to use them."""
+    """The page sizes the run could get, which move its figures (benches/RESULTS.md, "Memory
+    system: huge pages, allocators, caches"): transparent huge pages' mode, the 2 MB pages
+    reserved, and whether the extension's allocator was told to use them."""
 
     def read(path: str) -> str | None:
         try:

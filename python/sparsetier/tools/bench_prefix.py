@@ -1,13 +1,12 @@
 """``sparsetier bench prefix``: the prefix cache on the peers' workload and serve loop.
 
-Phases, as SGLang's peer benchmark (`bench_sglang_radix.py` in `--peers-dir`) runs them: fill (match, alloc, insert into
-an unbounded pool), hot match (fresh queries that hit a shared prompt, and full re-queries),
-lock/unlock, and the serve loop: a pool of 25 % of the cached tokens, each request does match,
-lock, evict on demand, alloc, insert, re-lock, and 32 requests stay locked. Every op is timed
-through the Python binding, one call per op; the serve loop also runs in Rust alone in the same
-process, for the binding's share. With ``--peers-python`` the SGLang peer runs on the same
-workload in the same command, and the report gives the ratios.
-"""
+Phases, as SGLang's peer benchmark (`bench_sglang_radix.py` in `--peers-dir`) runs them: fill
+(match, alloc, insert into an unbounded pool), hot match (fresh queries that hit a shared
+prompt, and full re-queries), lock/unlock, and the serve loop: a pool of 25 % of the cached
+tokens, each request does match, lock, evict on demand, alloc, insert, re-lock, and 32 requests
+stay locked. Every op is timed through the Python binding, one call per op; the serve loop also
+runs in Rust alone in the same process, for the binding's share. With ``--peers-python`` the
+SGLang peer runs on the same workload in the same command, and the report gives the ratios."""
 
 from __future__ import annotations
 

@@ -2,10 +2,10 @@
 each with a unique random suffix, optionally multi-turn follow-ups that extend an earlier
 sequence.
 
-It follows the generator of the peer benchmarks' `workload.py` (in `--peers-dir`) call for call (same numpy calls in
-the same order, same seeds), so the streams are identical to the ones the peer benchmarks run
-on, and a stream dumped there (`--dump FILE.npz`) can be replayed with `load_stream`.
-"""
+It follows the generator of the peer benchmarks' `workload.py` (in `--peers-dir`) call for call
+(same numpy calls in the same order, same seeds), so the streams are identical to the ones the
+peer benchmarks run on, and a stream dumped there (`--dump FILE.npz`) can be replayed with
+`load_stream`."""
 
 from __future__ import annotations
 
