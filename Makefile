@@ -15,7 +15,7 @@ export SPARSETIER_NVRTC_DIR := $(NVRTC_DIR)/nvidia/cu13/lib
 export VIRTUAL_ENV := $(VENV)
 export PATH := $(VENV)/bin:$(PATH)
 
-.PHONY: test demo venv sysdeps build lint rust-test py-test plan bench clean
+.PHONY: test demo venv sysdeps build wheel lint rust-test py-test plan bench clean
 
 test: venv build lint rust-test py-test
 
@@ -42,13 +42,18 @@ sysdeps:
 		else echo "note: libibverbs1 missing and not root: Mooncake tests will skip"; fi; \
 	fi
 
+# A release wheel: the library without the test hooks (the `testing` feature), into dist/.
+wheel: venv
+	maturin build --release --out dist
+
 build: venv
-	maturin develop --release --quiet
+	maturin develop --release --quiet --features testing
 
 lint: venv
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
 	cargo clippy --features python -- -D warnings
+	cargo clippy --features testing -- -D warnings
 	ruff check python tests
 	ruff format --check python tests
 

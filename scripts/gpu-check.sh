@@ -47,7 +47,8 @@ build)
     "$VENV/bin/python" -m pip install -q ziglang
     export PATH="$VENV/bin:$PATH"  # maturin finds zig as `python3 -m ziglang`
     rm -rf .whl && mkdir -p .whl
-    "$VENV/bin/maturin" build --release --zig --compatibility manylinux_2_28 -i python3.11 --out .whl
+    "$VENV/bin/maturin" build --release --features testing --zig --compatibility manylinux_2_28 \
+        -i python3.11 --out .whl  # the tests and demo --faults need the test hooks
     ls -la .whl
     ;;
 run)

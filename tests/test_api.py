@@ -17,13 +17,14 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "api.md"
 
 
 def _documented(section: str) -> set[str]:
-    """The names listed in `docs/api.md` under the heading `section` (`` `name` `` at the
-    start of a table row)."""
+    """The names listed in `docs/api.md` under the heading `section` (each `` `name` `` in the
+    first cell of a table row)."""
     text = DOCS.read_text()
     start = text.index(f"\n## {section}\n")
     end = text.find("\n## ", start + 1)
     body = text[start : end if end > 0 else len(text)]
-    return set(re.findall(r"^\| `([A-Za-z_][\w]*)`", body, re.M))
+    cells = re.findall(r"^\| ([^|]*) \|", body, re.M)
+    return {n for cell in cells for n in re.findall(r"`([A-Za-z_]\w*)`", cell)} - {"Name"}
 
 
 def test_the_top_level_exports_what_the_api_document_lists():
@@ -35,6 +36,28 @@ def test_the_top_level_exports_what_the_api_document_lists():
 def test_the_low_level_module_exports_what_the_api_document_lists():
     assert set(lowlevel.__all__) == _documented("sparsetier.lowlevel")
     assert not set(lowlevel.__all__) & set(sparsetier.__all__)
+
+
+def test_the_test_hooks_are_what_the_api_document_lists():
+    from sparsetier import testing
+
+    assert set(testing.__all__) == _documented("sparsetier.testing")
+    for name in testing.__all__:
+        assert callable(getattr(testing, name)), name
+
+
+def test_a_scheduler_shows_its_directory_read_only():
+    from scheduler_support import small_scheduler
+
+    s = small_scheduler(4, 16, 32, 2, {1: 8})
+    view = s.residency
+    assert view.stats()["objects"] == 4
+    assert view.state((1, 0, 0, 0))["device"] == "Ready"
+    view.validate()
+    for call in ("evict", "allocate", "release", "resolve", "backup", "drop_namespace"):
+        assert not hasattr(view, call), call
+    with pytest.warns(DeprecationWarning, match="StepScheduler.residency"):
+        s.directory.stats()
 
 
 def test_the_library_never_imports_its_tools():

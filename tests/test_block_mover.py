@@ -10,6 +10,7 @@ import torch
 from block_layout import dsv32_caches, expected_pairs, stamp
 
 import sparsetier as sp
+from sparsetier import testing
 from sparsetier._core import BlockMover
 from sparsetier.errors import ConfigError, OutOfRangeError
 
@@ -83,7 +84,7 @@ def test_a_store_then_a_load_round_trips_both_groups(engine, bpc):
 @pytest.mark.parametrize("engine", ENGINES)
 def test_a_failed_copy_is_reported_failed(engine):
     mover, _, _, _, e = make(engine, 1)
-    e.inject_fault(0, fail="injected by the test")
+    testing.inject_copy_fault(e, 0, fail="injected by the test")
     mover.submit(1, True, [1, 2], [1, 1], [0, 0], [0, 1])
     [(job, ok, _, _, error)] = finish(mover)
     assert (job, ok) == (1, False) and "injected" in error

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sparsetier as st
-from sparsetier import lowlevel
+from sparsetier import lowlevel, testing
 
 HAS_GPU = torch.cuda.is_available() and st.cuda_status()[0]
 needs_gpu = pytest.mark.skipif(
@@ -281,7 +281,7 @@ def test_an_injected_failure_copies_the_layers_before_it_and_fails_the_rest(back
         list(range(32)), list(range(32)),
     )  # fmt: skip
     g = lowlevel.PageTransferGroup([t])
-    e.inject_fault(0, layer=at, fail="injected")
+    testing.inject_copy_fault(e, 0, layer=at, fail="injected")
     h = e.submit(g)
     consumer = torch.cuda.Stream()
     for layer in range(at, 3):
@@ -302,9 +302,9 @@ def test_an_injected_failure_copies_the_layers_before_it_and_fails_the_rest(back
     with pytest.raises((st.TransferFailedError, st.CopyFailedError)):
         h.stream_wait(2, consumer.cuda_stream)
     with pytest.raises(st.ConfigError) as err:
-        e.inject_fault(2, delay=0.01)
+        testing.inject_copy_fault(e, 2, delay=0.01)
     assert err.value.field == "delay"
     # Nor a copy worker's panic: its copies run on the GPU, not on a thread of its own.
     with pytest.raises(st.ConfigError) as err:
-        e.inject_fault(2, panic="copy bug")
+        testing.inject_copy_fault(e, 2, panic="copy bug")
     assert err.value.field == "panic"

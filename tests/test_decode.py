@@ -11,6 +11,7 @@ import torch
 from scheduler_support import small_scheduler
 
 import sparsetier as st
+from sparsetier import testing
 from sparsetier.attention import attend, sparse_attention
 from sparsetier.indexer import SparseIndexer, select_blocks
 from sparsetier.tools.model import ModelConfig, TinySparseModel
@@ -447,7 +448,7 @@ def test_an_internal_error_is_typed_and_the_scheduler_refuses_every_later_call()
     for rid in range(3):
         rt.add_request(rid, torch.randint(0, 512, (40 + 9 * rid,), generator=g), 8)
     rt.step()
-    directory = rt.scheduler.directory
+    directory = testing.directory_of(rt.scheduler)
     rt.inject_faults("internal")
     with pytest.raises(st.InternalError) as e:
         rt.step()
@@ -455,7 +456,7 @@ def test_an_internal_error_is_typed_and_the_scheduler_refuses_every_later_call()
     assert e.value.detail == "injected internal fault in plan"
     assert "scheduler.rs" in e.value.site
     calls = (rt.scheduler.stats, rt.scheduler.end_step, rt.scheduler.validate, rt.step,
-             lambda: rt.scheduler.directory)  # fmt: skip
+             lambda: rt.scheduler.residency)  # fmt: skip
     for call in calls:
         with pytest.raises(st.InternalError) as later:
             call()
@@ -511,8 +512,8 @@ def test_exposed_wait_is_what_the_overlap_window_did_not_hide(load_ms):
     # exposed, one that was done is not. Bounds come from this test's own clock around the
     # calls, never from how fast the machine is, so a loaded machine cannot make it fail.
     s = small_scheduler(4, 4, 16, 1, {0: 12})  # 3 full pages
-    s.directory.evict(3)  # pages 0..2 on host only
-    s.inject_faults("load", 1, delay=load_ms / 1e3)
+    testing.evict_device(s, 3)  # pages 0..2 on host only
+    testing.inject_faults(s, "load", 1, delay=load_ms / 1e3)
     s.append([0])
     t_plan = time.perf_counter()
     plan, _ = s.plan(0, [0], np.array([[0, 3]], dtype=np.int64), 4)
@@ -549,7 +550,7 @@ def test_a_prefix_hit_restores_indexer_k_and_loads_only_selected_blocks(layout, 
     # Under pressure the prompt leaves the device, Indexer-K and KV; a new request over it
     # restores Indexer-K (every page, every layer) and loads only the KV blocks it selects.
     rt.scheduler.evict_prefix(1000, 0)
-    rt.directory.evict(1000)
+    testing.evict_device(rt.scheduler, 1000)
     prompt = torch.cat([SYSTEM, torch.randint(0, 512, (20,), generator=torch.Generator())])
     adm = rt.add_request(7, prompt, 2)
     assert adm == {"matched_pages": 4, "device_pages": 0, "restored_pages": 4}

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import sparsetier as st
+from sparsetier import testing
 
 PS = 4  # tokens per page
 
@@ -188,7 +189,7 @@ def test_load_back_racing_eviction_is_safe():
     c.flush()
     c.drain()
     c.evict_device(5)
-    s.engine.inject_fault(1, delay=0.05)  # submission 0 was the backup
+    testing.inject_copy_fault(s.engine, 1, delay=0.05)  # submission 0 was the backup
     lb = c.load_back(c.match_prefix(seq)["last_node"])
     c.flush()
     assert c.evict_device(100) == 0  # pages being loaded are not evictable
@@ -210,7 +211,7 @@ def test_failed_load_frees_pages_after_the_copy_ends_and_never_publishes():
     c.drain()
     c.evict_device(5)
     free = c.stats()["device_free"]
-    s.engine.inject_fault(1, layer=1, fail="injected")
+    testing.inject_copy_fault(s.engine, 1, layer=1, fail="injected")
     lb = c.load_back(c.match_prefix(seq)["last_node"])
     c.flush()
     with pytest.raises(st.CopyFailedError):
@@ -232,7 +233,7 @@ def test_failed_backup_is_not_a_hit_source():
     s = stack()
     c = s.hicache
     seq = tokens(3 * PS)
-    s.engine.inject_fault(0, fail="disk full")
+    testing.inject_copy_fault(s.engine, 0, fail="disk full")
     c.insert(seq, c.alloc_device(3))
     c.flush()
     c.drain()

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import sparsetier as sp
+from sparsetier import testing
 
 PS = 2
 PROMPTS = [np.arange(1, 1 + 2 * PS) * 7, np.arange(1, 1 + 3 * PS) * 11, np.arange(1, 1 + PS) * 13]
@@ -161,8 +162,8 @@ class HiCacheMachine(RuleBasedStateMachine):
         if m["host_len"] == 0:
             return
         if fail:
-            self.s.engine.inject_fault(
-                self.submissions, layer=data.draw(st.integers(0, 1)), fail="model"
+            testing.inject_copy_fault(
+                self.s.engine, self.submissions, layer=data.draw(st.integers(0, 1)), fail="model"
             )
         if self.c.load_back(m["last_node"]) is None:
             return  # no room even after eviction: the request recomputes

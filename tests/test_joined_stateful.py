@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 import sparsetier as sp
+from sparsetier import testing
 
 PS, LAYERS, HEADS, DIM, IDIM = 4, 2, 1, 4, 4
 SYSTEMS = [np.arange(1, 14) * 3, np.arange(1, 18) * 5 + 1]  # 13 and 17 tokens
@@ -213,11 +214,11 @@ class JoinedMachine(RuleBasedStateMachine):
     @rule(device=st.integers(0, 12), host=st.integers(0, 12), kv=st.integers(0, 24))
     def evict(self, device, host, kv):
         self.s.evict_prefix(device, host)
-        self.s.directory.evict(kv)
+        testing.evict_device(self.s, kv)
 
     @rule(kind=st.sampled_from(["load", "restore", "backup"]), count=st.integers(1, 2))
     def fault(self, kind, count):
-        self.s.inject_faults(kind, count)
+        testing.inject_faults(self.s, kind, count)
         self.faults = True
 
     @rule()

@@ -14,7 +14,7 @@ import pytest
 from scheduler_support import pooled_hicache, small_joined, small_scheduler
 
 import sparsetier as st
-from sparsetier import lowlevel
+from sparsetier import lowlevel, testing
 from sparsetier.errors import ConfigError, SparsetierError
 
 # How long a probe waits for another thread before it calls the wait a hang (not a timing
@@ -97,10 +97,10 @@ def test_a_bad_timeout_is_a_config_error(timeout):
 def test_an_impossible_fault_delay_is_refused_and_poisons_nothing(delay):
     s = small_scheduler(4, 16, 64, 2, {1: 8})
     with pytest.raises(ConfigError, match="delay"):
-        s.inject_faults("load", 1, delay=delay)
+        testing.inject_faults(s, "load", 1, delay=delay)
     e = st.TransferEngine("cpu")
     with pytest.raises(ConfigError):
-        e.inject_fault(0, delay=delay)
+        testing.inject_copy_fault(e, 0, delay=delay)
     s.validate()
     s.stats()  # still usable
 
@@ -580,7 +580,7 @@ def test_a_page_the_process_may_not_read_is_a_counted_miss(tmp_path):
     [
         (lambda c: c.evict_device(-1), "n"),
         (lambda c: c.evict_host(-1), "n"),
-        (lambda c: c.inject_alloc_failures(-3), "count"),
+        (lambda c: testing.inject_alloc_failures(c, -3), "count"),
         (lambda c: c.prefetch_end(-1), "plan_id"),
         (lambda c: c.host_segments(-1), "page"),
         (lambda c: c.evict_device(2**70), "n"),
@@ -657,7 +657,7 @@ def test_a_wait_that_times_out_names_the_callers_transfer():
     for _ in range(3):
         backup = lowlevel.PreparedPageTransfer(dev, host, [1], [1], direction="backup")
         e.submit(lowlevel.PageTransferGroup([backup])).wait()
-    e.inject_fault(e.submitted, delay=2.0)
+    testing.inject_copy_fault(e, e.submitted, delay=2.0)
     m = c.match_prefix(np.arange(1, 3), alloc=True)
     c.insert(np.arange(1, 3), m, unlock=m.device_node)
     [tid] = c.flush()

@@ -7,13 +7,14 @@ import pytest
 from scheduler_support import end_steps_alike, small_scheduler
 
 import sparsetier as st
+from sparsetier import testing
 
 PS = 4
 
 
 def _scheduler():
     s = small_scheduler(PS, 40, 96, 2, {0: 30, 1: 21, 2: 41})
-    s.directory.evict(1000)  # everything on host: the plans load
+    testing.evict_device(s, 1000)  # everything on host: the plans load
     return s
 
 
@@ -100,8 +101,8 @@ def test_a_retry_and_a_failed_row_come_back_in_the_rows_form():
     for s in (a, b):
         s.append([0, 1, 2])
     # A load failing once is retried: the moved cells are patched into a new table.
-    a.inject_faults("load", 1, 0)
-    b.inject_faults("load", 1, 0)
+    testing.inject_faults(a, "load", 1, 0)
+    testing.inject_faults(b, "load", 1, 0)
     pa, ta = a.plan(0, [0, 1, 2], _padded(rows), PS)
     pb, tb = b.plan_csr(0, [0, 1, 2], offsets, entries, PS)
     assert ta.shape == (3, 3) and tb.shape == (5,)
@@ -113,8 +114,8 @@ def test_a_retry_and_a_failed_row_come_back_in_the_rows_form():
     a.finish(pa)
     b.finish(pb)
     # Loads failing twice fail their rows: those rows' cells are -1, the others' are not.
-    a.inject_faults("load", 2, 1)
-    b.inject_faults("load", 2, 1)
+    testing.inject_faults(a, "load", 2, 1)
+    testing.inject_faults(b, "load", 2, 1)
     pa, _ = a.plan(1, [0, 1, 2], _padded(rows), PS)
     pb, _ = b.plan_csr(1, [0, 1, 2], offsets, entries, PS)
     (fa, na), (fb, nb) = a.ready(pa), b.ready(pb)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import sparsetier as st
-from sparsetier import lowlevel
+from sparsetier import lowlevel, testing
 from sparsetier.lowlevel import object_keys
 
 FUZZ = Path(__file__).parent / "fuzz" / "fuzz_entry_points.py"
@@ -88,7 +88,7 @@ def test_abort_while_waiting_on_a_layer_event():
     host = torch.ones(spec.shape("layer_page_first"), dtype=torch.bfloat16)
     dev = torch.zeros(spec.shape(), dtype=torch.bfloat16)
     e = st.TransferEngine("cpu", threads=1)
-    e.inject_fault(0, layer=2, delay=0.05)
+    testing.inject_copy_fault(e, 0, layer=2, delay=0.05)
     t = lowlevel.PreparedPageTransfer(
         st.PageTransferBinding(host, spec, "layer_page_first"),
         st.PageTransferBinding(dev, spec),
@@ -178,11 +178,11 @@ def test_injected_allocation_failure_recomputes_and_retry_succeeds():
     c.drain()
     c.evict_device(6)
     m = c.match_prefix(seq)
-    c.inject_alloc_failures(1)
+    testing.inject_alloc_failures(c, 1)
     assert c.load_back(m["last_node"]) is None  # nothing half-restored: recompute
     assert c.match_prefix(seq)["device_len"] == 0
     c.validate()
-    c.inject_alloc_failures(1)
+    testing.inject_alloc_failures(c, 1)
     with pytest.raises(st.OutOfPagesError):
         c.alloc_device(1)
     lb = c.load_back(m["last_node"])  # the retry succeeds
@@ -265,11 +265,11 @@ def test_a_panic_inside_a_binding_is_an_internal_error():
     # SparsetierError that `except Exception` catches, naming where the call entered the
     # core; pyo3's own PanicException derives from BaseException and would not be caught.
     with pytest.raises(st.InternalError) as e:
-        st._core._contained_panic("broken invariant")
+        testing.contained_panic("broken invariant")
     assert isinstance(e.value, st.SparsetierError) and isinstance(e.value, Exception)
     assert e.value.detail == "broken invariant"
     assert "src/py/error.rs" in e.value.site
     assert "a bug in sparsetier" in str(e.value)
     # Nothing is left behind: the next call panics and is contained the same way.
     with pytest.raises(st.InternalError):
-        st._core._contained_panic("again")
+        testing.contained_panic("again")

@@ -23,6 +23,7 @@ from hypothesis.stateful import (
 )
 
 import sparsetier as sp
+from sparsetier import testing
 
 PS, LAYERS, HEADS, DIM = 4, 2, 1, 4
 
@@ -175,12 +176,12 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(layer=st.integers(0, LAYERS - 1), count=st.integers(1, 2))
     def load_fault(self, layer, count):
-        self.s.inject_faults("load", count, layer)
+        testing.inject_faults(self.s, "load", count, layer)
 
     @rule()
     def backup_fault(self):
         self.backup_faults = True
-        self.s.inject_faults("backup", 1)
+        testing.inject_faults(self.s, "backup", 1)
 
     @invariant()
     def valid(self):

@@ -73,7 +73,7 @@ def test_the_rust_soak_reports_as_it_goes_and_stops_on_request(tmp_path):
 def run_soak_with(cfg, cb):
     from dataclasses import asdict
 
-    from sparsetier._core import run_soak
+    from sparsetier.testing import run_soak
 
     return run_soak(**asdict(cfg), on_report=cb)
 
@@ -96,8 +96,8 @@ def test_bad_soak_settings_name_the_field(field, value):
 def test_the_rust_soak_refuses_sizes_it_cannot_hold():
     from dataclasses import asdict
 
-    from sparsetier._core import run_soak
     from sparsetier.errors import ConfigError
+    from sparsetier.testing import run_soak
 
     with pytest.raises(ConfigError, match="layers"):
         run_soak(**{**asdict(SoakConfig()), "layers": 70_000})

@@ -9,6 +9,7 @@ from hypothesis import strategies as stx
 from scheduler_support import end_steps_alike, small_scheduler
 
 import sparsetier as st
+from sparsetier import testing
 from sparsetier.token_map import TokenMapper, map_tokens
 
 
@@ -87,7 +88,7 @@ def test_bad_input_is_a_typed_error():
 def _scheduler(keep=True):
     s = small_scheduler(4, 32, 64, 2, {0: 30, 1: 21})
     s.keep_selections = keep
-    s.directory.evict(1000)  # everything on host: the plans load
+    testing.evict_device(s, 1000)  # everything on host: the plans load
     return s
 
 

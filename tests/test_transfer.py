@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import sparsetier as st
-from sparsetier import lowlevel
+from sparsetier import lowlevel, testing
 
 POISON = -7.0
 
@@ -96,7 +96,7 @@ def group_kv_indexer(layers=4):
 def test_group_events_per_layer_and_delay():
     g, pairs = group_kv_indexer()
     e = st.TransferEngine("cpu", threads=1)
-    e.inject_fault(0, layer=0, delay=0.03)
+    testing.inject_copy_fault(e, 0, layer=0, delay=0.03)
     h = e.submit(g)
     assert h.status(3) == "pending"  # recording is not waiting
     h.wait(layer=2)
@@ -111,7 +111,7 @@ def test_group_events_per_layer_and_delay():
 def test_injected_failure_is_reported_and_later_layers_stay_unwritten():
     g, pairs = group_kv_indexer()
     e = st.TransferEngine("cpu")
-    e.inject_fault(0, layer=2, fail="injected")
+    testing.inject_copy_fault(e, 0, layer=2, fail="injected")
     h = e.submit(g)
     with pytest.raises(st.CopyFailedError) as err:
         h.wait()
@@ -128,7 +128,7 @@ def test_a_worker_that_panics_fails_the_copy_and_serves_on():
     # and 3 with the panic's message (1 was written) and copies the next submission whole.
     g, pairs = group_kv_indexer()
     e = st.TransferEngine("cpu", threads=1)
-    e.inject_fault(0, layer=2, panic="copy bug")
+    testing.inject_copy_fault(e, 0, layer=2, panic="copy bug")
     h = e.submit(g)
     with pytest.raises(st.CopyFailedError) as err:
         h.wait(timeout=10)
@@ -144,7 +144,7 @@ def test_a_worker_that_panics_fails_the_copy_and_serves_on():
 
 def test_engine_keeps_tensors_alive_until_finished():
     e = st.TransferEngine("cpu", threads=1)
-    e.inject_fault(0, delay=1.0)
+    testing.inject_copy_fault(e, 0, delay=1.0)
     g, pairs = group_kv_indexer()
     dst = weakref.ref(pairs[0][1])
     e.submit(g)  # the handle, the group and our tensors are dropped at once
@@ -217,9 +217,9 @@ def test_engine_arguments():
         st.TransferEngine("cpu", threads=0)
     e = st.TransferEngine("cpu")
     with pytest.raises(st.ConfigError):
-        e.inject_fault(0)
+        testing.inject_copy_fault(e, 0)
     with pytest.raises(st.ConfigError):
-        e.inject_fault(0, fail="x", delay=1.0)
+        testing.inject_copy_fault(e, 0, fail="x", delay=1.0)
     g, _ = group_kv_indexer()
     with pytest.raises(st.OutOfRangeError):
         e.submit(g, layer=4)

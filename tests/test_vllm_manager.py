@@ -368,10 +368,11 @@ def test_long_request_streams_match_vllm(policy):
 
 
 def test_threads_share_one_manager():
-    """Four threads drive one manager (vLLM's contract: a caller holds `manager.lock` across
-    a lookup and the load it pins; each thread here keeps to its own keys, so no lock is
-    needed). The core is never waited on with the GIL held: the threads interleave, nothing
-    deadlocks, and every invariant holds after."""
+    """Four threads drive one manager, each on its own keys (another thread's stores may
+    still evict them, so each holds `manager.lock` across a lookup and the load it pins, as
+    vLLM's contract has it; the other calls go unlocked, atomic in the core). The core is
+    never waited on with the GIL held: the threads interleave, nothing deadlocks, and every
+    invariant holds after."""
     import threading
 
     m = SparsetierOffloadingManager(num_chunks=64, enable_events=True)
@@ -385,9 +386,11 @@ def test_threads_share_one_manager():
                 out = m.prepare_store(keys, ctx)
                 if out is not None:
                     m.complete_store(out.keys_to_store, ctx, success=i % 7 != 0)
-                hits = [k for k in keys if m.lookup(k, ctx) is LookupResult.HIT]
+                with m.lock:  # vLLM's contract: a hit and the load that pins it, together
+                    hits = [k for k in keys if m.lookup(k, ctx) is LookupResult.HIT]
+                    if hits:
+                        m.prepare_load(hits, ctx)
                 if hits:
-                    m.prepare_load(hits, ctx)
                     m.complete_load(hits, ctx)
                 m.on_request_finished(ctx)
                 list(m.take_events())
@@ -425,9 +428,11 @@ def _manager_calls():
 
     def load(m, t, i):
         ctx = ReqContext(req_id=f"l{t}-{next(serial)}")
-        hits = [k for k in keys(t, i) if m.lookup(k, ctx) is LookupResult.HIT]
+        with m.lock:  # vLLM's contract: a hit and the load that pins it, together
+            hits = [k for k in keys(t, i) if m.lookup(k, ctx) is LookupResult.HIT]
+            if hits:
+                m.prepare_load(hits, ctx)
         if hits:
-            m.prepare_load(hits, ctx)
             m.touch(hits, ctx)
             m.complete_load(hits, ctx)
         m.on_request_finished(ctx)

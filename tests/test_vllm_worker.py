@@ -29,6 +29,7 @@ from vllm.v1.kv_offload.config import (
 from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 
+from sparsetier import testing
 from sparsetier.errors import ConfigError
 from sparsetier.vllm import (
     SparsetierOffloadingManager,
@@ -216,14 +217,16 @@ def test_a_failed_store_and_a_failed_load_are_reported_and_leave_nothing_pinned(
     c = Connector()
     ctx = ReqContext(req_id="a")
     engine = c.worker.engines[0]
-    engine.inject_fault(0, fail="store failure injected by the test")
+    testing.inject_copy_fault(engine, 0, fail="store failure injected by the test")
     result = c.store(ctx, [1, 2])
     assert not result.success
     counts = c.manager.core_counts()
     assert (counts["stored"], counts["storing"], counts["pinned"]) == (0, 0, 0)
     assert c.manager.lookup(c.keys([1], 0)[0], ctx) is LookupResult.MISS
     assert c.store(ctx, [1, 2]).success, "stored on the retry"
-    engine.inject_fault(engine_submissions(engine), fail="load failure injected by the test")
+    testing.inject_copy_fault(
+        engine, engine_submissions(engine), fail="load failure injected by the test"
+    )
     result = c.load(ctx, [1, 2], [30, 31])
     assert not result.success
     counts = c.manager.core_counts()

@@ -1,7 +1,8 @@
 # Type stubs for the Rust extension sparsetier._core. Keep in step with src/py/;
 # tests/test_stub.py checks them against the built module with mypy's stubtest.
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from types import ModuleType
 from typing import Any, final
 
 import numpy as np
@@ -26,25 +27,25 @@ __all__ = [
     "PreparedPageTransfer",
     "RequestHandle",
     "ResidencyDirectory",
+    "ResidencyView",
     "ResolveResult",
     "StepScheduler",
     "TransferEngine",
     "TransferHandle",
     "__version__",
-    "_bench_resolve",
-    "_bench_serve",
-    "_contained_panic",
+    "_testing",
     "compile_cuda_kernels",
     "cuda_status",
     "kernel_cubin",
     "plan_stack",
     "replay_trace",
-    "run_soak",
     "token_pages",
     "trace_peak_live",
 ]
 
 __version__: str
+# The test hooks (`sparsetier.testing`), in a build with the `testing` feature only.
+_testing: ModuleType
 
 @final
 class PoolSpec:
@@ -268,7 +269,6 @@ class ResidencyDirectory:
     def validate(self) -> None: ...
 
 def token_pages(positions: Any, page_size: int, token_bytes: int) -> dict[str, Any]: ...
-def _bench_resolve(batch: int, hit_rate: float, iters: int) -> float: ...
 
 @final
 class PageTransferBinding:
@@ -340,6 +340,7 @@ class TransferEngine:
     @property
     def name(self) -> str: ...
     def submit(self, group: PageTransferGroup, layer: int | None = None) -> TransferHandle: ...
+    # Built with the `testing` feature only; deprecated: sparsetier.testing.inject_copy_fault.
     def inject_fault(
         self,
         nth: int,
@@ -353,6 +354,14 @@ class TransferEngine:
     def in_flight(self) -> int: ...
     @property
     def submitted(self) -> int: ...
+
+@final
+class ResidencyView:
+    """A step scheduler's residency directory, read only."""
+
+    def stats(self) -> dict[str, Any]: ...
+    def state(self, key: Any) -> dict[str, Any] | None: ...
+    def validate(self) -> None: ...
 
 @final
 class StepScheduler:
@@ -382,7 +391,9 @@ class StepScheduler:
     @property
     def engine(self) -> TransferEngine: ...
     @property
-    def directory(self) -> ResidencyDirectory: ...
+    def residency(self) -> ResidencyView: ...
+    @property
+    def directory(self) -> ResidencyDirectory: ...  # deprecated: residency
     @staticmethod
     def joined(
         device: PageTransferBinding,
@@ -437,14 +448,17 @@ class StepScheduler:
     def totals(self) -> dict[str, Any]: ...
     def poll(self) -> None: ...
     def drain(self) -> None: ...
+    # Built with the `testing` feature only; deprecated: sparsetier.testing.inject_faults.
     def inject_faults(
         self,
         kind: str,
-        count: int = 1,
+        count: int | None = None,
         layer: int | None = None,
         delay: float | None = None,
         panic: bool = False,
     ) -> None: ...
+    def start_journal(self) -> None: ...
+    def take_journal(self) -> dict[str, Any] | None: ...
     def stats(self) -> dict[str, Any]: ...
     def validate(self) -> None: ...
 
@@ -453,23 +467,6 @@ def compile_cuda_kernels(arch: str = "sm_90") -> str: ...
 def kernel_cubin(arch: Any, cache_dir: Any = None) -> dict[str, Any]: ...
 def replay_trace(trace: dict[str, Any], budget: int, policy: Any = None) -> dict[str, Any]: ...
 def trace_peak_live(trace: dict[str, Any]) -> int: ...
-def _contained_panic(message: str) -> None: ...
-def run_soak(
-    *,
-    requests: int,
-    concurrent: int,
-    layers: int,
-    page_size: int,
-    device_slots: int,
-    host_pages: int,
-    indexer_pages: int,
-    prompts: int,
-    steps: int,
-    faults: float,
-    every: int,
-    seed: int,
-    on_report: Callable[[dict[str, Any]], object] | None = None,
-) -> list[dict[str, Any]]: ...
 
 @final
 class PrefixMatch:
@@ -544,6 +541,7 @@ class HiCache:
     def lock(self, node: int) -> None: ...
     def unlock(self, node: int) -> None: ...
     def path_device_pages(self, node: int) -> npt.NDArray[np.int64]: ...
+    # Built with the `testing` feature only; deprecated: sparsetier.testing.
     def inject_alloc_failures(self, count: int | None = None) -> None: ...
     def drop_namespace(self, namespace: int) -> int: ...
     def evict_device(self, n: int) -> int: ...
@@ -581,10 +579,6 @@ class HiCache:
     def prefetch_end(self, plan_id: int) -> None: ...
     def host_segments(self, page: int) -> list[tuple[int, int]]: ...
     def storage_stats(self) -> dict[str, Any] | None: ...
-
-def _bench_serve(
-    seqs: list[Any], page_size: int, capacity_pages: int, inflight: int
-) -> tuple[list[int], int, int, int]: ...
 
 @final
 class RequestHandle:

@@ -162,6 +162,7 @@ pub fn timeout(field: &str, t: Option<f64>) -> Result<Option<std::time::Duration
 }
 
 /// A delay in seconds: 0 to [`FOREVER_SECONDS`]; anything else is refused naming `field`.
+#[cfg(feature = "testing")]
 pub fn delay(field: &str, s: f64) -> Result<std::time::Duration, Error> {
     if (0.0..=FOREVER_SECONDS).contains(&s) {
         Ok(std::time::Duration::from_secs_f64(s))

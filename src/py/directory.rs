@@ -261,6 +261,21 @@ pub struct PyResidencyDirectory {
 }
 
 impl PyResidencyDirectory {
+    fn evict_keys(&self, n: &Bound<'_, PyAny>) -> PyResult<Vec<ObjectKey>> {
+        let py = n.py();
+        let v = int(n, "n")?;
+        let n =
+            usize::try_from(v).map_err(|_| to_py(py, Error::config("n", v, "an integer >= 0")))?;
+        self.core(|d| Ok(d.evict(n))).py_err(py)
+    }
+
+    /// Evicts at least `n` unpinned, written-through device objects: how many it evicted.
+    #[cfg(feature = "testing")]
+    pub(crate) fn evict_count(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let _ = py;
+        Ok(self.evict_keys(n)?.len())
+    }
+
     /// A Python view of a directory another owner (the step scheduler) holds.
     pub(crate) fn shared(inner: std::sync::Arc<Directory>) -> Self {
         PyResidencyDirectory { inner }
@@ -278,7 +293,7 @@ impl PyResidencyDirectory {
 #[pymethods]
 impl PyResidencyDirectory {
     /// Starts recording every call the directory serves (for `sparsetier replay`).
-    fn start_journal(&self, py: Python<'_>) -> PyResult<()> {
+    pub(crate) fn start_journal(&self, py: Python<'_>) -> PyResult<()> {
         self.core(|d| {
             d.start_journal();
             Ok(())
@@ -287,7 +302,10 @@ impl PyResidencyDirectory {
     }
 
     /// Stops recording and returns the journal as a dict of numpy arrays, or None.
-    fn take_journal<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+    pub(crate) fn take_journal<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
         match self.core(|d| Ok(d.take_journal())).py_err(py)? {
             Some(j) => crate::py::replay::journal_dict(py, &j).map(Some),
             None => Ok(None),
@@ -464,10 +482,7 @@ impl PyResidencyDirectory {
     /// Evicts up to `n` LRU evictable objects; returns their keys as an (M, 4) array.
     fn evict<'py>(&self, n: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray2<i64>>> {
         let py = n.py();
-        let v = int(n, "n")?;
-        let n =
-            usize::try_from(v).map_err(|_| to_py(py, Error::config("n", v, "an integer >= 0")))?;
-        let keys = self.core(|d| Ok(d.evict(n))).py_err(py)?;
+        let keys = self.evict_keys(n)?;
         keys_array(py, &keys)
     }
 
@@ -499,7 +514,10 @@ impl PyResidencyDirectory {
     }
 
     /// The states of one live object `(namespace, version, page, layer)`, or None.
-    fn state<'py>(&self, key: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyDict>>> {
+    pub(crate) fn state<'py>(
+        &self,
+        key: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyDict>>> {
         let py = key.py();
         let allowed = "a (namespace, version, page, layer) tuple of ints";
         let arr = int64_ndarray(key, "key", allowed)?
@@ -535,12 +553,12 @@ impl PyResidencyDirectory {
     }
 
     /// Counts per state, pins, quarantined and free/used slots per tier, cumulative totals.
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    pub(crate) fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         stats_dict(py, &self.core(|d| Ok(d.stats())).py_err(py)?)
     }
 
     /// Raises InvariantError if any invariant is broken.
-    fn validate(&self, py: Python<'_>) -> PyResult<()> {
+    pub(crate) fn validate(&self, py: Python<'_>) -> PyResult<()> {
         self.core(|d| Ok(d.validate())).py_err(py)?.map_err(|why| {
             crate::py::error::typed_error(py, "InvariantError", why, &PyDict::new(py))
         })
@@ -594,8 +612,10 @@ pub fn token_pages<'py>(
 /// Benchmark hook: the Rust-side time of `iters` resolves of the shared workload
 /// (`directory::bench::ResolveWorkload`), in ns per call, with the GIL released. Used by
 /// `sparsetier bench directory` to report the binding's overhead in the same run.
+#[cfg(feature = "testing")]
 #[pyfunction]
-pub fn _bench_resolve(py: Python<'_>, batch: usize, hit_rate: f64, iters: u64) -> PyResult<f64> {
+#[pyo3(name = "bench_resolve")]
+pub fn bench_resolve(py: Python<'_>, batch: usize, hit_rate: f64, iters: u64) -> PyResult<f64> {
     contained(|| {
         if batch == 0 || iters == 0 || !(0.0..=1.0).contains(&hit_rate) {
             return Err(to_py(

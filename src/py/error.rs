@@ -244,7 +244,18 @@ pub fn contained<R>(f: impl FnOnce() -> PyResult<R>) -> PyResult<R> {
 
 /// Tests: panics with `message` inside [`contained`], as a bug in a binding would; it must
 /// raise `InternalError`.
+#[cfg(feature = "testing")]
 #[pyfunction]
-pub fn _contained_panic(message: &str) -> PyResult<()> {
+pub fn contained_panic(message: &str) -> PyResult<()> {
     contained(|| crate::guard::injected_panic(message))
+}
+
+/// Warns (`DeprecationWarning`, at the caller's line) that `old` is going in the next release
+/// and `new` replaces it.
+pub(crate) fn deprecated(py: Python<'_>, old: &str, new: &str) -> PyResult<()> {
+    let message =
+        format!("sparsetier: {old} is deprecated, use {new}; it goes in the next release");
+    let message = std::ffi::CString::new(message).expect("no NUL in a name");
+    let category = py.get_type::<pyo3::exceptions::PyDeprecationWarning>();
+    PyErr::warn(py, &category, &message, 1)
 }

@@ -17,10 +17,14 @@ mod pool;
 mod prefix_result;
 mod radix;
 mod replay;
+mod residency_view;
 mod scheduler;
+#[cfg(feature = "testing")]
 mod soak;
 mod stats;
 mod tensor;
+#[cfg(feature = "testing")]
+mod testing;
 mod tokens;
 mod transfer;
 
@@ -40,7 +44,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<directory::PyBackupPlan>()?;
     m.add_class::<directory::PyPinHandle>()?;
     m.add_function(wrap_pyfunction!(directory::token_pages, m)?)?;
-    m.add_function(wrap_pyfunction!(directory::_bench_resolve, m)?)?;
     m.add_class::<transfer::PyPageTransferBinding>()?;
     m.add_class::<transfer::PyPreparedPageTransfer>()?;
     m.add_class::<transfer::PyPageTransferGroup>()?;
@@ -48,19 +51,19 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyTransferHandle>()?;
     m.add_function(wrap_pyfunction!(transfer::cuda_status, m)?)?;
     m.add_class::<scheduler::PyStepScheduler>()?;
+    m.add_class::<residency_view::PyResidencyView>()?;
     m.add_class::<radix::PyHiCache>()?;
     m.add_class::<prefix_result::PyPrefixMatch>()?;
     m.add_class::<prefix_result::PyPrefixInsert>()?;
     m.add_class::<page_allocation::PyPageAllocation>()?;
-    m.add_function(wrap_pyfunction!(radix::_bench_serve, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::compile_cuda_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(transfer::kernel_cubin, m)?)?;
     m.add_function(wrap_pyfunction!(replay::replay_trace, m)?)?;
     m.add_function(wrap_pyfunction!(replay::trace_peak_live, m)?)?;
-    m.add_function(wrap_pyfunction!(soak::run_soak, m)?)?;
-    m.add_function(wrap_pyfunction!(error::_contained_panic, m)?)?;
     m.add_class::<offload::PyChunkDirectory>()?;
     m.add_class::<offload::PyRequestHandle>()?;
     m.add_class::<offload::PyBlockMover>()?;
+    #[cfg(feature = "testing")]
+    testing::register(m)?;
     Ok(())
 }

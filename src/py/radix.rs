@@ -11,7 +11,9 @@ use crate::guard::Guarded;
 use crate::ids::PageId;
 use crate::py::alloc::{page_array, page_ids};
 use crate::py::args::{int, opt_int, unsigned};
-use crate::py::error::{contained, to_py, IntoPyResult};
+#[cfg(feature = "testing")]
+use crate::py::error::contained;
+use crate::py::error::{to_py, IntoPyResult};
 use crate::py::lock::Unblocked;
 use crate::py::page_allocation::PyPageAllocation;
 use crate::py::prefix_result::{PyPrefixInsert, PyPrefixMatch};
@@ -417,14 +419,31 @@ impl PyHiCache {
 
     /// Fault injection for tests: the next `count` device allocations fail with
     /// `OutOfPagesError`, as a full device would.
-    #[pyo3(signature = (count=None))]
-    fn inject_alloc_failures(
+    #[cfg(feature = "testing")]
+    #[pyo3(name = "_inject_alloc_failures", signature = (count=None))]
+    fn inject_alloc_failures_hook(
         &self,
         py: Python<'_>,
         count: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let count: u32 = count.map_or(Ok(1), |c| unsigned(c, "count"))?;
         self.inner.get_py(py, |c| c.inject_alloc_failures(count))
+    }
+
+    /// Deprecated: `sparsetier.testing.inject_alloc_failures(cache, count)`.
+    #[cfg(feature = "testing")]
+    #[pyo3(signature = (count=None))]
+    fn inject_alloc_failures(
+        &self,
+        py: Python<'_>,
+        count: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        crate::py::error::deprecated(
+            py,
+            "HiCache.inject_alloc_failures",
+            "sparsetier.testing.inject_alloc_failures",
+        )?;
+        self.inject_alloc_failures_hook(py, count)
     }
 
     /// Evicts at least `n` device pages (LRU leaves; backed-up nodes keep their host copy).
@@ -685,8 +704,9 @@ impl PyHiCache {
 
 /// Benchmark hook: the serve loop in Rust alone (`radix::bench::serve`) over `seqs` (a list
 /// of token arrays): returns (per-request ns, hit tokens, total tokens, failed requests).
+#[cfg(feature = "testing")]
 #[pyfunction]
-pub fn _bench_serve(
+pub fn bench_serve(
     py: Python<'_>,
     seqs: Vec<Bound<'_, PyAny>>,
     page_size: usize,

@@ -15,15 +15,18 @@ use crate::guard::Guarded;
 use crate::ids::{LayerPlanId, RequestId, SlotId};
 use crate::py::args::{int, int64_array, opt_int};
 use crate::py::directory::{stats_dict, PyResidencyDirectory};
-use crate::py::error::{to_py, typed_error, IntoPyResult};
+use crate::py::error::{deprecated, to_py, typed_error, IntoPyResult};
 use crate::py::lock::Unblocked;
+use crate::py::residency_view::PyResidencyView;
 use crate::py::stats::Stats;
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::PoolPair;
 use crate::scheduler::{
     PlanCounts, Prefix, SchedulerConfig, SelectionUnit, StepRecord, StepScheduler,
 };
-use crate::transfer::{Direction, MemoryKind};
+#[cfg(feature = "testing")]
+use crate::transfer::Direction;
+use crate::transfer::MemoryKind;
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use parking_lot::Mutex;
 use pyo3::intern;
@@ -567,9 +570,22 @@ impl PyStepScheduler {
         self.engine.clone_ref(py)
     }
 
-    /// The residency directory, shared (read its stats; the scheduler makes the transitions).
+    /// The residency directory, read only: its counts, an object's state, its invariants.
+    #[getter]
+    fn residency(&self, py: Python<'_>) -> PyResult<PyResidencyView> {
+        let d = self.inner.get_py(py, |s| s.directory().clone())?;
+        Ok(PyResidencyView::of(d))
+    }
+
+    /// Deprecated: `residency` (read only). This gave out the scheduler's own directory,
+    /// which a caller could change under it.
     #[getter]
     fn directory(&self, py: Python<'_>) -> PyResult<PyResidencyDirectory> {
+        deprecated(
+            py,
+            "StepScheduler.directory",
+            "StepScheduler.residency (read only)",
+        )?;
         let d = self.inner.get_py(py, |s| s.directory().clone())?;
         Ok(PyResidencyDirectory::shared(d))
     }
@@ -989,11 +1005,13 @@ impl PyStepScheduler {
     /// copy path would, and the engine fails them. Kind `internal` (nothing else given): the
     /// next plan panics inside the core, as a bug would; that call raises `InternalError`, and
     /// so does every later call on this scheduler and its directory.
+    #[cfg(feature = "testing")]
     #[pyo3(
+        name = "_inject_faults",
         signature = (kind, count=None, layer=None, delay=None, panic=false),
         text_signature = "($self, kind, count=1, layer=None, delay=None, panic=False)"
     )]
-    fn inject_faults(
+    fn inject_faults_hook(
         &self,
         py: Python<'_>,
         kind: &str,
@@ -1089,6 +1107,58 @@ impl PyStepScheduler {
             true => s.inject_panics(direction, count, layer),
             false => s.inject_faults(direction, count, layer, delay),
         })
+    }
+
+    /// Deprecated: `sparsetier.testing.inject_faults(scheduler, ...)`.
+    #[cfg(feature = "testing")]
+    #[pyo3(signature = (kind, count=None, layer=None, delay=None, panic=false))]
+    fn inject_faults(
+        &self,
+        py: Python<'_>,
+        kind: &str,
+        count: Option<&Bound<'_, PyAny>>,
+        layer: Option<&Bound<'_, PyAny>>,
+        delay: Option<f64>,
+        panic: bool,
+    ) -> PyResult<()> {
+        deprecated(
+            py,
+            "StepScheduler.inject_faults",
+            "sparsetier.testing.inject_faults",
+        )?;
+        self.inject_faults_hook(py, kind, count, layer, delay, panic)
+    }
+
+    /// Tests: evicts at least `n` device pages the scheduler does not pin (written through),
+    /// so that the next plans load them.
+    #[cfg(feature = "testing")]
+    #[pyo3(name = "_evict_device")]
+    fn evict_device_hook(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
+        self.follow(py)?;
+        let d = self.inner.get_py(py, |s| s.directory().clone())?;
+        PyResidencyDirectory::shared(d).evict_count(py, n)
+    }
+
+    /// Tools and tests: the scheduler's own directory, which they may change under it.
+    #[cfg(feature = "testing")]
+    #[pyo3(name = "_directory")]
+    fn directory_hook(&self, py: Python<'_>) -> PyResult<PyResidencyDirectory> {
+        let d = self.inner.get_py(py, |s| s.directory().clone())?;
+        Ok(PyResidencyDirectory::shared(d))
+    }
+
+    /// Starts recording the directory's transitions (what `sparsetier replay` replays at
+    /// other budgets): from now until `take_journal`.
+    fn start_journal(&self, py: Python<'_>) -> PyResult<()> {
+        let d = self.inner.get_py(py, |s| s.directory().clone())?;
+        PyResidencyDirectory::shared(d).start_journal(py)
+    }
+
+    /// The transitions recorded since `start_journal`, as a trace dict (None when not
+    /// recording); recording stops.
+    fn take_journal<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let d = self.inner.get_py(py, |s| s.directory().clone())?;
+        PyResidencyDirectory::shared(d).take_journal(py)
     }
 
     /// Directory counts now (objects, pins, slots, ...), with cumulative totals.

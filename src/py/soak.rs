@@ -45,6 +45,7 @@ fn sized<T: TryFrom<i64>>(
 /// `on_report(dict)` every `every` requests (an exception from it stops the run) and returns
 /// every report. Bad sizes raise ConfigError naming the field; a row read back that differs
 /// from what was written, or a broken invariant, raises InvariantError naming it.
+#[cfg(feature = "testing")]
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (*, requests, concurrent, layers, page_size, device_slots, host_pages,

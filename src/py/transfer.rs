@@ -7,15 +7,19 @@
 
 use crate::error::Error;
 use crate::layout::HostLayout;
-use crate::py::args::{int, int64_array, opt_int, string};
+#[cfg(feature = "testing")]
+use crate::py::args::int;
+use crate::py::args::{int64_array, opt_int, string};
 use crate::py::error::{contained, to_py, IntoPyResult};
 use crate::py::pool::PyPoolSpec;
 use crate::py::tensor::TensorInfo;
 use crate::transfer::cuda::{CudaEngine, CudaMode};
 use crate::transfer::{
-    CopyEngine, CpuEngine, Direction, Fault, FaultAction, Granularity, LayerStatus, MemoryKind,
-    PageTransferBinding, PageTransferGroup, PageTransferMap, PreparedPageTransfer, TransferEvents,
+    CopyEngine, CpuEngine, Direction, Granularity, LayerStatus, MemoryKind, PageTransferBinding,
+    PageTransferGroup, PageTransferMap, PreparedPageTransfer, TransferEvents,
 };
+#[cfg(feature = "testing")]
+use crate::transfer::{Fault, FaultAction};
 use numpy::PyUntypedArrayMethods;
 use parking_lot::Mutex;
 use pyo3::prelude::*;
@@ -550,8 +554,9 @@ impl PyTransferEngine {
     /// would, and the engine fails the copy from there with the panic's message), at `layer`
     /// (default: the submission's first layer). On the CUDA engines the layers before it are
     /// copied and it and every later layer fail.
-    #[pyo3(signature = (nth, *, layer=None, fail=None, delay=None, panic=None))]
-    fn inject_fault(
+    #[cfg(feature = "testing")]
+    #[pyo3(name = "_inject_fault", signature = (nth, *, layer=None, fail=None, delay=None, panic=None))]
+    fn inject_fault_hook(
         &self,
         py: Python<'_>,
         nth: &Bound<'_, PyAny>,
@@ -594,6 +599,26 @@ impl PyTransferEngine {
                 .inject(Fault { nth, layer, action })
                 .py_err(py)
         })
+    }
+
+    /// Deprecated: `sparsetier.testing.inject_copy_fault(engine, nth, ...)`.
+    #[cfg(feature = "testing")]
+    #[pyo3(signature = (nth, *, layer=None, fail=None, delay=None, panic=None))]
+    fn inject_fault(
+        &self,
+        py: Python<'_>,
+        nth: &Bound<'_, PyAny>,
+        layer: Option<&Bound<'_, PyAny>>,
+        fail: Option<String>,
+        delay: Option<f64>,
+        panic: Option<String>,
+    ) -> PyResult<()> {
+        crate::py::error::deprecated(
+            py,
+            "TransferEngine.inject_fault",
+            "sparsetier.testing.inject_copy_fault",
+        )?;
+        self.inject_fault_hook(py, nth, layer, fail, delay, panic)
     }
 
     /// Submissions not yet finished (finished ones release their tensors here).

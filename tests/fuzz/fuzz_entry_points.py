@@ -15,7 +15,7 @@ import numpy as np
 
 with atheris.instrument_imports():
     import sparsetier as st
-    from sparsetier import lowlevel
+    from sparsetier import lowlevel, testing
 
 COMPONENTS = ["KV", "INDEXER", "SWA", "DRAFT", "kv", "", "VALUE", "\x00"]
 DTYPES = ["bf16", "fp16", "fp32", "fp8_e4m3", "torch.bfloat16", "int8", ""]
@@ -87,7 +87,9 @@ def scheduler_ops(f: atheris.FuzzedDataProvider) -> None:
             elif op == 4:
                 s.finish_request(an_int(f))
             elif op == 5:
-                s.inject_faults(f.PickValueInList(["load", "backup", "x"]), an_int(f), None)
+                testing.inject_faults(
+                    s, f.PickValueInList(["load", "backup", "x"]), an_int(f), None
+                )
             elif op == 6:
                 # Ragged rows as CSR: offsets as arbitrary as the entries.
                 b = f.ConsumeIntInRange(0, 3)

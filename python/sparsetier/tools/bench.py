@@ -4,12 +4,11 @@
 same bytes; on cuda (``bench_gpu.py``), the kernel and direct engines against a per-page copy
 loop, torch index copies, and one large pinned copy (the link's peak).
 
-``directory``: the binding's overhead. For each batch size and device hit rate, the same
-resolve workload runs once in Rust alone (``_core._bench_resolve``) and once through the Python
-binding, and the report gives the ratio. Timing covers the ``resolve`` call only; the reset
-between calls (failing the batch's load with ``ended`` and releasing its pins) is untimed, as in
-the Rust workload.
-"""
+``directory``: the binding's overhead. For each batch size and device hit rate, the same resolve
+workload runs once in Rust alone (``sparsetier.testing.bench_resolve``) and once through the
+Python binding, and the report gives the ratio. Timing covers the ``resolve`` call only; the
+reset between calls (failing the batch's load with ``ended`` and releasing its pins) is untimed,
+as in the Rust workload."""
 
 from __future__ import annotations
 
@@ -18,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from sparsetier import _core
+from sparsetier import testing
 from sparsetier._core import PoolSpec, ResidencyDirectory
 from sparsetier.keys import object_keys
 
@@ -79,7 +78,7 @@ def bench_directory(
     for batch in batches:
         for hit in hit_rates:
             iters = max(5, int(budget_s * 1e9 / max(batch * 40, 1) / 2))
-            rust = _core._bench_resolve(batch, hit, iters)
+            rust = testing.bench_resolve(batch, hit, iters)
             py = _time_python(batch, hit, iters)
             rows.append(DirectoryRow(batch, hit, rust / batch, py / batch))
     return rows

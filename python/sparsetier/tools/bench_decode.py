@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from sparsetier import _core
+from sparsetier import _core, testing
 from sparsetier._core import (
     PageTransferGroup,
     PreparedPageTransfer,
@@ -253,7 +253,7 @@ def _stack(
     )
     s.keep_selections = keep
     if journal:
-        s.directory.start_journal()  # before the prefills: a replay needs every allocation
+        s.start_journal()  # before the prefills: a replay needs every allocation
     for rid, n in enumerate(lens):
         s.add_request(rid, int(n))
     s.drain()
@@ -318,7 +318,7 @@ class Baseline:
     def __init__(
         self, cfg: DecodeBenchConfig, s: StepScheduler, engine: _core.TransferEngine, lens
     ):
-        self.cfg, self.d, self.engine = cfg, s.directory, engine
+        self.cfg, self.d, self.engine = cfg, testing.directory_of(s), engine
         self.dev, self.host = s.bindings
         self.lens = lens.copy()
         self.loads = self.hits = self.distinct = 0
@@ -478,7 +478,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
         from sparsetier.replay import save_trace
 
         a.drain()
-        save_trace(cfg.trace, a.directory.take_journal())
+        save_trace(cfg.trace, a.take_journal())
     med = {k: _median(r[k] for r in rows) for k in rows[0]}
     return {
         "config": asdict(cfg),

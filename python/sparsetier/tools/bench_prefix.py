@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from sparsetier import _core
+from sparsetier import testing
 from sparsetier._core import HiCache
 from sparsetier.errors import OutOfPagesError
 from sparsetier.tools.workload import Workload, WorkloadSpec, as_tokens, load_stream
@@ -132,7 +132,7 @@ def run(
     lat, hit, tot, failed = _serve_python(serve, ps, cap_pages, inflight)
     gc.enable()
     out["serve"] = {**_stats(lat), "hit_frac": hit / max(tot, 1), "failed": failed}
-    rlat, rhit, rtot, rfailed = _core._bench_serve(serve, ps, cap_pages, inflight)
+    rlat, rhit, rtot, rfailed = testing.bench_serve(serve, ps, cap_pages, inflight)
     out["serve.rust_alone"] = {**_stats(rlat), "hit_frac": rhit / max(rtot, 1), "failed": rfailed}
     out["cached_tokens"] = cached
     out["capacity_tokens"] = cap_pages * ps

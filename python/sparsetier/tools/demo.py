@@ -158,7 +158,7 @@ def _run(
     )
     prefill_bytes = 0  # matched-block KV first loaded by the suffix prefills
     if trace:
-        rt.scheduler.directory.start_journal()
+        rt.scheduler.start_journal()
     # (conversation, turn, prompt); rids are numbered as turns are queued.
     queue = [(c, 0, turns[0].message) for c, turns in enumerate(work)]
     rids: dict[tuple[int, int], int] = {}
@@ -238,7 +238,7 @@ def _run(
     if trace:
         from sparsetier.replay import save_trace
 
-        save_trace(trace, rt.scheduler.directory.take_journal())
+        save_trace(trace, rt.scheduler.take_journal())
     return rt, outputs, admissions, prefill_bytes, log
 
 

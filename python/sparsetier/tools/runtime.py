@@ -217,8 +217,9 @@ class DecodeRuntime:
 
     @property
     def directory(self):
-        """The scheduler's residency directory (stats and checks; it makes no transition)."""
-        return self.scheduler.directory
+        """The scheduler's residency directory, read only (`ResidencyView`: stats, state,
+        validate)."""
+        return self.scheduler.residency
 
     def _stream(self) -> int | None:
         return torch.cuda.current_stream().cuda_stream if self.device.type == "cuda" else None
@@ -456,7 +457,9 @@ class DecodeRuntime:
         engine only) the copy worker panics on them, as a bug would, and the engine fails
         them. Kind `internal` (nothing else given): the scheduler's next plan panics inside
         the core; `step` raises `InternalError`, and the scheduler refuses every later call."""
-        self.scheduler.inject_faults(kind, count, layer, delay, panic)
+        from sparsetier import testing  # a build with the test hooks
+
+        testing.inject_faults(self.scheduler, kind, count, layer, delay, panic)
 
     # -- one decode step --------------------------------------------------------------
     @torch.no_grad()

@@ -15,7 +15,7 @@ requests (issue 17); CI runs a short one and asserts flat RSS after warm-up.
 
 Two engines run the same workload with the same patterns and report the same fields:
 `python` (this module's loop, through the bindings: what a Python caller of the scheduler
-does, about 440 requests/s) and `rust` (`sparsetier._core.run_soak`, the loop of
+does, about 440 requests/s) and `rust` (`sparsetier.testing.run_soak`, the loop of
 `src/scheduler/soak.rs` over the same core calls without the interpreter, for runs of ten
 million requests). Their random streams differ, so their runs are not request-for-request
 equal.
@@ -30,13 +30,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from sparsetier._core import (
-    PageTransferBinding,
-    PoolSpec,
-    StepScheduler,
-    TransferEngine,
-    run_soak,
-)
+from sparsetier import testing
+from sparsetier._core import PageTransferBinding, PoolSpec, StepScheduler, TransferEngine
 from sparsetier.errors import ConfigError, InvariantError, OutOfPagesError, SparsetierError
 
 
@@ -177,7 +172,7 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False, engine: str = "python") 
     if engine not in ENGINES:
         raise ConfigError.of("engine", repr(engine), "python or rust")
     if engine == "rust":
-        return run_soak(**asdict(cfg), on_report=lambda rep: _emit(rep, out, quiet))
+        return testing.run_soak(**asdict(cfg), on_report=lambda rep: _emit(rep, out, quiet))
     rng = np.random.default_rng(cfg.seed)
     ps, layers = cfg.page_size, cfg.layers
     kv = PoolSpec("KV", 1, 1, ROW, "fp8_e4m3", ps, cfg.device_slots)
@@ -245,7 +240,7 @@ def run(cfg: SoakConfig, out=None, quiet: bool = False, engine: str = "python") 
                 s.finish_request(rid)
                 failed, done = failed + 1, done + 1
         if rng.random() < cfg.faults:
-            s.inject_faults(["load", "backup", "restore"][int(rng.integers(3))], 1)
+            testing.inject_faults(s, ["load", "backup", "restore"][int(rng.integers(3))], 1)
         rids = np.array(sorted(running), dtype=np.int64)
         try:
             slots_np, rows_np = s.append(rids)

@@ -8,6 +8,7 @@ and context once, crosses into Rust once for the whole batch, and builds vLLM's 
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
@@ -102,6 +103,15 @@ class SparsetierOffloadingManager(OffloadingManager):
         # `lookup` is the core's own method, with no Python frame in between. It returns
         # the `LookupResult` members above, as the method below does.
         self.lookup = self._dir.lookup  # type: ignore[method-assign]
+        self._lock = threading.Lock()
+
+    @property
+    def lock(self) -> threading.Lock:
+        """A real lock, not vLLM's default no-op: every call is atomic in the core, but a
+        sequence (a `lookup` hit and the `prepare_load` that pins it) is not, and this
+        manager may be shared by threads (`docs/reliability.md`, "Threads"). vLLM's
+        scheduler enters it once a step."""
+        return self._lock
 
     # --- lookups and loads ---
 

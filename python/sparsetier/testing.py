@@ -1,0 +1,85 @@
+"""Test hooks: fault injection, evictions a test arranges, and the Rust loops the soak and the
+benchmarks time. A serving engine never calls these.
+
+They exist only in a build with the ``testing`` cargo feature (``make build`` and the GPU check
+build with it; a release wheel does not). Without it, importing this module raises
+``ImportError`` saying how to build one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sparsetier import _core
+
+try:
+    from sparsetier._core import _testing as _hooks  # type: ignore[attr-defined]
+except ImportError:  # pragma: no cover - the release build
+    raise ImportError(
+        "sparsetier was built without its test hooks: build with the `testing` cargo feature "
+        "(`maturin develop --release --features testing`; `make build` does)"
+    ) from None
+
+__all__ = [
+    "bench_resolve",
+    "bench_serve",
+    "contained_panic",
+    "directory_of",
+    "evict_device",
+    "inject_alloc_failures",
+    "inject_copy_fault",
+    "inject_faults",
+    "run_soak",
+]
+
+run_soak = _hooks.run_soak
+bench_resolve = _hooks.bench_resolve
+bench_serve = _hooks.bench_serve
+contained_panic = _hooks.contained_panic
+
+
+def inject_faults(
+    target: Any,
+    kind: str,
+    count: int = 1,
+    layer: int | None = None,
+    delay: float | None = None,
+    panic: bool = False,
+) -> None:
+    """Arms `count` failures of the next `kind` submissions (`load`, `backup`, `restore`) of a
+    `StepScheduler` (or of a `DecodeRuntime`'s), at `layer` only if given; `delay` (seconds,
+    cpu engine) holds the copies back instead, `panic` (cpu engine) makes the copy worker panic
+    on them; kind `internal` makes the next plan panic inside the core, as a bug would."""
+    scheduler = getattr(target, "scheduler", target)
+    scheduler._inject_faults(kind, count, layer, delay, panic)
+
+
+def inject_alloc_failures(cache: _core.HiCache, count: int = 1) -> None:
+    """The next `count` device allocations of `cache` fail with `OutOfPagesError`."""
+    cache._inject_alloc_failures(count)
+
+
+def inject_copy_fault(
+    engine: _core.TransferEngine,
+    nth: int,
+    *,
+    layer: int | None = None,
+    fail: str | None = None,
+    delay: float | None = None,
+    panic: str | None = None,
+) -> None:
+    """Arms a fault for `engine`'s submission number `nth`: exactly one of `fail` (a reason),
+    `delay` (seconds, cpu engine) or `panic` (a message, cpu engine), at `layer`."""
+    engine._inject_fault(nth, layer=layer, fail=fail, delay=delay, panic=panic)
+
+
+def evict_device(scheduler: _core.StepScheduler, n: int) -> int:
+    """Evicts at least `n` device pages `scheduler` does not pin (written through), so that its
+    next plans load them: how many went."""
+    return scheduler._evict_device(n)
+
+
+def directory_of(scheduler: _core.StepScheduler) -> Any:
+    """`scheduler`'s own residency directory, which the caller may change under it (the
+    decode benchmark's per-request baseline drives it directly)."""
+    return scheduler._directory()
