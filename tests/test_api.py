@@ -92,3 +92,46 @@ def test_moved_modules_still_import_one_release_with_a_warning(old, name):
 def test_an_unknown_name_is_an_attribute_error():
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         sparsetier.nothing  # noqa: B018
+
+
+def test_the_step_calls_return_typed_results_that_still_read_as_mappings():
+    import numpy as np
+    from scheduler_support import small_joined, small_scheduler
+
+    s = small_scheduler(4, 16, 32, 2, {1: 8, 2: 8})
+    plan, _ = s.plan(0, [1, 2], np.array([[0, 1], [1, -1]]), 4)
+    assert isinstance(plan, sparsetier.LayerPlan) and plan.layer == 0
+    s.ready(plan)
+    counts = s.finish(plan)
+    assert isinstance(counts, sparsetier.LayerCounts)
+    assert counts.ready == counts["ready"] == 3 and counts == counts.to_dict()
+    rec = s.end_step()
+    assert isinstance(rec, sparsetier.StepRecord)
+    assert set(rec.keys()) == set(rec.to_dict()) and len(rec) == len(rec.keys())
+    for key in rec:  # every field an attribute, the same value as by key
+        assert getattr(rec, key) == rec[key], key
+    assert rec.pages == 3 and rec.read_amplification is None  # nothing moved
+    assert dict(rec) == rec.to_dict() and "pages" in rec and rec.get("nothing", 7) == 7
+    with pytest.raises(KeyError):
+        rec["nothing"]
+    assert isinstance(s.totals(), sparsetier.StepRecord)
+    j = small_joined()
+    adm = j.admit(5, np.arange(1, 9))
+    assert isinstance(adm, sparsetier.Admission) and adm.matched_pages == 0
+    assert adm == {"matched_pages": 0, "device_pages": 0, "restored_pages": 0}
+
+
+def test_a_plan_id_as_an_int_works_one_release_with_a_warning():
+    import numpy as np
+    from scheduler_support import small_scheduler
+
+    s = small_scheduler(4, 16, 32, 2, {1: 8})
+    plan, _ = s.plan(0, [1], np.array([[0, 1]]), 4)
+    with pytest.warns(DeprecationWarning, match="LayerPlan"):
+        s.ready(plan.id)
+    s.finish(plan)
+    other = small_scheduler(4, 16, 32, 2, {1: 8})
+    p2, _ = other.plan(0, [1], np.array([[0]]), 4)
+    with pytest.raises(sparsetier.ConfigError):
+        s.finish(p2)  # another scheduler's plan: refused, nothing changes
+    other.finish(p2)

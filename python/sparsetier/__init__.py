@@ -15,7 +15,10 @@ from typing import Any
 
 from sparsetier import lowlevel as _lowlevel
 from sparsetier._core import (
+    Admission,
     HiCache,
+    LayerCounts,
+    LayerPlan,
     PageAllocation,
     PageTransferBinding,
     Plan,
@@ -24,6 +27,7 @@ from sparsetier._core import (
     PrefixInsert,
     PrefixMatch,
     ResidencyView,
+    StepRecord,
     StepScheduler,
     TransferEngine,
     __version__,
@@ -60,6 +64,7 @@ from sparsetier.errors import (
 )
 
 __all__ = [
+    "Admission",
     "AllocatorError",
     "ConfigError",
     "CopyFailedError",
@@ -71,6 +76,8 @@ __all__ = [
     "InvalidTransitionError",
     "InvariantError",
     "KeyExistsError",
+    "LayerCounts",
+    "LayerPlan",
     "NamespaceDroppedError",
     "NotHeldError",
     "NotLockedError",
@@ -89,6 +96,7 @@ __all__ = [
     "ResidencyView",
     "SparseStack",
     "SparsetierError",
+    "StepRecord",
     "StepScheduler",
     "StoreUnavailableError",
     "TransferEngine",

@@ -22,6 +22,7 @@ mod scheduler;
 #[cfg(feature = "testing")]
 mod soak;
 mod stats;
+mod step_results;
 mod tensor;
 #[cfg(feature = "testing")]
 mod testing;
@@ -52,6 +53,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(transfer::cuda_status, m)?)?;
     m.add_class::<scheduler::PyStepScheduler>()?;
     m.add_class::<residency_view::PyResidencyView>()?;
+    m.add_class::<step_results::PyLayerPlan>()?;
+    m.add_class::<step_results::PyLayerCounts>()?;
+    m.add_class::<step_results::PyStepRecord>()?;
+    m.add_class::<step_results::PyAdmission>()?;
     m.add_class::<radix::PyHiCache>()?;
     m.add_class::<prefix_result::PyPrefixMatch>()?;
     m.add_class::<prefix_result::PyPrefixInsert>()?;

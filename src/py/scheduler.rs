@@ -19,17 +19,15 @@ use crate::py::error::{deprecated, to_py, typed_error, IntoPyResult};
 use crate::py::lock::Unblocked;
 use crate::py::residency_view::PyResidencyView;
 use crate::py::stats::Stats;
+use crate::py::step_results::{PyAdmission, PyLayerCounts, PyLayerPlan, PyStepRecord};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::PoolPair;
-use crate::scheduler::{
-    PlanCounts, Prefix, SchedulerConfig, SelectionUnit, StepRecord, StepScheduler,
-};
+use crate::scheduler::{Prefix, SchedulerConfig, SelectionUnit, StepScheduler};
 #[cfg(feature = "testing")]
 use crate::transfer::Direction;
 use crate::transfer::MemoryKind;
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use parking_lot::Mutex;
-use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use rustc_hash::FxHashMap;
@@ -306,33 +304,25 @@ fn tokens_arg(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
         .ok_or_else(|| to_py(obj.py(), Error::config("tokens", n, "an integer >= 1")))
 }
 
+/// The plan `ready` and `finish` name: a `LayerPlan`, or (one more release, with a
+/// DeprecationWarning) its id as an int.
 fn plan_id(obj: &Bound<'_, PyAny>) -> PyResult<LayerPlanId> {
-    let v = int(obj, "plan")?;
-    u64::try_from(v)
-        .map(LayerPlanId::new)
-        .map_err(|_| to_py(obj.py(), Error::config("plan", v, "a plan id from plan()")))
-}
-
-/// The step record as a dict, with the derived rates.
-pub(crate) fn record_dict<'py>(py: Python<'py>, r: &StepRecord) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    for (name, v) in r.pairs() {
-        d.set_item(name, v)?;
+    if let Ok(p) = obj.cast::<PyLayerPlan>() {
+        return Ok(p.get().id());
     }
-    d.set_item("read_amplification", r.read_amplification())?;
-    d.set_item("device_byte_hit_rate", r.device_byte_hit_rate())?;
-    d.set_item("prefetch_accuracy", r.prefetch_accuracy())?;
-    Ok(d)
-}
-
-fn counts_dict<'py>(py: Python<'py>, c: &PlanCounts) -> PyResult<Bound<'py, PyDict>> {
-    // Interned keys: this runs once per layer.
-    let d = PyDict::new(py);
-    d.set_item(intern!(py, "ready"), c.ready)?;
-    d.set_item(intern!(py, "loaded"), c.loaded)?;
-    d.set_item(intern!(py, "joined"), c.joined)?;
-    d.set_item(intern!(py, "exposed_wait_ns"), c.exposed_wait_ns)?;
-    Ok(d)
+    let v = int(obj, "plan")?;
+    let id = u64::try_from(v).map(LayerPlanId::new).map_err(|_| {
+        to_py(
+            obj.py(),
+            Error::config("plan", v, "a LayerPlan from plan()"),
+        )
+    })?;
+    deprecated(
+        obj.py(),
+        "a plan id as an int",
+        "the LayerPlan plan() returns",
+    )?;
+    Ok(id)
 }
 
 #[pymethods]
@@ -446,18 +436,14 @@ impl PyStepScheduler {
         py: Python<'py>,
         rid: &Bound<'py, PyAny>,
         tokens: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    ) -> PyResult<PyAdmission> {
         self.follow(py)?;
         let id = self::rid(rid)?;
         let toks = token_ids(tokens)?;
         let a = py
             .detach(|| self.inner.run(|s| s.admit(id, &toks)))
             .py_err(py)?;
-        let d = PyDict::new(py);
-        d.set_item("matched_pages", a.matched_pages)?;
-        d.set_item("device_pages", a.device_pages)?;
-        d.set_item("restored_pages", a.restored_pages)?;
-        Ok(d)
+        Ok(PyAdmission::new(&a))
     }
 
     /// Joined mode: makes layer `layer` of request `rid`'s restored Indexer-K readable (an
@@ -736,7 +722,7 @@ impl PyStepScheduler {
         selection: &Bound<'py, PyAny>,
         unit: &Bound<'py, PyAny>,
         counts: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<(u64, Bound<'py, PyArray2<i32>>)> {
+    ) -> PyResult<(PyLayerPlan, Bound<'py, PyArray2<i32>>)> {
         self.follow(py)?;
         let layer = self.layer_arg(py, layer)?;
         let ids = rid_list(rids)?;
@@ -841,7 +827,7 @@ impl PyStepScheduler {
         self.tables
             .lock()
             .insert(id.raw(), Handed::Rows(t.clone().unbind()));
-        Ok((id.raw(), t))
+        Ok((PyLayerPlan::new(id, layer), t))
     }
 
     /// [`plan`](Self::plan) of ragged rows, as CSR: row `b`'s entries are
@@ -861,7 +847,7 @@ impl PyStepScheduler {
         entries: &Bound<'py, PyAny>,
         unit: &Bound<'py, PyAny>,
         counts: Option<&Bound<'py, PyAny>>,
-    ) -> PyResult<(u64, Bound<'py, PyArray1<i32>>)> {
+    ) -> PyResult<(PyLayerPlan, Bound<'py, PyArray1<i32>>)> {
         self.follow(py)?;
         let layer = self.layer_arg(py, layer)?;
         let ids = rid_list(rids)?;
@@ -929,7 +915,7 @@ impl PyStepScheduler {
         self.tables
             .lock()
             .insert(id.raw(), Handed::Csr(t.clone().unbind()));
-        Ok((id.raw(), t))
+        Ok((PyLayerPlan::new(id, layer), t))
     }
 
     /// Makes plan `plan` readable (event wait; with `stream`, a CUDA stream wait instead).
@@ -962,29 +948,25 @@ impl PyStepScheduler {
     }
 
     /// Releases the plan's pins; returns its counts (ready, loaded, joined, exposed_wait_ns).
-    fn finish<'py>(
-        &self,
-        py: Python<'py>,
-        plan: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    fn finish<'py>(&self, py: Python<'py>, plan: &Bound<'py, PyAny>) -> PyResult<PyLayerCounts> {
         let id = plan_id(plan)?;
         let c = self.inner.run_py(py, |s| s.finish(id))?;
         self.tables.lock().remove(&id.raw());
-        counts_dict(py, &c)
+        Ok(PyLayerCounts::new(&c))
     }
 
     /// Ends the step (write-through of filled pages, settling, next prefetches); returns the
     /// step's record.
-    fn end_step<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    fn end_step(&self, py: Python<'_>) -> PyResult<PyStepRecord> {
         self.follow(py)?;
         let r = py.detach(|| self.inner.run(|s| s.end_step())).py_err(py)?;
-        record_dict(py, &r)
+        Ok(PyStepRecord::new(r))
     }
 
     /// Cumulative record: every finished step, plus what happened since the last one.
-    fn totals<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+    fn totals(&self, py: Python<'_>) -> PyResult<PyStepRecord> {
         let r = self.inner.get_py(py, |s| s.totals())?;
-        record_dict(py, &r)
+        Ok(PyStepRecord::new(r))
     }
 
     /// Settles finished transfers.
