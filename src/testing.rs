@@ -73,3 +73,22 @@ pub unsafe fn host_pool_in(
     }?;
     Ok((buf, b))
 }
+
+/// The proptest configuration every property test of the crate uses: `cases` cases (or
+/// `$PROPTEST_CASES` when set, for a longer run), and the failures it found kept in
+/// `proptest-regressions/<name>.txt` at the crate root, one place for all of them.
+#[cfg(test)]
+pub fn proptest_config(cases: u32, name: &'static str) -> proptest::test_runner::Config {
+    use proptest::test_runner::{Config, FileFailurePersistence};
+    let cases = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(cases);
+    // A leaked string: proptest keeps the path for the process (a few per test run).
+    let path: &'static str = Box::leak(format!("proptest-regressions/{name}.txt").into_boxed_str());
+    Config {
+        cases,
+        failure_persistence: Some(Box::new(FileFailurePersistence::Direct(path))),
+        ..Config::default()
+    }
+}

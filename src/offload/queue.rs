@@ -89,6 +89,8 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
+        #![proptest_config(crate::testing::proptest_config(256, "offload_queue"))]
+
         /// Against a sorted list: pops come out in order, whatever order the pushes came in,
         /// with pops, retains and pushes interleaved.
         #[test]

@@ -508,6 +508,8 @@ mod tests {
     use proptest::prelude::*;
 
     proptest! {
+        #![proptest_config(crate::testing::proptest_config(256, "kept_entries"))]
+
         /// The sortedness check the CPU runs (AVX2 where it has it) agrees with the standard
         /// library's, on sorted rows and on rows with one pair out of order anywhere.
         #[test]

@@ -268,7 +268,7 @@ impl StateMachineTest for AllocTest {
 }
 
 prop_state_machine! {
-    #![proptest_config(ProptestConfig { cases: 256, .. ProptestConfig::default() })]
+    #![proptest_config(crate::testing::proptest_config(256, "alloc"))]
     #[test]
     fn allocator_matches_reference(sequential 1..60 => AllocTest);
 }

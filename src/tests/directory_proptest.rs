@@ -706,7 +706,7 @@ impl StateMachineTest for DirSweepTest {
 }
 
 prop_state_machine! {
-    #![proptest_config(ProptestConfig { cases: 300, .. ProptestConfig::default() })]
+    #![proptest_config(crate::testing::proptest_config(300, "directory"))]
     #[test]
     fn directory_matches_reference_model(sequential 1..60 => DirTest);
 

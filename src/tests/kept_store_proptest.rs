@@ -213,7 +213,7 @@ impl StateMachineTest for StoreTest {
 }
 
 prop_state_machine! {
-    #![proptest_config(ProptestConfig { cases: 256, .. ProptestConfig::default() })]
+    #![proptest_config(crate::testing::proptest_config(256, "kept_store"))]
     #[test]
     fn kept_store_matches_reference(sequential 1..60 => StoreTest);
 }

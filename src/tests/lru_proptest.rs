@@ -140,7 +140,7 @@ impl StateMachineTest for LruTest {
 }
 
 prop_state_machine! {
-    #![proptest_config(ProptestConfig { cases: 512, .. ProptestConfig::default() })]
+    #![proptest_config(crate::testing::proptest_config(512, "lru"))]
     #[test]
     fn lru_matches_reference(sequential 1..80 => LruTest);
 }

@@ -308,11 +308,7 @@ impl StateMachineTest for DirTest {
 }
 
 prop_state_machine! {
-    #![proptest_config(ProptestConfig {
-        cases: 96,
-        failure_persistence: None,
-        .. ProptestConfig::default()
-    })]
+    #![proptest_config(crate::testing::proptest_config(96, "offload"))]
     #[test]
     fn the_directory_keeps_residency_and_evicts_only_what_it_may(sequential 1..60 => DirTest);
 }

@@ -102,6 +102,8 @@ fn op() -> impl proptest::strategy::Strategy<Value = Op> {
 }
 
 proptest::proptest! {
+    #![proptest_config(crate::testing::proptest_config(256, "radix"))]
+
     /// Siblings whose first-page keys collide (every key of a four-token page falls in one of
     /// three values) chain: the tree behaves exactly as one whose keys do not collide, result
     /// for result, and both stay valid after every step.

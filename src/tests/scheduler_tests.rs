@@ -940,11 +940,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 proptest! {
-    // PROPTEST_CASES raises it for a longer run.
-    #![proptest_config(ProptestConfig {
-        cases: std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(96),
-        ..ProptestConfig::default()
-    })]
+    #![proptest_config(crate::testing::proptest_config(96, "scheduler"))]
 
     /// Random arrivals, steps (block or token selections, token rows sometimes mapped to
     /// counted page rows), finishes and faults against the reference model (the stamps):
