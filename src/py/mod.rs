@@ -19,6 +19,7 @@ mod radix;
 mod replay;
 mod residency_view;
 mod scheduler;
+mod scheduler_args;
 #[cfg(feature = "testing")]
 mod soak;
 mod stats;
