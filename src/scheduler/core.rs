@@ -35,6 +35,7 @@
 //! tensors alive in the engine).
 
 use super::kept_store::{KeptSlot, KeptStore, Run};
+use super::plan_steps;
 use super::prefix::{Finishing, PrefixTier, PrefixTotals};
 use super::record::StepRecord;
 use super::request::{Kept, Prefix, RequestState};
@@ -118,6 +119,15 @@ pub struct PlanCounts {
     pub exposed_wait_ns: u64,
 }
 
+/// A plan's resolve: its pins and loads (None: every page was kept), or "start over" after
+/// making room took back kept pages the rows had read. (Returned once a plan and moved into
+/// it: boxing the large variant would cost an allocation a plan.)
+#[allow(clippy::large_enum_variant)]
+enum Resolution {
+    Resolved(Option<Resolved>),
+    StartOver,
+}
+
 #[derive(Debug)]
 struct Load {
     events: Arc<TransferEvents>,
@@ -134,7 +144,7 @@ struct Prefetch {
     handle: PinHandleId,
     pins: u64,
     /// Per request: (predicted pages, pages this prefetch loaded), both sorted.
-    rows: FxHashMap<RequestId, (Vec<u32>, Vec<u32>)>,
+    rows: plan_steps::Predicted,
 }
 
 #[derive(Debug)]
@@ -807,6 +817,33 @@ impl StepScheduler {
         }
     }
 
+    /// Resolves a plan's new keys (none when every page was kept): pins them and plans the
+    /// loads of the absent. When the device is full it makes room, kept pages included, and
+    /// resolves again; but a plan whose rows read kept lists (`read_kept`: a hit, or a page a
+    /// row dropped) must start over, since making room gave those pages back.
+    fn resolve_rows(
+        &mut self,
+        keys: &[ObjectKey],
+        hints: &[ObjectHint],
+        needed_bytes: u64,
+        read_kept: bool,
+    ) -> Result<Resolution> {
+        if keys.is_empty() {
+            return Ok(Resolution::Resolved(None));
+        }
+        match self.dir.resolve_hinted(keys, hints, Some(needed_bytes)) {
+            Err(Error::OutOfSlots { .. }) => {
+                self.make_room()?;
+                if read_kept {
+                    return Ok(Resolution::StartOver);
+                }
+                let r = self.dir.resolve_hinted(keys, hints, Some(needed_bytes))?;
+                Ok(Resolution::Resolved(Some(r)))
+            }
+            r => Ok(Resolution::Resolved(Some(r?))),
+        }
+    }
+
     /// What the device can give back when full: pages written but not yet through to host
     /// (written through and settled here, so they become evictable) and the pins of
     /// outstanding prefetches (best effort: dropped, their loads still settle).
@@ -957,38 +994,10 @@ impl StepScheduler {
     ) -> Result<(LayerPlanId, &[i32])> {
         let t0 = Instant::now();
         let rows_in = form.rows_in();
-        if let Some(c) = counts {
-            if c.len() != selection.len() {
-                return Err(Error::config(
-                    "counts",
-                    format!("{} entries", c.len()),
-                    format!("{}: one per selection entry", selection.len()),
-                ));
-            }
-            if unit.unit() != self.cfg.page_size {
-                return Err(Error::config(
-                    "unit",
-                    unit.unit(),
-                    format!(
-                        "the page size {} with counts (page rows; token rows need none)",
-                        self.cfg.page_size
-                    ),
-                ));
-            }
-        }
-        if layer >= self.cfg.layers {
-            return Err(Error::out_of_range("layer", layer, 0, self.cfg.layers));
-        }
+        plan_steps::check_args(&self.cfg, layer, selection.len(), unit, counts)?;
         self.batch += 1;
         let batch = self.batch;
         let ps = self.cfg.page_size;
-        if unit.page_size() != ps {
-            return Err(Error::config(
-                "unit",
-                unit.unit(),
-                format!("a selection unit over the scheduler's {ps}-token pages"),
-            ));
-        }
         // Selections keep their pages pinned to the next step (`kept.rs`, `kept_entries.rs`):
         // a page the row kept is read from its kept slot, without a directory call.
         let fast = self.keeps(layer, unit);
@@ -1031,28 +1040,16 @@ impl StepScheduler {
         }
         let needed_bytes: u64 =
             needed.iter().map(|&n| u64::from(n)).sum::<u64>() * self.token_bytes;
-        let res: Option<Resolved> = if keys.is_empty() {
-            None
-        } else {
-            match self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes)) {
-                Err(Error::OutOfSlots { .. }) => {
-                    // Makes room, kept pages included: a plan that read kept lists starts
-                    // over (nothing of it is committed yet). That includes a row that kept
-                    // none of its list: the pages it dropped were just given back, and its
-                    // finish would give them back again.
-                    self.make_room()?;
-                    let read_kept = kept_rows.as_ref().is_some_and(|k| !k.dropped.is_empty());
-                    if kept_hits > 0 || read_kept {
-                        // This attempt's time counts; the plan starts over.
-                        self.rec.cpu_resolve_ns += ns(t_rows.elapsed());
-                        let cpu = ns(t0.elapsed());
-                        self.rec.cpu_plan_ns += cpu;
-                        self.rec.cpu_ns += cpu;
-                        return self.plan_rows(layer, rids, selection, form, unit, counts);
-                    }
-                    Some(self.dir.resolve_hinted(&keys, &hints, Some(needed_bytes))?)
-                }
-                r => Some(r?),
+        let read_kept = kept_hits > 0 || kept_rows.as_ref().is_some_and(|k| !k.dropped.is_empty());
+        let res = match self.resolve_rows(&keys, &hints, needed_bytes, read_kept)? {
+            Resolution::Resolved(res) => res,
+            Resolution::StartOver => {
+                // This attempt's time counts; the plan starts over.
+                self.rec.cpu_resolve_ns += ns(t_rows.elapsed());
+                let cpu = ns(t0.elapsed());
+                self.rec.cpu_plan_ns += cpu;
+                self.rec.cpu_ns += cpu;
+                return self.plan_rows(layer, rids, selection, form, unit, counts);
             }
         };
         self.rec.cpu_resolve_ns += ns(t_rows.elapsed());
@@ -1089,13 +1086,6 @@ impl StepScheduler {
             joined: res.metrics.loading,
             exposed_wait_ns: 0,
         };
-        // Needed tokens inside the pages this plan's load moves.
-        let mut needed_moved: u64 = res
-            .loaded
-            .iter()
-            .zip(&needed)
-            .map(|(&l, &n)| if l { u64::from(n) } else { 0 })
-            .sum();
         // Prefetch accuracy: the prediction against the selection, row by row. A kept-selection
         // plan's prediction is its kept pages (last step's selection, held on the device, not
         // loaded again), plus what a prefetch predicted of the rest (pages given back to make
@@ -1108,30 +1098,16 @@ impl StepScheduler {
             rec.prefetch_predicted += kept_hits + kr.dropped.len() as u64;
             rec.prefetch_hits += kept_hits;
         }
-        if let Some(pf) = &prefetch {
-            let mut wasted = 0u64;
-            for (b, id) in rids.iter().enumerate() {
-                let Some((predicted, loaded)) = pf.rows.get(id) else {
-                    continue;
-                };
-                let row = &rows_pages[b];
-                rec.prefetch_hits += intersect(row, predicted, |_| ());
-                let mut used = 0u64;
-                // (A page prefetch loaded was Absent, so never kept: each is a key.)
-                let used_n = intersect(row, loaded, |idx| {
-                    used += needed.get(idx as usize).map_or(0, |&n| u64::from(n));
-                });
-                needed_moved += used;
-                wasted += loaded.len() as u64 - used_n;
-            }
-            for (id, (_, loaded)) in &pf.rows {
-                if !rids.contains(id) {
-                    wasted += loaded.len() as u64;
-                }
-            }
-            rec.prefetch_wasted += wasted;
-            rec.prefetch_wasted_bytes += wasted * self.object_bytes;
-        }
+        // Needed tokens inside the pages moved for this plan: its loads and the prefetch
+        // loads its rows read.
+        let moved = plan_steps::Moved {
+            rids,
+            rows_pages: &rows_pages,
+            needed: &needed,
+            loaded: &res.loaded,
+        };
+        let pf_rows = prefetch.as_ref().map(|pf| &pf.rows);
+        let needed_moved = plan_steps::score_moved(&moved, pf_rows, self.object_bytes, &mut rec);
         rec.bytes_needed_of_transferred = needed_moved * self.token_bytes;
         // The next prediction: this step's distinct pages, sorted, for prefetch (a
         // kept-selection plan's are its rows' next kept lists, settled at finish).
@@ -2002,25 +1978,6 @@ fn first_failure(ev: &TransferEvents) -> Option<String> {
         Ok(_) => None,
         Err(e) => Some(e.to_string()),
     })
-}
-
-/// Counts the pages of sorted `row` ((page, key index)) that sorted `other` holds, calling
-/// `hit` with each one's key index.
-fn intersect(row: &[(u32, u32)], other: &[u32], mut hit: impl FnMut(u32)) -> u64 {
-    let (mut i, mut j, mut n) = (0, 0, 0);
-    while i < row.len() && j < other.len() {
-        match row[i].0.cmp(&other[j]) {
-            std::cmp::Ordering::Less => i += 1,
-            std::cmp::Ordering::Greater => j += 1,
-            std::cmp::Ordering::Equal => {
-                hit(row[i].1);
-                n += 1;
-                i += 1;
-                j += 1;
-            }
-        }
-    }
-    n
 }
 
 /// Nanoseconds of `d`, saturated (a step's CPU split counts in u64 nanoseconds).

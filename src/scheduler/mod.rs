@@ -10,6 +10,7 @@ pub mod bench;
 pub mod core;
 pub mod entry;
 mod kept_store;
+mod plan_steps;
 pub mod prefix;
 pub mod record;
 pub mod request;
