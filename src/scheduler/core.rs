@@ -34,6 +34,7 @@
 //! keep their buffers alive only through the bindings' contract (the Python layer keeps the
 //! tensors alive in the engine).
 
+use super::faults::ArmedFaults;
 use super::kept_store::{KeptSlot, KeptStore, Run};
 use super::plan_steps;
 use super::prefix::{Finishing, PrefixTier, PrefixTotals};
@@ -46,8 +47,8 @@ use crate::error::{Error, Result};
 use crate::ids::{HostSlotId, LayerPlanId, PageId, PinHandleId, RequestId, SlotId, TransferId};
 use crate::radix::{HiCache, HiCacheConfig, PoolPair};
 use crate::transfer::{
-    CopyEngine, Direction, Fault, FaultAction, Granularity, LayerStatus, PageTransferBinding,
-    PageTransferGroup, PageTransferMap, PreparedPageTransfer, TransferEvents,
+    CopyEngine, Direction, Granularity, LayerStatus, PageTransferBinding, PageTransferGroup,
+    PageTransferMap, PreparedPageTransfer, TransferEvents,
 };
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
@@ -180,23 +181,6 @@ struct LayerPlan {
     ready: bool,
 }
 
-#[derive(Debug, Clone)]
-struct ArmedFault {
-    direction: Direction,
-    layer: Option<u16>,
-    remaining: u32,
-    action: Armed,
-}
-
-/// What an armed fault does to the submission it lands on.
-#[derive(Debug, Clone, Copy)]
-enum Armed {
-    Fail,
-    Delay(Duration),
-    /// The engine's worker panics (the cpu engine contains it as a failure).
-    Panic,
-}
-
 /// The batched, asynchronous decode-step scheduler.
 pub struct StepScheduler {
     cfg: SchedulerConfig,
@@ -216,11 +200,10 @@ pub struct StepScheduler {
     retry_backups: Vec<ObjectKey>,
     plans: FxHashMap<LayerPlanId, LayerPlan>,
     prefetches: FxHashMap<u16, Prefetch>,
-    faults: Vec<ArmedFault>,
+    faults: ArmedFaults,
     /// The next plan panics inside the core (an injected bug: [`Self::inject_internal_fault`]).
     internal_fault: bool,
     /// Injected copy-worker panics handed to the engine with a submission.
-    copy_panics_injected: u64,
     batch: u64,
     last_batch: Vec<RequestId>,
     pins: u64,
@@ -408,9 +391,8 @@ impl StepScheduler {
             retry_backups: Vec::new(),
             plans: FxHashMap::default(),
             prefetches: FxHashMap::default(),
-            faults: Vec::new(),
+            faults: ArmedFaults::default(),
             internal_fault: false,
-            copy_panics_injected: 0,
             batch: 0,
             last_batch: Vec::new(),
             pins: 0,
@@ -1543,30 +1525,20 @@ impl StepScheduler {
         layer: Option<u16>,
         delay: Option<Duration>,
     ) {
-        self.faults.push(ArmedFault {
-            direction,
-            layer,
-            remaining: count,
-            action: delay.map_or(Armed::Fail, Armed::Delay),
-        });
+        self.faults.fail(direction, count, layer, delay);
     }
 
     /// Arms `count` panics of the engine's worker (cpu engine) in the next load (or backup)
     /// submissions, at `layer` only if given: a bug in the copy path, which the engine turns
     /// into a failed transfer.
     pub fn inject_panics(&mut self, direction: Direction, count: u32, layer: Option<u16>) {
-        self.faults.push(ArmedFault {
-            direction,
-            layer,
-            remaining: count,
-            action: Armed::Panic,
-        });
+        self.faults.panic(direction, count, layer);
     }
 
     /// Injected copy-worker panics handed to the engine so far, each with the submission it
     /// fails (a panic armed but not yet handed over is in [`Self::armed_faults`]).
     pub fn copy_panics_injected(&self) -> u64 {
-        self.copy_panics_injected
+        self.faults.copy_panics()
     }
 
     /// The next plan panics inside the core after it has pinned and submitted its loads, as
@@ -1579,42 +1551,17 @@ impl StepScheduler {
     /// until a submission of its kind (at its layer, if it names one) takes it, so a run whose
     /// faults found nothing to fail can say so.
     pub fn armed_faults(&self) -> (u64, u64, u64) {
-        let count = |d: Direction| {
-            self.faults
-                .iter()
-                .filter(|f| f.direction == d)
-                .map(|f| u64::from(f.remaining))
-                .sum::<u64>()
-        };
         let restores = self
             .prefix
             .as_ref()
             .map_or(0, |p| u64::from(p.restore_faults));
-        (count(Direction::Load), count(Direction::Backup), restores)
+        let armed = |d| self.faults.armed(d);
+        (armed(Direction::Load), armed(Direction::Backup), restores)
     }
 
+    /// Hands an armed fault of `direction` at `layer` to the engine for its next submission.
     fn arm(&mut self, direction: Direction, layer: Option<u16>) -> Result<()> {
-        let hit = self.faults.iter_mut().find(|f| {
-            f.direction == direction && f.remaining > 0 && (f.layer.is_none() || f.layer == layer)
-        });
-        if let Some(f) = hit {
-            f.remaining -= 1;
-            let action = match f.action {
-                Armed::Delay(d) => FaultAction::Delay(d),
-                Armed::Fail => FaultAction::Fail(format!("injected {} fault", direction.name())),
-                Armed::Panic => {
-                    self.copy_panics_injected += 1;
-                    FaultAction::Panic(format!("injected {} panic", direction.name()))
-                }
-            };
-            self.engine.inject(Fault {
-                nth: self.engine.submitted(),
-                layer: None,
-                action,
-            })?;
-        }
-        self.faults.retain(|f| f.remaining > 0);
-        Ok(())
+        self.faults.arm(&*self.engine, direction, layer)
     }
 
     // -- transfers ----------------------------------------------------------------------

@@ -9,6 +9,7 @@
 pub mod bench;
 pub mod core;
 pub mod entry;
+mod faults;
 mod kept_store;
 mod plan_steps;
 pub mod prefix;
