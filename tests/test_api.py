@@ -135,3 +135,16 @@ def test_a_plan_id_as_an_int_works_one_release_with_a_warning():
     with pytest.raises(sparsetier.ConfigError):
         s.finish(p2)  # another scheduler's plan: refused, nothing changes
     other.finish(p2)
+
+
+def test_the_l3_protocol_is_low_level_and_its_old_names_warn(tmp_path):
+    from l3_support import stack
+
+    s = stack("file", tmp_path)
+    l3 = lowlevel.L3Protocol(s.hicache)
+    assert l3.take_writes() == []
+    with pytest.warns(DeprecationWarning, match="L3Protocol"):
+        assert s.hicache.take_storage_writes() == []
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        s.hicache.nothing  # noqa: B018
+    s.storage.close()

@@ -24,6 +24,7 @@ from l3_support import (
 )
 
 import sparsetier as st
+from sparsetier import lowlevel
 
 BACKENDS = ["file", "mooncake"]
 
@@ -271,7 +272,7 @@ def test_write_back_keeps_a_page_until_it_is_stored(tmp_path):
     # With the store off, write-back evicts without writing, and says so.
     u = tokens(2 * PS, seed=1)
     insert(s, u)
-    c.set_storage_online(False)
+    lowlevel.L3Protocol(c).set_online(False)
     c.evict_device(10**6)
     assert c.evict_host(10**6) == 2
     assert c.storage_stats()["evicted_unstored"] == 2
@@ -314,10 +315,10 @@ def test_bad_configuration_is_refused(tmp_path):
     assert e.value.field == "prefetch_policy"
     s = stack("file", tmp_path)
     with pytest.raises(st.ConfigError) as e:
-        s.hicache.plan_prefetch(tokens(2 * PS), 1, 5)
+        lowlevel.L3Protocol(s.hicache).plan_prefetch(tokens(2 * PS), 1, 5)
     assert e.value.field == "n_pages"
     with pytest.raises(st.UnknownTransferError):
-        s.hicache.prefetch_commit(12345, 1)
+        lowlevel.L3Protocol(s.hicache).prefetch_commit(12345, 1)
     with pytest.raises(st.ConfigError):
         s.hicache.storage_states(["not-a-key"])
     s.storage.close()

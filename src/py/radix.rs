@@ -598,6 +598,7 @@ impl PyHiCache {
 
     /// Turns the store on or off (off: unreachable; no new plans, write-back evicts without
     /// writing).
+    #[pyo3(name = "_set_storage_online")]
     fn set_storage_online(&self, py: Python<'_>, online: bool) -> PyResult<()> {
         self.inner.run_py(py, |c| c.set_storage_online(online))
     }
@@ -605,11 +606,13 @@ impl PyHiCache {
     /// Write-back ahead of need: while fewer than `write_ahead` of the host pages are free,
     /// plans writes for the least recently used host pages the store lacks. Returns the pages
     /// planned.
+    #[pyo3(name = "_storage_write_ahead")]
     fn storage_write_ahead(&self, py: Python<'_>) -> PyResult<usize> {
         self.inner.run_py(py, |c| c.storage_write_ahead())
     }
 
     /// Write plans queued since the last call: `(id, keys, host_pages)` each.
+    #[pyo3(name = "_take_storage_writes")]
     fn take_storage_writes<'py>(&self, py: Python<'py>) -> PyResult<Vec<PlanTuple<'py>>> {
         let plans = self.inner.run_py(py, |c| c.take_storage_writes())?;
         Ok(plans
@@ -622,6 +625,7 @@ impl PyHiCache {
     }
 
     /// Ends write `plan_id`: `ok[i]` says whether its page i was stored.
+    #[pyo3(name = "_storage_write_done")]
     fn storage_write_done(
         &self,
         py: Python<'_>,
@@ -635,7 +639,7 @@ impl PyHiCache {
 
     /// Plans a prefetch of pages `start_page..start_page + n_pages` of `tokens` from the store
     /// into host pages: `(id, keys, host_pages)` (possibly fewer pages), or None.
-    #[pyo3(signature = (tokens, start_page, n_pages, namespace=None))]
+    #[pyo3(name = "_plan_prefetch", signature = (tokens, start_page, n_pages, namespace=None))]
     fn plan_prefetch<'py>(
         &self,
         tokens: &Bound<'py, PyAny>,
@@ -661,6 +665,7 @@ impl PyHiCache {
 
     /// Inserts the first `arrived` pages of prefetch `plan_id` (complete, verified) as host
     /// copies; returns how many the tree took. Once per prefetch, before `prefetch_end`.
+    #[pyo3(name = "_prefetch_commit")]
     fn prefetch_commit(
         &self,
         py: Python<'_>,
@@ -674,16 +679,44 @@ impl PyHiCache {
     }
 
     /// Ends prefetch `plan_id` once no read writes its pages: frees what was not committed.
+    #[pyo3(name = "_prefetch_end")]
     fn prefetch_end(&self, py: Python<'_>, plan_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let plan_id: u64 = unsigned(plan_id, "plan_id")?;
         self.inner.run_py(py, |c| c.prefetch_end(plan_id))
     }
 
     /// Byte ranges `(address, length)` of host page `page` in every pool, in store order.
+    #[pyo3(name = "_host_segments")]
     fn host_segments(&self, py: Python<'_>, page: &Bound<'_, PyAny>) -> PyResult<Vec<(u64, u64)>> {
         let page: u32 = unsigned(page, "page")?;
         self.inner
             .run_py(py, |c| c.host_segments(PageId::new(page)))
+    }
+
+    /// The L3 protocol's old public names (`take_storage_writes`, ...), one more release with
+    /// a DeprecationWarning: they are `sparsetier.lowlevel.L3Protocol`'s now.
+    fn __getattr__<'py>(slf: &Bound<'py, Self>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+        const MOVED: [&str; 8] = [
+            "set_storage_online",
+            "storage_write_ahead",
+            "take_storage_writes",
+            "storage_write_done",
+            "plan_prefetch",
+            "prefetch_commit",
+            "prefetch_end",
+            "host_segments",
+        ];
+        if !MOVED.contains(&name) {
+            return Err(pyo3::exceptions::PyAttributeError::new_err(format!(
+                "'HiCache' object has no attribute '{name}'"
+            )));
+        }
+        crate::py::error::deprecated(
+            slf.py(),
+            &format!("HiCache.{name}"),
+            "sparsetier.lowlevel.L3Protocol(cache)",
+        )?;
+        slf.getattr(format!("_{name}"))
     }
 
     /// The L3 tier's state and counters, or None without one.

@@ -28,6 +28,7 @@ from typing import Any
 from sparsetier._core import HiCache
 from sparsetier.errors import ConfigError, InvariantError, StoreUnavailableError
 from sparsetier.l3.backend import Segments, StorageBackend
+from sparsetier.lowlevel import L3Protocol
 
 log = logging.getLogger("sparsetier.l3")
 
@@ -69,6 +70,7 @@ class StorageController:
         if cache.storage_stats() is None:
             raise ConfigError.of("cache", "a HiCache without L3", "cache.enable_storage() first")
         self.cache = cache
+        self._l3 = L3Protocol(cache)  # the cache's side of the protocol
         self.backend = backend
         self.prefetch_policy = prefetch_policy
         self.prefetch_timeout = prefetch_timeout
@@ -121,13 +123,13 @@ class StorageController:
     ) -> Prefetch | None:
         """Starts fetching pages `start_page..start_page + n_pages` of `tokens` into host
         pages. None when nothing can be fetched now (L3 off, no host page)."""
-        plan = self.cache.plan_prefetch(tokens, start_page, n_pages, namespace)
+        plan = self._l3.plan_prefetch(tokens, start_page, n_pages, namespace)
         if plan is None:
             return None
         plan_id, keys, pages = plan
         p = Prefetch(plan_id=plan_id, start_page=start_page, pages=len(keys))
         self._prefetches[plan_id] = p
-        segs = [self.cache.host_segments(int(h)) for h in pages]
+        segs = [self._l3.host_segments(int(h)) for h in pages]
         self._pool.submit(self._run_prefetch, p, keys, segs)
         return p
 
@@ -144,16 +146,16 @@ class StorageController:
         elif policy == "timeout":
             p.done.wait(self.prefetch_timeout)
         p.cancelled = True  # the worker stops after the chunk it is reading
-        p.committed = self.cache.prefetch_commit(p.plan_id, p.arrived)
+        p.committed = self._l3.prefetch_commit(p.plan_id, p.arrived)
         if p.done.is_set():
             self._end_prefetch(p)
         return p.committed
 
     def flush(self) -> int:
         """Hands the write plans queued by the cache to the worker; returns how many."""
-        plans = self.cache.take_storage_writes()
+        plans = self._l3.take_writes()
         for plan_id, keys, pages in plans:
-            segs = [self.cache.host_segments(int(h)) for h in pages]
+            segs = [self._l3.host_segments(int(h)) for h in pages]
             self._writes[plan_id] = self._pool.submit(self._run_write, keys, segs)
         return len(plans)
 
@@ -163,7 +165,7 @@ class StorageController:
         host tier clean so that host eviction never waits for a write). Returns the plans
         settled."""
         if self.online:
-            self.cache.storage_write_ahead()
+            self._l3.write_ahead()
         self.flush()
         # A backend call on the caller's thread that fails otherwise than going away is the
         # store misbehaving: L3 goes off as for a lost store, and is probed again later.
@@ -171,7 +173,7 @@ class StorageController:
         for plan_id, fut in list(self._writes.items()):
             if fut.done():
                 del self._writes[plan_id]
-                self.cache.storage_write_done(plan_id, fut.result())
+                self._l3.write_done(plan_id, fut.result())
                 settled += 1
         for p in list(self._prefetches.values()):
             if p.done.is_set() and p.committed is not None:
@@ -182,7 +184,7 @@ class StorageController:
         if not self.online and time.monotonic() >= self._next_probe:
             self._next_probe = time.monotonic() + self.retry_interval
             if self._healthy():
-                self.cache.set_storage_online(True)
+                self._l3.set_online(True)
                 log.warning("sparsetier L3: %s store answers again; L3 on", self.backend.name)
         return settled
 
@@ -214,9 +216,9 @@ class StorageController:
 
     def cache_has_queued(self) -> bool:
         """Whether the cache queued write plans not yet handed to the worker."""
-        plans = self.cache.take_storage_writes()
+        plans = self._l3.take_writes()
         for plan_id, keys, pages in plans:
-            segs = [self.cache.host_segments(int(h)) for h in pages]
+            segs = [self._l3.host_segments(int(h)) for h in pages]
             self._writes[plan_id] = self._pool.submit(self._run_write, keys, segs)
         return bool(plans)
 
@@ -245,7 +247,7 @@ class StorageController:
 
     def _go_offline(self, why: str) -> None:
         if self.online:
-            self.cache.set_storage_online(False)
+            self._l3.set_online(False)
             log.warning(
                 "sparsetier L3: %s store unreachable (%s); L3 off, serving from L1/L2",
                 self.backend.name,
@@ -262,7 +264,7 @@ class StorageController:
     def _end_prefetch(self, p: Prefetch) -> None:
         if p.plan_id in self._prefetches:
             del self._prefetches[p.plan_id]
-            self.cache.prefetch_end(p.plan_id)
+            self._l3.prefetch_end(p.plan_id)
 
     # Worker thread: backend calls only; the cache is never touched here.
 

@@ -21,6 +21,7 @@ import numpy as np
 
 import sparsetier as st
 from sparsetier.errors import OutOfPagesError
+from sparsetier.lowlevel import L3Protocol
 from sparsetier.tools.workload import Workload, WorkloadSpec
 
 
@@ -80,10 +81,10 @@ def _throughput_one(s: st.SparseStack, name: str, pages: int, batch: int, reps: 
     rng = np.random.default_rng(0)
     for t in s.host_pools.values():
         t.view(-1).copy_(st_random(t.numel(), rng).view(t.dtype))
-    host = c.plan_prefetch(np.arange(1, 64 * pages + 1), 0, pages)  # borrow host pages
+    host = L3Protocol(c).plan_prefetch(np.arange(1, 64 * pages + 1), 0, pages)  # borrow host pages
     assert host is not None
     plan_id, _, hp = host
-    segs = [c.host_segments(int(h)) for h in hp]
+    segs = [L3Protocol(c).host_segments(int(h)) for h in hp]
     page_bytes = sum(n for _, n in segs[0])
     src = np.frombuffer(bytes(page_bytes * batch), dtype=np.uint8).copy()
     dst = np.empty_like(src)
@@ -115,8 +116,8 @@ def _throughput_one(s: st.SparseStack, name: str, pages: int, batch: int, reps: 
             "ratio_median": statistics.median(ratios),
             "ratio_min": min(ratios), "ratio_max": max(ratios),
         })  # fmt: skip
-    c.prefetch_commit(plan_id, 0)
-    c.prefetch_end(plan_id)
+    L3Protocol(c).prefetch_commit(plan_id, 0)
+    L3Protocol(c).prefetch_end(plan_id)
     return out
 
 
