@@ -764,19 +764,23 @@ def test_every_pair_of_calls_on_one_hicache(pair):
     c.validate()
 
 
+def typed(f):
+    """A thread's call that another thread's racing call may refuse with a typed error (a
+    load holds the slot, a key is gone, a plan is open): anything else still fails."""
+
+    def call(target, rng):
+        try:
+            f(target, rng)
+        except SparsetierError:
+            pass
+
+    return call
+
+
 def _directory_calls():
     """Calls a decode loop makes on one ResidencyDirectory. Races between them may refuse a
     call with a typed error (another thread's load holds the slot, a key is gone); anything
     else, or a hang, fails the test."""
-
-    def typed(f):
-        def call(d, rng):
-            try:
-                f(d, rng)
-            except SparsetierError:
-                pass
-
-        return call
 
     def keys(rng, n=4):
         return lowlevel.object_keys(0, rng.choice(12, size=n, replace=False))
@@ -867,15 +871,6 @@ def _scheduler_calls():
     the test."""
     serial = iter(range(100, 1 << 30))
 
-    def typed(f):
-        def call(s, rng):
-            try:
-                f(s, rng)
-            except SparsetierError:
-                pass
-
-        return call
-
     def request(s, rng):
         rid = next(serial)
         s.add_request(rid, int(rng.integers(1, 9)))
@@ -923,15 +918,6 @@ def _joined_calls():
     """Calls a serving loop makes on one joined scheduler: conversations over a few shared
     prompts that admit, prefill, finish into the prefix cache and get evicted."""
     serial = iter(range(100, 1 << 30))
-
-    def typed(f):
-        def call(s, rng):
-            try:
-                f(s, rng)
-            except SparsetierError:
-                pass
-
-        return call
 
     def conversation(s, rng):
         rid = next(serial)

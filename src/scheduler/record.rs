@@ -108,8 +108,8 @@ pub struct StepRecord {
 /// Calls `$m!` with the fields a step record sums across plans and steps (one list for `fold`
 /// and `pairs`).
 macro_rules! summed_counters {
-    ($m:ident) => {
-        $m!(
+    ($m:ident $(, $extra:ident)*) => {
+        $m! {
             requests,
             layers,
             selected,
@@ -147,9 +147,32 @@ macro_rules! summed_counters {
             cpu_resolve_ns,
             cpu_submit_ns,
             cpu_prefetch_ns
-        )
+            $(, $extra)*
+        }
     };
 }
+
+/// Calls `$m!` with every field of a step record: the summed counters, then the step number,
+/// timestamps, usage and peaks (what `pairs` exports and the Python record's attributes).
+macro_rules! all_fields {
+    ($m:ident) => {
+        $crate::scheduler::record::summed_counters! {
+            $m,
+            step,
+            selection_done_ns,
+            submitted_ns,
+            ready_ns,
+            consumed_ns,
+            device_used,
+            device_capacity,
+            pinned_peak,
+            prefetch_pinned_peak
+        }
+    };
+}
+#[cfg(feature = "python")] // the Python record's attributes (`py/step_results.rs`)
+pub(crate) use all_fields;
+pub(crate) use summed_counters;
 
 impl StepRecord {
     /// Bytes transferred / bytes needed among what was transferred (seed 002): 1 when whole
@@ -183,19 +206,7 @@ impl StepRecord {
         macro_rules! pairs {
             ($($f:ident),*) => { vec![$((stringify!($f), self.$f)),*] };
         }
-        let mut v = summed_counters!(pairs);
-        v.extend(pairs!(
-            step,
-            selection_done_ns,
-            submitted_ns,
-            ready_ns,
-            consumed_ns,
-            device_used,
-            device_capacity,
-            pinned_peak,
-            prefetch_pinned_peak
-        ));
-        v
+        all_fields!(pairs)
     }
 
     /// Adds the counters of `o` (peaks take the max; capacity and usage take `o`'s).
