@@ -148,3 +148,16 @@ def test_the_l3_protocol_is_low_level_and_its_old_names_warn(tmp_path):
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         s.hicache.nothing  # noqa: B018
     s.storage.close()
+
+
+def test_joined_scheduling_is_its_own_type():
+    from scheduler_support import small_joined, small_scheduler
+
+    j = small_joined()
+    assert isinstance(j, sparsetier.JoinedStepScheduler) and j.is_joined
+    assert isinstance(j, sparsetier.StepScheduler)
+    plain = small_scheduler(4, 16, 32, 2, {1: 8})
+    assert not isinstance(plain, sparsetier.JoinedStepScheduler) and not plain.is_joined
+    for call in ("admit", "wait_prefix", "indexer_pages", "flush_finished", "evict_prefix"):
+        assert hasattr(j, call) and not hasattr(plain, call), call
+    assert plain.prefix_stats() is None and j.prefix_stats() is not None

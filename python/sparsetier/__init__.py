@@ -17,6 +17,7 @@ from sparsetier import lowlevel as _lowlevel
 from sparsetier._core import (
     Admission,
     HiCache,
+    JoinedStepScheduler,
     LayerCounts,
     LayerPlan,
     PageAllocation,
@@ -75,6 +76,7 @@ __all__ = [
     "InternalError",
     "InvalidTransitionError",
     "InvariantError",
+    "JoinedStepScheduler",
     "KeyExistsError",
     "LayerCounts",
     "LayerPlan",

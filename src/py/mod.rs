@@ -9,6 +9,7 @@ mod alloc;
 mod args;
 mod directory;
 mod error;
+mod joined_scheduler;
 mod lock;
 mod offload;
 mod page_allocation;
@@ -18,7 +19,7 @@ mod prefix_result;
 mod radix;
 mod replay;
 mod residency_view;
-mod scheduler;
+pub(crate) mod scheduler;
 mod scheduler_args;
 #[cfg(feature = "testing")]
 mod soak;
@@ -53,6 +54,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<transfer::PyTransferHandle>()?;
     m.add_function(wrap_pyfunction!(transfer::cuda_status, m)?)?;
     m.add_class::<scheduler::PyStepScheduler>()?;
+    m.add_class::<joined_scheduler::PyJoinedStepScheduler>()?;
     m.add_class::<residency_view::PyResidencyView>()?;
     m.add_class::<step_results::PyLayerPlan>()?;
     m.add_class::<step_results::PyLayerCounts>()?;

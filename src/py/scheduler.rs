@@ -17,11 +17,12 @@ use crate::py::args::opt_int;
 use crate::py::args::{int, int64_array};
 use crate::py::directory::{stats_dict, PyResidencyDirectory};
 use crate::py::error::{deprecated, to_py, typed_error, IntoPyResult};
+use crate::py::joined_scheduler::PyJoinedStepScheduler;
 use crate::py::lock::Unblocked;
 use crate::py::residency_view::PyResidencyView;
 use crate::py::scheduler_args::*;
 use crate::py::stats::Stats;
-use crate::py::step_results::{PyAdmission, PyLayerCounts, PyLayerPlan, PyStepRecord};
+use crate::py::step_results::{PyLayerCounts, PyLayerPlan, PyStepRecord};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::PoolPair;
 use crate::scheduler::{Prefix, SelectionUnit, StepScheduler};
@@ -35,12 +36,12 @@ use rustc_hash::FxHashMap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// The batched, asynchronous decode-step scheduler over one-layer device and host KV pools.
-#[pyclass(name = "StepScheduler", module = "sparsetier._core", frozen)]
+#[pyclass(name = "StepScheduler", module = "sparsetier._core", frozen, subclass)]
 pub struct PyStepScheduler {
     /// The core, behind a guard that turns a panic inside into `InternalError` and refuses
     /// every later call; its poison flag is the directory's, so the directory's own binding
     /// refuses too.
-    inner: Guarded<StepScheduler>,
+    pub(super) inner: Guarded<StepScheduler>,
     /// What never changes, read without the lock.
     layers: u16,
     page_size: u32,
@@ -121,7 +122,7 @@ impl PyStepScheduler {
         device_reserve: Option<&Bound<'_, PyAny>>,
         prefetch: bool,
         prefetch_depth: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
+    ) -> PyResult<Py<PyJoinedStepScheduler>> {
         let (d, h, e) = (device.get(), host_kv.get(), engine.get());
         let (id, ih) = (indexer_device.get(), indexer_host.get());
         check_tiers(
@@ -151,94 +152,23 @@ impl PyStepScheduler {
             e.shared(),
         )
         .py_err(py)?;
-        Ok(PyStepScheduler::wrap(
+        let base = PyStepScheduler::wrap(
             inner,
             device.unbind(),
             host_kv.unbind(),
             engine.unbind(),
             vec![indexer_device.unbind(), indexer_host.unbind()],
-        ))
+        );
+        Py::new(
+            py,
+            PyClassInitializer::from(base).add_subclass(PyJoinedStepScheduler),
+        )
     }
 
     /// Whether this is a joined scheduler (with a prefix cache).
     #[getter]
     fn is_joined(&self) -> bool {
         self.joined
-    }
-
-    /// Joined mode: admits request `rid` with its prompt `tokens` (1-D integers in
-    /// [0, 2^32)): matches whole pages in the prefix cache (at least one token is left to
-    /// prefill), restores their Indexer-K in the background, and leaves their main KV on
-    /// host. Returns `{"matched_pages", "device_pages", "restored_pages"}`; the request
-    /// starts at `matched_pages * page_size` tokens.
-    fn admit<'py>(
-        &self,
-        py: Python<'py>,
-        rid: &Bound<'py, PyAny>,
-        tokens: &Bound<'py, PyAny>,
-    ) -> PyResult<PyAdmission> {
-        self.follow(py)?;
-        let id = self::rid(rid)?;
-        let toks = token_ids(tokens)?;
-        let a = py
-            .detach(|| self.inner.run(|s| s.admit(id, &toks)))
-            .py_err(py)?;
-        Ok(PyAdmission::new(&a))
-    }
-
-    /// Joined mode: makes layer `layer` of request `rid`'s restored Indexer-K readable (an
-    /// event wait, or with `stream` a CUDA stream wait). Raises TransferFailedError if the
-    /// restore failed; end the request then.
-    #[pyo3(signature = (rid, layer, stream=None))]
-    fn wait_prefix(
-        &self,
-        py: Python<'_>,
-        rid: &Bound<'_, PyAny>,
-        layer: &Bound<'_, PyAny>,
-        stream: Option<u64>,
-    ) -> PyResult<()> {
-        let id = self::rid(rid)?;
-        let l = u32_arg(py, layer, "layer", 0)?;
-        let l = u16::try_from(l)
-            .map_err(|_| to_py(py, Error::out_of_range("layer", l, 0, self.layers())))?;
-        py.detach(|| self.inner.run(|s| s.wait_prefix(id, l, stream)))
-            .py_err(py)
-    }
-
-    /// Joined mode: request `rid`'s Indexer-K device pages, one per page (int64).
-    fn indexer_pages<'py>(
-        &self,
-        py: Python<'py>,
-        rid: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        let id = self::rid(rid)?;
-        let pages = self.inner.run_py(py, |s| {
-            let pages = s.indexer_pages(id)?;
-            Ok(pages.iter().map(|&p| i64::from(p)).collect::<Vec<_>>())
-        })?;
-        Ok(PyArray1::from_vec(py, pages))
-    }
-
-    /// Joined mode: writes through and inserts every ended request now, waiting for the
-    /// copies (so the next admission sees their pages).
-    fn flush_finished(&self, py: Python<'_>) -> PyResult<()> {
-        self.follow(py)?;
-        py.detach(|| self.inner.run(|s| s.flush_finished()))
-            .py_err(py)
-    }
-
-    /// Joined mode: evicts up to `device` Indexer-K device pages and `host` host pages of
-    /// unlocked prefixes (their main-KV objects go with their host pages). Returns (device
-    /// pages freed, host pages freed).
-    fn evict_prefix(
-        &self,
-        py: Python<'_>,
-        device: &Bound<'_, PyAny>,
-        host: &Bound<'_, PyAny>,
-    ) -> PyResult<(usize, usize)> {
-        let d = u32_arg(py, device, "device", 0)? as usize;
-        let h = u32_arg(py, host, "host", 0)? as usize;
-        self.inner.run_py(py, |s| s.evict_prefix(d, h))
     }
 
     /// Joined mode: prefix-tier counters (hits, bytes restored and loaded against a full
@@ -267,7 +197,7 @@ impl PyStepScheduler {
 
     /// Model layers.
     #[getter]
-    fn layers(&self) -> u16 {
+    pub(super) fn layers(&self) -> u16 {
         self.layers
     }
 
@@ -935,7 +865,7 @@ impl PyStepScheduler {
 
     /// CUDA engines: the copies submitted by the call about to run follow torch's queued
     /// writes on its current stream.
-    fn follow(&self, py: Python<'_>) -> PyResult<()> {
+    pub(super) fn follow(&self, py: Python<'_>) -> PyResult<()> {
         self.engine.get().follow_torch_stream(py)
     }
 
