@@ -15,7 +15,6 @@
 //!   object may linger at a reused home until its pins and reads end, but never writes it.
 
 use super::arena::Arena;
-use super::journal::{Journal, Op};
 use super::key::{Namespace, ObjectKey};
 use super::lru::Lru;
 use super::metrics::{ResolveMetrics, Totals};
@@ -158,8 +157,6 @@ pub struct Core {
     t0: Instant,
     scratch: Vec<(usize, Class)>,
     idx_scratch: Vec<usize>,
-    /// The calls served, when recording (`start_journal`).
-    journal: Option<Journal>,
 }
 
 /// How many dropped namespaces the directory remembers (so that a late key of one is
@@ -205,7 +202,6 @@ impl Core {
             t0: Instant::now(),
             scratch: Vec::new(),
             idx_scratch: Vec::new(),
-            journal: None,
         })
     }
 
@@ -351,17 +347,18 @@ impl Core {
             self.insert_object(*key, DeviceState::Ready { slot }, HostState::None, home);
             slots.push(slot);
         }
-        if let Some(j) = self.journal.as_mut() {
-            j.push(Op::Alloc, 0, 0, keys, homes);
-        }
         Ok(slots)
     }
 
     /// Registers objects whose only copy is already at their home on host (a prefix's KV
     /// pages, written through by an earlier request): device Absent, host Ready, loaded when
     /// selected. Keys already live are skipped when their home agrees (a prefix several
-    /// requests share). Returns how many were created.
-    pub fn register_host(&mut self, keys: &[ObjectKey], homes: &[HostSlotId]) -> Result<usize> {
+    /// requests share). Returns the objects it created: (key, home) each.
+    pub fn register_host(
+        &mut self,
+        keys: &[ObjectKey],
+        homes: &[HostSlotId],
+    ) -> Result<Vec<(ObjectKey, HostSlotId)>> {
         same_len(keys, homes)?;
         let mut fresh = Vec::new();
         for (key, &home) in keys.iter().zip(homes) {
@@ -376,14 +373,8 @@ impl Core {
             }
         }
         let keys_new: Vec<ObjectKey> = fresh.iter().map(|&(k, _)| k).collect();
-        if let Some(j) = self.journal.as_mut() {
-            let homes_new: Vec<HostSlotId> = fresh.iter().map(|&(_, h)| h).collect();
-            if !keys_new.is_empty() {
-                j.push(Op::Register, 0, 0, &keys_new, Some(&homes_new));
-            }
-        }
         if keys_new.is_empty() {
-            return Ok(0);
+            return Ok(fresh);
         }
         self.check_new(&keys_new)?;
         for &(key, home) in &fresh {
@@ -395,7 +386,7 @@ impl Core {
             );
             self.settle(idx);
         }
-        Ok(fresh.len())
+        Ok(fresh)
     }
 
     fn insert_object(
@@ -485,20 +476,6 @@ impl Core {
             Ok(self.commit_resolve(keys.len(), &scratch, loads, bytes_needed, pin_present))
         });
         self.scratch = scratch;
-        if let (Ok(r), Some(j)) = (&result, self.journal.as_mut()) {
-            let ord = j.resolves;
-            j.resolves += 1;
-            j.handle_ord.insert(r.handle, ord);
-            if let Some(lp) = r.loads.first() {
-                j.load_ord.insert(lp.transfer, ord);
-            }
-            let op = if pin_present {
-                Op::Resolve
-            } else {
-                Op::Prefetch
-            };
-            j.push(op, ord, 0, keys, None);
-        }
         result
     }
 
@@ -769,7 +746,6 @@ impl Core {
     /// Loading -> Ready for every object of load `id`; wakes its waiters.
     pub fn complete(&mut self, id: TransferId) -> Result<()> {
         self.in_flight_of(id, TransferKind::Load, "complete")?;
-        self.journal_transfer(Op::Complete, id, 0);
         let objects = std::mem::take(&mut self.transfers.get_mut(&id).expect("checked").objects);
         for &idx in &objects {
             let stamp = self.tick();
@@ -790,7 +766,6 @@ impl Core {
     /// Writing -> Ready for every host copy of backup `id`.
     pub fn backup_complete(&mut self, id: TransferId) -> Result<()> {
         self.in_flight_of(id, TransferKind::Backup, "backup_complete")?;
-        self.journal_transfer(Op::BackupDone, id, 0);
         let objects = std::mem::take(&mut self.transfers.get_mut(&id).expect("checked").objects);
         for &idx in &objects {
             let obj = &mut self.objects[idx];
@@ -812,11 +787,6 @@ impl Core {
     pub fn fail(&mut self, id: TransferId, reason: &str, ended: bool) -> Result<()> {
         self.in_flight(id, "fail")?;
         let kind = self.transfers[&id].kind;
-        let op = match kind {
-            TransferKind::Load => Op::FailLoad,
-            TransferKind::Backup => Op::FailBackup,
-        };
-        self.journal_transfer(op, id, u32::from(ended));
         let t = self.transfers.get_mut(&id).expect("checked");
         let objects = std::mem::take(&mut t.objects);
         let mut q = Quarantine::default();
@@ -874,11 +844,6 @@ impl Core {
                 None => Error::UnknownTransfer { id: id.raw() },
             });
         };
-        let is_backup = self
-            .transfers
-            .get(&id)
-            .is_some_and(|t| t.kind == TransferKind::Backup);
-        self.journal_transfer(Op::Ended, id, u32::from(is_backup));
         self.quarantined_device -= q.device.len();
         self.quarantined_host -= q.host.len();
         let dev: Vec<_> = q.device.iter().map(|s| s.page()).collect();
@@ -964,11 +929,6 @@ impl Core {
             .handles
             .remove(&handle)
             .ok_or(Error::UnknownHandle { id: handle.raw() })?;
-        if let Some(j) = self.journal.as_mut() {
-            if let Some(ord) = j.handle_ord.remove(&handle) {
-                j.push(Op::Release, ord, 0, &[], None);
-            }
-        }
         let mut m = h.metrics;
         m.consumed_ns = Some(self.now_ns());
         let mut ready = Some(m.resolved_ns);
@@ -1092,12 +1052,6 @@ impl Core {
         self.objects.iter().map(|(_, o)| u64::from(o.held)).sum()
     }
 
-    /// Whether a journal is being recorded (held pins are not journaled: a caller that
-    /// holds pins should not while one is).
-    pub fn journaling(&self) -> bool {
-        self.journal.is_some()
-    }
-
     /// The state of transfer `id`: `None` while in flight, else its outcome. Unknown ids are
     /// an error.
     pub fn outcome(&self, id: TransferId) -> Result<Option<Result<()>>> {
@@ -1151,11 +1105,6 @@ impl Core {
                 evictable: 0,
             });
         }
-        if let Some(j) = self.journal.as_mut() {
-            let ord = j.backups;
-            j.backups += 1;
-            j.push(Op::Backup, ord, 0, keys, None);
-        }
         if todo.is_empty() {
             return Ok(BackupPlan {
                 transfer: None,
@@ -1164,9 +1113,6 @@ impl Core {
             });
         }
         let tid = self.new_transfer(TransferKind::Backup);
-        if let Some(j) = self.journal.as_mut() {
-            j.backup_ord.insert(tid, j.backups - 1);
-        }
         let mut plan = BackupPlan {
             transfer: Some(tid),
             device_slots: Vec::with_capacity(todo.len()),
@@ -1193,9 +1139,6 @@ impl Core {
 
     /// Evicts up to `n` least recently used evictable objects; returns their keys.
     pub fn evict(&mut self, n: usize) -> Vec<ObjectKey> {
-        if let Some(j) = self.journal.as_mut() {
-            j.push(Op::Evict, n as u64, 0, &[], None);
-        }
         let mut out = Vec::with_capacity(n.min(self.lru.len()));
         while out.len() < n {
             let Some(idx) = self.lru_pop() else {
@@ -1225,9 +1168,6 @@ impl Core {
             });
         }
         self.totals.namespaces_dropped += 1;
-        if let Some(j) = self.journal.as_mut() {
-            j.push(Op::Drop, ns.id, ns.version, &[], None);
-        }
         self.dropped_order.push_back(ns);
         self.forget_old_drops();
         let (mut now, mut later) = (0, 0);
@@ -1286,38 +1226,15 @@ impl Core {
             .collect()
     }
 
-    /// Starts recording every call into a fresh journal (see [`Journal`]).
-    pub fn start_journal(&mut self) {
-        self.journal = Some(Journal::new(
-            self.object_bytes,
-            self.device.capacity() as u64,
-        ));
+    /// What a journal of this directory records up front: (object bytes, usable device
+    /// slots).
+    pub(super) fn journal_geometry(&self) -> (u64, u64) {
+        (self.object_bytes, self.device.capacity() as u64)
     }
 
-    /// Stops recording and returns the journal, if one was recording.
-    pub fn take_journal(&mut self) -> Option<Journal> {
-        self.journal.take()
-    }
-
-    /// Marks the end of a decode step in the journal.
-    pub fn journal_step(&mut self) {
-        if let Some(j) = self.journal.as_mut() {
-            j.push(Op::Step, 0, 0, &[], None);
-        }
-    }
-
-    fn journal_transfer(&mut self, op: Op, id: TransferId, flag: u32) {
-        if let Some(j) = self.journal.as_mut() {
-            let ord = match op {
-                Op::Complete | Op::FailLoad => j.load_ord.get(&id),
-                Op::BackupDone | Op::FailBackup => j.backup_ord.get(&id),
-                _ if flag == 1 => j.backup_ord.get(&id),
-                _ => j.load_ord.get(&id),
-            };
-            if let Some(&ord) = ord {
-                j.push(op, ord, flag, &[], None);
-            }
-        }
+    /// The kind of transfer `id`, while the directory remembers it.
+    pub(super) fn transfer_kind(&self, id: TransferId) -> Option<TransferKind> {
+        self.transfers.get(&id).map(|t| t.kind)
     }
 
     /// Objects of dropped namespace `ns` not yet removed (a pin or a transfer still holds

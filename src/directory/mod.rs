@@ -22,6 +22,7 @@ pub mod journal;
 pub mod key;
 pub mod lru;
 pub mod metrics;
+mod recorder;
 pub mod state;
 pub mod transfer;
 
@@ -41,7 +42,7 @@ use std::time::{Duration, Instant};
 /// The thread-safe residency directory.
 #[derive(Debug)]
 pub struct Directory {
-    core: Mutex<self::core::Core>,
+    core: Mutex<recorder::Recorded>,
     finished: Condvar,
     /// Set when a call through a binding panicked inside (see [`crate::guard`]); the
     /// bindings refuse every later call. The core itself does not read it.
@@ -65,7 +66,7 @@ impl Directory {
     /// An empty directory of the given sizes.
     pub fn new(cfg: DirectoryConfig) -> Result<Self> {
         Ok(Directory {
-            core: Mutex::new(self::core::Core::new(cfg)?),
+            core: Mutex::new(recorder::Recorded::new(self::core::Core::new(cfg)?)),
             finished: Condvar::new(),
             poison: Arc::default(),
         })
@@ -162,7 +163,7 @@ impl Directory {
         self.core.lock().held_pins()
     }
 
-    /// See [`core::Core::journaling`].
+    /// Whether a journal is recording (see [`recorder`]).
     pub fn journaling(&self) -> bool {
         self.core.lock().journaling()
     }
@@ -240,17 +241,17 @@ impl Directory {
         self.core.lock().evict(n)
     }
 
-    /// See [`core::Core::start_journal`].
+    /// Starts recording every call into a fresh journal (see [`recorder`]).
     pub fn start_journal(&self) {
         self.core.lock().start_journal()
     }
 
-    /// See [`core::Core::take_journal`].
+    /// Stops recording and returns the journal, if one was recording.
     pub fn take_journal(&self) -> Option<journal::Journal> {
         self.core.lock().take_journal()
     }
 
-    /// See [`core::Core::journal_step`].
+    /// Marks the end of a decode step in the journal.
     pub fn journal_step(&self) {
         self.core.lock().journal_step()
     }
