@@ -9,12 +9,30 @@ from sparsetier.tools import soak
 from sparsetier.tools.cli import main
 from sparsetier.tools.soak import SoakConfig, run
 
+_SOAK = """
+import json, sys
+from sparsetier.tools.soak import SoakConfig, run
+cfg = SoakConfig(requests=4000, every=400, device_slots=3000, host_pages=1500,
+                 indexer_pages=1200, prompts=300, faults=0.02)
+print(json.dumps({"host_pages": cfg.host_pages, "layers": cfg.layers,
+                  "reports": run(cfg, quiet=True, engine=sys.argv[1])}))
+"""
+
 
 @pytest.mark.parametrize("engine", soak.ENGINES)
 def test_short_soak_keeps_memory_flat_after_warm_up(engine):
-    cfg = SoakConfig(requests=4000, every=400, device_slots=3000, host_pages=1500,
-                     indexer_pages=1200, prompts=300, faults=0.02)  # fmt: skip
-    reports = run(cfg, quiet=True, engine=engine)
+    # In a process of its own: its RSS is the soak's, not what earlier tests left behind
+    # (their threads and caches grew the shared process's RSS mid-soak once).
+    import json
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-c", _SOAK, engine], capture_output=True, text=True,
+                       timeout=600, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    cfg = SoakConfig(host_pages=out["host_pages"], layers=out["layers"])
+    reports = out["reports"]
     assert len(reports) == 10
     # Objects are bounded by the host tier (every layer of every host page), whatever the
     # request count; RSS stays flat from the 40 % mark on.
