@@ -271,8 +271,7 @@ impl PyResidencyDirectory {
 
     /// Evicts at least `n` unpinned, written-through device objects: how many it evicted.
     #[cfg(feature = "testing")]
-    pub(crate) fn evict_count(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
-        let _ = py;
+    pub(crate) fn evict_count(&self, n: &Bound<'_, PyAny>) -> PyResult<usize> {
         Ok(self.evict_keys(n)?.len())
     }
 

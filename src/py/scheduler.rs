@@ -788,7 +788,7 @@ impl PyStepScheduler {
     fn evict_device_hook(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
         self.follow(py)?;
         let d = self.inner.get_py(py, |s| s.directory().clone())?;
-        PyResidencyDirectory::shared(d).evict_count(py, n)
+        PyResidencyDirectory::shared(d).evict_count(n)
     }
 
     /// Tools and tests: the scheduler's own directory, which they may change under it.
