@@ -39,7 +39,7 @@ impl PyJoinedStepScheduler {
         let id = rid_arg(rid)?;
         let toks = token_ids(tokens)?;
         let a = py
-            .detach(|| this.inner.run(|s| s.admit(id, &toks)))
+            .detach(|| this.inner.run(|s| s.joined()?.admit(id, &toks)))
             .py_err(py)?;
         Ok(PyAdmission::new(&a))
     }
@@ -60,7 +60,7 @@ impl PyJoinedStepScheduler {
         let l = u32_arg(py, layer, "layer", 0)?;
         let l = u16::try_from(l)
             .map_err(|_| to_py(py, Error::out_of_range("layer", l, 0, this.layers())))?;
-        py.detach(|| this.inner.run(|s| s.wait_prefix(id, l, stream)))
+        py.detach(|| this.inner.run(|s| s.joined()?.wait_prefix(id, l, stream)))
             .py_err(py)
     }
 
@@ -73,7 +73,7 @@ impl PyJoinedStepScheduler {
         let this = slf.as_super().get();
         let id = rid_arg(rid)?;
         let pages = this.inner.run_py(py, |s| {
-            let pages = s.indexer_pages(id)?;
+            let pages = s.joined()?.indexer_pages(id)?;
             Ok(pages.iter().map(|&p| i64::from(p)).collect::<Vec<_>>())
         })?;
         Ok(PyArray1::from_vec(py, pages))
@@ -84,7 +84,7 @@ impl PyJoinedStepScheduler {
     fn flush_finished(slf: &Bound<'_, Self>, py: Python<'_>) -> PyResult<()> {
         let this = slf.as_super().get();
         this.follow(py)?;
-        py.detach(|| this.inner.run(|s| s.flush_finished()))
+        py.detach(|| this.inner.run(|s| s.joined()?.flush_finished()))
             .py_err(py)
     }
 
@@ -100,6 +100,6 @@ impl PyJoinedStepScheduler {
         let this = slf.as_super().get();
         let d = u32_arg(py, device, "device", 0)? as usize;
         let h = u32_arg(py, host, "host", 0)? as usize;
-        this.inner.run_py(py, |s| s.evict_prefix(d, h))
+        this.inner.run_py(py, |s| s.joined()?.evict_prefix(d, h))
     }
 }

@@ -21,6 +21,7 @@ mod replay;
 mod residency_view;
 pub(crate) mod scheduler;
 mod scheduler_args;
+mod scheduler_core;
 #[cfg(feature = "testing")]
 mod soak;
 mod stats;

@@ -21,11 +21,12 @@ use crate::py::joined_scheduler::PyJoinedStepScheduler;
 use crate::py::lock::Unblocked;
 use crate::py::residency_view::PyResidencyView;
 use crate::py::scheduler_args::*;
+use crate::py::scheduler_core::{each, Core};
 use crate::py::stats::Stats;
 use crate::py::step_results::{PyLayerCounts, PyLayerPlan, PyStepRecord};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::PoolPair;
-use crate::scheduler::{Prefix, SelectionUnit, StepScheduler};
+use crate::scheduler::{Prefix, SelectionUnit, StepScheduler, Tier};
 #[cfg(feature = "testing")]
 use crate::transfer::Direction;
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
@@ -41,7 +42,7 @@ pub struct PyStepScheduler {
     /// The core, behind a guard that turns a panic inside into `InternalError` and refuses
     /// every later call; its poison flag is the directory's, so the directory's own binding
     /// refuses too.
-    pub(super) inner: Guarded<StepScheduler>,
+    pub(super) inner: Guarded<Core>,
     /// What never changes, read without the lock.
     layers: u16,
     page_size: u32,
@@ -93,7 +94,7 @@ impl PyStepScheduler {
         let inner =
             StepScheduler::new(cfg, d.inner.clone(), h.inner.clone(), e.shared()).py_err(py)?;
         Ok(PyStepScheduler::wrap(
-            inner,
+            Core::Plain(inner),
             device.unbind(),
             host.unbind(),
             engine.unbind(),
@@ -153,7 +154,7 @@ impl PyStepScheduler {
         )
         .py_err(py)?;
         let base = PyStepScheduler::wrap(
-            inner,
+            Core::Joined(inner),
             device.unbind(),
             host_kv.unbind(),
             engine.unbind(),
@@ -174,7 +175,10 @@ impl PyStepScheduler {
     /// Joined mode: prefix-tier counters (hits, bytes restored and loaded against a full
     /// restore) and the prefix cache's page counts; None for a plain scheduler.
     fn prefix_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        match self.inner.get_py(py, |s| prefix_stats(s))? {
+        match self
+            .inner
+            .get_py(py, |s| s.joined_ref().ok().map(prefix_stats))?
+        {
             Some(d) => Ok(Some(d.to_dict(py)?)),
             None => Ok(None),
         }
@@ -187,12 +191,14 @@ impl PyStepScheduler {
     /// back and resolves every selected page each step.
     #[getter]
     fn keep_selections(&self, py: Python<'_>) -> PyResult<bool> {
-        self.inner.get_py(py, |s| s.keeps_selections())
+        self.inner
+            .get_py(py, |s| each!(s, s => s.keeps_selections()))
     }
 
     #[setter]
     fn set_keep_selections(&self, py: Python<'_>, on: bool) -> PyResult<()> {
-        self.inner.run_py(py, |s| s.set_keep_selections(on))
+        self.inner
+            .run_py(py, |s| each!(s, s => s.set_keep_selections(on)))
     }
 
     /// Model layers.
@@ -229,7 +235,9 @@ impl PyStepScheduler {
     /// The residency directory, read only: its counts, an object's state, its invariants.
     #[getter]
     fn residency(&self, py: Python<'_>) -> PyResult<PyResidencyView> {
-        let d = self.inner.get_py(py, |s| s.directory().clone())?;
+        let d = self
+            .inner
+            .get_py(py, |s| each!(s, s => s.directory().clone()))?;
         Ok(PyResidencyView::of(d))
     }
 
@@ -242,7 +250,9 @@ impl PyStepScheduler {
             "StepScheduler.directory",
             "StepScheduler.residency (read only)",
         )?;
-        let d = self.inner.get_py(py, |s| s.directory().clone())?;
+        let d = self
+            .inner
+            .get_py(py, |s| each!(s, s => s.directory().clone()))?;
         Ok(PyResidencyDirectory::shared(d))
     }
 
@@ -261,7 +271,10 @@ impl PyStepScheduler {
         let pages = u32_arg(py, pages, "pages", 1)?;
         let layers = self.layers() as usize;
         let slots = py
-            .detach(|| self.inner.run(|s| s.add_prompt(ns, pages)))
+            .detach(|| {
+                self.inner
+                    .run(|s| s.plain("add_prompt")?.add_prompt(ns, pages))
+            })
             .py_err(py)?;
         slots_2d(py, &slots, layers)
     }
@@ -271,7 +284,8 @@ impl PyStepScheduler {
         let ns = int(namespace, "namespace")?;
         let ns = u64::try_from(ns)
             .map_err(|_| to_py(py, Error::config("namespace", ns, "a stored prompt")))?;
-        self.inner.run_py(py, |s| s.drop_prompt(ns))
+        self.inner
+            .run_py(py, |s| s.plain("drop_prompt")?.drop_prompt(ns))
     }
 
     /// Admits a request of `tokens` prefilled tokens, optionally over `prefix = (namespace,
@@ -307,7 +321,10 @@ impl PyStepScheduler {
         };
         let layers = self.layers() as usize;
         let slots = py
-            .detach(|| self.inner.run(|s| s.add_request(id, n, prefix)))
+            .detach(|| {
+                self.inner
+                    .run(|s| s.plain("add_request")?.add_request(id, n, prefix))
+            })
             .py_err(py)?;
         slots_2d(py, &slots, layers)
     }
@@ -325,7 +342,7 @@ impl PyStepScheduler {
         let n = tokens_arg(tokens)?;
         let layers = self.layers() as usize;
         let (first, slots) = py
-            .detach(|| self.inner.run(|s| s.extend(id, n)))
+            .detach(|| self.inner.run(|s| each!(s, s => s.extend(id, n))))
             .py_err(py)?;
         Ok((first, slots_2d(py, &slots, layers)?))
     }
@@ -343,17 +360,20 @@ impl PyStepScheduler {
         self.follow(py)?;
         let id = self::rid(rid)?;
         let Some(tokens) = tokens else {
-            return self.inner.run_py(py, |s| s.finish_request(id));
+            return self
+                .inner
+                .run_py(py, |s| each!(s, s => s.finish_request(id)));
         };
         let toks = token_ids(tokens)?;
-        self.inner.run_py(py, |s| s.end_request(id, Some(&toks)))
+        self.inner
+            .run_py(py, |s| s.joined()?.end_request(id, Some(&toks)))
     }
 
     /// Tokens written for request `rid`.
     fn request_len(&self, py: Python<'_>, rid: &Bound<'_, PyAny>) -> PyResult<u64> {
         let id = self::rid(rid)?;
         self.inner
-            .get_py(py, |s| s.request(id).map(|r| r.len))?
+            .get_py(py, |s| each!(s, s => s.request(id).map(|r| r.len)))?
             .ok_or_else(|| to_py(py, Error::config("rid", id, "a running request")))
     }
 
@@ -367,7 +387,7 @@ impl PyStepScheduler {
         self.follow(py)?;
         let ids = rid_list(rids)?;
         let (slots, rows) = py
-            .detach(|| self.inner.run(|s| s.append(&ids)))
+            .detach(|| self.inner.run(|s| each!(s, s => s.append(&ids))))
             .py_err(py)?;
         let rows: Vec<i32> = rows.iter().map(|&r| r as i32).collect();
         Ok((
@@ -484,12 +504,14 @@ impl PyStepScheduler {
         let (id, t) = py
             .detach(|| {
                 self.inner.run(|s| {
-                    let counts = counts.as_deref();
-                    let (id, _) = match flat {
-                        Entries::I64(f) => s.plan_counted(layer, &ids, f, k, unit, counts)?,
-                        Entries::I32(f) => s.plan_counted(layer, &ids, f, k, unit, counts)?,
-                    };
-                    Ok((id, s.take_table(id)?))
+                    each!(s, s => {
+                        let counts = counts.as_deref();
+                        let (id, _) = match flat {
+                            Entries::I64(f) => s.plan_counted(layer, &ids, f, k, unit, counts)?,
+                            Entries::I32(f) => s.plan_counted(layer, &ids, f, k, unit, counts)?,
+                        };
+                        Ok((id, s.take_table(id)?))
+                    })
                 })
             })
             .py_err(py)?;
@@ -572,12 +594,14 @@ impl PyStepScheduler {
         let (id, t) = py
             .detach(|| {
                 self.inner.run(|s| {
-                    let counts = counts.as_deref();
-                    let (id, _) = match flat {
-                        Entries::I64(e) => s.plan_csr(layer, &ids, offsets, e, unit, counts)?,
-                        Entries::I32(e) => s.plan_csr(layer, &ids, offsets, e, unit, counts)?,
-                    };
-                    Ok((id, s.take_table(id)?))
+                    each!(s, s => {
+                        let counts = counts.as_deref();
+                        let (id, _) = match flat {
+                            Entries::I64(e) => s.plan_csr(layer, &ids, offsets, e, unit, counts)?,
+                            Entries::I32(e) => s.plan_csr(layer, &ids, offsets, e, unit, counts)?,
+                        };
+                        Ok((id, s.take_table(id)?))
+                    })
                 })
             })
             .py_err(py)?;
@@ -602,7 +626,7 @@ impl PyStepScheduler {
         self.follow(py)?;
         let id = plan_id(plan)?;
         let out = py
-            .detach(|| self.inner.run(|s| s.ready(id, stream)))
+            .detach(|| self.inner.run(|s| each!(s, s => s.ready(id, stream))))
             .py_err(py)?;
         let t = if out.slots_changed {
             Some(self.patched_table(py, id.raw(), &out)?)
@@ -620,7 +644,7 @@ impl PyStepScheduler {
     /// Releases the plan's pins; returns its counts (ready, loaded, joined, exposed_wait_ns).
     fn finish<'py>(&self, py: Python<'py>, plan: &Bound<'py, PyAny>) -> PyResult<PyLayerCounts> {
         let id = plan_id(plan)?;
-        let c = self.inner.run_py(py, |s| s.finish(id))?;
+        let c = self.inner.run_py(py, |s| each!(s, s => s.finish(id)))?;
         self.tables.lock().remove(&id.raw());
         Ok(PyLayerCounts::new(&c))
     }
@@ -629,25 +653,29 @@ impl PyStepScheduler {
     /// step's record.
     fn end_step(&self, py: Python<'_>) -> PyResult<PyStepRecord> {
         self.follow(py)?;
-        let r = py.detach(|| self.inner.run(|s| s.end_step())).py_err(py)?;
+        let r = py
+            .detach(|| self.inner.run(|s| each!(s, s => s.end_step())))
+            .py_err(py)?;
         Ok(PyStepRecord::new(r))
     }
 
     /// Cumulative record: every finished step, plus what happened since the last one.
     fn totals(&self, py: Python<'_>) -> PyResult<PyStepRecord> {
-        let r = self.inner.get_py(py, |s| s.totals())?;
+        let r = self.inner.get_py(py, |s| each!(s, s => s.totals()))?;
         Ok(PyStepRecord::new(r))
     }
 
     /// Settles finished transfers.
     fn poll(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.inner.run(|s| s.poll())).py_err(py)
+        py.detach(|| self.inner.run(|s| each!(s, s => s.poll())))
+            .py_err(py)
     }
 
     /// Waits for and settles every transfer in flight; releases unconsumed prefetches.
     fn drain(&self, py: Python<'_>) -> PyResult<()> {
         self.follow(py)?;
-        py.detach(|| self.inner.run(|s| s.drain())).py_err(py)
+        py.detach(|| self.inner.run(|s| each!(s, s => s.drain())))
+            .py_err(py)
     }
 
     /// Arms `count` failures of the next `kind` (`load`, `backup` or `restore`) submissions,
@@ -681,7 +709,9 @@ impl PyStepScheduler {
             "backup" => Direction::Backup,
             "restore" => Direction::Load,
             "internal" if count == 1 && layer.is_none() && delay.is_none() && !panic => {
-                return self.inner.get_py(py, |s| s.inject_internal_fault());
+                return self
+                    .inner
+                    .get_py(py, |s| each!(s, s => s.inject_internal_fault()));
             }
             "internal" => {
                 return Err(to_py(
@@ -753,11 +783,16 @@ impl PyStepScheduler {
                     ),
                 ));
             }
-            return self.inner.get_py(py, |s| s.inject_restore_faults(count));
+            return self.inner.run_py(py, |s| {
+                s.joined()?.inject_restore_faults(count);
+                Ok(())
+            });
         }
-        self.inner.get_py(py, |s| match panic {
-            true => s.inject_panics(direction, count, layer),
-            false => s.inject_faults(direction, count, layer, delay),
+        self.inner.get_py(py, |s| {
+            each!(s, s => match panic {
+                true => s.inject_panics(direction, count, layer),
+                false => s.inject_faults(direction, count, layer, delay),
+            })
         })
     }
 
@@ -787,7 +822,9 @@ impl PyStepScheduler {
     #[pyo3(name = "_evict_device")]
     fn evict_device_hook(&self, py: Python<'_>, n: &Bound<'_, PyAny>) -> PyResult<usize> {
         self.follow(py)?;
-        let d = self.inner.get_py(py, |s| s.directory().clone())?;
+        let d = self
+            .inner
+            .get_py(py, |s| each!(s, s => s.directory().clone()))?;
         PyResidencyDirectory::shared(d).evict_count(n)
     }
 
@@ -795,27 +832,35 @@ impl PyStepScheduler {
     #[cfg(feature = "testing")]
     #[pyo3(name = "_directory")]
     fn directory_hook(&self, py: Python<'_>) -> PyResult<PyResidencyDirectory> {
-        let d = self.inner.get_py(py, |s| s.directory().clone())?;
+        let d = self
+            .inner
+            .get_py(py, |s| each!(s, s => s.directory().clone()))?;
         Ok(PyResidencyDirectory::shared(d))
     }
 
     /// Starts recording the directory's transitions (what `sparsetier replay` replays at
     /// other budgets): from now until `take_journal`.
     fn start_journal(&self, py: Python<'_>) -> PyResult<()> {
-        let d = self.inner.get_py(py, |s| s.directory().clone())?;
+        let d = self
+            .inner
+            .get_py(py, |s| each!(s, s => s.directory().clone()))?;
         PyResidencyDirectory::shared(d).start_journal(py)
     }
 
     /// The transitions recorded since `start_journal`, as a trace dict (None when not
     /// recording); recording stops.
     fn take_journal<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let d = self.inner.get_py(py, |s| s.directory().clone())?;
+        let d = self
+            .inner
+            .get_py(py, |s| each!(s, s => s.directory().clone()))?;
         PyResidencyDirectory::shared(d).take_journal(py)
     }
 
     /// Directory counts now (objects, pins, slots, ...), with cumulative totals.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (dir, own) = self.inner.get_py(py, |s| scheduler_stats(s))?;
+        let (dir, own) = self
+            .inner
+            .get_py(py, |s| each!(s, s => scheduler_stats(s)))?;
         let d = stats_dict(py, &dir)?;
         for (k, v) in own.to_dict(py)?.iter() {
             d.set_item(k, v)?;
@@ -826,25 +871,26 @@ impl PyStepScheduler {
     /// Raises InvariantError if any invariant of the scheduler or its directory is broken.
     fn validate(&self, py: Python<'_>) -> PyResult<()> {
         self.inner
-            .get_py(py, |s| s.validate())?
+            .get_py(py, |s| each!(s, s => s.validate()))?
             .map_err(|why| typed_error(py, "InvariantError", why, &PyDict::new(py)))
     }
 }
 
 impl PyStepScheduler {
     fn wrap(
-        inner: StepScheduler,
+        inner: Core,
         device: Py<PyPageTransferBinding>,
         host: Py<PyPageTransferBinding>,
         engine: Py<PyTransferEngine>,
         sidecars: Vec<Py<PyPageTransferBinding>>,
     ) -> Self {
-        let poison = std::sync::Arc::clone(inner.directory().poison());
+        let poison = each!(&inner, s => std::sync::Arc::clone(s.directory().poison()));
+        let cfg = *each!(&inner, s => s.config());
         PyStepScheduler {
-            layers: inner.config().layers,
-            page_size: inner.config().page_size,
-            object_bytes: inner.object_bytes(),
-            joined: inner.is_joined(),
+            layers: cfg.layers,
+            page_size: cfg.page_size,
+            object_bytes: each!(&inner, s => s.object_bytes()),
+            joined: matches!(inner, Core::Joined(_)),
             inner: Guarded::sharing(inner, poison),
             device,
             host,
@@ -915,7 +961,8 @@ impl Drop for PyStepScheduler {
         // Copies in flight must end before the tensors they touch are released.
         let poisoned = self.inner.poison().get().is_some();
         let s = self.inner.get_mut();
-        let drained = !poisoned && catch_unwind(AssertUnwindSafe(|| s.drain())).is_ok();
+        let drained =
+            !poisoned && catch_unwind(AssertUnwindSafe(|| each!(s, s => s.drain()))).is_ok();
         if !drained {
             // After an internal error the books may miss a transfer still in flight: the
             // pools' tensors stay alive for good rather than a copy writing freed memory.
@@ -930,8 +977,8 @@ impl Drop for PyStepScheduler {
 
 /// Joined mode's prefix-tier counters and the prefix cache's page counts (`prefix_stats`),
 /// read under the lock.
-fn prefix_stats(s: &StepScheduler) -> Option<Stats> {
-    let (t, p) = (s.prefix_totals()?, s.prefix_tier()?);
+fn prefix_stats(s: &crate::scheduler::JoinedScheduler) -> Stats {
+    let (t, p) = (s.prefix_totals(), s.prefix_tier());
     let mut d = Stats::default();
     d.put("requests", t.requests);
     d.put("hits", t.hits);
@@ -954,11 +1001,11 @@ fn prefix_stats(s: &StepScheduler) -> Option<Stats> {
     d.put("host_capacity", hc);
     d.put("tree_nodes", c.tree().node_count());
     d.put("finishing", s.finishing());
-    Some(d)
+    d
 }
 
 /// The directory's counts and the scheduler's own (`stats`), read under the lock.
-fn scheduler_stats(s: &StepScheduler) -> (crate::directory::DirectoryStats, Stats) {
+fn scheduler_stats<T: Tier>(s: &StepScheduler<T>) -> (crate::directory::DirectoryStats, Stats) {
     let mut d = Stats::default();
     let (loads, backups) = s.in_flight();
     let (plans, prefetches) = s.outstanding();

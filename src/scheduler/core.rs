@@ -34,44 +34,30 @@
 //! keep their buffers alive only through the bindings' contract (the Python layer keeps the
 //! tensors alive in the engine).
 
-use super::faults::ArmedFaults;
-use super::kept_store::{KeptSlot, KeptStore, Run};
+use super::kept_store::KeptStore;
 use super::plan_steps;
-use super::prefix::{Finishing, PrefixTier, PrefixTotals};
 use super::record::StepRecord;
-use super::request::{Kept, Prefix, RequestState};
+use super::request::{Kept, RequestState};
 use super::selection::{RowDedup, SelectionUnit};
-use crate::config::HitPolicy;
-use crate::directory::{Directory, DirectoryConfig, LayerGroup, ObjectHint, ObjectKey, Resolved};
+use crate::directory::{Directory, DirectoryConfig, ObjectHint, ObjectKey, Resolved};
 use crate::error::{Error, Result};
-use crate::ids::{HostSlotId, LayerPlanId, PageId, PinHandleId, RequestId, SlotId, TransferId};
-use crate::radix::{HiCache, HiCacheConfig, PoolPair};
-use crate::transfer::{
-    CopyEngine, Direction, Granularity, LayerStatus, PageTransferBinding, PageTransferGroup,
-    PageTransferMap, PreparedPageTransfer, TransferEvents,
-};
+use crate::ids::{HostSlotId, LayerPlanId, PinHandleId, RequestId, SlotId, TransferId};
+use crate::transfer::{CopyEngine, PageTransferBinding};
 use rustc_hash::FxHashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-#[path = "csr.rs"]
-mod csr;
-#[path = "joined.rs"]
-mod joined;
-#[path = "kept.rs"]
-mod kept;
-#[path = "kept_entries.rs"]
-mod kept_entries;
-#[path = "repeats.rs"]
-mod repeats;
-#[path = "rows.rs"]
-mod rows;
-use csr::{RowForm, RowsIn};
-use rows::Rows;
+use super::csr::{self, RowForm, RowsIn};
+use super::kept;
+use super::repeats;
+use super::rows::{self, Rows};
+use super::tier::{Plain, Tier};
+use super::transfers::Transfers;
 
-const NONE: u32 = u32::MAX;
+/// A slot-table cell naming no page (padding), and a key read from no matched prefix page.
+pub(super) const NONE: u32 = u32::MAX;
 /// A slot-table cell read from the row's kept pages (the merge wrote its slot).
-const KEPT: u32 = 1 << 31;
+pub(super) const KEPT: u32 = 1 << 31;
 
 /// Sizes and switches of a scheduler.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -124,244 +110,107 @@ pub struct PlanCounts {
 /// making room took back kept pages the rows had read. (Returned once a plan and moved into
 /// it: boxing the large variant would cost an allocation a plan.)
 #[allow(clippy::large_enum_variant)]
-enum Resolution {
+pub(super) enum Resolution {
     Resolved(Option<Resolved>),
     StartOver,
 }
 
 #[derive(Debug)]
-struct Load {
-    events: Arc<TransferEvents>,
-}
-
-#[derive(Debug)]
-struct Backup {
-    events: Arc<TransferEvents>,
-    keys: Vec<ObjectKey>,
-}
-
-#[derive(Debug)]
-struct Prefetch {
-    handle: PinHandleId,
-    pins: u64,
+pub(super) struct Prefetch {
+    pub(super) handle: PinHandleId,
+    pub(super) pins: u64,
     /// Per request: (predicted pages, pages this prefetch loaded), both sorted.
-    rows: plan_steps::Predicted,
+    pub(super) rows: plan_steps::Predicted,
 }
 
 #[derive(Debug)]
-struct LayerPlan {
-    layer: u16,
-    rids: Vec<RequestId>,
-    handles: Vec<PinHandleId>,
-    prefetch: Option<Prefetch>,
-    keys: Vec<ObjectKey>,
-    key_row: Vec<u32>,
+pub(super) struct LayerPlan {
+    pub(super) layer: u16,
+    pub(super) rids: Vec<RequestId>,
+    pub(super) handles: Vec<PinHandleId>,
+    pub(super) prefetch: Option<Prefetch>,
+    pub(super) keys: Vec<ObjectKey>,
+    pub(super) key_row: Vec<u32>,
     /// Every cell naming a key but its first; the first is `key_cell`. The cells of neither
     /// read kept slots or are padding.
-    repeats: repeats::Repeats,
+    pub(super) repeats: repeats::Repeats,
     /// Per key: the first cell that names it.
-    key_cell: Vec<u32>,
+    pub(super) key_cell: Vec<u32>,
     /// Per key: the directory's object index.
-    indices: Vec<u32>,
+    pub(super) indices: Vec<u32>,
     /// Kept-selection plans: their rows (`rows::KeptRows`).
-    rows: Option<rows::KeptRows>,
+    pub(super) rows: Option<rows::KeptRows>,
     /// Rows whose loads failed twice.
-    failed: Vec<u32>,
+    pub(super) failed: Vec<u32>,
     /// The slot table, a row per request; None once taken (`take_table`).
-    table: Option<Vec<i32>>,
+    pub(super) table: Option<Vec<i32>>,
     /// The form its rows came in (padded or CSR, `plan_csr`): the table is in that form,
     /// and so are the cells `ready` reports.
-    form: RowForm,
+    pub(super) form: RowForm,
     /// Per key: its slot (what its cells hold), kept when the table is taken.
-    key_slot: Vec<i32>,
-    transfers: Vec<TransferId>,
-    pins: u64,
-    submitted_at: Option<Instant>,
-    counts: PlanCounts,
-    ready: bool,
+    pub(super) key_slot: Vec<i32>,
+    pub(super) transfers: Vec<TransferId>,
+    pub(super) pins: u64,
+    pub(super) submitted_at: Option<Instant>,
+    pub(super) counts: PlanCounts,
+    pub(super) ready: bool,
 }
 
-/// The batched, asynchronous decode-step scheduler.
-pub struct StepScheduler {
-    cfg: SchedulerConfig,
-    dir: Arc<Directory>,
-    engine: Arc<dyn CopyEngine>,
-    device: PageTransferBinding,
-    host: PageTransferBinding,
-    object_bytes: u64,
-    token_bytes: u64,
-    requests: FxHashMap<RequestId, RequestState>,
-    prompts: FxHashMap<u64, u32>,
-    prompt_index: FxHashMap<u64, Vec<Vec<ObjectHint>>>,
-    loads: FxHashMap<TransferId, Load>,
-    backups: FxHashMap<TransferId, Backup>,
-    pending_backups: Vec<ObjectKey>,
-    filled: Vec<ObjectKey>,
-    retry_backups: Vec<ObjectKey>,
-    plans: FxHashMap<LayerPlanId, LayerPlan>,
-    prefetches: FxHashMap<u16, Prefetch>,
-    faults: ArmedFaults,
-    /// The next plan panics inside the core (an injected bug: [`Self::inject_internal_fault`]).
-    internal_fault: bool,
-    /// Injected copy-worker panics handed to the engine with a submission.
-    batch: u64,
-    last_batch: Vec<RequestId>,
-    pins: u64,
-    prefetch_pins: u64,
-    rec: StepRecord,
-    totals: StepRecord,
-    steps: u64,
-    dedup: RowDedup,
-    started: Instant,
-    failed_this_step: rustc_hash::FxHashSet<RequestId>,
-    /// The joined mode's prefix tier (host pages owned by the prefix cache).
-    prefix: Option<PrefixTier>,
+/// The batched, asynchronous decode-step scheduler. `T` is where its host copies live: a
+/// host pool of its own ([`Plain`]) or the pages of a radix prefix cache
+/// ([`PrefixTier`](super::PrefixTier), the joined scheduler). Each has the calls only it has.
+pub struct StepScheduler<T: Tier = Plain> {
+    pub(super) cfg: SchedulerConfig,
+    pub(super) dir: Arc<Directory>,
+    /// The engine, the bindings, and the copies in flight and queued.
+    pub(super) xfer: Transfers,
+    pub(super) token_bytes: u64,
+    pub(super) requests: FxHashMap<RequestId, RequestState>,
+    pub(super) plans: FxHashMap<LayerPlanId, LayerPlan>,
+    pub(super) prefetches: FxHashMap<u16, Prefetch>,
+    /// The next plan panics inside the core (an injected bug: `inject_internal_fault`).
+    pub(super) internal_fault: bool,
+    /// Serial of the last batch named (a request at most once per batch).
+    pub(super) batch: u64,
+    pub(super) last_batch: Vec<RequestId>,
+    /// Pins held by outstanding plans and prefetches.
+    pub(super) pins: u64,
+    pub(super) prefetch_pins: u64,
+    pub(super) rec: StepRecord,
+    pub(super) totals: StepRecord,
+    pub(super) steps: u64,
+    pub(super) dedup: RowDedup,
+    pub(super) started: Instant,
+    pub(super) failed_this_step: rustc_hash::FxHashSet<RequestId>,
+    /// What only this kind of scheduler has (plain: stored prompts; joined: the prefix tier).
+    pub(super) tier: T,
     /// Selections keep their pages pinned from one step to the next (`kept.rs`).
-    keep: bool,
+    pub(super) keep: bool,
     /// Pins held for kept pages.
-    kept_pins: u64,
+    pub(super) kept_pins: u64,
     /// The kept lists, layer-major (`kept_store.rs`).
-    kept: KeptStore,
+    pub(super) kept: KeptStore,
 }
 
-impl std::fmt::Debug for StepScheduler {
+impl<T: Tier> std::fmt::Debug for StepScheduler<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StepScheduler")
             .field("cfg", &self.cfg)
-            .field("engine", &self.engine.name())
+            .field("engine", &self.xfer.engine.name())
+            .field("joined", &T::JOINED)
             .field("requests", &self.requests.len())
             .field("plans", &self.plans.len())
             .finish()
     }
 }
 
-impl StepScheduler {
-    /// A scheduler over one-layer KV pools whose pages are the objects' slots: `device` holds
-    /// `device_pages` pages, `host` holds `host_pages`, both of `page_size` tokens.
-    pub fn new(
+impl<T: Tier> StepScheduler<T> {
+    pub(super) fn assemble(
         cfg: SchedulerConfig,
         device: PageTransferBinding,
         host: PageTransferBinding,
         engine: Arc<dyn CopyEngine>,
-    ) -> Result<Self> {
-        if cfg.layers == 0 {
-            return Err(Error::config("layers", 0, "an integer >= 1"));
-        }
-        if device.layers() != 1 || host.layers() != 1 {
-            return Err(Error::config(
-                "device/host bindings",
-                format!("{} and {} layers", device.layers(), host.layers()),
-                "one-layer KV pools: one page of them is one layer of one page of a request",
-            ));
-        }
-        for (field, b, pages) in [
-            ("device.pages", &device, cfg.device_pages),
-            ("host.pages", &host, cfg.host_pages),
-        ] {
-            if b.pages() != pages {
-                return Err(Error::config(field, b.pages(), format!("{pages}")));
-            }
-            if b.page_size() != cfg.page_size {
-                return Err(Error::config(
-                    "page_size",
-                    b.page_size(),
-                    format!("{}: the scheduler's page size", cfg.page_size),
-                ));
-            }
-        }
-        Self::assemble(cfg, device, host, engine, None)
-    }
-
-    /// A joined scheduler: main-KV objects live at the host pages of a radix prefix cache
-    /// (`host_kv`, the group's multi-layer KV host pool, in either layout) and are loaded
-    /// per layer into `device` slots as selections pick them; `sidecars` (Indexer-K, SWA,
-    /// draft) are whole-page pools of `sidecar_device_pages` device pages, restored by the
-    /// prefix cache on a hit (ALL_PAGES, or the SWA window) and written through when a request
-    /// ends. `cfg.host_pages` is the group's host page count.
-    pub fn joined(
-        cfg: SchedulerConfig,
-        device: PageTransferBinding,
-        host_kv: PageTransferBinding,
-        sidecars: Vec<PoolPair>,
-        sidecar_device_pages: u32,
-        engine: Arc<dyn CopyEngine>,
-    ) -> Result<Self> {
-        if cfg.layers == 0 {
-            return Err(Error::config("layers", 0, "an integer >= 1"));
-        }
-        if device.layers() != 1 || device.pages() != cfg.device_pages {
-            return Err(Error::config(
-                "device",
-                format!("{} layers x {} pages", device.layers(), device.pages()),
-                format!("a one-layer KV pool of {} slots", cfg.device_pages),
-            ));
-        }
-        if host_kv.layers() != cfg.layers as usize
-            || host_kv.pages() != cfg.host_pages
-            || host_kv.page_size() != cfg.page_size
-            || host_kv.planes_per_layer() != device.planes_per_layer()
-            || host_kv.page_bytes() != device.page_bytes()
-        {
-            return Err(Error::config(
-                "host_kv",
-                format!(
-                    "{} layers x {} pages of {} tokens",
-                    host_kv.layers(),
-                    host_kv.pages(),
-                    host_kv.page_size()
-                ),
-                format!(
-                    "the group's KV host pool: {} layers x {} pages of {} tokens, rows as the \
-                     device slots'",
-                    cfg.layers, cfg.host_pages, cfg.page_size
-                ),
-            ));
-        }
-        if sidecars.iter().any(|p| p.device.is_none()) {
-            return Err(Error::config(
-                "sidecars",
-                "a pool without a device buffer",
-                "Indexer-K / SWA / draft pools with device and host buffers",
-            ));
-        }
-        let (flat, order) = host_kv.flatten_layers()?;
-        let kv_page_bytes = host_kv.page_bytes() * host_kv.planes_per_layer() as u64;
-        let mut pools = vec![PoolPair {
-            device: None,
-            host: host_kv,
-            hit: HitPolicy::AllPages,
-        }];
-        pools.extend(sidecars.iter().cloned());
-        let cache = HiCache::new(
-            HiCacheConfig {
-                page_size: cfg.page_size as usize,
-                device_pages: sidecar_device_pages,
-                device_reserve: 0,
-                host_pages: cfg.host_pages,
-                host_reserve: 0,
-                drop_unbacked: false,
-            },
-            pools,
-            Some(engine.clone()),
-        )?;
-        let tier = PrefixTier::new(
-            cache,
-            sidecars,
-            order,
-            cfg.host_pages,
-            cfg.layers,
-            cfg.page_size,
-            kv_page_bytes,
-        );
-        Self::assemble(cfg, device, flat, engine, Some(tier))
-    }
-
-    fn assemble(
-        cfg: SchedulerConfig,
-        device: PageTransferBinding,
-        host: PageTransferBinding,
-        engine: Arc<dyn CopyEngine>,
-        prefix: Option<PrefixTier>,
+        tier: T,
     ) -> Result<Self> {
         let object_bytes = device.page_bytes() * device.planes_per_layer() as u64;
         let dir = Directory::new(DirectoryConfig {
@@ -369,7 +218,7 @@ impl StepScheduler {
             device_reserve: cfg.device_reserve,
             // Joined: every object's host copy is at its home; the directory's own host
             // allocator is left unused.
-            host_pages: if prefix.is_some() { 1 } else { cfg.host_pages },
+            host_pages: if T::JOINED { 1 } else { cfg.host_pages },
             host_reserve: 0,
             object_bytes,
         })?;
@@ -377,21 +226,10 @@ impl StepScheduler {
             token_bytes: object_bytes / u64::from(cfg.page_size),
             cfg,
             dir: Arc::new(dir),
-            engine,
-            device,
-            host,
-            object_bytes,
+            xfer: Transfers::new(engine, device, host),
             requests: FxHashMap::default(),
-            prompts: FxHashMap::default(),
-            prompt_index: FxHashMap::default(),
-            loads: FxHashMap::default(),
-            backups: FxHashMap::default(),
-            pending_backups: Vec::new(),
-            filled: Vec::new(),
-            retry_backups: Vec::new(),
             plans: FxHashMap::default(),
             prefetches: FxHashMap::default(),
-            faults: ArmedFaults::default(),
             internal_fault: false,
             batch: 0,
             last_batch: Vec::new(),
@@ -403,7 +241,7 @@ impl StepScheduler {
             dedup: RowDedup::default(),
             started: Instant::now(),
             failed_this_step: rustc_hash::FxHashSet::default(),
-            prefix,
+            tier,
             keep: true,
             kept_pins: 0,
             kept: KeptStore::new(cfg.layers as usize),
@@ -422,12 +260,12 @@ impl StepScheduler {
 
     /// The copy engine.
     pub fn engine(&self) -> &Arc<dyn CopyEngine> {
-        &self.engine
+        &self.xfer.engine
     }
 
     /// Bytes of one object (one page of one layer, every plane).
     pub fn object_bytes(&self) -> u64 {
-        self.object_bytes
+        self.xfer.object_bytes()
     }
 
     /// Requests running.
@@ -456,7 +294,7 @@ impl StepScheduler {
 
     /// Loads and backups in flight (tracked here, not yet settled).
     pub fn in_flight(&self) -> (usize, usize) {
-        (self.loads.len(), self.backups.len())
+        self.xfer.in_flight()
     }
 
     /// Outstanding layer plans and prefetches.
@@ -465,133 +303,6 @@ impl StepScheduler {
     }
 
     // -- requests -----------------------------------------------------------------------
-
-    /// Stores a shared prefix of `pages` whole pages under `namespace`: its objects are
-    /// allocated for every layer and returned layer-major (`[layer][page]`); the caller writes
-    /// them before its next call, and they are written through to host at the next `end_step`.
-    pub fn add_prompt(&mut self, namespace: u64, pages: u32) -> Result<Vec<SlotId>> {
-        self.not_joined("add_prompt")?;
-        if self.prompts.contains_key(&namespace)
-            || self.requests.contains_key(&RequestId::new(namespace))
-        {
-            return Err(Error::config(
-                "namespace",
-                namespace,
-                "a namespace no prompt or request uses",
-            ));
-        }
-        if pages == 0 {
-            return Err(Error::config("pages", 0, "an integer >= 1"));
-        }
-        self.check_fits("pages", pages, u64::from(pages))?;
-        let keys: Vec<ObjectKey> = (0..self.cfg.layers)
-            .flat_map(|l| {
-                (0..pages).map(move |p| ObjectKey::new(namespace, 0, p, LayerGroup::Layer(l)))
-            })
-            .collect();
-        let slots = self.allocate_with_room(&keys, None)?;
-        let idx = self.dir.index_of(&keys);
-        let per = pages as usize;
-        self.prompt_index.insert(
-            namespace,
-            (0..self.cfg.layers as usize)
-                .map(|l| idx[l * per..(l + 1) * per].to_vec())
-                .collect(),
-        );
-        self.pending_backups.extend_from_slice(&keys);
-        self.prompts.insert(namespace, pages);
-        Ok(slots)
-    }
-
-    /// Whole pages of a stored prefix.
-    pub fn prompt_pages(&self, namespace: u64) -> Option<u32> {
-        self.prompts.get(&namespace).copied()
-    }
-
-    /// Ends a stored prefix; refused while a running request reads it.
-    pub fn drop_prompt(&mut self, namespace: u64) -> Result<()> {
-        if !self.prompts.contains_key(&namespace) {
-            return Err(Error::config("namespace", namespace, "a stored prompt"));
-        }
-        if let Some(r) = self
-            .requests
-            .values()
-            .find(|r| r.prefix.is_some_and(|p| p.namespace == namespace))
-        {
-            return Err(Error::config(
-                "namespace",
-                namespace,
-                format!("a prompt no running request reads (request {} does)", r.id),
-            ));
-        }
-        self.prompts.remove(&namespace);
-        self.prompt_index.remove(&namespace);
-        self.pending_backups.retain(|k| k.namespace.id != namespace);
-        self.dir
-            .drop_namespace(crate::directory::Namespace {
-                id: namespace,
-                version: 0,
-            })
-            .map(|_| ())
-    }
-
-    /// Admits request `id` with `tokens` tokens already prefilled, the first `prefix.pages`
-    /// pages read from a stored prefix: registers it over the prefix, then [`Self::extend`]s
-    /// it by the rest and returns those slots (`[layer][page]`, see `extend`).
-    pub fn add_request(
-        &mut self,
-        id: RequestId,
-        tokens: u64,
-        prefix: Option<Prefix>,
-    ) -> Result<Vec<SlotId>> {
-        self.not_joined("add_request")?;
-        if self.requests.contains_key(&id) || self.prompts.contains_key(&id.raw()) {
-            return Err(Error::KeyExists {
-                key: format!("request {id}"),
-            });
-        }
-        let ps = u64::from(self.cfg.page_size);
-        let from_prefix = prefix.map_or(0, |p| u64::from(p.pages) * ps);
-        if let Some(p) = prefix {
-            let stored = self.prompts.get(&p.namespace).copied().unwrap_or(0);
-            if p.pages == 0 || p.pages > stored || from_prefix > tokens {
-                return Err(Error::config(
-                    "prefix",
-                    format!("({}, {} pages)", p.namespace, p.pages),
-                    format!(
-                        "a stored prompt and 1..={} of its pages, no more than the request's \
-                         {tokens} tokens cover",
-                        stored.min((tokens / ps) as u32)
-                    ),
-                ));
-            }
-        }
-        if tokens == 0 {
-            return Err(Error::config("tokens", 0, "an integer >= 1"));
-        }
-        let layers = self.cfg.layers as usize;
-        let mut state = RequestState::new(id, from_prefix, prefix, layers, self.kept.add());
-        if let (Some(p), Some(t)) = (
-            prefix,
-            prefix.and_then(|p| self.prompt_index.get(&p.namespace)),
-        ) {
-            for (l, idx) in t.iter().enumerate() {
-                state.set_index(l as u16, 0..p.pages, &idx[..p.pages as usize]);
-            }
-        }
-        self.requests.insert(id, state);
-        if tokens == from_prefix {
-            return Ok(Vec::new());
-        }
-        match self.extend(id, tokens - from_prefix) {
-            Ok((_, slots)) => Ok(slots),
-            Err(e) => {
-                let r = self.requests.remove(&id).expect("inserted above");
-                self.release_kept_of(r.kept_slot)?;
-                Err(e)
-            }
-        }
-    }
 
     /// Appends `tokens` prefilled tokens to request `id` (chunked prefill): returns the first
     /// page they touch and the slots of every page they touch, layer-major (`[layer][page]`),
@@ -617,7 +328,7 @@ impl StepScheduler {
         let last = end.div_ceil(ps) as u32;
         let tail = r.tail.clone();
         let (keys, fresh) = if fresh_from < last {
-            self.start_pages(&[(id, fresh_from..last)])?
+            T::start_pages(self, &[(id, fresh_from..last)])?
         } else {
             (Vec::new(), Vec::new())
         };
@@ -643,7 +354,7 @@ impl StepScheduler {
         let full_to = (end / ps) as u32;
         for l in 0..layers {
             for p in first..full_to {
-                self.pending_backups.push(r.key(p, l));
+                self.xfer.pending.push(r.key(p, l));
             }
         }
         r.tail.clear();
@@ -655,30 +366,14 @@ impl StepScheduler {
         Ok((first, slots))
     }
 
-    /// Ends request `id`: its objects go now, or when the last pin or transfer touching them
-    /// ends. Shared prefixes stay.
-    pub fn finish_request(&mut self, id: RequestId) -> Result<()> {
-        if self.prefix.is_some() {
-            return self.end_request(id, None);
-        }
-        let Some(r) = self.requests.remove(&id) else {
-            return Err(Error::config("rid", id, "a running request"));
-        };
-        self.release_kept_of(r.kept_slot)?;
-        self.pending_backups.retain(|k| k.namespace.id != id.raw());
-        self.filled.retain(|k| k.namespace.id != id.raw());
-        self.retry_backups.retain(|k| k.namespace.id != id.raw());
-        self.dir
-            .drop_namespace(crate::directory::Namespace {
-                id: id.raw(),
-                version: 0,
-            })
-            .map(|_| ())
-    }
-
     /// Refuses `pages` new pages (for every layer) that exceed the usable device slots: they
     /// could never be allocated at once, and building their keys could exhaust memory.
-    fn check_fits(&self, field: &str, value: impl std::fmt::Display, pages: u64) -> Result<()> {
+    pub(super) fn check_fits(
+        &self,
+        field: &str,
+        value: impl std::fmt::Display,
+        pages: u64,
+    ) -> Result<()> {
         let usable = u64::from(self.cfg.device_pages - self.cfg.device_reserve);
         let need = pages.saturating_mul(u64::from(self.cfg.layers));
         if need > usable {
@@ -695,93 +390,13 @@ impl StepScheduler {
         Ok(())
     }
 
-    fn not_joined(&self, what: &str) -> Result<()> {
-        if self.prefix.is_some() {
-            return Err(Error::config(
-                "mode",
-                "joined",
-                format!(
-                    "a scheduler without a prefix cache for {what} (a joined scheduler admits \
-                     requests by their tokens: admit)"
-                ),
-            ));
-        }
-        Ok(())
-    }
-
-    /// Creates every layer's object of the pages `starts` name (per start, layer-major) on
-    /// the device, returning their keys and slots. Joined: the pages first get host pages and
-    /// Indexer-K device pages from the prefix cache, and their objects a home there.
-    fn start_pages(
-        &mut self,
-        starts: &[(RequestId, std::ops::Range<u32>)],
-    ) -> Result<(Vec<ObjectKey>, Vec<SlotId>)> {
-        let layers = self.cfg.layers;
-        let n: usize = starts.iter().map(|(_, r)| r.len()).sum();
-        let mut taken: Option<(Vec<PageId>, Vec<PageId>)> = None;
-        if let Some(p) = self.prefix.as_mut() {
-            let host = p.alloc_host(&self.dir, n)?;
-            let idx = match p.cache.alloc_device(n) {
-                Ok(v) => v,
-                Err(e) => {
-                    p.cache.free_host(&host)?;
-                    return Err(e);
-                }
-            };
-            let homes = p.homes_of(&host);
-            let mut at = 0;
-            for (id, range) in starts {
-                let r = self.requests.get_mut(id).expect("checked by the caller");
-                debug_assert_eq!(r.homes.len(), range.start as usize);
-                r.homes.extend_from_slice(&homes[at..at + range.len()]);
-                r.idx_pages
-                    .extend(idx[at..at + range.len()].iter().map(|p| p.raw()));
-                at += range.len();
-            }
-            taken = Some((host, idx));
-        }
-        let mut keys = Vec::with_capacity(n * layers as usize);
-        let mut homes: Vec<HostSlotId> = Vec::new();
-        for (id, range) in starts {
-            let r = &self.requests[id];
-            for l in 0..layers {
-                for page in range.clone() {
-                    keys.push(r.key(page, l));
-                    if let Some(p) = &self.prefix {
-                        homes.push(p.home(r.homes[page as usize].0, l));
-                    }
-                }
-            }
-        }
-        let got = if self.prefix.is_some() {
-            self.allocate_with_room(&keys, Some(&homes))
-        } else {
-            self.allocate_with_room(&keys, None)
-        };
-        match got {
-            Ok(slots) => Ok((keys, slots)),
-            Err(e) => {
-                if let (Some(p), Some((host, idx))) = (self.prefix.as_mut(), taken) {
-                    for (id, range) in starts {
-                        let r = self.requests.get_mut(id).expect("checked by the caller");
-                        r.homes.truncate(range.start as usize);
-                        r.idx_pages.truncate(range.start as usize);
-                    }
-                    p.cache.free_host(&host)?;
-                    p.cache.free_device(&idx)?;
-                }
-                Err(e)
-            }
-        }
-    }
-
-    fn request_mut(&mut self, id: RequestId, batch: u64) -> Result<&mut RequestState> {
+    pub(super) fn request_mut(&mut self, id: RequestId, batch: u64) -> Result<&mut RequestState> {
         mark_batch(&mut self.requests, id, batch)
     }
 
     /// Allocates, and when the device is full of pages not yet written through, backs them up
     /// and settles first (the caller wrote them before this call, by contract).
-    fn allocate_with_room(
+    pub(super) fn allocate_with_room(
         &mut self,
         keys: &[ObjectKey],
         homes: Option<&[HostSlotId]>,
@@ -803,7 +418,7 @@ impl StepScheduler {
     /// loads of the absent. When the device is full it makes room, kept pages included, and
     /// resolves again; but a plan whose rows read kept lists (`read_kept`: a hit, or a page a
     /// row dropped) must start over, since making room gave those pages back.
-    fn resolve_rows(
+    pub(super) fn resolve_rows(
         &mut self,
         keys: &[ObjectKey],
         hints: &[ObjectHint],
@@ -829,13 +444,13 @@ impl StepScheduler {
     /// What the device can give back when full: pages written but not yet through to host
     /// (written through and settled here, so they become evictable) and the pins of
     /// outstanding prefetches (best effort: dropped, their loads still settle).
-    fn make_room(&mut self) -> Result<()> {
+    pub(super) fn make_room(&mut self) -> Result<()> {
         // A write-through that fails here is retried once more at once.
         for _ in 0..2 {
             self.submit_pending_backups()?;
             self.wait_backups();
             self.poll()?;
-            if self.retry_backups.is_empty() {
+            if self.xfer.retry.is_empty() {
                 break;
             }
         }
@@ -846,9 +461,7 @@ impl StepScheduler {
         }
         self.release_all_kept()?;
         // Loads nobody pins any more still hold their slots until settled.
-        for ld in self.loads.values() {
-            let _ = ld.events.wait_all(None);
-        }
+        self.xfer.wait_loads();
         self.poll()
     }
 
@@ -874,7 +487,7 @@ impl StepScheduler {
             }
         }
         if !starts.is_empty() {
-            let (fresh, slots) = self.start_pages(&starts)?;
+            let (fresh, slots) = T::start_pages(self, &starts)?;
             let idx = self.dir.index_of(&fresh);
             let mut at = 0;
             for id in rids {
@@ -906,7 +519,7 @@ impl StepScheduler {
                 // through only once the step ends.
                 let page = (r.len / ps - 1) as u32;
                 for l in 0..layers {
-                    self.filled.push(r.key(page, l));
+                    self.xfer.filled.push(r.key(page, l));
                 }
             }
         }
@@ -965,7 +578,7 @@ impl StepScheduler {
 
     /// A plan of rows in either form (padded `[B, k]` or CSR): the one path of
     /// [`plan_counted`](Self::plan_counted) and [`plan_csr`](Self::plan_csr).
-    fn plan_rows<E: super::Entry>(
+    pub(super) fn plan_rows<E: super::Entry>(
         &mut self,
         layer: u16,
         rids: &[RequestId],
@@ -1048,9 +661,9 @@ impl StepScheduler {
             indices: Vec::new(),
         });
         // Everything below commits: the resolve pinned the batch.
-        if self.prefix.is_some() {
+        if T::JOINED {
             let key_rids: Vec<RequestId> = key_row.iter().map(|&b| rids[b as usize]).collect();
-            self.count_prefix_loads(layer, &res.loaded, &from_prefix, &key_rids);
+            T::count_loads(self, layer, &res.loaded, &from_prefix, &key_rids);
         }
         let prefetch = self.prefetches.remove(&layer);
         let mut rec = StepRecord {
@@ -1089,7 +702,7 @@ impl StepScheduler {
             loaded: &res.loaded,
         };
         let pf_rows = prefetch.as_ref().map(|pf| &pf.rows);
-        let needed_moved = plan_steps::score_moved(&moved, pf_rows, self.object_bytes, &mut rec);
+        let needed_moved = plan_steps::score_moved(&moved, pf_rows, self.object_bytes(), &mut rec);
         rec.bytes_needed_of_transferred = needed_moved * self.token_bytes;
         // The next prediction: this step's distinct pages, sorted, for prefetch (a
         // kept-selection plan's are its rows' next kept lists, settled at finish).
@@ -1102,7 +715,7 @@ impl StepScheduler {
             }
         }
         let t_submit = Instant::now();
-        let transfers = self.submit_resolved(&res, layer, &mut rec);
+        let transfers = self.xfer.submit_resolved(&self.dir, &res, layer, &mut rec);
         if std::mem::take(&mut self.internal_fault) {
             crate::guard::injected_panic("injected internal fault in plan");
         }
@@ -1186,44 +799,7 @@ impl StepScheduler {
         self.plan_rows(layer, rids, entries, RowForm::Csr(csr), unit, counts)
     }
 
-    /// Joined mode: counts the main-KV bytes loaded for matched prefix pages, and those
-    /// loaded for the first time in their request.
-    fn count_prefix_loads(
-        &mut self,
-        layer: u16,
-        loaded: &[bool],
-        from_prefix: &[u32],
-        key_rids: &[RequestId],
-    ) {
-        let Some(p) = self.prefix.as_mut() else {
-            return;
-        };
-        let layers = self.cfg.layers as usize;
-        for (i, (&l, &page)) in loaded.iter().zip(from_prefix).enumerate() {
-            if !l || page == NONE {
-                continue;
-            }
-            let Some(r) = self.requests.get_mut(&key_rids[i]) else {
-                continue;
-            };
-            if page < r.restored_from {
-                // Indexer-K was on the device: a whole-prefix restore moves nothing here.
-                p.totals.device_part_kv_bytes_loaded += self.object_bytes;
-                continue;
-            }
-            p.totals.prefix_kv_bytes_loaded += self.object_bytes;
-            {
-                let bit = page as usize * layers + layer as usize;
-                let word = &mut r.prefix_seen[bit / 64];
-                if *word & (1 << (bit % 64)) == 0 {
-                    *word |= 1 << (bit % 64);
-                    p.totals.prefix_kv_bytes_first += self.object_bytes;
-                }
-            }
-        }
-    }
-
-    fn since(&self, t: Instant) -> u64 {
+    pub(super) fn since(&self, t: Instant) -> u64 {
         t.saturating_duration_since(self.started).as_nanos() as u64
     }
 
@@ -1252,158 +828,10 @@ impl StepScheduler {
             .ok_or_else(|| Error::config("plan", id, "a plan whose table was not taken yet"))
     }
 
-    fn plan_ref(&self, id: LayerPlanId) -> Result<&LayerPlan> {
+    pub(super) fn plan_ref(&self, id: LayerPlanId) -> Result<&LayerPlan> {
         self.plans
             .get(&id)
             .ok_or_else(|| Error::config("plan", id, "an outstanding layer plan (not finished)"))
-    }
-
-    /// Makes the plan's data readable: on the cpu engine, waits for every transfer the plan
-    /// depends on; with `stream` (a CUDA engine), makes that stream wait on the GPU instead.
-    /// A failed load is retried once; rows still without their data are reported failed.
-    pub fn ready(&mut self, id: LayerPlanId, stream: Option<u64>) -> Result<ReadyOutcome> {
-        let t0 = Instant::now();
-        let plan = self.plan_ref(id)?;
-        if plan.ready {
-            return Ok(ReadyOutcome::default());
-        }
-        let transfers = plan.transfers.clone();
-        let mut waited = Duration::ZERO;
-        let mut failed = false;
-        for tid in &transfers {
-            if let Some(ld) = self.loads.get(tid) {
-                match stream {
-                    Some(s) if !ld.events.is_finished() => {
-                        self.engine.stream_wait(&ld.events, 0, s)?;
-                        continue;
-                    }
-                    _ => {
-                        let w = Instant::now();
-                        let _ = ld.events.wait_all(None);
-                        waited += w.elapsed();
-                    }
-                }
-                self.settle_load(*tid)?;
-            }
-            failed |= matches!(self.dir.outcome(*tid), Ok(Some(Err(_))));
-        }
-        let mut out = ReadyOutcome::default();
-        if failed {
-            waited += self.recover(id, &mut out)?;
-        }
-        let plan = self.plans.get_mut(&id).expect("checked above");
-        plan.ready = true;
-        plan.counts.exposed_wait_ns = waited.as_nanos() as u64;
-        if let Some(s) = plan.submitted_at {
-            self.rec.transfer_ns += s.elapsed().as_nanos() as u64;
-        }
-        self.rec.exposed_wait_ns += waited.as_nanos() as u64;
-        self.rec.ready_ns = self.since(Instant::now());
-        // A request that fails at several layers of one step counts once.
-        for (_, rid, _) in &out.failed {
-            if self.failed_this_step.insert(*rid) {
-                self.rec.failed_requests += 1;
-            }
-        }
-        let cpu = ns(t0.elapsed().saturating_sub(waited));
-        self.rec.cpu_ready_ns += cpu;
-        self.rec.cpu_ns += cpu;
-        Ok(out)
-    }
-
-    /// Retries the plan's objects whose load failed, once; reports the rows that still lack
-    /// their data. Returns the time blocked.
-    fn recover(&mut self, id: LayerPlanId, out: &mut ReadyOutcome) -> Result<Duration> {
-        let plan = &self.plans[&id];
-        let layer = plan.layer;
-        let mut lost: Vec<u32> = Vec::new();
-        for (i, k) in plan.keys.iter().enumerate() {
-            if self
-                .dir
-                .state(k)
-                .is_some_and(|s| s.device == crate::directory::DeviceState::Absent)
-            {
-                lost.push(i as u32);
-            }
-        }
-        if lost.is_empty() {
-            return Ok(Duration::ZERO);
-        }
-        let keys: Vec<ObjectKey> = lost.iter().map(|&i| plan.keys[i as usize]).collect();
-        let mut waited = Duration::ZERO;
-        let mut reason = String::new();
-        let retried = match self.dir.resolve(&keys, None) {
-            Ok(res) => {
-                let plan = self.plans.get_mut(&id).expect("outstanding");
-                plan.handles.push(res.handle);
-                plan.pins += res.metrics.distinct;
-                self.pins += res.metrics.distinct;
-                let mut rec = StepRecord::default();
-                let deps = self.submit_resolved(&res, layer, &mut rec);
-                rec.retried_loads = 1;
-                self.rec.fold(&rec);
-                let mut ok = true;
-                for tid in deps {
-                    if let Some(ld) = self.loads.get(&tid) {
-                        let w = Instant::now();
-                        let _ = ld.events.wait_all(None);
-                        waited += w.elapsed();
-                        self.settle_load(tid)?;
-                    }
-                    if let Ok(Some(Err(e))) = self.dir.outcome(tid) {
-                        ok = false;
-                        reason = e.to_string();
-                    }
-                }
-                ok.then_some(res.slots)
-            }
-            Err(e) => {
-                reason = e.to_string();
-                None
-            }
-        };
-        let plan = self.plans.get_mut(&id).expect("outstanding");
-        match retried {
-            Some(slots) => {
-                let mut new_slot = vec![-1i32; plan.keys.len()];
-                for (n, &i) in lost.iter().enumerate() {
-                    new_slot[i as usize] = slots[n].raw() as i32;
-                }
-                for &i in &lost {
-                    let key = i as usize;
-                    plan.key_slot[key] = new_slot[key];
-                    out.moved.push((plan.key_cell[key], new_slot[key]));
-                }
-                out.moved.extend(
-                    plan.repeats
-                        .cells_of(|key| Some(new_slot[key]).filter(|&s| s >= 0)),
-                );
-                if let Some(table) = plan.table.as_mut() {
-                    for &(at, slot) in &out.moved {
-                        table[at as usize] = slot;
-                    }
-                }
-                out.slots_changed = true;
-            }
-            None => {
-                let mut rows: Vec<u32> = lost.iter().map(|&i| plan.key_row[i as usize]).collect();
-                rows.sort_unstable();
-                rows.dedup();
-                for &b in &rows {
-                    plan.failed.push(b);
-                    let b = b as usize;
-                    let cells = plan.form.row_cells(b);
-                    if let Some(table) = plan.table.as_mut() {
-                        table[cells.clone()].fill(-1);
-                    }
-                    out.failed_cells
-                        .push((cells.start as u32, cells.end as u32));
-                    out.failed.push((b, plan.rids[b], reason.clone()));
-                }
-                out.slots_changed = true;
-            }
-        }
-        Ok(waited)
     }
 
     /// Releases the plan's pins (and the prefetch it consumed) and folds its metrics.
@@ -1436,14 +864,10 @@ impl StepScheduler {
     /// prefetches, and returns the step's record.
     pub fn end_step(&mut self) -> Result<StepRecord> {
         let t0 = Instant::now();
-        self.pending_backups.append(&mut self.filled);
+        self.xfer.pending.append(&mut self.xfer.filled);
         self.submit_pending_backups()?;
         self.poll()?;
-        if let Some(p) = self.prefix.as_mut() {
-            p.cache.poll()?;
-            p.drop_freed(&self.dir)?;
-        }
-        self.progress_finishing()?;
+        T::end_step(self)?;
         let stale: Vec<u16> = self.prefetches.keys().copied().collect();
         for l in stale {
             self.drop_prefetch(l)?;
@@ -1476,344 +900,6 @@ impl StepScheduler {
         Ok(rec)
     }
 
-    /// Settles every finished load and backup (complete, or fail and retry a backup once).
-    pub fn poll(&mut self) -> Result<()> {
-        let done: Vec<TransferId> = self
-            .loads
-            .iter()
-            .filter(|(_, l)| l.events.is_finished())
-            .map(|(t, _)| *t)
-            .collect();
-        for t in done {
-            self.settle_load(t)?;
-        }
-        let done: Vec<TransferId> = self
-            .backups
-            .iter()
-            .filter(|(_, b)| b.events.is_finished())
-            .map(|(t, _)| *t)
-            .collect();
-        for t in done {
-            let b = self.backups.remove(&t).expect("listed");
-            match first_failure(&b.events) {
-                None => self.dir.backup_complete(t)?,
-                Some(reason) => {
-                    self.dir.fail(t, &reason, true)?;
-                    self.rec.failed_backups += 1;
-                    self.retry_backups.extend(b.keys);
-                }
-            }
-        }
-        Ok(())
-    }
-
-    /// Blocks until every backup in flight has finished (used when the device is full of
-    /// pages that are not written through yet, and by shutdown).
-    pub fn wait_backups(&self) {
-        for b in self.backups.values() {
-            let _ = b.events.wait_all(None);
-        }
-    }
-
-    /// Arms `count` failures (or, with `delay`, slow copies) for the next load (or backup)
-    /// submissions, at `layer` only if given. Through the engine's fault hook, so the failure
-    /// takes the real path.
-    pub fn inject_faults(
-        &mut self,
-        direction: Direction,
-        count: u32,
-        layer: Option<u16>,
-        delay: Option<Duration>,
-    ) {
-        self.faults.fail(direction, count, layer, delay);
-    }
-
-    /// Arms `count` panics of the engine's worker (cpu engine) in the next load (or backup)
-    /// submissions, at `layer` only if given: a bug in the copy path, which the engine turns
-    /// into a failed transfer.
-    pub fn inject_panics(&mut self, direction: Direction, count: u32, layer: Option<u16>) {
-        self.faults.panic(direction, count, layer);
-    }
-
-    /// Injected copy-worker panics handed to the engine so far, each with the submission it
-    /// fails (a panic armed but not yet handed over is in [`Self::armed_faults`]).
-    pub fn copy_panics_injected(&self) -> u64 {
-        self.faults.copy_panics()
-    }
-
-    /// The next plan panics inside the core after it has pinned and submitted its loads, as
-    /// a bug would (tests the bindings' containment: see [`crate::guard`]).
-    pub fn inject_internal_fault(&mut self) {
-        self.internal_fault = true;
-    }
-
-    /// Injected faults still armed, by kind: (loads, backups, restores). A fault stays armed
-    /// until a submission of its kind (at its layer, if it names one) takes it, so a run whose
-    /// faults found nothing to fail can say so.
-    pub fn armed_faults(&self) -> (u64, u64, u64) {
-        let restores = self
-            .prefix
-            .as_ref()
-            .map_or(0, |p| u64::from(p.restore_faults));
-        let armed = |d| self.faults.armed(d);
-        (armed(Direction::Load), armed(Direction::Backup), restores)
-    }
-
-    /// Hands an armed fault of `direction` at `layer` to the engine for its next submission.
-    fn arm(&mut self, direction: Direction, layer: Option<u16>) -> Result<()> {
-        self.faults.arm(&*self.engine, direction, layer)
-    }
-
-    // -- transfers ----------------------------------------------------------------------
-
-    fn group(
-        &self,
-        direction: Direction,
-        src: &[u64],
-        dst: &[u64],
-    ) -> Result<(PageTransferGroup, u64)> {
-        let map = PageTransferMap::new(Granularity::Page, src, dst)?;
-        let segments = map.segments().len() as u64;
-        let (s, d) = match direction {
-            Direction::Load => (&self.host, &self.device),
-            Direction::Backup => (&self.device, &self.host),
-        };
-        let t = PreparedPageTransfer::new(s.clone(), d.clone(), map, direction)?;
-        Ok((
-            PageTransferGroup::new(vec![t])?,
-            segments * self.device.planes_per_layer() as u64,
-        ))
-    }
-
-    /// Submits a resolve's load (if any); returns every transfer the batch now depends on: the
-    /// ones it joined, then its own.
-    fn submit_resolved(
-        &mut self,
-        res: &Resolved,
-        layer: u16,
-        rec: &mut StepRecord,
-    ) -> Vec<TransferId> {
-        let mut deps: Vec<TransferId> = res.joined.iter().copied().collect();
-        if let Some(lp) = res.loads.first() {
-            self.submit_load(lp.transfer, &lp.host_slots, &lp.device_slots, layer, rec);
-            deps.push(lp.transfer);
-        }
-        deps
-    }
-
-    /// Submits directory load `tid`; a submission the engine refuses fails the load at once.
-    fn submit_load(
-        &mut self,
-        tid: TransferId,
-        host: &[crate::ids::HostSlotId],
-        device: &[SlotId],
-        layer: u16,
-        rec: &mut StepRecord,
-    ) {
-        let src: Vec<u64> = host.iter().map(|s| u64::from(s.raw())).collect();
-        let dst: Vec<u64> = device.iter().map(|s| u64::from(s.raw())).collect();
-        let submitted = self.arm(Direction::Load, Some(layer)).and_then(|()| {
-            let (g, segments) = self.group(Direction::Load, &src, &dst)?;
-            rec.copy_segments += segments;
-            self.engine.submit(Arc::new(g), None)
-        });
-        rec.load_submissions += 1;
-        rec.bytes_transferred += device.len() as u64 * self.object_bytes;
-        match submitted {
-            Ok(events) => {
-                let _ = self.dir.mark_submitted(tid);
-                self.loads.insert(tid, Load { events });
-            }
-            Err(e) => {
-                // Nothing was queued: the slots can be reused at once.
-                let _ = self.dir.fail(tid, &e.to_string(), true);
-                rec.failed_loads += 1;
-            }
-        }
-    }
-
-    fn settle_load(&mut self, tid: TransferId) -> Result<()> {
-        let Some(ld) = self.loads.remove(&tid) else {
-            return Ok(());
-        };
-        match first_failure(&ld.events) {
-            None => self.dir.complete(tid),
-            Some(reason) => {
-                self.rec.failed_loads += 1;
-                self.dir.fail(tid, &reason, ld.events.is_finished())
-            }
-        }
-    }
-
-    /// Writes through the pages that filled (attempt 0) and, separately, the pages whose
-    /// backup failed (a retry).
-    fn submit_pending_backups(&mut self) -> Result<()> {
-        let mut keys = std::mem::take(&mut self.pending_backups);
-        if self.prefix.is_some() {
-            // Pages of a request that was let go are dropped objects by now.
-            keys.retain(|k| self.dir.state(k).is_some());
-        }
-        self.submit_backup(keys)?;
-        let retry: Vec<ObjectKey> = std::mem::take(&mut self.retry_backups)
-            .into_iter()
-            .filter(|k| self.dir.state(k).is_some())
-            .collect();
-        self.submit_backup(retry)
-    }
-
-    fn submit_backup(&mut self, keys: Vec<ObjectKey>) -> Result<()> {
-        if keys.is_empty() {
-            return Ok(());
-        }
-        let plan = self.dir.backup(&keys)?;
-        let Some(tid) = plan.transfer else {
-            return Ok(());
-        };
-        let src: Vec<u64> = plan
-            .device_slots
-            .iter()
-            .map(|s| u64::from(s.raw()))
-            .collect();
-        let dst: Vec<u64> = plan.host_slots.iter().map(|s| u64::from(s.raw())).collect();
-        let submitted = self.arm(Direction::Backup, None).and_then(|()| {
-            let (g, _) = self.group(Direction::Backup, &src, &dst)?;
-            self.engine.submit(Arc::new(g), None)
-        });
-        self.rec.backup_submissions += 1;
-        self.rec.backup_pages += src.len() as u64;
-        match submitted {
-            Ok(events) => {
-                self.backups.insert(tid, Backup { events, keys });
-            }
-            Err(e) => {
-                self.dir.fail(tid, &e.to_string(), true)?;
-                self.rec.failed_backups += 1;
-                self.retry_backups.extend(keys);
-            }
-        }
-        Ok(())
-    }
-
-    // -- prefetch -----------------------------------------------------------------------
-
-    /// Loads (and pins until `plan(layer)` finishes) what each request of `rids` selected at
-    /// `layer` last step and is now on host only; pages still on the device are left alone
-    /// (not pinned: the plan pins them if they are still there). Best effort: skipped when the
-    /// device cannot hold it.
-    fn prefetch(&mut self, layer: u16, rids: &[RequestId]) -> Result<()> {
-        let t = Instant::now();
-        let r = self.prefetch_layer(layer, rids);
-        self.rec.cpu_prefetch_ns += ns(t.elapsed());
-        r
-    }
-
-    fn prefetch_layer(&mut self, layer: u16, rids: &[RequestId]) -> Result<()> {
-        if self.prefetches.contains_key(&layer) {
-            return Ok(());
-        }
-        let ps = self.cfg.page_size;
-        let mut keys = Vec::new();
-        let mut hints = Vec::new();
-        let mut rows = FxHashMap::default();
-        let mut from_prefix = Vec::new();
-        let mut key_rids = Vec::new();
-        for id in rids {
-            let Some(r) = self.requests.get(id) else {
-                continue;
-            };
-            let pages = r.pages(ps);
-            // Kept pages are held on the device: only the rest may need a load. (Kept plans
-            // leave only unkept pages here; an unkept plan of a layer with kept lists, one
-            // planned while another was outstanding, may not.)
-            let kept = self.kept.list(layer as usize, r.kept_slot);
-            let mut kc = 0;
-            let predicted: Vec<u32> = r.last_selection[layer as usize]
-                .iter()
-                .copied()
-                .filter(|&p| {
-                    while kc < kept.len() && kept[kc].page < p {
-                        kc += 1;
-                    }
-                    p < pages && kept.get(kc).is_none_or(|k| k.page != p)
-                })
-                .collect();
-            keys.extend(predicted.iter().map(|&p| r.key(p, layer)));
-            hints.extend(predicted.iter().map(|&p| r.hint(p, layer)));
-            from_prefix.extend(
-                predicted
-                    .iter()
-                    .map(|&p| if p < r.matched { p } else { NONE }),
-            );
-            key_rids.extend(predicted.iter().map(|_| *id));
-            rows.insert(*id, (predicted, Vec::new()));
-        }
-        if keys.is_empty() {
-            return Ok(());
-        }
-        let res = match self.dir.prefetch_loads(&keys, &hints) {
-            Ok(r) => r,
-            Err(Error::OutOfSlots { .. }) => {
-                self.rec.prefetch_skipped += 1;
-                return Ok(());
-            }
-            Err(e) => return Err(e),
-        };
-        self.count_prefix_loads(layer, &res.loaded, &from_prefix, &key_rids);
-        let mut rec = StepRecord {
-            prefetch_predicted: keys.len() as u64,
-            prefetch_loaded: res.metrics.absent,
-            ..Default::default()
-        };
-        if let Some(lp) = res.loads.first() {
-            let mut i = 0;
-            for id in rids {
-                let Some((predicted, loaded)) = rows.get_mut(id) else {
-                    continue;
-                };
-                for &p in predicted.iter() {
-                    if res.loaded[i] {
-                        loaded.push(p);
-                    }
-                    i += 1;
-                }
-            }
-            self.submit_load(
-                lp.transfer,
-                &lp.host_slots,
-                &lp.device_slots,
-                layer,
-                &mut rec,
-            );
-        }
-        self.rec.fold(&rec);
-        let pins = res.metrics.distinct;
-        self.pins += pins;
-        self.prefetch_pins += pins;
-        self.rec.pinned_peak = self.rec.pinned_peak.max(self.pins);
-        self.rec.prefetch_pinned_peak = self.rec.prefetch_pinned_peak.max(self.prefetch_pins);
-        self.prefetches.insert(
-            layer,
-            Prefetch {
-                handle: res.handle,
-                pins,
-                rows,
-            },
-        );
-        Ok(())
-    }
-
-    fn drop_prefetch(&mut self, layer: u16) -> Result<()> {
-        if let Some(pf) = self.prefetches.remove(&layer) {
-            let wasted: u64 = pf.rows.values().map(|(_, l)| l.len() as u64).sum();
-            self.rec.prefetch_wasted += wasted;
-            self.rec.prefetch_wasted_bytes += wasted * self.object_bytes;
-            self.dir.release(pf.handle)?;
-            self.pins -= pf.pins;
-            self.prefetch_pins -= pf.pins;
-        }
-        Ok(())
-    }
-
     /// Waits for every transfer in flight and settles it, releases prefetches; what a caller
     /// does before dropping the pools.
     pub fn drain(&mut self) -> Result<()> {
@@ -1822,84 +908,43 @@ impl StepScheduler {
             self.drop_prefetch(l)?;
         }
         self.submit_pending_backups()?;
-        for ld in self.loads.values() {
-            let _ = ld.events.wait_all(None);
-        }
+        self.xfer.wait_loads();
         self.wait_backups();
         self.poll()?;
         // A retry queued by a failed backup gets one more try here.
-        if !self.retry_backups.is_empty() {
+        if !self.xfer.retry.is_empty() {
             self.submit_pending_backups()?;
             self.wait_backups();
             self.poll()?;
         }
-        if let Some(p) = self.prefix.as_mut() {
-            p.cache.drain()?;
-            p.drop_freed(&self.dir)?;
-        }
-        // Ended requests: write through and insert (a failed write gets more tries).
-        self.flush_finished()?;
-        self.progress_finishing()
+        T::drain(self)
     }
 
-    /// Checks the directory's invariants and the scheduler's own (module docs).
-    pub fn validate(&self) -> std::result::Result<(), String> {
-        self.dir.validate()?;
-        self.validate_prefix()?;
-        let s = self.dir.stats();
-        // A plan holds its own pins and those of the prefetch it consumed.
-        let held: u64 = self
-            .plans
-            .values()
-            .map(|p| p.pins + p.prefetch.as_ref().map_or(0, |pf| pf.pins))
-            .sum::<u64>()
-            + self.prefetches.values().map(|p| p.pins).sum::<u64>();
-        if held != self.pins {
-            return Err(format!(
-                "pins counted {} != held by plans {held}",
-                self.pins
-            ));
-        }
-        self.validate_kept()?;
-        if self.plans.is_empty()
-            && self.prefetches.is_empty()
-            && (s.pins != self.kept_pins || s.handles != 0)
-        {
-            return Err(format!(
-                "no plan or prefetch outstanding, yet {} pins in {} handles",
-                s.pins, s.handles
-            ));
-        }
-        if s.transfers_in_flight > self.loads.len() + self.backups.len() {
-            return Err(format!(
-                "directory has {} transfers in flight, scheduler tracks {}",
-                s.transfers_in_flight,
-                self.loads.len() + self.backups.len()
-            ));
-        }
-        for r in self.requests.values() {
-            if r.len % u64::from(self.cfg.page_size) == 0 {
-                continue; // the next token starts a page: no page is being written
-            }
-            for (l, slot) in r.tail.iter().enumerate() {
-                let key = r.key((r.len / u64::from(self.cfg.page_size)) as u32, l as u16);
-                let ok = self.dir.state(&key).is_some_and(|o| {
-                    o.device == crate::directory::DeviceState::Ready { slot: *slot }
-                });
-                if !ok {
-                    return Err(format!(
-                        "request {}: tail slot {slot} of layer {l} is not its page",
-                        r.id
-                    ));
-                }
-            }
-        }
-        Ok(())
+    /// Settles every finished load and backup (complete, or fail and retry a backup once).
+    pub fn poll(&mut self) -> Result<()> {
+        self.xfer.poll(&self.dir, &mut self.rec)
+    }
+
+    /// Blocks until every backup in flight has finished (used when the device is full of
+    /// pages that are not written through yet, and by shutdown).
+    pub fn wait_backups(&self) {
+        self.xfer.wait_backups();
+    }
+
+    /// Writes through the pages that filled and those whose backup failed.
+    pub(super) fn submit_pending_backups(&mut self) -> Result<()> {
+        self.xfer
+            .submit_pending(&self.dir, &mut self.rec, T::JOINED)
+    }
+
+    /// Settles load `tid` if it is still tracked.
+    pub(super) fn settle_load(&mut self, tid: TransferId) -> Result<()> {
+        self.xfer.settle_load(&self.dir, tid, &mut self.rec)
     }
 }
 
 /// Marks request `id` as named by batch `batch`; refuses unknown ids and repeats in a batch.
-fn mark_batch(
+pub(super) fn mark_batch(
     requests: &mut FxHashMap<RequestId, RequestState>,
     id: RequestId,
     batch: u64,
@@ -1918,16 +963,7 @@ fn mark_batch(
     Ok(r)
 }
 
-/// The first failure among a transfer's layers, if any.
-fn first_failure(ev: &TransferEvents) -> Option<String> {
-    ev.layers().iter().find_map(|&l| match ev.status(l) {
-        Ok(LayerStatus::Failed(r)) => Some(r),
-        Ok(_) => None,
-        Err(e) => Some(e.to_string()),
-    })
-}
-
 /// Nanoseconds of `d`, saturated (a step's CPU split counts in u64 nanoseconds).
-fn ns(d: Duration) -> u64 {
+pub(super) fn ns(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }

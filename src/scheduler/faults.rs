@@ -4,6 +4,8 @@
 //! the fault is handed to the engine's own fault hook for that submission, so the failure
 //! takes the real path. It holds no other state of the scheduler's.
 
+use super::core::StepScheduler;
+use super::tier::Tier;
 use crate::error::Result;
 use crate::transfer::{CopyEngine, Direction, Fault, FaultAction};
 use std::time::Duration;
@@ -106,5 +108,49 @@ impl ArmedFaults {
         }
         self.faults.retain(|f| f.remaining > 0);
         Ok(())
+    }
+}
+
+/// The scheduler's fault hooks (`sparsetier.testing` in Python).
+impl<T: Tier> StepScheduler<T> {
+    /// Arms `count` failures (or, with `delay`, slow copies) for the next load (or backup)
+    /// submissions, at `layer` only if given. Through the engine's fault hook, so the failure
+    /// takes the real path.
+    pub fn inject_faults(
+        &mut self,
+        direction: Direction,
+        count: u32,
+        layer: Option<u16>,
+        delay: Option<Duration>,
+    ) {
+        self.xfer.faults.fail(direction, count, layer, delay);
+    }
+
+    /// Arms `count` panics of the engine's worker (cpu engine) in the next load (or backup)
+    /// submissions, at `layer` only if given: a bug in the copy path, which the engine turns
+    /// into a failed transfer.
+    pub fn inject_panics(&mut self, direction: Direction, count: u32, layer: Option<u16>) {
+        self.xfer.faults.panic(direction, count, layer);
+    }
+
+    /// Injected copy-worker panics handed to the engine so far, each with the submission it
+    /// fails (a panic armed but not yet handed over is in [`Self::armed_faults`]).
+    pub fn copy_panics_injected(&self) -> u64 {
+        self.xfer.faults.copy_panics()
+    }
+
+    /// The next plan panics inside the core after it has pinned and submitted its loads, as
+    /// a bug would (tests the bindings' containment: see [`crate::guard`]).
+    pub fn inject_internal_fault(&mut self) {
+        self.internal_fault = true;
+    }
+
+    /// Injected faults still armed, by kind: (loads, backups, restores). A fault stays armed
+    /// until a submission of its kind (at its layer, if it names one) takes it, so a run whose
+    /// faults found nothing to fail can say so.
+    pub fn armed_faults(&self) -> (u64, u64, u64) {
+        let restores = self.tier.restore_faults();
+        let armed = |d| self.xfer.faults.armed(d);
+        (armed(Direction::Load), armed(Direction::Backup), restores)
     }
 }

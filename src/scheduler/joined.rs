@@ -14,33 +14,110 @@
 //! written through, its whole pages are inserted into the tree (host copies taken as they
 //! are, nothing copied again), the partial last page is let go, and the match is unlocked.
 
-use super::{Finishing, PrefixTier, PrefixTotals, StepScheduler};
-use crate::directory::HostState;
+use super::core::{SchedulerConfig, StepScheduler, NONE};
+use super::prefix::Finishing;
+use super::tier::Tier;
+use super::{PrefixTier, PrefixTotals};
+use crate::config::HitPolicy;
+use crate::directory::{HostState, ObjectKey};
 use crate::error::{Error, Result};
-use crate::ids::{PageId, RequestId};
+use crate::ids::{HostSlotId, PageId, RequestId, SlotId};
+use crate::radix::{HiCache, HiCacheConfig, PoolPair};
 use crate::scheduler::request::RequestState;
 use crate::scheduler::Admission;
+use crate::transfer::{CopyEngine, PageTransferBinding};
 use crate::transfer::{Direction, LayerStatus};
+use std::ops::Range;
+use std::sync::Arc;
 
-impl StepScheduler {
-    fn tier(&mut self) -> Result<&mut PrefixTier> {
-        self.prefix.as_mut().ok_or_else(|| {
-            Error::config(
-                "mode",
-                "plain",
-                "a joined scheduler (StepScheduler.joined, with a prefix cache)",
-            )
-        })
+impl StepScheduler<PrefixTier> {
+    /// A joined scheduler: main-KV objects live at the host pages of a radix prefix cache
+    /// (`host_kv`, the group's multi-layer KV host pool, in either layout) and are loaded
+    /// per layer into `device` slots as selections pick them; `sidecars` (Indexer-K, SWA,
+    /// draft) are whole-page pools of `sidecar_device_pages` device pages, restored by the
+    /// prefix cache on a hit (ALL_PAGES, or the SWA window) and written through when a request
+    /// ends. `cfg.host_pages` is the group's host page count.
+    pub fn joined(
+        cfg: SchedulerConfig,
+        device: PageTransferBinding,
+        host_kv: PageTransferBinding,
+        sidecars: Vec<PoolPair>,
+        sidecar_device_pages: u32,
+        engine: Arc<dyn CopyEngine>,
+    ) -> Result<Self> {
+        if cfg.layers == 0 {
+            return Err(Error::config("layers", 0, "an integer >= 1"));
+        }
+        if device.layers() != 1 || device.pages() != cfg.device_pages {
+            return Err(Error::config(
+                "device",
+                format!("{} layers x {} pages", device.layers(), device.pages()),
+                format!("a one-layer KV pool of {} slots", cfg.device_pages),
+            ));
+        }
+        if host_kv.layers() != cfg.layers as usize
+            || host_kv.pages() != cfg.host_pages
+            || host_kv.page_size() != cfg.page_size
+            || host_kv.planes_per_layer() != device.planes_per_layer()
+            || host_kv.page_bytes() != device.page_bytes()
+        {
+            return Err(Error::config(
+                "host_kv",
+                format!(
+                    "{} layers x {} pages of {} tokens",
+                    host_kv.layers(),
+                    host_kv.pages(),
+                    host_kv.page_size()
+                ),
+                format!(
+                    "the group's KV host pool: {} layers x {} pages of {} tokens, rows as the \
+                     device slots'",
+                    cfg.layers, cfg.host_pages, cfg.page_size
+                ),
+            ));
+        }
+        if sidecars.iter().any(|p| p.device.is_none()) {
+            return Err(Error::config(
+                "sidecars",
+                "a pool without a device buffer",
+                "Indexer-K / SWA / draft pools with device and host buffers",
+            ));
+        }
+        let (flat, order) = host_kv.flatten_layers()?;
+        let kv_page_bytes = host_kv.page_bytes() * host_kv.planes_per_layer() as u64;
+        let mut pools = vec![PoolPair {
+            device: None,
+            host: host_kv,
+            hit: HitPolicy::AllPages,
+        }];
+        pools.extend(sidecars.iter().cloned());
+        let cache = HiCache::new(
+            HiCacheConfig {
+                page_size: cfg.page_size as usize,
+                device_pages: sidecar_device_pages,
+                device_reserve: 0,
+                host_pages: cfg.host_pages,
+                host_reserve: 0,
+                drop_unbacked: false,
+            },
+            pools,
+            Some(engine.clone()),
+        )?;
+        let tier = PrefixTier::new(
+            cache,
+            sidecars,
+            order,
+            cfg.host_pages,
+            cfg.layers,
+            cfg.page_size,
+            kv_page_bytes,
+        );
+        Self::assemble(cfg, device, flat, engine, tier)
     }
 
-    /// Whether this scheduler runs the joined mode.
-    pub fn is_joined(&self) -> bool {
-        self.prefix.is_some()
-    }
-
-    /// The prefix tier (joined mode).
-    pub fn prefix_tier(&self) -> Option<&PrefixTier> {
-        self.prefix.as_ref()
+    /// The prefix tier.
+    pub fn prefix_tier(&self) -> &PrefixTier {
+        &self.tier
     }
 
     /// Admits request `id` with prompt `tokens`: matches its whole pages in the prefix cache
@@ -48,7 +125,6 @@ impl StepScheduler {
     /// host part's Indexer-K, and registers the matched pages' main KV as host-resident
     /// objects. The request starts at the matched length; `extend` prefills the rest.
     pub fn admit(&mut self, id: RequestId, tokens: &[u32]) -> Result<Admission> {
-        self.tier()?;
         if self.requests.contains_key(&id) {
             return Err(Error::KeyExists {
                 key: format!("request {id}"),
@@ -64,8 +140,8 @@ impl StepScheduler {
         let ps = self.cfg.page_size as usize;
         let layers = self.cfg.layers as usize;
         let dir = self.dir.clone();
-        let engine = self.engine.clone();
-        let p = self.prefix.as_mut().expect("checked");
+        let engine = self.xfer.engine.clone();
+        let p = &mut self.tier;
         p.cache.poll()?;
         p.drop_freed(&dir)?;
         let cap = (tokens.len() - 1) / ps * ps;
@@ -184,12 +260,10 @@ impl StepScheduler {
             .get(&id)
             .ok_or_else(|| Error::config("rid", id, "a running request"))?;
         let t0 = std::time::Instant::now();
-        let out = PrefixTier::wait_restore(&self.engine, &r.restores, layer, stream);
+        let out = PrefixTier::wait_restore(&self.xfer.engine, &r.restores, layer, stream);
         self.rec.exposed_wait_ns += t0.elapsed().as_nanos() as u64;
         if out.is_err() {
-            if let Some(p) = self.prefix.as_mut() {
-                p.totals.restores_failed += 1;
-            }
+            self.tier.totals.restores_failed += 1;
         }
         out
     }
@@ -202,11 +276,15 @@ impl StepScheduler {
             .ok_or_else(|| Error::config("rid", id, "a running request"))
     }
 
+    /// Ends request `id` without inserting its pages (`end_request(id, None)`).
+    pub fn finish_request(&mut self, id: RequestId) -> Result<()> {
+        self.end_request(id, None)
+    }
+
     /// Ends request `id`. With `tokens` (its prompt and generated tokens, at least its whole
     /// pages' worth), its whole pages go into the prefix tree once written through; without,
     /// its own pages are let go. Either way the match is unlocked when that is done.
     pub fn end_request(&mut self, id: RequestId, tokens: Option<&[u32]>) -> Result<()> {
-        self.tier()?;
         let r = self
             .requests
             .get(&id)
@@ -246,7 +324,7 @@ impl StepScheduler {
             written: false,
         };
         if f.insert {
-            self.prefix.as_mut().expect("checked").finishing.push(f);
+            self.tier.finishing.push(f);
             self.progress_finishing()
         } else {
             self.let_go(f, 0)
@@ -255,9 +333,9 @@ impl StepScheduler {
 
     /// Lets go of a finishing request's own pages from `from` on (all of them when it is not
     /// inserted) and unlocks its match.
-    fn let_go(&mut self, f: Finishing, from: u32) -> Result<()> {
+    pub(super) fn let_go(&mut self, f: Finishing, from: u32) -> Result<()> {
         let dir = self.dir.clone();
-        let p = self.prefix.as_mut().expect("joined");
+        let p = &mut self.tier;
         let start = from.max(f.matched) as usize;
         let mut idx = Vec::new();
         for i in start..f.homes.len() {
@@ -275,10 +353,8 @@ impl StepScheduler {
 
     /// Advances the requests that ended: submits their Indexer-K write-through, and inserts
     /// those whose pages are all written through.
-    pub(crate) fn progress_finishing(&mut self) -> Result<()> {
-        let Some(p) = self.prefix.as_mut() else {
-            return Ok(());
-        };
+    pub(super) fn progress_finishing(&mut self) -> Result<()> {
+        let p = &mut self.tier;
         if p.finishing.is_empty() {
             return p.free_settled(&self.dir);
         }
@@ -291,14 +367,11 @@ impl StepScheduler {
                         let pairs: Vec<(u32, u32)> = (f.matched..f.full)
                             .map(|i| (f.idx_pages[i as usize], f.homes[i as usize].0))
                             .collect();
-                        self.arm(Direction::Backup, None)?;
-                        let p = self.prefix.as_ref().expect("joined");
-                        match p.write_through(&self.engine, &pairs) {
+                        self.xfer.arm(Direction::Backup, None)?;
+                        match self.tier.write_through(&self.xfer.engine, &pairs) {
                             Ok(Some(ev)) => f.write = Some(ev),
                             Ok(None) => f.written = true,
-                            Err(_) => {
-                                self.prefix.as_mut().expect("joined").totals.writes_failed += 1
-                            }
+                            Err(_) => self.tier.totals.writes_failed += 1,
                         }
                     }
                     Some(ev) if ev.is_finished() => {
@@ -309,7 +382,7 @@ impl StepScheduler {
                         if ok {
                             f.written = true;
                         } else {
-                            self.prefix.as_mut().expect("joined").totals.writes_failed += 1;
+                            self.tier.totals.writes_failed += 1;
                         }
                         f.write = None;
                     }
@@ -322,14 +395,14 @@ impl StepScheduler {
                 keep.push(f);
             }
         }
-        let p = self.prefix.as_mut().expect("joined");
+        let p = &mut self.tier;
         keep.append(&mut p.finishing);
         p.finishing = keep;
         p.free_settled(&self.dir)
     }
 
     /// Whether every layer of the request's own whole pages is host-Ready.
-    fn kv_written(&self, f: &Finishing) -> bool {
+    pub(super) fn kv_written(&self, f: &Finishing) -> bool {
         (f.matched..f.full).all(|i| {
             let (h, gen) = f.homes[i as usize];
             (0..self.cfg.layers).all(|l| {
@@ -341,9 +414,9 @@ impl StepScheduler {
     }
 
     /// Inserts a written-through request's whole pages and lets go of the rest.
-    fn commit(&mut self, f: Finishing) -> Result<()> {
+    pub(super) fn commit(&mut self, f: Finishing) -> Result<()> {
         let dir = self.dir.clone();
-        let p = self.prefix.as_mut().expect("joined");
+        let p = &mut self.tier;
         let full = f.full as usize;
         if full > 0 {
             let dev: Vec<PageId> = f.idx_pages[..full]
@@ -367,9 +440,7 @@ impl StepScheduler {
 
     /// Arms `count` failures of the next Indexer-K restores (through the engine's fault hook).
     pub fn inject_restore_faults(&mut self, count: u32) {
-        if let Some(p) = self.prefix.as_mut() {
-            p.restore_faults += count;
-        }
+        self.tier.restore_faults += count;
     }
 
     /// Writes through and inserts every request that ended, waiting for the copies (a retry
@@ -381,16 +452,14 @@ impl StepScheduler {
             if self.finishing() == 0 {
                 break;
             }
-            self.pending_backups.append(&mut self.filled);
+            self.xfer.pending.append(&mut self.xfer.filled);
             self.submit_pending_backups()?;
             self.wait_backups();
             self.poll()?;
             self.progress_finishing()?;
-            let waits: Vec<_> = self
-                .prefix
-                .as_ref()
-                .map(|p| p.finishing.iter().filter_map(|f| f.write.clone()).collect())
-                .unwrap_or_default();
+            let waits: Vec<_> = (self.tier.finishing.iter())
+                .filter_map(|f| f.write.clone())
+                .collect();
             for ev in waits {
                 let _ = ev.wait_all(None);
             }
@@ -400,8 +469,8 @@ impl StepScheduler {
     }
 
     /// Prefix-tier counters (joined mode).
-    pub fn prefix_totals(&self) -> Option<PrefixTotals> {
-        self.prefix.as_ref().map(|p| p.totals)
+    pub fn prefix_totals(&self) -> PrefixTotals {
+        self.tier.totals
     }
 
     /// Evicts prefix-cache pages: `device` Indexer-K device pages of unlocked nodes, then
@@ -409,7 +478,7 @@ impl StepScheduler {
     /// Returns (device pages freed, host pages freed).
     pub fn evict_prefix(&mut self, device: usize, host: usize) -> Result<(usize, usize)> {
         let dir = self.dir.clone();
-        let p = self.tier()?;
+        let p = &mut self.tier;
         let d = p.cache.evict_device(device);
         let h = p.cache.evict_host(host)?;
         p.drop_freed(&dir)?;
@@ -418,15 +487,13 @@ impl StepScheduler {
 
     /// Requests that ended and wait for their pages to be written through.
     pub fn finishing(&self) -> usize {
-        self.prefix.as_ref().map_or(0, |p| p.finishing.len())
+        self.tier.finishing.len()
     }
 
     /// Checks the prefix tier: the cache's invariants, and that every page the cache handed
     /// out is held by exactly one running or finishing request, or waits in limbo.
-    pub(crate) fn validate_prefix(&self) -> std::result::Result<(), String> {
-        let Some(p) = &self.prefix else {
-            return Ok(());
-        };
+    pub(super) fn validate_prefix(&self) -> std::result::Result<(), String> {
+        let p = &self.tier;
         p.cache.validate()?;
         let ps = u64::from(self.cfg.page_size);
         let mut own_dev = 0usize;
@@ -484,6 +551,122 @@ impl StepScheduler {
             ));
         }
         Ok(())
+    }
+}
+
+impl Tier for PrefixTier {
+    const JOINED: bool = true;
+
+    /// The pages first get host pages and Indexer-K device pages from the prefix cache, and
+    /// their objects a home there.
+    fn start_pages(
+        s: &mut StepScheduler<Self>,
+        starts: &[(RequestId, Range<u32>)],
+    ) -> Result<(Vec<ObjectKey>, Vec<SlotId>)> {
+        let layers = s.cfg.layers;
+        let n: usize = starts.iter().map(|(_, r)| r.len()).sum();
+        let p = &mut s.tier;
+        let host = p.alloc_host(&s.dir, n)?;
+        let idx = match p.cache.alloc_device(n) {
+            Ok(v) => v,
+            Err(e) => {
+                p.cache.free_host(&host)?;
+                return Err(e);
+            }
+        };
+        let page_homes = p.homes_of(&host);
+        let mut at = 0;
+        for (id, range) in starts {
+            let r = s.requests.get_mut(id).expect("checked by the caller");
+            debug_assert_eq!(r.homes.len(), range.start as usize);
+            r.homes.extend_from_slice(&page_homes[at..at + range.len()]);
+            r.idx_pages
+                .extend(idx[at..at + range.len()].iter().map(|p| p.raw()));
+            at += range.len();
+        }
+        let mut keys = Vec::with_capacity(n * layers as usize);
+        let mut homes: Vec<HostSlotId> = Vec::with_capacity(n * layers as usize);
+        for (id, range) in starts {
+            let r = &s.requests[id];
+            for l in 0..layers {
+                for page in range.clone() {
+                    keys.push(r.key(page, l));
+                    homes.push(s.tier.home(r.homes[page as usize].0, l));
+                }
+            }
+        }
+        match s.allocate_with_room(&keys, Some(&homes)) {
+            Ok(slots) => Ok((keys, slots)),
+            Err(e) => {
+                for (id, range) in starts {
+                    let r = s.requests.get_mut(id).expect("checked by the caller");
+                    r.homes.truncate(range.start as usize);
+                    r.idx_pages.truncate(range.start as usize);
+                }
+                s.tier.cache.free_host(&host)?;
+                s.tier.cache.free_device(&idx)?;
+                Err(e)
+            }
+        }
+    }
+
+    /// Counts the main-KV bytes loaded for matched prefix pages, and those loaded for the
+    /// first time in their request.
+    fn count_loads(
+        s: &mut StepScheduler<Self>,
+        layer: u16,
+        loaded: &[bool],
+        from_prefix: &[u32],
+        key_rids: &[RequestId],
+    ) {
+        let object_bytes = s.object_bytes();
+        let layers = s.cfg.layers as usize;
+        let totals = &mut s.tier.totals;
+        for (i, (&l, &page)) in loaded.iter().zip(from_prefix).enumerate() {
+            if !l || page == NONE {
+                continue;
+            }
+            let Some(r) = s.requests.get_mut(&key_rids[i]) else {
+                continue;
+            };
+            if page < r.restored_from {
+                // Indexer-K was on the device: a whole-prefix restore moves nothing here.
+                totals.device_part_kv_bytes_loaded += object_bytes;
+                continue;
+            }
+            totals.prefix_kv_bytes_loaded += object_bytes;
+            let bit = page as usize * layers + layer as usize;
+            let word = &mut r.prefix_seen[bit / 64];
+            if *word & (1 << (bit % 64)) == 0 {
+                *word |= 1 << (bit % 64);
+                totals.prefix_kv_bytes_first += object_bytes;
+            }
+        }
+    }
+
+    /// Settles the cache's transfers, drops the objects of the host pages it let go, and
+    /// advances the requests that ended.
+    fn end_step(s: &mut StepScheduler<Self>) -> Result<()> {
+        s.tier.cache.poll()?;
+        s.tier.drop_freed(&s.dir)?;
+        s.progress_finishing()
+    }
+
+    /// Waits for the cache's transfers, then writes through and inserts the requests that
+    /// ended (a failed write gets more tries).
+    fn drain(s: &mut StepScheduler<Self>) -> Result<()> {
+        s.tier.cache.drain()?;
+        s.tier.drop_freed(&s.dir)?;
+        s.flush_finished()?;
+        s.progress_finishing()
+    }
+
+    fn validate(s: &StepScheduler<Self>) -> std::result::Result<(), String> {
+        s.validate_prefix()
+    }
+
+    fn restore_faults(&self) -> u64 {
+        u64::from(self.restore_faults)
     }
 }
 

@@ -37,10 +37,12 @@
 //! Invariants (checked by `validate`): every kept entry is its object's, Ready at the kept
 //! slot, and the kept entries are exactly the directory's held pins.
 
+use super::core::{mark_batch, LayerPlan, StepScheduler, KEPT, NONE};
+use super::csr::RowsIn;
+use super::kept_store::{KeptSlot, Run};
+use super::request::{Kept, RequestState};
 use super::rows::{entry_count, KeptRows, Rows};
-use super::{
-    mark_batch, Kept, KeptSlot, LayerPlan, RequestState, RowsIn, Run, StepScheduler, KEPT, NONE,
-};
+use super::tier::Tier;
 use crate::directory::ObjectHint;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
@@ -53,7 +55,7 @@ pub(super) const KEPT_SHARE_DIVISOR: u64 = 2;
 /// Bytes of the kept array a row's merge asks for past its own list (about two rows).
 const AHEAD_BYTES: usize = 768;
 
-impl StepScheduler {
+impl<T: Tier> StepScheduler<T> {
     /// Whether a plan of `layer` over `unit` uses and refreshes the kept lists: entries of at
     /// most a page (block = page here, smaller ones in `kept_entries.rs`), and no other plan
     /// of the layer outstanding (a plan's kept cells rely on the kept pins
@@ -297,7 +299,7 @@ impl StepScheduler {
         self.unhold(&objects)
     }
 
-    fn unhold(&mut self, objects: &[u32]) -> Result<()> {
+    pub(super) fn unhold(&mut self, objects: &[u32]) -> Result<()> {
         if objects.is_empty() {
             return Ok(());
         }

@@ -20,9 +20,11 @@
 //!
 //! [`RowDedup`]: crate::scheduler::selection::RowDedup
 
+use super::core::{mark_batch, StepScheduler, KEPT, NONE};
+use super::csr::RowsIn;
+use super::request::Kept;
 use super::rows::{KeptRows, Rows};
-use super::Kept;
-use super::{mark_batch, RowsIn, StepScheduler, KEPT, NONE};
+use super::tier::Tier;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::scheduler::entry::Entry;
@@ -213,7 +215,7 @@ impl Distinct {
     }
 }
 
-impl StepScheduler {
+impl<T: Tier> StepScheduler<T> {
     /// The rows of a kept-selection plan whose entries lie inside pages (`unit` < page size):
     /// see the module docs.
     pub(super) fn kept_entry_rows<E: Entry>(

@@ -8,17 +8,33 @@
 
 pub mod bench;
 pub mod core;
+mod csr;
 pub mod entry;
 mod faults;
+mod joined;
+mod kept;
+mod kept_entries;
 mod kept_store;
+mod plain;
 mod plan_steps;
+mod prefetching;
 pub mod prefix;
+mod ready;
 pub mod record;
+mod repeats;
 pub mod request;
+mod rows;
 pub mod selection;
 pub mod soak;
+mod tier;
+mod transfers;
+mod validate;
 
 pub use self::core::{PlanCounts, ReadyOutcome, SchedulerConfig, StepScheduler};
+pub use tier::{Plain, Tier};
+
+/// The joined step scheduler: host copies at the pages of a radix prefix cache.
+pub type JoinedScheduler = StepScheduler<PrefixTier>;
 pub use entry::Entry;
 pub use kept_store::KeptSlot;
 pub use prefix::{Admission, PrefixTier, PrefixTotals, HOST_NS};

@@ -3,8 +3,11 @@
 //! (`kept.rs`: block = page, kept pages read from their kept slots) and `kept_entry_rows`
 //! (`kept_entries.rs`: entries inside a page, token mode, mapped to pages, then the same).
 
+use super::core::{mark_batch, StepScheduler, NONE};
+use super::csr::RowsIn;
 use super::repeats::Repeats;
-use super::{mark_batch, Kept, RequestState, RowsIn, StepScheduler, NONE};
+use super::request::{Kept, RequestState};
+use super::tier::Tier;
 use crate::directory::{ObjectHint, ObjectKey};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
@@ -170,7 +173,7 @@ pub(super) fn entry_count(
     Ok(c)
 }
 
-impl StepScheduler {
+impl<T: Tier> StepScheduler<T> {
     /// Every selected page of every row becomes a key (deduplicated within its row). With
     /// `counts` (page entries only) each entry needs that many of its page's tokens.
     #[allow(clippy::too_many_arguments)]

@@ -13,7 +13,7 @@
 //! backup, restore or eviction that moved the wrong bytes, or a slot reused too early, ends
 //! the soak with [`SoakError::Broken`] naming the row.
 
-use super::{SchedulerConfig, SelectionUnit, StepScheduler};
+use super::{JoinedScheduler, SchedulerConfig, SelectionUnit, StepScheduler};
 use crate::config::HitPolicy;
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
@@ -318,7 +318,7 @@ fn is_out_of_pages(e: &SoakError) -> bool {
 /// The soak's state: the scheduler, its pools and the workload.
 struct Soak {
     cfg: SoakConfig,
-    s: StepScheduler,
+    s: JoinedScheduler,
     rows: Rows,
     rng: XorShift,
     zipf: Vec<f64>,
@@ -729,16 +729,13 @@ impl Soak {
     fn report(&mut self, t0: Instant) -> SoakReport {
         let st = self.s.directory().stats();
         let totals = self.s.totals();
-        let px = self.s.prefix_totals().unwrap_or_default();
+        let px = self.s.prefix_totals();
         SoakReport {
             requests: self.done,
             seconds: t0.elapsed().as_secs_f64(),
             rss_mib: rss_mib(),
             objects: st.objects,
-            tree_nodes: self
-                .s
-                .prefix_tier()
-                .map_or(0, |p| p.cache().tree().node_count()),
+            tree_nodes: self.s.prefix_tier().cache().tree().node_count(),
             finishing: self.s.finishing(),
             failed_requests: self.failed,
             failed_loads: totals.failed_loads,

@@ -1,0 +1,88 @@
+//! The two kinds of step scheduler, as types. What differs between them is here; the step
+//! itself (`append`, `plan`, `ready`, `finish`, `end_step`) is generic over the kind.
+//!
+//! - [`Plain`]: host copies live in a host pool of the scheduler's own; shared prompts are
+//!   stored by namespace (`add_prompt`) and requests registered by length (`add_request`).
+//! - [`PrefixTier`]: the joined scheduler. Host copies live at the host pages of a radix
+//!   prefix cache; requests are admitted by their tokens (`admit`) and their pages enter the
+//!   cache when they end.
+//!
+//! The trait is sealed: these two are the kinds there are. A call only the other kind has
+//! does not compile:
+//!
+//! ```compile_fail
+//! fn store(s: &mut sparsetier::scheduler::JoinedScheduler) {
+//!     s.add_prompt(1, 2).unwrap(); // a joined scheduler admits requests by their tokens
+//! }
+//! ```
+//!
+//! ```compile_fail
+//! fn admit(s: &mut sparsetier::scheduler::StepScheduler) {
+//!     s.admit(sparsetier::ids::RequestId::new(1), &[1, 2, 3]).unwrap();
+//! }
+//! ```
+//!
+//! ```
+//! fn both<T: sparsetier::scheduler::Tier>(s: &mut sparsetier::scheduler::StepScheduler<T>) {
+//!     s.end_step().unwrap(); // the step is the same for both
+//! }
+//! ```
+
+use super::core::StepScheduler;
+use super::prefix::PrefixTier;
+use crate::directory::{ObjectHint, ObjectKey};
+use crate::error::Result;
+use crate::ids::{RequestId, SlotId};
+use rustc_hash::FxHashMap;
+use std::ops::Range;
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::Plain {}
+    impl Sealed for super::PrefixTier {}
+}
+
+/// Where a step scheduler's host copies live, and the hooks of the step that depend on it.
+pub trait Tier: sealed::Sealed + Sized + Send + 'static {
+    /// Host copies live at prefix-cache pages (the directory's own host allocator is unused,
+    /// and matched prefix pages are counted apart).
+    const JOINED: bool;
+
+    /// Creates every layer's object of the pages `starts` name (per start, layer-major) on
+    /// the device; returns their keys and slots.
+    fn start_pages(
+        s: &mut StepScheduler<Self>,
+        starts: &[(RequestId, Range<u32>)],
+    ) -> Result<(Vec<ObjectKey>, Vec<SlotId>)>;
+
+    /// Counts the loads of matched prefix pages (`from_prefix[i]`: the page key `i` reads,
+    /// or `NONE`); only called when [`Self::JOINED`].
+    fn count_loads(
+        s: &mut StepScheduler<Self>,
+        layer: u16,
+        loaded: &[bool],
+        from_prefix: &[u32],
+        key_rids: &[RequestId],
+    );
+
+    /// At the end of a step, after the transfers were polled.
+    fn end_step(s: &mut StepScheduler<Self>) -> Result<()>;
+
+    /// At the end of `drain`, once every transfer landed.
+    fn drain(s: &mut StepScheduler<Self>) -> Result<()>;
+
+    /// The tier's own invariants.
+    fn validate(s: &StepScheduler<Self>) -> std::result::Result<(), String>;
+
+    /// Restore faults still armed (joined only).
+    fn restore_faults(&self) -> u64;
+}
+
+/// The plain scheduler's own state: the shared prompts it stores.
+#[derive(Debug, Default)]
+pub struct Plain {
+    /// Whole pages of each stored prompt, by namespace.
+    pub(super) prompts: FxHashMap<u64, u32>,
+    /// Per stored prompt, per layer: the directory's object index of each page.
+    pub(super) prompt_index: FxHashMap<u64, Vec<Vec<ObjectHint>>>,
+}
