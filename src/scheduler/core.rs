@@ -577,7 +577,9 @@ impl<T: Tier> StepScheduler<T> {
     }
 
     /// A plan of rows in either form (padded `[B, k]` or CSR): the one path of
-    /// [`plan_counted`](Self::plan_counted) and [`plan_csr`](Self::plan_csr).
+    /// [`plan_counted`](Self::plan_counted) and [`plan_csr`](Self::plan_csr). Its steps: the
+    /// rows (keys, hints, the slot table's kept cells), the resolve (pins and loads), the
+    /// record, then the commit (submit, place the slots, hand out the plan).
     pub(super) fn plan_rows<E: super::Entry>(
         &mut self,
         layer: u16,
@@ -588,55 +590,15 @@ impl<T: Tier> StepScheduler<T> {
         counts: Option<&[u32]>,
     ) -> Result<(LayerPlanId, &[i32])> {
         let t0 = Instant::now();
-        let rows_in = form.rows_in();
         plan_steps::check_args(&self.cfg, layer, selection.len(), unit, counts)?;
-        self.batch += 1;
-        let batch = self.batch;
-        let ps = self.cfg.page_size;
-        // Selections keep their pages pinned to the next step (`kept.rs`, `kept_entries.rs`):
-        // a page the row kept is read from its kept slot, without a directory call.
-        let fast = self.keeps(layer, unit);
-        let Rows {
-            keys,
-            hints,
-            key_row,
-            key_cell,
-            needed,
-            from_prefix,
-            mut table,
-            repeats,
-            rows_pages,
-            kept_rows,
-            selected,
-            kept_hits,
-            kept_needed,
-        } = if fast && unit.unit() == ps {
-            // Block rows compile without the counts' checks (the hot path).
-            match counts {
-                Some(c) => self.kept_rows::<true, E>(layer, rids, selection, rows_in, c, batch)?,
-                None => self.kept_rows::<false, E>(layer, rids, selection, rows_in, &[], batch)?,
-            }
-        } else if fast {
-            self.kept_entry_rows(layer, rids, selection, rows_in, unit, batch)?
-        } else {
-            self.selection_rows(layer, rids, selection, rows_in, unit, counts, batch)?
-        };
+        let rows = self.build_rows(layer, rids, selection, form.rows_in(), unit, counts)?;
         let t_rows = Instant::now();
         self.rec.cpu_rows_ns += ns(t_rows - t0);
-        if keys.is_empty() && kept_hits == 0 {
-            return Err(Error::config(
-                match rows_in {
-                    RowsIn::Padded(_) => "selection",
-                    RowsIn::Csr(_) => "entries",
-                },
-                "no entry naming a page",
-                "at least one selected block or token (the sink block is always read)",
-            ));
-        }
-        let needed_bytes: u64 =
-            needed.iter().map(|&n| u64::from(n)).sum::<u64>() * self.token_bytes;
-        let read_kept = kept_hits > 0 || kept_rows.as_ref().is_some_and(|k| !k.dropped.is_empty());
-        let res = match self.resolve_rows(&keys, &hints, needed_bytes, read_kept)? {
+        let needed_bytes =
+            rows.needed.iter().map(|&n| u64::from(n)).sum::<u64>() * self.token_bytes;
+        let read_kept = rows.kept_hits > 0
+            || (rows.kept_rows.as_ref()).is_some_and(|k| !k.dropped.is_empty());
+        let res = match self.resolve_rows(&rows.keys, &rows.hints, needed_bytes, read_kept)? {
             Resolution::Resolved(res) => res,
             Resolution::StartOver => {
                 // This attempt's time counts; the plan starts over.
@@ -648,39 +610,92 @@ impl<T: Tier> StepScheduler<T> {
             }
         };
         self.rec.cpu_resolve_ns += ns(t_rows.elapsed());
-        let needed_bytes = needed_bytes + kept_needed * self.token_bytes;
+        // Everything below commits: the resolve pinned the batch.
+        let id = self.commit_plan(t0, layer, rids, form, rows, res, needed_bytes)?;
+        let cpu = ns(t0.elapsed());
+        self.rec.cpu_plan_ns += cpu;
+        self.rec.cpu_ns += cpu;
+        Ok((id, self.plans[&id].table.as_deref().unwrap_or_default()))
+    }
+
+    /// A plan's rows: with kept selections a page the row kept is read from its kept slot,
+    /// without a directory call (`kept.rs` for page rows, `kept_entries.rs` for entries of a
+    /// page or less); else every selected page is resolved (`rows.rs`).
+    fn build_rows<E: super::Entry>(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        selection: &[E],
+        rows_in: RowsIn<'_>,
+        unit: SelectionUnit,
+        counts: Option<&[u32]>,
+    ) -> Result<Rows> {
+        self.batch += 1;
+        let batch = self.batch;
+        let fast = self.keeps(layer, unit);
+        let rows = if fast && unit.unit() == self.cfg.page_size {
+            // Block rows compile without the counts' checks (the hot path).
+            match counts {
+                Some(c) => self.kept_rows::<true, E>(layer, rids, selection, rows_in, c, batch)?,
+                None => self.kept_rows::<false, E>(layer, rids, selection, rows_in, &[], batch)?,
+            }
+        } else if fast {
+            self.kept_entry_rows(layer, rids, selection, rows_in, unit, batch)?
+        } else {
+            self.selection_rows(layer, rids, selection, rows_in, unit, counts, batch)?
+        };
+        if rows.keys.is_empty() && rows.kept_hits == 0 {
+            return Err(Error::config(
+                match rows_in {
+                    RowsIn::Padded(_) => "selection",
+                    RowsIn::Csr(_) => "entries",
+                },
+                "no entry naming a page",
+                "at least one selected block or token (the sink block is always read)",
+            ));
+        }
+        Ok(rows)
+    }
+
+    /// Commits a resolved plan: counts it, submits its load, places the resolved slots in
+    /// its table, keeps the plan and prefetches ahead.
+    #[allow(clippy::too_many_arguments)]
+    fn commit_plan(
+        &mut self,
+        t0: Instant,
+        layer: u16,
+        rids: &[RequestId],
+        form: RowForm,
+        rows: Rows,
+        res: Option<Resolved>,
+        needed_bytes: u64,
+    ) -> Result<LayerPlanId> {
+        let Rows {
+            keys,
+            key_row,
+            key_cell,
+            needed,
+            from_prefix,
+            mut table,
+            repeats,
+            rows_pages,
+            kept_rows,
+            selected,
+            kept_hits,
+            kept_needed,
+            ..
+        } = rows;
         // Every page kept: no directory call, no handle.
         let handles: Vec<PinHandleId> = res.iter().map(|r| r.handle).collect();
-        let res = res.unwrap_or_else(|| Resolved {
-            slots: Vec::new(),
-            loads: Vec::new(),
-            joined: Default::default(),
-            handle: PinHandleId::new(0),
-            metrics: Default::default(),
-            loaded: Vec::new(),
-            indices: Vec::new(),
-        });
-        // Everything below commits: the resolve pinned the batch.
+        let res = res.unwrap_or_else(plan_steps::nothing_resolved);
         if T::JOINED {
             let key_rids: Vec<RequestId> = key_row.iter().map(|&b| rids[b as usize]).collect();
             T::count_loads(self, layer, &res.loaded, &from_prefix, &key_rids);
         }
         let prefetch = self.prefetches.remove(&layer);
-        let mut rec = StepRecord {
-            selected,
-            pages: res.metrics.distinct + kept_hits,
-            ready: res.metrics.ready + kept_hits,
-            loaded: res.metrics.absent,
-            joined: res.metrics.loading,
-            bytes_needed: needed_bytes,
-            ..Default::default()
-        };
-        let mut counts = PlanCounts {
-            ready: res.metrics.ready + kept_hits,
-            loaded: res.metrics.absent,
-            joined: res.metrics.loading,
-            exposed_wait_ns: 0,
-        };
+        let needed_bytes = needed_bytes + kept_needed * self.token_bytes;
+        let (mut rec, counts) = plan_steps::plan_record(&res.metrics, kept_hits, selected);
+        rec.bytes_needed = needed_bytes;
         // Prefetch accuracy: the prediction against the selection, row by row. A kept-selection
         // plan's prediction is its kept pages (last step's selection, held on the device, not
         // loaded again), plus what a prefetch predicted of the rest (pages given back to make
@@ -707,12 +722,7 @@ impl<T: Tier> StepScheduler<T> {
         // The next prediction: this step's distinct pages, sorted, for prefetch (a
         // kept-selection plan's are its rows' next kept lists, settled at finish).
         if self.cfg.prefetch && kept_rows.is_none() {
-            for (b, id) in rids.iter().enumerate() {
-                let r = self.requests.get_mut(id).expect("checked above");
-                let last = &mut r.last_selection[layer as usize];
-                last.clear();
-                last.extend(rows_pages[b].iter().map(|&(p, _)| p));
-            }
+            plan_steps::remember_selection(&mut self.requests, rids, layer, &rows_pages);
         }
         let t_submit = Instant::now();
         let transfers = self.xfer.submit_resolved(&self.dir, &res, layer, &mut rec);
@@ -721,18 +731,11 @@ impl<T: Tier> StepScheduler<T> {
         }
         let submitted_at = (!res.loads.is_empty()).then(Instant::now);
         rec.cpu_submit_ns = ns(t_submit.elapsed());
-        // Kept cells hold their slots already: place the resolved keys' (a tenth of the cells
-        // at decode's usual locality with kept selections), first cells and repeats.
         let key_slot: Vec<i32> = res.slots.iter().map(|s| s.raw() as i32).collect();
-        debug_assert_eq!(table.len(), selection.len() * unit.pages_per_entry());
-        for (key, &at) in key_cell.iter().enumerate() {
-            table[at as usize] = key_slot[key];
-        }
-        repeats.place(&mut table, |key| key_slot[key]);
+        plan_steps::place_slots(&mut table, &key_cell, &repeats, &key_slot);
         let pins = res.metrics.distinct;
         self.pins += pins;
         self.rec.pinned_peak = self.rec.pinned_peak.max(self.pins + self.kept_pins);
-        counts.loaded = res.metrics.absent;
         let id = LayerPlanId::new(crate::ids::serial());
         rec.queue_ns = submitted_at.map_or(0, |s| (s - t0).as_nanos() as u64);
         rec.selection_done_ns = self.since(t0);
@@ -769,10 +772,7 @@ impl<T: Tier> StepScheduler<T> {
                 self.prefetch(ahead, &rids)?;
             }
         }
-        let cpu = ns(t0.elapsed());
-        self.rec.cpu_plan_ns += cpu;
-        self.rec.cpu_ns += cpu;
-        Ok((id, self.plans[&id].table.as_deref().unwrap_or_default()))
+        Ok(id)
     }
 
     /// [`plan_counted`](Self::plan_counted) of rows given as CSR (`csr.rs`): row `b`'s

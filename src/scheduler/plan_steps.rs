@@ -1,13 +1,17 @@
 //! The steps of a layer plan that need nothing of the scheduler but what they are handed:
-//! checking the plan's arguments against the configuration, and scoring the plan's rows
-//! against what prefetch predicted and moved. `StepScheduler::plan_rows` (`core.rs`) runs
-//! them between building the rows and committing the plan.
+//! checking the plan's arguments against the configuration, counting the resolve, scoring
+//! the plan's rows against what prefetch predicted and moved, remembering the selection for
+//! the next prefetch, and placing the resolved slots in the table. `StepScheduler::plan_rows`
+//! (`core.rs`) runs them between building the rows and committing the plan.
 
-use super::core::SchedulerConfig;
+use super::core::{PlanCounts, SchedulerConfig};
 use super::record::StepRecord;
+use super::repeats::Repeats;
+use super::request::RequestState;
 use super::selection::SelectionUnit;
+use crate::directory::{ResolveMetrics, Resolved};
 use crate::error::{Error, Result};
-use crate::ids::RequestId;
+use crate::ids::{PinHandleId, RequestId};
 use rustc_hash::FxHashMap;
 
 /// Per request: the pages a prefetch predicted and the pages it loaded, both sorted.
@@ -131,4 +135,71 @@ pub(super) fn intersect(row: &[(u32, u32)], other: &[u32], mut hit: impl FnMut(u
         }
     }
     n
+}
+
+/// The resolve of a plan whose every page was kept: nothing pinned, nothing loaded.
+pub(super) fn nothing_resolved() -> Resolved {
+    Resolved {
+        slots: Vec::new(),
+        loads: Vec::new(),
+        joined: Default::default(),
+        handle: PinHandleId::new(0),
+        metrics: Default::default(),
+        loaded: Vec::new(),
+        indices: Vec::new(),
+    }
+}
+
+/// A plan's record and counts from its resolve (`m`) and its kept hits (pages read from kept
+/// slots, Ready without a directory call).
+pub(super) fn plan_record(
+    m: &ResolveMetrics,
+    kept_hits: u64,
+    selected: u64,
+) -> (StepRecord, PlanCounts) {
+    let rec = StepRecord {
+        selected,
+        pages: m.distinct + kept_hits,
+        ready: m.ready + kept_hits,
+        loaded: m.absent,
+        joined: m.loading,
+        ..Default::default()
+    };
+    let counts = PlanCounts {
+        ready: m.ready + kept_hits,
+        loaded: m.absent,
+        joined: m.loading,
+        exposed_wait_ns: 0,
+    };
+    (rec, counts)
+}
+
+/// Keeps each row's distinct pages at `layer` (sorted) as its request's next prediction.
+pub(super) fn remember_selection(
+    requests: &mut FxHashMap<RequestId, RequestState>,
+    rids: &[RequestId],
+    layer: u16,
+    rows_pages: &[Vec<(u32, u32)>],
+) {
+    for (b, id) in rids.iter().enumerate() {
+        let r = requests.get_mut(id).expect("checked by the rows");
+        let last = &mut r.last_selection[layer as usize];
+        last.clear();
+        last.extend(rows_pages[b].iter().map(|&(p, _)| p));
+    }
+}
+
+/// Places the resolved keys' slots in the table: each key's first cell and its repeats (kept
+/// cells hold their slots already; at decode's usual locality the keys are a tenth of the
+/// cells).
+pub(super) fn place_slots(
+    table: &mut [i32],
+    key_cell: &[u32],
+    repeats: &Repeats,
+    key_slot: &[i32],
+) {
+    for (key, &at) in key_cell.iter().enumerate() {
+        table[at as usize] = key_slot[key];
+    }
+    repeats.place(table, |key| key_slot[key]);
 }
