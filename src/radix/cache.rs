@@ -142,7 +142,6 @@ pub struct HiCache {
     skipped_backups: Vec<NodeId>,
 }
 
-#[path = "cache_l3.rs"]
 mod l3;
 
 impl HiCache {

@@ -4,6 +4,7 @@
 pub mod bench;
 pub mod cache;
 pub mod storage;
+mod token_id;
 pub mod tree;
 
 pub use cache::{HiCache, HiCacheConfig, LoadBack, PoolPair};

@@ -596,8 +596,8 @@ impl<T: Tier> StepScheduler<T> {
         self.rec.cpu_rows_ns += ns(t_rows - t0);
         let needed_bytes =
             rows.needed.iter().map(|&n| u64::from(n)).sum::<u64>() * self.token_bytes;
-        let read_kept = rows.kept_hits > 0
-            || (rows.kept_rows.as_ref()).is_some_and(|k| !k.dropped.is_empty());
+        let read_kept =
+            rows.kept_hits > 0 || (rows.kept_rows.as_ref()).is_some_and(|k| !k.dropped.is_empty());
         let res = match self.resolve_rows(&rows.keys, &rows.hints, needed_bytes, read_kept)? {
             Resolution::Resolved(res) => res,
             Resolution::StartOver => {

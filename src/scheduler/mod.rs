@@ -43,7 +43,7 @@ pub use request::{Kept, Prefix, RequestState};
 pub use selection::SelectionUnit;
 
 #[cfg(test)]
-#[path = "../tests/scheduler_tests.rs"]
+#[path = "../tests/scheduler/mod.rs"]
 mod tests;
 
 #[cfg(test)]
