@@ -169,6 +169,7 @@ pub struct StepScheduler<T: Tier = Plain> {
     pub(super) plans: FxHashMap<LayerPlanId, LayerPlan>,
     pub(super) prefetches: FxHashMap<u16, Prefetch>,
     /// The next plan panics inside the core (an injected bug: `inject_internal_fault`).
+    #[cfg(any(test, feature = "testing"))]
     pub(super) internal_fault: bool,
     /// Serial of the last batch named (a request at most once per batch).
     pub(super) batch: u64,
@@ -230,6 +231,7 @@ impl<T: Tier> StepScheduler<T> {
             requests: FxHashMap::default(),
             plans: FxHashMap::default(),
             prefetches: FxHashMap::default(),
+            #[cfg(any(test, feature = "testing"))]
             internal_fault: false,
             batch: 0,
             last_batch: Vec::new(),
@@ -726,6 +728,7 @@ impl<T: Tier> StepScheduler<T> {
         }
         let t_submit = Instant::now();
         let transfers = self.xfer.submit_resolved(&self.dir, &res, layer, &mut rec);
+        #[cfg(any(test, feature = "testing"))]
         if std::mem::take(&mut self.internal_fault) {
             crate::guard::injected_panic("injected internal fault in plan");
         }

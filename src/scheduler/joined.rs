@@ -140,7 +140,6 @@ impl StepScheduler<PrefixTier> {
         let ps = self.cfg.page_size as usize;
         let layers = self.cfg.layers as usize;
         let dir = self.dir.clone();
-        let engine = self.xfer.engine.clone();
         let p = &mut self.tier;
         p.cache.poll()?;
         p.drop_freed(&dir)?;
@@ -156,8 +155,10 @@ impl StepScheduler<PrefixTier> {
         if m.host_len > 0 {
             match p.cache.load_back(node) {
                 Ok(Some(lb)) => {
+                    #[cfg(any(test, feature = "testing"))]
                     if p.restore_faults > 0 {
                         p.restore_faults -= 1;
+                        let engine = &self.xfer.engine;
                         engine.inject(crate::transfer::Fault {
                             nth: engine.submitted(),
                             layer: None,
@@ -439,6 +440,7 @@ impl StepScheduler<PrefixTier> {
     }
 
     /// Arms `count` failures of the next Indexer-K restores (through the engine's fault hook).
+    #[cfg(any(test, feature = "testing"))]
     pub fn inject_restore_faults(&mut self, count: u32) {
         self.tier.restore_faults += count;
     }
@@ -665,6 +667,7 @@ impl Tier for PrefixTier {
         s.validate_prefix()
     }
 
+    #[cfg(any(test, feature = "testing"))]
     fn restore_faults(&self) -> u64 {
         u64::from(self.restore_faults)
     }

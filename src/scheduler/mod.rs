@@ -10,6 +10,7 @@ pub mod bench;
 pub mod core;
 mod csr;
 pub mod entry;
+#[cfg(any(test, feature = "testing"))]
 mod faults;
 mod joined;
 mod kept;
@@ -25,6 +26,7 @@ mod repeats;
 pub mod request;
 mod rows;
 pub mod selection;
+#[cfg(any(test, feature = "testing"))]
 pub mod soak;
 mod tier;
 mod transfers;

@@ -230,6 +230,7 @@ impl Tier for Plain {
         Ok(())
     }
 
+    #[cfg(any(test, feature = "testing"))]
     fn restore_faults(&self) -> u64 {
         0
     }

@@ -125,6 +125,7 @@ pub struct PrefixTier {
     limbo: Vec<Limbo>,
     pub(crate) totals: PrefixTotals,
     /// Restores armed to fail (fault injection).
+    #[cfg(any(test, feature = "testing"))]
     pub(crate) restore_faults: u32,
 }
 
@@ -161,6 +162,7 @@ impl PrefixTier {
             finishing: Vec::new(),
             limbo: Vec::new(),
             totals: PrefixTotals::default(),
+            #[cfg(any(test, feature = "testing"))]
             restore_faults: 0,
         }
     }

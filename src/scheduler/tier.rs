@@ -74,7 +74,8 @@ pub trait Tier: sealed::Sealed + Sized + Send + 'static {
     /// The tier's own invariants.
     fn validate(s: &StepScheduler<Self>) -> std::result::Result<(), String>;
 
-    /// Restore faults still armed (joined only).
+    /// Restore faults still armed (joined only; test builds).
+    #[cfg(any(test, feature = "testing"))]
     fn restore_faults(&self) -> u64;
 }
 

@@ -11,6 +11,7 @@
 //! - a backup that failed leaves its keys in `retry`, submitted again at the next
 //!   `submit_pending`.
 
+#[cfg(any(test, feature = "testing"))]
 use super::faults::ArmedFaults;
 use super::record::StepRecord;
 use crate::directory::{Directory, ObjectKey, Resolved};
@@ -36,7 +37,8 @@ pub(super) struct Transfers {
     host: PageTransferBinding,
     /// Bytes of one object (one page of one layer, every plane).
     object_bytes: u64,
-    /// Faults armed for coming submissions (tests through the testing hooks).
+    /// Faults armed for coming submissions (test builds: the testing hooks).
+    #[cfg(any(test, feature = "testing"))]
     pub(super) faults: ArmedFaults,
     loads: FxHashMap<TransferId, Arc<TransferEvents>>,
     backups: FxHashMap<TransferId, Backup>,
@@ -59,6 +61,7 @@ impl Transfers {
             engine,
             device,
             host,
+            #[cfg(any(test, feature = "testing"))]
             faults: ArmedFaults::default(),
             loads: FxHashMap::default(),
             backups: FxHashMap::default(),
@@ -103,9 +106,17 @@ impl Transfers {
         self.retry.retain(|k| k.namespace.id != ns);
     }
 
-    /// Hands an armed fault of `direction` at `layer` to the engine for its next submission.
+    /// Hands an armed fault of `direction` at `layer` to the engine for its next submission
+    /// (test builds; a release build has no faults to arm).
+    #[cfg(any(test, feature = "testing"))]
     pub(super) fn arm(&mut self, direction: Direction, layer: Option<u16>) -> Result<()> {
         self.faults.arm(&*self.engine, direction, layer)
+    }
+
+    #[cfg(not(any(test, feature = "testing")))]
+    #[inline(always)]
+    pub(super) fn arm(&mut self, _: Direction, _: Option<u16>) -> Result<()> {
+        Ok(())
     }
 
     fn group(
