@@ -22,8 +22,9 @@
 //!   of its L3 tier;
 //! - [`replay`]: a directory journal re-run at other device sizes, under LRU and Belady's MIN;
 //! - [`row`]: a token row's named parts (values, scales, rope) and page layouts;
-//! - [`scheduler`]: the batched decode step (`StepScheduler`): kept selections, the joined
-//!   mode over the prefix cache, the soak loop;
+//! - [`scheduler`]: the batched decode step, in two kinds as two types (`StepScheduler`, plain,
+//!   and `JoinedScheduler` over the prefix cache): kept selections, prefetch, the soak loop
+//!   (test builds);
 //! - [`transfer`]: page transfer plans and the copy engines (cpu, CUDA kernel and direct);
 //! - `testing`: helpers shared by tests, soaks and benches (hidden from the docs);
 //! - `py`: the pyo3 bindings, behind the `python` feature, so `cargo test` and `cargo bench`

@@ -1,8 +1,8 @@
 //! The residency state machine, single-threaded. [`super::Directory`] wraps it in a mutex.
 //!
 //! Every transition is one function here and checks its from-state; every side effect on
-//! slots (allocate, free, quarantine) has one call site: [`Core::take_device_slot`],
-//! [`Core::reap`], [`Core::quarantine_or_free`] and [`Core::transfer_ended`].
+//! slots (allocate, free, quarantine) has one call site: `Core::take_device_slot`,
+//! `Core::reap`, `Core::quarantine_or_free` and `Core::transfer_ended`.
 //!
 //! # Invariants (checked by [`Core::validate`] after every step of the state-machine tests)
 //! - page conservation on both tiers: free + held by objects + quarantined = capacity;
