@@ -2,7 +2,7 @@
 //!
 //! Every transition is one function here and checks its from-state; every side effect on
 //! slots (allocate, free, quarantine) has one call site: `Core::take_device_slot`,
-//! `Core::reap`, `Core::quarantine_or_free` and `Core::transfer_ended`.
+//! `Core::reap`, `Core::fail` (quarantine) and `Core::transfer_ended` (its end).
 //!
 //! # Invariants (checked by [`Core::validate`] after every step of the state-machine tests)
 //! - page conservation on both tiers: free + held by objects + quarantined = capacity;
