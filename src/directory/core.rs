@@ -26,6 +26,7 @@ use crate::ids::{HostSlotId, PinHandleId, SlotId, TransferId};
 use rustc_hash::{FxHashMap, FxHashSet};
 use std::time::Instant;
 
+mod grant;
 mod pins;
 mod resolve;
 mod transfers;
@@ -162,6 +163,10 @@ pub struct Core {
     t0: Instant,
     scratch: Vec<(usize, Class)>,
     idx_scratch: Vec<usize>,
+    /// Device slots granted to a device resolver, not yet adopted or returned (`grant`).
+    granted: FxHashSet<SlotId>,
+    /// Objects that lost their device slot, while a device resolver mirrors the device.
+    released: Option<Vec<(ObjectKey, SlotId)>>,
 }
 
 /// How many dropped namespaces the directory remembers (so that a late key of one is
@@ -207,6 +212,8 @@ impl Core {
             t0: Instant::now(),
             scratch: Vec::new(),
             idx_scratch: Vec::new(),
+            granted: FxHashSet::default(),
+            released: None,
         })
     }
 
@@ -293,6 +300,7 @@ impl Core {
         };
         obj.device = DeviceState::Absent;
         self.totals.evictions += 1;
+        self.log_release(victim, slot);
         slot
     }
 
@@ -452,6 +460,9 @@ impl Core {
     /// Removes a dropped object, freeing the slots it holds.
     fn reap(&mut self, idx: usize) {
         self.lru.remove(&mut self.objects[idx].lru_mark);
+        if let DeviceState::Ready { slot } = self.objects[idx].device {
+            self.log_release(idx, slot);
+        }
         let (obj, id) = self.objects.remove(idx);
         if let Some(n) = self.lingering.get_mut(&id.key.namespace) {
             *n -= 1;
@@ -483,6 +494,7 @@ impl Core {
                 unreachable!("LRU list holds only device-Ready objects")
             };
             obj.device = DeviceState::Absent;
+            self.log_release(idx, slot);
             out.push(self.objects.side_of(idx).key);
             self.device
                 .free(&[slot.page()])

@@ -163,6 +163,48 @@ impl Directory {
         self.core.lock().held_pins()
     }
 
+    /// See [`core::Core::grant_slots`].
+    pub fn grant_slots(&self, n: usize) -> Result<Vec<crate::ids::SlotId>> {
+        self.core.lock().grant_slots(n)
+    }
+
+    /// See [`core::Core::grant_victims`].
+    pub fn grant_victims(&self, n: usize) -> Vec<(u32, ObjectKey, crate::ids::SlotId)> {
+        self.core.lock().grant_victims(n)
+    }
+
+    /// [`core::Core::take_victim`] for each (object index, slot), in one lock.
+    pub fn take_victims(&self, victims: &[(u32, crate::ids::SlotId)]) -> Result<()> {
+        let mut c = self.core.lock();
+        victims.iter().try_for_each(|&(i, s)| c.take_victim(i, s))
+    }
+
+    /// See [`core::Core::return_slots`].
+    pub fn return_slots(&self, slots: &[crate::ids::SlotId]) -> Result<()> {
+        self.core.lock().return_slots(slots)
+    }
+
+    /// [`core::Core::adopt`] for each (key, slot), in one lock: whether each was adopted.
+    pub fn adopt(&self, entries: &[(ObjectKey, crate::ids::SlotId)]) -> Result<Vec<bool>> {
+        let mut c = self.core.lock();
+        entries.iter().map(|(k, s)| c.adopt(k, *s)).collect()
+    }
+
+    /// See [`core::Core::log_releases`].
+    pub fn log_releases(&self, on: bool) {
+        self.core.lock().log_releases(on)
+    }
+
+    /// See [`core::Core::pending_releases`].
+    pub fn pending_releases(&self) -> Vec<(ObjectKey, crate::ids::SlotId)> {
+        self.core.lock().pending_releases()
+    }
+
+    /// See [`core::Core::take_releases`].
+    pub fn take_releases(&self) -> Vec<(ObjectKey, crate::ids::SlotId)> {
+        self.core.lock().take_releases()
+    }
+
     /// Whether a journal is recording (see [`recorder`]).
     pub fn journaling(&self) -> bool {
         self.core.lock().journaling()

@@ -7,8 +7,9 @@
 use crate::error::Error;
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::lock::Unblocked;
+use crate::py::resolver::PyDeviceResolver;
 use crate::py::scheduler::PyStepScheduler;
-use crate::py::scheduler_args::{rid as rid_arg, token_ids, u32_arg};
+use crate::py::scheduler_args::{rid as rid_arg, rid_list, token_ids, u32_arg};
 use crate::py::step_results::PyAdmission;
 use numpy::PyArray1;
 use pyo3::prelude::*;
@@ -86,6 +87,56 @@ impl PyJoinedStepScheduler {
         this.follow(py)?;
         py.detach(|| this.inner.run(|s| s.joined()?.flush_finished()))
             .py_err(py)
+    }
+
+    /// Starts resolving decode steps on the device: returns the `DeviceResolver` (the same
+    /// one on every call). Each decode step is then `append`, `begin_device_step`, the
+    /// resolver once a layer, `end_step`: a fixed number of calls into the scheduler a step.
+    /// Runs the reference implementation on the cpu engine's pools; CUDA pools are refused
+    /// (the resolver's kernel is not built yet).
+    fn enable_device_resolver(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+    ) -> PyResult<Py<PyDeviceResolver>> {
+        let this = slf.as_super().get();
+        let state = this
+            .inner
+            .run_py(py, |s| s.joined()?.enable_device_resolver())?;
+        let owner: Py<PyStepScheduler> = slf.as_super().clone().unbind();
+        Py::new(py, PyDeviceResolver::new(state, owner))
+    }
+
+    /// Grants the device decode step of `rids` (after `append`), whose rows have at most
+    /// `entries` entries a layer: the mirror brought up to date, the batch's page tables, a
+    /// granted slot for every cell. Returns False when the device cannot grant that many:
+    /// plan this step on the host (`plan`, `ready`, `finish`).
+    fn begin_device_step(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        rids: &Bound<'_, PyAny>,
+        entries: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let this = slf.as_super().get();
+        let ids = rid_list(rids)?;
+        let n = u32_arg(py, entries, "entries", 1)? as usize;
+        py.detach(|| this.inner.run(|s| s.joined()?.begin_device_step(&ids, n)))
+            .py_err(py)
+    }
+
+    /// Device-resolve counters: steps resolved on the device, steps planned on the host for
+    /// want of a grant, grant entries standing, objects held for the device.
+    fn device_stats<'py>(
+        slf: &Bound<'py, Self>,
+        py: Python<'py>,
+    ) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let this = slf.as_super().get();
+        let t = this.inner.run_py(py, |s| Ok(s.joined()?.device_totals()))?;
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("steps", t.steps)?;
+        d.set_item("fallbacks", t.fallbacks)?;
+        d.set_item("granted", t.granted)?;
+        d.set_item("held", t.held)?;
+        Ok(d)
     }
 
     /// Joined mode: evicts up to `device` Indexer-K device pages and `host` host pages of

@@ -19,6 +19,7 @@ mod prefix_result;
 mod radix;
 mod replay;
 mod residency_view;
+mod resolver;
 pub(crate) mod scheduler;
 mod scheduler_args;
 mod scheduler_core;
@@ -56,6 +57,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(transfer::cuda_status, m)?)?;
     m.add_class::<scheduler::PyStepScheduler>()?;
     m.add_class::<joined_scheduler::PyJoinedStepScheduler>()?;
+    m.add_class::<resolver::PyDeviceResolver>()?;
     m.add_class::<residency_view::PyResidencyView>()?;
     m.add_class::<step_results::PyLayerPlan>()?;
     m.add_class::<step_results::PyLayerCounts>()?;

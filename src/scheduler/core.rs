@@ -462,6 +462,7 @@ impl<T: Tier> StepScheduler<T> {
             self.rec.prefetch_skipped += 1;
         }
         self.release_all_kept()?;
+        T::make_room(self)?;
         // Loads nobody pins any more still hold their slots until settled.
         self.xfer.wait_loads();
         self.poll()

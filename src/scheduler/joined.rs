@@ -598,7 +598,20 @@ impl Tier for PrefixTier {
             }
         }
         match s.allocate_with_room(&keys, Some(&homes)) {
-            Ok(slots) => Ok((keys, slots)),
+            Ok(slots) => {
+                // Pages being written have no host copy yet: the device must find them.
+                if let Some(link) = s.tier.device.as_mut() {
+                    let layers = layers as usize;
+                    for key in &keys {
+                        let h = (key.namespace.id - super::prefix::HOST_NS) as usize;
+                        let crate::directory::LayerGroup::Layer(l) = key.layers else {
+                            unreachable!("main-KV objects are per layer")
+                        };
+                        link.adds.push(h * layers + l as usize);
+                    }
+                }
+                Ok((keys, slots))
+            }
             Err(e) => {
                 for (id, range) in starts {
                     let r = s.requests.get_mut(id).expect("checked by the caller");
@@ -649,6 +662,7 @@ impl Tier for PrefixTier {
     /// Settles the cache's transfers, drops the objects of the host pages it let go, and
     /// advances the requests that ended.
     fn end_step(s: &mut StepScheduler<Self>) -> Result<()> {
+        s.end_device_step()?;
         s.tier.cache.poll()?;
         s.tier.drop_freed(&s.dir)?;
         s.progress_finishing()
@@ -657,6 +671,8 @@ impl Tier for PrefixTier {
     /// Waits for the cache's transfers, then writes through and inserts the requests that
     /// ended (a failed write gets more tries).
     fn drain(s: &mut StepScheduler<Self>) -> Result<()> {
+        s.end_device_step()?;
+        s.release_device()?;
         s.tier.cache.drain()?;
         s.tier.drop_freed(&s.dir)?;
         s.flush_finished()?;
@@ -664,7 +680,16 @@ impl Tier for PrefixTier {
     }
 
     fn validate(s: &StepScheduler<Self>) -> std::result::Result<(), String> {
-        s.validate_prefix()
+        s.validate_prefix()?;
+        s.validate_device()
+    }
+
+    fn make_room(s: &mut StepScheduler<Self>) -> Result<()> {
+        s.release_device()
+    }
+
+    fn extra_pins(s: &StepScheduler<Self>) -> u64 {
+        s.device_pins()
     }
 
     #[cfg(any(test, feature = "testing"))]

@@ -9,6 +9,7 @@
 pub mod bench;
 pub mod core;
 mod csr;
+mod device_step;
 pub mod entry;
 #[cfg(any(test, feature = "testing"))]
 mod faults;
@@ -24,6 +25,7 @@ mod ready;
 pub mod record;
 mod repeats;
 pub mod request;
+pub mod resolver;
 mod rows;
 pub mod selection;
 #[cfg(any(test, feature = "testing"))]
@@ -33,6 +35,7 @@ mod transfers;
 mod validate;
 
 pub use self::core::{PlanCounts, ReadyOutcome, SchedulerConfig, StepScheduler};
+pub use device_step::DeviceTotals;
 pub use tier::{Plain, Tier};
 
 /// The joined step scheduler: host copies at the pages of a radix prefix cache.

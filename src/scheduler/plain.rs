@@ -230,6 +230,14 @@ impl Tier for Plain {
         Ok(())
     }
 
+    fn make_room(_: &mut StepScheduler<Self>) -> Result<()> {
+        Ok(())
+    }
+
+    fn extra_pins(_: &StepScheduler<Self>) -> u64 {
+        0
+    }
+
     #[cfg(any(test, feature = "testing"))]
     fn restore_faults(&self) -> u64 {
         0

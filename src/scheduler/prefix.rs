@@ -124,6 +124,8 @@ pub struct PrefixTier {
     pub(crate) finishing: Vec<Finishing>,
     limbo: Vec<Limbo>,
     pub(crate) totals: PrefixTotals,
+    /// The device resolver's link, once enabled (`device_step.rs`).
+    pub(crate) device: Option<super::device_step::DeviceLink>,
     /// Restores armed to fail (fault injection).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) restore_faults: u32,
@@ -162,6 +164,7 @@ impl PrefixTier {
             finishing: Vec::new(),
             limbo: Vec::new(),
             totals: PrefixTotals::default(),
+            device: None,
             #[cfg(any(test, feature = "testing"))]
             restore_faults: 0,
         }
@@ -174,6 +177,16 @@ impl PrefixTier {
             id: HOST_NS + u64::from(h),
             version: self.gens[h as usize],
         }
+    }
+
+    /// How the KV host pool's layer-flattened view numbers page `h` of a layer.
+    pub(crate) fn order(&self) -> LayerPageOrder {
+        self.order
+    }
+
+    /// The key of the live object of host page `h` at `layer` (its current generation).
+    pub(crate) fn key_at(&self, h: u32, layer: u16) -> ObjectKey {
+        Self::key(h, self.gens[h as usize], layer)
     }
 
     /// The key of layer `layer` of host page `h` at generation `gen`.

@@ -74,6 +74,14 @@ pub trait Tier: sealed::Sealed + Sized + Send + 'static {
     /// The tier's own invariants.
     fn validate(s: &StepScheduler<Self>) -> std::result::Result<(), String>;
 
+    /// When the host runs out of device slots: gives back what the tier holds on the device
+    /// that it can do without (joined: the device resolver's holds and grant).
+    fn make_room(s: &mut StepScheduler<Self>) -> Result<()>;
+
+    /// Pins the tier holds outside plans, prefetches and kept selections (joined: the device
+    /// resolver's holds and victims).
+    fn extra_pins(s: &StepScheduler<Self>) -> u64;
+
     /// Restore faults still armed (joined only; test builds).
     #[cfg(any(test, feature = "testing"))]
     fn restore_faults(&self) -> u64;

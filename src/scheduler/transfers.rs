@@ -71,6 +71,16 @@ impl Transfers {
         }
     }
 
+    /// The device binding (one-layer slots).
+    pub(super) fn device(&self) -> &PageTransferBinding {
+        &self.device
+    }
+
+    /// The host binding (joined: the KV host pool, layer-flattened).
+    pub(super) fn host(&self) -> &PageTransferBinding {
+        &self.host
+    }
+
     pub(super) fn object_bytes(&self) -> u64 {
         self.object_bytes
     }

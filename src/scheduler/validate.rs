@@ -26,7 +26,7 @@ impl<T: Tier> StepScheduler<T> {
         self.validate_kept()?;
         if self.plans.is_empty()
             && self.prefetches.is_empty()
-            && (s.pins != self.kept_pins || s.handles != 0)
+            && (s.pins != self.kept_pins + T::extra_pins(self) || s.handles != 0)
         {
             return Err(format!(
                 "no plan or prefetch outstanding, yet {} pins in {} handles",

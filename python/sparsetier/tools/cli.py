@@ -598,6 +598,14 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         help="token mode: map tokens to pages in the core (default) or on the model's device "
         "(sparsetier.token_map), the core then plans page rows with counts",
     )
+    p.add_argument(
+        "--resolve",
+        choices=["host", "device"],
+        default=d.resolve,
+        help="where a decode layer's top-k becomes slots: the core, one call a layer (host), "
+        "or the device resolver, one grant a step (device; its reference implementation, "
+        "cpu only)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", metavar="PATH", help="write the full record (per step and totals)")
     p.add_argument("--trace", metavar="PATH", help="write the tiered run's trace (.npz) for replay")
@@ -718,6 +726,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         layout=args.layout,
         kv_format=args.kv_format,
         token_map=args.token_map,
+        resolve=args.resolve,
         trace=args.trace,
         device=args.device,
         seed=args.seed,

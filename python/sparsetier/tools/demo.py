@@ -45,6 +45,9 @@ class DemoConfig:
     layout: str = "layer_first"
     kv_format: str = "bf16"  # or fp8: DeepSeek-V3.2's packed FP8 rows and Indexer-K pages
     token_map: str = "core"  # token mode: where tokens become pages (core, or device)
+    # Where the tiered run's decode layers become slots: the core ("host") or the device
+    # resolver ("device"); the resident run always plans on the host.
+    resolve: str = "host"
     faults: bool = False
     # A request that failed (a load and its retry, or its Indexer-K restore) is restarted once
     # by the runtime (`DecodeRuntime.restart`); off: it ends, and its conversation with it.
@@ -131,7 +134,7 @@ class FailureLog:
 
 def _run(
     cfg: DemoConfig, model, work, device_slots, sizes, progress, faults, replay=None,
-    trace=None,
+    trace=None, resolve="host",
 ):  # fmt: skip
     """Runs the conversations; `faults` arms failures by step. Returns what failed as a
     `FailureLog`; the resident reference takes the tiered run's as `replay` and ends the same
@@ -155,6 +158,7 @@ def _run(
         kv_format=cfg.kv_format,
         token_map=cfg.token_map,
         keep_records=None,  # every step goes into the summary and the JSON
+        resolve=resolve,
     )
     prefill_bytes = 0  # matched-block KV first loaded by the suffix prefills
     if trace:
@@ -282,7 +286,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     t0 = time.perf_counter()
     sizes = (host_pages, idx_pages)
     rt, out, adms, prefill_bytes, failures = _run(
-        cfg, model, work, device, sizes, bar, faults, trace=cfg.trace
+        cfg, model, work, device, sizes, bar, faults, trace=cfg.trace, resolve=cfg.resolve
     )
     tiered_s = time.perf_counter() - t0
     if bar is not None:

@@ -128,6 +128,7 @@ class DecodeRuntime:
         keep_records: int | None = 4096,
         kv_format: str = "bf16",
         token_map: str = "core",
+        resolve: str = "host",
     ) -> None:
         c = model.c
         if selection not in MODES:
@@ -162,6 +163,17 @@ class DecodeRuntime:
             )
         if selection == "token" and topk < 2:
             raise ConfigError.of("topk", str(topk), ">= 2 (the sink token and the query's own)")
+        # Where a decode layer's top-k becomes slots: the core, one call a layer ("host"), or
+        # the device resolver, with one grant a step and no call into the core per layer
+        # ("device": its reference implementation, on the cpu engine's pools).
+        if resolve not in ("host", "device"):
+            raise ConfigError.of("resolve", resolve, "host or device")
+        if resolve == "device" and (selection == "block" and unit != page_size):
+            raise ConfigError.of(
+                "block_size", str(unit), f"the page size {page_size} with resolve='device'"
+            )
+        if resolve == "device" and selection == "token" and token_map != "core":
+            raise ConfigError.of("token_map", token_map, "core with resolve='device'")
         self.model, self.ps, self.topk, self.window = model, page_size, topk, window
         self.mode, self.unit, self.reduce, self.prefetch = selection, unit, reduce, prefetch
         self.chunk = prefill_chunk
@@ -193,7 +205,13 @@ class DecodeRuntime:
             self.engine,
             indexer_device=PageTransferBinding(self.indexer_pool, ik),
             indexer_host=PageTransferBinding(self.indexer_host, ik_host, layout),
-            prefetch=prefetch,
+            # The device resolver serves its misses itself: the host's prefetch would load
+            # pages no plan consumes.
+            prefetch=prefetch and resolve != "device",
+        )
+        self.resolve = resolve
+        self.resolver = (
+            self.scheduler.enable_device_resolver() if resolve == "device" else None
         )
         self.requests: dict[int, Request] = {}
         if keep_records is not None and keep_records < 1:
@@ -493,6 +511,11 @@ class DecodeRuntime:
             x = m.embed(tokens)
             failed: dict[int, str] = {}
             stream = self._stream()
+            # One grant for the step; False: the device cannot grant a slot for every cell,
+            # and this step plans on the host.
+            on_device = self.resolver is not None and self.scheduler.begin_device_step(
+                rids_np, self.topk
+            )
             for li, layer in enumerate(m.layers):
                 q, k, v = layer.qkv(x, pos)
                 self.fmt.write_kv(self.device_kv, 0, slots[:, li], rows, k)
@@ -504,6 +527,14 @@ class DecodeRuntime:
                     h, pos, keys, mode=self.mode, unit=self.unit, topk=self.topk,
                     window=self.window, reduce=self.reduce,
                 )  # fmt: skip
+                if on_device:
+                    # No call into the core: the resolver maps the layer and serves its misses.
+                    sel32 = sel.to(torch.int32).cpu().numpy()
+                    table = self.resolver.resolve(li, rids_np, sel32, self.mode == "token")
+                    out = sparse_attention_batched(q, self.device_kv, self._table(table), sel,
+                                                   pos, self.unit, ps, self.fmt)  # fmt: skip
+                    x = layer.finish(x, out)
+                    continue
                 mapped = self.mode == "token" and self.token_map == "device"
                 if mapped:
                     # Tokens become pages on the model's device; the core plans page rows.

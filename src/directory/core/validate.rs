@@ -144,9 +144,15 @@ impl Core {
         if (qd, qh) != (self.quarantined_device, self.quarantined_host) {
             return Err("quarantine counters disagree with the quarantine".into());
         }
-        if dev_owner.len() + qd + self.device.free_count() != self.device.capacity() {
+        for s in &self.granted {
+            if dev_owner.contains_key(s) || !self.device.is_allocated(s.page()) {
+                return Err(format!("granted slot {s} is held by an object or free"));
+            }
+        }
+        let gd = self.granted.len();
+        if dev_owner.len() + qd + gd + self.device.free_count() != self.device.capacity() {
             return Err(format!(
-                "device: held {} + quarantined {qd} + free {} != capacity {}",
+                "device: held {} + quarantined {qd} + granted {gd} + free {} != capacity {}",
                 dev_owner.len(),
                 self.device.free_count(),
                 self.device.capacity()

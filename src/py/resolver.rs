@@ -1,0 +1,110 @@
+//! `sparsetier.DeviceResolver`: the device side of a joined scheduler's decode step
+//! (`JoinedStepScheduler.enable_device_resolver`). One call a layer for the batch, which never
+//! enters the scheduler: it works on the resolver's own state (the mirror, page tables, the
+//! grant) under its own lock, with the GIL released. Here it runs the reference
+//! implementation on the CPU (the cpu engine's pools).
+
+use crate::error::Error;
+use crate::py::error::{to_py, IntoPyResult};
+use crate::py::scheduler::PyStepScheduler;
+use crate::py::scheduler_args::{rid_list, u32_arg};
+use crate::scheduler::resolver::ResolverState;
+use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
+use parking_lot::Mutex;
+use pyo3::prelude::*;
+use std::sync::Arc;
+
+/// Maps each layer's top-k to device slots and serves the misses from host, within the slots
+/// the scheduler granted for the step (`begin_device_step`); the scheduler learns what it did
+/// at `end_step`.
+#[pyclass(name = "DeviceResolver", module = "sparsetier._core", frozen)]
+pub struct PyDeviceResolver {
+    state: Arc<Mutex<ResolverState>>,
+    layers: u16,
+    /// The scheduler whose pools the copies read and write: kept alive with this object.
+    #[allow(dead_code)]
+    owner: Py<PyStepScheduler>,
+}
+
+impl PyDeviceResolver {
+    pub(crate) fn new(state: Arc<Mutex<ResolverState>>, owner: Py<PyStepScheduler>) -> Self {
+        let layers = state.lock().layers();
+        PyDeviceResolver {
+            state,
+            layers,
+            owner,
+        }
+    }
+}
+
+#[pymethods]
+impl PyDeviceResolver {
+    /// Resolves `layer` for the batch `rids` (int64, the granted step's requests):
+    /// `selection` is a C-contiguous int32 `[B, K]` array of entries (-1 = none), block ids of
+    /// a page each, or with `tokens` token indices. Returns the slot table (int32 `[B, K]`, -1
+    /// where an entry names nothing).
+    #[pyo3(signature = (layer, rids, selection, tokens=false))]
+    fn resolve<'py>(
+        &self,
+        py: Python<'py>,
+        layer: &Bound<'py, PyAny>,
+        rids: &Bound<'py, PyAny>,
+        selection: &Bound<'py, PyAny>,
+        tokens: bool,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let layer = u32_arg(py, layer, "layer", 0)?;
+        let layer = u16::try_from(layer)
+            .ok()
+            .filter(|&l| l < self.layers)
+            .ok_or_else(|| to_py(py, Error::out_of_range("layer", layer, 0, self.layers)))?;
+        let ids = rid_list(rids)?;
+        let sel: PyReadonlyArray2<'py, i32> = crate::py::args::c_order(selection)?
+            .extract()
+            .map_err(|_| {
+                to_py(
+                    py,
+                    Error::config(
+                        "selection",
+                        crate::py::args::short(selection),
+                        "a C-contiguous int32 numpy array [B, K]",
+                    ),
+                )
+            })?;
+        let shape = sel.shape().to_vec();
+        if shape[0] != ids.len() {
+            return Err(to_py(
+                py,
+                Error::config(
+                    "selection.shape",
+                    format!("{shape:?}"),
+                    format!("[{}, K]: a row per request", ids.len()),
+                ),
+            ));
+        }
+        let k = shape[1];
+        let flat = sel.as_slice().map_err(|_| {
+            to_py(
+                py,
+                Error::config(
+                    "selection",
+                    "a non-contiguous array",
+                    "a C-contiguous array",
+                ),
+            )
+        })?;
+        let mut table = vec![-1i32; flat.len()];
+        py.detach(|| {
+            self.state
+                .lock()
+                .resolve_layer(layer, &ids, flat, k, tokens, &mut table)
+        })
+        .py_err(py)?;
+        numpy::PyArray1::from_vec(py, table).reshape([ids.len(), k])
+    }
+
+    /// Whether a step is granted and not yet ended.
+    #[getter]
+    fn step_open(&self, py: Python<'_>) -> bool {
+        py.detach(|| self.state.lock().is_open())
+    }
+}

@@ -1,0 +1,503 @@
+//! The joined scheduler's side of the device resolver (`resolver.rs`): what it grants the
+//! device at a step's start, and what it learns from the device's log at the step's end.
+//!
+//! # One device step
+//! `append` -> `begin_device_step` (one call: the mirror brought up to date with what the
+//! core changed since the last step, the batch's page tables, the grant topped up) -> per
+//! layer the resolver (no call into the core) -> `end_step` (one call: the log reconciled, then
+//! the usual write-through and settling).
+//!
+//! # The grant
+//! A standing list of device slots the device may fill, taken in order: free slots first,
+//! then victims (the core's least recently used evictable objects, pinned so that the host
+//! cannot move them, still readable and still in the mirror). It holds at least one entry per
+//! cell a step can miss (`cells`: rows x entries x layers), so a step never runs out; when the
+//! device cannot give that many, `begin_device_step` says so and the step plans on the host.
+//! What a step did not take stays granted.
+//!
+//! # Reconcile (at `end_step`)
+//! For each entry the step took: a victim is evicted (`take_victim`); the object copied in is
+//! adopted at the slot (`adopt`), or, when it came to the device another way meanwhile, the
+//! slot is given back and the mirror names where it is. Victims the step read are given back
+//! to the LRU (they are hot). The objects the step read are held until the next step's end,
+//! as kept selections are: the device may read them again without the core.
+//!
+//! # Invariants (`validate`)
+//! Every mirror entry names a device-Ready object of the directory at that slot (or a slot
+//! granted and filled this step); every page whose host copy is not written yet is in the
+//! mirror; the grant's slots are the directory's granted slots and victims.
+
+use super::core::{StepScheduler, NONE};
+use super::prefix::HOST_NS;
+use super::record::StepRecord;
+use super::resolver::{ResolverState, ABSENT};
+use super::tier::Tier;
+use super::PrefixTier;
+use crate::directory::{DeviceState, LayerGroup, ObjectKey};
+use crate::error::{Error, Result};
+use crate::ids::{RequestId, SlotId};
+use parking_lot::Mutex;
+use std::sync::Arc;
+
+/// A grant entry: its slot, and its victim's (mirror entry, object index) when not free.
+type Entry = (SlotId, Option<(usize, u32)>);
+
+/// The link between a joined scheduler and its device resolver.
+pub(crate) struct DeviceLink {
+    pub(crate) state: Arc<Mutex<ResolverState>>,
+    /// Mirror entries to set at the next grant: pages that started on the device.
+    pub(crate) adds: Vec<usize>,
+    grant: Vec<Entry>,
+    /// Objects held since the last device step read them.
+    held: Vec<u32>,
+    open: bool,
+    /// Device steps run, and steps that planned on the host for want of a grant.
+    steps: u64,
+    fallbacks: u64,
+}
+
+impl std::fmt::Debug for DeviceLink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceLink")
+            .field("grant", &self.grant.len())
+            .field("held", &self.held.len())
+            .field("open", &self.open)
+            .finish()
+    }
+}
+
+/// Device-resolve counters of a joined scheduler.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeviceTotals {
+    /// Steps resolved on the device.
+    pub steps: u64,
+    /// Steps that planned on the host for want of a grant.
+    pub fallbacks: u64,
+    /// Grant entries standing.
+    pub granted: u64,
+    /// Objects held because the last device step read them.
+    pub held: u64,
+}
+
+impl StepScheduler<PrefixTier> {
+    /// Starts resolving decode steps on the device: returns the resolver's state, which the
+    /// device side (`resolve_layer`) works on between `begin_device_step` and `end_step`.
+    /// Pages that start from now on are mirrored from their start. Idempotent.
+    pub fn enable_device_resolver(&mut self) -> Result<Arc<Mutex<ResolverState>>> {
+        if let Some(link) = &self.tier.device {
+            return Ok(link.state.clone());
+        }
+        if self.xfer.device().kind() == crate::transfer::MemoryKind::Device {
+            return Err(Error::config(
+                "device",
+                "CUDA memory",
+                "pools in host memory (the cpu engine): the resolver runs its reference \
+                 implementation on the CPU; its CUDA kernel is not built yet",
+            ));
+        }
+        let (device, host, order) = (
+            self.xfer.device().clone(),
+            self.xfer.host().clone(),
+            self.tier.order(),
+        );
+        let state = ResolverState::new(
+            self.cfg.layers,
+            self.cfg.page_size,
+            self.cfg.host_pages,
+            device,
+            host,
+            order,
+        )?;
+        let state = Arc::new(Mutex::new(state));
+        // Every device-Ready object of a running request enters the mirror now; from here on
+        // the directory logs what leaves the device and start_pages what enters.
+        self.dir.log_releases(true);
+        let mut adds = Vec::new();
+        for r in self.requests.values() {
+            for page in 0..r.pages(self.cfg.page_size) {
+                for l in 0..self.cfg.layers {
+                    let key = r.key(page, l);
+                    if self
+                        .dir
+                        .state(&key)
+                        .is_some_and(|o| matches!(o.device, DeviceState::Ready { .. }))
+                    {
+                        adds.push(self.entry_of(&key));
+                    }
+                }
+            }
+        }
+        self.tier.device = Some(DeviceLink {
+            state: state.clone(),
+            adds,
+            grant: Vec::new(),
+            held: Vec::new(),
+            open: false,
+            steps: 0,
+            fallbacks: 0,
+        });
+        Ok(state)
+    }
+
+    /// The mirror entry of a joined object key.
+    fn entry_of(&self, key: &ObjectKey) -> usize {
+        let h = (key.namespace.id - HOST_NS) as usize;
+        let LayerGroup::Layer(l) = key.layers else {
+            unreachable!("main-KV objects are per layer")
+        };
+        h * self.cfg.layers as usize + l as usize
+    }
+
+    /// Grants the device decode step of `rids`, whose rows have at most `entries` entries a
+    /// layer: brings the mirror up to date, publishes the batch's page tables, and tops the
+    /// grant up to a slot for every cell. Returns false when the device cannot give that many
+    /// (this step then plans on the host; nothing is open).
+    pub fn begin_device_step(&mut self, rids: &[RequestId], entries: usize) -> Result<bool> {
+        let Some(link) = self.tier.device.as_ref() else {
+            return Err(Error::config(
+                "resolver",
+                "not enabled",
+                "a scheduler with a device resolver (enable_device_resolver)",
+            ));
+        };
+        if link.open {
+            return Err(Error::config(
+                "step",
+                "open",
+                "no device step open (end_step ends the last one)",
+            ));
+        }
+        if let Some(id) = rids.iter().find(|id| !self.requests.contains_key(id)) {
+            return Err(Error::config("rids", id, "running requests"));
+        }
+        let cells = rids.len() * entries * self.cfg.layers as usize;
+        let state = link.state.clone();
+        let mut st = state.lock();
+        self.sync_mirror(&mut st);
+        // Page tables: homes of the batch's pages (appended as they start), and lengths.
+        for id in rids {
+            let r = &self.requests[id];
+            let pages = r.homes.len();
+            match st.table_len(*id) {
+                Some((n, _)) if n <= pages => {
+                    let homes: Vec<u32> = r.homes[n..].iter().map(|&(h, _)| h).collect();
+                    st.extend_table(*id, &homes, r.len);
+                }
+                _ => st.set_table(*id, r.homes.iter().map(|&(h, _)| h), r.len),
+            }
+        }
+        let requests = &self.requests;
+        st.retain_tables(|id| requests.contains_key(id));
+        let ok = self.top_up(cells)?;
+        // Granting victims may have freed nothing, but the directory logs only releases: the
+        // victims stay in the mirror until the device takes them.
+        self.sync_mirror(&mut st);
+        let link = self.tier.device.as_mut().expect("checked above");
+        if !ok {
+            link.fallbacks += 1;
+            return Ok(false);
+        }
+        let grant = link
+            .grant
+            .iter()
+            .map(|&(s, v)| (s.raw() as i32, v.map_or(-1, |(e, _)| e as i64)))
+            .collect();
+        st.open(grant);
+        link.open = true;
+        link.steps += 1;
+        Ok(true)
+    }
+
+    /// Applies to the mirror what changed on the device since the last call (objects that
+    /// gave up their slot, pages that started): each entry touched is set to where the
+    /// directory has its object now, whatever the order the changes came in.
+    fn sync_mirror(&mut self, st: &mut ResolverState) {
+        let mut changed: Vec<usize> = self
+            .dir
+            .take_releases()
+            .iter()
+            .filter(|(k, _)| k.namespace.id >= HOST_NS)
+            .map(|(k, _)| self.entry_of(k))
+            .collect();
+        if let Some(link) = self.tier.device.as_mut() {
+            changed.append(&mut link.adds);
+        }
+        changed.sort_unstable();
+        changed.dedup();
+        let layers = self.cfg.layers as usize;
+        for e in changed {
+            let now = match self.dir.state(&self.key_of(e, layers)).map(|o| o.device) {
+                Some(DeviceState::Ready { slot }) => slot.raw() as i32,
+                _ => ABSENT,
+            };
+            st.set(e, now);
+        }
+    }
+
+    /// Tops the grant up to `cells` entries: free slots, then victims. Returns whether it has
+    /// that many (when not, what it took stays granted).
+    fn top_up(&mut self, cells: usize) -> Result<bool> {
+        let have = self.tier.device.as_ref().map_or(0, |l| l.grant.len());
+        if have >= cells {
+            return Ok(true);
+        }
+        let mut need = cells - have;
+        let free = self.dir.stats().device_free;
+        let take = need.min(free);
+        let mut fresh: Vec<Entry> = Vec::with_capacity(need);
+        if take > 0 {
+            fresh.extend(self.dir.grant_slots(take)?.into_iter().map(|s| (s, None)));
+            need -= take;
+        }
+        if need > 0 {
+            for (idx, key, slot) in self.dir.grant_victims(need) {
+                fresh.push((slot, Some((self.entry_of(&key), idx))));
+            }
+        }
+        let link = self.tier.device.as_mut().expect("checked by the caller");
+        link.grant.extend(fresh);
+        Ok(link.grant.len() >= cells)
+    }
+
+    /// Reconciles the open device step from the device's log (see the module docs); folds its
+    /// counts into the step record. Nothing to do when no device step is open.
+    pub(crate) fn end_device_step(&mut self) -> Result<()> {
+        let Some(link) = self.tier.device.as_mut() else {
+            return Ok(());
+        };
+        if !link.open {
+            return Ok(());
+        }
+        link.open = false;
+        let state = link.state.clone();
+        let done = state.lock().close();
+        let grant = std::mem::take(&mut link.grant);
+        let mut taken = vec![false; done.used];
+        for &(g, ..) in &done.log {
+            taken[g as usize] = true;
+        }
+        // Victims first: the device evicted those it took; those it passed over it read, so
+        // they go back to the LRU as the most recently used.
+        let mut evicted = Vec::new();
+        let mut back = Vec::new();
+        for (g, &(slot, victim)) in grant[..done.used].iter().enumerate() {
+            match (victim, taken[g]) {
+                (Some((_, idx)), true) => evicted.push((idx, slot)),
+                (Some((_, idx)), false) => back.push(idx),
+                (None, _) => {}
+            }
+        }
+        self.dir.take_victims(&evicted)?;
+        self.dir.unhold(&back)?;
+        // The objects the device copied in: adopted at their slots, or (already on the device
+        // another way) their slots given back and the mirror pointed where they are.
+        let layers = self.cfg.layers as usize;
+        let keys: Vec<(ObjectKey, SlotId)> = done
+            .log
+            .iter()
+            .map(|&(g, e, ..)| (self.key_of(e as usize, layers), grant[g as usize].0))
+            .collect();
+        let adopted = self.dir.adopt(&keys)?;
+        let mut spare = Vec::new();
+        {
+            let mut st = state.lock();
+            for ((key, slot), ok) in keys.iter().zip(&adopted) {
+                if !ok {
+                    spare.push(*slot);
+                    let e = self.entry_of(key);
+                    let now = match self.dir.state(key).map(|o| o.device) {
+                        Some(DeviceState::Ready { slot }) => slot.raw() as i32,
+                        _ => ABSENT,
+                    };
+                    st.set(e, now);
+                }
+            }
+        }
+        self.dir.return_slots(&spare)?;
+        // What the step did not reach stays granted.
+        let link = self.tier.device.as_mut().expect("checked above");
+        link.grant = grant[done.used..].to_vec();
+        // Hold what the step read (the device reads it again next step without asking);
+        // release the last step's holds.
+        let keys: Vec<ObjectKey> = done
+            .touched
+            .iter()
+            .map(|&e| self.key_of(e as usize, layers))
+            .collect();
+        let idx: Vec<u32> = self
+            .dir
+            .index_of(&keys)
+            .iter()
+            .filter(|h| **h != crate::directory::ObjectHint::NONE)
+            .map(|h| h.index())
+            .collect();
+        let mut ok = Vec::new();
+        self.dir.hold(&idx, &mut ok)?;
+        let now_held: Vec<u32> = idx
+            .iter()
+            .zip(&ok)
+            .filter(|(_, &o)| o)
+            .map(|(&i, _)| i)
+            .collect();
+        let link = self.tier.device.as_mut().expect("checked above");
+        let before = std::mem::replace(&mut link.held, now_held);
+        self.dir.unhold(&before)?;
+        // Matched prefix pages loaded, as the host path counts them (per layer: the log's
+        // entries of one layer together).
+        let mut by_layer: Vec<(Vec<bool>, Vec<u32>, Vec<RequestId>)> =
+            vec![Default::default(); layers];
+        for &(_, e, rid, page) in &done.log {
+            let l = e as usize % layers;
+            let matched = self.requests.get(&rid).is_some_and(|r| page < r.matched);
+            by_layer[l].0.push(true);
+            by_layer[l].1.push(if matched { page } else { NONE });
+            by_layer[l].2.push(rid);
+        }
+        for (l, (loaded, pages, rids)) in by_layer.iter().enumerate() {
+            if !loaded.is_empty() {
+                <PrefixTier as Tier>::count_loads(self, l as u16, loaded, pages, rids);
+            }
+        }
+        // The record, as the host path keeps it.
+        let c = &done.counts;
+        let hits: u64 = c.hits.iter().sum();
+        let misses: u64 = c.misses.iter().sum();
+        let object_bytes = self.object_bytes();
+        let rec = StepRecord {
+            selected: c.selected,
+            pages: hits + misses,
+            ready: hits,
+            loaded: misses,
+            bytes_transferred: misses * object_bytes,
+            bytes_needed: c.needed_tokens * self.token_bytes,
+            bytes_needed_of_transferred: c.needed_tokens_moved * self.token_bytes,
+            layers: u64::from(self.cfg.layers),
+            ..Default::default()
+        };
+        self.rec.fold(&rec);
+        if c.overflow > 0 {
+            return Err(Error::Internal {
+                site: "scheduler::device_step::end_device_step".into(),
+                message: format!(
+                    "the device resolver ran out of granted slots ({} cells): the grant is \
+                     sized to every cell of the step",
+                    c.overflow
+                ),
+            });
+        }
+        Ok(())
+    }
+
+    /// Gives back what the device path holds between steps: the objects the last step read,
+    /// and (no step open) the grant, victims to the LRU and free slots to the free list. The
+    /// host needs the room (`make_room`), or the run is ending (`drain`). The mirror stays
+    /// true: what the host then evicts is logged and cleared at the next grant.
+    pub(crate) fn release_device(&mut self) -> Result<()> {
+        let Some(link) = self.tier.device.as_mut() else {
+            return Ok(());
+        };
+        let held = std::mem::take(&mut link.held);
+        let grant = if link.open {
+            Vec::new()
+        } else {
+            std::mem::take(&mut link.grant)
+        };
+        self.dir.unhold(&held)?;
+        let victims: Vec<u32> = grant
+            .iter()
+            .filter_map(|(_, v)| v.map(|(_, i)| i))
+            .collect();
+        let free: Vec<SlotId> = grant
+            .iter()
+            .filter(|(_, v)| v.is_none())
+            .map(|(s, _)| *s)
+            .collect();
+        self.dir.unhold(&victims)?;
+        self.dir.return_slots(&free)
+    }
+
+    /// Pins the device path holds: the objects the last step read and the victims granted.
+    pub(crate) fn device_pins(&self) -> u64 {
+        self.tier.device.as_ref().map_or(0, |l| {
+            l.held.len() as u64 + l.grant.iter().filter(|(_, v)| v.is_some()).count() as u64
+        })
+    }
+
+    /// The object key of mirror entry `e`.
+    fn key_of(&self, e: usize, layers: usize) -> ObjectKey {
+        let (h, l) = ((e / layers) as u32, (e % layers) as u16);
+        self.tier.key_at(h, l)
+    }
+
+    /// Device-resolve counters (zero when no resolver is enabled).
+    pub fn device_totals(&self) -> DeviceTotals {
+        self.tier
+            .device
+            .as_ref()
+            .map_or_else(DeviceTotals::default, |l| DeviceTotals {
+                steps: l.steps,
+                fallbacks: l.fallbacks,
+                granted: l.grant.len() as u64,
+                held: l.held.len() as u64,
+            })
+    }
+
+    /// Checks the mirror against the directory (see the module docs).
+    pub(crate) fn validate_device(&self) -> std::result::Result<(), String> {
+        let Some(link) = &self.tier.device else {
+            return Ok(());
+        };
+        let st = link.state.lock();
+        if st.is_open() {
+            return Ok(()); // mid-step: filled entries are not adopted yet
+        }
+        let layers = self.cfg.layers as usize;
+        // What the next grant applies: pages started, and slots given up.
+        let mut pending: rustc_hash::FxHashSet<usize> = link.adds.iter().copied().collect();
+        pending.extend(
+            self.dir
+                .pending_releases()
+                .iter()
+                .filter(|(k, _)| k.namespace.id >= HOST_NS)
+                .map(|(k, _)| self.entry_of(k)),
+        );
+        for (e, &slot) in st.mirror().iter().enumerate() {
+            if slot < 0 || pending.contains(&e) {
+                continue;
+            }
+            let key = self.key_of(e, layers);
+            let ok = self.dir.state(&key).is_some_and(|o| {
+                o.device
+                    == DeviceState::Ready {
+                        slot: SlotId::new(slot as u32),
+                    }
+            });
+            if !ok {
+                return Err(format!(
+                    "mirror names slot {slot} for {key}, which is not there"
+                ));
+            }
+        }
+        for r in self.requests.values() {
+            for page in 0..r.pages(self.cfg.page_size) {
+                for l in 0..self.cfg.layers {
+                    let key = r.key(page, l);
+                    let Some(o) = self.dir.state(&key) else {
+                        continue;
+                    };
+                    let unwritten = !matches!(o.host, crate::directory::HostState::Ready { .. });
+                    if let (true, DeviceState::Ready { slot }) = (unwritten, o.device) {
+                        let e = self.entry_of(&key);
+                        let named = pending.contains(&e) || st.mirror()[e] == slot.raw() as i32;
+                        if !named {
+                            return Err(format!(
+                                "{key} has no host copy yet and the mirror does not name it"
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,403 @@
+//! The device resolver: a decode layer's top-k mapped to device slots where the data lives,
+//! with the misses served from pinned host memory into slots the core granted, and no call
+//! into the core. This is the algorithm and its state; [`ResolverState::resolve_layer`] is the
+//! reference implementation (sequential, on the CPU), which the CPU runtime uses and which a
+//! CUDA kernel is held to.
+//!
+//! # State (device memory on a GPU; here, memory of this process)
+//! - the mirror: per (host page `h`, layer `l`) the device slot holding that object, or -1
+//!   (joined mode: every main-KV object lives at a host page, its home, so an object shared
+//!   by the requests of one prefix has one entry);
+//! - per running request, its page table: page -> home;
+//! - the grant: device slots the core handed over, each free or holding a victim (an object
+//!   the core lets the device evict, least recently used first), taken in order; what a step
+//!   did not take stays granted for the next;
+//! - the log: for each grant entry taken, the object copied into it;
+//! - what the step touched (distinct objects, hits and misses), and counts per layer.
+//!
+//! # One layer
+//! For each cell (row `b`, entry `k`): the page it names (block mode: the entry; token mode:
+//! the entry's token / page size) -> its home `h` -> `mirror[h, l]`. A slot there is a hit. Else
+//! the next granted entry is taken (a victim this step already read is passed over: its rows
+//! may still be read), its victim leaves the mirror, the object's rows are copied from its
+//! home into the slot, the mirror names it, and the log records it; the cell gets that slot. A
+//! later cell naming the same object hits. No grant left is an overflow: the cell gets -1 and
+//! the layer is reported (the core grants enough that this does not happen:
+//! `JoinedScheduler::begin_device_step`).
+//!
+//! # What the core keeps exact (`joined.rs`, `device_step.rs`)
+//! Every mirror entry names a device-Ready object at that slot; objects that lose their slot
+//! (eviction, removal) are cleared before the next step; objects whose host copy is not
+//! written (pages being written) are in the mirror from their start, so a miss only ever reads
+//! a host copy that is ready and, while the request runs, never freed or rewritten.
+
+use crate::error::{Error, Result};
+use crate::ids::RequestId;
+use crate::transfer::{LayerPageOrder, PageTransferBinding};
+use rustc_hash::FxHashMap;
+
+/// A mirror entry's device slot when the object is not on the device (as far as the device
+/// knows).
+pub const ABSENT: i32 = -1;
+
+/// What a step's resolves did, per layer and in all.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResolveCounts {
+    /// Per layer: distinct objects found in the mirror.
+    pub hits: Vec<u64>,
+    /// Per layer: distinct objects copied from host.
+    pub misses: Vec<u64>,
+    /// Selected tokens, every cell (bytes needed, in tokens).
+    pub needed_tokens: u64,
+    /// Selected tokens in the objects copied (read amplification's denominator).
+    pub needed_tokens_moved: u64,
+    /// Selected entries (tokens in token mode, blocks in block mode), every row.
+    pub selected: u64,
+    /// Cells left without a slot for want of granted slots.
+    pub overflow: u64,
+}
+
+/// A grant entry the device took: (grant index, mirror entry filled, request, page).
+pub(crate) type LogEntry = (u32, u32, RequestId, u32);
+
+/// What a closed step did (see [`ResolverState::close`]).
+#[derive(Debug, Default)]
+pub(crate) struct StepDone {
+    pub used: usize,
+    pub log: Vec<LogEntry>,
+    pub touched: Vec<u32>,
+    pub counts: ResolveCounts,
+}
+
+/// The resolver's state: the mirror, page tables, grant, log and counts.
+#[derive(Debug)]
+pub struct ResolverState {
+    layers: u16,
+    page_size: u32,
+    /// `[host pages * layers]`: device slot or [`ABSENT`].
+    mirror: Vec<i32>,
+    /// Per running request: home of each page, and the request's length in tokens.
+    tables: FxHashMap<RequestId, (Vec<u32>, u64)>,
+    /// (slot, the mirror entry of its victim or -1 for a free slot), in the order to take.
+    grant: Vec<(i32, i64)>,
+    used: usize,
+    /// Per grant entry taken: (its index in the grant, the mirror entry `h * layers + l` it
+    /// filled, the request and page whose cell missed first). Entries before `used` not here
+    /// were passed over.
+    log: Vec<LogEntry>,
+    /// Distinct mirror entries read this step, and a mark per entry (the step's serial) that
+    /// dedups them; `filled` marks the entries this step brought in.
+    touched: Vec<u32>,
+    mark: Vec<u32>,
+    filled: Vec<u32>,
+    serial: u32,
+    counts: ResolveCounts,
+    /// Whether the core granted this step (resolves are refused otherwise).
+    open: bool,
+    device: PageTransferBinding,
+    host: PageTransferBinding,
+    order: LayerPageOrder,
+}
+
+impl ResolverState {
+    /// A resolver over `host_pages` homes of `layers` layers, copying from `host` (the group's
+    /// KV host pool, layer-flattened, numbered by `order`) into `device` (one-layer slots).
+    pub fn new(
+        layers: u16,
+        page_size: u32,
+        host_pages: u32,
+        device: PageTransferBinding,
+        host: PageTransferBinding,
+        order: LayerPageOrder,
+    ) -> Result<Self> {
+        if device.planes_per_layer() != host.planes_per_layer()
+            || device.page_bytes() != host.page_bytes()
+        {
+            return Err(Error::config(
+                "device",
+                "rows unlike the host pool's",
+                "device slots with the host pool's planes and page bytes",
+            ));
+        }
+        let n = host_pages as usize * layers as usize;
+        Ok(ResolverState {
+            layers,
+            page_size,
+            mirror: vec![ABSENT; n],
+            tables: FxHashMap::default(),
+            grant: Vec::new(),
+            used: 0,
+            log: Vec::new(),
+            touched: Vec::new(),
+            mark: vec![0; n],
+            filled: vec![0; n],
+            serial: 0,
+            counts: ResolveCounts::default(),
+            open: false,
+            device,
+            host,
+            order,
+        })
+    }
+
+    /// Layers.
+    pub fn layers(&self) -> u16 {
+        self.layers
+    }
+
+    /// The mirror entry of home `h` at `layer`.
+    #[inline]
+    pub fn entry(&self, h: u32, layer: u16) -> usize {
+        h as usize * self.layers as usize + layer as usize
+    }
+
+    /// The device slot the mirror names for home `h` at `layer`, or [`ABSENT`].
+    pub fn slot(&self, h: u32, layer: u16) -> i32 {
+        self.mirror[self.entry(h, layer)]
+    }
+
+    /// Whether a step is open (granted and not yet reconciled).
+    pub fn is_open(&self) -> bool {
+        self.open
+    }
+
+    // -- the core's side (step boundaries) -----------------------------------------------
+
+    /// Sets mirror entry `e` (the core: a page that started on the device, a duplicate found
+    /// on reconcile).
+    pub(crate) fn set(&mut self, e: usize, slot: i32) {
+        self.mirror[e] = slot;
+    }
+
+    /// Request `id`'s page table: its pages' homes, and its length.
+    pub(crate) fn set_table(&mut self, id: RequestId, homes: impl Iterator<Item = u32>, len: u64) {
+        let t = self.tables.entry(id).or_default();
+        t.0.clear();
+        t.0.extend(homes);
+        t.1 = len;
+    }
+
+    /// The table of request `id`, if the resolver knows it: (pages, length).
+    pub(crate) fn table_len(&self, id: RequestId) -> Option<(usize, u64)> {
+        self.tables.get(&id).map(|(h, len)| (h.len(), *len))
+    }
+
+    /// Appends homes to request `id`'s table and sets its length.
+    pub(crate) fn extend_table(&mut self, id: RequestId, homes: &[u32], len: u64) {
+        let t = self.tables.entry(id).or_default();
+        t.0.extend_from_slice(homes);
+        t.1 = len;
+    }
+
+    /// Forgets the tables of requests `keep` does not name.
+    pub(crate) fn retain_tables(&mut self, keep: impl Fn(&RequestId) -> bool) {
+        self.tables.retain(|id, _| keep(id));
+    }
+
+    /// Opens a step with `grant` entries to take: (slot, victim entry or -1).
+    pub(crate) fn open(&mut self, grant: Vec<(i32, i64)>) {
+        self.grant = grant;
+        self.used = 0;
+        self.log.clear();
+        self.touched.clear();
+        self.counts = ResolveCounts {
+            hits: vec![0; self.layers as usize],
+            misses: vec![0; self.layers as usize],
+            ..Default::default()
+        };
+        self.serial = self.serial.wrapping_add(1);
+        if self.serial == 0 {
+            // The marks wrapped: start them over.
+            self.mark.fill(0);
+            self.filled.fill(0);
+            self.serial = 1;
+        }
+        self.open = true;
+    }
+
+    /// Closes the step. Returns what it did: how many of the grant's entries the step went
+    /// through, the log ((grant index, entry filled)), the distinct entries it
+    /// touched, and the counts.
+    pub(crate) fn close(&mut self) -> StepDone {
+        self.open = false;
+        self.grant.clear();
+        StepDone {
+            used: std::mem::take(&mut self.used),
+            log: std::mem::take(&mut self.log),
+            touched: std::mem::take(&mut self.touched),
+            counts: std::mem::take(&mut self.counts),
+        }
+    }
+
+    /// The mirror, for the core's checks.
+    pub(crate) fn mirror(&self) -> &[i32] {
+        &self.mirror
+    }
+
+    // -- the device's side (each layer) --------------------------------------------------
+
+    /// Resolves `layer` for the batch `rids`: `selection` is `[B][k]` entries (-1 = none), of
+    /// a page each (`tokens` false: block ids) or of one token (`tokens` true). Writes the
+    /// slot of each cell into `table` (`[B][k]`, -1 where the entry names nothing). Misses are
+    /// copied from host into granted slots before this returns.
+    pub fn resolve_layer(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        selection: &[i32],
+        k: usize,
+        tokens: bool,
+        table: &mut [i32],
+    ) -> Result<()> {
+        if !self.open {
+            return Err(Error::config(
+                "step",
+                "not granted",
+                "a step the core granted (begin_device_step) and did not end yet",
+            ));
+        }
+        if layer >= self.layers {
+            return Err(Error::out_of_range("layer", layer, 0, self.layers));
+        }
+        if selection.len() != rids.len() * k || table.len() != selection.len() {
+            return Err(Error::config(
+                "selection",
+                format!("{} entries, a table of {}", selection.len(), table.len()),
+                format!(
+                    "{} x {k}: one row of k per request, and a table as large",
+                    rids.len()
+                ),
+            ));
+        }
+        // The tables are read while the mirror and marks change: held apart meanwhile.
+        let tables = std::mem::take(&mut self.tables);
+        let out = self.resolve_rows(&tables, layer, rids, selection, k, tokens, table);
+        self.tables = tables;
+        out
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn resolve_rows(
+        &mut self,
+        tables: &FxHashMap<RequestId, (Vec<u32>, u64)>,
+        layer: u16,
+        rids: &[RequestId],
+        selection: &[i32],
+        k: usize,
+        tokens: bool,
+        table: &mut [i32],
+    ) -> Result<()> {
+        let rows: Vec<&(Vec<u32>, u64)> = rids
+            .iter()
+            .map(|id| {
+                tables
+                    .get(id)
+                    .ok_or_else(|| Error::config("rids", id, "requests of the granted step"))
+            })
+            .collect::<Result<_>>()?;
+        let ps = u64::from(self.page_size);
+        let per = if tokens { 1 } else { ps };
+        for (b, (homes, len)) in rows.into_iter().enumerate() {
+            let rid = rids[b];
+            let row = &selection[b * k..(b + 1) * k];
+            for (c, &entry) in row.iter().enumerate() {
+                let at = b * k + c;
+                table[at] = ABSENT;
+                if entry < 0 {
+                    continue;
+                }
+                let first = entry as u64 * per;
+                if first >= *len {
+                    return Err(Error::config(
+                        "selection",
+                        entry,
+                        format!("an entry inside its request's {len} tokens"),
+                    ));
+                }
+                let page = (first / ps) as usize;
+                let h = homes[page];
+                let e = h as usize * self.layers as usize + layer as usize;
+                // Selected tokens this entry puts in its page.
+                let needed = if tokens { 1 } else { ps.min(*len - first) };
+                self.counts.selected += 1;
+                self.counts.needed_tokens += needed;
+                let first_touch = self.mark[e] != self.serial;
+                if first_touch {
+                    self.mark[e] = self.serial;
+                    self.touched.push(e as u32);
+                }
+                let slot = self.mirror[e];
+                if slot >= 0 {
+                    table[at] = slot;
+                    if first_touch {
+                        self.counts.hits[layer as usize] += 1;
+                    } else if self.filled[e] == self.serial {
+                        // Brought in by this layer: its selected tokens count as moved.
+                        self.counts.needed_tokens_moved += needed;
+                    }
+                    continue;
+                }
+                let Some((g, slot)) = self.take() else {
+                    self.counts.overflow += 1;
+                    continue;
+                };
+                self.copy(h, layer, slot)?;
+                self.log.push((g as u32, e as u32, rid, page as u32));
+                self.mirror[e] = slot;
+                self.filled[e] = self.serial;
+                self.counts.misses[layer as usize] += 1;
+                self.counts.needed_tokens_moved += needed;
+                table[at] = slot;
+            }
+        }
+        Ok(())
+    }
+
+    /// The next grant entry the step may take: a free slot, or a victim it did not read (its
+    /// mirror entry is cleared). Returns (its index, its slot).
+    fn take(&mut self) -> Option<(usize, i32)> {
+        while let Some(&(slot, victim)) = self.grant.get(self.used) {
+            let g = self.used;
+            self.used += 1;
+            if victim >= 0 {
+                let v = victim as usize;
+                if self.mark[v] == self.serial {
+                    continue; // read this step: its slot may still be read
+                }
+                if self.mirror[v] == slot {
+                    self.mirror[v] = ABSENT;
+                }
+            }
+            return Some((g, slot));
+        }
+        None
+    }
+
+    /// Copies home `h`'s rows of `layer` into device `slot`, every plane.
+    fn copy(&self, h: u32, layer: u16, slot: i32) -> Result<()> {
+        let src_page = self.order.flat(h, layer);
+        let dst_page = slot as u32;
+        let bytes = self.device.page_bytes() as usize;
+        for plane in 0..self.device.planes_per_layer() {
+            let (Some(src), Some(dst)) = (
+                self.host.row_addr_checked(plane, src_page, 0),
+                self.device.row_addr_checked(plane, dst_page, 0),
+            ) else {
+                return Err(Error::config(
+                    "slot",
+                    slot,
+                    "a granted slot of the device pool and a home of the host pool",
+                ));
+            };
+            // SAFETY: both bindings were checked when built (base, extent, page geometry) and
+            // stay alive with the scheduler that owns them; `row_addr_checked` bounded page and
+            // plane, and a page's `bytes` lie inside its plane. The resolver runs only on CPU
+            // memory (the cpu engine): the runtime refuses it for CUDA pools. Source (a host
+            // page) and destination (a device slot) are distinct buffers.
+            unsafe {
+                std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, bytes);
+            }
+        }
+        Ok(())
+    }
+}
