@@ -18,7 +18,11 @@ ended, restarted ones included) are bit-identical in the two, and both matched t
 pages at admission. A case either runs with prefetch (and no faults: which load a fault hits
 would then depend on copy timing, and hypothesis could not replay it) or with faults. Three
 machines: block selections, token selections mapped to pages in the core, and token
-selections mapped on the model's device and planned as counted page rows.
+selections mapped on the model's device and planned as counted page rows; and two more that
+drive the tiered runtime's decode steps through the device resolver (`resolve="device"`,
+block and token selections) against the same host-planned resident twin, so the two resolve
+paths run the same stream and must give the same outputs, with the scheduler's checks (the
+device mirror against the directory among them) after every rule.
 """
 
 import torch
@@ -46,6 +50,7 @@ CONCURRENT = 3
 class RuntimeMachine(RuleBasedStateMachine):
     MODE = "block"
     TOKEN_MAP = "core"
+    RESOLVE = "host"  # the tiered runtime's; the twin always plans on the host
 
     def __init__(self):
         super().__init__()
@@ -56,11 +61,11 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.matched: dict[int, int] = {}  # rid -> prefix pages its latest admission matched
         self.next_rid = 0
 
-    def _runtime(self, device_slots: int, prefetch: bool) -> DecodeRuntime:
+    def _runtime(self, device_slots: int, prefetch: bool, resolve: str = "host") -> DecodeRuntime:
         return DecodeRuntime(
             MODEL, page_size=8, device_slots=device_slots, host_pages=200, indexer_pages=80,
             topk=3 if self.MODE == "block" else 10, selection=self.MODE, prefetch=prefetch,
-            token_map=self.TOKEN_MAP,
+            token_map=self.TOKEN_MAP, resolve=resolve,
         )  # fmt: skip
 
     # A quarter of the cases prefetch; the rest inject faults.
@@ -73,7 +78,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.prefetch = prefetch
         if prefetch:
             event("prefetch on (no faults)")
-        self.rt = self._runtime(60, prefetch)
+        self.rt = self._runtime(60, prefetch, self.RESOLVE)
         self.twin = self._runtime(2000, False)
         # Two requests over the longest prompt hold most of the device, so what comes next
         # evicts and loads (and load faults find loads to fail).
@@ -234,6 +239,16 @@ class MappedTokenRuntimeMachine(RuntimeMachine):
     TOKEN_MAP = "device"
 
 
+class DeviceRuntimeMachine(RuntimeMachine):
+    # Decode steps resolved by the device resolver, against the host-planned twin.
+    RESOLVE = "device"
+
+
+class DeviceTokenRuntimeMachine(RuntimeMachine):
+    MODE = "token"
+    RESOLVE = "device"
+
+
 # Each rule runs the tiny model (a step or a prefill) in two runtimes, so these machines take
 # a tenth of the profile's examples (SPARSETIER_HYPOTHESIS=deep: 200 of up to 30 rules).
 _fewer = settings(
@@ -248,3 +263,7 @@ TestTokenRuntimeMachine = TokenRuntimeMachine.TestCase
 TestTokenRuntimeMachine.settings = _fewer
 TestMappedTokenRuntimeMachine = MappedTokenRuntimeMachine.TestCase
 TestMappedTokenRuntimeMachine.settings = _fewer
+TestDeviceRuntimeMachine = DeviceRuntimeMachine.TestCase
+TestDeviceRuntimeMachine.settings = _fewer
+TestDeviceTokenRuntimeMachine = DeviceTokenRuntimeMachine.TestCase
+TestDeviceTokenRuntimeMachine.settings = _fewer

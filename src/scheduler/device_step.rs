@@ -47,6 +47,8 @@ pub(crate) struct DeviceLink {
     pub(crate) state: Arc<Mutex<ResolverState>>,
     /// Mirror entries to set at the next grant: pages that started on the device.
     pub(crate) adds: Vec<usize>,
+    /// Host pages that got a new generation: their entries name another page's objects now.
+    pub(crate) bumped: Vec<u32>,
     grant: Vec<Entry>,
     /// Objects held since the last device step read them.
     held: Vec<u32>,
@@ -130,6 +132,7 @@ impl StepScheduler<PrefixTier> {
         self.tier.device = Some(DeviceLink {
             state: state.clone(),
             adds,
+            bumped: Vec::new(),
             grant: Vec::new(),
             held: Vec::new(),
             open: false,
@@ -177,14 +180,7 @@ impl StepScheduler<PrefixTier> {
         // Page tables: homes of the batch's pages (appended as they start), and lengths.
         for id in rids {
             let r = &self.requests[id];
-            let pages = r.homes.len();
-            match st.table_len(*id) {
-                Some((n, _)) if n <= pages => {
-                    let homes: Vec<u32> = r.homes[n..].iter().map(|&(h, _)| h).collect();
-                    st.extend_table(*id, &homes, r.len);
-                }
-                _ => st.set_table(*id, r.homes.iter().map(|&(h, _)| h), r.len),
-            }
+            st.update_table(*id, r.serial, &r.homes, r.len);
         }
         let requests = &self.requests;
         st.retain_tables(|id| requests.contains_key(id));
@@ -219,12 +215,15 @@ impl StepScheduler<PrefixTier> {
             .filter(|(k, _)| k.namespace.id >= HOST_NS)
             .map(|(k, _)| self.entry_of(k))
             .collect();
+        let layers = self.cfg.layers as usize;
         if let Some(link) = self.tier.device.as_mut() {
             changed.append(&mut link.adds);
+            for h in link.bumped.drain(..) {
+                changed.extend((0..layers).map(|l| h as usize * layers + l));
+            }
         }
         changed.sort_unstable();
         changed.dedup();
-        let layers = self.cfg.layers as usize;
         for e in changed {
             let now = match self.dir.state(&self.key_of(e, layers)).map(|o| o.device) {
                 Some(DeviceState::Ready { slot }) => slot.raw() as i32,
@@ -454,6 +453,9 @@ impl StepScheduler<PrefixTier> {
         let layers = self.cfg.layers as usize;
         // What the next grant applies: pages started, and slots given up.
         let mut pending: rustc_hash::FxHashSet<usize> = link.adds.iter().copied().collect();
+        for &h in &link.bumped {
+            pending.extend((0..layers).map(|l| h as usize * layers + l));
+        }
         pending.extend(
             self.dir
                 .pending_releases()

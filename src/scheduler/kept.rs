@@ -461,9 +461,14 @@ impl<T: Tier> StepScheduler<T> {
                 self.kept_pins
             ));
         }
+        // The directory's holds: kept pages, and what the kind holds besides (joined: the
+        // device resolver's holds and victims).
         let held = self.dir.held_pins();
-        if held != n {
-            return Err(format!("{n} kept pages, the directory holds {held}"));
+        let extra = T::extra_pins(self);
+        if held != n + extra {
+            return Err(format!(
+                "{n} kept pages and {extra} held otherwise, the directory holds {held}"
+            ));
         }
         Ok(())
     }

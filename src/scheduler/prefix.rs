@@ -227,9 +227,18 @@ impl PrefixTier {
         for p in self.cache.take_freed_host() {
             let ns = self.namespace(p.raw());
             dir.drop_namespace(ns)?;
-            self.gens[p.raw() as usize] += 1;
+            self.bump(p.raw());
         }
         Ok(())
+    }
+
+    /// A new generation for host page `h`: the objects at it are another page's from now on
+    /// (the device resolver's mirror entries of `h` are brought up to date at its next grant).
+    fn bump(&mut self, h: u32) {
+        self.gens[h as usize] += 1;
+        if let Some(link) = self.device.as_mut() {
+            link.bumped.push(h);
+        }
     }
 
     /// Host pages for `n` new token pages, with the objects at reused pages dropped first.
@@ -330,7 +339,7 @@ impl PrefixTier {
             version: gen,
         };
         dir.drop_namespace(ns)?;
-        self.gens[h as usize] += 1;
+        self.bump(h);
         self.limbo.push(Limbo { host: h, ns });
         Ok(())
     }

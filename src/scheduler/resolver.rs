@@ -60,6 +60,15 @@ pub struct ResolveCounts {
 /// A grant entry the device took: (grant index, mirror entry filled, request, page).
 pub(crate) type LogEntry = (u32, u32, RequestId, u32);
 
+/// A running request's page table: the home of each page, and its length in tokens.
+#[derive(Debug, Default)]
+struct PageTable {
+    /// The admission it belongs to (a restarted request keeps its id).
+    serial: u64,
+    homes: Vec<u32>,
+    len: u64,
+}
+
 /// What a closed step did (see [`ResolverState::close`]).
 #[derive(Debug, Default)]
 pub(crate) struct StepDone {
@@ -76,8 +85,8 @@ pub struct ResolverState {
     page_size: u32,
     /// `[host pages * layers]`: device slot or [`ABSENT`].
     mirror: Vec<i32>,
-    /// Per running request: home of each page, and the request's length in tokens.
-    tables: FxHashMap<RequestId, (Vec<u32>, u64)>,
+    /// Per running request: its page table.
+    tables: FxHashMap<RequestId, PageTable>,
     /// (slot, the mirror entry of its victim or -1 for a free slot), in the order to take.
     grant: Vec<(i32, i64)>,
     used: usize,
@@ -169,24 +178,24 @@ impl ResolverState {
         self.mirror[e] = slot;
     }
 
-    /// Request `id`'s page table: its pages' homes, and its length.
-    pub(crate) fn set_table(&mut self, id: RequestId, homes: impl Iterator<Item = u32>, len: u64) {
+    /// Brings request `id`'s page table up to `homes` (its pages' homes) and `len` tokens:
+    /// appends the pages it lacks, or starts over for another admission under the same id
+    /// (`serial`).
+    pub(crate) fn update_table(
+        &mut self,
+        id: RequestId,
+        serial: u64,
+        homes: &[(u32, u32)],
+        len: u64,
+    ) {
         let t = self.tables.entry(id).or_default();
-        t.0.clear();
-        t.0.extend(homes);
-        t.1 = len;
-    }
-
-    /// The table of request `id`, if the resolver knows it: (pages, length).
-    pub(crate) fn table_len(&self, id: RequestId) -> Option<(usize, u64)> {
-        self.tables.get(&id).map(|(h, len)| (h.len(), *len))
-    }
-
-    /// Appends homes to request `id`'s table and sets its length.
-    pub(crate) fn extend_table(&mut self, id: RequestId, homes: &[u32], len: u64) {
-        let t = self.tables.entry(id).or_default();
-        t.0.extend_from_slice(homes);
-        t.1 = len;
+        if t.serial != serial || t.homes.len() > homes.len() {
+            t.serial = serial;
+            t.homes.clear();
+        }
+        let n = t.homes.len();
+        t.homes.extend(homes[n..].iter().map(|&(h, _)| h));
+        t.len = len;
     }
 
     /// Forgets the tables of requests `keep` does not name.
@@ -279,7 +288,7 @@ impl ResolverState {
     #[allow(clippy::too_many_arguments)]
     fn resolve_rows(
         &mut self,
-        tables: &FxHashMap<RequestId, (Vec<u32>, u64)>,
+        tables: &FxHashMap<RequestId, PageTable>,
         layer: u16,
         rids: &[RequestId],
         selection: &[i32],
@@ -287,7 +296,7 @@ impl ResolverState {
         tokens: bool,
         table: &mut [i32],
     ) -> Result<()> {
-        let rows: Vec<&(Vec<u32>, u64)> = rids
+        let rows: Vec<&PageTable> = rids
             .iter()
             .map(|id| {
                 tables
@@ -297,7 +306,7 @@ impl ResolverState {
             .collect::<Result<_>>()?;
         let ps = u64::from(self.page_size);
         let per = if tokens { 1 } else { ps };
-        for (b, (homes, len)) in rows.into_iter().enumerate() {
+        for (b, PageTable { homes, len, .. }) in rows.into_iter().enumerate() {
             let rid = rids[b];
             let row = &selection[b * k..(b + 1) * k];
             for (c, &entry) in row.iter().enumerate() {
