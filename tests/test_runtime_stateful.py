@@ -128,6 +128,14 @@ class RuntimeMachine(RuleBasedStateMachine):
             else:
                 self.outputs[rid] += 1
 
+    @rule()
+    def evict_prefixes(self):
+        # Every prefix page no running request holds leaves both tiers, in both runtimes (so
+        # they still match alike): the host pages a running request reads, the device
+        # resolver's copies among them, must stay.
+        for rt in (self.rt, self.twin):
+            rt.scheduler.evict_prefix(10**6, 10**6)
+
     @precondition(lambda self: self.outputs)
     @rule(data=st.data())
     def abort(self, data):

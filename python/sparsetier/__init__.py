@@ -16,6 +16,7 @@ from typing import Any
 from sparsetier import lowlevel as _lowlevel
 from sparsetier._core import (
     Admission,
+    DeviceResolver,
     HiCache,
     JoinedStepScheduler,
     LayerCounts,
@@ -72,6 +73,7 @@ __all__ = [
     "CudaError",
     "CudaUnavailableError",
     "DevicePool",
+    "DeviceResolver",
     "HiCache",
     "InternalError",
     "InvalidTransitionError",

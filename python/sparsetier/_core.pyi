@@ -14,6 +14,7 @@ __all__ = [
     "BackupPlan",
     "BlockMover",
     "ChunkDirectory",
+    "DeviceResolver",
     "HiCache",
     "JoinedStepScheduler",
     "LayerCounts",
@@ -641,6 +642,20 @@ class JoinedStepScheduler(StepScheduler):
     def indexer_pages(self, rid: int) -> npt.NDArray[np.int64]: ...
     def flush_finished(self) -> None: ...
     def evict_prefix(self, device: int, host: int) -> tuple[int, int]: ...
+    def enable_device_resolver(self) -> DeviceResolver: ...
+    def begin_device_step(self, rids: Any, entries: int) -> bool: ...
+    def device_stats(self) -> dict[str, int]: ...
+
+@final
+class DeviceResolver:
+    """Maps each decode layer's top-k to device slots and serves the misses from host within
+    the slots the scheduler granted (`JoinedStepScheduler.begin_device_step`)."""
+
+    def resolve(
+        self, layer: int, rids: Any, selection: npt.NDArray[np.int32], tokens: bool = False
+    ) -> npt.NDArray[np.int32]: ...
+    @property
+    def step_open(self) -> bool: ...
 
 @final
 class PrefixMatch:

@@ -210,9 +210,7 @@ class DecodeRuntime:
             prefetch=prefetch and resolve != "device",
         )
         self.resolve = resolve
-        self.resolver = (
-            self.scheduler.enable_device_resolver() if resolve == "device" else None
-        )
+        self.resolver = self.scheduler.enable_device_resolver() if resolve == "device" else None
         self.requests: dict[int, Request] = {}
         if keep_records is not None and keep_records < 1:
             raise ConfigError.of("keep_records", str(keep_records), "None (all) or >= 1")

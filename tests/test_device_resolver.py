@@ -1,0 +1,178 @@
+"""The device resolver (`DecodeRuntime(resolve="device")`): a decode step calls into the core a
+fixed number of times however many layers the model has, the demo stays exact through it in
+block and token modes, with faults, and the resolver refuses misuse with typed errors before
+anything changes. The runtime's hypothesis machines (`test_runtime_stateful.py`) drive the
+same path against a host-planned resident twin."""
+
+import numpy as np
+import pytest
+import torch
+
+import sparsetier as sp
+from sparsetier.tools import demo
+from sparsetier.tools.model import ModelConfig, TinySparseModel
+from sparsetier.tools.runtime import DecodeRuntime
+
+
+class Counting:
+    """Forwards to a scheduler, counting the calls made through it."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a, **k):
+            self.calls.append(name)
+            return attr(*a, **k)
+
+        return call
+
+
+def _runtime(layers: int, resolve: str, selection: str = "block") -> DecodeRuntime:
+    model = TinySparseModel(ModelConfig(layers=layers, seed=5))
+    return DecodeRuntime(
+        model, page_size=8, device_slots=80 * layers, host_pages=120, indexer_pages=60,
+        topk=3 if selection == "block" else 10, selection=selection, resolve=resolve,
+    )  # fmt: skip
+
+
+def _calls_per_step(layers: int, resolve: str, selection: str = "block") -> list[list[str]]:
+    rt = _runtime(layers, resolve, selection)
+    g = torch.Generator().manual_seed(1)
+    for rid in range(3):
+        rt.add_request(rid, torch.randint(0, 512, (40 + 9 * rid,), generator=g), 6)
+    counting = Counting(rt.scheduler)
+    rt.scheduler = counting
+    per_step = []
+    for _ in range(5):
+        counting.calls.clear()
+        rt.step()
+        per_step.append(list(counting.calls))
+    rt.scheduler = counting._inner
+    return per_step
+
+
+@pytest.mark.parametrize("selection", ["block", "token"])
+def test_a_device_step_calls_the_core_a_fixed_number_of_times_not_per_layer(selection):
+    # append, begin_device_step, end_step, whatever the layers (and, for a request whose
+    # token starts a page, its new Indexer-K page: per page, not per layer).
+    two, five = _calls_per_step(2, "device", selection), _calls_per_step(5, "device", selection)
+    assert two == five
+    for calls in two:
+        core = [c for c in calls if c != "indexer_pages"]
+        assert core == ["append", "begin_device_step", "end_step"], calls
+    # The host path calls per layer (plan, ready, finish), so the count can tell them apart.
+    host2, host5 = _calls_per_step(2, "host", selection), _calls_per_step(5, "host", selection)
+    assert [len(c) for c in host2] != [len(c) for c in host5]
+
+
+@pytest.mark.parametrize(
+    ("selection", "faults"), [("block", False), ("token", False), ("block", True)]
+)
+def test_demo_through_the_device_resolver_is_exact(selection, faults):
+    cfg = demo.DemoConfig(
+        requests=8, steps=24, selection=selection, faults=faults, resolve="device"
+    )
+    r = demo.run_demo(cfg, progress=False)
+    t = r["totals"]
+    assert t["correct"], demo.format_summary(r)
+    assert (t["end_pins"], t["end_handles"], t["end_device_leaked"]) == (0, 0, 0), t
+    assert t["end_quarantined_slots"] == t["end_transfers_in_flight"] == 0, t
+    assert t["prefix_hits"] > 0  # prefix hits took the device path too
+    assert t["loaded"] > 0  # and misses were served from host
+
+
+def test_the_device_path_resolves_decode_steps_and_its_record_counts_them():
+    rt = _runtime(2, "device")
+    g = torch.Generator().manual_seed(2)
+    for rid in range(2):
+        rt.add_request(rid, torch.randint(0, 512, (60,), generator=g), 5)
+    for _ in range(5):
+        rt.step()
+    d = rt.scheduler.device_stats()
+    assert d["steps"] == 5 and d["fallbacks"] == 0, d
+    t = rt.scheduler.totals()
+    assert t["pages"] == t["ready"] + t["loaded"] > 0, t
+    rt.drain()
+    for rid in range(2):
+        rt.finish_request(rid)
+    rt.drain()
+    s = rt.scheduler.stats()
+    assert (s["pins"], s["handles"]) == (0, 0), s
+    rt.scheduler.validate()
+
+
+def test_a_device_too_small_for_the_grant_plans_those_steps_on_the_host():
+    model = TinySparseModel(ModelConfig(layers=2, seed=5))
+    small = DecodeRuntime(
+        model, page_size=8, device_slots=40, host_pages=120, indexer_pages=60, topk=3,
+        resolve="device",
+    )  # fmt: skip
+    ref = DecodeRuntime(
+        model, page_size=8, device_slots=400, host_pages=120, indexer_pages=60, topk=3
+    )
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (70,), generator=g) for _ in range(3)]
+    for rt in (small, ref):
+        for rid, p in enumerate(prompts):
+            rt.add_request(rid, p, 4)
+        for _ in range(4):
+            rt.step()
+    assert small.scheduler.device_stats()["fallbacks"] > 0
+    for rid in range(3):
+        a, b = small.finish_request(rid), ref.finish_request(rid)
+        assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True))
+
+
+def test_resolver_misuse_is_refused_before_anything_changes():
+    rt = _runtime(2, "device")
+    rt.add_request(0, torch.arange(30) % 512, 4)
+    res = rt.resolver
+    rids = np.array([0], dtype=np.int64)
+    sel = np.array([[0, 1, -1]], dtype=np.int32)
+    # No step granted.
+    with pytest.raises(sp.ConfigError) as e:
+        res.resolve(0, rids, sel)
+    assert e.value.field == "step"
+    rt.scheduler.append(rids)
+    assert rt.scheduler.begin_device_step(rids, 3)
+    with pytest.raises(sp.ConfigError) as e:
+        rt.scheduler.begin_device_step(rids, 3)
+    assert e.value.field == "step"
+    with pytest.raises(sp.OutOfRangeError) as e:
+        res.resolve(2, rids, sel)
+    assert e.value.field == "layer"
+    for bad, field in [
+        (lambda: res.resolve(0, rids, np.zeros((2, 3), np.int32)), "selection.shape"),
+        (lambda: res.resolve(0, rids, sel.astype(np.int64)), "selection"),
+        (lambda: res.resolve(0, rids, np.array([[0, 9, -1]], np.int32)), "selection"),
+        (lambda: res.resolve(0, np.array([7]), sel), "rids"),
+    ]:
+        with pytest.raises(sp.ConfigError) as e:
+            bad()
+        assert e.value.field == field, (field, e.value)
+    table = res.resolve(0, rids, sel)
+    assert table.dtype == np.int32 and table.shape == (1, 3) and table[0, 2] == -1
+    rt.scheduler.end_step()
+    assert not res.step_open
+    rt.scheduler.validate()
+
+
+def test_resolve_device_is_refused_where_it_cannot_run():
+    model = TinySparseModel(ModelConfig(layers=2))
+    kw = dict(page_size=8, device_slots=80, host_pages=40, indexer_pages=20, topk=3)
+    with pytest.raises(sp.ConfigError) as e:
+        DecodeRuntime(model, resolve="gpu", **kw)
+    assert e.value.field == "resolve"
+    with pytest.raises(sp.ConfigError) as e:
+        DecodeRuntime(model, resolve="device", block_size=16, **kw)
+    assert e.value.field == "block_size"
+    with pytest.raises(sp.ConfigError) as e:
+        DecodeRuntime(model, resolve="device", selection="token", token_map="device",
+                      **{**kw, "topk": 10})  # fmt: skip
+    assert e.value.field == "token_map"
