@@ -136,6 +136,7 @@ impl PyJoinedStepScheduler {
         d.set_item("fallbacks", t.fallbacks)?;
         d.set_item("granted", t.granted)?;
         d.set_item("held", t.held)?;
+        d.set_item("refills", t.refills)?;
         Ok(d)
     }
 

@@ -11,8 +11,10 @@
 //! A standing list of device slots the device may fill, taken in order: free slots first,
 //! then victims (the core's least recently used evictable objects, pinned so that the host
 //! cannot move them, still readable and still in the mirror). It holds at least one entry per
-//! cell a step can miss (`cells`: rows x entries x layers), so a step never runs out; when the
-//! device cannot give that many, `begin_device_step` says so and the step plans on the host.
+//! cell a layer can miss (`cells`: per row, its entries or its pages if fewer; the slots
+//! earlier layers filled are filled again once the grant is spent), so a step never runs out;
+//! when the device cannot give that many, `begin_device_step` says so and the step plans on
+//! the host.
 //! What a step did not take stays granted.
 //!
 //! # Reconcile (at `end_step`)
@@ -53,9 +55,11 @@ pub(crate) struct DeviceLink {
     /// Objects held since the last device step read them.
     held: Vec<u32>,
     open: bool,
-    /// Device steps run, and steps that planned on the host for want of a grant.
+    /// Device steps run, steps that planned on the host for want of a grant, and slots
+    /// filled twice in a step.
     steps: u64,
     fallbacks: u64,
+    refills: u64,
 }
 
 impl std::fmt::Debug for DeviceLink {
@@ -79,6 +83,8 @@ pub struct DeviceTotals {
     pub granted: u64,
     /// Objects held because the last device step read them.
     pub held: u64,
+    /// Slots a step filled again after an earlier layer of it had filled them.
+    pub refills: u64,
 }
 
 impl StepScheduler<PrefixTier> {
@@ -138,6 +144,7 @@ impl StepScheduler<PrefixTier> {
             open: false,
             steps: 0,
             fallbacks: 0,
+            refills: 0,
         });
         Ok(state)
     }
@@ -173,7 +180,13 @@ impl StepScheduler<PrefixTier> {
         if let Some(id) = rids.iter().find(|id| !self.requests.contains_key(id)) {
             return Err(Error::config("rids", id, "running requests"));
         }
-        let cells = rids.len() * entries * self.cfg.layers as usize;
+        // One layer's cells: a row reads at most its request's pages (slots filled by earlier
+        // layers of the step are filled again once the grant is spent).
+        let ps = self.cfg.page_size;
+        let cells: usize = rids
+            .iter()
+            .map(|id| entries.min(self.requests[id].pages(ps) as usize))
+            .sum();
         let state = link.state.clone();
         let mut st = state.lock();
         self.sync_mirror(&mut st);
@@ -185,8 +198,7 @@ impl StepScheduler<PrefixTier> {
         let requests = &self.requests;
         st.retain_tables(|id| requests.contains_key(id));
         let ok = self.top_up(cells)?;
-        // Granting victims may have freed nothing, but the directory logs only releases: the
-        // victims stay in the mirror until the device takes them.
+        // What granting changed: free slots taken (nothing to mirror), victims named.
         self.sync_mirror(&mut st);
         let link = self.tier.device.as_mut().expect("checked above");
         if !ok {
@@ -254,6 +266,11 @@ impl StepScheduler<PrefixTier> {
             }
         }
         let link = self.tier.device.as_mut().expect("checked by the caller");
+        // A victim the mirror does not name yet (it came to the device another way) enters
+        // it: a cell that selects it hits, so a layer passes over at most as many victims as
+        // it hits, and no object is copied in twice.
+        link.adds
+            .extend(fresh.iter().filter_map(|(_, v)| v.map(|(e, _)| e)));
         link.grant.extend(fresh);
         Ok(link.grant.len() >= cells)
     }
@@ -272,8 +289,8 @@ impl StepScheduler<PrefixTier> {
         let done = state.lock().close();
         let grant = std::mem::take(&mut link.grant);
         let mut taken = vec![false; done.used];
-        for &(g, ..) in &done.log {
-            taken[g as usize] = true;
+        for en in &done.log {
+            taken[en.g as usize] = true;
         }
         // Victims first: the device evicted those it took; those it passed over it read, so
         // they go back to the LRU as the most recently used.
@@ -291,10 +308,17 @@ impl StepScheduler<PrefixTier> {
         // The objects the device copied in: adopted at their slots, or (already on the device
         // another way) their slots given back and the mirror pointed where they are.
         let layers = self.cfg.layers as usize;
-        let keys: Vec<(ObjectKey, SlotId)> = done
-            .log
+        // A slot filled more than once this step holds its last object.
+        let mut owner_seen = vec![false; done.used];
+        let mut owners: Vec<&super::resolver::LogEntry> = Vec::with_capacity(done.log.len());
+        for en in done.log.iter().rev() {
+            if !std::mem::replace(&mut owner_seen[en.g as usize], true) {
+                owners.push(en);
+            }
+        }
+        let keys: Vec<(ObjectKey, SlotId)> = owners
             .iter()
-            .map(|&(g, e, ..)| (self.key_of(e as usize, layers), grant[g as usize].0))
+            .map(|en| (self.key_of(en.e as usize, layers), grant[en.g as usize].0))
             .collect();
         let adopted = self.dir.adopt(&keys)?;
         let mut spare = Vec::new();
@@ -345,7 +369,7 @@ impl StepScheduler<PrefixTier> {
         // entries of one layer together).
         let mut by_layer: Vec<(Vec<bool>, Vec<u32>, Vec<RequestId>)> =
             vec![Default::default(); layers];
-        for &(_, e, rid, page) in &done.log {
+        for &super::resolver::LogEntry { e, rid, page, .. } in &done.log {
             let l = e as usize % layers;
             let matched = self.requests.get(&rid).is_some_and(|r| page < r.matched);
             by_layer[l].0.push(true);
@@ -356,6 +380,9 @@ impl StepScheduler<PrefixTier> {
             if !loaded.is_empty() {
                 <PrefixTier as Tier>::count_loads(self, l as u16, loaded, pages, rids);
             }
+        }
+        if let Some(link) = self.tier.device.as_mut() {
+            link.refills += done.counts.refills;
         }
         // The record, as the host path keeps it.
         let c = &done.counts;
@@ -438,6 +465,7 @@ impl StepScheduler<PrefixTier> {
                 fallbacks: l.fallbacks,
                 granted: l.grant.len() as u64,
                 held: l.held.len() as u64,
+                refills: l.refills,
             })
     }
 

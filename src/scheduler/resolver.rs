@@ -18,12 +18,15 @@
 //! # One layer
 //! For each cell (row `b`, entry `k`): the page it names (block mode: the entry; token mode:
 //! the entry's token / page size) -> its home `h` -> `mirror[h, l]`. A slot there is a hit. Else
-//! the next granted entry is taken (a victim this step already read is passed over: its rows
+//! the next granted entry is taken (a victim this layer already read is passed over: its rows
 //! may still be read), its victim leaves the mirror, the object's rows are copied from its
 //! home into the slot, the mirror names it, and the log records it; the cell gets that slot. A
 //! later cell naming the same object hits. No grant left is an overflow: the cell gets -1 and
 //! the layer is reported (the core grants enough that this does not happen:
-//! `JoinedScheduler::begin_device_step`).
+//! `JoinedScheduler::begin_device_step`). Once the grant is spent, the slots earlier layers of
+//! the step filled are filled again, oldest first: each layer's table is read before the next
+//! layer is resolved (the caller's contract, as stream order gives it on a GPU), so the grant
+//! need only cover one layer's cells.
 //!
 //! # What the core keeps exact (`joined.rs`, `device_step.rs`)
 //! Every mirror entry names a device-Ready object at that slot; objects that lose their slot
@@ -55,10 +58,23 @@ pub struct ResolveCounts {
     pub selected: u64,
     /// Cells left without a slot for want of granted slots.
     pub overflow: u64,
+    /// Slots filled again: an earlier layer of the step had filled them.
+    pub refills: u64,
 }
 
-/// A grant entry the device took: (grant index, mirror entry filled, request, page).
-pub(crate) type LogEntry = (u32, u32, RequestId, u32);
+/// A grant entry the device took.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LogEntry {
+    /// Its index in the grant (its slot is the grant's).
+    pub g: u32,
+    /// The mirror entry it filled (`h * layers + l`).
+    pub e: u32,
+    /// The request and page whose cell missed first.
+    pub rid: RequestId,
+    pub page: u32,
+    /// The resolve call of the step that took it.
+    pub call: u32,
+}
 
 /// A running request's page table: the home of each page, and its length in tokens.
 #[derive(Debug, Default)]
@@ -90,10 +106,15 @@ pub struct ResolverState {
     /// (slot, the mirror entry of its victim or -1 for a free slot), in the order to take.
     grant: Vec<(i32, i64)>,
     used: usize,
-    /// Per grant entry taken: (its index in the grant, the mirror entry `h * layers + l` it
-    /// filled, the request and page whose cell missed first). Entries before `used` not here
-    /// were passed over.
+    /// The grant entries taken, in order. A grant entry appears more than once when its slot
+    /// was filled again later in the step (`take`: a slot an earlier layer filled); the last
+    /// is the slot's owner. Entries before `used` not here were passed over.
     log: Vec<LogEntry>,
+    /// Resolve calls this step, and the first log entry not yet refilled.
+    call: u32,
+    refill_at: usize,
+    /// Grant entries passed over (a victim the resolving layer had read), for later layers.
+    deferred: Vec<usize>,
     /// Distinct mirror entries read this step, and a mark per entry (the step's serial) that
     /// dedups them; `filled` marks the entries this step brought in.
     touched: Vec<u32>,
@@ -140,6 +161,9 @@ impl ResolverState {
             touched: Vec::new(),
             mark: vec![0; n],
             filled: vec![0; n],
+            call: 0,
+            refill_at: 0,
+            deferred: Vec::new(),
             serial: 0,
             counts: ResolveCounts::default(),
             open: false,
@@ -208,6 +232,9 @@ impl ResolverState {
         self.grant = grant;
         self.used = 0;
         self.log.clear();
+        self.call = 0;
+        self.refill_at = 0;
+        self.deferred.clear();
         self.touched.clear();
         self.counts = ResolveCounts {
             hits: vec![0; self.layers as usize],
@@ -280,6 +307,7 @@ impl ResolverState {
         }
         // The tables are read while the mirror and marks change: held apart meanwhile.
         let tables = std::mem::take(&mut self.tables);
+        self.call += 1;
         let out = self.resolve_rows(&tables, layer, rids, selection, k, tokens, table);
         self.tables = tables;
         out
@@ -346,12 +374,18 @@ impl ResolverState {
                     }
                     continue;
                 }
-                let Some((g, slot)) = self.take() else {
+                let Some((g, slot)) = self.take(layer) else {
                     self.counts.overflow += 1;
                     continue;
                 };
                 self.copy(h, layer, slot)?;
-                self.log.push((g as u32, e as u32, rid, page as u32));
+                self.log.push(LogEntry {
+                    g: g as u32,
+                    e: e as u32,
+                    rid,
+                    page: page as u32,
+                    call: self.call,
+                });
                 self.mirror[e] = slot;
                 self.filled[e] = self.serial;
                 self.counts.misses[layer as usize] += 1;
@@ -362,22 +396,53 @@ impl ResolverState {
         Ok(())
     }
 
-    /// The next grant entry the step may take: a free slot, or a victim it did not read (its
-    /// mirror entry is cleared). Returns (its index, its slot).
-    fn take(&mut self) -> Option<(usize, i32)> {
+    /// The next slot the step may fill: a granted entry (free, or a victim it did not read:
+    /// its mirror entry is cleared), or once the grant is spent, a slot an earlier resolve
+    /// call of the step filled (that layer's cells were read before this call: the caller's
+    /// contract), oldest first. Returns (its grant index, its slot).
+    fn take(&mut self, layer: u16) -> Option<(usize, i32)> {
+        let layers = self.layers as usize;
+        // A victim read by this layer may still be read by its cells: passed over, and taken
+        // by a later layer (whose call comes after this layer's cells were read).
+        let read_here = |s: &Self, v: usize| s.mark[v] == s.serial && v % layers == layer as usize;
+        if let Some(i) = (0..self.deferred.len()).find(|&i| {
+            let (_, v) = self.grant[self.deferred[i]];
+            !read_here(self, v as usize)
+        }) {
+            let g = self.deferred.remove(i);
+            let (slot, v) = self.grant[g];
+            if self.mirror[v as usize] == slot {
+                self.mirror[v as usize] = ABSENT;
+            }
+            return Some((g, slot));
+        }
         while let Some(&(slot, victim)) = self.grant.get(self.used) {
             let g = self.used;
             self.used += 1;
             if victim >= 0 {
                 let v = victim as usize;
-                if self.mark[v] == self.serial {
-                    continue; // read this step: its slot may still be read
+                if read_here(self, v) {
+                    self.deferred.push(g);
+                    continue;
                 }
                 if self.mirror[v] == slot {
                     self.mirror[v] = ABSENT;
                 }
             }
             return Some((g, slot));
+        }
+        while let Some(&en) = self.log.get(self.refill_at) {
+            if en.call >= self.call {
+                return None; // the rest are this call's: their cells may still be read
+            }
+            self.refill_at += 1;
+            let slot = self.grant[en.g as usize].0;
+            if self.mirror[en.e as usize] != slot {
+                continue; // filled again since
+            }
+            self.mirror[en.e as usize] = ABSENT;
+            self.counts.refills += 1;
+            return Some((en.g as usize, slot));
         }
         None
     }
