@@ -203,3 +203,20 @@ def test_resolve_device_is_refused_where_it_cannot_run():
         DecodeRuntime(model, resolve="device", selection="token", token_map="device",
                       **{**kw, "topk": 10})  # fmt: skip
     assert e.value.field == "token_map"
+
+
+def test_bench_decode_resolve_device_pairs_the_two_paths_on_the_same_selections():
+    from sparsetier.tools import bench_resolve
+    from sparsetier.tools.bench_decode import DecodeBenchConfig
+
+    for mode in ("block", "token"):
+        cfg = DecodeBenchConfig(
+            layers=3, batch=4, context_min=512, context_max=1024, steps=4, warmup=3,
+            budget=0.3, mode=mode, tokens=64, token_pages=8,
+        )  # fmt: skip
+        r = bench_resolve.run(cfg)
+        assert r["steps"] == 4 and r["device_steps"] == 7 and r["device_fallbacks"] == 0, r
+        # Both sides read the same pages; the device side's loads differ only by what its
+        # grant's victims and holds keep, not by more than the host side loads.
+        assert r["device_loaded"] <= 2 * r["host_loaded"] + 64, r
+        assert "device/host" in bench_resolve.format_report(r)

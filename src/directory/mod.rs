@@ -168,6 +168,11 @@ impl Directory {
         self.core.lock().grant_slots(n)
     }
 
+    /// See [`core::Core::device_free`].
+    pub fn device_free(&self) -> usize {
+        self.core.lock().device_free()
+    }
+
     /// See [`core::Core::grant_victims`].
     pub fn grant_victims(&self, n: usize) -> Vec<(u32, ObjectKey, crate::ids::SlotId)> {
         self.core.lock().grant_victims(n)

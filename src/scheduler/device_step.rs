@@ -44,6 +44,9 @@ use std::sync::Arc;
 /// A grant entry: its slot, and its victim's (mirror entry, object index) when not free.
 type Entry = (SlotId, Option<(usize, u32)>);
 
+/// `held_at` of a mirror entry whose object is not held.
+const NOT_HELD: u32 = u32::MAX;
+
 /// The link between a joined scheduler and its device resolver.
 pub(crate) struct DeviceLink {
     pub(crate) state: Arc<Mutex<ResolverState>>,
@@ -52,14 +55,21 @@ pub(crate) struct DeviceLink {
     /// Host pages that got a new generation: their entries name another page's objects now.
     pub(crate) bumped: Vec<u32>,
     grant: Vec<Entry>,
-    /// Objects held since the last device step read them.
-    held: Vec<u32>,
+    /// Objects held since the last device step read them: (mirror entry, object index), and
+    /// per mirror entry the object held for it (`NOT_HELD`: none), so that a step holds and
+    /// releases only what changed.
+    held: Vec<(u32, u32)>,
+    held_at: Vec<u32>,
     open: bool,
     /// Device steps run, steps that planned on the host for want of a grant, and slots
     /// filled twice in a step.
     steps: u64,
     fallbacks: u64,
     refills: u64,
+    /// Objects the last device step copied in: the grant holds twice as many, so that a step
+    /// rarely fills a slot twice (an object an earlier layer brought in leaves then, and the
+    /// next step loads it again).
+    last_misses: usize,
 }
 
 impl std::fmt::Debug for DeviceLink {
@@ -141,10 +151,12 @@ impl StepScheduler<PrefixTier> {
             bumped: Vec::new(),
             grant: Vec::new(),
             held: Vec::new(),
+            held_at: vec![NOT_HELD; self.cfg.host_pages as usize * self.cfg.layers as usize],
             open: false,
             steps: 0,
             fallbacks: 0,
             refills: 0,
+            last_misses: 0,
         });
         Ok(state)
     }
@@ -189,7 +201,7 @@ impl StepScheduler<PrefixTier> {
             .sum();
         let state = link.state.clone();
         let mut st = state.lock();
-        self.sync_mirror(&mut st);
+        self.sync_mirror(&mut st)?;
         // Page tables: homes of the batch's pages (appended as they start), and lengths.
         for id in rids {
             let r = &self.requests[id];
@@ -197,9 +209,11 @@ impl StepScheduler<PrefixTier> {
         }
         let requests = &self.requests;
         st.retain_tables(|id| requests.contains_key(id));
-        let ok = self.top_up(cells)?;
+        let last = self.tier.device.as_ref().map_or(0, |l| l.last_misses);
+        let want = cells.max(2 * last);
+        let ok = self.top_up(cells, want)?;
         // What granting changed: free slots taken (nothing to mirror), victims named.
-        self.sync_mirror(&mut st);
+        self.sync_mirror(&mut st)?;
         let link = self.tier.device.as_mut().expect("checked above");
         if !ok {
             link.fallbacks += 1;
@@ -219,7 +233,7 @@ impl StepScheduler<PrefixTier> {
     /// Applies to the mirror what changed on the device since the last call (objects that
     /// gave up their slot, pages that started): each entry touched is set to where the
     /// directory has its object now, whatever the order the changes came in.
-    fn sync_mirror(&mut self, st: &mut ResolverState) {
+    fn sync_mirror(&mut self, st: &mut ResolverState) -> Result<()> {
         let mut changed: Vec<usize> = self
             .dir
             .take_releases()
@@ -228,12 +242,25 @@ impl StepScheduler<PrefixTier> {
             .map(|(k, _)| self.entry_of(k))
             .collect();
         let layers = self.cfg.layers as usize;
+        let mut release = Vec::new();
         if let Some(link) = self.tier.device.as_mut() {
             changed.append(&mut link.adds);
+            // A home with a new generation: what was held at it is another page's now.
             for h in link.bumped.drain(..) {
-                changed.extend((0..layers).map(|l| h as usize * layers + l));
+                for e in h as usize * layers..(h as usize + 1) * layers {
+                    changed.push(e);
+                    let i = std::mem::replace(&mut link.held_at[e], NOT_HELD);
+                    if i != NOT_HELD {
+                        release.push(i);
+                    }
+                }
+            }
+            if !release.is_empty() {
+                let held_at = &link.held_at;
+                link.held.retain(|&(e, _)| held_at[e as usize] != NOT_HELD);
             }
         }
+        self.dir.unhold(&release)?;
         changed.sort_unstable();
         changed.dedup();
         for e in changed {
@@ -243,17 +270,18 @@ impl StepScheduler<PrefixTier> {
             };
             st.set(e, now);
         }
+        Ok(())
     }
 
-    /// Tops the grant up to `cells` entries: free slots, then victims. Returns whether it has
-    /// that many (when not, what it took stays granted).
-    fn top_up(&mut self, cells: usize) -> Result<bool> {
+    /// Tops the grant up to `want` entries (at least `cells`): free slots, then victims.
+    /// Returns whether it has `cells` (when not, what it took stays granted).
+    fn top_up(&mut self, cells: usize, want: usize) -> Result<bool> {
         let have = self.tier.device.as_ref().map_or(0, |l| l.grant.len());
-        if have >= cells {
+        if have >= want {
             return Ok(true);
         }
-        let mut need = cells - have;
-        let free = self.dir.stats().device_free;
+        let mut need = want - have;
+        let free = self.dir.device_free();
         let take = need.min(free);
         let mut fresh: Vec<Entry> = Vec::with_capacity(need);
         if take > 0 {
@@ -340,31 +368,46 @@ impl StepScheduler<PrefixTier> {
         // What the step did not reach stays granted.
         let link = self.tier.device.as_mut().expect("checked above");
         link.grant = grant[done.used..].to_vec();
-        // Hold what the step read (the device reads it again next step without asking);
-        // release the last step's holds.
-        let keys: Vec<ObjectKey> = done
-            .touched
-            .iter()
-            .map(|&e| self.key_of(e as usize, layers))
-            .collect();
-        let idx: Vec<u32> = self
-            .dir
-            .index_of(&keys)
-            .iter()
-            .filter(|h| **h != crate::directory::ObjectHint::NONE)
-            .map(|h| h.index())
-            .collect();
+        // Hold what the step read (the device reads it again next step without asking) and
+        // release what it did not read again: only the changes reach the directory.
+        let (release, fresh) = {
+            let st = state.lock();
+            let link = self.tier.device.as_mut().expect("checked above");
+            let mut release = Vec::new();
+            let held_at = &mut link.held_at;
+            link.held.retain(|&(e, idx)| {
+                let read = st.was_read(e as usize);
+                if !read {
+                    release.push(idx);
+                    held_at[e as usize] = NOT_HELD;
+                }
+                read
+            });
+            let fresh: Vec<u32> = (done.touched.iter())
+                .copied()
+                .filter(|&e| link.held_at[e as usize] == NOT_HELD)
+                .collect();
+            (release, fresh)
+        };
+        let keys: Vec<ObjectKey> = fresh.iter().map(|&e| self.key_of(e as usize, layers)).collect();
+        let hints = self.dir.index_of(&keys);
+        let (mut es, mut idx) = (Vec::with_capacity(fresh.len()), Vec::with_capacity(fresh.len()));
+        for (&e, h) in fresh.iter().zip(&hints) {
+            if *h != crate::directory::ObjectHint::NONE {
+                es.push(e);
+                idx.push(h.index());
+            }
+        }
         let mut ok = Vec::new();
         self.dir.hold(&idx, &mut ok)?;
-        let now_held: Vec<u32> = idx
-            .iter()
-            .zip(&ok)
-            .filter(|(_, &o)| o)
-            .map(|(&i, _)| i)
-            .collect();
         let link = self.tier.device.as_mut().expect("checked above");
-        let before = std::mem::replace(&mut link.held, now_held);
-        self.dir.unhold(&before)?;
+        for ((&e, &i), &o) in es.iter().zip(&idx).zip(&ok) {
+            if o {
+                link.held.push((e, i));
+                link.held_at[e as usize] = i;
+            }
+        }
+        self.dir.unhold(&release)?;
         // Matched prefix pages loaded, as the host path counts them (per layer: the log's
         // entries of one layer together).
         let mut by_layer: Vec<(Vec<bool>, Vec<u32>, Vec<RequestId>)> =
@@ -383,6 +426,7 @@ impl StepScheduler<PrefixTier> {
         }
         if let Some(link) = self.tier.device.as_mut() {
             link.refills += done.counts.refills;
+            link.last_misses = done.log.len();
         }
         // The record, as the host path keeps it.
         let c = &done.counts;
@@ -422,7 +466,13 @@ impl StepScheduler<PrefixTier> {
         let Some(link) = self.tier.device.as_mut() else {
             return Ok(());
         };
-        let held = std::mem::take(&mut link.held);
+        let held: Vec<u32> = std::mem::take(&mut link.held)
+            .into_iter()
+            .map(|(e, i)| {
+                link.held_at[e as usize] = NOT_HELD;
+                i
+            })
+            .collect();
         let grant = if link.open {
             Vec::new()
         } else {

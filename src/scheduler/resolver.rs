@@ -265,6 +265,11 @@ impl ResolverState {
         }
     }
 
+    /// Whether the last step read mirror entry `e` (hit or copied in).
+    pub(crate) fn was_read(&self, e: usize) -> bool {
+        self.mark[e] == self.serial
+    }
+
     /// The mirror, for the core's checks.
     pub(crate) fn mirror(&self) -> &[i32] {
         &self.mirror

@@ -328,6 +328,9 @@ def _bench_decode_parser(benches: argparse._SubParsersAction, out: argparse.Argu
                    help="the selections' dtype (int64: torch.topk's; int32: half the bytes, as "
                    "top-k kernels often return)")  # fmt: skip
     p.add_argument("--trace", metavar="PATH", help="write the scheduler's trace (.npz)")
+    p.add_argument("--resolve", choices=["host", "device"], default="host",
+                   help="device: the joined scheduler's steps resolved by the device resolver "
+                   "(one grant a step), paired against the same steps planned on the host")  # fmt: skip
     p.set_defaults(bench=_bench_decode)
 
 
@@ -446,6 +449,17 @@ def _bench_decode(args: argparse.Namespace) -> dict:
         map_device=args.map_device, io_backend=args.io_backend,
         alone_steps=args.alone_steps, entry_dtype=args.entry_dtype,
     )  # fmt: skip
+    if args.resolve == "device":
+        from sparsetier.tools import bench_resolve
+
+        if args.io_backend != "cpu" or args.map_device is not None or args.trace:
+            raise ConfigError.of(
+                "resolve", "device", "with --io-backend cpu, no --map-device and no --trace "
+                "(the device resolver runs its reference implementation on the CPU)"
+            )  # fmt: skip
+        r = bench_resolve.run(cfg, progress=True)
+        print(bench_resolve.format_report(r))
+        return r
     r = bench_decode.run(cfg, progress=True)
     print(bench_decode.format_report(r))
     return r

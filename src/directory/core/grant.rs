@@ -92,6 +92,11 @@ impl Core {
         Ok(())
     }
 
+    /// Device slots free, in O(1).
+    pub fn device_free(&self) -> usize {
+        self.device.free_count()
+    }
+
     /// Slots granted and neither adopted nor returned.
     pub fn granted(&self) -> usize {
         self.granted.len()
