@@ -23,6 +23,7 @@ mod resolver;
 pub(crate) mod scheduler;
 mod scheduler_args;
 mod scheduler_core;
+mod scheduler_stats;
 #[cfg(feature = "testing")]
 mod soak;
 mod stats;

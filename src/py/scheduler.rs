@@ -22,11 +22,11 @@ use crate::py::lock::Unblocked;
 use crate::py::residency_view::PyResidencyView;
 use crate::py::scheduler_args::*;
 use crate::py::scheduler_core::{each, Core};
-use crate::py::stats::Stats;
+use crate::py::scheduler_stats::{prefix_stats, scheduler_stats};
 use crate::py::step_results::{PyLayerCounts, PyLayerPlan, PyStepRecord};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::PoolPair;
-use crate::scheduler::{Prefix, SelectionUnit, StepScheduler, Tier};
+use crate::scheduler::{Prefix, SelectionUnit, StepScheduler};
 #[cfg(feature = "testing")]
 use crate::transfer::Direction;
 use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
@@ -973,56 +973,4 @@ impl Drop for PyStepScheduler {
             });
         }
     }
-}
-
-/// Joined mode's prefix-tier counters and the prefix cache's page counts (`prefix_stats`),
-/// read under the lock.
-fn prefix_stats(s: &crate::scheduler::JoinedScheduler) -> Stats {
-    let (t, p) = (s.prefix_totals(), s.prefix_tier());
-    let mut d = Stats::default();
-    d.put("requests", t.requests);
-    d.put("hits", t.hits);
-    d.put("device_hit_tokens", t.device_hit_tokens);
-    d.put("host_hit_tokens", t.host_hit_tokens);
-    d.put("indexer_bytes_restored", t.sidecar_bytes_restored);
-    d.put("prefix_kv_bytes_loaded", t.prefix_kv_bytes_loaded);
-    d.put("prefix_kv_bytes_first", t.prefix_kv_bytes_first);
-    d.put("device_part_kv_bytes_loaded", t.device_part_kv_bytes_loaded);
-    d.put("full_restore_bytes", t.full_restore_bytes);
-    d.put("restores_refused", t.restores_refused);
-    d.put("restores_failed", t.restores_failed);
-    d.put("pages_inserted", t.pages_inserted);
-    d.put("writes_failed", t.writes_failed);
-    let c = p.cache();
-    let (hf, hc) = c.host_free_capacity();
-    d.put("device_free", c.device_free());
-    d.put("device_capacity", c.device_capacity());
-    d.put("host_free", hf);
-    d.put("host_capacity", hc);
-    d.put("tree_nodes", c.tree().node_count());
-    d.put("finishing", s.finishing());
-    d
-}
-
-/// The directory's counts and the scheduler's own (`stats`), read under the lock.
-fn scheduler_stats<T: Tier>(s: &StepScheduler<T>) -> (crate::directory::DirectoryStats, Stats) {
-    let mut d = Stats::default();
-    let (loads, backups) = s.in_flight();
-    let (plans, prefetches) = s.outstanding();
-    // A release build has no fault hooks: nothing is ever armed (the keys stay, as 0).
-    #[cfg(feature = "testing")]
-    let ((fl, fb, fr), panics) = (s.armed_faults(), s.copy_panics_injected());
-    #[cfg(not(feature = "testing"))]
-    let ((fl, fb, fr), panics) = ((0u64, 0u64, 0u64), 0u64);
-    d.put("faults_armed_loads", fl);
-    d.put("faults_armed_backups", fb);
-    d.put("faults_armed_restores", fr);
-    d.put("copy_panics_injected", panics);
-    d.put("loads_in_flight", loads);
-    d.put("backups_in_flight", backups);
-    d.put("plans_outstanding", plans);
-    d.put("prefetches_outstanding", prefetches);
-    d.put("requests", s.requests().count());
-    d.put("kept_pins", s.kept_pins());
-    (s.directory().stats(), d)
 }

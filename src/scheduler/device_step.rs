@@ -389,9 +389,15 @@ impl StepScheduler<PrefixTier> {
                 .collect();
             (release, fresh)
         };
-        let keys: Vec<ObjectKey> = fresh.iter().map(|&e| self.key_of(e as usize, layers)).collect();
+        let keys: Vec<ObjectKey> = fresh
+            .iter()
+            .map(|&e| self.key_of(e as usize, layers))
+            .collect();
         let hints = self.dir.index_of(&keys);
-        let (mut es, mut idx) = (Vec::with_capacity(fresh.len()), Vec::with_capacity(fresh.len()));
+        let (mut es, mut idx) = (
+            Vec::with_capacity(fresh.len()),
+            Vec::with_capacity(fresh.len()),
+        );
         for (&e, h) in fresh.iter().zip(&hints) {
             if *h != crate::directory::ObjectHint::NONE {
                 es.push(e);
