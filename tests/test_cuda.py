@@ -43,6 +43,10 @@ def test_kernels_compile_with_nvrtc_13_0_for_sm_90():
     ptx = out["ptx"]
     assert ".target sm_90" in ptx
     assert ".entry sparsetier_copy_ops(" in ptx
+    # The device resolver's kernel compiles too (not launched yet): a warp a cell, the misses
+    # claimed with a CAS and copied from host over unified addressing.
+    assert ".entry sparsetier_resolve(" in ptx
+    assert "atom.global.cas.b32" in ptx, "the claim of a missing entry is an atomic CAS"
     assert "ld.v4.u32" in ptx or "ld.global.v4.u32" in ptx, "16-byte vector loads expected"
     # Rows aligned to 8 or 4 bytes only (132-byte Indexer-K rows) move in words, not bytes.
     assert "ld.global.u64" in ptx or "ld.u64" in ptx, "8-byte word loads expected"

@@ -67,6 +67,10 @@ use std::thread::JoinHandle;
 
 /// The kernel's CUDA source.
 pub const KERNEL_SOURCE: &str = include_str!("../../cuda/page_copy.cu");
+
+/// The device resolver's kernel (`scheduler::resolver`'s algorithm, one warp a cell). Compiled
+/// by [`compile_kernels`] (CI checks it builds); not launched yet.
+pub const RESOLVE_SOURCE: &str = include_str!("../../cuda/resolve.cu");
 /// The kernel's entry point.
 pub const KERNEL_NAME: &str = "sparsetier_copy_ops";
 /// Ranges larger than this are split, so one big page does not serialize on one block.
@@ -159,8 +163,9 @@ fn cuda_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error
     }
 }
 
-/// Compiles the kernel source with NVRTC for `arch` (e.g. `sm_90`) and returns the PTX. Only
-/// libnvrtc is needed: this is what CI runs to check the kernels compile.
+/// Compiles the kernel sources (the copy kernel, the device resolver) with NVRTC for `arch`
+/// (e.g. `sm_90`) and returns their PTX, one after the other. Only libnvrtc is needed: this is
+/// what CI runs to check the kernels compile.
 pub fn compile_kernels(arch: &'static str) -> Result<String> {
     // SAFETY: only tries to dlopen libnvrtc.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
@@ -170,18 +175,24 @@ pub fn compile_kernels(arch: &'static str) -> Result<String> {
         });
     }
     guarded("NVRTC compile", || {
-        let opts = cudarc::nvrtc::CompileOptions {
-            arch: Some(arch),
-            options: vec!["--std=c++17".into()],
-            name: Some("page_copy.cu".into()),
-            ..Default::default()
-        };
-        cudarc::nvrtc::compile_ptx_with_opts(KERNEL_SOURCE, opts)
-            .map(|ptx| ptx.to_src())
-            .map_err(|e| Error::Cuda {
+        let mut out = String::new();
+        for (name, src) in [
+            ("page_copy.cu", KERNEL_SOURCE),
+            ("resolve.cu", RESOLVE_SOURCE),
+        ] {
+            let opts = cudarc::nvrtc::CompileOptions {
+                arch: Some(arch),
+                options: vec!["--std=c++17".into()],
+                name: Some(name.into()),
+                ..Default::default()
+            };
+            let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| Error::Cuda {
                 call: "nvrtcCompileProgram",
-                message: format!("{e:?}"),
-            })
+                message: format!("{name}: {e:?}"),
+            })?;
+            out.push_str(&ptx.to_src());
+        }
+        Ok(out)
     })
 }
 

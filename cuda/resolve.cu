@@ -1,0 +1,190 @@
+// sparsetier device resolver: one decode layer's top-k mapped to device slots, the misses copied
+// from pinned host memory (read over unified addressing) into slots the core granted, with no
+// host round trip. The algorithm of `src/scheduler/resolver.rs` (the reference, run on the CPU),
+// in parallel: one warp per selected cell; lane 0 decides, the warp copies.
+//
+// Compiled with NVRTC in CI (`compile_cuda_kernels`); not yet launched by the runtime, and never
+// run on a GPU: `resolve="device"` runs the reference on the cpu engine's pools.
+//
+// Where the reference walks cells in order, here cells race, and these make the race safe:
+// - a missing mirror entry is claimed with a CAS from -1 to CLAIMING; the winner takes a slot,
+//   copies, fences and publishes the slot; a loser waits for the slot (the winner is running);
+// - slots are taken by atomic cursors: the grant in order (a victim this layer has read is
+//   deferred: a cell may still read it), then victims deferred by earlier calls, then slots
+//   earlier calls filled (their layers' cells were read: stream order);
+// - the log and the counts are appended with atomics; the host reads them a step behind.
+// Slot assignment may differ from the reference's order; what each cell reads does not.
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+
+#define ABSENT (-1)
+#define CLAIMING (-2)
+
+// Cursors and counters in `st`.
+#define ST_USED 0      // grant entries gone through
+#define ST_LOG 1       // log entries written
+#define ST_OVERFLOW 2  // cells left without a slot
+#define ST_DEF_LEN 3   // deferred grant entries
+#define ST_DEF_AT 4    // deferred entries taken again
+#define ST_REFILL_AT 5 // log entries of earlier calls considered for a refill
+#define ST_BAD 6       // cells naming a page past their request (the reference refuses them)
+
+struct Geometry {
+    const u64* host_planes;  // plane base addresses of the host KV pool (flattened view)
+    const u64* dev_planes;   // plane base addresses of the one-layer device pool
+    u64 host_stride;         // bytes between pages
+    u64 dev_stride;
+    u64 page_bytes;          // bytes of one page in one plane
+    int planes;
+    int order_first;         // 1: layer-first (l * n + h); 0: layer-page-first (h * n + l)
+    u32 order_n;             // pages per layer, or layers
+};
+
+struct Step {
+    int* mirror;             // [H * L] slot, ABSENT or CLAIMING
+    u32* marks;              // [H * L] serial of the step that last read the entry
+    const int* grant;        // [G * 2] (slot, victim entry or -1)
+    int grant_len;
+    int* deferred;           // [G * 2] (grant index, call)
+    int* log;                // [capacity * 5] (grant index, entry, row, page, call)
+    int log_capacity;
+    int log_before;          // log entries written by earlier calls of the step
+    u32* st;                 // cursors and counters (ST_*)
+    u32* counts;             // [L * 2] hits, misses
+    u32 serial;
+    int call;
+};
+
+__device__ __forceinline__ bool read_here(const Step& s, int v, int layers, int layer) {
+    return s.marks[v] == s.serial && v % layers == layer;
+}
+
+// A slot for a claimed miss: (grant index, slot), or slot -1 when none is left.
+__device__ int2 take(Step& s, int layers, int layer) {
+    // The grant, in order.
+    for (;;) {
+        int g = (int)atomicAdd(&s.st[ST_USED], 1u);
+        if (g >= s.grant_len) break;
+        int slot = s.grant[2 * g], victim = s.grant[2 * g + 1];
+        if (victim >= 0) {
+            if (read_here(s, victim, layers, layer)) {
+                int d = (int)atomicAdd(&s.st[ST_DEF_LEN], 1u);
+                s.deferred[2 * d] = g;
+                s.deferred[2 * d + 1] = s.call;
+                continue;
+            }
+            atomicCAS(&s.mirror[victim], slot, ABSENT);
+        }
+        return make_int2(g, slot);
+    }
+    // Victims earlier calls deferred (their layers' cells are done).
+    for (;;) {
+        int d = (int)atomicAdd(&s.st[ST_DEF_AT], 1u);
+        if (d >= (int)s.st[ST_DEF_LEN] || s.deferred[2 * d + 1] >= s.call) break;
+        int g = s.deferred[2 * d];
+        int slot = s.grant[2 * g], victim = s.grant[2 * g + 1];
+        atomicCAS(&s.mirror[victim], slot, ABSENT);
+        return make_int2(g, slot);
+    }
+    // Slots earlier calls filled.
+    for (;;) {
+        int i = (int)atomicAdd(&s.st[ST_REFILL_AT], 1u);
+        if (i >= s.log_before) break;
+        int g = s.log[5 * i], e = s.log[5 * i + 1];
+        int slot = s.grant[2 * g];
+        if (atomicCAS(&s.mirror[e], slot, ABSENT) == slot) return make_int2(g, slot);
+    }
+    return make_int2(-1, -1);
+}
+
+// Copies `bytes` with the warp, in 16-byte words where both ends allow.
+__device__ __forceinline__ void warp_copy(const unsigned char* src, unsigned char* dst, u64 bytes,
+                                          u32 lane) {
+    if (((reinterpret_cast<u64>(src) | reinterpret_cast<u64>(dst) | bytes) & 15ull) == 0) {
+        const uint4* s = reinterpret_cast<const uint4*>(src);
+        uint4* d = reinterpret_cast<uint4*>(dst);
+        for (u64 i = lane; i < bytes / 16; i += 32) d[i] = s[i];
+    } else {
+        for (u64 i = lane; i < bytes; i += 32) dst[i] = src[i];
+    }
+}
+
+extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
+                                              const int* __restrict__ rows,
+                                              const int* __restrict__ tables,
+                                              const long long* __restrict__ lens,
+                                              int* __restrict__ table,
+                                              Step s, Geometry geo,
+                                              int cells, int k, int pages_per_row,
+                                              int layers, int layer, int page_size, int tokens) {
+    const u32 lane = threadIdx.x & 31u;
+    const int warps = (gridDim.x * blockDim.x) >> 5;
+    for (int c = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); c < cells; c += warps) {
+        // Lane 0 decides: (slot, home to copy from or -1).
+        int slot = ABSENT, copy_from = -1, g = -1, e = -1, page = -1, row = -1;
+        if (lane == 0) {
+            const int entry = sel[c];
+            if (entry >= 0) {
+                row = rows[c / k];
+                const long long first = tokens ? (long long)entry : (long long)entry * page_size;
+                if (first >= lens[row]) {
+                    atomicAdd(&s.st[ST_BAD], 1u);
+                } else {
+                    page = (int)(first / page_size);
+                    const int h = tables[row * pages_per_row + page];
+                    e = h * layers + layer;
+                    const u32 before = atomicExch(&s.marks[e], s.serial);
+                    for (;;) {
+                        const int m = atomicCAS(&s.mirror[e], ABSENT, CLAIMING);
+                        if (m >= 0) {
+                            slot = m;
+                            if (before != s.serial) atomicAdd(&s.counts[2 * layer], 1u);
+                            break;
+                        }
+                        if (m == CLAIMING) continue;  // another cell copies it: wait for the slot
+                        const int2 t = take(s, layers, layer);
+                        if (t.y < 0) {
+                            atomicAdd(&s.st[ST_OVERFLOW], 1u);
+                            atomicExch(&s.mirror[e], ABSENT);
+                            break;
+                        }
+                        g = t.x;
+                        slot = t.y;
+                        copy_from = h;
+                        break;
+                    }
+                }
+            }
+        }
+        slot = __shfl_sync(0xffffffffu, slot, 0);
+        copy_from = __shfl_sync(0xffffffffu, copy_from, 0);
+        if (copy_from >= 0) {
+            const u32 flat = geo.order_first ? (u32)layer * geo.order_n + (u32)copy_from
+                                             : (u32)copy_from * geo.order_n + (u32)layer;
+            for (int p = 0; p < geo.planes; ++p) {
+                const unsigned char* src = reinterpret_cast<const unsigned char*>(
+                    geo.host_planes[p] + (u64)flat * geo.host_stride);
+                unsigned char* dst = reinterpret_cast<unsigned char*>(
+                    geo.dev_planes[p] + (u64)slot * geo.dev_stride);
+                warp_copy(src, dst, geo.page_bytes, lane);
+            }
+            __syncwarp();
+            if (lane == 0) {
+                __threadfence();
+                const int i = (int)atomicAdd(&s.st[ST_LOG], 1u);
+                if (i < s.log_capacity) {
+                    int* l = s.log + 5 * i;
+                    l[0] = g;
+                    l[1] = e;
+                    l[2] = row;
+                    l[3] = page;
+                    l[4] = s.call;
+                }
+                atomicAdd(&s.counts[2 * layer + 1], 1u);
+                atomicExch(&s.mirror[e], slot);  // published: waiting cells read it now
+            }
+        }
+        if (lane == 0) table[c] = slot;
+    }
+}
