@@ -135,7 +135,6 @@ impl PyJoinedStepScheduler {
         d.set_item("steps", t.steps)?;
         d.set_item("fallbacks", t.fallbacks)?;
         d.set_item("granted", t.granted)?;
-        d.set_item("held", t.held)?;
         d.set_item("refills", t.refills)?;
         Ok(d)
     }

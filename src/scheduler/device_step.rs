@@ -21,8 +21,14 @@
 //! For each entry the step took: a victim is evicted (`take_victim`); the object copied in is
 //! adopted at the slot (`adopt`), or, when it came to the device another way meanwhile, the
 //! slot is given back and the mirror names where it is. Victims the step read are given back
-//! to the LRU (they are hot). The objects the step read are held until the next step's end,
-//! as kept selections are: the device may read them again without the core.
+//! to the LRU (they are hot).
+//!
+//! # Recency
+//! The core's LRU does not see the device's hits. So victims are chosen by second chance: a
+//! least recently used object the last device step read (the resolver's read marks) goes back
+//! to the LRU's end instead, as its hit would have put it. Nothing the device reads is pinned
+//! between steps: what the host evicts then is logged and leaves the mirror at the next grant,
+//! and on a GPU the host's copies are stream-ordered after the device's reads.
 //!
 //! # Invariants (`validate`)
 //! Every mirror entry names a device-Ready object of the directory at that slot (or a slot
@@ -44,9 +50,6 @@ use std::sync::Arc;
 /// A grant entry: its slot, and its victim's (mirror entry, object index) when not free.
 type Entry = (SlotId, Option<(usize, u32)>);
 
-/// `held_at` of a mirror entry whose object is not held.
-const NOT_HELD: u32 = u32::MAX;
-
 /// The link between a joined scheduler and its device resolver.
 pub(crate) struct DeviceLink {
     pub(crate) state: Arc<Mutex<ResolverState>>,
@@ -55,11 +58,6 @@ pub(crate) struct DeviceLink {
     /// Host pages that got a new generation: their entries name another page's objects now.
     pub(crate) bumped: Vec<u32>,
     grant: Vec<Entry>,
-    /// Objects held since the last device step read them: (mirror entry, object index), and
-    /// per mirror entry the object held for it (`NOT_HELD`: none), so that a step holds and
-    /// releases only what changed.
-    held: Vec<(u32, u32)>,
-    held_at: Vec<u32>,
     open: bool,
     /// Device steps run, steps that planned on the host for want of a grant, and slots
     /// filled twice in a step.
@@ -76,7 +74,6 @@ impl std::fmt::Debug for DeviceLink {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeviceLink")
             .field("grant", &self.grant.len())
-            .field("held", &self.held.len())
             .field("open", &self.open)
             .finish()
     }
@@ -91,8 +88,6 @@ pub struct DeviceTotals {
     pub fallbacks: u64,
     /// Grant entries standing.
     pub granted: u64,
-    /// Objects held because the last device step read them.
-    pub held: u64,
     /// Slots a step filled again after an earlier layer of it had filled them.
     pub refills: u64,
 }
@@ -150,8 +145,6 @@ impl StepScheduler<PrefixTier> {
             adds,
             bumped: Vec::new(),
             grant: Vec::new(),
-            held: Vec::new(),
-            held_at: vec![NOT_HELD; self.cfg.host_pages as usize * self.cfg.layers as usize],
             open: false,
             steps: 0,
             fallbacks: 0,
@@ -211,7 +204,7 @@ impl StepScheduler<PrefixTier> {
         st.retain_tables(|id| requests.contains_key(id));
         let last = self.tier.device.as_ref().map_or(0, |l| l.last_misses);
         let want = cells.max(2 * last);
-        let ok = self.top_up(cells, want)?;
+        let ok = self.top_up(cells, want, &st)?;
         // What granting changed: free slots taken (nothing to mirror), victims named.
         self.sync_mirror(&mut st)?;
         let link = self.tier.device.as_mut().expect("checked above");
@@ -242,25 +235,12 @@ impl StepScheduler<PrefixTier> {
             .map(|(k, _)| self.entry_of(k))
             .collect();
         let layers = self.cfg.layers as usize;
-        let mut release = Vec::new();
         if let Some(link) = self.tier.device.as_mut() {
             changed.append(&mut link.adds);
-            // A home with a new generation: what was held at it is another page's now.
             for h in link.bumped.drain(..) {
-                for e in h as usize * layers..(h as usize + 1) * layers {
-                    changed.push(e);
-                    let i = std::mem::replace(&mut link.held_at[e], NOT_HELD);
-                    if i != NOT_HELD {
-                        release.push(i);
-                    }
-                }
-            }
-            if !release.is_empty() {
-                let held_at = &link.held_at;
-                link.held.retain(|&(e, _)| held_at[e as usize] != NOT_HELD);
+                changed.extend(h as usize * layers..(h as usize + 1) * layers);
             }
         }
-        self.dir.unhold(&release)?;
         changed.sort_unstable();
         changed.dedup();
         for e in changed {
@@ -275,7 +255,7 @@ impl StepScheduler<PrefixTier> {
 
     /// Tops the grant up to `want` entries (at least `cells`): free slots, then victims.
     /// Returns whether it has `cells` (when not, what it took stays granted).
-    fn top_up(&mut self, cells: usize, want: usize) -> Result<bool> {
+    fn top_up(&mut self, cells: usize, want: usize, st: &ResolverState) -> Result<bool> {
         let have = self.tier.device.as_ref().map_or(0, |l| l.grant.len());
         if have >= want {
             return Ok(true);
@@ -289,7 +269,19 @@ impl StepScheduler<PrefixTier> {
             need -= take;
         }
         if need > 0 {
-            for (idx, key, slot) in self.dir.grant_victims(need) {
+            // Second chance: an object the last device step read goes back to the LRU's end.
+            let layers = self.cfg.layers as usize;
+            let entry = |key: &ObjectKey| {
+                let LayerGroup::Layer(l) = key.layers else {
+                    return None;
+                };
+                (key.namespace.id >= HOST_NS)
+                    .then(|| (key.namespace.id - HOST_NS) as usize * layers + l as usize)
+            };
+            let victims = self
+                .dir
+                .grant_victims(need, |key| entry(key).is_some_and(|e| st.was_read(e)));
+            for (idx, key, slot) in victims {
                 fresh.push((slot, Some((self.entry_of(&key), idx))));
             }
         }
@@ -368,52 +360,7 @@ impl StepScheduler<PrefixTier> {
         // What the step did not reach stays granted.
         let link = self.tier.device.as_mut().expect("checked above");
         link.grant = grant[done.used..].to_vec();
-        // Hold what the step read (the device reads it again next step without asking) and
-        // release what it did not read again: only the changes reach the directory.
-        let (release, fresh) = {
-            let st = state.lock();
-            let link = self.tier.device.as_mut().expect("checked above");
-            let mut release = Vec::new();
-            let held_at = &mut link.held_at;
-            link.held.retain(|&(e, idx)| {
-                let read = st.was_read(e as usize);
-                if !read {
-                    release.push(idx);
-                    held_at[e as usize] = NOT_HELD;
-                }
-                read
-            });
-            let fresh: Vec<u32> = (done.touched.iter())
-                .copied()
-                .filter(|&e| link.held_at[e as usize] == NOT_HELD)
-                .collect();
-            (release, fresh)
-        };
-        let keys: Vec<ObjectKey> = fresh
-            .iter()
-            .map(|&e| self.key_of(e as usize, layers))
-            .collect();
-        let hints = self.dir.index_of(&keys);
-        let (mut es, mut idx) = (
-            Vec::with_capacity(fresh.len()),
-            Vec::with_capacity(fresh.len()),
-        );
-        for (&e, h) in fresh.iter().zip(&hints) {
-            if *h != crate::directory::ObjectHint::NONE {
-                es.push(e);
-                idx.push(h.index());
-            }
-        }
-        let mut ok = Vec::new();
-        self.dir.hold(&idx, &mut ok)?;
-        let link = self.tier.device.as_mut().expect("checked above");
-        for ((&e, &i), &o) in es.iter().zip(&idx).zip(&ok) {
-            if o {
-                link.held.push((e, i));
-                link.held_at[e as usize] = i;
-            }
-        }
-        self.dir.unhold(&release)?;
+
         // Matched prefix pages loaded, as the host path counts them (per layer: the log's
         // entries of one layer together).
         let mut by_layer: Vec<(Vec<bool>, Vec<u32>, Vec<RequestId>)> =
@@ -464,27 +411,19 @@ impl StepScheduler<PrefixTier> {
         Ok(())
     }
 
-    /// Gives back what the device path holds between steps: the objects the last step read,
-    /// and (no step open) the grant, victims to the LRU and free slots to the free list. The
-    /// host needs the room (`make_room`), or the run is ending (`drain`). The mirror stays
-    /// true: what the host then evicts is logged and cleared at the next grant.
+    /// Gives back the grant between steps (no step open): victims to the LRU and free slots
+    /// to the free list. The host needs the room (`make_room`), or the run is ending (`drain`).
+    /// The mirror stays true: what the host then evicts is logged and cleared at the next
+    /// grant.
     pub(crate) fn release_device(&mut self) -> Result<()> {
         let Some(link) = self.tier.device.as_mut() else {
             return Ok(());
         };
-        let held: Vec<u32> = std::mem::take(&mut link.held)
-            .into_iter()
-            .map(|(e, i)| {
-                link.held_at[e as usize] = NOT_HELD;
-                i
-            })
-            .collect();
         let grant = if link.open {
             Vec::new()
         } else {
             std::mem::take(&mut link.grant)
         };
-        self.dir.unhold(&held)?;
         let victims: Vec<u32> = grant
             .iter()
             .filter_map(|(_, v)| v.map(|(_, i)| i))
@@ -498,10 +437,10 @@ impl StepScheduler<PrefixTier> {
         self.dir.return_slots(&free)
     }
 
-    /// Pins the device path holds: the objects the last step read and the victims granted.
+    /// Pins the device path holds: the victims granted.
     pub(crate) fn device_pins(&self) -> u64 {
         self.tier.device.as_ref().map_or(0, |l| {
-            l.held.len() as u64 + l.grant.iter().filter(|(_, v)| v.is_some()).count() as u64
+            l.grant.iter().filter(|(_, v)| v.is_some()).count() as u64
         })
     }
 
@@ -520,7 +459,6 @@ impl StepScheduler<PrefixTier> {
                 steps: l.steps,
                 fallbacks: l.fallbacks,
                 granted: l.grant.len() as u64,
-                held: l.held.len() as u64,
                 refills: l.refills,
             })
     }

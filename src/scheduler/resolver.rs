@@ -13,7 +13,8 @@
 //!   the core lets the device evict, least recently used first), taken in order; what a step
 //!   did not take stays granted for the next;
 //! - the log: for each grant entry taken, the object copied into it;
-//! - what the step touched (distinct objects, hits and misses), and counts per layer.
+//! - a read mark per mirror entry (the step that last read it: a layer counts each object once,
+//!   and the core gives a victim the device read a second chance), and counts per layer.
 //!
 //! # One layer
 //! For each cell (row `b`, entry `k`): the page it names (block mode: the entry; token mode:
@@ -90,7 +91,6 @@ struct PageTable {
 pub(crate) struct StepDone {
     pub used: usize,
     pub log: Vec<LogEntry>,
-    pub touched: Vec<u32>,
     pub counts: ResolveCounts,
 }
 
@@ -115,9 +115,9 @@ pub struct ResolverState {
     refill_at: usize,
     /// Grant entries passed over (a victim the resolving layer had read), for later layers.
     deferred: Vec<usize>,
-    /// Distinct mirror entries read this step, and a mark per entry (the step's serial) that
-    /// dedups them; `filled` marks the entries this step brought in.
-    touched: Vec<u32>,
+    /// Per mirror entry, the serial of the step that last read it (a layer counts each object
+    /// once; the core gives a victim read by the last step a second chance); `filled` marks
+    /// the entries this step brought in.
     mark: Vec<u32>,
     filled: Vec<u32>,
     serial: u32,
@@ -158,7 +158,6 @@ impl ResolverState {
             grant: Vec::new(),
             used: 0,
             log: Vec::new(),
-            touched: Vec::new(),
             mark: vec![0; n],
             filled: vec![0; n],
             call: 0,
@@ -235,7 +234,6 @@ impl ResolverState {
         self.call = 0;
         self.refill_at = 0;
         self.deferred.clear();
-        self.touched.clear();
         self.counts = ResolveCounts {
             hits: vec![0; self.layers as usize],
             misses: vec![0; self.layers as usize],
@@ -252,15 +250,13 @@ impl ResolverState {
     }
 
     /// Closes the step. Returns what it did: how many of the grant's entries the step went
-    /// through, the log ((grant index, entry filled)), the distinct entries it
-    /// touched, and the counts.
+    /// through, the log and the counts.
     pub(crate) fn close(&mut self) -> StepDone {
         self.open = false;
         self.grant.clear();
         StepDone {
             used: std::mem::take(&mut self.used),
             log: std::mem::take(&mut self.log),
-            touched: std::mem::take(&mut self.touched),
             counts: std::mem::take(&mut self.counts),
         }
     }
@@ -366,7 +362,6 @@ impl ResolverState {
                 let first_touch = self.mark[e] != self.serial;
                 if first_touch {
                     self.mark[e] = self.serial;
-                    self.touched.push(e as u32);
                 }
                 let slot = self.mirror[e];
                 if slot >= 0 {

@@ -35,12 +35,27 @@ impl Core {
     /// device-Ready (and readable) but is pinned, out of the host's reach, until the core
     /// takes it ([`Self::take_victim`]: the device evicted it) or gives it back
     /// ([`Self::unhold`]). Returns (object index, key, slot) in eviction order.
-    pub fn grant_victims(&mut self, n: usize) -> Vec<(u32, ObjectKey, SlotId)> {
+    ///
+    /// `recent(key)`: the caller saw the object used since the LRU last did (a device's hit);
+    /// such an object gets a second chance, put back at the LRU's end, each at most once a call.
+    pub fn grant_victims(
+        &mut self,
+        n: usize,
+        mut recent: impl FnMut(&ObjectKey) -> bool,
+    ) -> Vec<(u32, ObjectKey, SlotId)> {
         let mut out = Vec::with_capacity(n.min(self.lru.len()));
+        let mut chances = self.lru.len();
         while out.len() < n {
             let Some(idx) = self.lru_pop() else {
                 break;
             };
+            if chances > 0 && recent(&self.objects.side_of(idx).key) {
+                chances -= 1;
+                let stamp = self.tick();
+                self.objects[idx].stamp = stamp;
+                self.settle(idx);
+                continue;
+            }
             let obj = &mut self.objects[idx];
             let DeviceState::Ready { slot } = obj.device else {
                 unreachable!("LRU list holds only device-Ready objects")
