@@ -328,9 +328,13 @@ def _bench_decode_parser(benches: argparse._SubParsersAction, out: argparse.Argu
                    help="the selections' dtype (int64: torch.topk's; int32: half the bytes, as "
                    "top-k kernels often return)")  # fmt: skip
     p.add_argument("--trace", metavar="PATH", help="write the scheduler's trace (.npz)")
-    p.add_argument("--resolve", choices=["host", "device"], default="host",
-                   help="device: the joined scheduler's steps resolved by the device resolver "
-                   "(one grant a step), paired against the same steps planned on the host")  # fmt: skip
+    p.add_argument(
+        "--resolve",
+        choices=["host", "device"],
+        default="host",
+        help="device: the joined scheduler's steps resolved by the device resolver "
+        "(one grant a step), paired against the same steps planned on the host",
+    )
     p.set_defaults(bench=_bench_decode)
 
 
