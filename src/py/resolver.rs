@@ -7,7 +7,7 @@
 use crate::error::Error;
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::scheduler::PyStepScheduler;
-use crate::py::scheduler_args::{rid_list, u32_arg};
+use crate::py::scheduler_args::{rid_list, row_width, u32_arg};
 use crate::scheduler::resolver::ResolverState;
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use parking_lot::Mutex;
@@ -70,18 +70,7 @@ impl PyDeviceResolver {
                     ),
                 )
             })?;
-        let shape = sel.shape().to_vec();
-        if shape[0] != ids.len() {
-            return Err(to_py(
-                py,
-                Error::config(
-                    "selection.shape",
-                    format!("{shape:?}"),
-                    format!("[{}, K]: a row per request", ids.len()),
-                ),
-            ));
-        }
-        let k = shape[1];
+        let k = row_width(py, sel.shape(), ids.len())?;
         let flat = sel.as_slice().map_err(|_| {
             to_py(
                 py,

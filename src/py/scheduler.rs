@@ -428,17 +428,7 @@ impl PyStepScheduler {
             )
         })?;
         let shape = sel.shape();
-        if shape[0] != ids.len() {
-            return Err(to_py(
-                py,
-                Error::config(
-                    "selection.shape",
-                    format!("{shape:?}"),
-                    format!("({}, K): one row per request", ids.len()),
-                ),
-            ));
-        }
-        let k = shape[1];
+        let k = row_width(py, shape, ids.len())?;
         let flat = sel.as_slice().ok_or_else(|| {
             to_py(
                 py,

@@ -283,3 +283,18 @@ pub(super) fn plan_id(obj: &Bound<'_, PyAny>) -> PyResult<LayerPlanId> {
     )?;
     Ok(id)
 }
+
+/// The `K` of a selection of shape `(B, K)`, checked to have a row for each of `rows` requests.
+pub(super) fn row_width(py: Python<'_>, shape: &[usize], rows: usize) -> PyResult<usize> {
+    if shape[0] != rows {
+        return Err(to_py(
+            py,
+            Error::config(
+                "selection.shape",
+                format!("{shape:?}"),
+                format!("({rows}, K): one row per request"),
+            ),
+        ));
+    }
+    Ok(shape[1])
+}
