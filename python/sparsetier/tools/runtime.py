@@ -105,7 +105,10 @@ class StepRecord:
 class DecodeRuntime:
     """Prefills and decodes requests with main KV tiered between `device_slots` device pages
     (one layer of one page each) and `host_pages` host pages (every layer of a page), which
-    the prefix cache owns; Indexer-K lives in `indexer_pages` whole device pages."""
+    the prefix cache owns; Indexer-K lives in `indexer_pages` whole device pages. A decode
+    layer's top-k becomes slots in the core, one call a layer (`resolve="host"`), or through the
+    device resolver with one grant a step (`resolve="device"`: its reference implementation,
+    on the cpu engine's pools)."""
 
     def __init__(
         self,
