@@ -204,9 +204,9 @@ impl StepScheduler<PrefixTier> {
         st.retain_tables(|id| requests.contains_key(id));
         let last = self.tier.device.as_ref().map_or(0, |l| l.last_misses);
         let want = cells.max(2 * last);
-        let ok = self.top_up(cells, want, &st)?;
-        // What granting changed: free slots taken (nothing to mirror), victims named.
-        self.sync_mirror(&mut st)?;
+        // (Granting evicts nothing: free slots are taken as they are, and victims stay where
+        // they are, named in the mirror by `top_up`.)
+        let ok = self.top_up(cells, want, &mut st)?;
         let link = self.tier.device.as_mut().expect("checked above");
         if !ok {
             link.fallbacks += 1;
@@ -255,7 +255,7 @@ impl StepScheduler<PrefixTier> {
 
     /// Tops the grant up to `want` entries (at least `cells`): free slots, then victims.
     /// Returns whether it has `cells` (when not, what it took stays granted).
-    fn top_up(&mut self, cells: usize, want: usize, st: &ResolverState) -> Result<bool> {
+    fn top_up(&mut self, cells: usize, want: usize, st: &mut ResolverState) -> Result<bool> {
         let have = self.tier.device.as_ref().map_or(0, |l| l.grant.len());
         if have >= want {
             return Ok(true);
@@ -285,12 +285,15 @@ impl StepScheduler<PrefixTier> {
                 fresh.push((slot, Some((self.entry_of(&key), idx))));
             }
         }
-        let link = self.tier.device.as_mut().expect("checked by the caller");
         // A victim the mirror does not name yet (it came to the device another way) enters
         // it: a cell that selects it hits, so a layer passes over at most as many victims as
         // it hits, and no object is copied in twice.
-        link.adds
-            .extend(fresh.iter().filter_map(|(_, v)| v.map(|(e, _)| e)));
+        for &(slot, v) in &fresh {
+            if let Some((e, _)) = v {
+                st.set(e, slot.raw() as i32);
+            }
+        }
+        let link = self.tier.device.as_mut().expect("checked by the caller");
         link.grant.extend(fresh);
         Ok(link.grant.len() >= cells)
     }
