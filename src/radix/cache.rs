@@ -113,13 +113,20 @@ pub struct CacheTotals {
     pub host_evicted: u64,
 }
 
+/// What moves a cache's pages: its pools (at least one) and the copy engine.
+struct Copies {
+    pools: Vec<PoolPair>,
+    engine: Arc<dyn CopyEngine>,
+}
+
 /// The hierarchical prefix cache.
 pub struct HiCache {
     tree: RadixTree,
     device: PageAllocator,
     host: Option<PageAllocator>,
-    pools: Vec<PoolPair>,
-    engine: Option<Arc<dyn CopyEngine>>,
+    /// The pools the tiers copy between and the engine that copies; none for a cache whose
+    /// host pages are counts only (or that has none).
+    copies: Option<Copies>,
     drop_unbacked: bool,
     pending_backup: Option<Pending>,
     pending_load: Option<Pending>,
@@ -167,11 +174,11 @@ impl HiCache {
                  ever leave the device",
             ));
         }
-        if !pools.is_empty() && (engine.is_none() || host.is_none()) {
+        if !pools.is_empty() && host.is_none() {
             return Err(Error::config(
-                "engine",
-                "None",
-                "a copy engine and host pages when pools are given",
+                "host_pages",
+                0,
+                "host pages when pools are given",
             ));
         }
         for (i, p) in pools.iter().enumerate() {
@@ -198,12 +205,22 @@ impl HiCache {
                 ));
             }
         }
+        let copies = match (pools.is_empty(), engine) {
+            (true, _) => None,
+            (false, Some(engine)) => Some(Copies { pools, engine }),
+            (false, None) => {
+                return Err(Error::config(
+                    "engine",
+                    "None",
+                    "a copy engine when pools are given",
+                ))
+            }
+        };
         Ok(HiCache {
             tree,
             device,
             host,
-            pools,
-            engine,
+            copies,
             drop_unbacked: cfg.drop_unbacked,
             pending_backup: None,
             pending_load: None,
@@ -546,7 +563,7 @@ impl HiCache {
         self.device
             .free(&r.duplicates)
             .expect("duplicates were allocated");
-        if !self.pools.is_empty() {
+        if self.copies.is_some() {
             for &node in &r.needs_backup {
                 if let Err(e) = self.queue_backup(node) {
                     if lock {
@@ -601,13 +618,21 @@ impl HiCache {
     /// pages of every pool. All or nothing: `Ok(None)` when device pages cannot be found even
     /// after eviction (the request recomputes instead).
     pub fn load_back(&mut self, node: NodeId) -> Result<Option<LoadBack>> {
-        if self.pools.is_empty() {
+        let Some(copies) = &self.copies else {
             return Err(Error::config(
                 "pools",
                 "none",
                 "a HiCache with host pools (load_back moves pages)",
             ));
-        }
+        };
+        let window = copies
+            .pools
+            .iter()
+            .filter_map(|p| match p.hit {
+                HitPolicy::Window(w) => Some(w as usize),
+                HitPolicy::AllPages => None,
+            })
+            .max();
         let (todo, joined) = self.tree.restorable(node)?;
         let need: usize = todo
             .iter()
@@ -657,14 +682,6 @@ impl HiCache {
         };
         let ps = self.tree.page_size();
         let end = self.tree.depth_tokens(node)?;
-        let window = self
-            .pools
-            .iter()
-            .filter_map(|p| match p.hit {
-                HitPolicy::Window(w) => Some(w as usize),
-                HitPolicy::AllPages => None,
-            })
-            .max();
         let mut at = 0;
         let mut tokens = joined_tokens;
         for &n in &todo {
@@ -692,9 +709,18 @@ impl HiCache {
         }))
     }
 
-    fn group(&self, p: &Pending, load: bool) -> Result<Option<PageTransferGroup>> {
+    /// The copies of `p` (loads or backups) for every pool that has them, with the engine that
+    /// makes them; none when no pool has a copy to make.
+    fn group(
+        &self,
+        p: &Pending,
+        load: bool,
+    ) -> Result<Option<(PageTransferGroup, Arc<dyn CopyEngine>)>> {
+        let Some(copies) = &self.copies else {
+            return Ok(None);
+        };
         let mut members = Vec::new();
-        for pool in &self.pools {
+        for pool in &copies.pools {
             let Some(device) = pool.device.as_ref() else {
                 continue; // host only: loaded per layer by the step scheduler
             };
@@ -737,7 +763,10 @@ impl HiCache {
         if members.is_empty() {
             return Ok(None);
         }
-        Ok(Some(PageTransferGroup::new(members)?))
+        Ok(Some((
+            PageTransferGroup::new(members)?,
+            copies.engine.clone(),
+        )))
     }
 
     /// Submits the step's queued backups and loads: at most one transfer each. Returns the
@@ -753,10 +782,7 @@ impl HiCache {
             };
             let Some(p) = pending else { continue };
             let submitted = self.group(&p, load).and_then(|g| match g {
-                Some(g) => {
-                    let engine = self.engine.as_ref().expect("pools imply an engine");
-                    engine.submit(Arc::new(g), None).map(Some)
-                }
+                Some((g, engine)) => engine.submit(Arc::new(g), None).map(Some),
                 None => Ok(None),
             });
             match submitted {
@@ -777,7 +803,7 @@ impl HiCache {
     /// Queues again the backups skipped for want of host pages, for nodes still on the device
     /// without a host copy (the others went away or got one meanwhile).
     fn retry_skipped_backups(&mut self) -> Result<()> {
-        if self.skipped_backups.is_empty() || self.pools.is_empty() {
+        if self.skipped_backups.is_empty() || self.copies.is_none() {
             return Ok(());
         }
         let nodes = std::mem::take(&mut self.skipped_backups);

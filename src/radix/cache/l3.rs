@@ -28,7 +28,7 @@ impl HiCache {
                 "a share of host pages in [0, 1]",
             ));
         }
-        if self.pools.is_empty() || self.host.is_none() {
+        if self.copies.is_none() || self.host.is_none() {
             return Err(Error::config(
                 "storage_backend",
                 "set",
@@ -367,7 +367,7 @@ impl HiCache {
             ));
         }
         let mut out: Vec<(u64, u64)> = Vec::new();
-        for p in &self.pools {
+        for p in self.copies.iter().flat_map(|c| &c.pools) {
             let b = &p.host;
             let len = b.page_bytes();
             let mut pool: Vec<(u64, u64)> = Vec::new();
