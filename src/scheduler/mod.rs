@@ -54,3 +54,7 @@ mod tests;
 #[cfg(test)]
 #[path = "../tests/joined_tests.rs"]
 mod joined_tests;
+
+#[cfg(test)]
+#[path = "../tests/resolver_tests.rs"]
+mod resolver_tests;

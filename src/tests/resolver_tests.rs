@@ -1,0 +1,244 @@
+//! The device resolver's reference implementation against a plain model: every cell of a
+//! layer reads a slot holding its object's bytes when the layer's call returns (so a slot an
+//! earlier cell of the call read is never filled again under it), no two mirror entries name
+//! one slot, victims the layer read are passed over, and a grant of one layer's cells never
+//! runs out however many layers a step resolves.
+
+use super::resolver::{ResolverState, ABSENT};
+use crate::ids::RequestId;
+use crate::layout::{Component, Dtype, HostLayout};
+use crate::pool::PoolSpec;
+use proptest::prelude::*;
+
+const PS: u32 = 4;
+const LAYERS: u16 = 3;
+const HOMES: u32 = 24;
+
+/// The bytes home `h` holds at `layer` (every byte of its page, every plane).
+fn tag(h: u32, layer: u16) -> u8 {
+    (h * LAYERS as u32 + layer as u32 + 1) as u8
+}
+
+struct Fixture {
+    _buffers: (Box<[u8]>, Box<[u8]>),
+    dev_base: Vec<u64>,
+    dev_stride: u64,
+    page_bytes: u64,
+    st: ResolverState,
+}
+
+fn fixture(slots: u32) -> Fixture {
+    let kv = PoolSpec::new(Component::Kv, 1, 1, 1, 4, Dtype::Bf16, PS, slots).unwrap();
+    let host = PoolSpec::new(
+        Component::Kv,
+        LAYERS as u32,
+        1,
+        1,
+        4,
+        Dtype::Bf16,
+        PS,
+        HOMES,
+    )
+    .unwrap();
+    // SAFETY: the fixture owns both buffers for as long as the resolver copies between them.
+    let (dev_buf, dev) = unsafe { crate::testing::host_pool(&kv) }.unwrap();
+    // SAFETY: as above.
+    let (mut host_buf, host_b) =
+        unsafe { crate::testing::host_pool_in(&host, HostLayout::LayerFirst) }.unwrap();
+    let (flat, order) = host_b.flatten_layers().unwrap();
+    let page_bytes = flat.page_bytes();
+    let base = host_buf.as_ptr() as u64;
+    for h in 0..HOMES {
+        for l in 0..LAYERS {
+            for plane in 0..flat.planes_per_layer() {
+                let at = (flat.row_addr(plane, order.flat(h, l), 0) - base) as usize;
+                host_buf[at..at + page_bytes as usize].fill(tag(h, l));
+            }
+        }
+    }
+    let dev_base = (0..dev.planes_per_layer())
+        .map(|p| dev.row_addr(p, 0, 0))
+        .collect();
+    let dev_stride = dev.page_stride();
+    let st = ResolverState::new(LAYERS, PS, HOMES, dev, flat, order).unwrap();
+    Fixture {
+        _buffers: (dev_buf, host_buf),
+        dev_base,
+        dev_stride,
+        page_bytes,
+        st,
+    }
+}
+
+impl Fixture {
+    /// Whether device `slot` holds home `h`'s bytes of `layer`, every plane.
+    fn holds(&self, slot: i32, h: u32, layer: u16) -> bool {
+        self.dev_base.iter().all(|&b| {
+            let at = b + slot as u64 * self.dev_stride;
+            // SAFETY: `slot` is a slot of the device pool the fixture owns; a page of a plane
+            // is `page_bytes` long.
+            let page =
+                unsafe { std::slice::from_raw_parts(at as *const u8, self.page_bytes as usize) };
+            page.iter().all(|&x| x == tag(h, layer))
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Case {
+    /// Per request: its pages' homes (distinct across requests but for a shared prefix).
+    homes: Vec<Vec<u32>>,
+    /// Per step, per layer, per request: the pages selected (k each, -1 padding).
+    steps: Vec<Vec<Vec<Vec<i32>>>>,
+    /// Objects already on the device when the first step starts: (home, layer).
+    resident: Vec<(u32, u16)>,
+    /// Of the grant, how many entries are victims (the rest are free slots).
+    victims: usize,
+    /// A grant of half a layer's cells: cells may go without a slot (counted as overflow), but
+    /// a slot a cell of the call read is never filled again under it.
+    short: bool,
+}
+
+const K: usize = 4;
+
+fn case() -> impl Strategy<Value = Case> {
+    (1usize..=3, 0usize..=2)
+        .prop_flat_map(|(rows, shared)| {
+            // Homes: `shared` prefix pages common to every request, then 3 of its own each.
+            let homes: Vec<Vec<u32>> = (0..rows)
+                .map(|r| {
+                    (0..shared as u32)
+                        .chain((0..3).map(|p| 2 + r as u32 * 3 + p))
+                        .collect()
+                })
+                .collect();
+            let pages: Vec<usize> = homes.iter().map(Vec::len).collect();
+            let step = pages
+                .iter()
+                .map(|&n| prop::collection::vec(-1i32..n as i32, K))
+                .collect::<Vec<_>>();
+            let layer = step.clone();
+            (
+                Just(homes),
+                prop::collection::vec(
+                    prop::collection::vec(layer, LAYERS as usize..=LAYERS as usize),
+                    1..4,
+                ),
+                prop::collection::vec((0u32..HOMES, 0u16..LAYERS), 0..8),
+                0usize..=6,
+                any::<bool>(),
+            )
+        })
+        .prop_map(|(homes, steps, resident, victims, short)| Case {
+            homes,
+            steps,
+            resident,
+            victims,
+            short,
+        })
+}
+
+proptest! {
+    #![proptest_config(crate::testing::proptest_config(256, "resolver_reference"))]
+    #[test]
+    fn every_cell_reads_its_objects_bytes_and_a_layers_grant_is_enough(c in case()) {
+        let rows = c.homes.len();
+        // Slots: one layer's cells of grant, plus room for the resident objects.
+        let cells = rows * K;
+        let slots = (cells * (c.steps.len() + 2) + c.resident.len() + 2) as u32;
+        let mut f = fixture(slots);
+        let rids: Vec<RequestId> = (0..rows as u64).map(RequestId::new).collect();
+        // Resident objects: copied in by hand, named in the mirror; some become victims.
+        let mut next = 0u32;
+        let mut named = std::collections::BTreeMap::new();
+        for &(h, l) in &c.resident {
+            if named.contains_key(&(h, l)) {
+                continue;
+            }
+            let e = f.st.entry(h, l);
+            for &b in &f.dev_base {
+                let at = b + next as u64 * f.dev_stride;
+                // SAFETY: slot `next` is a slot of the fixture's device pool.
+                unsafe {
+                    std::ptr::write_bytes(at as *mut u8, tag(h, l), f.page_bytes as usize)
+                };
+            }
+            f.st.set(e, next as i32);
+            named.insert((h, l), next);
+            next += 1;
+        }
+        for (r, homes) in c.homes.iter().enumerate() {
+            let len = homes.len() as u64 * u64::from(PS);
+            let pairs: Vec<(u32, u32)> = homes.iter().map(|&h| (h, 0)).collect();
+            f.st.update_table(rids[r], 0, &pairs, len);
+        }
+        for step in &c.steps {
+            // The grant: victims first (resident objects, in order), then free slots, as many
+            // entries as one layer's cells.
+            let mut grant: Vec<(i32, i64)> = named
+                .iter()
+                .take(c.victims)
+                .map(|(&(h, l), &s)| (s as i32, f.st.entry(h, l) as i64))
+                .collect();
+            let mut free = next;
+            let size = if c.short { cells.div_ceil(2) } else { cells };
+            grant.truncate(size);
+            while grant.len() < size {
+                grant.push((free as i32, -1));
+                free += 1;
+            }
+            prop_assume!(free <= slots);
+            f.st.open(grant);
+            for (layer, sel_rows) in step.iter().enumerate() {
+                let layer = layer as u16;
+                let sel: Vec<i32> = sel_rows.concat();
+                let mut table = vec![0i32; sel.len()];
+                f.st.resolve_layer(layer, &rids, &sel, K, false, &mut table).unwrap();
+                // Every cell: -1 where it names nothing, else a slot with its object's bytes.
+                for (i, (&entry, &slot)) in sel.iter().zip(&table).enumerate() {
+                    if entry < 0 {
+                        prop_assert_eq!(slot, ABSENT);
+                        continue;
+                    }
+                    let h = c.homes[i / K][entry as usize];
+                    if c.short && slot < 0 {
+                        continue; // no slot left: counted below
+                    }
+                    prop_assert!(slot >= 0, "cell {} got no slot", i);
+                    prop_assert!(f.holds(slot, h, layer), "cell {} reads slot {} without {:?}", i, slot, (h, layer));
+                    prop_assert_eq!(f.st.slot(h, layer), slot);
+                }
+            }
+            let done = f.st.close();
+            if !c.short {
+                prop_assert_eq!(done.counts.overflow, 0);
+            }
+            // No slot named twice by the mirror.
+            let mut seen = std::collections::HashSet::new();
+            for &s in f.st.mirror().iter().filter(|&&s| s >= 0) {
+                prop_assert!(seen.insert(s), "slot {} named twice", s);
+            }
+            // What the mirror names is there.
+            for h in 0..HOMES {
+                for l in 0..LAYERS {
+                    let s = f.st.slot(h, l);
+                    if s >= 0 {
+                        prop_assert!(f.holds(s, h, l));
+                    }
+                }
+            }
+            // The next step's grant reuses what this one did not fill; the named map follows
+            // the mirror.
+            named.clear();
+            for h in 0..HOMES {
+                for l in 0..LAYERS {
+                    let s = f.st.slot(h, l);
+                    if s >= 0 {
+                        named.insert((h, l), s as u32);
+                    }
+                }
+            }
+            next = named.values().copied().max().map_or(0, |m| m + 1);
+        }
+    }
+}
