@@ -92,8 +92,9 @@ impl PyJoinedStepScheduler {
     /// Starts resolving decode steps on the device: returns the `DeviceResolver` (the same
     /// one on every call). Each decode step is then `append`, `begin_device_step`, the
     /// resolver once a layer, `end_step`: a fixed number of calls into the scheduler a step.
-    /// Runs the reference implementation on the cpu engine's pools; CUDA pools are refused
-    /// (the resolver's kernel is not built yet).
+    /// The scheduler stops prefetching (the resolver serves its misses itself). Runs the
+    /// reference implementation on the cpu engine's pools; CUDA pools are refused (the
+    /// resolver's kernel is not wired in yet).
     fn enable_device_resolver(
         slf: &Bound<'_, Self>,
         py: Python<'_>,

@@ -95,7 +95,8 @@ pub struct DeviceTotals {
 impl StepScheduler<PrefixTier> {
     /// Starts resolving decode steps on the device: returns the resolver's state, which the
     /// device side (`resolve_layer`) works on between `begin_device_step` and `end_step`.
-    /// Pages that start from now on are mirrored from their start. Idempotent.
+    /// Pages that start from now on are mirrored from their start, and the scheduler stops
+    /// prefetching (the resolver serves its misses itself). Idempotent.
     pub fn enable_device_resolver(&mut self) -> Result<Arc<Mutex<ResolverState>>> {
         if let Some(link) = &self.tier.device {
             return Ok(link.state.clone());
@@ -122,6 +123,13 @@ impl StepScheduler<PrefixTier> {
             order,
         )?;
         let state = Arc::new(Mutex::new(state));
+        // The resolver serves its misses itself: a prefetch would load pages for plans that
+        // decode steps no longer make. Prefetch stops here (what is outstanding is let go).
+        let outstanding: Vec<u16> = self.prefetches.keys().copied().collect();
+        for l in outstanding {
+            self.drop_prefetch(l)?;
+        }
+        self.cfg.prefetch = false;
         // Every device-Ready object of a running request enters the mirror now; from here on
         // the directory logs what leaves the device and start_pages what enters.
         self.dir.log_releases(true);

@@ -168,7 +168,8 @@ class DecodeRuntime:
             raise ConfigError.of("topk", str(topk), ">= 2 (the sink token and the query's own)")
         # Where a decode layer's top-k becomes slots: the core, one call a layer ("host"), or
         # the device resolver, with one grant a step and no call into the core per layer
-        # ("device": its reference implementation, on the cpu engine's pools).
+        # ("device": its reference implementation, on the cpu engine's pools; the scheduler
+        # stops prefetching once it has one).
         if resolve not in ("host", "device"):
             raise ConfigError.of("resolve", resolve, "host or device")
         if resolve == "device" and (selection == "block" and unit != page_size):
@@ -208,9 +209,7 @@ class DecodeRuntime:
             self.engine,
             indexer_device=PageTransferBinding(self.indexer_pool, ik),
             indexer_host=PageTransferBinding(self.indexer_host, ik_host, layout),
-            # The device resolver serves its misses itself: the host's prefetch would load
-            # pages no plan consumes.
-            prefetch=prefetch and resolve != "device",
+            prefetch=prefetch,
         )
         self.resolve = resolve
         self.resolver = self.scheduler.enable_device_resolver() if resolve == "device" else None
