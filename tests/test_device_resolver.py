@@ -85,6 +85,11 @@ def test_demo_through_the_device_resolver_is_exact(selection, faults):
     assert t["end_quarantined_slots"] == t["end_transfers_in_flight"] == 0, t
     assert t["prefix_hits"] > 0  # prefix hits took the device path too
     assert t["loaded"] > 0  # and misses were served from host
+    if faults:
+        # The load faults failed the resolver's copies (one retried, one failed twice), and
+        # every armed load fault fired.
+        assert t["failed_loads"] >= 3 and t["retried_loads"] >= 2, t
+        assert "loads" not in t["faults_unused"], t["faults_unused"]
 
 
 def test_the_device_path_resolves_decode_steps_and_its_record_counts_them():
@@ -129,6 +134,78 @@ def test_a_step_with_more_misses_than_its_grant_fills_earlier_layers_slots_again
         assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True))
     tiered.drain()
     tiered.scheduler.validate()
+
+
+def _miss_heavy_pair(layers: int = 4):
+    """A device-resolved runtime on a device too small for its requests' pages (most steps
+    miss at every layer), its all-resident twin, and three requests in both."""
+    model = TinySparseModel(ModelConfig(layers=layers, seed=5))
+    kw = dict(page_size=8, host_pages=200, indexer_pages=100, topk=4)
+    tiered = DecodeRuntime(model, device_slots=100, resolve="device", **kw)
+    ref = DecodeRuntime(model, device_slots=2000, **kw)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (150,), generator=g) for _ in range(3)]
+    for rt in (tiered, ref):
+        for rid, p in enumerate(prompts):
+            rt.add_request(rid, p, 10)
+    return tiered, ref
+
+
+def test_a_failed_device_copy_is_retried_once_then_fails_only_the_requests_that_needed_it():
+    # The resident twin steps in lockstep and ends the same request after the same step (as
+    # the demo's replay does), so both run the same batches.
+    tiered, ref = _miss_heavy_pair()
+    both = (tiered, ref)
+    for rt in both:
+        rt.step()
+    # One failed copy: retried at once, nothing fails.
+    tiered.inject_faults("load", 1)
+    rec, _ = (rt.step() for rt in both)
+    assert (rec.failed_loads, rec.retried_loads, rec.failed_requests) == (1, 1, 0), rec.core
+    assert rec.failed == []
+    # A copy and its retry fail at layer 1 (at the first step that misses there): the request
+    # whose cell missed fails for that step; the others are served.
+    tiered.inject_faults("load", 2, layer=1)
+    for _ in range(4):
+        rec, _ = (rt.step() for rt in both)
+        if rec.failed:
+            break
+    assert rec.failed, "the armed faults never fired"
+    assert rec.failed_loads == 2 and rec.failed_requests == len(rec.failed) == 1
+    assert tiered.scheduler.stats()["faults_armed_loads"] == 0
+    lost = rec.failed[0]
+    assert lost in tiered.ended and lost not in tiered.requests
+    tiered.scheduler.validate()
+    ref.abort(lost)
+    del ref.ended[lost].outputs[-1]
+    # The failed request restarts and, like the others, decodes what the resident run does.
+    for rt in both:
+        rt.restart(lost)
+    while any(not r.done for r in tiered.requests.values()):
+        for rt in both:
+            rt.step()
+    for rid in range(3):
+        a, b = tiered.finish_request(rid), ref.finish_request(rid)
+        assert len(a.outputs) == len(b.outputs) == 10
+        assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True))
+    tiered.drain()
+    tiered.scheduler.validate()
+    s = tiered.scheduler.stats()
+    assert (s["pins"], s["handles"]) == (0, 0), s
+
+
+def test_copy_faults_a_device_step_did_not_take_stay_armed():
+    # Every page fits on the device: device steps copy nothing and hand the faults back.
+    rt = _runtime(2, "device")
+    g = torch.Generator().manual_seed(2)
+    for rid in range(2):
+        rt.add_request(rid, torch.randint(0, 512, (60,), generator=g), 5)
+    rt.inject_faults("load", 3, layer=1)
+    for _ in range(3):
+        rec = rt.step()
+        assert rec.loaded == rec.failed_loads == 0 and rec.failed == [], rec.core
+    assert rt.scheduler.device_stats()["steps"] == 3
+    assert rt.scheduler.stats()["faults_armed_loads"] == 3
 
 
 def test_a_device_too_small_for_the_grant_plans_those_steps_on_the_host():
@@ -220,3 +297,39 @@ def test_bench_decode_resolve_device_pairs_the_two_paths_on_the_same_selections(
         # grant's victims and holds keep, not by more than the host side loads.
         assert r["device_loaded"] <= 2 * r["host_loaded"] + 64, r
         assert "device/host" in bench_resolve.format_report(r)
+
+
+def test_a_prefill_whose_layer_plan_makes_room_keeps_its_chunks_later_layers():
+    # Found by the resolve-paths machine: a prefix hit admitted onto a full device; its
+    # prefill's layer-0 plan makes room, which once wrote the chunk's later layers through
+    # unwritten and evicted them, so those layers' rows landed in slots other objects took.
+    from test_resolve_paths_stateful import PROMPTS
+
+    model = TinySparseModel(ModelConfig(layers=3, seed=7))
+    kw = dict(page_size=8, host_pages=160, indexer_pages=80, topk=3, prefetch=False)
+    tiered = DecodeRuntime(model, device_slots=72, resolve="device", **kw)
+    ref = DecodeRuntime(model, device_slots=2000, **kw)
+    both = (tiered, ref)
+
+    def add(rid, prompt, steps):
+        for rt in both:
+            rt.add_request(rid, PROMPTS[prompt], steps)
+
+    def step():
+        for rt in both:
+            rt.step()
+
+    add(0, 0, 2)
+    add(1, 0, 3)
+    step()
+    add(2, 2, 2)
+    step()
+    for rt in both:
+        rt.finish_request(0)
+    add(3, 2, 2)  # matches request 0's pages, onto a device with three slots free
+    tiered.drain()
+    tiered.scheduler.validate()  # (test builds: device and host copies hold the same bytes)
+    step()
+    for rid in (1, 2, 3):
+        a, b = tiered.requests[rid], ref.requests[rid]
+        assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True)), rid

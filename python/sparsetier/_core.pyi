@@ -3,7 +3,7 @@
 
 from collections.abc import Iterator, Sequence
 from types import ModuleType
-from typing import Any, final
+from typing import Any, ClassVar, final
 
 import numpy as np
 import numpy.typing as npt
@@ -651,6 +651,7 @@ class DeviceResolver:
     """Maps each decode layer's top-k to device slots and serves the misses from host within
     the slots the scheduler granted (`JoinedStepScheduler.begin_device_step`)."""
 
+    FAILED: ClassVar[int]
     def resolve(
         self, layer: int, rids: Any, selection: npt.NDArray[np.int32], tokens: bool = False
     ) -> npt.NDArray[np.int32]: ...

@@ -39,10 +39,15 @@ impl PyDeviceResolver {
 
 #[pymethods]
 impl PyDeviceResolver {
+    /// A cell's slot when its object's copy failed, and its retry: its request has no data
+    /// for that layer (the caller fails it for the step).
+    #[classattr]
+    const FAILED: i32 = crate::scheduler::resolver::FAILED;
+
     /// Resolves `layer` for the batch `rids` (int64, the granted step's requests):
     /// `selection` is a C-contiguous int32 `[B, K]` array of entries (-1 = none), block ids of
     /// a page each, or with `tokens` token indices. Returns the slot table (int32 `[B, K]`, -1
-    /// where an entry names nothing).
+    /// where an entry names nothing, `FAILED` where its copy failed twice).
     #[pyo3(signature = (layer, rids, selection, tokens=false))]
     fn resolve<'py>(
         &self,

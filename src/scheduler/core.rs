@@ -308,8 +308,9 @@ impl<T: Tier> StepScheduler<T> {
 
     /// Appends `tokens` prefilled tokens to request `id` (chunked prefill): returns the first
     /// page they touch and the slots of every page they touch, layer-major (`[layer][page]`),
-    /// allocating the new pages for every layer in one call. The caller writes the rows before
-    /// its next call; pages that fill are written through at the next `end_step`.
+    /// allocating the new pages for every layer in one call. The caller writes every layer's
+    /// rows before its next `extend`, `append` or `end_step` (a layer's plan may come between);
+    /// pages that fill are written through after that.
     pub fn extend(&mut self, id: RequestId, tokens: u64) -> Result<(u32, Vec<SlotId>)> {
         let ps = u64::from(self.cfg.page_size);
         let layers = self.cfg.layers;
@@ -321,6 +322,8 @@ impl<T: Tier> StepScheduler<T> {
             return Err(Error::config("tokens", 0, "an integer >= 1"));
         }
         let (len, end) = (r.len, r.len.saturating_add(tokens));
+        // The chunks extended before are written by now: their filled pages may go through.
+        self.xfer.pending.append(&mut self.xfer.filled);
         // Refuse what the device can never hold before building one key per page and layer.
         let new_pages = end.div_ceil(ps) - len / ps;
         self.check_fits("tokens", tokens, new_pages)?;
@@ -354,9 +357,12 @@ impl<T: Tier> StepScheduler<T> {
         let r = self.requests.get_mut(&id).expect("checked above");
         r.len = end;
         let full_to = (end / ps) as u32;
+        // The caller writes this chunk's rows layer by layer, calling in between (a layer's
+        // plan may make room, which writes pending pages through and lets them be evicted):
+        // its pages that fill wait in `filled` until its next extend, append or end_step.
         for l in 0..layers {
             for p in first..full_to {
-                self.xfer.pending.push(r.key(p, l));
+                self.xfer.filled.push(r.key(p, l));
             }
         }
         r.tail.clear();
@@ -477,6 +483,8 @@ impl<T: Tier> StepScheduler<T> {
     /// fills is written through only then.
     pub fn append(&mut self, rids: &[RequestId]) -> Result<(Vec<SlotId>, Vec<u32>)> {
         let t0 = Instant::now();
+        // The prefill chunks extended before this step are written by now.
+        self.xfer.pending.append(&mut self.xfer.filled);
         self.batch += 1;
         let batch = self.batch;
         let layers = self.cfg.layers;
@@ -904,13 +912,15 @@ impl<T: Tier> StepScheduler<T> {
         Ok(rec)
     }
 
-    /// Waits for every transfer in flight and settles it, releases prefetches; what a caller
-    /// does before dropping the pools.
+    /// Writes through what filled, waits for every transfer in flight and settles it,
+    /// releases prefetches; what a caller does between steps before dropping the pools.
     pub fn drain(&mut self) -> Result<()> {
         let stale: Vec<u16> = self.prefetches.keys().copied().collect();
         for l in stale {
             self.drop_prefetch(l)?;
         }
+        // Between steps every row is written: what filled goes through now.
+        self.xfer.pending.append(&mut self.xfer.filled);
         self.submit_pending_backups()?;
         self.xfer.wait_loads();
         self.wait_backups();

@@ -225,7 +225,8 @@ impl StepScheduler<PrefixTier> {
             .iter()
             .map(|&(s, v)| (s.raw() as i32, v.map_or(-1, |(e, _)| e as i64)))
             .collect();
-        st.open(grant);
+        // Armed load failures (test builds) fail the resolver's copies this step.
+        st.open(grant, self.xfer.take_copy_faults());
         link.open = true;
         link.steps += 1;
         Ok(true)
@@ -317,8 +318,10 @@ impl StepScheduler<PrefixTier> {
         }
         link.open = false;
         let state = link.state.clone();
-        let done = state.lock().close();
+        let mut done = state.lock().close();
         let grant = std::mem::take(&mut link.grant);
+        self.xfer
+            .restore_copy_faults(std::mem::take(&mut done.faults));
         let mut taken = vec![false; done.used];
         for en in &done.log {
             taken[en.g as usize] = true;
@@ -347,12 +350,19 @@ impl StepScheduler<PrefixTier> {
                 owners.push(en);
             }
         }
+        // A slot whose last copy failed holds nothing: it goes back free.
+        let mut spare: Vec<SlotId> = Vec::new();
+        owners.retain(|en| {
+            if en.failed {
+                spare.push(grant[en.g as usize].0);
+            }
+            !en.failed
+        });
         let keys: Vec<(ObjectKey, SlotId)> = owners
             .iter()
             .map(|en| (self.key_of(en.e as usize, layers), grant[en.g as usize].0))
             .collect();
         let adopted = self.dir.adopt(&keys)?;
-        let mut spare = Vec::new();
         {
             let mut st = state.lock();
             for ((key, slot), ok) in keys.iter().zip(&adopted) {
@@ -376,7 +386,21 @@ impl StepScheduler<PrefixTier> {
         // entries of one layer together).
         let mut by_layer: Vec<(Vec<bool>, Vec<u32>, Vec<RequestId>)> =
             vec![Default::default(); layers];
-        for &super::resolver::LogEntry { e, rid, page, .. } in &done.log {
+        for &super::resolver::LogEntry {
+            e,
+            rid,
+            page,
+            failed,
+            ..
+        } in &done.log
+        {
+            if failed {
+                // Its request had no data for that layer: failed for the step, once.
+                if self.failed_this_step.insert(rid) {
+                    self.rec.failed_requests += 1;
+                }
+                continue;
+            }
             let l = e as usize % layers;
             let matched = self.requests.get(&rid).is_some_and(|r| page < r.matched);
             by_layer[l].0.push(true);
@@ -390,7 +414,7 @@ impl StepScheduler<PrefixTier> {
         }
         if let Some(link) = self.tier.device.as_mut() {
             link.refills += done.counts.refills;
-            link.last_misses = done.log.len();
+            link.last_misses = done.log.iter().filter(|en| !en.failed).count();
         }
         // The record, as the host path keeps it.
         let c = &done.counts;
@@ -405,6 +429,8 @@ impl StepScheduler<PrefixTier> {
             bytes_transferred: misses * object_bytes,
             bytes_needed: c.needed_tokens * self.token_bytes,
             bytes_needed_of_transferred: c.needed_tokens_moved * self.token_bytes,
+            failed_loads: c.failed,
+            retried_loads: c.retried,
             layers: u64::from(self.cfg.layers),
             ..Default::default()
         };
@@ -472,6 +498,53 @@ impl StepScheduler<PrefixTier> {
                 granted: l.grant.len() as u64,
                 refills: l.refills,
             })
+    }
+
+    /// Test builds, memory of this process: every object with a written host copy and a
+    /// device copy holds the same bytes in both (no copy read or wrote the wrong slot).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn validate_copies(&self) -> std::result::Result<(), String> {
+        use crate::directory::HostState;
+        let (dev, host) = (self.xfer.device(), self.xfer.host());
+        if dev.kind() == crate::transfer::MemoryKind::Device {
+            return Ok(());
+        }
+        let order = self.tier.order();
+        let bytes = dev.page_bytes() as usize;
+        for h in 0..self.cfg.host_pages {
+            for l in 0..self.cfg.layers {
+                let key = self.tier.key_at(h, l);
+                let Some(o) = self.dir.state(&key) else {
+                    continue;
+                };
+                let (DeviceState::Ready { slot }, HostState::Ready { .. }) = (o.device, o.host)
+                else {
+                    continue;
+                };
+                for plane in 0..dev.planes_per_layer() {
+                    let (Some(d), Some(hp)) = (
+                        dev.row_addr_checked(plane, slot.raw(), 0),
+                        host.row_addr_checked(plane, order.flat(h, l), 0),
+                    ) else {
+                        return Err(format!("{key}: slot {slot:?} or its home out of its pool"));
+                    };
+                    // SAFETY: both addresses were bounds-checked against their bindings, which
+                    // the scheduler keeps alive; a page's bytes lie inside its plane; memory
+                    // of this process (checked above); no copy runs (validate takes &self
+                    // after the caller settled its transfers, and only reads).
+                    let same = unsafe {
+                        std::slice::from_raw_parts(d as *const u8, bytes)
+                            == std::slice::from_raw_parts(hp as *const u8, bytes)
+                    };
+                    if !same {
+                        return Err(format!(
+                            "{key}: device slot {slot:?} and its host copy differ (plane {plane})"
+                        ));
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Checks the mirror against the directory (see the module docs).

@@ -76,6 +76,27 @@ impl ArmedFaults {
             .sum()
     }
 
+    /// Takes the armed load failures for the device resolver's copies (a panic, with no copy
+    /// worker there to panic, fails its copy): (layer or any, count). Slow copies stay armed.
+    pub(super) fn take_copy_faults(&mut self) -> Vec<(Option<u16>, u32)> {
+        let mut out = Vec::new();
+        self.faults.retain(|f| {
+            let take = f.direction == Direction::Load && !matches!(f.action, Armed::Delay(_));
+            if take {
+                out.push((f.layer, f.remaining));
+            }
+            !take
+        });
+        out
+    }
+
+    /// Arms again, as failures, the copy faults a device step did not take.
+    pub(super) fn restore_copy_faults(&mut self, faults: Vec<(Option<u16>, u32)>) {
+        for (layer, n) in faults {
+            self.push(Direction::Load, n, layer, Armed::Fail);
+        }
+    }
+
     /// Before a `direction` submission at `layer` (None: a backup, every layer): hands the
     /// first armed fault that matches to `engine` for its next submission.
     pub(super) fn arm(

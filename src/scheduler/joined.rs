@@ -681,6 +681,8 @@ impl Tier for PrefixTier {
 
     fn validate(s: &StepScheduler<Self>) -> std::result::Result<(), String> {
         s.validate_prefix()?;
+        #[cfg(any(test, feature = "testing"))]
+        s.validate_copies()?;
         s.validate_device()
     }
 

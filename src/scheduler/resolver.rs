@@ -44,6 +44,10 @@ use rustc_hash::FxHashMap;
 /// knows).
 pub const ABSENT: i32 = -1;
 
+/// A cell's slot when its object's copy failed (twice: a failed copy is retried once). Its
+/// row has no data for this layer; the caller fails that request for the step.
+pub const FAILED: i32 = -2;
+
 /// What a step's resolves did, per layer and in all.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ResolveCounts {
@@ -61,6 +65,10 @@ pub struct ResolveCounts {
     pub overflow: u64,
     /// Slots filled again: an earlier layer of the step had filled them.
     pub refills: u64,
+    /// Copies that failed (each attempt, retries included).
+    pub failed: u64,
+    /// Retries of failed copies.
+    pub retried: u64,
 }
 
 /// A grant entry the device took.
@@ -75,6 +83,8 @@ pub(crate) struct LogEntry {
     pub page: u32,
     /// The resolve call of the step that took it.
     pub call: u32,
+    /// Its copy failed (and its retry): the slot holds no object, and the cell read nothing.
+    pub failed: bool,
 }
 
 /// A running request's page table: the home of each page, and its length in tokens.
@@ -92,6 +102,8 @@ pub(crate) struct StepDone {
     pub used: usize,
     pub log: Vec<LogEntry>,
     pub counts: ResolveCounts,
+    /// Copy faults armed and not taken: (layer or any, count).
+    pub faults: Vec<(Option<u16>, u32)>,
 }
 
 /// The resolver's state: the mirror, page tables, grant, log and counts.
@@ -124,6 +136,8 @@ pub struct ResolverState {
     counts: ResolveCounts,
     /// Whether the core granted this step (resolves are refused otherwise).
     open: bool,
+    /// Copy failures armed for this step (fault injection): (layer or any, count).
+    faults: Vec<(Option<u16>, u32)>,
     device: PageTransferBinding,
     host: PageTransferBinding,
     order: LayerPageOrder,
@@ -166,6 +180,7 @@ impl ResolverState {
             serial: 0,
             counts: ResolveCounts::default(),
             open: false,
+            faults: Vec::new(),
             device,
             host,
             order,
@@ -226,9 +241,11 @@ impl ResolverState {
         self.tables.retain(|id, _| keep(id));
     }
 
-    /// Opens a step with `grant` entries to take: (slot, victim entry or -1).
-    pub(crate) fn open(&mut self, grant: Vec<(i32, i64)>) {
+    /// Opens a step with `grant` entries to take: (slot, victim entry or -1), and `faults`
+    /// copy failures armed (fault injection: (layer or any, count)).
+    pub(crate) fn open(&mut self, grant: Vec<(i32, i64)>, faults: Vec<(Option<u16>, u32)>) {
         self.grant = grant;
+        self.faults = faults;
         self.used = 0;
         self.log.clear();
         self.call = 0;
@@ -258,6 +275,7 @@ impl ResolverState {
             used: std::mem::take(&mut self.used),
             log: std::mem::take(&mut self.log),
             counts: std::mem::take(&mut self.counts),
+            faults: std::mem::take(&mut self.faults),
         }
     }
 
@@ -378,14 +396,21 @@ impl ResolverState {
                     self.counts.overflow += 1;
                     continue;
                 };
-                self.copy(h, layer, slot)?;
+                let copied = self.fetch(h, layer, slot)?;
                 self.log.push(LogEntry {
                     g: g as u32,
                     e: e as u32,
                     rid,
                     page: page as u32,
                     call: self.call,
+                    failed: !copied,
                 });
+                if !copied {
+                    // The slot holds nothing the mirror can name (a failed copy may have
+                    // written part of it); a later cell of the object tries again.
+                    table[at] = FAILED;
+                    continue;
+                }
                 self.mirror[e] = slot;
                 self.filled[e] = self.serial;
                 self.counts.misses[layer as usize] += 1;
@@ -445,6 +470,37 @@ impl ResolverState {
             return Some((en.g as usize, slot));
         }
         None
+    }
+
+    /// Copies home `h`'s rows of `layer` into device `slot`, retrying a failed copy once.
+    /// Returns whether it was copied.
+    fn fetch(&mut self, h: u32, layer: u16, slot: i32) -> Result<bool> {
+        for attempt in 0..2 {
+            if attempt > 0 {
+                self.counts.retried += 1;
+            }
+            if self.fault(layer) {
+                self.counts.failed += 1;
+                continue;
+            }
+            self.copy(h, layer, slot)?;
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// Whether an armed fault fails this copy at `layer` (taking it).
+    fn fault(&mut self, layer: u16) -> bool {
+        let Some(f) = self
+            .faults
+            .iter_mut()
+            .find(|(l, n)| *n > 0 && l.is_none_or(|l| l == layer))
+        else {
+            return false;
+        };
+        f.1 -= 1;
+        self.faults.retain(|(_, n)| *n > 0);
+        true
     }
 
     /// Copies home `h`'s rows of `layer` into device `slot`, every plane.

@@ -129,6 +129,23 @@ impl Transfers {
         Ok(())
     }
 
+    /// The armed load failures, handed to a device step's copies: (layer or any, count)
+    /// (test builds; a release build has none).
+    pub(super) fn take_copy_faults(&mut self) -> Vec<(Option<u16>, u32)> {
+        #[cfg(any(test, feature = "testing"))]
+        return self.faults.take_copy_faults();
+        #[cfg(not(any(test, feature = "testing")))]
+        Vec::new()
+    }
+
+    /// Arms again the copy failures a device step did not take.
+    pub(super) fn restore_copy_faults(&mut self, faults: Vec<(Option<u16>, u32)>) {
+        #[cfg(any(test, feature = "testing"))]
+        self.faults.restore_copy_faults(faults);
+        #[cfg(not(any(test, feature = "testing")))]
+        let _ = faults;
+    }
+
     fn group(
         &self,
         direction: Direction,

@@ -4,7 +4,7 @@
 //! one slot, victims the layer read are passed over, and a grant of one layer's cells never
 //! runs out however many layers a step resolves.
 
-use super::resolver::{ResolverState, ABSENT};
+use super::resolver::{ResolverState, ABSENT, FAILED};
 use crate::ids::RequestId;
 use crate::layout::{Component, Dtype, HostLayout};
 use crate::pool::PoolSpec;
@@ -97,6 +97,9 @@ struct Case {
     /// A grant of half a layer's cells: cells may go without a slot (counted as overflow), but
     /// a slot a cell of the call read is never filled again under it.
     short: bool,
+    /// Copy failures armed each step (layer or any, count): a failed copy is retried once,
+    /// and a cell whose copy failed twice gets FAILED, never a slot.
+    faults: Vec<(Option<u16>, u32)>,
 }
 
 const K: usize = 4;
@@ -127,14 +130,16 @@ fn case() -> impl Strategy<Value = Case> {
                 prop::collection::vec((0u32..HOMES, 0u16..LAYERS), 0..8),
                 0usize..=6,
                 any::<bool>(),
+                prop::collection::vec((prop::option::of(0u16..LAYERS), 1u32..=3), 0..=2),
             )
         })
-        .prop_map(|(homes, steps, resident, victims, short)| Case {
+        .prop_map(|(homes, steps, resident, victims, short, faults)| Case {
             homes,
             steps,
             resident,
             victims,
             short,
+            faults,
         })
 }
 
@@ -188,7 +193,7 @@ proptest! {
                 free += 1;
             }
             prop_assume!(free <= slots);
-            f.st.open(grant);
+            f.st.open(grant, c.faults.clone());
             for (layer, sel_rows) in step.iter().enumerate() {
                 let layer = layer as u16;
                 let sel: Vec<i32> = sel_rows.concat();
@@ -201,8 +206,12 @@ proptest! {
                         continue;
                     }
                     let h = c.homes[i / K][entry as usize];
-                    if c.short && slot < 0 {
-                        continue; // no slot left: counted below
+                    if slot == FAILED {
+                        prop_assert!(!c.faults.is_empty(), "cell {} failed with no fault armed", i);
+                        continue;
+                    }
+                    if (c.short || !c.faults.is_empty()) && slot < 0 {
+                        continue; // no slot left (failed copies spend grant too): counted below
                     }
                     prop_assert!(slot >= 0, "cell {} got no slot", i);
                     prop_assert!(f.holds(slot, h, layer), "cell {} reads slot {} without {:?}", i, slot, (h, layer));
@@ -210,9 +219,17 @@ proptest! {
                 }
             }
             let done = f.st.close();
-            if !c.short {
+            if !c.short && c.faults.is_empty() {
                 prop_assert_eq!(done.counts.overflow, 0);
             }
+            // Every failure is an armed fault taken; what was not taken is handed back.
+            let armed: u64 = c.faults.iter().map(|&(_, n)| u64::from(n)).sum();
+            let left: u64 = done.faults.iter().map(|&(_, n)| u64::from(n)).sum();
+            prop_assert_eq!(done.counts.failed + left, armed);
+            prop_assert!(done.counts.retried <= done.counts.failed);
+            let failed_entries = done.log.iter().filter(|en| en.failed).count() as u64;
+            // A copy that failed once was retried; an entry failed when its retry failed too.
+            prop_assert_eq!(done.counts.failed, done.counts.retried + failed_entries);
             // No slot named twice by the mirror.
             let mut seen = std::collections::HashSet::new();
             for &s in f.st.mirror().iter().filter(|&&s| s >= 0) {

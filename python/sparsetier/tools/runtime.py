@@ -531,6 +531,9 @@ class DecodeRuntime:
                     # No call into the core: the resolver maps the layer and serves its misses.
                     sel32 = sel.to(torch.int32).cpu().numpy()
                     table = self.resolver.resolve(li, rids_np, sel32, self.mode == "token")
+                    # A cell whose copy failed twice (-2): its row has no data at this layer.
+                    for b in np.flatnonzero((table == self.resolver.FAILED).any(axis=1)):
+                        failed.setdefault(int(rids_np[b]), f"device copy failed at layer {li}")
                     out = sparse_attention_batched(q, self.device_kv, self._table(table), sel,
                                                    pos, self.unit, ps, self.fmt)  # fmt: skip
                     x = layer.finish(x, out)
