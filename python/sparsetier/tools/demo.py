@@ -419,7 +419,10 @@ def format_summary(r: dict) -> str:
             f"accuracy {fmt_ratio(t['prefetch_accuracy'], 'nothing selected')}, "
             f"loaded {t['prefetch_loaded']} pages, "
             f"wasted {_mib(t['prefetch_wasted_bytes'])}, peak pins {t['prefetch_pinned_peak']}"
-            if r["config"]["prefetch"]
+            if r["config"]["prefetch"] and r["config"]["resolve"] != "device"
+            # The device resolver serves its misses itself: the scheduler stops prefetching.
+            else "off (--resolve device)"
+            if r["config"]["resolve"] == "device"
             else "off (--no-prefetch)",
         ),
         (
