@@ -263,6 +263,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                           "run, so that repeated runs collect in one file)")  # fmt: skip
     _bench_decode_parser(benches, out)
     _bench_prefix_parser(benches, out)
+    _bench_prefix_sparse_parser(benches, out)
     _bench_vllm_parser(benches, out)
     b = benches.add_parser("l3", parents=[out],
                            help="put/get throughput of the L3 backends vs memcpy, and the serve "
@@ -362,6 +363,57 @@ def _bench_prefix_parser(benches: argparse._SubParsersAction, out: argparse.Argu
                    help="the serve loop per token container, alternating")  # fmt: skip
     p.add_argument("--max-len", type=int, default=4096, help="--paired: longest prompt")
     p.set_defaults(bench=_bench_prefix)
+
+
+def _bench_prefix_sparse_parser(
+    benches: argparse._SubParsersAction, out: argparse.ArgumentParser
+) -> None:
+    from sparsetier.tools.bench_prefix_sparse import PrefixSparseConfig
+    from sparsetier.tools.selection_model import SelectionModel
+
+    d, m = PrefixSparseConfig(), SelectionModel()
+    p = benches.add_parser("prefix-sparse", parents=[out],
+                           help="bytes a prefix hit moves under sparse attention: full "
+                           "restore vs Indexer-K only, prefix x suffix lengths")  # fmt: skip
+    p.add_argument("--layers", type=int, default=d.layers)
+    p.add_argument("--prefixes", type=int, nargs="+", default=list(d.prefixes))
+    p.add_argument("--suffixes", type=int, nargs="+", default=list(d.suffixes))
+    p.add_argument("--topk", type=int, default=m.topk_pages * m.page_size, help="tokens")
+    p.add_argument("--page-size", type=int, default=m.page_size)
+    p.add_argument("--sink-pages", type=int, default=m.sink_pages)
+    p.add_argument("--window", type=int, default=m.window, help="local window, tokens")
+    p.add_argument("--zipf-s", type=float, default=m.zipf_s)
+    p.add_argument("--churn", type=float, default=m.churn,
+                   help="share of a token's Zipf draws not its predecessor's")  # fmt: skip
+    p.set_defaults(bench=_bench_prefix_sparse)
+
+
+def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
+    from sparsetier.errors import ConfigError
+    from sparsetier.tools import bench_prefix_sparse as bps
+    from sparsetier.tools.selection_model import SelectionModel
+
+    if args.page_size < 1 or args.topk < args.page_size or args.topk % args.page_size:
+        raise ConfigError.of(
+            "topk", str(args.topk), f"a multiple of the page size {args.page_size}, >= 1 page"
+        )
+    try:
+        model = SelectionModel(
+            page_size=args.page_size, topk_pages=args.topk // args.page_size,
+            sink_pages=args.sink_pages, window=args.window, zipf_s=args.zipf_s,
+            churn=args.churn,
+        )  # fmt: skip
+        cfg = bps.PrefixSparseConfig(
+            layers=args.layers, model=model, prefixes=tuple(args.prefixes),
+            suffixes=tuple(args.suffixes),
+        )  # fmt: skip
+    except ValueError as e:
+        field, _, rest = str(e).partition(" = ")
+        value, _, allowed = rest.partition(": allowed ")
+        raise ConfigError.of(field, value, allowed) from None
+    cells = bps.run(cfg)
+    print(bps.format_report(cfg, cells))
+    return bps.to_json(cfg, cells)
 
 
 def _bench_vllm_parser(benches: argparse._SubParsersAction, out: argparse.ArgumentParser) -> None:

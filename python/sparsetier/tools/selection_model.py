@@ -1,0 +1,84 @@
+"""A parametric model of what a sparse-attention indexer selects, for benchmarks of prefix
+restores at scales the tiny model cannot reach (its random weights select almost uniformly).
+
+Each query token selects `topk_pages` pages of its context, per layer:
+- `sink_pages`: the context's first pages (attention sinks), always;
+- a local window: the pages holding its last `window` tokens, always;
+- the rest drawn from the other pages by a Zipf law of exponent `zipf_s` over a ranking of
+  pages fixed per layer (the pages a layer finds relevant to this conversation), with
+  replacement (duplicates merge: a token's selection is a set). Adjacent tokens select much
+  alike: each token keeps its predecessor's draws but a share `churn`, which it draws anew
+  (`churn=1`: independent tokens; `bench decode` keeps 90 % of blocks from step to step).
+
+What a prefix restore needs is the union, over the suffix's tokens and per layer, of the
+prefix pages selected. The model gives its expected size in closed form: a suffix of S tokens
+makes n = d (1 + (S - 1) churn) draws in all (d per token), and a page of draw probability p
+is in their union with probability 1 - (1 - p)^n. The defaults are
+DeepSeek-V3.2's top-2048 tokens in 64-token pages, one sink page and a 512-token window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SelectionModel:
+    """Sinks, a local window and Zipf-distributed pages over the rest (module docs)."""
+
+    page_size: int = 64
+    topk_pages: int = 32
+    sink_pages: int = 1
+    window: int = 512
+    zipf_s: float = 1.1
+    churn: float = 0.1
+
+    def __post_init__(self):
+        for name in ("page_size", "topk_pages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} = {getattr(self, name)}: allowed >= 1")
+        if self.sink_pages < 0 or self.window < 0:
+            raise ValueError(
+                f"sink_pages = {self.sink_pages}, window = {self.window}: allowed >= 0"
+            )
+        if self.zipf_s <= 0:
+            raise ValueError(f"zipf_s = {self.zipf_s}: allowed > 0")
+        if not 0 <= self.churn <= 1:
+            raise ValueError(f"churn = {self.churn}: allowed 0 <= churn <= 1")
+        if self.sink_pages + self.window_pages > self.topk_pages:
+            raise ValueError(
+                f"sink_pages + window pages = {self.sink_pages + self.window_pages}: allowed "
+                f"<= topk_pages ({self.topk_pages})"
+            )
+
+    @property
+    def window_pages(self) -> int:
+        return -(-self.window // self.page_size)
+
+    def prefix_union(self, prefix_tokens: int, suffix_tokens: int) -> float:
+        """Expected prefix pages a layer's selections over `suffix_tokens` query tokens (the
+        tokens after the prefix) name, of the prefix's `ceil(prefix_tokens / page_size)`."""
+        if prefix_tokens < 0 or suffix_tokens < 0:
+            raise ValueError(
+                f"prefix_tokens = {prefix_tokens}, suffix_tokens = {suffix_tokens}: allowed >= 0"
+            )
+        pages = -(-prefix_tokens // self.page_size)
+        if pages == 0 or suffix_tokens == 0:
+            return 0.0
+        sinks = min(self.sink_pages, pages)
+        # The first suffix token's window reaches back into the prefix; later ones less.
+        window = min(self.window_pages, pages - sinks)
+        rest = pages - sinks - window
+        draws = self.topk_pages - self.sink_pages - self.window_pages
+        if rest == 0 or draws == 0:
+            return float(sinks + window)
+        if rest <= draws:
+            return float(pages)
+        p = 1.0 / np.arange(1, rest + 1, dtype=np.float64) ** self.zipf_s
+        p /= p.sum()
+        n = float(draws) * (1 + (suffix_tokens - 1) * self.churn)
+        # 1 - (1 - p)^n, stable for small p.
+        covered = -np.expm1(n * np.log1p(-p))
+        return float(sinks + window + covered.sum())

@@ -1,0 +1,100 @@
+"""The selection model's closed form against a simulation of the process it describes, and
+`sparsetier bench prefix-sparse` end to end."""
+
+import json
+
+import numpy as np
+import pytest
+
+from sparsetier.tools import bench_prefix_sparse as bps
+from sparsetier.tools.cli import main
+from sparsetier.tools.selection_model import SelectionModel
+
+
+def _simulate(m: SelectionModel, prefix: int, suffix: int, trials: int, seed: int) -> float:
+    """Mean union size over `trials` runs of the process itself: sinks, the window reaching
+    into the prefix, and per token d Zipf draws of which each slot is drawn anew with
+    probability `churn` (the first token draws all)."""
+    rng = np.random.default_rng(seed)
+    pages = -(-prefix // m.page_size)
+    sinks = min(m.sink_pages, pages)
+    window = min(m.window_pages, pages - sinks)
+    rest = pages - sinks - window
+    d = m.topk_pages - m.sink_pages - m.window_pages
+    p = 1.0 / np.arange(1, rest + 1) ** m.zipf_s
+    p /= p.sum()
+    sizes = []
+    for _ in range(trials):
+        new = d + rng.binomial(d, m.churn, size=suffix - 1).sum()
+        drawn = rng.choice(rest, size=int(new), p=p)
+        sizes.append(sinks + window + np.unique(drawn).size)
+    return float(np.mean(sizes))
+
+
+@pytest.mark.parametrize(
+    ("churn", "prefix", "suffix"), [(1.0, 8192, 16), (0.1, 32768, 256), (0.3, 16384, 64)]
+)
+def test_the_closed_form_matches_a_simulation_of_the_model(churn, prefix, suffix):
+    m = SelectionModel(churn=churn)
+    want = _simulate(m, prefix, suffix, trials=300, seed=1)
+    assert m.prefix_union(prefix, suffix) == pytest.approx(want, rel=0.03)
+
+
+def test_the_union_grows_with_the_suffix_up_to_every_prefix_page():
+    m = SelectionModel()
+    pages = 32768 // 64
+    u = [m.prefix_union(32768, s) for s in (1, 16, 256, 4096, 10**6)]
+    assert u == sorted(u) and u[-1] == pytest.approx(pages, rel=1e-3)
+    # One token: its sinks, the window's pages in the prefix, and at most its draws.
+    assert 1 + 8 < u[0] <= 32
+    assert m.prefix_union(0, 100) == m.prefix_union(32768, 0) == 0.0
+    # A prefix no longer than sinks + window + draws is selected whole.
+    assert SelectionModel().prefix_union(64 * 30, 1) == 30.0
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [({"zipf_s": 0}, "zipf_s"), ({"churn": 1.5}, "churn"), ({"topk_pages": 4}, "sink_pages"),
+     ({"page_size": 0}, "page_size")],
+)  # fmt: skip
+def test_bad_parameters_are_refused_naming_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SelectionModel(**kw)
+
+
+def test_bench_prefix_sparse_reports_the_grid(tmp_path, capsys):
+    out = tmp_path / "ps.json"
+    main(["bench", "prefix-sparse", "--prefixes", "8192", "65536", "--suffixes", "16", "100000",
+          "--json", str(out)])  # fmt: skip
+    text = capsys.readouterr().out
+    assert "full/idx-only" in text and "not built yet" in text
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["prefix"], c["suffix"]) for c in cells] == [
+        (8192, 16), (8192, 100000), (65536, 16), (65536, 100000)
+    ]  # fmt: skip
+    for c in cells:
+        # Indexer-K only never moves more than a full restore, and moves as much once the
+        # suffix's selections cover the whole prefix.
+        assert c["idx_only_bytes"] <= c["full_bytes"] * (1 + 1e-9)
+        assert c["full_over_idx_only"] == pytest.approx(c["full_bytes"] / c["idx_only_bytes"])
+    assert cells[1]["full_over_idx_only"] == pytest.approx(1.0, rel=1e-3)
+    # A chat turn over a long prefix: mostly Indexer-K.
+    assert cells[2]["full_over_idx_only"] > 3
+    # Full restore: every token's KV and Indexer-K, every layer.
+    assert cells[0]["full_bytes"] == 8192 * 61 * (656 + 132)
+
+
+def test_bench_prefix_sparse_refuses_bad_parameters_naming_them(capsys):
+    # The command reports a ConfigError as a usage error naming the field.
+    for argv, field in ((["--topk", "100"], "topk = 100"), (["--churn", "2"], "churn = 2")):
+        assert main(["bench", "prefix-sparse", *argv]) != 0
+        err = capsys.readouterr().err
+        assert field in err and "allowed" in err, err
+
+
+def test_run_is_pure_arithmetic_of_the_model():
+    cfg = bps.PrefixSparseConfig(prefixes=(4096,), suffixes=(8,))
+    (c,) = bps.run(cfg)
+    u = cfg.model.prefix_union(4096, 8)
+    assert c.idx_only_bytes == pytest.approx(4096 * 61 * 132 + u * 64 * 61 * 656)
+    assert c.idx_only_copies == pytest.approx((64 + u) * 61)
