@@ -7,7 +7,8 @@ After every rule the two must agree on what does not depend on which objects a f
 gives up (the two paths choose their victims differently: the host path by its LRU at each
 layer, the device path from a grant taken at the step's start):
 - every request's outputs, bit for bit;
-- each step's record: the entries selected and the bytes needed;
+- each step's record: the entries selected, the distinct objects read (a prefix object two
+  rows read counts once), the bytes needed;
 - the directory's host side (objects, host pages ready and being written), and the prefix
   cache's matches at admission.
 
@@ -31,10 +32,15 @@ SYSTEM = torch.randint(0, 512, (41,), generator=_g)
 PROMPTS = [torch.cat([SYSTEM, torch.randint(0, 512, (n,), generator=_g)]) for n in (19, 52, 80)]
 CONCURRENT = 3
 # Record fields both paths count alike on any device, and those alike only with no eviction.
-# (Not `pages` and `ready`: the host path counts a shared prefix object that two rows keep as
-# two kept hits, the device path once; see docs/architecture.md, "The device resolver".)
-ALWAYS = ("requests", "selected", "bytes_needed")
-NO_EVICTION = ("loaded", "bytes_transferred", "bytes_needed_of_transferred", "read_amplification")
+# (A prefix object two rows read is one object in both: `pages` counts distinct objects.)
+ALWAYS = ("requests", "selected", "pages", "bytes_needed")
+NO_EVICTION = (
+    "ready",
+    "loaded",
+    "bytes_transferred",
+    "bytes_needed_of_transferred",
+    "read_amplification",
+)
 HOST_SIDE = ("objects", "host_none", "host_writing", "host_ready")
 
 

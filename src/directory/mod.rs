@@ -193,10 +193,17 @@ impl Directory {
         self.core.lock().return_slots(slots)
     }
 
-    /// [`core::Core::adopt`] for each (key, slot), in one lock: whether each was adopted.
-    pub fn adopt(&self, entries: &[(ObjectKey, crate::ids::SlotId)]) -> Result<Vec<bool>> {
+    /// [`core::Core::adopt_hinted`] for each (key, hint, slot), in one lock: whether each was
+    /// adopted.
+    pub fn adopt(
+        &self,
+        entries: &[(ObjectKey, ObjectHint, crate::ids::SlotId)],
+    ) -> Result<Vec<bool>> {
         let mut c = self.core.lock();
-        entries.iter().map(|(k, s)| c.adopt(k, *s)).collect()
+        entries
+            .iter()
+            .map(|&(k, h, s)| c.adopt_hinted(&k, h, s))
+            .collect()
     }
 
     /// See [`core::Core::log_releases`].

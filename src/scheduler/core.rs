@@ -50,7 +50,7 @@ use std::time::{Duration, Instant};
 use super::csr::{self, RowForm, RowsIn};
 use super::kept;
 use super::repeats;
-use super::rows::{self, Rows};
+use super::rows::{self, KeptRows, Rows};
 use super::tier::{Plain, Tier};
 use super::transfers::Transfers;
 
@@ -668,6 +668,43 @@ impl<T: Tier> StepScheduler<T> {
         Ok(rows)
     }
 
+    /// Kept hits on matched prefix pages that name an object counted already: kept by an
+    /// earlier row of the plan, or resolved for another row.
+    fn shared_kept_repeats(&self, rids: &[RequestId], kr: &KeptRows, res: &Resolved) -> u64 {
+        let mut objs = Vec::new();
+        let mut start = 0;
+        for (b, &end) in kr.ends.iter().enumerate() {
+            let end = end as usize;
+            let matched = self.requests.get(&rids[b]).map_or(0, |r| r.matched);
+            if matched > 0 {
+                objs.extend(
+                    kr.lists[start..end]
+                        .iter()
+                        .filter(|k| k.page < matched && k.object != u32::MAX)
+                        .map(|k| k.object),
+                );
+            }
+            start = end;
+        }
+        if objs.len() < 2 && res.indices.is_empty() {
+            return 0;
+        }
+        objs.sort_unstable();
+        let all = objs.len();
+        objs.dedup();
+        let mut repeats = (all - objs.len()) as u64;
+        if !objs.is_empty() {
+            let mut resolved = res.indices.clone();
+            resolved.sort_unstable();
+            resolved.dedup();
+            repeats += resolved
+                .iter()
+                .filter(|i| objs.binary_search(i).is_ok())
+                .count() as u64;
+        }
+        repeats
+    }
+
     /// Commits a resolved plan: counts it, submits its load, places the resolved slots in
     /// its table, keeps the plan and prefetches ahead.
     #[allow(clippy::too_many_arguments)]
@@ -705,7 +742,12 @@ impl<T: Tier> StepScheduler<T> {
         }
         let prefetch = self.prefetches.remove(&layer);
         let needed_bytes = needed_bytes + kept_needed * self.token_bytes;
-        let (mut rec, counts) = plan_steps::plan_record(&res.metrics, kept_hits, selected);
+        // A prefix object several rows keep (or one keeps and another resolves) is one object.
+        let shared = match &kept_rows {
+            Some(kr) if T::JOINED && kept_hits > 0 => self.shared_kept_repeats(rids, kr, &res),
+            _ => 0,
+        };
+        let (mut rec, counts) = plan_steps::plan_record(&res.metrics, kept_hits - shared, selected);
         rec.bytes_needed = needed_bytes;
         // Prefetch accuracy: the prediction against the selection, row by row. A kept-selection
         // plan's prediction is its kept pages (last step's selection, held on the device, not

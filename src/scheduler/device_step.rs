@@ -41,7 +41,7 @@ use super::record::StepRecord;
 use super::resolver::{ResolverState, ABSENT};
 use super::tier::Tier;
 use super::PrefixTier;
-use crate::directory::{DeviceState, LayerGroup, ObjectKey};
+use crate::directory::{DeviceState, LayerGroup, ObjectHint, ObjectKey};
 use crate::error::{Error, Result};
 use crate::ids::{RequestId, SlotId};
 use parking_lot::Mutex;
@@ -358,14 +358,24 @@ impl StepScheduler<PrefixTier> {
             }
             !en.failed
         });
-        let keys: Vec<(ObjectKey, SlotId)> = owners
+        // Each with its object's index from the request's hints (no key lookup).
+        let keys: Vec<(ObjectKey, ObjectHint, SlotId)> = owners
             .iter()
-            .map(|en| (self.key_of(en.e as usize, layers), grant[en.g as usize].0))
+            .map(|en| {
+                let hint = self.requests.get(&en.rid).map_or(ObjectHint::NONE, |r| {
+                    r.hint(en.page, (en.e as usize % layers) as u16)
+                });
+                (
+                    self.key_of(en.e as usize, layers),
+                    hint,
+                    grant[en.g as usize].0,
+                )
+            })
             .collect();
         let adopted = self.dir.adopt(&keys)?;
         {
             let mut st = state.lock();
-            for ((key, slot), ok) in keys.iter().zip(&adopted) {
+            for ((key, _, slot), ok) in keys.iter().zip(&adopted) {
                 if !ok {
                     spare.push(*slot);
                     let e = self.entry_of(key);

@@ -14,7 +14,8 @@ pub struct StepRecord {
     pub layers: u64,
     /// Selection entries (blocks or tokens) that named a page, before dedup.
     pub selected: u64,
-    /// Distinct (request, page, layer) objects after dedup.
+    /// Distinct objects read after dedup: (request, page, layer), or in the joined mode (home,
+    /// layer), so a prefix page two requests read counts once.
     pub pages: u64,
     /// Of those, already Ready on the device.
     pub ready: u64,

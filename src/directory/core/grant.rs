@@ -2,7 +2,8 @@
 //! device: it copies each missing object from its host copy into a slot the core granted
 //! before the step, and logs what it did; the core adopts those objects from the log a step
 //! behind. So that the resolver's view of the device (its mirror) never names a slot that was
-//! reused, the directory logs every object that loses its device slot while the log is on.
+//! reused, the directory logs every object that loses its device slot while the log is on
+//! (but the victims the device took: it cleared those from its mirror itself).
 //!
 //! Granted slots are out of the free list and held by no object until adopted or returned:
 //! page conservation counts them (`validate`).
@@ -88,7 +89,7 @@ impl Core {
         obj.device = DeviceState::Absent;
         self.totals.evictions += 1;
         self.granted.insert(slot);
-        self.log_release(i, slot);
+        // Not logged as a release: the device that took it cleared it from its mirror.
         self.settle(i);
         Ok(())
     }
@@ -123,6 +124,17 @@ impl Core {
     /// another way meanwhile, or is gone): the caller returns the slot. `key` must name a live
     /// object and `slot` a granted one.
     pub fn adopt(&mut self, key: &ObjectKey, slot: SlotId) -> Result<bool> {
+        self.adopt_hinted(key, ObjectHint::NONE, slot)
+    }
+
+    /// [`Self::adopt`], with where the object was (`hint`, from [`Self::index_of`]): a hint
+    /// whose generation still holds spares the key lookup.
+    pub fn adopt_hinted(
+        &mut self,
+        key: &ObjectKey,
+        hint: ObjectHint,
+        slot: SlotId,
+    ) -> Result<bool> {
         if !self.granted.contains(&slot) {
             return Err(Error::config(
                 "slot",
@@ -130,8 +142,20 @@ impl Core {
                 "a slot granted and not adopted",
             ));
         }
-        let Some(&idx) = self.index.get(key) else {
-            return Ok(false);
+        let i = hint.index() as usize;
+        let idx = if hint != ObjectHint::NONE
+            && self
+                .objects
+                .get_versioned(i, hint.generation())
+                .is_some_and(|o| !o.dropped)
+        {
+            debug_assert_eq!(self.objects.side_of(i).key, *key, "a hint of another key");
+            i
+        } else {
+            let Some(&idx) = self.index.get(key) else {
+                return Ok(false);
+            };
+            idx
         };
         let obj = &mut self.objects[idx];
         if obj.device != DeviceState::Absent
