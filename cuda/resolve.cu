@@ -11,7 +11,9 @@
 //   copies, fences and publishes the slot; a loser waits for the slot (the winner is running);
 // - slots are taken by atomic cursors: the grant in order (a victim this layer has read is
 //   deferred: a cell may still read it), then victims deferred by earlier calls, then slots
-//   earlier calls filled (their layers' cells were read: stream order);
+//   earlier calls filled (their layers' cells were read: stream order); the last two cursors
+//   advance by CAS and only over entries they take, so an entry deferred (or filled) later in
+//   the step is still found by a later call;
 // - the log and the counts are appended with atomics; the host reads them a step behind.
 // Slot assignment may differ from the reference's order; what each cell reads does not.
 
@@ -30,6 +32,14 @@ typedef unsigned int u32;
 #define ST_REFILL_AT 5 // log entries of earlier calls considered for a refill
 #define ST_BAD 6       // cells naming a page past their request (the reference refuses them)
 
+// Token counts in `tok` (64-bit): read amplification's terms, as the reference counts them.
+#define TOK_SELECTED 0     // selected entries (cells naming a page)
+#define TOK_NEEDED 1       // selected tokens, every cell
+#define TOK_NEEDED_MOVED 2 // selected tokens in the objects this step copied
+
+// A deferred entry not written yet (the host fills `deferred` with it at each step's start).
+#define NOT_YET 0x7fffffff
+
 struct Geometry {
     const u64* host_planes;  // plane base addresses of the host KV pool (flattened view)
     const u64* dev_planes;   // plane base addresses of the one-layer device pool
@@ -44,14 +54,16 @@ struct Geometry {
 struct Step {
     int* mirror;             // [H * L] slot, ABSENT or CLAIMING
     u32* marks;              // [H * L] serial of the step that last read the entry
+    u32* filled;             // [H * L] serial of the step that last copied the entry in
     const int* grant;        // [G * 2] (slot, victim entry or -1)
     int grant_len;
-    int* deferred;           // [G * 2] (grant index, call)
+    int* deferred;           // [G * 2] (grant index, call); call NOT_YET until written
     int* log;                // [capacity * 5] (grant index, entry, row, page, call)
     int log_capacity;
     int log_before;          // log entries written by earlier calls of the step
     u32* st;                 // cursors and counters (ST_*)
     u32* counts;             // [L * 2] hits, misses
+    u64* tok;                // TOK_*
     u32 serial;
     int call;
 };
@@ -69,30 +81,38 @@ __device__ int2 take(Step& s, int layers, int layer) {
         int slot = s.grant[2 * g], victim = s.grant[2 * g + 1];
         if (victim >= 0) {
             if (read_here(s, victim, layers, layer)) {
-                int d = (int)atomicAdd(&s.st[ST_DEF_LEN], 1u);
+                // The length first, then the entry, its call last: a reader that finds the
+                // call NOT_YET stops there (the entry is this call's anyway).
+                const int d = (int)atomicAdd(&s.st[ST_DEF_LEN], 1u);
                 s.deferred[2 * d] = g;
-                s.deferred[2 * d + 1] = s.call;
+                __threadfence();
+                atomicExch(&s.deferred[2 * d + 1], s.call);
                 continue;
             }
             atomicCAS(&s.mirror[victim], slot, ABSENT);
         }
         return make_int2(g, slot);
     }
-    // Victims earlier calls deferred (their layers' cells are done).
+    // Victims earlier calls deferred (their layers' cells are done): the cursor moves past an
+    // entry only by taking it.
     for (;;) {
-        int d = (int)atomicAdd(&s.st[ST_DEF_AT], 1u);
-        if (d >= (int)s.st[ST_DEF_LEN] || s.deferred[2 * d + 1] >= s.call) break;
-        int g = s.deferred[2 * d];
-        int slot = s.grant[2 * g], victim = s.grant[2 * g + 1];
+        const int d = (int)atomicAdd(&s.st[ST_DEF_AT], 0u);
+        if (d >= (int)atomicAdd(&s.st[ST_DEF_LEN], 0u)) break;
+        const int call = ((volatile int*)s.deferred)[2 * d + 1];
+        if (call == NOT_YET || call >= s.call) break;  // this call's: its cells may read it
+        if (atomicCAS(&s.st[ST_DEF_AT], (u32)d, (u32)d + 1u) != (u32)d) continue;
+        const int g = s.deferred[2 * d];
+        const int slot = s.grant[2 * g], victim = s.grant[2 * g + 1];
         atomicCAS(&s.mirror[victim], slot, ABSENT);
         return make_int2(g, slot);
     }
-    // Slots earlier calls filled.
+    // Slots earlier calls filled, oldest first; the same cursor rule.
     for (;;) {
-        int i = (int)atomicAdd(&s.st[ST_REFILL_AT], 1u);
+        const int i = (int)atomicAdd(&s.st[ST_REFILL_AT], 0u);
         if (i >= s.log_before) break;
-        int g = s.log[5 * i], e = s.log[5 * i + 1];
-        int slot = s.grant[2 * g];
+        if (atomicCAS(&s.st[ST_REFILL_AT], (u32)i, (u32)i + 1u) != (u32)i) continue;
+        const int g = s.log[5 * i], e = s.log[5 * i + 1];
+        const int slot = s.grant[2 * g];
         if (atomicCAS(&s.mirror[e], slot, ABSENT) == slot) return make_int2(g, slot);
     }
     return make_int2(-1, -1);
@@ -134,12 +154,23 @@ extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
                     page = (int)(first / page_size);
                     const int h = tables[row * pages_per_row + page];
                     e = h * layers + layer;
+                    // Selected tokens this entry puts in its page.
+                    const long long left = lens[row] - first;
+                    const u64 needed = tokens ? 1ull
+                                              : (u64)(left < page_size ? left : page_size);
+                    atomicAdd(&s.tok[TOK_SELECTED], 1ull);
+                    atomicAdd(&s.tok[TOK_NEEDED], needed);
                     const u32 before = atomicExch(&s.marks[e], s.serial);
                     for (;;) {
                         const int m = atomicCAS(&s.mirror[e], ABSENT, CLAIMING);
                         if (m >= 0) {
                             slot = m;
-                            if (before != s.serial) atomicAdd(&s.counts[2 * layer], 1u);
+                            if (before != s.serial) {
+                                atomicAdd(&s.counts[2 * layer], 1u);
+                            } else if (((volatile u32*)s.filled)[e] == s.serial) {
+                                // Brought in by this step: its tokens count as moved.
+                                atomicAdd(&s.tok[TOK_NEEDED_MOVED], needed);
+                            }
                             break;
                         }
                         if (m == CLAIMING) continue;  // another cell copies it: wait for the slot
@@ -152,6 +183,7 @@ extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
                         g = t.x;
                         slot = t.y;
                         copy_from = h;
+                        atomicAdd(&s.tok[TOK_NEEDED_MOVED], needed);
                         break;
                     }
                 }
@@ -182,6 +214,8 @@ extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
                     l[4] = s.call;
                 }
                 atomicAdd(&s.counts[2 * layer + 1], 1u);
+                atomicExch(&s.filled[e], s.serial);
+                __threadfence();
                 atomicExch(&s.mirror[e], slot);  // published: waiting cells read it now
             }
         }

@@ -118,7 +118,12 @@ def test_the_step_calls_return_typed_results_that_still_read_as_mappings():
     j = small_joined()
     adm = j.admit(5, np.arange(1, 9))
     assert isinstance(adm, sparsetier.Admission) and adm.matched_pages == 0
-    assert adm == {"matched_pages": 0, "device_pages": 0, "restored_pages": 0}
+    assert adm == {
+        "matched_pages": 0,
+        "device_pages": 0,
+        "restored_pages": 0,
+        "full_restore_objects": 0,
+    }
 
 
 def test_a_plan_id_as_an_int_works_one_release_with_a_warning():

@@ -47,6 +47,9 @@ def test_kernels_compile_with_nvrtc_13_0_for_sm_90():
     # claimed with a CAS and copied from host over unified addressing.
     assert ".entry sparsetier_resolve(" in ptx
     assert "atom.global.cas.b32" in ptx, "the claim of a missing entry is an atomic CAS"
+    resolve = ptx[ptx.index(".entry sparsetier_resolve(") :]
+    # It counts read amplification's token terms (64-bit) as the reference does.
+    assert "atom.global.add.u64" in resolve, "the needed-token counts are 64-bit atomics"
     assert "ld.v4.u32" in ptx or "ld.global.v4.u32" in ptx, "16-byte vector loads expected"
     # Rows aligned to 8 or 4 bytes only (132-byte Indexer-K rows) move in words, not bytes.
     assert "ld.global.u64" in ptx or "ld.u64" in ptx, "8-byte word loads expected"

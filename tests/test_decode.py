@@ -553,7 +553,12 @@ def test_a_prefix_hit_restores_indexer_k_and_loads_only_selected_blocks(layout, 
     testing.evict_device(rt.scheduler, 1000)
     prompt = torch.cat([SYSTEM, torch.randint(0, 512, (20,), generator=torch.Generator())])
     adm = rt.add_request(7, prompt, 2)
-    assert adm == {"matched_pages": 4, "device_pages": 0, "restored_pages": 4}
+    assert adm == {
+        "matched_pages": 4,
+        "device_pages": 0,
+        "restored_pages": 4,
+        "full_restore_objects": 0,
+    }
     after = rt.prefix_stats()
     # tokens x row x layers: bf16 16 dims; fp8 16 values and a scale, values-then-scales
     ik_page = 8 * (16 * 2 if kv_format == "bf16" else 16 + 4) * 2

@@ -67,7 +67,7 @@ def test_bench_prefix_sparse_reports_the_grid(tmp_path, capsys):
     main(["bench", "prefix-sparse", "--prefixes", "8192", "65536", "--suffixes", "16", "100000",
           "--json", str(out)])  # fmt: skip
     text = capsys.readouterr().out
-    assert "full/idx-only" in text and "not built yet" in text
+    assert "full/idx-only" in text and "worst policy cost / better fixed choice" in text
     cells = json.loads(out.read_text())["cells"]
     assert [(c["prefix"], c["suffix"]) for c in cells] == [
         (8192, 16), (8192, 100000), (65536, 16), (65536, 100000)
@@ -82,6 +82,11 @@ def test_bench_prefix_sparse_reports_the_grid(tmp_path, capsys):
     assert cells[2]["full_over_idx_only"] > 3
     # Full restore: every token's KV and Indexer-K, every layer.
     assert cells[0]["full_bytes"] == 8192 * 61 * (656 + 132)
+    # The core's policy, taught this suffix length, picks the cheaper choice in every cell: a
+    # chat turn Indexer-K only, a suffix that reads the whole prefix a full restore.
+    for c in cells:
+        assert c["policy_seen_cost"] == c["best_cost"], c
+    assert (cells[2]["policy_seen"], cells[3]["policy_seen"]) == ("indexer", "full")
 
 
 def test_bench_prefix_sparse_refuses_bad_parameters_naming_them(capsys):

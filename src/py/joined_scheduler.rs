@@ -11,6 +11,7 @@ use crate::py::resolver::PyDeviceResolver;
 use crate::py::scheduler::PyStepScheduler;
 use crate::py::scheduler_args::{rid as rid_arg, rid_list, token_ids, u32_arg};
 use crate::py::step_results::PyAdmission;
+use crate::scheduler::restore_policy::RestoreChoice;
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
@@ -138,6 +139,35 @@ impl PyJoinedStepScheduler {
         d.set_item("granted", t.granted)?;
         d.set_item("refills", t.refills)?;
         Ok(d)
+    }
+
+    /// Request `rid`'s restore so far: `{"choice": "indexer" | "full", "absent",
+    /// "coverage", "predicted_indexer", "predicted_full", "loaded"}` (the objects of its
+    /// host-restored pages off the device at admission, the coverage the policy expected or
+    /// None, the objects each choice was predicted to load, the objects it loaded so far,
+    /// each once); None when its admission restored nothing from host.
+    fn restore_status<'py>(
+        slf: &Bound<'py, Self>,
+        py: Python<'py>,
+        rid: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, pyo3::types::PyDict>>> {
+        let this = slf.as_super().get();
+        let id = crate::py::scheduler_args::rid(rid)?;
+        let Some(st) = this.inner.run_py(py, |s| s.joined()?.restore_status(id))? else {
+            return Ok(None);
+        };
+        let d = pyo3::types::PyDict::new(py);
+        let choice = match st.decision.choice {
+            RestoreChoice::IndexerOnly => "indexer",
+            RestoreChoice::Full => "full",
+        };
+        d.set_item("choice", choice)?;
+        d.set_item("absent", st.decision.absent)?;
+        d.set_item("coverage", st.decision.coverage)?;
+        d.set_item("predicted_indexer", st.decision.predicted.0)?;
+        d.set_item("predicted_full", st.decision.predicted.1)?;
+        d.set_item("loaded", st.loaded)?;
+        Ok(Some(d))
     }
 
     /// Joined mode: evicts up to `device` Indexer-K device pages and `host` host pages of

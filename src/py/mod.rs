@@ -20,6 +20,7 @@ mod radix;
 mod replay;
 mod residency_view;
 mod resolver;
+mod restore_policy;
 pub(crate) mod scheduler;
 mod scheduler_args;
 mod scheduler_core;
@@ -59,6 +60,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PyStepScheduler>()?;
     m.add_class::<joined_scheduler::PyJoinedStepScheduler>()?;
     m.add_class::<resolver::PyDeviceResolver>()?;
+    m.add_class::<restore_policy::PyRestorePolicy>()?;
     m.add_class::<residency_view::PyResidencyView>()?;
     m.add_class::<step_results::PyLayerPlan>()?;
     m.add_class::<step_results::PyLayerCounts>()?;

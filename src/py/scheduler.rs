@@ -26,6 +26,8 @@ use crate::py::scheduler_stats::{prefix_stats, scheduler_stats};
 use crate::py::step_results::{PyLayerCounts, PyLayerPlan, PyStepRecord};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::PoolPair;
+use crate::scheduler::prefix::DEFAULT_COPY_OVERHEAD;
+use crate::scheduler::restore_policy::RestoreMode;
 use crate::scheduler::{Prefix, SelectionUnit, StepScheduler};
 #[cfg(feature = "testing")]
 use crate::transfer::Direction;
@@ -110,8 +112,8 @@ impl PyStepScheduler {
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
     #[pyo3(
-        signature = (device, host_kv, engine, *, indexer_device, indexer_host, device_reserve=None, prefetch=true, prefetch_depth=None),
-        text_signature = "(device, host_kv, engine, *, indexer_device, indexer_host, device_reserve=0, prefetch=True, prefetch_depth=1)"
+        signature = (device, host_kv, engine, *, indexer_device, indexer_host, device_reserve=None, prefetch=true, prefetch_depth=None, restore="auto", restore_copy_overhead=None),
+        text_signature = "(device, host_kv, engine, *, indexer_device, indexer_host, device_reserve=0, prefetch=True, prefetch_depth=1, restore='auto', restore_copy_overhead=16384)"
     )]
     fn joined(
         py: Python<'_>,
@@ -123,7 +125,14 @@ impl PyStepScheduler {
         device_reserve: Option<&Bound<'_, PyAny>>,
         prefetch: bool,
         prefetch_depth: Option<&Bound<'_, PyAny>>,
+        restore: &str,
+        restore_copy_overhead: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyJoinedStepScheduler>> {
+        let mode = RestoreMode::parse(restore).py_err(py)?;
+        let overhead = match restore_copy_overhead {
+            Some(v) => u64::from(u32_arg(py, v, "restore_copy_overhead", 0)?),
+            None => DEFAULT_COPY_OVERHEAD,
+        };
         let (d, h, e) = (device.get(), host_kv.get(), engine.get());
         let (id, ih) = (indexer_device.get(), indexer_host.get());
         check_tiers(
@@ -144,7 +153,7 @@ impl PyStepScheduler {
             host: ih.inner.clone(),
             hit: HitPolicy::AllPages,
         }];
-        let inner = StepScheduler::joined(
+        let mut inner = StepScheduler::joined(
             cfg,
             d.inner.clone(),
             h.inner.clone(),
@@ -153,6 +162,7 @@ impl PyStepScheduler {
             e.shared(),
         )
         .py_err(py)?;
+        inner.set_restore_policy(mode, overhead);
         let base = PyStepScheduler::wrap(
             Core::Joined(inner),
             device.unbind(),

@@ -234,6 +234,9 @@ pub struct PyAdmission {
     /// Pages whose Indexer-K is being restored from host (`wait_prefix` per layer).
     #[pyo3(get)]
     restored_pages: u64,
+    /// Main-KV objects of those pages a full restore started loading (0: Indexer-K only).
+    #[pyo3(get)]
+    full_restore_objects: u64,
 }
 
 impl PyAdmission {
@@ -242,6 +245,7 @@ impl PyAdmission {
             matched_pages: a.matched_pages.into(),
             device_pages: a.device_pages.into(),
             restored_pages: a.restored_pages.into(),
+            full_restore_objects: a.full_restore_objects,
         }
     }
 
@@ -250,6 +254,10 @@ impl PyAdmission {
             ("matched_pages", Field::Count(self.matched_pages)),
             ("device_pages", Field::Count(self.device_pages)),
             ("restored_pages", Field::Count(self.restored_pages)),
+            (
+                "full_restore_objects",
+                Field::Count(self.full_restore_objects),
+            ),
         ]
     }
 }

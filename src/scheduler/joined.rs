@@ -243,10 +243,12 @@ impl StepScheduler<PrefixTier> {
             }
         }
         self.requests.insert(id, state);
+        self.decide_restore(id, (tokens.len() - matched * ps) as u64)?;
         Ok(Admission {
             matched_pages: matched as u32,
             device_pages: (matched - restored) as u32,
             restored_pages: restored as u32,
+            full_restore_objects: self.requests[&id].restore_loaded,
         })
     }
 
@@ -311,6 +313,7 @@ impl StepScheduler<PrefixTier> {
             }
         }
         let r = self.requests.remove(&id).expect("checked");
+        self.learn_restore(&r, tokens.is_some());
         self.release_kept_of(r.kept_slot)?;
         let f = Finishing {
             id,

@@ -26,6 +26,8 @@ pub mod record;
 mod repeats;
 pub mod request;
 pub mod resolver;
+pub mod restore;
+pub mod restore_policy;
 mod rows;
 pub mod selection;
 #[cfg(any(test, feature = "testing"))]

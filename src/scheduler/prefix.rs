@@ -46,6 +46,9 @@ pub struct Admission {
     pub device_pages: u32,
     /// Pages whose Indexer-K is being restored from host (the request waits per layer).
     pub restored_pages: u32,
+    /// Main-KV objects of those pages a full restore started loading (0: the restore policy
+    /// chose Indexer-K only; `restore_policy.rs`).
+    pub full_restore_objects: u64,
 }
 
 /// Cumulative prefix-tier counters: the bytes a prefix hit moved, against a full restore.
@@ -82,6 +85,22 @@ pub struct PrefixTotals {
     pub pages_inserted: u64,
     /// Sidecar write-throughs that failed (retried at the next step).
     pub writes_failed: u64,
+    /// Restore decisions (`restore_policy.rs`) for Indexer-K only.
+    pub restores_indexer_only: u64,
+    /// Restore decisions for a full restore.
+    pub restores_full: u64,
+    /// Full restores cut short for want of device slots (the rest loads on demand).
+    pub restores_partial: u64,
+    /// Of the requests that ended with their pages inserted and a decision the model made
+    /// with a sample: objects it predicted they would load.
+    pub restore_objects_predicted: u64,
+    /// Objects those requests loaded (each once).
+    pub restore_objects_loaded: u64,
+    /// The sum of |predicted - loaded| over those requests.
+    pub restore_model_abs_error: u64,
+    /// What the other choice would have moved, in objects (a full restore: exact; Indexer-K
+    /// only: the model's prediction, where it had a sample).
+    pub restore_objects_other: u64,
 }
 
 /// A request that ended and whose pages wait to settle before they are inserted or freed.
@@ -112,6 +131,10 @@ struct Limbo {
     ns: Namespace,
 }
 
+/// What a copy's fixed cost is worth in the restore policy's cost model, in bytes: about a
+/// microsecond of launch or submission at PCIe speed.
+pub const DEFAULT_COPY_OVERHEAD: u64 = 16 << 10;
+
 /// The prefix tier of a joined step scheduler.
 pub struct PrefixTier {
     pub(crate) cache: HiCache,
@@ -126,6 +149,8 @@ pub struct PrefixTier {
     pub(crate) totals: PrefixTotals,
     /// The device resolver's link, once enabled (`device_step.rs`).
     pub(crate) device: Option<super::device_step::DeviceLink>,
+    /// What a prefix hit restores of the main KV (`restore_policy.rs`).
+    pub(crate) policy: super::restore_policy::RestorePolicy,
     /// Restores armed to fail (fault injection).
     #[cfg(any(test, feature = "testing"))]
     pub(crate) restore_faults: u32,
@@ -165,6 +190,10 @@ impl PrefixTier {
             limbo: Vec::new(),
             totals: PrefixTotals::default(),
             device: None,
+            policy: super::restore_policy::RestorePolicy::new(
+                super::restore_policy::RestoreMode::Auto,
+                DEFAULT_COPY_OVERHEAD,
+            ),
             #[cfg(any(test, feature = "testing"))]
             restore_faults: 0,
         }

@@ -82,6 +82,10 @@ pub struct RequestState {
     pub restored_from: u32,
     /// Joined mode: one bit per (matched page, layer) whose main KV it loaded already.
     pub prefix_seen: Vec<u64>,
+    /// Joined mode: the restore policy's decision at admission.
+    pub restore: Option<super::restore_policy::RestoreDecision>,
+    /// Joined mode: the objects a full restore loaded at admission.
+    pub restore_loaded: u64,
     /// Its run in every layer's kept lists (the pages its last selection of the layer kept
     /// pinned, sorted by page: [`super::kept_store`]).
     pub kept_slot: KeptSlot,
@@ -118,6 +122,8 @@ impl RequestState {
             tokens: Vec::new(),
             restores: Vec::new(),
             prefix_seen: Vec::new(),
+            restore: None,
+            restore_loaded: 0,
             restored_from: 0,
             kept_slot,
             serial: NEXT_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),

@@ -1,23 +1,30 @@
 """`sparsetier bench prefix-sparse`: what a prefix hit moves host -> device under sparse
 attention, at DeepSeek-V3.2's shape, over a grid of prefix and suffix lengths, for the two
-fixed restore choices:
-- full restore: every prefix page's KV and Indexer-K, every layer;
+fixed restore choices and the core's restore policy between them:
+- full restore: every prefix page's KV and Indexer-K, every layer, the KV in bulk (a copy a
+  layer, as the policy's cost model counts it);
 - Indexer-K only: every prefix page's Indexer-K (the indexer scores every past token), and the
   KV of the pages the suffix's selections name (per layer, the union over its tokens),
-  loaded on demand.
+  loaded on demand, a copy each;
+- the policy (`sparsetier._core.RestorePolicy`, the core's own): taught this model's coverage
+  by requests of the other suffix lengths of the row (it has never seen this one), and again
+  by one of this length.
 
 The selections come from the parametric selection model (`selection_model.py`), so the
-figures are the model's expectations, not measurements of copies. Reported per cell: bytes and
-page copies of each choice, and full / Indexer-K-only bytes. The core's restore policy, which
-would choose per admission between these and a restore of the pages the suffix is predicted
-to select, is not built yet.
+figures are the model's expectations, not measurements of copies. Costs are the policy's:
+bytes plus `copy_overhead` bytes a copy. Not built: a third choice, restoring in bulk the
+pages the suffix is predicted to select.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from sparsetier._core import RestorePolicy
 from sparsetier.tools.selection_model import SelectionModel
+
+#: The core's default: what a copy's fixed cost is worth, in bytes.
+COPY_OVERHEAD = 16 << 10
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,7 @@ class PrefixSparseConfig:
     model: SelectionModel = field(default_factory=SelectionModel)
     prefixes: tuple[int, ...] = (8192, 16384, 32768, 65536, 131072)
     suffixes: tuple[int, ...] = (16, 64, 256, 1024, 4096)
+    copy_overhead: int = COPY_OVERHEAD
 
     def __post_init__(self):
         for name in ("layers", "kv_token_bytes", "idx_token_bytes"):
@@ -48,32 +56,64 @@ class Cell:
     full_copies: float
     idx_only_bytes: float
     idx_only_copies: float
+    full_cost: float
+    idx_only_cost: float
+    # The policy's choice and cost, taught by the row's other suffix lengths; then by this one.
+    policy_unseen: str
+    policy_unseen_cost: float
+    policy_seen: str
+    policy_seen_cost: float
 
     @property
     def full_over_idx_only(self) -> float:
         return self.full_bytes / self.idx_only_bytes
 
+    @property
+    def best_cost(self) -> float:
+        return min(self.full_cost, self.idx_only_cost)
+
 
 def run(cfg: PrefixSparseConfig = PrefixSparseConfig()) -> list[Cell]:
-    ps = cfg.model.page_size
+    ps, layers, ov = cfg.model.page_size, cfg.layers, cfg.copy_overhead
+    object_bytes = ps * cfg.kv_token_bytes
     cells = []
     for p in cfg.prefixes:
         pages = -(-p // ps)
+        objects = pages * layers
+        union = {s: cfg.model.prefix_union(p, s) for s in cfg.suffixes}
+        idx_bytes = p * layers * cfg.idx_token_bytes  # the same under every choice
         for s in cfg.suffixes:
-            u = cfg.model.prefix_union(p, s)
-            full = p * cfg.layers * (cfg.kv_token_bytes + cfg.idx_token_bytes)
-            idx_only = p * cfg.layers * cfg.idx_token_bytes + u * ps * cfg.layers * (
-                cfg.kv_token_bytes
-            )
+            u = union[s]
+            full = p * layers * (cfg.kv_token_bytes + cfg.idx_token_bytes)
+            idx_only = idx_bytes + u * layers * object_bytes
+            # The KV part of each choice's cost, as the policy counts it.
+            full_cost = objects * object_bytes + layers * ov
+            idx_cost = u * layers * (object_bytes + ov)
+
+            picks = []
+            for seen in (False, True):
+                pol = RestorePolicy("auto", ov)
+                for other in cfg.suffixes:
+                    if other != s or seen:
+                        pol.learn(other, objects, round(union[other] * layers))
+                choice = pol.decide(objects, layers, s, object_bytes)["choice"]
+                picks.append((choice, full_cost if choice == "full" else idx_cost))
+            unseen, seen = picks
             cells.append(
                 Cell(
                     prefix=p,
                     suffix=s,
                     union_pages=u,
                     full_bytes=full,
-                    full_copies=2 * pages * cfg.layers,
+                    full_copies=2 * pages * layers,
                     idx_only_bytes=idx_only,
-                    idx_only_copies=(pages + u) * cfg.layers,
+                    idx_only_copies=(pages + u) * layers,
+                    full_cost=full_cost,
+                    idx_only_cost=idx_cost,
+                    policy_unseen=unseen[0],
+                    policy_unseen_cost=unseen[1],
+                    policy_seen=seen[0],
+                    policy_seen_cost=seen[1],
                 )
             )
     return cells
@@ -82,25 +122,32 @@ def run(cfg: PrefixSparseConfig = PrefixSparseConfig()) -> list[Cell]:
 def format_report(cfg: PrefixSparseConfig, cells: list[Cell]) -> str:
     m = cfg.model
     lines = [
-        f"prefix restore bytes under the selection model: {cfg.layers} layers, "
+        f"prefix restore under the selection model: {cfg.layers} layers, "
         f"{cfg.kv_token_bytes} B KV + {cfg.idx_token_bytes} B Indexer-K per token and layer, "
         f"{m.page_size}-token pages, top-{m.topk_pages * m.page_size} "
         f"({m.sink_pages} sink page, {m.window}-token window, Zipf s={m.zipf_s}, "
-        f"churn {m.churn})",
+        f"churn {m.churn}); costs: KV bytes + {cfg.copy_overhead} B a copy",
         f"{'prefix':>8} {'suffix':>7} {'union pages':>12} {'full GiB':>9} "
-        f"{'idx-only GiB':>13} {'full/idx-only':>14}",
+        f"{'idx-only GiB':>13} {'full/idx-only':>14}  {'policy (unseen / seen)':>24} "
+        f"{'cost / best':>12}",
     ]
     for c in cells:
         lines.append(
             f"{c.prefix:>8} {c.suffix:>7} {c.union_pages:>12.1f} {c.full_bytes / 2**30:>9.3f} "
-            f"{c.idx_only_bytes / 2**30:>13.3f} {c.full_over_idx_only:>13.2f}x"
+            f"{c.idx_only_bytes / 2**30:>13.3f} {c.full_over_idx_only:>13.2f}x  "
+            f"{c.policy_unseen:>11} / {c.policy_seen:<10} "
+            f"{c.policy_unseen_cost / c.best_cost:>5.2f} / {c.policy_seen_cost / c.best_cost:.2f}"
         )
-    lines.append("(the restore policy that would choose per admission is not built yet)")
+    worst = max(max(c.policy_unseen_cost, c.policy_seen_cost) / c.best_cost for c in cells)
+    lines.append(f"worst policy cost / better fixed choice: {worst:.3f}")
     return "\n".join(lines)
 
 
 def to_json(cfg: PrefixSparseConfig, cells: list[Cell]) -> dict:
     return {
         "config": asdict(cfg),
-        "cells": [asdict(c) | {"full_over_idx_only": c.full_over_idx_only} for c in cells],
+        "cells": [
+            asdict(c) | {"full_over_idx_only": c.full_over_idx_only, "best_cost": c.best_cost}
+            for c in cells
+        ],
     }

@@ -676,6 +676,13 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         "or the device resolver, one grant a step (device; its reference implementation, "
         "cpu only)",
     )
+    p.add_argument(
+        "--restore",
+        choices=["auto", "indexer", "full"],
+        default=d.restore,
+        help="what a prefix hit restores of its main KV: by the core's cost model (auto), "
+        "Indexer-K only with KV on demand (indexer), or all of it in bulk (full)",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", metavar="PATH", help="write the full record (per step and totals)")
     p.add_argument("--trace", metavar="PATH", help="write the tiered run's trace (.npz) for replay")
@@ -797,6 +804,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         kv_format=args.kv_format,
         token_map=args.token_map,
         resolve=args.resolve,
+        restore=args.restore,
         trace=args.trace,
         device=args.device,
         seed=args.seed,

@@ -48,6 +48,9 @@ class DemoConfig:
     # Where the tiered run's decode layers become slots: the core ("host") or the device
     # resolver ("device"); the resident run always plans on the host.
     resolve: str = "host"
+    # What a prefix hit restores of its main KV: by the core's cost model ("auto"), Indexer-K
+    # only ("indexer"), or everything ("full"); both runs alike.
+    restore: str = "auto"
     faults: bool = False
     # A request that failed (a load and its retry, or its Indexer-K restore) is restarted once
     # by the runtime (`DecodeRuntime.restart`); off: it ends, and its conversation with it.
@@ -159,6 +162,7 @@ def _run(
         token_map=cfg.token_map,
         keep_records=None,  # every step goes into the summary and the JSON
         resolve=resolve,
+        restore=cfg.restore,
     )
     prefill_bytes = 0  # matched-block KV first loaded by the suffix prefills
     if trace:
@@ -340,6 +344,12 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "prefix_restore_ratio": px["full_restore_bytes"] / moved if moved else 0.0,
         "prefix_restore_ratio_first": px["full_restore_bytes"] / needed if needed else 0.0,
         "prefix_pages_inserted": px["pages_inserted"],
+        "restores_full": px["restores_full"],
+        "restores_indexer_only": px["restores_indexer_only"],
+        "restores_partial": px["restores_partial"],
+        "restore_objects_predicted": px["restore_objects_predicted"],
+        "restore_objects_loaded": px["restore_objects_loaded"],
+        "restore_model_abs_error": px["restore_model_abs_error"],
         "failed_restores": px["restores_failed"],
         # Faults armed that found nothing of their kind to fail (say, a restore fault in a run
         # whose prefix hits were all on the device).
@@ -451,6 +461,17 @@ def format_summary(r: dict) -> str:
             f"({t['prefix_restore_ratio']:.2f}x all loads, "
             f"{t['prefix_restore_ratio_first']:.2f}x first loads; "
             f"restore wait {t['prefix_wait_s'] * 1e3:.2f} ms)",
+        ),
+        (
+            "restore policy",
+            f"{t['restores_full']} full ({t['restores_partial']} cut short), "
+            f"{t['restores_indexer_only']} Indexer-K only; model error "
+            + (
+                f"{t['restore_model_abs_error'] / t['restore_objects_predicted']:.2f} "
+                f"(|predicted - loaded| / predicted objects)"
+                if t["restore_objects_predicted"]
+                else "none yet (no prediction checked)"
+            ),
         ),
         (
             "faults",

@@ -74,6 +74,10 @@ class Request:
     # A restarted request: its first `carried` outputs came before the restart, and the
     # tokens fed for them are part of `prompt` now.
     carried: int = 0
+    # Its prefix hit's restore as the core decided and what it loaded
+    # (`JoinedStepScheduler.restore_status`, taken when it finishes); None: nothing restored
+    # from host.
+    restore: dict | None = None
 
     @property
     def done(self) -> bool:
@@ -108,7 +112,9 @@ class DecodeRuntime:
     the prefix cache owns; Indexer-K lives in `indexer_pages` whole device pages. A decode
     layer's top-k becomes slots in the core, one call a layer (`resolve="host"`), or through the
     device resolver with one grant a step (`resolve="device"`: its reference implementation,
-    on the cpu engine's pools)."""
+    on the cpu engine's pools). A prefix hit restores its Indexer-K, and its main KV as the
+    core's restore policy decides (`restore`: "auto" by its cost model, "indexer" only, or
+    "full")."""
 
     def __init__(
         self,
@@ -132,6 +138,7 @@ class DecodeRuntime:
         kv_format: str = "bf16",
         token_map: str = "core",
         resolve: str = "host",
+        restore: str = "auto",
     ) -> None:
         c = model.c
         if selection not in MODES:
@@ -210,6 +217,7 @@ class DecodeRuntime:
             indexer_device=PageTransferBinding(self.indexer_pool, ik),
             indexer_host=PageTransferBinding(self.indexer_host, ik_host, layout),
             prefetch=prefetch,
+            restore=restore,
         )
         self.resolve = resolve
         self.resolver = self.scheduler.enable_device_resolver() if resolve == "device" else None
@@ -443,6 +451,7 @@ class DecodeRuntime:
                 "rid", str(rid), f"a running request: one of {sorted(self.requests)}"
             )
         r = self.requests.pop(rid)
+        r.restore = self.scheduler.restore_status(rid)
         self.scheduler.finish_request(rid, r.tokens()[: r.pos])
         # Inserted now, not at a later step: the next admission sees the same tree in every
         # run of the same workload.

@@ -1,0 +1,183 @@
+//! The joined scheduler's side of the restore policy (`restore_policy.rs`): the decision at
+//! admission, the full restore it may start, and what the policy learns when the request
+//! ends.
+
+use super::core::StepScheduler;
+use super::record::StepRecord;
+use super::request::RequestState;
+use super::restore_policy::{RestoreChoice, RestoreDecision, RestoreMode, RestorePolicy};
+use super::tier::Tier;
+use super::PrefixTier;
+use crate::directory::{DeviceState, ObjectHint, ObjectKey};
+use crate::error::{Error, Result};
+use crate::ids::RequestId;
+
+impl StepScheduler<PrefixTier> {
+    /// Sets how prefix hits restore their main KV (`mode`), and what a copy's fixed cost is
+    /// worth in bytes in the cost model. What the policy learned so far is kept when only the
+    /// overhead changes.
+    pub fn set_restore_policy(&mut self, mode: RestoreMode, copy_overhead: u64) {
+        self.tier.policy = RestorePolicy::new(mode, copy_overhead);
+    }
+
+    /// The restore policy.
+    pub fn restore_policy(&self) -> &RestorePolicy {
+        &self.tier.policy
+    }
+
+    /// Decides what request `id`'s prefix hit restores of its host-restored pages' main KV
+    /// (its Indexer-K is restored either way), for a prefill of `suffix` tokens; starts a full
+    /// restore if that is the choice.
+    pub(super) fn decide_restore(&mut self, id: RequestId, suffix: u64) -> Result<()> {
+        let r = &self.requests[&id];
+        let (from, to) = (r.restored_from, r.matched);
+        if from >= to {
+            return Ok(()); // nothing restored from host
+        }
+        let layers = self.cfg.layers;
+        let mut absent = 0u64;
+        for l in 0..layers {
+            for p in from..to {
+                let off = self
+                    .dir
+                    .state(&r.key(p, l))
+                    .is_some_and(|o| matches!(o.device, DeviceState::Absent));
+                absent += u64::from(off);
+            }
+        }
+        let d = self
+            .tier
+            .policy
+            .decide(absent, u64::from(layers), suffix, self.object_bytes());
+        let t = &mut self.tier.totals;
+        match d.choice {
+            RestoreChoice::IndexerOnly => t.restores_indexer_only += 1,
+            RestoreChoice::Full => t.restores_full += 1,
+        }
+        self.requests.get_mut(&id).expect("checked above").restore = Some(d);
+        if d.choice == RestoreChoice::Full && absent > 0 {
+            self.restore_full(id)?;
+        }
+        Ok(())
+    }
+
+    /// Loads the main KV of request `id`'s host-restored pages that is not on the device:
+    /// one submission per layer, unpinned once submitted (the prefill finds it Ready or
+    /// joins its load). Stops at the first layer the device cannot hold (the rest loads on
+    /// demand).
+    fn restore_full(&mut self, id: RequestId) -> Result<()> {
+        let (from, to) = {
+            let r = &self.requests[&id];
+            (r.restored_from, r.matched)
+        };
+        let pages: Vec<u32> = (from..to).collect();
+        let key_rids = vec![id; pages.len()];
+        let mut loaded = 0;
+        for l in 0..self.cfg.layers {
+            let r = &self.requests[&id];
+            let keys: Vec<ObjectKey> = pages.iter().map(|&p| r.key(p, l)).collect();
+            let hints: Vec<ObjectHint> = pages.iter().map(|&p| r.hint(p, l)).collect();
+            let res = match self.dir.prefetch_loads(&keys, &hints) {
+                Ok(res) => res,
+                Err(Error::OutOfSlots { .. }) => {
+                    self.tier.totals.restores_partial += 1;
+                    break;
+                }
+                Err(e) => return Err(e),
+            };
+            <PrefixTier as Tier>::count_loads(self, l, &res.loaded, &pages, &key_rids);
+            let mut rec = StepRecord::default();
+            if let Some(lp) = res.loads.first() {
+                self.xfer.submit_load(
+                    &self.dir,
+                    lp.transfer,
+                    &lp.host_slots,
+                    &lp.device_slots,
+                    l,
+                    &mut rec,
+                );
+            }
+            self.rec.fold(&rec);
+            loaded += res.metrics.absent;
+            self.dir.release(res.handle)?;
+        }
+        self.requests
+            .get_mut(&id)
+            .expect("checked above")
+            .restore_loaded = loaded;
+        Ok(())
+    }
+
+    /// Request `id`'s restore so far: its decision, and the objects of its host-restored pages
+    /// it has loaded (each once; a full restore's at admission included). None when its
+    /// admission restored nothing from host.
+    pub fn restore_status(&self, id: RequestId) -> Result<Option<RestoreStatus>> {
+        let r = self
+            .requests
+            .get(&id)
+            .ok_or_else(|| Error::config("rid", id, "a running request"))?;
+        Ok(r.restore.map(|d| RestoreStatus {
+            decision: d,
+            loaded: match d.choice {
+                RestoreChoice::IndexerOnly => seen(r),
+                RestoreChoice::Full => r.restore_loaded.max(seen(r)),
+            },
+        }))
+    }
+
+    /// What request `r`, ending, teaches the policy and the record: a request that completed
+    /// (`completed`: its pages inserted) after an Indexer-K-only restore is a coverage
+    /// sample; each decision's prediction is compared with what it loaded.
+    pub(super) fn learn_restore(&mut self, r: &RequestState, completed: bool) {
+        let Some(d) = r.restore else {
+            return;
+        };
+        if !completed {
+            return; // cut short: what it loaded says nothing of what it would have
+        }
+        let (predicted, loaded, other) = match d.choice {
+            RestoreChoice::IndexerOnly => {
+                let loaded: u64 = r
+                    .prefix_seen
+                    .iter()
+                    .map(|w| u64::from(w.count_ones()))
+                    .sum();
+                self.tier.policy.learn(d.suffix, d.absent, loaded);
+                (
+                    d.coverage.map(|_| d.predicted.0.round() as u64),
+                    loaded,
+                    Some(d.absent),
+                )
+            }
+            RestoreChoice::Full => (
+                Some(d.absent),
+                r.restore_loaded,
+                d.coverage.map(|_| d.predicted.0.round() as u64),
+            ),
+        };
+        let t = &mut self.tier.totals;
+        if let Some(p) = predicted {
+            t.restore_objects_predicted += p;
+            t.restore_objects_loaded += loaded;
+            t.restore_model_abs_error += p.abs_diff(loaded);
+        }
+        t.restore_objects_other += other.unwrap_or(0);
+    }
+}
+
+/// The objects of a request's host-restored pages it loaded, each once.
+fn seen(r: &RequestState) -> u64 {
+    r.prefix_seen
+        .iter()
+        .map(|w| u64::from(w.count_ones()))
+        .sum()
+}
+
+/// A running request's restore: its decision, and what it loaded so far.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RestoreStatus {
+    /// The decision at admission, with its predictions.
+    pub decision: RestoreDecision,
+    /// Objects of its host-restored pages loaded so far, each once.
+    pub loaded: u64,
+}

@@ -1,0 +1,144 @@
+"""The core's restore policy (`restore=` of the joined scheduler and `DecodeRuntime`): what a
+prefix hit restores of its matched pages' main KV, decided per admission; the decisions and
+their outcomes in `prefix_stats()`, and outputs unchanged whatever it restores."""
+
+import pytest
+import torch
+
+import sparsetier as sp
+from sparsetier.tools import demo
+from sparsetier.tools.model import ModelConfig, TinySparseModel
+from sparsetier.tools.runtime import DecodeRuntime
+
+MODEL = TinySparseModel(ModelConfig(layers=3, seed=9))
+_g = torch.Generator().manual_seed(21)
+SYSTEM = torch.randint(0, 512, (96,), generator=_g)
+PROMPTS = [torch.cat([SYSTEM, torch.randint(0, 512, (n,), generator=_g)]) for n in (40, 40, 40)]
+# Unrelated prompts, one per filler (no prefix in common with any other).
+FILLERS = [torch.randint(0, 512, (200,), generator=_g) for _ in range(8)]
+
+
+def _runtime(restore: str, device_slots: int = 100) -> DecodeRuntime:
+    return DecodeRuntime(
+        MODEL, page_size=8, device_slots=device_slots, host_pages=200, indexer_pages=80,
+        topk=4, prefetch=False, restore=restore,
+    )  # fmt: skip
+
+
+def _serve(rt: DecodeRuntime, rid: int, prompt: torch.Tensor, steps: int = 3):
+    """Admits `prompt` after an unrelated request went through (on a small device it pushes
+    the cached pages' KV off it) and every cached page's Indexer-K left the device (so a hit
+    restores from host); decodes it to the end and finishes it (its pages inserted)."""
+    filler = 1000 + rid
+    rt.add_request(filler, FILLERS[rid], 2)
+    while not rt.requests[filler].done:
+        rt.step()
+    rt.finish_request(filler)
+    rt.drain()
+    rt.scheduler.evict_prefix(10**6, 0)
+    adm = rt.add_request(rid, prompt, steps)
+    while not rt.requests[rid].done:
+        rt.step()
+    rt.drain()
+    return adm, rt.finish_request(rid)
+
+
+def test_a_full_restore_loads_the_prefix_once_and_changes_no_output():
+    full, ref = _runtime("full"), _runtime("indexer", device_slots=5000)
+    outs = {}
+    for name, rt in (("full", full), ("ref", ref)):
+        _serve(rt, 0, PROMPTS[0])
+        adm, r = _serve(rt, 1, PROMPTS[1])
+        outs[name] = (adm, r.outputs)
+        if name == "full":
+            full_req = r
+        rt.drain()
+        rt.scheduler.validate()
+    adm, _ = outs["full"]
+    assert adm["restored_pages"] > 0
+    # Every layer of every page restored from host that was off the device, loaded once at
+    # admission (some of the first request's KV was still on the device).
+    assert 0 < adm["full_restore_objects"] <= adm["restored_pages"] * 3
+    px = full.scheduler.prefix_stats()
+    assert (px["restores_full"], px["restores_indexer_only"]) == (1, 0), px
+    # (Objects still on the device at admission may leave it and load later, on this device.)
+    object_bytes = full.kv_spec.page_bytes * full.kv_spec.planes_per_layer
+    assert px["prefix_kv_bytes_first"] >= adm["full_restore_objects"] * object_bytes
+    # The decision predicted the objects off the device; its own loads, making room on this
+    # small device, can push more of the prefix off before their layer loads: the error.
+    pred, loaded = px["restore_objects_predicted"], px["restore_objects_loaded"]
+    assert 0 < pred <= loaded == adm["full_restore_objects"], px
+    assert px["restore_model_abs_error"] == loaded - pred
+    assert outs["ref"][0]["full_restore_objects"] == 0
+    # Per request: the decision, its predictions and what it loaded over its life, each object
+    # once (the full restore's, and those still on the device at admission and loaded later).
+    st = full_req.restore
+    assert st["choice"] == "full" and st["absent"] == pred, st
+    assert st["loaded"] * object_bytes == px["prefix_kv_bytes_first"], st
+    assert st["predicted_full"] == pred and st["coverage"] is None
+    assert all(torch.equal(a, b) for a, b in zip(outs["full"][1], outs["ref"][1], strict=True))
+    s = full.scheduler.stats()
+    assert (s["pins"], s["handles"]) == (0, 0), s
+
+
+def test_auto_restores_indexer_k_only_until_it_learns_that_a_suffix_reads_the_whole_prefix():
+    rt = _runtime("auto")
+    _serve(rt, 0, PROMPTS[0])
+    adm1, r1 = _serve(rt, 1, PROMPTS[1])  # no sample yet: Indexer-K only
+    assert adm1["restored_pages"] > 0 and adm1["full_restore_objects"] == 0
+    assert r1.restore["choice"] == "indexer" and r1.restore["coverage"] is None, r1.restore
+    assert 0 < r1.restore["loaded"] <= r1.restore["absent"] * 2, r1.restore
+    px = rt.scheduler.prefix_stats()
+    assert (px["restores_indexer_only"], px["restores_full"]) == (1, 0), px
+    # The tiny model's prefill selects nearly every block: the next such hit restores whole.
+    adm2, r2 = _serve(rt, 2, PROMPTS[2])
+    px = rt.scheduler.prefix_stats()
+    assert px["restores_full"] == 1 and adm2["full_restore_objects"] > 0, (px, adm2)
+    # Decided from the first request's coverage.
+    want = min(1.0, r1.restore["loaded"] / r1.restore["absent"])
+    assert r2.restore["choice"] == "full" and r2.restore["coverage"] == pytest.approx(want)
+    # What the Indexer-K-only request loaded was its sample; the full one's prediction held.
+    assert px["restore_objects_loaded"] > 0 and px["restore_objects_other"] > 0
+    rt.scheduler.validate()
+
+
+def test_a_full_restore_the_device_cannot_hold_is_cut_short_and_stays_exact():
+    small, ref = _runtime("full", device_slots=75), _runtime("indexer", device_slots=5000)
+    for rt in (small, ref):
+        _serve(rt, 0, PROMPTS[0])
+        # Other requests hold most of the device while the hit is admitted.
+        for rid, p in ((5, PROMPTS[2]), (6, PROMPTS[2])):
+            rt.add_request(rid, torch.cat([torch.tensor([7]), p]), 4)
+        rt.scheduler.evict_prefix(10**6, 0)
+        rt.drain()  # what is evictable then does not depend on copy timing
+        rt.add_request(1, PROMPTS[1], 3)
+        while any(not r.done for r in rt.requests.values()):
+            rt.step()
+    px = small.scheduler.prefix_stats()
+    assert (px["restores_full"], px["restores_partial"]) == (1, 1), px
+    for rid in (1, 5, 6):
+        a, b = small.finish_request(rid), ref.finish_request(rid)
+        assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True)), rid
+    small.drain()
+    small.scheduler.validate()
+
+
+def test_a_bad_restore_choice_is_refused_naming_it():
+    with pytest.raises(sp.ConfigError) as e:
+        _runtime("half")
+    assert e.value.field == "restore" and "auto, indexer or full" in str(e.value)
+
+
+@pytest.mark.parametrize("restore", ["auto", "full", "indexer"])
+def test_the_demo_is_exact_under_every_restore_choice(restore):
+    r = demo.run_demo(demo.DemoConfig(restore=restore), progress=False)
+    t = r["totals"]
+    assert t["correct"], demo.format_summary(r)
+    assert (t["end_pins"], t["end_device_leaked"]) == (0, 0), t
+    decided = t["restores_full"] + t["restores_indexer_only"]
+    assert decided > 0
+    if restore == "full":
+        assert t["restores_indexer_only"] == 0
+    if restore == "indexer":
+        assert t["restores_full"] == 0
+    assert "restore policy" in demo.format_summary(r)
