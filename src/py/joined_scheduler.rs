@@ -6,11 +6,13 @@
 
 use crate::error::Error;
 use crate::py::error::{to_py, IntoPyResult};
+use crate::py::joined_storage::PyJoinedStorage;
 use crate::py::lock::Unblocked;
 use crate::py::resolver::PyDeviceResolver;
 use crate::py::scheduler::PyStepScheduler;
 use crate::py::scheduler_args::{rid as rid_arg, rid_list, token_ids, u32_arg};
 use crate::py::step_results::PyAdmission;
+use crate::radix::WritePolicy;
 use crate::scheduler::restore_policy::RestoreChoice;
 use numpy::PyArray1;
 use pyo3::prelude::*;
@@ -139,6 +141,47 @@ impl PyJoinedStepScheduler {
         d.set_item("granted", t.granted)?;
         d.set_item("refills", t.refills)?;
         Ok(d)
+    }
+
+    /// Puts an L3 tier under the prefix cache's host tier (as `HiCache.enable_storage`: the
+    /// core plans writes, `write_policy` "write_back" or "write_through", and prefetches) and
+    /// returns the cache as an L3 controller drives it:
+    /// `sparsetier.l3.StorageController(scheduler.enable_storage(), backend)`.
+    #[pyo3(
+        signature = (*, write_policy="write_back", salt="", remember=1 << 20, write_ahead=0.1),
+        text_signature = "($self, *, write_policy='write_back', salt='', remember=1048576, write_ahead=0.1)"
+    )]
+    fn enable_storage(
+        slf: &Bound<'_, Self>,
+        py: Python<'_>,
+        write_policy: &str,
+        salt: &str,
+        remember: usize,
+        write_ahead: f64,
+    ) -> PyResult<Py<PyJoinedStorage>> {
+        let policy = WritePolicy::parse(write_policy).ok_or_else(|| {
+            to_py(
+                py,
+                Error::config(
+                    "write_policy",
+                    format!("{write_policy:?}"),
+                    "'write_back' or 'write_through'",
+                ),
+            )
+        })?;
+        if remember == 0 {
+            return Err(to_py(py, Error::config("remember", 0, ">= 1 keys")));
+        }
+        let this = slf.as_super().get();
+        this.inner.run_py(py, |s| {
+            s.joined()?
+                .enable_storage(policy, salt.to_owned(), remember, write_ahead)
+        })?;
+        let page_size = this
+            .inner
+            .run_py(py, |s| Ok(s.joined()?.config().page_size))?;
+        let owner: Py<PyStepScheduler> = slf.as_super().clone().unbind();
+        Py::new(py, PyJoinedStorage::new(owner, page_size as usize))
     }
 
     /// Request `rid`'s restore so far: `{"choice": "indexer" | "full", "absent",

@@ -10,6 +10,7 @@ mod args;
 mod directory;
 mod error;
 mod joined_scheduler;
+mod joined_storage;
 mod lock;
 mod offload;
 mod page_allocation;
@@ -59,6 +60,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(transfer::cuda_status, m)?)?;
     m.add_class::<scheduler::PyStepScheduler>()?;
     m.add_class::<joined_scheduler::PyJoinedStepScheduler>()?;
+    m.add_class::<joined_storage::PyJoinedStorage>()?;
     m.add_class::<resolver::PyDeviceResolver>()?;
     m.add_class::<restore_policy::PyRestorePolicy>()?;
     m.add_class::<residency_view::PyResidencyView>()?;

@@ -27,7 +27,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<u32> {
+pub(super) fn namespace(obj: Option<&Bound<'_, PyAny>>) -> PyResult<u32> {
     match opt_int(obj, "namespace")? {
         None => Ok(0),
         Some(v) => u32::try_from(v).map_err(|_| {
@@ -49,7 +49,7 @@ fn node(obj: &Bound<'_, PyAny>) -> PyResult<NodeId> {
 }
 
 /// A storage plan as Python gets it: (id, keys, host pages).
-type PlanTuple<'py> = (u64, Vec<String>, Bound<'py, PyArray1<i64>>);
+pub(super) type PlanTuple<'py> = (u64, Vec<String>, Bound<'py, PyArray1<i64>>);
 
 fn parse_key(s: &str) -> Option<PageKey> {
     if s.len() != 32 || !s.is_ascii() {
@@ -820,7 +820,7 @@ fn storage_states_of(c: &HiCache, keys: &[String]) -> crate::Result<Vec<&'static
 }
 
 /// The L3 tier's state and counters (`HiCache.storage_stats`).
-fn storage_stats(c: &HiCache) -> Option<Stats> {
+pub(super) fn storage_stats(c: &HiCache) -> Option<Stats> {
     let s = c.storage()?;
     let mut d = Stats::default();
     d.put("online", s.online());

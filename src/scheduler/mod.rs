@@ -32,6 +32,7 @@ mod rows;
 pub mod selection;
 #[cfg(any(test, feature = "testing"))]
 pub mod soak;
+mod storage;
 mod tier;
 mod transfers;
 mod validate;

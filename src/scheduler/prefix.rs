@@ -25,7 +25,7 @@
 
 use crate::config::HitPolicy;
 use crate::directory::{Directory, LayerGroup, Namespace, ObjectKey};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::ids::{HostSlotId, PageId, RequestId};
 use crate::radix::{HiCache, NodeId, PoolPair};
 use crate::transfer::{
@@ -271,8 +271,18 @@ impl PrefixTier {
     }
 
     /// Host pages for `n` new token pages, with the objects at reused pages dropped first.
+    /// Host eviction takes only pages whose Indexer-K left the device: when that is too few,
+    /// the Indexer-K device pages of unlocked prefixes go first (a later hit restores them
+    /// from host).
     pub fn alloc_host(&mut self, dir: &Directory, n: usize) -> Result<Vec<PageId>> {
-        let pages = self.cache.alloc_host(n);
+        let mut pages = self.cache.alloc_host(n);
+        while let Err(Error::OutOfPages { free, .. }) = pages {
+            if self.cache.evict_device(n.saturating_sub(free).max(1)) == 0 {
+                break;
+            }
+            self.drop_freed(dir)?;
+            pages = self.cache.alloc_host(n);
+        }
         self.drop_freed(dir)?;
         pages
     }

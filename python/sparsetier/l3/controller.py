@@ -1,4 +1,5 @@
-"""``StorageController``: runs the L3 plans of one ``HiCache`` on a backend.
+"""``StorageController``: runs the L3 plans of one ``HiCache`` on a backend (or of a joined
+step scheduler's prefix cache: ``JoinedStepScheduler.enable_storage()``).
 
 The Rust core decides what is written and fetched (write plans under the write policy,
 prefetch plans into host pages it allocates); this class only executes them on a worker
@@ -25,7 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from sparsetier._core import HiCache
+from sparsetier._core import HiCache, JoinedStorage
 from sparsetier.errors import ConfigError, InvariantError, StoreUnavailableError
 from sparsetier.l3.backend import Segments, StorageBackend
 from sparsetier.lowlevel import L3Protocol
@@ -54,7 +55,7 @@ class StorageController:
 
     def __init__(
         self,
-        cache: HiCache,
+        cache: HiCache | JoinedStorage,
         backend: StorageBackend,
         *,
         prefetch_policy: str = "best_effort",

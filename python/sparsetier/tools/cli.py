@@ -683,6 +683,13 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         help="what a prefix hit restores of its main KV: by the core's cost model (auto), "
         "Indexer-K only with KV on demand (indexer), or all of it in bulk (full)",
     )
+    p.add_argument(
+        "--storage-backend",
+        choices=["file", "mooncake"],
+        default=d.storage_backend,
+        help="L3 under the tiered run's prefix tier (mooncake: a local master started here), "
+        "with a host tier too small for the conversations",
+    )
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--json", metavar="PATH", help="write the full record (per step and totals)")
     p.add_argument("--trace", metavar="PATH", help="write the tiered run's trace (.npz) for replay")
@@ -805,6 +812,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         token_map=args.token_map,
         resolve=args.resolve,
         restore=args.restore,
+        storage_backend=args.storage_backend,
         trace=args.trace,
         device=args.device,
         seed=args.seed,

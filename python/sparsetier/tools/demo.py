@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -51,6 +53,10 @@ class DemoConfig:
     # What a prefix hit restores of its main KV: by the core's cost model ("auto"), Indexer-K
     # only ("indexer"), or everything ("full"); both runs alike.
     restore: str = "auto"
+    # L3 under the tiered run's prefix tier ("file" or "mooncake": a local master started and
+    # stopped here), with a host tier too small for the conversations: a later turn's prefix
+    # comes back from the store. None: no L3.
+    storage_backend: str | None = None
     faults: bool = False
     # A request that failed (a load and its retry, or its Indexer-K restore) is restarted once
     # by the runtime (`DecodeRuntime.restart`); off: it ends, and its conversation with it.
@@ -137,7 +143,7 @@ class FailureLog:
 
 def _run(
     cfg: DemoConfig, model, work, device_slots, sizes, progress, faults, replay=None,
-    trace=None, resolve="host",
+    trace=None, resolve="host", storage=None,
 ):  # fmt: skip
     """Runs the conversations; `faults` arms failures by step. Returns what failed as a
     `FailureLog`; the resident reference takes the tiered run's as `replay` and ends the same
@@ -163,6 +169,7 @@ def _run(
         keep_records=None,  # every step goes into the summary and the JSON
         resolve=resolve,
         restore=cfg.restore,
+        storage=storage,
     )
     prefill_bytes = 0  # matched-block KV first loaded by the suffix prefills
     if trace:
@@ -250,6 +257,36 @@ def _run(
     return rt, outputs, admissions, prefill_bytes, log
 
 
+@contextmanager
+def _storage(kind: str | None):
+    """The L3 backend `kind` for the tiered run, and what it needs (a temporary directory, a
+    local Mooncake master), gone afterwards; None without L3."""
+    if kind is None:
+        yield None
+        return
+    from sparsetier.l3 import MooncakeMaster, make_backend
+
+    if kind == "file":
+        with tempfile.TemporaryDirectory(prefix="sparsetier-l3-") as d:
+            yield make_backend("file", {"path": d})
+        return
+    if kind != "mooncake":
+        raise ConfigError.of("storage_backend", kind, "file or mooncake")
+    master = MooncakeMaster()
+    try:
+        yield make_backend(
+            "mooncake",
+            {
+                "master": master.master,
+                "metadata_server": master.metadata_server,
+                "global_segment_size": 64 << 20,
+                "local_buffer_size": 16 << 20,
+            },
+        )
+    finally:
+        master.stop()
+
+
 def _percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else 0.0
 
@@ -289,9 +326,16 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     faults = fault_plan(cfg.device) if cfg.faults else {}
     t0 = time.perf_counter()
     sizes = (host_pages, idx_pages)
-    rt, out, adms, prefill_bytes, failures = _run(
-        cfg, model, work, device, sizes, bar, faults, trace=cfg.trace, resolve=cfg.resolve
-    )
+    with _storage(cfg.storage_backend) as storage:
+        # With L3 the tiered run's host tier holds the running requests' pages and little more.
+        tiered_sizes = (sum(pages[: cfg.concurrent]) + 16, idx_pages) if storage else sizes
+        rt, out, adms, prefill_bytes, failures = _run(
+            cfg, model, work, device, tiered_sizes, bar, faults, trace=cfg.trace,
+            resolve=cfg.resolve, storage=storage,
+        )  # fmt: skip
+        l3 = rt.l3.stats() if rt.l3 is not None else None
+        if rt.l3 is not None:
+            rt.l3.close()
     tiered_s = time.perf_counter() - t0
     if bar is not None:
         bar.close()
@@ -344,6 +388,10 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "prefix_restore_ratio": px["full_restore_bytes"] / moved if moved else 0.0,
         "prefix_restore_ratio_first": px["full_restore_bytes"] / needed if needed else 0.0,
         "prefix_pages_inserted": px["pages_inserted"],
+        "storage_backend": cfg.storage_backend,
+        "l3_pages_written": l3["pages_written"] if l3 else 0,
+        "l3_pages_fetched": rt.l3_pages_fetched,
+        "l3_host_capacity": tiered_sizes[0] if l3 else None,
         "restores_full": px["restores_full"],
         "restores_indexer_only": px["restores_indexer_only"],
         "restores_partial": px["restores_partial"],
@@ -461,6 +509,14 @@ def format_summary(r: dict) -> str:
             f"({t['prefix_restore_ratio']:.2f}x all loads, "
             f"{t['prefix_restore_ratio_first']:.2f}x first loads; "
             f"restore wait {t['prefix_wait_s'] * 1e3:.2f} ms)",
+        ),
+        (
+            "L3",
+            f"{t['storage_backend']}: host tier {t['l3_host_capacity']} pages; "
+            f"{t['l3_pages_written']} pages written, {t['l3_pages_fetched']} fetched back "
+            "into host memory"
+            if t["storage_backend"]
+            else "none (--storage-backend file|mooncake)",
         ),
         (
             "restore policy",

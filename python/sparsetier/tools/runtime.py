@@ -42,6 +42,7 @@ from sparsetier.errors import (
 )
 from sparsetier.indexer import MODES
 from sparsetier.kv_format import kv_format as make_kv_format
+from sparsetier.l3 import StorageBackend, StorageController
 from sparsetier.token_map import TokenMapper
 from sparsetier.tools.model import TinySparseModel, rms
 
@@ -114,7 +115,10 @@ class DecodeRuntime:
     device resolver with one grant a step (`resolve="device"`: its reference implementation,
     on the cpu engine's pools). A prefix hit restores its Indexer-K, and its main KV as the
     core's restore policy decides (`restore`: "auto" by its cost model, "indexer" only, or
-    "full")."""
+    "full"). With `storage` (an L3 backend: `sparsetier.l3.FileStore`, `MooncakeStore`) the
+    prefix tier spans L3 too: pages are written there (`storage_write_policy`), and a prompt
+    whose pages left host memory has them fetched back into host pages before it is matched
+    (`storage_options`: `StorageController`'s, such as `retry_interval`)."""
 
     def __init__(
         self,
@@ -139,6 +143,9 @@ class DecodeRuntime:
         token_map: str = "core",
         resolve: str = "host",
         restore: str = "auto",
+        storage: StorageBackend | None = None,
+        storage_write_policy: str = "write_through",
+        storage_options: dict | None = None,
     ) -> None:
         c = model.c
         if selection not in MODES:
@@ -221,6 +228,20 @@ class DecodeRuntime:
         )
         self.resolve = resolve
         self.resolver = self.scheduler.enable_device_resolver() if resolve == "device" else None
+        # L3 under the prefix cache: a hit beyond host memory is fetched into host pages before
+        # the admission matches it; what the cache plans to write is written as steps go.
+        self.l3: StorageController | None = None
+        self.l3_pages_fetched = 0
+        if storage is not None:
+            buffers = [(t.data_ptr(), t.numel() * t.element_size())
+                       for t in (self.host_kv, self.indexer_host)]  # fmt: skip
+            opts = {"prefetch_policy": "wait_complete", **(storage_options or {})}
+            self.l3 = StorageController(
+                self.scheduler.enable_storage(write_policy=storage_write_policy),
+                storage,
+                host_buffers=buffers,
+                **opts,
+            )
         self.requests: dict[int, Request] = {}
         if keep_records is not None and keep_records < 1:
             raise ConfigError.of("keep_records", str(keep_records), "None (all) or >= 1")
@@ -344,6 +365,9 @@ class DecodeRuntime:
         rid, prompt = r.rid, r.prompt
         with self._device_budget():
             t0 = time.perf_counter()
+            if self.l3 is not None:
+                self.l3.poll()  # writes settled free host pages for this admission
+                self._fetch_from_l3(prompt.numpy())
             adm = self.scheduler.admit(rid, prompt.numpy())
             r.pos = r.matched_tokens = adm["matched_pages"] * self.ps
             try:
@@ -375,6 +399,21 @@ class DecodeRuntime:
                     self.metrics.prefill_seconds.observe(r.ttft_s)
             self.requests[rid] = r
             return adm
+
+    def _poll_l3(self) -> None:
+        """Hands the cache's write plans to the store and settles what finished."""
+        if self.l3 is not None:
+            self.l3.poll()
+
+    def _fetch_from_l3(self, tokens: np.ndarray) -> None:
+        """Brings the pages of `tokens` the store holds past the cached prefix into host pages
+        (the tree's, as host hits), waiting for them; nothing when the store is off."""
+        m = self.l3.match_prefix(tokens)
+        n = m["storage_pages"]
+        if n:
+            p = self.l3.prefetch(tokens, (m["device_len"] + m["host_len"]) // self.ps, n)
+            if p is not None:
+                self.l3_pages_fetched += self.l3.finish_prefetch(p)
 
     def _ended(self, r: Request) -> None:
         """Keeps a failed or aborted request for `restart`, the latest `keep_records`."""
@@ -499,6 +538,7 @@ class DecodeRuntime:
             t_step = time.perf_counter()
             if not reqs:
                 core = self.scheduler.end_step()
+                self._poll_l3()
                 rec = StepRecord(self.steps, 0, time.perf_counter() - t_step, core)
                 self.records.append(rec)
                 self.steps += 1
@@ -581,6 +621,7 @@ class DecodeRuntime:
                 r.outputs.append(out_cpu[b])
                 r.next_token = nxt[b]
             core = self.scheduler.end_step()
+            self._poll_l3()
             rec = StepRecord(
                 self.steps, len(reqs), time.perf_counter() - t_step, core, sorted(failed)
             )
@@ -610,8 +651,11 @@ class DecodeRuntime:
         return self.scheduler.prefix_stats()
 
     def drain(self) -> None:
-        """Waits for every transfer in flight (what to call before reading final stats)."""
+        """Waits for every transfer in flight (what to call before reading final stats), L3
+        writes included."""
         self.scheduler.drain()
+        if self.l3 is not None:
+            self.l3.drain()
 
 
 __all__ = ["LAYOUTS", "DecodeRuntime", "Request", "StepRecord"]

@@ -1,0 +1,57 @@
+//! L3 under the joined scheduler: the prefix cache's L3 tier (file store, Mooncake Store)
+//! spans the decode runtime's prefix tier too. The cache plans writes and prefetches of host
+//! pages as it does for any `HiCache` user; a controller runs them (`sparsetier.l3`). What the
+//! scheduler adds: every call into the cache is followed by dropping the objects of the host
+//! pages it let go (a prefetch plan may evict host pages and hand them out again in the same
+//! call), so no directory object outlives its home.
+
+use super::core::StepScheduler;
+use super::PrefixTier;
+use crate::error::Result;
+use crate::radix::{HiCache, WritePolicy};
+
+impl StepScheduler<PrefixTier> {
+    /// Puts an L3 tier under the prefix cache's host tier (`HiCache::enable_storage`).
+    pub fn enable_storage(
+        &mut self,
+        policy: WritePolicy,
+        salt: String,
+        remember: usize,
+        write_ahead: f64,
+    ) -> Result<()> {
+        self.with_cache(|c| c.enable_storage(policy, salt, remember, write_ahead))
+    }
+
+    /// Runs `f` on the prefix cache (its L3 side), then drops the objects of the host pages it
+    /// let go, before anything can reuse them.
+    pub fn with_cache<R>(&mut self, f: impl FnOnce(&mut HiCache) -> Result<R>) -> Result<R> {
+        let out = f(&mut self.tier.cache);
+        let dir = self.dir.clone();
+        self.tier.drop_freed(&dir)?;
+        out
+    }
+
+    /// Frees up to `n` host pages ahead of a prefetch from the store: host-only prefix leaves
+    /// first, then the Indexer-K device pages of unlocked prefixes (so that their host pages
+    /// can go too), as `alloc_host` does. Returns the host pages free.
+    pub fn make_host_room(&mut self, n: usize) -> Result<usize> {
+        let dir = self.dir.clone();
+        let p = &mut self.tier;
+        loop {
+            let (free, _) = p.cache.host_free_capacity();
+            if free >= n {
+                return Ok(free);
+            }
+            let freed = p.cache.evict_host(n - free)?;
+            p.drop_freed(&dir)?;
+            if freed == 0 && p.cache.evict_device(n - free) == 0 {
+                return Ok(p.cache.host_free_capacity().0);
+            }
+        }
+    }
+
+    /// Reads the prefix cache.
+    pub fn cache(&self) -> &HiCache {
+        &self.tier.cache
+    }
+}
