@@ -116,15 +116,8 @@ def test_a_step_with_more_misses_than_its_grant_fills_earlier_layers_slots_again
     # A grant covers one layer's cells: on a device kept nearly full of other pages, a step's
     # misses over every layer outnumber it, and later layers take the slots earlier layers
     # filled. The outputs stay the resident run's.
-    model = TinySparseModel(ModelConfig(layers=4, seed=5))
-    kw = dict(page_size=8, host_pages=200, indexer_pages=100, topk=4)
-    tiered = DecodeRuntime(model, device_slots=100, resolve="device", **kw)
-    ref = DecodeRuntime(model, device_slots=2000, **kw)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(0, 512, (150,), generator=g) for _ in range(3)]
+    tiered, ref = _miss_heavy_pair(steps=6)
     for rt in (tiered, ref):
-        for rid, p in enumerate(prompts):
-            rt.add_request(rid, p, 6)
         for _ in range(6):
             rt.step()
     d = tiered.scheduler.device_stats()
@@ -136,9 +129,9 @@ def test_a_step_with_more_misses_than_its_grant_fills_earlier_layers_slots_again
     tiered.scheduler.validate()
 
 
-def _miss_heavy_pair(layers: int = 4):
+def _miss_heavy_pair(layers: int = 4, steps: int = 10):
     """A device-resolved runtime on a device too small for its requests' pages (most steps
-    miss at every layer), its all-resident twin, and three requests in both."""
+    miss at every layer), its all-resident twin, and three requests of `steps` in both."""
     model = TinySparseModel(ModelConfig(layers=layers, seed=5))
     kw = dict(page_size=8, host_pages=200, indexer_pages=100, topk=4)
     tiered = DecodeRuntime(model, device_slots=100, resolve="device", **kw)
@@ -147,7 +140,7 @@ def _miss_heavy_pair(layers: int = 4):
     prompts = [torch.randint(0, 512, (150,), generator=g) for _ in range(3)]
     for rt in (tiered, ref):
         for rid, p in enumerate(prompts):
-            rt.add_request(rid, p, 10)
+            rt.add_request(rid, p, steps)
     return tiered, ref
 
 

@@ -8,11 +8,11 @@ use crate::error::Error;
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::joined_storage::PyJoinedStorage;
 use crate::py::lock::Unblocked;
+use crate::py::radix::storage_args;
 use crate::py::resolver::PyDeviceResolver;
 use crate::py::scheduler::PyStepScheduler;
 use crate::py::scheduler_args::{rid as rid_arg, rid_list, token_ids, u32_arg};
 use crate::py::step_results::PyAdmission;
-use crate::radix::WritePolicy;
 use crate::scheduler::restore_policy::RestoreChoice;
 use numpy::PyArray1;
 use pyo3::prelude::*;
@@ -159,19 +159,7 @@ impl PyJoinedStepScheduler {
         remember: usize,
         write_ahead: f64,
     ) -> PyResult<Py<PyJoinedStorage>> {
-        let policy = WritePolicy::parse(write_policy).ok_or_else(|| {
-            to_py(
-                py,
-                Error::config(
-                    "write_policy",
-                    format!("{write_policy:?}"),
-                    "'write_back' or 'write_through'",
-                ),
-            )
-        })?;
-        if remember == 0 {
-            return Err(to_py(py, Error::config("remember", 0, ">= 1 keys")));
-        }
+        let policy = storage_args(py, write_policy, remember)?;
         let this = slf.as_super().get();
         this.inner.run_py(py, |s| {
             s.joined()?

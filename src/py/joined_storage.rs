@@ -6,12 +6,11 @@
 
 use crate::error::{Error, Result};
 use crate::ids::PageId;
-use crate::py::alloc::page_array;
 use crate::py::args::unsigned;
 use crate::py::error::to_py;
 use crate::py::lock::Unblocked;
 use crate::py::prefix_result::PyPrefixMatch;
-use crate::py::radix::{namespace, storage_stats, PlanTuple};
+use crate::py::radix::{namespace, plan_tuple, storage_stats, PlanTuple};
 use crate::py::scheduler::PyStepScheduler;
 use crate::py::scheduler_args::token_ids;
 use crate::radix::HiCache;
@@ -120,10 +119,7 @@ impl PyJoinedStorage {
         let plans = self.run(py, |c| c.take_storage_writes())?;
         Ok(plans
             .into_iter()
-            .map(|p| {
-                let keys = p.keys.iter().map(ToString::to_string).collect();
-                (p.id, keys, page_array(py, &p.host_pages))
-            })
+            .map(|p| plan_tuple(py, p.id, &p.keys, &p.host_pages))
             .collect())
     }
 
@@ -157,10 +153,7 @@ impl PyJoinedStorage {
             j.make_host_room(n_pages)?;
             j.with_cache(|c| c.plan_prefetch(ns, &t, start_page, n_pages))
         })?;
-        Ok(plan.map(|p| {
-            let keys = p.keys.iter().map(ToString::to_string).collect();
-            (p.id, keys, page_array(py, &p.host_pages))
-        }))
+        Ok(plan.map(|p| plan_tuple(py, p.id, &p.keys, &p.host_pages)))
     }
 
     #[pyo3(name = "_prefetch_commit")]

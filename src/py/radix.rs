@@ -51,6 +51,39 @@ fn node(obj: &Bound<'_, PyAny>) -> PyResult<NodeId> {
 /// A storage plan as Python gets it: (id, keys, host pages).
 pub(super) type PlanTuple<'py> = (u64, Vec<String>, Bound<'py, PyArray1<i64>>);
 
+/// A storage plan for Python.
+pub(super) fn plan_tuple<'py>(
+    py: Python<'py>,
+    id: u64,
+    keys: &[PageKey],
+    pages: &[PageId],
+) -> PlanTuple<'py> {
+    let keys = keys.iter().map(ToString::to_string).collect();
+    (id, keys, page_array(py, pages))
+}
+
+/// `enable_storage`'s checked arguments: the write policy by name, and a non-zero `remember`.
+pub(super) fn storage_args(
+    py: Python<'_>,
+    write_policy: &str,
+    remember: usize,
+) -> PyResult<WritePolicy> {
+    let policy = WritePolicy::parse(write_policy).ok_or_else(|| {
+        to_py(
+            py,
+            Error::config(
+                "write_policy",
+                format!("{write_policy:?}"),
+                "'write_back' or 'write_through'",
+            ),
+        )
+    })?;
+    if remember == 0 {
+        return Err(to_py(py, Error::config("remember", 0, ">= 1 keys")));
+    }
+    Ok(policy)
+}
+
 fn parse_key(s: &str) -> Option<PageKey> {
     if s.len() != 32 || !s.is_ascii() {
         return None;
@@ -555,19 +588,7 @@ impl PyHiCache {
         remember: usize,
         write_ahead: f64,
     ) -> PyResult<()> {
-        let policy = WritePolicy::parse(write_policy).ok_or_else(|| {
-            to_py(
-                py,
-                Error::config(
-                    "write_policy",
-                    format!("{write_policy:?}"),
-                    "'write_back' or 'write_through'",
-                ),
-            )
-        })?;
-        if remember == 0 {
-            return Err(to_py(py, Error::config("remember", 0, ">= 1 keys")));
-        }
+        let policy = storage_args(py, write_policy, remember)?;
         self.inner.run_py(py, |c| {
             c.enable_storage(policy, salt.to_owned(), remember, write_ahead)
         })
@@ -617,10 +638,7 @@ impl PyHiCache {
         let plans = self.inner.run_py(py, |c| c.take_storage_writes())?;
         Ok(plans
             .into_iter()
-            .map(|p| {
-                let keys = p.keys.iter().map(ToString::to_string).collect();
-                (p.id, keys, page_array(py, &p.host_pages))
-            })
+            .map(|p| plan_tuple(py, p.id, &p.keys, &p.host_pages))
             .collect())
     }
 
@@ -657,10 +675,7 @@ impl PyHiCache {
                 Lookup::I64(_) => unreachable!("passed as u32"),
             })
         })?;
-        Ok(plan.map(|p| {
-            let keys = p.keys.iter().map(ToString::to_string).collect();
-            (p.id, keys, page_array(py, &p.host_pages))
-        }))
+        Ok(plan.map(|p| plan_tuple(py, p.id, &p.keys, &p.host_pages)))
     }
 
     /// Inserts the first `arrived` pages of prefetch `plan_id` (complete, verified) as host

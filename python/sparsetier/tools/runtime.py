@@ -319,7 +319,15 @@ class DecodeRuntime:
         if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 0:
             raise ConfigError.of("decode_steps", repr(decode_steps), "an integer >= 0")
         self.ended.pop(rid, None)  # a new request under that id: the old one is gone
-        return self._admit(Request(rid, prompt, decode_steps), None)
+        try:
+            return self._admit(Request(rid, prompt, decode_steps), None)
+        except ConfigError as e:
+            if self.l3 is None or not isinstance(e.__cause__, OutOfPagesError):
+                raise
+            # Under write-back, host eviction waits for the store: the writes the failed
+            # eviction planned run now, and the admission is tried once more.
+            self.l3.drain()
+            return self._admit(Request(rid, prompt, decode_steps), None)
 
     def _prompt(self, prompt) -> torch.Tensor:
         """The prompt as a 1-D int64 CPU tensor of token ids in the model's vocabulary, or a
