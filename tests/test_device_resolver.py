@@ -129,11 +129,12 @@ def test_a_step_with_more_misses_than_its_grant_fills_earlier_layers_slots_again
     tiered.scheduler.validate()
 
 
-def _miss_heavy_pair(layers: int = 4, steps: int = 10):
+def _miss_heavy_pair(layers: int = 4, steps: int = 10, selection: str = "block"):
     """A device-resolved runtime on a device too small for its requests' pages (most steps
     miss at every layer), its all-resident twin, and three requests of `steps` in both."""
     model = TinySparseModel(ModelConfig(layers=layers, seed=5))
-    kw = dict(page_size=8, host_pages=200, indexer_pages=100, topk=4)
+    topk = 4 if selection == "block" else 24
+    kw = dict(page_size=8, host_pages=200, indexer_pages=100, topk=topk, selection=selection)
     tiered = DecodeRuntime(model, device_slots=100, resolve="device", **kw)
     ref = DecodeRuntime(model, device_slots=2000, **kw)
     g = torch.Generator().manual_seed(4)
@@ -185,6 +186,22 @@ def test_a_failed_device_copy_is_retried_once_then_fails_only_the_requests_that_
     tiered.scheduler.validate()
     s = tiered.scheduler.stats()
     assert (s["pins"], s["handles"]) == (0, 0), s
+
+
+def test_a_failed_copy_in_token_mode_fails_every_row_that_reads_it_and_spends_no_grant():
+    # Token rows name a page many times: the cells after a failed copy fail without another
+    # try, its slot serves the next miss, and the grant (one layer's cells) is still enough.
+    tiered, _ = _miss_heavy_pair(selection="token")
+    tiered.step()
+    tiered.inject_faults("load", 2, layer=0)
+    for _ in range(4):
+        rec = tiered.step()  # no InternalError (an overflow would be one)
+        if rec.failed:
+            break
+    assert rec.failed and rec.failed_requests == len(rec.failed), rec.core
+    assert rec.failed_loads == 2 and rec.retried_loads == 1, rec.core
+    tiered.drain()
+    tiered.scheduler.validate()
 
 
 def test_copy_faults_a_device_step_did_not_take_stay_armed():

@@ -61,16 +61,23 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.matched: dict[int, int] = {}  # rid -> prefix pages its latest admission matched
         self.next_rid = 0
 
-    def _runtime(self, device_slots: int, prefetch: bool, resolve: str = "host") -> DecodeRuntime:
+    def _runtime(
+        self, device_slots: int, prefetch: bool, resolve: str = "host", restore: str = "indexer"
+    ) -> DecodeRuntime:
         return DecodeRuntime(
             MODEL, page_size=8, device_slots=device_slots, host_pages=200, indexer_pages=80,
             topk=3 if self.MODE == "block" else 10, selection=self.MODE, prefetch=prefetch,
-            token_map=self.TOKEN_MAP, resolve=resolve,
+            token_map=self.TOKEN_MAP, resolve=resolve, restore=restore,
         )  # fmt: skip
 
-    # A quarter of the cases prefetch; the rest inject faults.
-    @initialize(prefetch=st.sampled_from([False, False, False, True]))
-    def two_long_requests(self, prefetch):
+    # A quarter of the cases prefetch; the rest inject faults. The tiered runtime's prefix
+    # hits restore as its restore policy decides (the twin's Indexer-K only): what a hit
+    # restores changes what moves, never an output.
+    @initialize(
+        prefetch=st.sampled_from([False, False, False, True]),
+        restore=st.sampled_from(["auto", "indexer", "full"]),
+    )
+    def two_long_requests(self, prefetch, restore):
         # A device budget small enough that decode steps load from host (so load faults hit).
         # Every transfer is settled after each rule (`settle`). The twin has room for every
         # page and the same host and Indexer-K budgets, so its prefix cache keeps what the
@@ -78,7 +85,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.prefetch = prefetch
         if prefetch:
             event("prefetch on (no faults)")
-        self.rt = self._runtime(60, prefetch, self.RESOLVE)
+        event(f"restore {restore}")
+        self.rt = self._runtime(60, prefetch, self.RESOLVE, restore)
         self.twin = self._runtime(2000, False)
         # Two requests over the longest prompt hold most of the device, so what comes next
         # evicts and loads (and load faults find loads to fail).
@@ -104,6 +112,8 @@ class RuntimeMachine(RuleBasedStateMachine):
             self.failed.add(rid)
             return
         assert adm["matched_pages"] == self.matched[rid], (adm, twin)
+        if adm["full_restore_objects"]:
+            event("a prefix hit restored whole")
         self.outputs[rid] = 0
 
     @precondition(lambda self: self.outputs)
@@ -128,13 +138,22 @@ class RuntimeMachine(RuleBasedStateMachine):
             else:
                 self.outputs[rid] += 1
 
-    @rule()
-    def evict_prefixes(self):
-        # Every prefix page no running request holds leaves both tiers, in both runtimes (so
-        # they still match alike): the host pages a running request reads, the device
-        # resolver's copies among them, must stay.
+    @rule(host=st.booleans())
+    def evict_prefixes(self, host):
+        # Every prefix page no running request holds leaves the device (its next hit restores
+        # from host), or both tiers, in both runtimes (so they still match alike): the host
+        # pages a running request reads, the device resolver's copies among them, must stay.
         for rt in (self.rt, self.twin):
-            rt.scheduler.evict_prefix(10**6, 10**6)
+            rt.scheduler.evict_prefix(10**6, 10**6 if host else 0)
+
+    @rule()
+    def evict_device_kv(self):
+        # Every main-KV object the tiered runtime does not pin leaves its device (written
+        # through first): later plans, and a prefix hit's full restore, load them again.
+        from sparsetier import testing
+
+        if testing.evict_device(self.rt.scheduler, 10**6):
+            event("device KV evicted")
 
     @precondition(lambda self: self.outputs)
     @rule(data=st.data())

@@ -362,9 +362,19 @@ impl StepScheduler<PrefixTier> {
         let keys: Vec<(ObjectKey, ObjectHint, SlotId)> = owners
             .iter()
             .map(|en| {
-                let hint = self.requests.get(&en.rid).map_or(ObjectHint::NONE, |r| {
-                    r.hint(en.page, (en.e as usize % layers) as u16)
-                });
+                // The hint of the request's page, if it still names that home.
+                let h = (en.e as usize / layers) as u32;
+                let hint = self
+                    .requests
+                    .get(&en.rid)
+                    .filter(|r| {
+                        r.homes
+                            .get(en.page as usize)
+                            .is_some_and(|&(hh, _)| hh == h)
+                    })
+                    .map_or(ObjectHint::NONE, |r| {
+                        r.hint(en.page, (en.e as usize % layers) as u16)
+                    });
                 (
                     self.key_of(en.e as usize, layers),
                     hint,
@@ -405,10 +415,6 @@ impl StepScheduler<PrefixTier> {
         } in &done.log
         {
             if failed {
-                // Its request had no data for that layer: failed for the step, once.
-                if self.failed_this_step.insert(rid) {
-                    self.rec.failed_requests += 1;
-                }
                 continue;
             }
             let l = e as usize % layers;
@@ -420,6 +426,12 @@ impl StepScheduler<PrefixTier> {
         for (l, (loaded, pages, rids)) in by_layer.iter().enumerate() {
             if !loaded.is_empty() {
                 <PrefixTier as Tier>::count_loads(self, l as u16, loaded, pages, rids);
+            }
+        }
+        // Rows that got a failed cell had no data for that layer: failed for the step, once.
+        for &rid in &done.failed_rids {
+            if self.failed_this_step.insert(rid) {
+                self.rec.failed_requests += 1;
             }
         }
         if let Some(link) = self.tier.device.as_mut() {
@@ -519,6 +531,11 @@ impl StepScheduler<PrefixTier> {
         if dev.kind() == crate::transfer::MemoryKind::Device {
             return Ok(());
         }
+        // Mid device step the resolver writes victims' slots before reconcile evicts them
+        // (and may be copying now, on another thread): checked between steps only.
+        if self.tier.device.as_ref().is_some_and(|l| l.open) {
+            return Ok(());
+        }
         let order = self.tier.order();
         let bytes = dev.page_bytes() as usize;
         for h in 0..self.cfg.host_pages {
@@ -540,8 +557,10 @@ impl StepScheduler<PrefixTier> {
                     };
                     // SAFETY: both addresses were bounds-checked against their bindings, which
                     // the scheduler keeps alive; a page's bytes lie inside its plane; memory
-                    // of this process (checked above); no copy runs (validate takes &self
-                    // after the caller settled its transfers, and only reads).
+                    // of this process (checked above). No device step is open (checked
+                    // above: the resolver writes only inside one, and opening one needs the
+                    // scheduler, which `&self` holds), and an object Ready on both tiers has
+                    // no copy in flight to or from it; this only reads.
                     let same = unsafe {
                         std::slice::from_raw_parts(d as *const u8, bytes)
                             == std::slice::from_raw_parts(hp as *const u8, bytes)

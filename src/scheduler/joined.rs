@@ -243,7 +243,11 @@ impl StepScheduler<PrefixTier> {
             }
         }
         self.requests.insert(id, state);
-        self.decide_restore(id, (tokens.len() - matched * ps) as u64)?;
+        if let Err(e) = self.decide_restore(id, (tokens.len() - matched * ps) as u64) {
+            // Nothing of a refused admission stays: its match unlocked, its pages let go.
+            self.end_request(id, None)?;
+            return Err(e);
+        }
         Ok(Admission {
             matched_pages: matched as u32,
             device_pages: (matched - restored) as u32,

@@ -276,8 +276,16 @@ impl PrefixTier {
     /// from host).
     pub fn alloc_host(&mut self, dir: &Directory, n: usize) -> Result<Vec<PageId>> {
         let mut pages = self.cache.alloc_host(n);
-        while let Err(Error::OutOfPages { free, .. }) = pages {
-            if self.cache.evict_device(n.saturating_sub(free).max(1)) == 0 {
+        let mut last_free = None;
+        // Each round lets go the device part of as many prefix pages as are missing; it stops
+        // when the host could never hold `n`, or a round made no host page free (under L3
+        // write-back, eviction may only queue writes).
+        while let Err(Error::OutOfPages { free, capacity, .. }) = pages {
+            if n > capacity || last_free.is_some_and(|f| free <= f) {
+                break;
+            }
+            last_free = Some(free);
+            if self.cache.evict_device(n - free) == 0 {
                 break;
             }
             self.drop_freed(dir)?;

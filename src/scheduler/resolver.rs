@@ -22,9 +22,11 @@
 //! the next granted entry is taken (a victim this layer already read is passed over: its rows
 //! may still be read), its victim leaves the mirror, the object's rows are copied from its
 //! home into the slot, the mirror names it, and the log records it; the cell gets that slot. A
-//! later cell naming the same object hits. No grant left is an overflow: the cell gets -1 and
-//! the layer is reported (the core grants enough that this does not happen:
-//! `JoinedScheduler::begin_device_step`). Once the grant is spent, the slots earlier layers of
+//! later cell naming the same object hits. No grant left is an overflow: the cell gets
+//! [`FAILED`] and the layer is reported (the core grants enough that this does not happen:
+//! `JoinedScheduler::begin_device_step`). A copy that fails twice leaves its cell [`FAILED`],
+//! its slot for the next miss, and the object's later cells of the step [`FAILED`] without
+//! another try (fault injection). Once the grant is spent, the slots earlier layers of
 //! the step filled are filled again, oldest first: each layer's table is read before the next
 //! layer is resolved (the caller's contract, as stream order gives it on a GPU), so the grant
 //! need only cover one layer's cells.
@@ -104,6 +106,8 @@ pub(crate) struct StepDone {
     pub counts: ResolveCounts,
     /// Copy faults armed and not taken: (layer or any, count).
     pub faults: Vec<(Option<u16>, u32)>,
+    /// The requests of the rows that got a [`FAILED`] cell (repeats included).
+    pub failed_rids: Vec<RequestId>,
 }
 
 /// The resolver's state: the mirror, page tables, grant, log and counts.
@@ -127,11 +131,18 @@ pub struct ResolverState {
     refill_at: usize,
     /// Grant entries passed over (a victim the resolving layer had read), for later layers.
     deferred: Vec<usize>,
+    /// Grant entries whose copy failed this step: their slots hold nothing, taken again first.
+    spare: Vec<usize>,
+    /// The requests of the rows that got a [`FAILED`] cell this step.
+    failed_rids: Vec<RequestId>,
     /// Per mirror entry, the serial of the step that last read it (a layer counts each object
     /// once; the core gives a victim read by the last step a second chance); `filled` marks
     /// the entries this step brought in.
     mark: Vec<u32>,
     filled: Vec<u32>,
+    /// Per mirror entry, the serial of the step whose copy of it failed (its later cells of
+    /// the step fail without trying again).
+    failed: Vec<u32>,
     serial: u32,
     counts: ResolveCounts,
     /// Whether the core granted this step (resolves are refused otherwise).
@@ -174,9 +185,12 @@ impl ResolverState {
             log: Vec::new(),
             mark: vec![0; n],
             filled: vec![0; n],
+            failed: vec![0; n],
             call: 0,
             refill_at: 0,
             deferred: Vec::new(),
+            spare: Vec::new(),
+            failed_rids: Vec::new(),
             serial: 0,
             counts: ResolveCounts::default(),
             open: false,
@@ -251,6 +265,8 @@ impl ResolverState {
         self.call = 0;
         self.refill_at = 0;
         self.deferred.clear();
+        self.spare.clear();
+        self.failed_rids.clear();
         self.counts = ResolveCounts {
             hits: vec![0; self.layers as usize],
             misses: vec![0; self.layers as usize],
@@ -261,6 +277,7 @@ impl ResolverState {
             // The marks wrapped: start them over.
             self.mark.fill(0);
             self.filled.fill(0);
+            self.failed.fill(0);
             self.serial = 1;
         }
         self.open = true;
@@ -276,6 +293,7 @@ impl ResolverState {
             log: std::mem::take(&mut self.log),
             counts: std::mem::take(&mut self.counts),
             faults: std::mem::take(&mut self.faults),
+            failed_rids: std::mem::take(&mut self.failed_rids),
         }
     }
 
@@ -392,8 +410,16 @@ impl ResolverState {
                     }
                     continue;
                 }
+                if self.failed[e] == self.serial {
+                    table[at] = FAILED; // its copy failed this step: no second try
+                    self.failed_rids.push(rid);
+                    continue;
+                }
                 let Some((g, slot)) = self.take(layer) else {
+                    // No slot: the row has no data here (the core reports the overflow).
                     self.counts.overflow += 1;
+                    table[at] = FAILED;
+                    self.failed_rids.push(rid);
                     continue;
                 };
                 let copied = self.fetch(h, layer, slot)?;
@@ -406,9 +432,12 @@ impl ResolverState {
                     failed: !copied,
                 });
                 if !copied {
-                    // The slot holds nothing the mirror can name (a failed copy may have
-                    // written part of it); a later cell of the object tries again.
+                    // The slot holds nothing the mirror names (a failed copy may have written
+                    // part of it): the next miss takes it. The object's later cells fail too.
+                    self.failed[e] = self.serial;
+                    self.spare.push(g);
                     table[at] = FAILED;
+                    self.failed_rids.push(rid);
                     continue;
                 }
                 self.mirror[e] = slot;
@@ -430,6 +459,9 @@ impl ResolverState {
         // A victim read by this layer may still be read by its cells: passed over, and taken
         // by a later layer (whose call comes after this layer's cells were read).
         let read_here = |s: &Self, v: usize| s.mark[v] == s.serial && v % layers == layer as usize;
+        if let Some(g) = self.spare.pop() {
+            return Some((g, self.grant[g].0));
+        }
         if let Some(i) = (0..self.deferred.len()).find(|&i| {
             let (_, v) = self.grant[self.deferred[i]];
             !read_here(self, v as usize)

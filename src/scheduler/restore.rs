@@ -14,8 +14,7 @@ use crate::ids::RequestId;
 
 impl StepScheduler<PrefixTier> {
     /// Sets how prefix hits restore their main KV (`mode`), and what a copy's fixed cost is
-    /// worth in bytes in the cost model. What the policy learned so far is kept when only the
-    /// overhead changes.
+    /// worth in bytes in the cost model. The policy starts over: what it learned is dropped.
     pub fn set_restore_policy(&mut self, mode: RestoreMode, copy_overhead: u64) {
         self.tier.policy = RestorePolicy::new(mode, copy_overhead);
     }
@@ -86,6 +85,14 @@ impl StepScheduler<PrefixTier> {
                 Err(e) => return Err(e),
             };
             <PrefixTier as Tier>::count_loads(self, l, &res.loaded, &pages, &key_rids);
+            // The device resolver's mirror learns where they land at its next grant.
+            if let Some(link) = self.tier.device.as_mut() {
+                let layers = self.cfg.layers as usize;
+                for (key, _) in keys.iter().zip(&res.loaded).filter(|(_, &loaded)| loaded) {
+                    let h = (key.namespace.id - super::prefix::HOST_NS) as usize;
+                    link.adds.push(h * layers + l as usize);
+                }
+            }
             let mut rec = StepRecord::default();
             if let Some(lp) = res.loads.first() {
                 self.xfer.submit_load(

@@ -37,16 +37,24 @@ impl StepScheduler<PrefixTier> {
     pub fn make_host_room(&mut self, n: usize) -> Result<usize> {
         let dir = self.dir.clone();
         let p = &mut self.tier;
+        let mut tried_device = false;
         loop {
-            let (free, _) = p.cache.host_free_capacity();
-            if free >= n {
+            let (free, capacity) = p.cache.host_free_capacity();
+            if free >= n.min(capacity) {
                 return Ok(free);
             }
             let freed = p.cache.evict_host(n - free)?;
             p.drop_freed(&dir)?;
-            if freed == 0 && p.cache.evict_device(n - free) == 0 {
-                return Ok(p.cache.host_free_capacity().0);
+            if freed > 0 {
+                continue;
             }
+            // Nothing host-only left to evict: once, the device part of as many prefix pages
+            // as are missing goes, so that their host pages can (no more: under write-back an
+            // eviction may only queue writes).
+            if tried_device || p.cache.evict_device(n - free) == 0 {
+                return Ok(free);
+            }
+            tried_device = true;
         }
     }
 
