@@ -16,6 +16,10 @@
 //!   sample yet for the suffix's length (or a neighbour's), Indexer-K only (its cost is the
 //!   unknown one, and it is what teaches the model).
 //!
+//! A full restore teaches nothing of coverage (it loads everything), so a suffix length the
+//! model sends to full restores would keep its estimate for good: every `EXPLORE`-th such
+//! decision restores Indexer-K only instead, and its request is a fresh sample.
+//!
 //! Each decision keeps its prediction; when its request ends the outcome is compared with it
 //! (`PrefixTotals`: decisions, bytes predicted and moved, the model's absolute error).
 
@@ -73,6 +77,8 @@ pub struct RestoreDecision {
 const BUCKETS: usize = 32;
 /// Weight of a new sample in its bucket's moving average.
 const ALPHA: f64 = 0.25;
+/// One decision in this many that the model sends to a full restore restores Indexer-K only.
+pub const EXPLORE: u32 = 8;
 
 /// The learned coverage and the cost model's constants.
 #[derive(Debug, Clone)]
@@ -82,6 +88,8 @@ pub struct RestorePolicy {
     copy_overhead: u64,
     /// Per suffix-length bucket: (moving average of coverage, samples).
     coverage: [(f64, u64); BUCKETS],
+    /// Per bucket: full restores decided since its last Indexer-K-only decision.
+    full_run: [u32; BUCKETS],
 }
 
 impl RestorePolicy {
@@ -91,6 +99,7 @@ impl RestorePolicy {
             mode,
             copy_overhead,
             coverage: [(0.0, 0); BUCKETS],
+            full_run: [0; BUCKETS],
         }
     }
 
@@ -131,7 +140,7 @@ impl RestorePolicy {
     /// Decides for an admission whose matched host pages hold `absent` objects off the
     /// device, over `layers` layers, with a `suffix`-token prefill; `object_bytes` per object.
     pub fn decide(
-        &self,
+        &mut self,
         absent: u64,
         layers: u64,
         suffix: u64,
@@ -148,10 +157,16 @@ impl RestorePolicy {
                 let (ob, ov) = (object_bytes as f64, self.copy_overhead as f64);
                 let cost_idx = idx * (ob + ov);
                 let cost_full = full * ob + layers as f64 * ov;
-                if cost_full < cost_idx {
-                    RestoreChoice::Full
-                } else {
+                let run = &mut self.full_run[Self::bucket(suffix)];
+                if cost_full >= cost_idx {
+                    *run = 0;
                     RestoreChoice::IndexerOnly
+                } else if *run + 1 >= EXPLORE {
+                    *run = 0; // a fresh sample for this length
+                    RestoreChoice::IndexerOnly
+                } else {
+                    *run += 1;
+                    RestoreChoice::Full
                 }
             }
         };
@@ -210,6 +225,27 @@ mod tests {
     }
 
     #[test]
+    fn a_length_sent_to_full_restores_is_sampled_again_now_and_then() {
+        let mut p = RestorePolicy::new(RestoreMode::Auto, 4096);
+        p.learn(300, 1000, 950);
+        let picks: Vec<_> = (0..2 * EXPLORE)
+            .map(|_| p.decide(1000, 4, 300, 8192).choice)
+            .collect();
+        let idx: Vec<usize> = (0..picks.len())
+            .filter(|&i| picks[i] == RestoreChoice::IndexerOnly)
+            .collect();
+        assert_eq!(idx, [EXPLORE as usize - 1, 2 * EXPLORE as usize - 1]);
+        // The sample it brings moves the estimate: coverage dropped, Indexer-K only from then.
+        p.learn(300, 1000, 100);
+        p.learn(300, 1000, 100);
+        p.learn(300, 1000, 100);
+        assert_eq!(
+            p.decide(1000, 4, 300, 8192).choice,
+            RestoreChoice::IndexerOnly
+        );
+    }
+
+    #[test]
     fn scattered_copies_cost_their_overhead() {
         let mut p = RestorePolicy::new(RestoreMode::Auto, 0);
         p.learn(64, 100, 99);
@@ -226,9 +262,9 @@ mod tests {
 
     #[test]
     fn fixed_modes_and_names() {
-        let p = RestorePolicy::new(RestoreMode::Full, 0);
+        let mut p = RestorePolicy::new(RestoreMode::Full, 0);
         assert_eq!(p.decide(10, 1, 1, 1).choice, RestoreChoice::Full);
-        let p = RestorePolicy::new(RestoreMode::IndexerOnly, 0);
+        let mut p = RestorePolicy::new(RestoreMode::IndexerOnly, 0);
         assert_eq!(p.decide(10, 1, 1, 1).choice, RestoreChoice::IndexerOnly);
         assert_eq!(RestoreMode::parse("auto").unwrap(), RestoreMode::Auto);
         assert!(RestoreMode::parse("half").is_err());
