@@ -103,3 +103,29 @@ def test_run_is_pure_arithmetic_of_the_model():
     u = cfg.model.prefix_union(4096, 8)
     assert c.idx_only_bytes == pytest.approx(4096 * 61 * 132 + u * 64 * 61 * 656)
     assert c.idx_only_copies == pytest.approx((64 + u) * 61)
+
+
+def test_recorded_selections_replay_through_the_bench(tmp_path, capsys):
+    from sparsetier.tools.selection_model import RecordedSelections
+
+    # Two layers, 40 tokens of 4-token pages, top-2 pages: layer 0 reads pages 0 and 1, layer 1
+    # page 0 and the query's own page.
+    t = np.arange(40)
+    sel = np.stack([np.stack([np.zeros(40), np.ones(40)], 1),
+                    np.stack([np.zeros(40), t // 4], 1)]).astype(np.int32)  # fmt: skip
+    rec = RecordedSelections(sel, 4)
+    # A 20-token prefix (5 pages) and 8 suffix tokens (pages 5 and 6): layer 0 names prefix
+    # pages {0, 1}, layer 1 {0} (its own pages are past the prefix).
+    assert rec.prefix_union(20, 8) == 1.5
+    assert rec.covers(32, 8) and not rec.covers(33, 8)
+    path = tmp_path / "sel.npz"
+    np.savez(path, sel=sel, page_size=4)
+    out = tmp_path / "ps.json"
+    main(["bench", "prefix-sparse", "--selections", str(path), "--prefixes", "20", "36",
+          "--suffixes", "8", "--json", str(out)])  # fmt: skip
+    assert "recorded selections (40 tokens)" in capsys.readouterr().out
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["prefix"], c["suffix"]) for c in cells] == [(20, 8)]  # 36 + 8 is past the end
+    assert cells[0]["union_pages"] == 1.5
+    with pytest.raises(ValueError, match="sel"):
+        RecordedSelections(np.zeros((2, 3)), 4)

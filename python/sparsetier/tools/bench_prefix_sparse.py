@@ -10,6 +10,10 @@ fixed restore choices and the core's restore policy between them:
   by requests of the other suffix lengths of the row (it has never seen this one), and again
   by one of this length.
 
+The selections come from the parametric selection model, or are replayed from selections
+recorded from a real model (`--selections`: `RecordedSelections`; only the cells within the
+recording's length).
+
 The selections come from the parametric selection model (`selection_model.py`), so the
 figures are the model's expectations, not measurements of copies. Costs are the policy's:
 bytes plus `copy_overhead` bytes a copy. Not built: a third choice, restoring in bulk the
@@ -21,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from sparsetier._core import RestorePolicy
-from sparsetier.tools.selection_model import SelectionModel
+from sparsetier.tools.selection_model import RecordedSelections, SelectionModel
 
 #: The core's default: what a copy's fixed cost is worth, in bytes.
 COPY_OVERHEAD = 16 << 10
@@ -32,7 +36,8 @@ class PrefixSparseConfig:
     layers: int = 61
     kv_token_bytes: int = 656  # per token and layer: FP8 MLA latent, scales and RoPE part
     idx_token_bytes: int = 132  # per token and layer: FP8 Indexer-K and its scale
-    model: SelectionModel = field(default_factory=SelectionModel)
+    # The parametric model, or selections recorded from a real model (`--selections`).
+    model: SelectionModel | RecordedSelections = field(default_factory=SelectionModel)
     prefixes: tuple[int, ...] = (8192, 16384, 32768, 65536, 131072)
     suffixes: tuple[int, ...] = (16, 64, 256, 1024, 4096)
     copy_overhead: int = COPY_OVERHEAD
@@ -77,12 +82,15 @@ def run(cfg: PrefixSparseConfig = PrefixSparseConfig()) -> list[Cell]:
     ps, layers, ov = cfg.model.page_size, cfg.layers, cfg.copy_overhead
     object_bytes = ps * cfg.kv_token_bytes
     cells = []
+    recorded = isinstance(cfg.model, RecordedSelections)
     for p in cfg.prefixes:
         pages = -(-p // ps)
         objects = pages * layers
-        union = {s: cfg.model.prefix_union(p, s) for s in cfg.suffixes}
+        # A recording covers the cells within its length only.
+        suffixes = [s for s in cfg.suffixes if not recorded or cfg.model.covers(p, s)]
+        union = {s: cfg.model.prefix_union(p, s) for s in suffixes}
         idx_bytes = p * layers * cfg.idx_token_bytes  # the same under every choice
-        for s in cfg.suffixes:
+        for s in suffixes:
             u = union[s]
             full = p * layers * (cfg.kv_token_bytes + cfg.idx_token_bytes)
             idx_only = idx_bytes + u * layers * object_bytes
@@ -93,7 +101,7 @@ def run(cfg: PrefixSparseConfig = PrefixSparseConfig()) -> list[Cell]:
             picks = []
             for seen in (False, True):
                 pol = RestorePolicy("auto", ov)
-                for other in cfg.suffixes:
+                for other in suffixes:
                     if other != s or seen:
                         pol.learn(other, objects, round(union[other] * layers))
                 choice = pol.decide(objects, layers, s, object_bytes)["choice"]
@@ -121,12 +129,17 @@ def run(cfg: PrefixSparseConfig = PrefixSparseConfig()) -> list[Cell]:
 
 def format_report(cfg: PrefixSparseConfig, cells: list[Cell]) -> str:
     m = cfg.model
+    source = (
+        f"recorded selections ({m.tokens} tokens)"
+        if isinstance(m, RecordedSelections)
+        else f"{m.sink_pages} sink page, {m.window}-token window, Zipf s={m.zipf_s}, "
+        f"churn {m.churn}"
+    )
     lines = [
-        f"prefix restore under the selection model: {cfg.layers} layers, "
+        f"prefix restore: {cfg.layers} layers, "
         f"{cfg.kv_token_bytes} B KV + {cfg.idx_token_bytes} B Indexer-K per token and layer, "
         f"{m.page_size}-token pages, top-{m.topk_pages * m.page_size} "
-        f"({m.sink_pages} sink page, {m.window}-token window, Zipf s={m.zipf_s}, "
-        f"churn {m.churn}); costs: KV bytes + {cfg.copy_overhead} B a copy",
+        f"({source}); costs: KV bytes + {cfg.copy_overhead} B a copy",
         f"{'prefix':>8} {'suffix':>7} {'union pages':>12} {'full GiB':>9} "
         f"{'idx-only GiB':>13} {'full/idx-only':>14}  {'policy (unseen / seen)':>24} "
         f"{'cost / best':>12}",
@@ -144,8 +157,14 @@ def format_report(cfg: PrefixSparseConfig, cells: list[Cell]) -> str:
 
 
 def to_json(cfg: PrefixSparseConfig, cells: list[Cell]) -> dict:
+    config = {k: v for k, v in cfg.__dict__.items() if k != "model"}
+    config["model"] = (
+        {"recorded_tokens": cfg.model.tokens, "page_size": cfg.model.page_size}
+        if isinstance(cfg.model, RecordedSelections)
+        else asdict(cfg.model)
+    )
     return {
-        "config": asdict(cfg),
+        "config": config,
         "cells": [
             asdict(c) | {"full_over_idx_only": c.full_over_idx_only, "best_cost": c.best_cost}
             for c in cells

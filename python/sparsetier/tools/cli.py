@@ -385,6 +385,9 @@ def _bench_prefix_sparse_parser(
     p.add_argument("--zipf-s", type=float, default=m.zipf_s)
     p.add_argument("--churn", type=float, default=m.churn,
                    help="share of a token's Zipf draws not its predecessor's")  # fmt: skip
+    p.add_argument("--selections", metavar="NPZ",
+                   help="replay selections recorded from a real model (sel [layers, tokens, "
+                   "k] page ids, page_size) instead of the parametric model")  # fmt: skip
     p.set_defaults(bench=_bench_prefix_sparse)
 
 
@@ -403,6 +406,10 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
             sink_pages=args.sink_pages, window=args.window, zipf_s=args.zipf_s,
             churn=args.churn,
         )  # fmt: skip
+        if args.selections:
+            from sparsetier.tools.selection_model import RecordedSelections
+
+            model = RecordedSelections.load(args.selections)
         cfg = bps.PrefixSparseConfig(
             layers=args.layers, model=model, prefixes=tuple(args.prefixes),
             suffixes=tuple(args.suffixes),

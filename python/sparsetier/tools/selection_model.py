@@ -82,3 +82,53 @@ class SelectionModel:
         # 1 - (1 - p)^n, stable for small p.
         covered = -np.expm1(n * np.log1p(-p))
         return float(sinks + window + covered.sum())
+
+
+class RecordedSelections:
+    """Selections recorded from a real model, replayed where the parametric model would be:
+    `sel[l, t]` holds the pages (ids, -1 padded) token `t` of one long request selected at
+    layer `l`. A prefix of P tokens with a suffix of S is the recording's first P tokens and
+    the S after them: the union, per layer, of the prefix pages those S tokens selected.
+
+    Saved as an `.npz` with `sel` (int32 `[layers, tokens, k]`) and `page_size`.
+    """
+
+    def __init__(self, sel: np.ndarray, page_size: int) -> None:
+        sel = np.asarray(sel)
+        if sel.ndim != 3 or not np.issubdtype(sel.dtype, np.integer):
+            raise ValueError(
+                f"sel = an array of shape {sel.shape} and dtype {sel.dtype}: allowed an "
+                "integer array [layers, tokens, k]"
+            )
+        if page_size < 1:
+            raise ValueError(f"page_size = {page_size}: allowed >= 1")
+        self.sel = sel
+        self.page_size = int(page_size)
+        self.topk_pages = int(sel.shape[2])
+
+    @classmethod
+    def load(cls, path: str) -> RecordedSelections:
+        with np.load(path) as z:
+            return cls(z["sel"], int(z["page_size"]))
+
+    @property
+    def tokens(self) -> int:
+        return int(self.sel.shape[1])
+
+    def covers(self, prefix_tokens: int, suffix_tokens: int) -> bool:
+        """Whether the recording is long enough for this prefix and suffix."""
+        return prefix_tokens + suffix_tokens <= self.tokens
+
+    def prefix_union(self, prefix_tokens: int, suffix_tokens: int) -> float:
+        """Prefix pages a layer's selections over the suffix name, averaged over layers."""
+        if not self.covers(prefix_tokens, suffix_tokens):
+            raise ValueError(
+                f"prefix_tokens + suffix_tokens = {prefix_tokens + suffix_tokens}: allowed "
+                f"<= the {self.tokens} tokens recorded"
+            )
+        pages = -(-prefix_tokens // self.page_size)
+        rows = self.sel[:, prefix_tokens : prefix_tokens + suffix_tokens, :]
+        per_layer = [
+            np.unique(r[(r >= 0) & (r < pages)]).size for r in rows.reshape(rows.shape[0], -1)
+        ]
+        return float(np.mean(per_layer))
