@@ -147,11 +147,9 @@ impl PyJoinedStorage {
         let n_pages: usize = unsigned(n_pages, "n_pages")?;
         let ns = Self::check_namespace(py, namespace)?;
         let t = token_ids(tokens)?;
-        // Room first, as an admission's own pages get it (`make_host_room`).
+        // Room first, as an admission's own pages get it, the cached prefix kept.
         let plan = self.owner.get().inner.run_py(py, |s| {
-            let j = s.joined()?;
-            j.make_host_room(n_pages)?;
-            j.with_cache(|c| c.plan_prefetch(ns, &t, start_page, n_pages))
+            s.joined()?.plan_l3_prefetch(ns, &t, start_page, n_pages)
         })?;
         Ok(plan.map(|p| plan_tuple(py, p.id, &p.keys, &p.host_pages)))
     }

@@ -8,7 +8,7 @@
 use super::core::StepScheduler;
 use super::PrefixTier;
 use crate::error::Result;
-use crate::radix::{HiCache, WritePolicy};
+use crate::radix::{HiCache, PrefetchPlan, WritePolicy};
 
 impl StepScheduler<PrefixTier> {
     /// Puts an L3 tier under the prefix cache's host tier (`HiCache::enable_storage`).
@@ -56,6 +56,34 @@ impl StepScheduler<PrefixTier> {
             }
             tried_device = true;
         }
+    }
+
+    /// Plans a prefetch from the store of pages `start..start + n` of `tokens` into host
+    /// pages (`HiCache::plan_prefetch`), after making host room for them; the cached prefix of
+    /// those tokens is locked meanwhile, so the room made is never its own pages.
+    pub fn plan_l3_prefetch(
+        &mut self,
+        ns: u32,
+        tokens: &[u32],
+        start: usize,
+        n: usize,
+    ) -> Result<Option<PrefetchPlan>> {
+        let before = (start * self.cfg.page_size as usize).min(tokens.len());
+        let node = self.with_cache(|c| {
+            let m = c.match_prefix(ns, &tokens[..before]);
+            if m.device_len + m.host_len == 0 {
+                return Ok(None);
+            }
+            c.lock(m.last_node)?;
+            Ok(Some(m.last_node))
+        })?;
+        let plan = self
+            .make_host_room(n)
+            .and_then(|_| self.with_cache(|c| c.plan_prefetch(ns, tokens, start, n)));
+        if let Some(node) = node {
+            self.with_cache(|c| c.unlock(node))?;
+        }
+        plan
     }
 
     /// Reads the prefix cache.
