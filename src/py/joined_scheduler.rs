@@ -163,7 +163,7 @@ impl PyJoinedStepScheduler {
         let this = slf.as_super().get();
         this.inner.run_py(py, |s| {
             s.joined()?
-                .enable_storage(policy, salt.to_owned(), remember, write_ahead)
+                .with_cache(|c| c.enable_storage(policy, salt.to_owned(), remember, write_ahead))
         })?;
         let page_size = this
             .inner

@@ -7,6 +7,8 @@
 //! invariants and the data flow of one step.
 
 pub mod bench;
+#[cfg(any(test, feature = "testing"))]
+mod copies_check;
 pub mod core;
 mod csr;
 mod device_step;

@@ -8,20 +8,9 @@
 use super::core::StepScheduler;
 use super::PrefixTier;
 use crate::error::Result;
-use crate::radix::{HiCache, PrefetchPlan, WritePolicy};
+use crate::radix::{HiCache, PrefetchPlan};
 
 impl StepScheduler<PrefixTier> {
-    /// Puts an L3 tier under the prefix cache's host tier (`HiCache::enable_storage`).
-    pub fn enable_storage(
-        &mut self,
-        policy: WritePolicy,
-        salt: String,
-        remember: usize,
-        write_ahead: f64,
-    ) -> Result<()> {
-        self.with_cache(|c| c.enable_storage(policy, salt, remember, write_ahead))
-    }
-
     /// Runs `f` on the prefix cache (its L3 side), then drops the objects of the host pages it
     /// let go, before anything can reuse them.
     pub fn with_cache<R>(&mut self, f: impl FnOnce(&mut HiCache) -> Result<R>) -> Result<R> {
