@@ -142,3 +142,21 @@ def test_the_demo_is_exact_under_every_restore_choice(restore):
     if restore == "indexer":
         assert t["restores_full"] == 0
     assert "restore policy" in demo.format_summary(r)
+
+
+@pytest.mark.parametrize("faults", [False, True], ids=["", "faults"])
+@pytest.mark.parametrize("selection", ["block", "token"])
+def test_the_default_demo_moves_no_more_prefix_bytes_than_a_full_restore(selection, faults):
+    # The demo runs itself again restoring every hit whole (the same conversations, budget
+    # and faults): that run's prefix bytes, re-loads included, against this one's.
+    r = demo.run_demo(demo.DemoConfig(selection=selection, faults=faults), progress=False)
+    t = r["totals"]
+    assert t["correct"], demo.format_summary(r)
+    moved = t["prefix_indexer_bytes_restored"] + t["prefix_kv_bytes_loaded"]
+    assert t["prefix_full_run_bytes"] >= moved, t
+    assert t["prefix_restore_ratio"] >= 1.0
+    if not faults:
+        # A full restore that stayed resident would move less than either: the re-loads are
+        # the device budget's, under any restore.
+        assert t["prefix_restore_ratio_resident"] < t["prefix_restore_ratio"]
+    assert "in the same run" in demo.format_summary(r)
