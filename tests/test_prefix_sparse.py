@@ -82,11 +82,17 @@ def test_bench_prefix_sparse_reports_the_grid(tmp_path, capsys):
     assert cells[2]["full_over_idx_only"] > 3
     # Full restore: every token's KV and Indexer-K, every layer.
     assert cells[0]["full_bytes"] == 8192 * 61 * (656 + 132)
-    # The core's policy, taught this suffix length, picks the cheaper choice in every cell: a
-    # chat turn Indexer-K only, a suffix that reads the whole prefix a full restore.
+    # The core's policy, taught this suffix length, picks the cheapest choice in every cell: a
+    # chat turn the predicted pages (the sink page and the window's 8 at the prefix's end, in
+    # bulk; the rest on demand), a suffix that reads the whole prefix a full restore.
     for c in cells:
         assert c["policy_seen_cost"] == c["best_cost"], c
-    assert (cells[2]["policy_seen"], cells[3]["policy_seen"]) == ("indexer", "full")
+    assert (cells[2]["policy_seen"], cells[3]["policy_seen"]) == ("predicted", "full")
+    assert cells[2]["pred_pages"] == 1 + 7  # page 0; the last 7 (8 share a class with 7 more)
+    # The same bytes as Indexer-K only (those pages are always selected), fewer copies.
+    assert cells[2]["pred_bytes"] == pytest.approx(cells[2]["idx_only_bytes"])
+    assert cells[2]["pred_copies"] < cells[2]["idx_only_copies"]
+    assert cells[2]["pred_cost"] < cells[2]["idx_only_cost"]
 
 
 def test_bench_prefix_sparse_refuses_bad_parameters_naming_them(capsys):
@@ -117,6 +123,8 @@ def test_recorded_selections_replay_through_the_bench(tmp_path, capsys):
     # A 20-token prefix (5 pages) and 8 suffix tokens (pages 5 and 6): layer 0 names prefix
     # pages {0, 1}, layer 1 {0} (its own pages are past the prefix).
     assert rec.prefix_union(20, 8) == 1.5
+    # Per page: page 0 in both layers, page 1 in one of two.
+    assert rec.page_probs(20, 8).tolist() == [1.0, 0.5, 0.0, 0.0, 0.0]
     assert rec.covers(32, 8) and not rec.covers(33, 8)
     path = tmp_path / "sel.npz"
     np.savez(path, sel=sel, page_size=4)
@@ -129,3 +137,17 @@ def test_recorded_selections_replay_through_the_bench(tmp_path, capsys):
     assert cells[0]["union_pages"] == 1.5
     with pytest.raises(ValueError, match="sel"):
         RecordedSelections(np.zeros((2, 3)), 4)
+
+
+def test_page_probs_are_one_for_sinks_and_the_window_and_sum_to_the_union():
+    m = SelectionModel()  # 1 sink page, a 512-token window: the prefix's last 8 pages
+    for suffix in (1, 64, 4096):
+        p = m.page_probs(32768, suffix)
+        assert p.shape == (512,) and p.sum() == pytest.approx(m.prefix_union(32768, suffix))
+        assert p[0] == 1.0 and (p[-8:] == 1.0).all()
+        # The middle pages are alike (a layer's ranking of them is not positional), and
+        # less likely than the positional ones.
+        mid = p[1:-8]
+        assert np.ptp(mid) == 0 and mid[0] < 1.0
+    # A longer suffix covers more of the middle.
+    assert m.page_probs(32768, 4096)[100] > m.page_probs(32768, 64)[100]

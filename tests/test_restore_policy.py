@@ -98,8 +98,35 @@ def test_auto_restores_indexer_k_only_until_it_learns_that_a_suffix_reads_the_wh
     want = min(1.0, r1.restore["loaded"] / r1.restore["absent"])
     assert r2.restore["choice"] == "full" and r2.restore["coverage"] == pytest.approx(want)
     # What the Indexer-K-only request loaded was its sample; the full one's prediction held.
-    assert px["restore_objects_loaded"] > 0 and px["restore_objects_other"] > 0
+    assert px["restore_objects_loaded"] > 0 and px["restore_objects_if_full"] > 0
+    assert px["restore_objects_if_indexer"] > 0  # the second's prediction had a sample
     rt.scheduler.validate()
+
+
+def test_a_predicted_restore_loads_its_pages_in_bulk_and_the_rest_on_demand_exactly():
+    pred, ref = _runtime("predicted"), _runtime("indexer", device_slots=5000)
+    outs, last = {}, {}
+    for name, rt in (("pred", pred), ("ref", ref)):
+        _serve(rt, 0, PROMPTS[0])
+        _, r1 = _serve(rt, 1, PROMPTS[1])  # nothing learned yet: Indexer-K only
+        _, r2 = _serve(rt, 2, PROMPTS[2])
+        outs[name], last[name] = (r1.outputs, r2.outputs), r2.restore
+        rt.drain()
+        rt.scheduler.validate()
+    px = pred.scheduler.prefix_stats()
+    assert (px["restores_indexer_only"], px["restores_predicted"]) == (1, 1), px
+    # The second hit: the pages predicted by position from the first's loads, in bulk (one
+    # submission a layer at most), the rest as selections named them; each object once.
+    st = last["pred"]
+    assert st["choice"] == "predicted" and st["bulk_objects"] > 0, st
+    assert 0 < st["bulk_loaded"] <= st["bulk_objects"] and 0 < st["bulk_submissions"] <= 3, st
+    assert st["loaded"] == st["bulk_loaded"] + st["on_demand"], st
+    assert st["predicted_pages"] >= st["bulk_objects"], st
+    assert last["ref"]["choice"] == "indexer" and last["ref"]["bulk_submissions"] == 0
+    for a, b in zip(outs["pred"], outs["ref"], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    s = pred.scheduler.stats()
+    assert (s["pins"], s["handles"]) == (0, 0), s
 
 
 def test_a_full_restore_the_device_cannot_hold_is_cut_short_and_stays_exact():
@@ -126,21 +153,28 @@ def test_a_full_restore_the_device_cannot_hold_is_cut_short_and_stays_exact():
 def test_a_bad_restore_choice_is_refused_naming_it():
     with pytest.raises(sp.ConfigError) as e:
         _runtime("half")
-    assert e.value.field == "restore" and "auto, indexer or full" in str(e.value)
+    assert e.value.field == "restore" and "auto, indexer, full or predicted" in str(e.value)
 
 
-@pytest.mark.parametrize("restore", ["auto", "full", "indexer"])
+@pytest.mark.parametrize("restore", ["auto", "full", "indexer", "predicted"])
 def test_the_demo_is_exact_under_every_restore_choice(restore):
     r = demo.run_demo(demo.DemoConfig(restore=restore), progress=False)
     t = r["totals"]
     assert t["correct"], demo.format_summary(r)
     assert (t["end_pins"], t["end_device_leaked"]) == (0, 0), t
-    decided = t["restores_full"] + t["restores_indexer_only"]
+    decided = t["restores_full"] + t["restores_indexer_only"] + t["restores_predicted"]
     assert decided > 0
     if restore == "full":
-        assert t["restores_indexer_only"] == 0
+        assert t["restores_indexer_only"] == t["restores_predicted"] == 0
     if restore == "indexer":
-        assert t["restores_full"] == 0
+        assert t["restores_full"] == t["restores_predicted"] == 0
+    if restore == "predicted":
+        assert t["restores_full"] == 0 and t["restores_predicted"] > 0
+    # Each finished request's restore, by choice: what it loaded and how.
+    by = t["restore_by_choice"]
+    assert sum(c["requests"] for c in by.values()) > 0
+    for c in by.values():
+        assert c["loaded"] >= c["on_demand"] and c["wait_s"] >= 0
     assert "restore policy" in demo.format_summary(r)
 
 

@@ -75,7 +75,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     # restores changes what moves, never an output.
     @initialize(
         prefetch=st.sampled_from([False, False, False, True]),
-        restore=st.sampled_from(["auto", "indexer", "full"]),
+        restore=st.sampled_from(["auto", "indexer", "full", "predicted"]),
     )
     def two_long_requests(self, prefetch, restore):
         # A device budget small enough that decode steps load from host (so load faults hit).

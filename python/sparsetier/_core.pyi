@@ -700,10 +700,17 @@ class RestorePolicy:
     KV), with the cost model the core decides by."""
 
     def __new__(cls, mode: str = "auto", copy_overhead: int = 16384) -> RestorePolicy: ...
-    def learn(self, suffix: int, absent: int, loaded: int) -> None: ...
+    def learn(
+        self, suffix: int, absent: Sequence[int], loaded: Sequence[int], first: int = 0
+    ) -> None: ...
     def coverage(self, suffix: int) -> float | None: ...
     def decide(
-        self, absent: int, layers: int, suffix: int, object_bytes: int
+        self,
+        absent: Sequence[int],
+        layers: int,
+        suffix: int,
+        object_bytes: int,
+        first: int = 0,
     ) -> dict[str, Any]: ...
 
 @final

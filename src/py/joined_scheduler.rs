@@ -13,7 +13,6 @@ use crate::py::resolver::PyDeviceResolver;
 use crate::py::scheduler::PyStepScheduler;
 use crate::py::scheduler_args::{rid as rid_arg, rid_list, token_ids, u32_arg};
 use crate::py::step_results::PyAdmission;
-use crate::scheduler::restore_policy::RestoreChoice;
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
@@ -172,11 +171,15 @@ impl PyJoinedStepScheduler {
         Py::new(py, PyJoinedStorage::new(owner, page_size as usize))
     }
 
-    /// Request `rid`'s restore so far: `{"choice": "indexer" | "full", "absent",
-    /// "coverage", "predicted_indexer", "predicted_full", "loaded"}` (the objects of its
-    /// host-restored pages off the device at admission, the coverage the policy expected or
-    /// None, the objects each choice was predicted to load, the objects it loaded so far,
-    /// each once); None when its admission restored nothing from host.
+    /// Request `rid`'s restore so far: `{"choice": "indexer" | "full" | "predicted",
+    /// "absent", "coverage", "predicted_indexer", "predicted_full", "predicted_pages",
+    /// "bulk_objects", "loaded", "bulk_loaded", "bulk_submissions", "on_demand",
+    /// "exposed_wait_ns"}`: the objects of its host-restored pages off the device at
+    /// admission; the coverage the policy expected (None before a sample); the objects each
+    /// choice was predicted to load (NaN without a prediction) and the predicted restore's
+    /// bulk part; the objects it loaded so far, each once, of them in bulk at admission (in
+    /// `bulk_submissions`, one a layer) and on demand (a copy each); the time its layers
+    /// waited on the host. None when its admission restored nothing from host.
     fn restore_status<'py>(
         slf: &Bound<'py, Self>,
         py: Python<'py>,
@@ -188,16 +191,19 @@ impl PyJoinedStepScheduler {
             return Ok(None);
         };
         let d = pyo3::types::PyDict::new(py);
-        let choice = match st.decision.choice {
-            RestoreChoice::IndexerOnly => "indexer",
-            RestoreChoice::Full => "full",
-        };
-        d.set_item("choice", choice)?;
+        let p = st.decision.predicted;
+        d.set_item("choice", st.decision.choice.name())?;
         d.set_item("absent", st.decision.absent)?;
         d.set_item("coverage", st.decision.coverage)?;
-        d.set_item("predicted_indexer", st.decision.predicted.0)?;
-        d.set_item("predicted_full", st.decision.predicted.1)?;
+        d.set_item("predicted_indexer", p.indexer)?;
+        d.set_item("predicted_full", p.full)?;
+        d.set_item("predicted_pages", p.predicted)?;
+        d.set_item("bulk_objects", st.decision.bulk)?;
         d.set_item("loaded", st.loaded)?;
+        d.set_item("bulk_loaded", st.bulk_loaded)?;
+        d.set_item("bulk_submissions", st.bulk_submissions)?;
+        d.set_item("on_demand", st.on_demand)?;
+        d.set_item("exposed_wait_ns", st.exposed_wait_ns)?;
         Ok(Some(d))
     }
 

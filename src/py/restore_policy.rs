@@ -3,9 +3,10 @@
 //! prefix-sparse` to judge it against the fixed choices with the same cost model the core
 //! decides by.
 
+use crate::error::Error;
 use crate::py::error::IntoPyResult;
 use crate::scheduler::prefix::DEFAULT_COPY_OVERHEAD;
-use crate::scheduler::restore_policy::{RestoreChoice, RestoreMode, RestorePolicy};
+use crate::scheduler::restore_policy::{RestoreMode, RestorePolicy};
 use parking_lot::Mutex;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -31,10 +32,32 @@ impl PyRestorePolicy {
         })
     }
 
-    /// A request with a `suffix`-token prefill that restored Indexer-K only loaded `loaded`
-    /// of the `absent` main-KV objects its admission found off the device.
-    fn learn(&self, suffix: u64, absent: u64, loaded: u64) {
-        self.inner.lock().learn(suffix, absent, loaded);
+    /// A request with a `suffix`-token prefill that restored Indexer-K only, over a prefix
+    /// whose pages from `first` on were restored from host: `absent[i]` main-KV objects of
+    /// page `first + i` were off the device at its admission, and it loaded `loaded[i]` of
+    /// them.
+    #[pyo3(signature = (suffix, absent, loaded, first=0))]
+    fn learn(
+        &self,
+        py: Python<'_>,
+        suffix: u64,
+        absent: Vec<u32>,
+        loaded: Vec<u32>,
+        first: u32,
+    ) -> PyResult<()> {
+        if loaded.len() != absent.len() {
+            return Err(Error::config(
+                "loaded",
+                format!("{} pages", loaded.len()),
+                format!("one count per page of absent ({})", absent.len()),
+            ))
+            .py_err(py);
+        }
+        let matched = matched(py, first, &absent)?;
+        self.inner
+            .lock()
+            .learn(suffix, first, matched, &absent, &loaded);
+        Ok(())
     }
 
     /// The coverage expected for a `suffix`-token prefill, or None before any sample.
@@ -42,32 +65,45 @@ impl PyRestorePolicy {
         self.inner.lock().coverage(suffix)
     }
 
-    /// The decision for an admission whose matched host pages hold `absent` objects off the
-    /// device over `layers` layers, with a `suffix`-token prefill and `object_bytes` per
-    /// object: `{"choice": "indexer" | "full", "coverage", "objects_indexer",
-    /// "objects_full"}` (the objects each choice was predicted to load; NaN without a
-    /// sample).
+    /// The decision for an admission whose prefix pages from `first` on were restored from
+    /// host, `absent[i]` main-KV objects of page `first + i` off the device, over `layers`
+    /// layers, with a `suffix`-token prefill and `object_bytes` per object: `{"choice":
+    /// "indexer" | "full" | "predicted", "coverage", "objects_indexer", "objects_full",
+    /// "objects_predicted", "bulk_objects", "pages"}` (the objects each choice was predicted
+    /// to load, NaN without a prediction; what the predicted restore loads in bulk; the pages
+    /// it restores when chosen).
+    #[pyo3(signature = (absent, layers, suffix, object_bytes, first=0))]
     fn decide<'py>(
         &self,
         py: Python<'py>,
-        absent: u64,
+        absent: Vec<u32>,
         layers: u64,
         suffix: u64,
         object_bytes: u64,
+        first: u32,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let d = self
-            .inner
-            .lock()
-            .decide(absent, layers, suffix, object_bytes);
+        let matched = matched(py, first, &absent)?;
+        let (d, pages) =
+            self.inner
+                .lock()
+                .decide(first, matched, &absent, layers, suffix, object_bytes);
         let out = PyDict::new(py);
-        let choice = match d.choice {
-            RestoreChoice::IndexerOnly => "indexer",
-            RestoreChoice::Full => "full",
-        };
-        out.set_item("choice", choice)?;
+        out.set_item("choice", d.choice.name())?;
         out.set_item("coverage", d.coverage)?;
-        out.set_item("objects_indexer", d.predicted.0)?;
-        out.set_item("objects_full", d.predicted.1)?;
+        out.set_item("objects_indexer", d.predicted.indexer)?;
+        out.set_item("objects_full", d.predicted.full)?;
+        out.set_item("objects_predicted", d.predicted.predicted)?;
+        out.set_item("bulk_objects", d.bulk)?;
+        out.set_item("pages", pages)?;
         Ok(out)
     }
+}
+
+/// The prefix's pages: `first` and one per count, within u32.
+fn matched(py: Python<'_>, first: u32, absent: &[u32]) -> PyResult<u32> {
+    u32::try_from(absent.len())
+        .ok()
+        .and_then(|n| first.checked_add(n))
+        .ok_or_else(|| Error::config("first", first, "first + len(absent) pages within 2^32 - 1"))
+        .py_err(py)
 }

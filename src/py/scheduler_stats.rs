@@ -24,11 +24,17 @@ pub(super) fn prefix_stats(s: &JoinedScheduler) -> Stats {
     d.put("writes_failed", t.writes_failed);
     d.put("restores_indexer_only", t.restores_indexer_only);
     d.put("restores_full", t.restores_full);
+    d.put("restores_predicted", t.restores_predicted);
     d.put("restores_partial", t.restores_partial);
     d.put("restore_objects_predicted", t.restore_objects_predicted);
     d.put("restore_objects_loaded", t.restore_objects_loaded);
     d.put("restore_model_abs_error", t.restore_model_abs_error);
-    d.put("restore_objects_other", t.restore_objects_other);
+    d.put("restore_objects_if_indexer", t.restore_objects_if_indexer);
+    d.put("restore_objects_if_full", t.restore_objects_if_full);
+    d.put(
+        "restore_objects_if_predicted",
+        t.restore_objects_if_predicted,
+    );
     let c = p.cache();
     let (hf, hc) = c.host_free_capacity();
     d.put("device_free", c.device_free());

@@ -268,7 +268,11 @@ impl StepScheduler<PrefixTier> {
             .ok_or_else(|| Error::config("rid", id, "a running request"))?;
         let t0 = std::time::Instant::now();
         let out = PrefixTier::wait_restore(&self.xfer.engine, &r.restores, layer, stream);
-        self.rec.exposed_wait_ns += t0.elapsed().as_nanos() as u64;
+        let waited = t0.elapsed().as_nanos() as u64;
+        self.rec.exposed_wait_ns += waited;
+        if let Some(r) = self.requests.get_mut(&id) {
+            r.exposed_wait_ns += waited;
+        }
         if out.is_err() {
             self.tier.totals.restores_failed += 1;
         }

@@ -30,6 +30,7 @@ pub mod request;
 pub mod resolver;
 pub mod restore;
 pub mod restore_policy;
+pub mod restore_positions;
 mod rows;
 pub mod selection;
 #[cfg(any(test, feature = "testing"))]

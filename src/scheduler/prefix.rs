@@ -89,6 +89,8 @@ pub struct PrefixTotals {
     pub restores_indexer_only: u64,
     /// Restore decisions for a full restore.
     pub restores_full: u64,
+    /// Restore decisions for the predicted pages.
+    pub restores_predicted: u64,
     /// Full restores cut short for want of device slots (the rest loads on demand).
     pub restores_partial: u64,
     /// Of the requests that ended with their pages inserted and a decision the model made
@@ -98,9 +100,14 @@ pub struct PrefixTotals {
     pub restore_objects_loaded: u64,
     /// The sum of |predicted - loaded| over those requests.
     pub restore_model_abs_error: u64,
-    /// What the other choice would have moved, in objects (a full restore: exact; Indexer-K
-    /// only: the model's prediction, where it had a sample).
-    pub restore_objects_other: u64,
+    /// Over every decision checked (a request that ended with its pages inserted): what each
+    /// choice would have loaded, in objects (a full restore: exact; the others: the model's
+    /// prediction, where it had one).
+    pub restore_objects_if_indexer: u64,
+    /// (See `restore_objects_if_indexer`.)
+    pub restore_objects_if_full: u64,
+    /// (See `restore_objects_if_indexer`.)
+    pub restore_objects_if_predicted: u64,
 }
 
 /// A request that ended and whose pages wait to settle before they are inserted or freed.

@@ -47,6 +47,14 @@ impl<T: Tier> StepScheduler<T> {
         let plan = self.plans.get_mut(&id).expect("checked above");
         plan.ready = true;
         plan.counts.exposed_wait_ns = waited.as_nanos() as u64;
+        if !waited.is_zero() {
+            // Every request of the plan waited (a restore's choice shows in its own).
+            for rid in &plan.rids {
+                if let Some(r) = self.requests.get_mut(rid) {
+                    r.exposed_wait_ns += waited.as_nanos() as u64;
+                }
+            }
+        }
         if let Some(s) = plan.submitted_at {
             self.rec.transfer_ns += s.elapsed().as_nanos() as u64;
         }

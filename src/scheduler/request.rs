@@ -84,8 +84,16 @@ pub struct RequestState {
     pub prefix_seen: Vec<u64>,
     /// Joined mode: the restore policy's decision at admission.
     pub restore: Option<super::restore_policy::RestoreDecision>,
-    /// Joined mode: the objects a full restore loaded at admission.
+    /// Joined mode: the objects a bulk restore (full or predicted) loaded at admission, in
+    /// `restore_submissions` submissions.
     pub restore_loaded: u64,
+    /// (See `restore_loaded`.)
+    pub restore_submissions: u64,
+    /// Joined mode: per host-restored page, its objects off the device at admission.
+    pub restore_absent: Vec<u32>,
+    /// Time its layers waited on loads and restores on the host (a decode wait counts for
+    /// every request of the step).
+    pub exposed_wait_ns: u64,
     /// Its run in every layer's kept lists (the pages its last selection of the layer kept
     /// pinned, sorted by page: [`super::kept_store`]).
     pub kept_slot: KeptSlot,
@@ -124,6 +132,9 @@ impl RequestState {
             prefix_seen: Vec::new(),
             restore: None,
             restore_loaded: 0,
+            restore_submissions: 0,
+            restore_absent: Vec::new(),
+            exposed_wait_ns: 0,
             restored_from: 0,
             kept_slot,
             serial: NEXT_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),

@@ -25,8 +25,8 @@ impl StepScheduler<PrefixTier> {
     }
 
     /// Decides what request `id`'s prefix hit restores of its host-restored pages' main KV
-    /// (its Indexer-K is restored either way), for a prefill of `suffix` tokens; starts a full
-    /// restore if that is the choice.
+    /// (its Indexer-K is restored either way), for a prefill of `suffix` tokens; starts a bulk
+    /// restore (full or predicted pages) if that is the choice.
     pub(super) fn decide_restore(&mut self, id: RequestId, suffix: u64) -> Result<()> {
         let r = &self.requests[&id];
         let (from, to) = (r.restored_from, r.matched);
@@ -34,44 +34,48 @@ impl StepScheduler<PrefixTier> {
             return Ok(()); // nothing restored from host
         }
         let layers = self.cfg.layers;
-        let mut absent = 0u64;
-        for l in 0..layers {
-            for p in from..to {
-                let off = self
-                    .dir
-                    .state(&r.key(p, l))
-                    .is_some_and(|o| matches!(o.device, DeviceState::Absent));
-                absent += u64::from(off);
-            }
-        }
-        let d = self
-            .tier
-            .policy
-            .decide(absent, u64::from(layers), suffix, self.object_bytes());
+        let absent: Vec<u32> = (from..to)
+            .map(|p| {
+                (0..layers)
+                    .filter(|&l| {
+                        self.dir
+                            .state(&r.key(p, l))
+                            .is_some_and(|o| matches!(o.device, DeviceState::Absent))
+                    })
+                    .count() as u32
+            })
+            .collect();
+        let (d, predicted) = self.tier.policy.decide(
+            from,
+            to,
+            &absent,
+            u64::from(layers),
+            suffix,
+            self.object_bytes(),
+        );
         let t = &mut self.tier.totals;
         match d.choice {
             RestoreChoice::IndexerOnly => t.restores_indexer_only += 1,
             RestoreChoice::Full => t.restores_full += 1,
+            RestoreChoice::Predicted => t.restores_predicted += 1,
         }
-        self.requests.get_mut(&id).expect("checked above").restore = Some(d);
-        if d.choice == RestoreChoice::Full && absent > 0 {
-            self.restore_full(id)?;
+        let r = self.requests.get_mut(&id).expect("checked above");
+        r.restore = Some(d);
+        r.restore_absent = absent;
+        match d.choice {
+            RestoreChoice::Full if d.absent > 0 => self.restore_pages(id, (from..to).collect()),
+            RestoreChoice::Predicted => self.restore_pages(id, predicted),
+            _ => Ok(()),
         }
-        Ok(())
     }
 
-    /// Loads the main KV of request `id`'s host-restored pages that is not on the device:
+    /// Loads the main KV of request `id`'s host-restored `pages` that is not on the device:
     /// one submission per layer, unpinned once submitted (the prefill finds it Ready or
     /// joins its load). Stops at the first layer the device cannot hold (the rest loads on
     /// demand).
-    fn restore_full(&mut self, id: RequestId) -> Result<()> {
-        let (from, to) = {
-            let r = &self.requests[&id];
-            (r.restored_from, r.matched)
-        };
-        let pages: Vec<u32> = (from..to).collect();
+    fn restore_pages(&mut self, id: RequestId, pages: Vec<u32>) -> Result<()> {
         let key_rids = vec![id; pages.len()];
-        let mut loaded = 0;
+        let (mut loaded, mut submissions) = (0, 0);
         for l in 0..self.cfg.layers {
             let r = &self.requests[&id];
             let keys: Vec<ObjectKey> = pages.iter().map(|&p| r.key(p, l)).collect();
@@ -103,21 +107,21 @@ impl StepScheduler<PrefixTier> {
                     l,
                     &mut rec,
                 );
+                submissions += 1;
             }
             self.rec.fold(&rec);
             loaded += res.metrics.absent;
             self.dir.release(res.handle)?;
         }
-        self.requests
-            .get_mut(&id)
-            .expect("checked above")
-            .restore_loaded = loaded;
+        let r = self.requests.get_mut(&id).expect("checked above");
+        r.restore_loaded = loaded;
+        r.restore_submissions = submissions;
         Ok(())
     }
 
-    /// Request `id`'s restore so far: its decision, and the objects of its host-restored pages
-    /// it has loaded (each once; a full restore's at admission included). None when its
-    /// admission restored nothing from host.
+    /// Request `id`'s restore so far: its decision, the objects of its host-restored pages it
+    /// has loaded (each once; a bulk restore's at admission included), and what it waited.
+    /// None when its admission restored nothing from host.
     pub fn restore_status(&self, id: RequestId) -> Result<Option<RestoreStatus>> {
         let r = self
             .requests
@@ -125,16 +129,17 @@ impl StepScheduler<PrefixTier> {
             .ok_or_else(|| Error::config("rid", id, "a running request"))?;
         Ok(r.restore.map(|d| RestoreStatus {
             decision: d,
-            loaded: match d.choice {
-                RestoreChoice::IndexerOnly => seen(r),
-                RestoreChoice::Full => r.restore_loaded.max(seen(r)),
-            },
+            loaded: seen(r).max(r.restore_loaded),
+            bulk_loaded: r.restore_loaded,
+            bulk_submissions: r.restore_submissions,
+            on_demand: seen_on_demand(r),
+            exposed_wait_ns: r.exposed_wait_ns,
         }))
     }
 
     /// What request `r`, ending, teaches the policy and the record: a request that completed
-    /// (`completed`: its pages inserted) after an Indexer-K-only restore is a coverage
-    /// sample; each decision's prediction is compared with what it loaded.
+    /// (`completed`: its pages inserted) after an Indexer-K-only restore is a coverage and
+    /// position sample; each decision's prediction is compared with what it loaded.
     pub(super) fn learn_restore(&mut self, r: &RequestState, completed: bool) {
         let Some(d) = r.restore else {
             return;
@@ -142,33 +147,42 @@ impl StepScheduler<PrefixTier> {
         if !completed {
             return; // cut short: what it loaded says nothing of what it would have
         }
-        let (predicted, loaded, other) = match d.choice {
+        let known = |x: f64| (!x.is_nan()).then(|| x.round() as u64);
+        let p = d.predicted;
+        let (predicted, loaded) = match d.choice {
             RestoreChoice::IndexerOnly => {
-                let loaded: u64 = r
-                    .prefix_seen
-                    .iter()
-                    .map(|w| u64::from(w.count_ones()))
-                    .sum();
-                self.tier.policy.learn(d.suffix, d.absent, loaded);
-                (
-                    d.coverage.map(|_| d.predicted.0.round() as u64),
-                    loaded,
-                    Some(d.absent),
-                )
+                let layers = self.cfg.layers as usize;
+                let loaded: Vec<u32> = (r.restored_from..r.matched)
+                    .map(|page| {
+                        (0..layers)
+                            .filter(|&l| {
+                                let bit = page as usize * layers + l;
+                                r.prefix_seen[bit / 64] & (1 << (bit % 64)) != 0
+                            })
+                            .count() as u32
+                    })
+                    .collect();
+                self.tier.policy.learn(
+                    d.suffix,
+                    r.restored_from,
+                    r.matched,
+                    &r.restore_absent,
+                    &loaded,
+                );
+                (known(p.indexer), seen(r))
             }
-            RestoreChoice::Full => (
-                Some(d.absent),
-                r.restore_loaded,
-                d.coverage.map(|_| d.predicted.0.round() as u64),
-            ),
+            RestoreChoice::Full => (Some(d.absent), r.restore_loaded),
+            RestoreChoice::Predicted => (known(p.predicted), seen(r)),
         };
         let t = &mut self.tier.totals;
-        if let Some(p) = predicted {
-            t.restore_objects_predicted += p;
+        if let Some(pr) = predicted {
+            t.restore_objects_predicted += pr;
             t.restore_objects_loaded += loaded;
-            t.restore_model_abs_error += p.abs_diff(loaded);
+            t.restore_model_abs_error += pr.abs_diff(loaded);
         }
-        t.restore_objects_other += other.unwrap_or(0);
+        t.restore_objects_if_indexer += known(p.indexer).unwrap_or(0);
+        t.restore_objects_if_full += d.absent;
+        t.restore_objects_if_predicted += known(p.predicted).unwrap_or(0);
     }
 }
 
@@ -180,11 +194,26 @@ fn seen(r: &RequestState) -> u64 {
         .sum()
 }
 
-/// A running request's restore: its decision, and what it loaded so far.
+/// Of those, the ones loaded after admission, as selections named them (a copy each).
+fn seen_on_demand(r: &RequestState) -> u64 {
+    seen(r).saturating_sub(r.restore_loaded)
+}
+
+/// A running request's restore: its decision, and what it moved and waited so far.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RestoreStatus {
     /// The decision at admission, with its predictions.
     pub decision: RestoreDecision,
     /// Objects of its host-restored pages loaded so far, each once.
     pub loaded: u64,
+    /// Of those, loaded in bulk at admission (a full or predicted restore), in
+    /// `bulk_submissions` submissions (one a layer).
+    pub bulk_loaded: u64,
+    /// (See `bulk_loaded`.)
+    pub bulk_submissions: u64,
+    /// Loaded after admission, as its selections named them.
+    pub on_demand: u64,
+    /// Time its prefill and decode layers waited on loads and restores, on the host (each
+    /// decode wait counts for every request of the step).
+    pub exposed_wait_ns: u64,
 }

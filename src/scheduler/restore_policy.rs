@@ -1,7 +1,8 @@
 //! The restore policy: what a prefix hit restores of its matched pages' main KV, decided by
 //! the core for each admission. Indexer-K is restored either way (the indexer scores every
-//! past token); the main KV is either restored whole, in one bulk load per layer, or left on
-//! host and loaded page by page as the request's selections name it.
+//! past token); the main KV is restored whole in one bulk load per layer, or left on host and
+//! loaded page by page as the request's selections name it, or the pages predicted to be
+//! selected are restored in bulk and the rest left to load on demand.
 //!
 //! # The cost model
 //! - A full restore loads every matched object not on the device: `absent` objects, exactly,
@@ -11,18 +12,24 @@
 //!   restored Indexer-K only ends, the objects it loaded (each once) over the absent ones at
 //!   its admission is a sample, kept per suffix length (powers of two) as a moving average;
 //!   a length with no sample of its own reads between its neighbours'.
+//! - A predicted restore loads in bulk the pages whose position class
+//!   (`restore_positions.rs`) is selected often enough to be cheaper in bulk (a share of at
+//!   least `object_bytes / (object_bytes + copy_overhead)`), and the rest on demand: the
+//!   coverage's objects less those the bulk part is expected to hold.
 //! - Cost = bytes + copies x `copy_overhead` (the bytes a copy's fixed cost is worth: scattered
-//!   copies pay it per object, a bulk restore per layer). The cheaper choice wins; with no
+//!   copies pay it per object, a bulk restore per layer). The cheapest choice wins; with no
 //!   sample yet for the suffix's length (or a neighbour's), Indexer-K only (its cost is the
 //!   unknown one, and it is what teaches the model).
 //!
-//! A full restore teaches nothing of coverage (it loads everything), so a suffix length the
-//! model sends to full restores would keep its estimate for good: every `EXPLORE`-th such
-//! decision restores Indexer-K only instead, and its request is a fresh sample.
+//! A full or predicted restore teaches nothing of coverage (it loads its pages whatever is
+//! selected), so a suffix length the model sends to them would keep its estimate for good:
+//! every `EXPLORE`-th such decision restores Indexer-K only instead, and its request is a
+//! fresh sample.
 //!
 //! Each decision keeps its prediction; when its request ends the outcome is compared with it
-//! (`PrefixTotals`: decisions, bytes predicted and moved, the model's absolute error).
+//! (`PrefixTotals`: decisions, objects predicted and loaded, the model's absolute error).
 
+use super::restore_positions::{self, Average, PositionModel, BUCKETS};
 use crate::error::{Error, Result};
 
 /// What a prefix hit restores of the matched pages' main KV.
@@ -32,6 +39,19 @@ pub enum RestoreChoice {
     IndexerOnly,
     /// Every matched page's main KV, in bulk, at admission.
     Full,
+    /// The pages predicted to be selected, in bulk, at admission; the rest on demand.
+    Predicted,
+}
+
+impl RestoreChoice {
+    /// The name Python uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            RestoreChoice::IndexerOnly => "indexer",
+            RestoreChoice::Full => "full",
+            RestoreChoice::Predicted => "predicted",
+        }
+    }
 }
 
 /// How the core chooses (`restore=` in Python).
@@ -44,18 +64,36 @@ pub enum RestoreMode {
     IndexerOnly,
     /// Always a full restore.
     Full,
+    /// Always the predicted pages (Indexer-K only while nothing is predicted).
+    Predicted,
 }
 
 impl RestoreMode {
-    /// By name: `auto`, `indexer` or `full`.
+    /// By name: `auto`, `indexer`, `full` or `predicted`.
     pub fn parse(name: &str) -> Result<Self> {
         match name {
             "auto" => Ok(RestoreMode::Auto),
             "indexer" => Ok(RestoreMode::IndexerOnly),
             "full" => Ok(RestoreMode::Full),
-            other => Err(Error::config("restore", other, "auto, indexer or full")),
+            "predicted" => Ok(RestoreMode::Predicted),
+            other => Err(Error::config(
+                "restore",
+                other,
+                "auto, indexer, full or predicted",
+            )),
         }
     }
+}
+
+/// What each choice was predicted to load, in objects (NaN where the model had no sample).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Predicted {
+    /// Indexer-K only: the coverage's share of the absent objects.
+    pub indexer: f64,
+    /// A full restore: every absent object.
+    pub full: f64,
+    /// The predicted restore: its bulk part and the rest it expects on demand.
+    pub predicted: f64,
 }
 
 /// One admission's decision and what it predicted.
@@ -69,15 +107,13 @@ pub struct RestoreDecision {
     pub suffix: u64,
     /// The coverage the model predicted, if it had a sample.
     pub coverage: Option<f64>,
-    /// Objects each choice was predicted to load: (Indexer-K only, full restore).
-    pub predicted: (f64, f64),
+    /// Objects each choice was predicted to load.
+    pub predicted: Predicted,
+    /// Of those, what the predicted restore loads in bulk (0 when it predicts no page).
+    pub bulk: u64,
 }
 
-/// Suffix-length buckets (powers of two, up to 2^31 tokens).
-const BUCKETS: usize = 32;
-/// Weight of a new sample in its bucket's moving average.
-const ALPHA: f64 = 0.25;
-/// One decision in this many that the model sends to a full restore restores Indexer-K only.
+/// One decision in this many that the model sends to a bulk restore restores Indexer-K only.
 pub const EXPLORE: u32 = 8;
 
 /// The learned coverage and the cost model's constants.
@@ -86,10 +122,12 @@ pub struct RestorePolicy {
     mode: RestoreMode,
     /// What a copy's fixed cost is worth, in bytes.
     copy_overhead: u64,
-    /// Per suffix-length bucket: (moving average of coverage, samples).
-    coverage: [(f64, u64); BUCKETS],
-    /// Per bucket: full restores decided since its last Indexer-K-only decision.
-    full_run: [u32; BUCKETS],
+    /// Per suffix-length bucket: the moving average of coverage.
+    coverage: [Average; BUCKETS],
+    /// Per position class and suffix-length bucket: the share selected.
+    positions: PositionModel,
+    /// Per bucket: bulk restores decided since its last Indexer-K-only decision.
+    bulk_run: [u32; BUCKETS],
 }
 
 impl RestorePolicy {
@@ -98,8 +136,9 @@ impl RestorePolicy {
         RestorePolicy {
             mode,
             copy_overhead,
-            coverage: [(0.0, 0); BUCKETS],
-            full_run: [0; BUCKETS],
+            coverage: [Average::default(); BUCKETS],
+            positions: PositionModel::default(),
+            bulk_run: [0; BUCKETS],
         }
     }
 
@@ -108,91 +147,132 @@ impl RestorePolicy {
         self.mode
     }
 
-    fn bucket(suffix: u64) -> usize {
-        (u64::BITS - suffix.max(1).leading_zeros() - 1).min(BUCKETS as u32 - 1) as usize
-    }
-
     /// The coverage expected for a suffix of `suffix` tokens: its bucket's; else between the
     /// nearest buckets with samples below and above, linear in log2 of the length (coverage
     /// grows with the suffix); else the nearest one's.
     pub fn coverage(&self, suffix: u64) -> Option<f64> {
-        let b = Self::bucket(suffix);
-        let at = |x: usize| {
-            let (c, n) = self.coverage[x];
-            (n > 0).then_some(c)
-        };
-        if let Some(c) = at(b) {
-            return Some(c);
-        }
-        let lo = (0..b).rev().find_map(|x| at(x).map(|c| (x, c)));
-        let hi = (b + 1..BUCKETS).find_map(|x| at(x).map(|c| (x, c)));
-        match (lo, hi) {
-            (Some((xl, cl)), Some((xh, ch))) => {
-                let x = (suffix.max(1) as f64).log2();
-                let t = ((x - xl as f64) / (xh - xl) as f64).clamp(0.0, 1.0);
-                Some(cl + t * (ch - cl))
-            }
-            (Some((_, c)), None) | (None, Some((_, c))) => Some(c),
-            (None, None) => None,
-        }
+        restore_positions::interpolate(suffix, |b| self.coverage[b].get())
     }
 
-    /// Decides for an admission whose matched host pages hold `absent` objects off the
-    /// device, over `layers` layers, with a `suffix`-token prefill; `object_bytes` per object.
+    /// Decides for an admission over a `matched`-page prefix whose pages from `first` on were
+    /// restored from host, `absent[i]` objects of page `first + i` off the device, over
+    /// `layers` layers, with a `suffix`-token prefill; `object_bytes` per object. Returns the
+    /// decision and, for a predicted restore, the pages it restores (ascending).
     pub fn decide(
         &mut self,
-        absent: u64,
+        first: u32,
+        matched: u32,
+        absent: &[u32],
         layers: u64,
         suffix: u64,
         object_bytes: u64,
-    ) -> RestoreDecision {
+    ) -> (RestoreDecision, Vec<u32>) {
+        debug_assert_eq!(first as usize + absent.len(), matched as usize);
+        let total: u64 = absent.iter().map(|&a| u64::from(a)).sum();
         let coverage = self.coverage(suffix);
-        let full = absent as f64;
-        let idx = coverage.map_or(f64::NAN, |c| c * full);
-        let choice = match self.mode {
-            RestoreMode::IndexerOnly => RestoreChoice::IndexerOnly,
-            RestoreMode::Full => RestoreChoice::Full,
-            RestoreMode::Auto if absent == 0 || coverage.is_none() => RestoreChoice::IndexerOnly,
+        let (ob, ov) = (object_bytes as f64, self.copy_overhead as f64);
+        let full = total as f64;
+        let mut idx = coverage.map_or(f64::NAN, |c| c * full);
+        // The predicted pages: those whose class is selected at least at the break-even share.
+        let even = ob / (ob + ov);
+        let mut pages = Vec::new();
+        let (mut bulk, mut expected, mut by_class, mut known) = (0u64, 0.0, 0.0, true);
+        if coverage.is_some() {
+            let mut share = [None; restore_positions::CLASSES];
+            for (i, &a) in absent.iter().enumerate() {
+                let page = first + i as u32;
+                let c = restore_positions::class_of(page, matched);
+                let s = *share[c].get_or_insert_with(|| self.positions.share(suffix, c));
+                known &= s.is_some();
+                let s = s.unwrap_or(0.0);
+                by_class += s * f64::from(a);
+                if s >= even && a > 0 {
+                    pages.push(page);
+                    bulk += u64::from(a);
+                    expected += s * f64::from(a);
+                }
+            }
+            // Where every page's class has a share, their sum is the finer estimate (a prefix
+            // restored from host past its start is mostly of the end's classes).
+            if known {
+                idx = by_class;
+            }
+        }
+        let rest = (idx - expected).max(0.0);
+        let pred = if pages.is_empty() {
+            f64::NAN
+        } else {
+            bulk as f64 + rest
+        };
+        let cost_idx = idx * (ob + ov);
+        let cost_full = full * ob + layers as f64 * ov;
+        let cost_pred = bulk as f64 * ob + layers as f64 * ov + rest * (ob + ov);
+        let bulk_choice = match self.mode {
+            RestoreMode::IndexerOnly => None,
+            RestoreMode::Full => Some(RestoreChoice::Full),
+            RestoreMode::Predicted => (!pages.is_empty()).then_some(RestoreChoice::Predicted),
+            RestoreMode::Auto if total == 0 || coverage.is_none() => None,
             RestoreMode::Auto => {
-                let (ob, ov) = (object_bytes as f64, self.copy_overhead as f64);
-                let cost_idx = idx * (ob + ov);
-                let cost_full = full * ob + layers as f64 * ov;
-                let run = &mut self.full_run[Self::bucket(suffix)];
-                if cost_full >= cost_idx {
-                    *run = 0;
-                    RestoreChoice::IndexerOnly
-                } else if *run + 1 >= EXPLORE {
+                let mut best = (cost_idx, None);
+                if cost_full < best.0 {
+                    best = (cost_full, Some(RestoreChoice::Full));
+                }
+                if !pages.is_empty() && cost_pred < best.0 {
+                    best = (cost_pred, Some(RestoreChoice::Predicted));
+                }
+                best.1
+            }
+        };
+        let choice = match (self.mode, bulk_choice) {
+            (_, None) => RestoreChoice::IndexerOnly,
+            (RestoreMode::Auto, Some(c)) => {
+                let run = &mut self.bulk_run[restore_positions::bucket(suffix)];
+                if *run + 1 >= EXPLORE {
                     *run = 0; // a fresh sample for this length
                     RestoreChoice::IndexerOnly
                 } else {
                     *run += 1;
-                    RestoreChoice::Full
+                    c
                 }
             }
+            (_, Some(c)) => c,
         };
-        RestoreDecision {
+        if choice == RestoreChoice::IndexerOnly && self.mode == RestoreMode::Auto {
+            self.bulk_run[restore_positions::bucket(suffix)] = 0;
+        }
+        if choice != RestoreChoice::Predicted {
+            pages.clear();
+        }
+        let d = RestoreDecision {
             choice,
-            absent,
+            absent: total,
             suffix,
             coverage,
-            predicted: (idx, full),
-        }
+            predicted: Predicted {
+                indexer: idx,
+                full,
+                predicted: pred,
+            },
+            bulk: if pred.is_nan() { 0 } else { bulk },
+        };
+        (d, pages)
     }
 
-    /// Learns from a request that restored Indexer-K only: it loaded `loaded` of the
-    /// `absent` objects its admission found off the device.
-    pub fn learn(&mut self, suffix: u64, absent: u64, loaded: u64) {
-        if absent == 0 {
+    /// Learns from a request with a `suffix`-token prefill that restored Indexer-K only over a
+    /// `matched`-page prefix: `absent[i]` objects of page `first + i` were off the device at
+    /// its admission and it loaded `loaded[i]` of them.
+    pub fn learn(&mut self, suffix: u64, first: u32, matched: u32, absent: &[u32], loaded: &[u32]) {
+        let total: u64 = absent.iter().map(|&a| u64::from(a)).sum();
+        if total == 0 {
             return;
         }
-        let sample = (loaded as f64 / absent as f64).min(1.0);
-        let (c, n) = &mut self.coverage[Self::bucket(suffix)];
-        *c = if *n == 0 {
-            sample
-        } else {
-            (1.0 - ALPHA) * *c + ALPHA * sample
-        };
-        *n += 1;
+        let got: u64 = absent
+            .iter()
+            .zip(loaded)
+            .map(|(&a, &l)| u64::from(l.min(a)))
+            .sum();
+        self.coverage[restore_positions::bucket(suffix)].add(got as f64 / total as f64);
+        self.positions.learn(suffix, first, matched, absent, loaded);
     }
 }
 
@@ -200,22 +280,50 @@ impl RestorePolicy {
 mod tests {
     use super::*;
 
+    /// `objects` absent objects as whole pages of `layers` objects (a prefix all from host).
+    fn pages(objects: u32, layers: u32) -> Vec<u32> {
+        vec![layers; (objects / layers) as usize]
+    }
+
+    /// Decides for a prefix of `objects` absent objects in pages of `layers`.
+    fn decide(
+        p: &mut RestorePolicy,
+        objects: u32,
+        layers: u32,
+        suffix: u64,
+        ob: u64,
+    ) -> RestoreDecision {
+        let a = pages(objects, layers);
+        p.decide(0, a.len() as u32, &a, u64::from(layers), suffix, ob)
+            .0
+    }
+
+    /// Learns that a request loaded `loaded` of `objects` absent objects, spread evenly.
+    fn learn(p: &mut RestorePolicy, suffix: u64, objects: u32, loaded: u32) {
+        let a = pages(objects, 4);
+        let n = a.len() as u32;
+        let l: Vec<u32> = (0..n)
+            .map(|i| loaded * (i + 1) / n - loaded * i / n)
+            .collect();
+        p.learn(suffix, 0, n, &a, &l);
+    }
+
     #[test]
     fn with_no_sample_it_restores_indexer_k_only_and_learns() {
         let mut p = RestorePolicy::new(RestoreMode::Auto, 4096);
-        let d = p.decide(1000, 4, 256, 8192);
+        let d = decide(&mut p, 1000, 4, 256, 8192);
         assert_eq!(d.choice, RestoreChoice::IndexerOnly);
-        assert!(d.coverage.is_none() && d.predicted.0.is_nan());
+        assert!(d.coverage.is_none() && d.predicted.indexer.is_nan());
         // A long suffix that loaded nearly everything: a full restore is cheaper next time.
-        p.learn(300, 1000, 950);
-        let d = p.decide(1000, 4, 300, 8192);
+        learn(&mut p, 300, 1000, 950);
+        let d = decide(&mut p, 1000, 4, 300, 8192);
         assert_eq!(d.choice, RestoreChoice::Full);
-        assert_eq!(d.predicted, (950.0, 1000.0));
+        assert!((d.predicted.indexer - 950.0).abs() < 1e-9 && d.predicted.full == 1000.0);
         // A short suffix borrows the nearest sample until it has its own; then its own.
         assert_eq!(p.coverage(3), Some(0.95));
-        p.learn(3, 1000, 100);
+        learn(&mut p, 3, 1000, 100);
         assert_eq!(
-            p.decide(1000, 4, 3, 8192).choice,
+            decide(&mut p, 1000, 4, 3, 8192).choice,
             RestoreChoice::IndexerOnly
         );
         assert_eq!(p.coverage(2), Some(0.1));
@@ -227,20 +335,20 @@ mod tests {
     #[test]
     fn a_length_sent_to_full_restores_is_sampled_again_now_and_then() {
         let mut p = RestorePolicy::new(RestoreMode::Auto, 4096);
-        p.learn(300, 1000, 950);
+        learn(&mut p, 300, 1000, 950);
         let picks: Vec<_> = (0..2 * EXPLORE)
-            .map(|_| p.decide(1000, 4, 300, 8192).choice)
+            .map(|_| decide(&mut p, 1000, 4, 300, 8192).choice)
             .collect();
         let idx: Vec<usize> = (0..picks.len())
             .filter(|&i| picks[i] == RestoreChoice::IndexerOnly)
             .collect();
         assert_eq!(idx, [EXPLORE as usize - 1, 2 * EXPLORE as usize - 1]);
         // The sample it brings moves the estimate: coverage dropped, Indexer-K only from then.
-        p.learn(300, 1000, 100);
-        p.learn(300, 1000, 100);
-        p.learn(300, 1000, 100);
+        for _ in 0..3 {
+            learn(&mut p, 300, 1000, 100);
+        }
         assert_eq!(
-            p.decide(1000, 4, 300, 8192).choice,
+            decide(&mut p, 1000, 4, 300, 8192).choice,
             RestoreChoice::IndexerOnly
         );
     }
@@ -248,32 +356,85 @@ mod tests {
     #[test]
     fn scattered_copies_cost_their_overhead() {
         let mut p = RestorePolicy::new(RestoreMode::Auto, 0);
-        p.learn(64, 100, 99);
+        learn(&mut p, 64, 100, 99);
         // Without overhead, 99 objects scattered beat 100 in bulk.
         assert_eq!(
-            p.decide(100, 2, 64, 1000).choice,
+            decide(&mut p, 100, 2, 64, 1000).choice,
             RestoreChoice::IndexerOnly
         );
         let mut p = RestorePolicy::new(RestoreMode::Auto, 1000);
-        p.learn(64, 100, 99);
+        learn(&mut p, 64, 100, 99);
         // A copy's fixed cost as much as an object: bulk wins.
-        assert_eq!(p.decide(100, 2, 64, 1000).choice, RestoreChoice::Full);
+        assert_eq!(decide(&mut p, 100, 2, 64, 1000).choice, RestoreChoice::Full);
+    }
+
+    #[test]
+    fn pages_selected_by_position_are_restored_in_bulk_and_the_rest_on_demand() {
+        // 100 pages of 2 layers; requests loaded the first page and the last 4 whole, and 10 %
+        // of the rest: a sink and a window, as an indexer selects.
+        let mut p = RestorePolicy::new(RestoreMode::Auto, 4096);
+        let absent = vec![2u32; 100];
+        let mut loaded: Vec<u32> = (0..100).map(|i| u32::from(i % 10 == 5)).collect();
+        for i in [0, 96, 97, 98, 99] {
+            loaded[i] = 2;
+        }
+        for _ in 0..3 {
+            p.learn(64, 0, 100, &absent, &loaded);
+        }
+        let (d, pages) = p.decide(0, 100, &absent, 2, 64, 8192);
+        assert_eq!(d.choice, RestoreChoice::Predicted);
+        // The classes at break-even (2/3) or more: page 0, and pages 97-99 (0, 1-2 from the
+        // end). Page 96 shares its class (3-6 from the end) with 93-95: 3 of 8 objects.
+        assert_eq!(pages, [0, 97, 98, 99]);
+        assert_eq!(d.bulk, 2 * pages.len() as u64);
+        assert!(d.predicted.predicted < d.predicted.full);
+        // Cheaper than either fixed choice by the model's own costs.
+        let (ob, ov) = (8192.0, 4096.0);
+        let cost_idx = d.predicted.indexer * (ob + ov);
+        let cost_full = d.predicted.full * ob + 2.0 * ov;
+        let rest = d.predicted.predicted - d.bulk as f64;
+        let cost_pred = d.bulk as f64 * ob + 2.0 * ov + rest * (ob + ov);
+        assert!(cost_pred < cost_idx && cost_pred < cost_full);
+        // Pages restored from host past the start: only those are predicted.
+        let (d, pages) = p.decide(90, 100, &absent[90..], 2, 64, 8192);
+        assert_eq!(d.choice, RestoreChoice::Predicted);
+        assert!(pages.iter().all(|&q| q >= 90) && pages.contains(&99));
+        // The fixed mode predicts even where another choice is cheaper; with nothing learned
+        // it restores Indexer-K only.
+        let mut q = RestorePolicy::new(RestoreMode::Predicted, 4096);
+        assert_eq!(
+            q.decide(0, 100, &absent, 2, 64, 8192).0.choice,
+            RestoreChoice::IndexerOnly
+        );
+        q.learn(64, 0, 100, &absent, &loaded);
+        assert_eq!(
+            q.decide(0, 100, &absent, 2, 64, 8192).0.choice,
+            RestoreChoice::Predicted
+        );
     }
 
     #[test]
     fn fixed_modes_and_names() {
         let mut p = RestorePolicy::new(RestoreMode::Full, 0);
-        assert_eq!(p.decide(10, 1, 1, 1).choice, RestoreChoice::Full);
+        assert_eq!(decide(&mut p, 10, 1, 1, 1).choice, RestoreChoice::Full);
         let mut p = RestorePolicy::new(RestoreMode::IndexerOnly, 0);
-        assert_eq!(p.decide(10, 1, 1, 1).choice, RestoreChoice::IndexerOnly);
+        assert_eq!(
+            decide(&mut p, 10, 1, 1, 1).choice,
+            RestoreChoice::IndexerOnly
+        );
         assert_eq!(RestoreMode::parse("auto").unwrap(), RestoreMode::Auto);
+        assert_eq!(
+            RestoreMode::parse("predicted").unwrap(),
+            RestoreMode::Predicted
+        );
         assert!(RestoreMode::parse("half").is_err());
+        assert_eq!(RestoreChoice::Predicted.name(), "predicted");
         // Moving average: a new sample weighs a quarter.
         let mut p = RestorePolicy::new(RestoreMode::Auto, 0);
-        p.learn(8, 100, 100);
-        p.learn(8, 100, 0);
+        learn(&mut p, 8, 100, 100);
+        learn(&mut p, 8, 100, 0);
         assert_eq!(p.coverage(8), Some(0.75));
-        p.learn(8, 0, 0); // nothing absent: no sample
+        learn(&mut p, 8, 0, 0); // nothing absent: no sample
         assert_eq!(p.coverage(8), Some(0.75));
     }
 }

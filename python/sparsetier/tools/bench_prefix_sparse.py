@@ -1,11 +1,13 @@
 """`sparsetier bench prefix-sparse`: what a prefix hit moves host -> device under sparse
-attention, at DeepSeek-V3.2's shape, over a grid of prefix and suffix lengths, for the two
-fixed restore choices and the core's restore policy between them:
+attention, at DeepSeek-V3.2's shape, over a grid of prefix and suffix lengths, for the three
+restore choices and the core's restore policy between them:
 - full restore: every prefix page's KV and Indexer-K, every layer, the KV in bulk (a copy a
   layer, as the policy's cost model counts it);
 - Indexer-K only: every prefix page's Indexer-K (the indexer scores every past token), and the
   KV of the pages the suffix's selections name (per layer, the union over its tokens),
   loaded on demand, a copy each;
+- predicted pages: Indexer-K, the KV of the pages the policy's position model expects
+  selected (sinks, the window's end of the prefix) in bulk, and the rest on demand;
 - the policy (`sparsetier._core.RestorePolicy`, the core's own): taught this model's coverage
   by requests of the other suffix lengths of the row (it has never seen this one), and again
   by one of this length.
@@ -16,8 +18,7 @@ recording's length).
 
 The selections come from the parametric selection model (`selection_model.py`), so the
 figures are the model's expectations, not measurements of copies. Costs are the policy's:
-bytes plus `copy_overhead` bytes a copy. Not built: a third choice, restoring in bulk the
-pages the suffix is predicted to select.
+bytes plus `copy_overhead` bytes a copy.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class Cell:
     idx_only_copies: float
     full_cost: float
     idx_only_cost: float
+    # The predicted restore (its pages as the policy, taught this length, predicts them).
+    pred_pages: int
+    pred_bytes: float
+    pred_copies: float
+    pred_cost: float
     # The policy's choice and cost, taught by the row's other suffix lengths; then by this one.
     policy_unseen: str
     policy_unseen_cost: float
@@ -75,7 +81,15 @@ class Cell:
 
     @property
     def best_cost(self) -> float:
-        return min(self.full_cost, self.idx_only_cost)
+        return min(self.full_cost, self.idx_only_cost, self.pred_cost)
+
+
+def _predicted(probs, bulk_pages: list[int], layers: int, object_bytes: int, ov: int):
+    """A predicted restore of `bulk_pages` where each page is selected with `probs`: (objects
+    in bulk, objects then expected on demand, the KV part of its cost)."""
+    bulk = len(bulk_pages) * layers
+    rest = float(probs.sum() - probs[bulk_pages].sum()) * layers
+    return bulk, rest, bulk * object_bytes + layers * ov + rest * (object_bytes + ov)
 
 
 def run(cfg: PrefixSparseConfig = PrefixSparseConfig()) -> list[Cell]:
@@ -88,25 +102,40 @@ def run(cfg: PrefixSparseConfig = PrefixSparseConfig()) -> list[Cell]:
         objects = pages * layers
         # A recording covers the cells within its length only.
         suffixes = [s for s in cfg.suffixes if not recorded or cfg.model.covers(p, s)]
-        union = {s: cfg.model.prefix_union(p, s) for s in suffixes}
+        probs = {s: cfg.model.page_probs(p, s) for s in suffixes}
+        absent = [layers] * pages  # every layer of every page is off the device
         idx_bytes = p * layers * cfg.idx_token_bytes  # the same under every choice
         for s in suffixes:
-            u = union[s]
+            u = float(probs[s].sum())
             full = p * layers * (cfg.kv_token_bytes + cfg.idx_token_bytes)
             idx_only = idx_bytes + u * layers * object_bytes
             # The KV part of each choice's cost, as the policy counts it.
             full_cost = objects * object_bytes + layers * ov
             idx_cost = u * layers * (object_bytes + ov)
 
+            def cost(choice: str, bulk_pages: list[int], pr=probs[s], fc=full_cost, ic=idx_cost):
+                if choice == "full":
+                    return fc
+                if choice == "indexer" or not bulk_pages:
+                    return ic
+                return _predicted(pr, bulk_pages, layers, object_bytes, ov)[2]
+
             picks = []
             for seen in (False, True):
                 pol = RestorePolicy("auto", ov)
                 for other in suffixes:
                     if other != s or seen:
-                        pol.learn(other, objects, round(union[other] * layers))
-                choice = pol.decide(objects, layers, s, object_bytes)["choice"]
-                picks.append((choice, full_cost if choice == "full" else idx_cost))
+                        loaded = [round(x * layers) for x in probs[other]]
+                        pol.learn(other, absent, loaded)
+                d = pol.decide(absent, layers, s, object_bytes)
+                picks.append((d["choice"], cost(d["choice"], d["pages"])))
             unseen, seen = picks
+            # The fixed predicted choice, by the same model taught this length too.
+            fixed = RestorePolicy("predicted", ov)
+            for other in suffixes:
+                fixed.learn(other, absent, [round(x * layers) for x in probs[other]])
+            pred_pages = fixed.decide(absent, layers, s, object_bytes)["pages"]
+            bulk, rest, _ = _predicted(probs[s], pred_pages, layers, object_bytes, ov)
             cells.append(
                 Cell(
                     prefix=p,
@@ -118,6 +147,10 @@ def run(cfg: PrefixSparseConfig = PrefixSparseConfig()) -> list[Cell]:
                     idx_only_copies=(pages + u) * layers,
                     full_cost=full_cost,
                     idx_only_cost=idx_cost,
+                    pred_pages=len(pred_pages),
+                    pred_bytes=idx_bytes + (bulk + rest) * object_bytes,
+                    pred_copies=pages * layers + (layers if pred_pages else 0) + rest,
+                    pred_cost=cost("predicted", pred_pages),
                     policy_unseen=unseen[0],
                     policy_unseen_cost=unseen[1],
                     policy_seen=seen[0],
@@ -141,13 +174,14 @@ def format_report(cfg: PrefixSparseConfig, cells: list[Cell]) -> str:
         f"{m.page_size}-token pages, top-{m.topk_pages * m.page_size} "
         f"({source}); costs: KV bytes + {cfg.copy_overhead} B a copy",
         f"{'prefix':>8} {'suffix':>7} {'union pages':>12} {'full GiB':>9} "
-        f"{'idx-only GiB':>13} {'full/idx-only':>14}  {'policy (unseen / seen)':>24} "
-        f"{'cost / best':>12}",
+        f"{'idx-only GiB':>13} {'full/idx-only':>14} {'pred pages':>10} {'pred cost/idx':>13}  "
+        f"{'policy (unseen / seen)':>24} {'cost / best':>12}",
     ]
     for c in cells:
         lines.append(
             f"{c.prefix:>8} {c.suffix:>7} {c.union_pages:>12.1f} {c.full_bytes / 2**30:>9.3f} "
-            f"{c.idx_only_bytes / 2**30:>13.3f} {c.full_over_idx_only:>13.2f}x  "
+            f"{c.idx_only_bytes / 2**30:>13.3f} {c.full_over_idx_only:>13.2f}x "
+            f"{c.pred_pages:>10} {c.pred_cost / c.idx_only_cost:>13.3f}  "
             f"{c.policy_unseen:>11} / {c.policy_seen:<10} "
             f"{c.policy_unseen_cost / c.best_cost:>5.2f} / {c.policy_seen_cost / c.best_cost:.2f}"
         )

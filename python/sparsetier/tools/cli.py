@@ -685,10 +685,11 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--restore",
-        choices=["auto", "indexer", "full"],
+        choices=["auto", "indexer", "full", "predicted"],
         default=d.restore,
         help="what a prefix hit restores of its main KV: by the core's cost model (auto), "
-        "Indexer-K only with KV on demand (indexer), or all of it in bulk (full)",
+        "Indexer-K only with KV on demand (indexer), all of it in bulk (full), or in bulk the "
+        "pages predicted to be selected by their position, the rest on demand (predicted)",
     )
     p.add_argument(
         "--storage-backend",

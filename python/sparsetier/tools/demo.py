@@ -51,7 +51,8 @@ class DemoConfig:
     # resolver ("device"); the resident run always plans on the host.
     resolve: str = "host"
     # What a prefix hit restores of its main KV: by the core's cost model ("auto"), Indexer-K
-    # only ("indexer"), or everything ("full"); both runs alike.
+    # only ("indexer"), everything ("full"), or the pages predicted selected ("predicted");
+    # both runs alike.
     restore: str = "auto"
     # L3 under the tiered run's prefix tier ("file" or "mooncake": a local master started and
     # stopped here), with a host tier too small for the conversations: a later turn's prefix
@@ -182,6 +183,7 @@ def _run(
     admissions: dict[int, dict] = {}
     log = FailureLog()
     play = replay or FailureLog()
+    restores: list[dict] = []  # each finished request's restore (restore_status)
 
     def arm(step: int) -> None:
         if step in faults:
@@ -245,6 +247,8 @@ def _run(
         for rid in [r.rid for r in rt.requests.values() if r.done]:
             r = rt.finish_request(rid)
             outputs[rid] = torch.stack(r.outputs)
+            if r.restore is not None:
+                restores.append(r.restore)
             c, i = live.pop(rid)
             if i + 1 < len(work[c]):
                 nxt = torch.cat([torch.from_numpy(r.tokens()), work[c][i + 1].message])
@@ -254,7 +258,7 @@ def _run(
         from sparsetier.replay import save_trace
 
         save_trace(trace, rt.scheduler.take_journal())
-    return rt, outputs, admissions, prefill_bytes, log
+    return rt, outputs, admissions, prefill_bytes, log, restores
 
 
 @contextmanager
@@ -292,6 +296,20 @@ def _prefix_moved(rt: DecodeRuntime) -> int:
     KV loaded (re-loads included)."""
     px = rt.prefix_stats()
     return px["indexer_bytes_restored"] + px["prefix_kv_bytes_loaded"]
+
+
+def _by_choice(restores: list[dict]) -> dict:
+    out: dict[str, dict] = {}
+    for st in restores:
+        c = out.setdefault(
+            st["choice"],
+            {"requests": 0, "loaded": 0, "bulk_submissions": 0, "on_demand": 0, "wait_s": 0.0},
+        )
+        c["requests"] += 1
+        for k in ("loaded", "bulk_submissions", "on_demand"):
+            c[k] += st[k]
+        c["wait_s"] += st["exposed_wait_ns"] / 1e9
+    return out
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -336,7 +354,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     with _storage(cfg.storage_backend) as storage:
         # With L3 the tiered run's host tier holds the running requests' pages and little more.
         tiered_sizes = (sum(pages[: cfg.concurrent]) + 16, idx_pages) if storage else sizes
-        rt, out, adms, prefill_bytes, failures = _run(
+        rt, out, adms, prefill_bytes, failures, restores = _run(
             cfg, model, work, device, tiered_sizes, bar, faults, trace=cfg.trace,
             resolve=cfg.resolve, storage=storage,
         )  # fmt: skip
@@ -365,7 +383,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         bar.close()
         bar = tqdm(desc="resident check", unit="step")
     resident = peak + 16 * layers
-    _, ref, ref_adms, _, ref_failures = _run(
+    _, ref, ref_adms, _, ref_failures, _ = _run(
         cfg, model, work, max(resident, device), sizes, bar, {}, failures
     )
     if bar is not None:
@@ -421,6 +439,10 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         "l3_pages_fetched": rt.l3_pages_fetched,
         "l3_host_capacity": tiered_sizes[0] if l3 else None,
         "restores_full": px["restores_full"],
+        "restores_predicted": px["restores_predicted"],
+        # Per choice, over the requests that finished: what they loaded of their host-restored
+        # pages (in bulk at admission, on demand) and what their layers waited.
+        "restore_by_choice": _by_choice(restores),
         "restores_indexer_only": px["restores_indexer_only"],
         "restores_partial": px["restores_partial"],
         "restore_objects_predicted": px["restore_objects_predicted"],
@@ -550,6 +572,7 @@ def format_summary(r: dict) -> str:
         (
             "restore policy",
             f"{t['restores_full']} full ({t['restores_partial']} cut short), "
+            f"{t['restores_predicted']} predicted, "
             f"{t['restores_indexer_only']} Indexer-K only; model error "
             + (
                 f"{t['restore_model_abs_error'] / t['restore_objects_predicted']:.2f} "
@@ -557,6 +580,16 @@ def format_summary(r: dict) -> str:
                 if t["restore_objects_predicted"]
                 else "none yet (no prediction checked)"
             ),
+        ),
+        (
+            "restores by choice",
+            "; ".join(
+                f"{k}: {c['requests']} requests, {c['loaded']} objects ({c['bulk_submissions']}"
+                f" bulk submissions, {c['on_demand']} on demand), waited "
+                f"{c['wait_s'] * 1e3:.2f} ms"
+                for k, c in sorted(t["restore_by_choice"].items())
+            )
+            or "none finished",
         ),
         (
             "faults",

@@ -114,8 +114,9 @@ class DecodeRuntime:
     layer's top-k becomes slots in the core, one call a layer (`resolve="host"`), or through the
     device resolver with one grant a step (`resolve="device"`: its reference implementation,
     on the cpu engine's pools). A prefix hit restores its Indexer-K, and its main KV as the
-    core's restore policy decides (`restore`: "auto" by its cost model, "indexer" only, or
-    "full"). With `storage` (an L3 backend: `sparsetier.l3.FileStore`, `MooncakeStore`) the
+    core's restore policy decides (`restore`: "auto" by its cost model, "indexer" only,
+    "full", or "predicted": the pages its position model expects selected, in bulk). With
+    `storage` (an L3 backend: `sparsetier.l3.FileStore`, `MooncakeStore`) the
     prefix tier spans L3 too: pages are written there (`storage_write_policy`), and a prompt
     whose pages left host memory has them fetched back into host pages before it is matched
     (`storage_options`: `StorageController`'s, such as `retry_interval`)."""

@@ -60,28 +60,39 @@ class SelectionModel:
     def prefix_union(self, prefix_tokens: int, suffix_tokens: int) -> float:
         """Expected prefix pages a layer's selections over `suffix_tokens` query tokens (the
         tokens after the prefix) name, of the prefix's `ceil(prefix_tokens / page_size)`."""
+        return float(self.page_probs(prefix_tokens, suffix_tokens).sum())
+
+    def page_probs(self, prefix_tokens: int, suffix_tokens: int) -> np.ndarray:
+        """Per prefix page, the probability that a layer's selections over the suffix name it:
+        1 for the sinks and the window's pages at the prefix's end; the Zipf pages' expected
+        coverage, the same for each of the middle pages (a layer's ranking of them is not
+        positional: averaged over layers, each page is any rank)."""
         if prefix_tokens < 0 or suffix_tokens < 0:
             raise ValueError(
                 f"prefix_tokens = {prefix_tokens}, suffix_tokens = {suffix_tokens}: allowed >= 0"
             )
         pages = -(-prefix_tokens // self.page_size)
+        out = np.zeros(pages)
         if pages == 0 or suffix_tokens == 0:
-            return 0.0
+            return out
         sinks = min(self.sink_pages, pages)
         # The first suffix token's window reaches back into the prefix; later ones less.
         window = min(self.window_pages, pages - sinks)
         rest = pages - sinks - window
+        out[:sinks] = 1.0
+        out[pages - window :] = 1.0
         draws = self.topk_pages - self.sink_pages - self.window_pages
         if rest == 0 or draws == 0:
-            return float(sinks + window)
+            return out
         if rest <= draws:
-            return float(pages)
+            return np.ones(pages)
         p = 1.0 / np.arange(1, rest + 1, dtype=np.float64) ** self.zipf_s
         p /= p.sum()
         n = float(draws) * (1 + (suffix_tokens - 1) * self.churn)
         # 1 - (1 - p)^n, stable for small p.
         covered = -np.expm1(n * np.log1p(-p))
-        return float(sinks + window + covered.sum())
+        out[sinks : pages - window] = covered.mean()
+        return out
 
 
 class RecordedSelections:
@@ -121,6 +132,10 @@ class RecordedSelections:
 
     def prefix_union(self, prefix_tokens: int, suffix_tokens: int) -> float:
         """Prefix pages a layer's selections over the suffix name, averaged over layers."""
+        return float(self.page_probs(prefix_tokens, suffix_tokens).sum())
+
+    def page_probs(self, prefix_tokens: int, suffix_tokens: int) -> np.ndarray:
+        """Per prefix page, the share of layers whose selections over the suffix name it."""
         if not self.covers(prefix_tokens, suffix_tokens):
             raise ValueError(
                 f"prefix_tokens + suffix_tokens = {prefix_tokens + suffix_tokens}: allowed "
@@ -128,7 +143,7 @@ class RecordedSelections:
             )
         pages = -(-prefix_tokens // self.page_size)
         rows = self.sel[:, prefix_tokens : prefix_tokens + suffix_tokens, :]
-        per_layer = [
-            np.unique(r[(r >= 0) & (r < pages)]).size for r in rows.reshape(rows.shape[0], -1)
-        ]
-        return float(np.mean(per_layer))
+        hits = np.zeros(pages)
+        for r in rows.reshape(rows.shape[0], -1):
+            hits[np.unique(r[(r >= 0) & (r < pages)])] += 1
+        return hits / rows.shape[0]
