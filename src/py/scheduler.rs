@@ -108,7 +108,10 @@ impl PyStepScheduler {
     /// whose pages the prefix cache owns; main-KV objects are loaded from there per layer
     /// into the one-layer `device` slots. `indexer_device` / `indexer_host` are the Indexer-K
     /// pools (whole pages, every layer), restored on a prefix hit and written through when a
-    /// request ends.
+    /// request ends. `restore`: what a prefix hit restores of its main KV, `auto` (the core's
+    /// cost model, per admission), `indexer` (none: loaded as selections name it), `full` (all
+    /// of it in bulk) or `predicted` (in bulk the pages predicted selected by position, the
+    /// rest on demand); `restore_copy_overhead`: a copy's fixed cost in bytes, in that model.
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
     #[pyo3(
