@@ -139,6 +139,12 @@ impl<T: Versioned, S: Copy> Arena<T, S> {
         self.side(i).expect("a live arena index")
     }
 
+    /// Hints the CPU to fetch the column entry of slot `i` (any `i`).
+    #[inline]
+    pub fn prefetch_side(&self, i: usize) {
+        crate::prefetch::prefetch_bytes(self.column.as_ptr().wrapping_add(i), size_of::<S>());
+    }
+
     /// Hints the CPU to fetch slot `i` (any `i`: out of range or vacant is harmless): every
     /// cache line it spans. A slot larger than a line spans two or three; asking for the
     /// first alone leaves the others to demand misses, taken one after another when the slot

@@ -164,7 +164,7 @@ pub struct Core {
     scratch: Vec<(usize, Class)>,
     idx_scratch: Vec<usize>,
     /// Device slots granted to a device resolver, not yet adopted or returned (`grant`).
-    granted: FxHashSet<SlotId>,
+    granted: super::slot_set::SlotSet,
     /// Objects that lost their device slot, while a device resolver mirrors the device.
     released: Option<Vec<(ObjectKey, SlotId)>>,
 }
@@ -212,7 +212,7 @@ impl Core {
             t0: Instant::now(),
             scratch: Vec::new(),
             idx_scratch: Vec::new(),
-            granted: FxHashSet::default(),
+            granted: Default::default(),
             released: None,
         })
     }

@@ -23,6 +23,7 @@ pub mod key;
 pub mod lru;
 pub mod metrics;
 mod recorder;
+pub mod slot_set;
 pub mod state;
 pub mod transfer;
 
@@ -184,8 +185,7 @@ impl Directory {
 
     /// [`core::Core::take_victim`] for each (object index, slot), in one lock.
     pub fn take_victims(&self, victims: &[(u32, crate::ids::SlotId)]) -> Result<()> {
-        let mut c = self.core.lock();
-        victims.iter().try_for_each(|&(i, s)| c.take_victim(i, s))
+        self.core.lock().take_victims(victims)
     }
 
     /// See [`core::Core::return_slots`].
@@ -199,11 +199,7 @@ impl Directory {
         &self,
         entries: &[(ObjectKey, ObjectHint, crate::ids::SlotId)],
     ) -> Result<Vec<bool>> {
-        let mut c = self.core.lock();
-        entries
-            .iter()
-            .map(|&(k, h, s)| c.adopt_hinted(&k, h, s))
-            .collect()
+        self.core.lock().adopt_all(entries)
     }
 
     /// See [`core::Core::log_releases`].

@@ -47,7 +47,16 @@ impl Core {
         let mut out = Vec::with_capacity(n.min(self.lru.len()));
         let mut chances = self.lru.len();
         while out.len() < n {
-            let Some(idx) = self.lru_pop() else {
+            // Victims come in runs: fetch the ones ahead (the object and its key).
+            let objects = &mut self.objects;
+            let popped = self.lru.pop_front_ahead(PREFETCH_AHEAD, |i, seq, ahead| {
+                if let Some(a) = ahead {
+                    objects.prefetch(a);
+                    objects.prefetch_side(a);
+                }
+                take_lru_entry(objects, i, seq)
+            });
+            let Some(idx) = popped else {
                 break;
             };
             if chances > 0 && recent(&self.objects.side_of(idx).key) {
@@ -92,6 +101,32 @@ impl Core {
         // Not logged as a release: the device that took it cleared it from its mirror.
         self.settle(i);
         Ok(())
+    }
+
+    /// [`Self::take_victim`] for each (object index, slot), the objects fetched ahead.
+    pub fn take_victims(&mut self, victims: &[(u32, SlotId)]) -> Result<()> {
+        for (n, &(idx, slot)) in victims.iter().enumerate() {
+            if let Some(&(ahead, _)) = victims.get(n + PREFETCH_AHEAD) {
+                self.objects.prefetch(ahead as usize);
+            }
+            self.take_victim(idx, slot)?;
+        }
+        Ok(())
+    }
+
+    /// [`Self::adopt_hinted`] for each (key, hint, slot), the hinted objects fetched ahead:
+    /// whether each was adopted.
+    pub fn adopt_all(&mut self, entries: &[(ObjectKey, ObjectHint, SlotId)]) -> Result<Vec<bool>> {
+        let mut out = Vec::with_capacity(entries.len());
+        for (n, &(key, hint, slot)) in entries.iter().enumerate() {
+            if let Some(&(_, ahead, _)) = entries.get(n + PREFETCH_AHEAD) {
+                if ahead != ObjectHint::NONE {
+                    self.objects.prefetch(ahead.index() as usize);
+                }
+            }
+            out.push(self.adopt_hinted(&key, hint, slot)?);
+        }
+        Ok(out)
     }
 
     /// Gives back granted slots the resolver did not fill.

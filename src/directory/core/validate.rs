@@ -144,7 +144,8 @@ impl Core {
         if (qd, qh) != (self.quarantined_device, self.quarantined_host) {
             return Err("quarantine counters disagree with the quarantine".into());
         }
-        for s in &self.granted {
+        for s in self.granted.iter() {
+            let s = &s;
             if dev_owner.contains_key(s) || !self.device.is_allocated(s.page()) {
                 return Err(format!("granted slot {s} is held by an object or free"));
             }
