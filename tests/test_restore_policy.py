@@ -109,17 +109,21 @@ def test_a_predicted_restore_loads_its_pages_in_bulk_and_the_rest_on_demand_exac
     for name, rt in (("pred", pred), ("ref", ref)):
         _serve(rt, 0, PROMPTS[0])
         _, r1 = _serve(rt, 1, PROMPTS[1])  # nothing learned yet: Indexer-K only
-        _, r2 = _serve(rt, 2, PROMPTS[2])
+        adm2, r2 = _serve(rt, 2, PROMPTS[2])
         outs[name], last[name] = (r1.outputs, r2.outputs), r2.restore
+        if name == "pred":
+            restored = adm2["restored_pages"] * 3  # the restored pages' objects, 3 layers
         rt.drain()
         rt.scheduler.validate()
     px = pred.scheduler.prefix_stats()
     assert (px["restores_indexer_only"], px["restores_predicted"]) == (1, 1), px
     # The second hit: the pages predicted by position from the first's loads, in bulk (one
-    # submission a layer at most), the rest as selections named them; each object once.
+    # submission a layer at most), the rest as selections named them; each object once. (A
+    # layer's bulk load, making room on this small device, can push a later layer's objects
+    # of the same pages off it first: then it loads more than were off at admission.)
     st = last["pred"]
-    assert st["choice"] == "predicted" and st["bulk_objects"] > 0, st
-    assert 0 < st["bulk_loaded"] <= st["bulk_objects"] and 0 < st["bulk_submissions"] <= 3, st
+    assert st["choice"] == "predicted" and 0 < st["bulk_objects"] <= restored, st
+    assert 0 < st["bulk_loaded"] <= restored and 0 < st["bulk_submissions"] <= 3, st
     assert st["loaded"] == st["bulk_loaded"] + st["on_demand"], st
     assert st["predicted_pages"] >= st["bulk_objects"], st
     assert last["ref"]["choice"] == "indexer" and last["ref"]["bulk_submissions"] == 0
