@@ -198,3 +198,28 @@ def test_the_default_demo_moves_no_more_prefix_bytes_than_a_full_restore(selecti
         # the device budget's, under any restore.
         assert t["prefix_restore_ratio_resident"] < t["prefix_restore_ratio"]
     assert "in the same run" in demo.format_summary(r)
+
+
+def test_a_copy_s_fixed_cost_in_the_model_is_its_engine_s_unless_given():
+    from sparsetier import _core
+
+    def binding(spec):
+        return _core.PageTransferBinding(torch.zeros(spec.shape(), dtype=torch.bfloat16), spec)
+
+    kv = _core.PoolSpec("KV", 1, 1, 8, "bf16", 8, 16)
+    kv_host = _core.PoolSpec("KV", 2, 1, 8, "bf16", 8, 16)
+    ik = _core.PoolSpec("INDEXER", 2, 1, 8, "bf16", 8, 16)
+
+    def joined(**kw):
+        engine = _core.TransferEngine("cpu", threads=1)
+        return _core.StepScheduler.joined(
+            binding(kv), binding(kv_host), engine, indexer_device=binding(ik),
+            indexer_host=binding(ik), **kw,
+        )  # fmt: skip
+
+    # The cpu engine's: a scattered copy costs it about a 16 KiB page's time.
+    assert joined().prefix_stats()["restore_copy_overhead"] == 16384
+    assert joined(restore_copy_overhead=0).prefix_stats()["restore_copy_overhead"] == 0
+    with pytest.raises(sp.OutOfRangeError) as e:
+        joined(restore_copy_overhead=-1)
+    assert e.value.field == "restore_copy_overhead"

@@ -580,7 +580,7 @@ class StepScheduler:
         prefetch: bool = True,
         prefetch_depth: int = 1,
         restore: str = "auto",
-        restore_copy_overhead: int = 16384,
+        restore_copy_overhead: int | None = None,
     ) -> JoinedStepScheduler: ...
     @property
     def is_joined(self) -> bool: ...

@@ -26,8 +26,7 @@ use crate::py::scheduler_stats::{prefix_stats, scheduler_stats};
 use crate::py::step_results::{PyLayerCounts, PyLayerPlan, PyStepRecord};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
 use crate::radix::PoolPair;
-use crate::scheduler::prefix::DEFAULT_COPY_OVERHEAD;
-use crate::scheduler::restore_policy::RestoreMode;
+use crate::scheduler::restore_policy::{default_copy_overhead, RestoreMode};
 use crate::scheduler::{Prefix, SelectionUnit, StepScheduler};
 #[cfg(feature = "testing")]
 use crate::transfer::Direction;
@@ -111,12 +110,13 @@ impl PyStepScheduler {
     /// request ends. `restore`: what a prefix hit restores of its main KV, `auto` (the core's
     /// cost model, per admission), `indexer` (none: loaded as selections name it), `full` (all
     /// of it in bulk) or `predicted` (in bulk the pages predicted selected by position, the
-    /// rest on demand); `restore_copy_overhead`: a copy's fixed cost in bytes, in that model.
+    /// rest on demand); `restore_copy_overhead`: a copy's fixed cost in bytes, in that model
+    /// (None: the engine's own, `prefix_stats()["restore_copy_overhead"]`).
     #[staticmethod]
     #[allow(clippy::too_many_arguments)]
     #[pyo3(
         signature = (device, host_kv, engine, *, indexer_device, indexer_host, device_reserve=None, prefetch=true, prefetch_depth=None, restore="auto", restore_copy_overhead=None),
-        text_signature = "(device, host_kv, engine, *, indexer_device, indexer_host, device_reserve=0, prefetch=True, prefetch_depth=1, restore='auto', restore_copy_overhead=16384)"
+        text_signature = "(device, host_kv, engine, *, indexer_device, indexer_host, device_reserve=0, prefetch=True, prefetch_depth=1, restore='auto', restore_copy_overhead=None)"
     )]
     fn joined(
         py: Python<'_>,
@@ -134,7 +134,7 @@ impl PyStepScheduler {
         let mode = RestoreMode::parse(restore).py_err(py)?;
         let overhead = match restore_copy_overhead {
             Some(v) => u64::from(u32_arg(py, v, "restore_copy_overhead", 0)?),
-            None => DEFAULT_COPY_OVERHEAD,
+            None => default_copy_overhead(engine.get().backend()),
         };
         let (d, h, e) = (device.get(), host_kv.get(), engine.get());
         let (id, ih) = (indexer_device.get(), indexer_host.get());

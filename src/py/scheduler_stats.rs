@@ -35,6 +35,7 @@ pub(super) fn prefix_stats(s: &JoinedScheduler) -> Stats {
         "restore_objects_if_predicted",
         t.restore_objects_if_predicted,
     );
+    d.put("restore_copy_overhead", s.restore_policy().copy_overhead());
     let c = p.cache();
     let (hf, hc) = c.host_free_capacity();
     d.put("device_free", c.device_free());

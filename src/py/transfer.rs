@@ -396,6 +396,7 @@ type KeptAlive = (Arc<TransferEvents>, Vec<Py<PyAny>>);
 pub struct PyTransferEngine {
     // Declared first so it drops first: its workers finish before the tensors are released.
     inner: Engine,
+    backend: crate::config::IoBackend,
     keepalive: Mutex<Vec<KeptAlive>>,
 }
 
@@ -403,6 +404,11 @@ impl PyTransferEngine {
     /// The engine, shared with a cache that submits through it.
     pub fn shared(&self) -> Arc<dyn CopyEngine> {
         self.inner.shared()
+    }
+
+    /// The `io_backend` it was made with.
+    pub fn backend(&self) -> crate::config::IoBackend {
+        self.backend
     }
 
     /// Whether the engine needs pinned host tensors (the CUDA engines).
@@ -494,6 +500,7 @@ impl PyTransferEngine {
             };
             Ok(PyTransferEngine {
                 inner,
+                backend,
                 keepalive: Mutex::new(Vec::new()),
             })
         })

@@ -138,8 +138,8 @@ struct Limbo {
     ns: Namespace,
 }
 
-/// What a copy's fixed cost is worth in the restore policy's cost model, in bytes: about a
-/// microsecond of launch or submission at PCIe speed.
+/// What a copy's fixed cost is worth in the restore policy's cost model, in bytes, where the
+/// engine is not known: the cpu engine's (`restore_policy::default_copy_overhead`).
 pub const DEFAULT_COPY_OVERHEAD: u64 = 16 << 10;
 
 /// The prefix tier of a joined step scheduler.

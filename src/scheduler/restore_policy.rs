@@ -113,6 +113,19 @@ pub struct RestoreDecision {
     pub bulk: u64,
 }
 
+/// What a copy's fixed cost is worth by default, in bytes, on engine `backend`: the bytes the
+/// engine moves in the time it spends on one more copy of a scattered load (its measured
+/// figures: `docs/architecture.md`, "The restore policy"). The cpu engine pays a copy on its
+/// worker; the kernel one op in the list the CPU builds; `direct` the driver's work per range.
+pub fn default_copy_overhead(backend: crate::config::IoBackend) -> u64 {
+    use crate::config::IoBackend;
+    match backend {
+        IoBackend::Cpu => 16 << 10,
+        IoBackend::Kernel => 2 << 10,
+        IoBackend::Direct => 192 << 10,
+    }
+}
+
 /// One decision in this many that the model sends to a bulk restore restores Indexer-K only.
 pub const EXPLORE: u32 = 8;
 
@@ -145,6 +158,11 @@ impl RestorePolicy {
     /// The mode.
     pub fn mode(&self) -> RestoreMode {
         self.mode
+    }
+
+    /// What a copy's fixed cost is worth in its cost model, in bytes.
+    pub fn copy_overhead(&self) -> u64 {
+        self.copy_overhead
     }
 
     /// The coverage expected for a suffix of `suffix` tokens: its bucket's; else between the
@@ -411,6 +429,16 @@ mod tests {
             q.decide(0, 100, &absent, 2, 64, 8192).0.choice,
             RestoreChoice::Predicted
         );
+    }
+
+    #[test]
+    fn a_copy_costs_what_its_engine_spends_on_one() {
+        use crate::config::IoBackend;
+        // The kernel's ops are nearly free to add; the driver's ranges dearest.
+        let [k, c, d] =
+            [IoBackend::Kernel, IoBackend::Cpu, IoBackend::Direct].map(default_copy_overhead);
+        assert!(k < c && c < d, "{k} {c} {d}");
+        assert_eq!(c, crate::scheduler::prefix::DEFAULT_COPY_OVERHEAD);
     }
 
     #[test]

@@ -28,7 +28,8 @@ from dataclasses import asdict, dataclass, field
 from sparsetier._core import RestorePolicy
 from sparsetier.tools.selection_model import RecordedSelections, SelectionModel
 
-#: The core's default: what a copy's fixed cost is worth, in bytes.
+#: What a copy's fixed cost is worth, in bytes: the cpu engine's default in the core (the
+#: kernel engine's is 2 KiB, `direct`'s 192 KiB; `--copy-overhead`).
 COPY_OVERHEAD = 16 << 10
 
 
@@ -47,6 +48,8 @@ class PrefixSparseConfig:
         for name in ("layers", "kv_token_bytes", "idx_token_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: allowed >= 1")
+        if self.copy_overhead < 0:
+            raise ValueError(f"copy_overhead = {self.copy_overhead}: allowed >= 0")
         for name in ("prefixes", "suffixes"):
             vals = getattr(self, name)
             if not vals or min(vals) < 1:

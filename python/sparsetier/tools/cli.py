@@ -374,7 +374,8 @@ def _bench_prefix_sparse_parser(
     d, m = PrefixSparseConfig(), SelectionModel()
     p = benches.add_parser("prefix-sparse", parents=[out],
                            help="bytes a prefix hit moves under sparse attention: full "
-                           "restore vs Indexer-K only, prefix x suffix lengths")  # fmt: skip
+                           "restore, Indexer-K only, predicted pages, prefix x suffix "
+                           "lengths")  # fmt: skip
     p.add_argument("--layers", type=int, default=d.layers)
     p.add_argument("--prefixes", type=int, nargs="+", default=list(d.prefixes))
     p.add_argument("--suffixes", type=int, nargs="+", default=list(d.suffixes))
@@ -385,6 +386,9 @@ def _bench_prefix_sparse_parser(
     p.add_argument("--zipf-s", type=float, default=m.zipf_s)
     p.add_argument("--churn", type=float, default=m.churn,
                    help="share of a token's Zipf draws not its predecessor's")  # fmt: skip
+    p.add_argument("--copy-overhead", type=int, default=d.copy_overhead,
+                   help="a copy's fixed cost in bytes, in the policy's cost model (the "
+                   "engines' defaults: cpu 16384, kernel 2048, direct 196608)")  # fmt: skip
     p.add_argument("--selections", metavar="NPZ",
                    help="replay selections recorded from a real model (sel [layers, tokens, "
                    "k] page ids, page_size) instead of the parametric model")  # fmt: skip
@@ -412,7 +416,7 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
             model = RecordedSelections.load(args.selections)
         cfg = bps.PrefixSparseConfig(
             layers=args.layers, model=model, prefixes=tuple(args.prefixes),
-            suffixes=tuple(args.suffixes),
+            suffixes=tuple(args.suffixes), copy_overhead=args.copy_overhead,
         )  # fmt: skip
     except ValueError as e:
         field, _, rest = str(e).partition(" = ")
