@@ -1,10 +1,10 @@
-//! A set of device slots as a bitmap over the pool: O(1) membership without hashing, for the
-//! slots granted to a device resolver (thousands change hands every decode step).
+//! A set of device slots as one flag per slot of the pool: O(1) membership without hashing,
+//! for the slots granted to a device resolver (thousands change hands every decode step).
 
 use crate::ids::SlotId;
 
-/// Slots by membership bit; the bitmap grows to the highest slot inserted (a directory
-/// without a device resolver never allocates it).
+/// Slots by membership flag; the flags grow to the highest slot inserted (a directory
+/// without a device resolver never allocates them).
 #[derive(Debug, Clone, Default)]
 pub struct SlotSet {
     member: Vec<bool>,

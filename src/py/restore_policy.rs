@@ -83,6 +83,9 @@ impl PyRestorePolicy {
         first: u32,
     ) -> PyResult<Bound<'py, PyDict>> {
         let matched = matched(py, first, &absent)?;
+        if object_bytes == 0 {
+            return Err(Error::config("object_bytes", 0, "an integer >= 1")).py_err(py);
+        }
         let (d, pages) =
             self.inner
                 .lock()

@@ -91,7 +91,8 @@ pub struct PrefixTotals {
     pub restores_full: u64,
     /// Restore decisions for the predicted pages.
     pub restores_predicted: u64,
-    /// Full restores cut short for want of device slots (the rest loads on demand).
+    /// Bulk restores (full or predicted) cut short for want of device slots (the rest loads
+    /// on demand).
     pub restores_partial: u64,
     /// Of the requests that ended with their pages inserted and a decision the model made
     /// with a sample: objects it predicted they would load.

@@ -1,6 +1,6 @@
 //! The joined scheduler's side of the restore policy (`restore_policy.rs`): the decision at
-//! admission, the full restore it may start, and what the policy learns when the request
-//! ends.
+//! admission, the bulk restore (full or predicted pages) it may start, and what the policy
+//! learns when the request ends.
 
 use super::core::StepScheduler;
 use super::record::StepRecord;
@@ -53,20 +53,22 @@ impl StepScheduler<PrefixTier> {
             suffix,
             self.object_bytes(),
         );
+        let r = self.requests.get_mut(&id).expect("checked above");
+        r.restore = Some(d);
+        r.restore_absent = absent;
+        match d.choice {
+            RestoreChoice::Full if d.absent > 0 => self.restore_pages(id, (from..to).collect())?,
+            RestoreChoice::Predicted => self.restore_pages(id, predicted)?,
+            _ => {}
+        }
+        // Counted once it stands (a restore that failed refuses the admission).
         let t = &mut self.tier.totals;
         match d.choice {
             RestoreChoice::IndexerOnly => t.restores_indexer_only += 1,
             RestoreChoice::Full => t.restores_full += 1,
             RestoreChoice::Predicted => t.restores_predicted += 1,
         }
-        let r = self.requests.get_mut(&id).expect("checked above");
-        r.restore = Some(d);
-        r.restore_absent = absent;
-        match d.choice {
-            RestoreChoice::Full if d.absent > 0 => self.restore_pages(id, (from..to).collect()),
-            RestoreChoice::Predicted => self.restore_pages(id, predicted),
-            _ => Ok(()),
-        }
+        Ok(())
     }
 
     /// Loads the main KV of request `id`'s host-restored `pages` that is not on the device:
@@ -182,7 +184,8 @@ impl StepScheduler<PrefixTier> {
         }
         t.restore_objects_if_indexer += known(p.indexer).unwrap_or(0);
         t.restore_objects_if_full += d.absent;
-        t.restore_objects_if_predicted += known(p.predicted).unwrap_or(0);
+        // No page predicted: that choice is Indexer-K only.
+        t.restore_objects_if_predicted += known(p.predicted).or(known(p.indexer)).unwrap_or(0);
     }
 }
 
@@ -194,7 +197,8 @@ fn seen(r: &RequestState) -> u64 {
         .sum()
 }
 
-/// Of those, the ones loaded after admission, as selections named them (a copy each).
+/// Of those, the ones first loaded after admission (as selections named them, or a prefetch
+/// ahead of them), each once.
 fn seen_on_demand(r: &RequestState) -> u64 {
     seen(r).saturating_sub(r.restore_loaded)
 }
@@ -211,7 +215,7 @@ pub struct RestoreStatus {
     pub bulk_loaded: u64,
     /// (See `bulk_loaded`.)
     pub bulk_submissions: u64,
-    /// Loaded after admission, as its selections named them.
+    /// Loaded first after admission (as its selections named them), each once.
     pub on_demand: u64,
     /// Time its prefill and decode layers waited on loads and restores, on the host (each
     /// decode wait counts for every request of the step).

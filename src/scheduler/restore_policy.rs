@@ -204,7 +204,7 @@ impl RestorePolicy {
                 known &= s.is_some();
                 let s = s.unwrap_or(0.0);
                 by_class += s * f64::from(a);
-                if s >= even && a > 0 {
+                if s > 0.0 && s >= even && a > 0 {
                     pages.push(page);
                     bulk += u64::from(a);
                     expected += s * f64::from(a);
@@ -238,6 +238,10 @@ impl RestorePolicy {
                 if !pages.is_empty() && cost_pred < best.0 {
                     best = (cost_pred, Some(RestoreChoice::Predicted));
                 }
+                if best.1.is_none() {
+                    // The model chose Indexer-K only: a sample comes anyway.
+                    self.bulk_run[restore_positions::bucket(suffix)] = 0;
+                }
                 best.1
             }
         };
@@ -255,9 +259,6 @@ impl RestorePolicy {
             }
             (_, Some(c)) => c,
         };
-        if choice == RestoreChoice::IndexerOnly && self.mode == RestoreMode::Auto {
-            self.bulk_run[restore_positions::bucket(suffix)] = 0;
-        }
         if choice != RestoreChoice::Predicted {
             pages.clear();
         }
@@ -369,6 +370,27 @@ mod tests {
             decide(&mut p, 1000, 4, 300, 8192).choice,
             RestoreChoice::IndexerOnly
         );
+    }
+
+    #[test]
+    fn a_decision_that_teaches_nothing_does_not_put_off_exploring() {
+        let mut p = RestorePolicy::new(RestoreMode::Auto, 4096);
+        learn(&mut p, 300, 1000, 950);
+        let mut picks = Vec::new();
+        for i in 0..EXPLORE {
+            picks.push(decide(&mut p, 1000, 4, 300, 8192).choice);
+            if i == 2 {
+                // Nothing off the device: Indexer-K only, no sample, the run goes on.
+                assert_eq!(
+                    decide(&mut p, 0, 4, 300, 8192).choice,
+                    RestoreChoice::IndexerOnly
+                );
+            }
+        }
+        assert_eq!(picks.last(), Some(&RestoreChoice::IndexerOnly), "{picks:?}");
+        assert!(picks[..EXPLORE as usize - 1]
+            .iter()
+            .all(|&c| c == RestoreChoice::Full));
     }
 
     #[test]

@@ -362,7 +362,7 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         if rt.l3 is not None:
             rt.l3.close()
     tiered_s = time.perf_counter() - t0
-    # What a full restore would have moved: the same run (conversations, budget, faults,
+    # What a full restore would have moved: the same run (conversations, budget, failures,
     # store) with every prefix hit restored whole. Its re-loads after eviction count too, as
     # this run's do: a full restore under the same budget does not keep the prefix resident.
     full_moved = _prefix_moved(rt)
@@ -371,10 +371,11 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
             bar.close()
             bar = tqdm(desc="full-restore run", unit="step")
         with _storage(cfg.storage_backend) as storage:
+            # It ends the requests this run's faults failed, where they failed (as the resident
+            # check does), so that both runs serve the same work.
             frt = _run(
-                replace(cfg, restore="full"), model, work, device, tiered_sizes, bar,
-                fault_plan(cfg.device) if cfg.faults else {}, resolve=cfg.resolve,
-                storage=storage,
+                replace(cfg, restore="full"), model, work, device, tiered_sizes, bar, {},
+                failures, resolve=cfg.resolve, storage=storage,
             )[0]  # fmt: skip
             full_moved = _prefix_moved(frt)
             if frt.l3 is not None:

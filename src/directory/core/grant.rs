@@ -105,6 +105,9 @@ impl Core {
 
     /// [`Self::take_victim`] for each (object index, slot), the objects fetched ahead.
     pub fn take_victims(&mut self, victims: &[(u32, SlotId)]) -> Result<()> {
+        for &(idx, _) in victims.iter().take(PREFETCH_AHEAD) {
+            self.objects.prefetch(idx as usize);
+        }
         for (n, &(idx, slot)) in victims.iter().enumerate() {
             if let Some(&(ahead, _)) = victims.get(n + PREFETCH_AHEAD) {
                 self.objects.prefetch(ahead as usize);
@@ -118,6 +121,11 @@ impl Core {
     /// whether each was adopted.
     pub fn adopt_all(&mut self, entries: &[(ObjectKey, ObjectHint, SlotId)]) -> Result<Vec<bool>> {
         let mut out = Vec::with_capacity(entries.len());
+        for &(_, hint, _) in entries.iter().take(PREFETCH_AHEAD) {
+            if hint != ObjectHint::NONE {
+                self.objects.prefetch(hint.index() as usize);
+            }
+        }
         for (n, &(key, hint, slot)) in entries.iter().enumerate() {
             if let Some(&(_, ahead, _)) = entries.get(n + PREFETCH_AHEAD) {
                 if ahead != ObjectHint::NONE {
