@@ -738,7 +738,7 @@ impl<T: Tier> StepScheduler<T> {
         let res = res.unwrap_or_else(plan_steps::nothing_resolved);
         if T::JOINED {
             let key_rids: Vec<RequestId> = key_row.iter().map(|&b| rids[b as usize]).collect();
-            T::count_loads(self, layer, &res.loaded, &from_prefix, &key_rids);
+            T::count_loads(self, layer, &keys, &res.loaded, &from_prefix, &key_rids);
         }
         let prefetch = self.prefetches.remove(&layer);
         let needed_bytes = needed_bytes + kept_needed * self.token_bytes;

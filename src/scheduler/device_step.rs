@@ -32,8 +32,9 @@
 //!
 //! # Invariants (`validate`)
 //! Every mirror entry names a device-Ready object of the directory at that slot (or a slot
-//! granted and filled this step); every page whose host copy is not written yet is in the
-//! mirror; the grant's slots are the directory's granted slots and victims.
+//! granted and filled this step); every object of a running request on the device is in the
+//! mirror (the host's loads enter it too: `Tier::count_loads`); the grant's slots are the
+//! directory's granted slots and victims.
 
 use super::core::{StepScheduler, NONE};
 use super::prefix::HOST_NS;
@@ -425,7 +426,8 @@ impl StepScheduler<PrefixTier> {
         }
         for (l, (loaded, pages, rids)) in by_layer.iter().enumerate() {
             if !loaded.is_empty() {
-                <PrefixTier as Tier>::count_loads(self, l as u16, loaded, pages, rids);
+                // (The device's own loads: its mirror has them.)
+                <PrefixTier as Tier>::count_loads(self, l as u16, &[], loaded, pages, rids);
             }
         }
         // Rows that got a failed cell had no data for that layer: failed for the step, once.
@@ -574,13 +576,15 @@ impl StepScheduler<PrefixTier> {
                     let Some(o) = self.dir.state(&key) else {
                         continue;
                     };
-                    let unwritten = !matches!(o.host, crate::directory::HostState::Ready { .. });
-                    if let (true, DeviceState::Ready { slot }) = (unwritten, o.device) {
+                    // Every object of a running request on the device is in the mirror (or
+                    // enters it at the next grant): one the host loaded too, or the device
+                    // would copy it in again; one not written to host yet above all.
+                    if let DeviceState::Ready { slot } = o.device {
                         let e = self.entry_of(&key);
                         let named = pending.contains(&e) || st.mirror()[e] == slot.raw() as i32;
                         if !named {
                             return Err(format!(
-                                "{key} has no host copy yet and the mirror does not name it"
+                                "{key} is on the device and the mirror does not name it"
                             ));
                         }
                     }

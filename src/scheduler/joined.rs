@@ -637,14 +637,23 @@ impl Tier for PrefixTier {
     }
 
     /// Counts the main-KV bytes loaded for matched prefix pages, and those loaded for the
-    /// first time in their request.
+    /// first time in their request. What the host loaded enters the device resolver's mirror
+    /// at its next grant: otherwise the device would copy those objects in again.
     fn count_loads(
         s: &mut StepScheduler<Self>,
         layer: u16,
+        keys: &[ObjectKey],
         loaded: &[bool],
         from_prefix: &[u32],
         key_rids: &[RequestId],
     ) {
+        if let (Some(link), false) = (s.tier.device.as_mut(), keys.is_empty()) {
+            let layers = s.cfg.layers as usize;
+            for (key, _) in keys.iter().zip(loaded).filter(|(_, &l)| l) {
+                let h = (key.namespace.id - super::prefix::HOST_NS) as usize;
+                link.adds.push(h * layers + layer as usize);
+            }
+        }
         let object_bytes = s.object_bytes();
         let layers = s.cfg.layers as usize;
         let totals = &mut s.tier.totals;

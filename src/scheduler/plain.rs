@@ -216,7 +216,15 @@ impl Tier for Plain {
         Ok((keys, slots))
     }
 
-    fn count_loads(_: &mut StepScheduler<Self>, _: u16, _: &[bool], _: &[u32], _: &[RequestId]) {}
+    fn count_loads(
+        _: &mut StepScheduler<Self>,
+        _: u16,
+        _: &[ObjectKey],
+        _: &[bool],
+        _: &[u32],
+        _: &[RequestId],
+    ) {
+    }
 
     fn end_step(_: &mut StepScheduler<Self>) -> Result<()> {
         Ok(())

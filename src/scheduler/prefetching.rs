@@ -75,7 +75,7 @@ impl<T: Tier> StepScheduler<T> {
             Err(e) => return Err(e),
         };
         if T::JOINED {
-            T::count_loads(self, layer, &res.loaded, &from_prefix, &key_rids);
+            T::count_loads(self, layer, &keys, &res.loaded, &from_prefix, &key_rids);
         }
         let mut rec = StepRecord {
             prefetch_predicted: keys.len() as u64,

@@ -90,15 +90,8 @@ impl StepScheduler<PrefixTier> {
                 }
                 Err(e) => return Err(e),
             };
-            <PrefixTier as Tier>::count_loads(self, l, &res.loaded, &pages, &key_rids);
-            // The device resolver's mirror learns where they land at its next grant.
-            if let Some(link) = self.tier.device.as_mut() {
-                let layers = self.cfg.layers as usize;
-                for (key, _) in keys.iter().zip(&res.loaded).filter(|(_, &loaded)| loaded) {
-                    let h = (key.namespace.id - super::prefix::HOST_NS) as usize;
-                    link.adds.push(h * layers + l as usize);
-                }
-            }
+            // (The device resolver's mirror learns where they land at its next grant.)
+            <PrefixTier as Tier>::count_loads(self, l, &keys, &res.loaded, &pages, &key_rids);
             let mut rec = StepRecord::default();
             if let Some(lp) = res.loads.first() {
                 self.xfer.submit_load(

@@ -56,10 +56,13 @@ pub trait Tier: sealed::Sealed + Sized + Send + 'static {
     ) -> Result<(Vec<ObjectKey>, Vec<SlotId>)>;
 
     /// Counts the loads of matched prefix pages (`from_prefix[i]`: the page key `i` reads,
-    /// or `NONE`); only called when [`Self::JOINED`].
+    /// or `NONE`), and hands what the host loaded (`keys`, the plan's; empty for loads the
+    /// device resolver made itself) to the resolver's mirror; only called when
+    /// [`Self::JOINED`].
     fn count_loads(
         s: &mut StepScheduler<Self>,
         layer: u16,
+        keys: &[ObjectKey],
         loaded: &[bool],
         from_prefix: &[u32],
         key_rids: &[RequestId],
