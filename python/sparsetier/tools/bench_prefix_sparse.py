@@ -107,6 +107,16 @@ def run(cfg: PrefixSparseConfig = PrefixSparseConfig()) -> list[Cell]:
         suffixes = [s for s in cfg.suffixes if not recorded or cfg.model.covers(p, s)]
         probs = {s: cfg.model.page_probs(p, s) for s in suffixes}
         absent = [layers] * pages  # every layer of every page is off the device
+        # What a request of each suffix length loaded, page by page (every layer counted).
+        loaded = {s: [round(x * layers) for x in probs[s]] for s in suffixes}
+
+        def taught(mode: str, lengths: list[int], absent=absent, loaded=loaded) -> RestorePolicy:
+            """A policy in `mode` that saw one request of each of `lengths`."""
+            pol = RestorePolicy(mode, ov)
+            for other in lengths:
+                pol.learn(other, absent, loaded[other])
+            return pol
+
         idx_bytes = p * layers * cfg.idx_token_bytes  # the same under every choice
         for s in suffixes:
             u = float(probs[s].sum())
@@ -124,19 +134,13 @@ def run(cfg: PrefixSparseConfig = PrefixSparseConfig()) -> list[Cell]:
                 return _predicted(pr, bulk_pages, layers, object_bytes, ov)[2]
 
             picks = []
-            for seen in (False, True):
-                pol = RestorePolicy("auto", ov)
-                for other in suffixes:
-                    if other != s or seen:
-                        loaded = [round(x * layers) for x in probs[other]]
-                        pol.learn(other, absent, loaded)
-                d = pol.decide(absent, layers, s, object_bytes)
+            others = [x for x in suffixes if x != s]
+            for lengths in (others, suffixes):  # unseen, then seen
+                d = taught("auto", lengths).decide(absent, layers, s, object_bytes)
                 picks.append((d["choice"], cost(d["choice"], d["pages"])))
             unseen, seen = picks
             # The fixed predicted choice, by the same model taught this length too.
-            fixed = RestorePolicy("predicted", ov)
-            for other in suffixes:
-                fixed.learn(other, absent, [round(x * layers) for x in probs[other]])
+            fixed = taught("predicted", suffixes)
             pred_pages = fixed.decide(absent, layers, s, object_bytes)["pages"]
             bulk, rest, _ = _predicted(probs[s], pred_pages, layers, object_bytes, ov)
             cells.append(
