@@ -32,9 +32,15 @@ $(STAMP): requirements-dev.txt requirements-vllm.txt | $(PY)
 
 venv: $(STAMP) sysdeps
 
+# The test builds need a C++ compiler (the device resolver's kernel compiled for the CPU).
 # Mooncake Store's master needs libibverbs even over TCP: installed as root (CI); elsewhere
 # the Mooncake tests skip and say why.
 sysdeps:
+	@if ! command -v c++ >/dev/null; then \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+			apt-get update -qq && apt-get install -y -qq g++ >/dev/null; \
+		else echo "error: the test builds compile cuda/resolve.cu for the CPU: install a C++ compiler" >&2; exit 1; fi; \
+	fi
 	@if ! (ldconfig -p 2>/dev/null || /sbin/ldconfig -p) | grep -q libibverbs.so.1; then \
 		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 			(apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null) || \
@@ -47,18 +53,20 @@ wheel: venv
 	maturin build --release --out dist
 
 build: venv
-	maturin develop --release --quiet --features testing
+	maturin develop --release --quiet --features testing,host-kernel
 
 lint: venv
 	cargo fmt --check
 	cargo clippy --all-targets -- -D warnings
+	cargo clippy --all-targets --features host-kernel -- -D warnings
 	cargo clippy --features python -- -D warnings
 	cargo clippy --features testing -- -D warnings
+	cargo clippy --features testing,host-kernel -- -D warnings
 	ruff check python tests
 	ruff format --check python tests
 
-rust-test:
-	cargo test --quiet
+rust-test: sysdeps
+	cargo test --quiet --features host-kernel
 
 py-test: build
 	python -m pytest

@@ -3,12 +3,17 @@
 // host round trip. The algorithm of `src/scheduler/resolver.rs` (the reference, run on the CPU),
 // in parallel: one warp per selected cell; lane 0 decides, the warp copies.
 //
-// Compiled with NVRTC in CI (`compile_cuda_kernels`); not yet launched by the runtime, and never
-// run on a GPU: `resolve="device"` runs the reference on the cpu engine's pools.
+// Compiled with NVRTC in CI (`compile_cuda_kernels`); not yet launched on a GPU by the runtime,
+// and never run on one. Test builds also compile this source for the CPU
+// (`cuda/host/resolve_host.cpp`: a thread per cell in flight, lane 0 alone) and run the
+// runtime's checks with it in place of the reference (`scheduler/resolver_kernel.rs`).
 //
 // Where the reference walks cells in order, here cells race, and these make the race safe:
 // - a missing mirror entry is claimed with a CAS from -1 to CLAIMING; the winner takes a slot,
 //   copies, fences and publishes the slot; a loser waits for the slot (the winner is running);
+// - a victim is claimed the same way (its slot to CLAIMING) before its read mark is looked at,
+//   and a cell marks an entry before it reads the mirror, both fenced: either the cell waits
+//   on the claim or the victim is found read and left in place;
 // - slots are taken by atomic cursors: the grant in order (a victim this layer has read is
 //   deferred: a cell may still read it), then victims deferred by earlier calls, then slots
 //   earlier calls filled (their layers' cells were read: stream order); the last two cursors
@@ -20,8 +25,15 @@
 typedef unsigned long long u64;
 typedef unsigned int u32;
 
+// Lanes a cell gets: a warp on the GPU. The host build (`cuda/host/resolve_host.cpp`, test
+// builds) runs each cell on one CPU thread, lane 0 alone.
+#ifndef SPARSETIER_WARP
+#define SPARSETIER_WARP 32
+#endif
+
 #define ABSENT (-1)
-#define CLAIMING (-2)
+#define FAILED (-2)    // a cell's slot when it got none (the reference's `FAILED`)
+#define CLAIMING (-3)
 
 // Cursors and counters in `st`.
 #define ST_USED 0      // grant entries gone through
@@ -69,7 +81,7 @@ struct Step {
 };
 
 __device__ __forceinline__ bool read_here(const Step& s, int v, int layers, int layer) {
-    return s.marks[v] == s.serial && v % layers == layer;
+    return ((volatile u32*)s.marks)[v] == s.serial && v % layers == layer;
 }
 
 // A slot for a claimed miss: (grant index, slot), or slot -1 when none is left.
@@ -79,8 +91,14 @@ __device__ int2 take(Step& s, int layers, int layer) {
         int g = (int)atomicAdd(&s.st[ST_USED], 1u);
         if (g >= s.grant_len) break;
         int slot = s.grant[2 * g], victim = s.grant[2 * g + 1];
-        if (victim >= 0) {
+        if (victim >= 0 && atomicCAS(&s.mirror[victim], slot, CLAIMING) == slot) {
+            // The victim's entry is claimed before its mark is read, and a cell marks an
+            // entry before it reads it, each side fenced: either the cell finds the claim
+            // (and waits for the outcome) or this finds the mark. Reading the mark first let
+            // a cell hit the slot between the two, and read the object copied over it.
+            __threadfence();
             if (read_here(s, victim, layers, layer)) {
+                atomicExch(&s.mirror[victim], slot);  // a cell of this layer may read it
                 // The length first, then the entry, its call last: a reader that finds the
                 // call NOT_YET stops there (the entry is this call's anyway).
                 const int d = (int)atomicAdd(&s.st[ST_DEF_LEN], 1u);
@@ -89,7 +107,7 @@ __device__ int2 take(Step& s, int layers, int layer) {
                 atomicExch(&s.deferred[2 * d + 1], s.call);
                 continue;
             }
-            atomicCAS(&s.mirror[victim], slot, ABSENT);
+            atomicExch(&s.mirror[victim], ABSENT);
         }
         return make_int2(g, slot);
     }
@@ -124,9 +142,9 @@ __device__ __forceinline__ void warp_copy(const unsigned char* src, unsigned cha
     if (((reinterpret_cast<u64>(src) | reinterpret_cast<u64>(dst) | bytes) & 15ull) == 0) {
         const uint4* s = reinterpret_cast<const uint4*>(src);
         uint4* d = reinterpret_cast<uint4*>(dst);
-        for (u64 i = lane; i < bytes / 16; i += 32) d[i] = s[i];
+        for (u64 i = lane; i < bytes / 16; i += SPARSETIER_WARP) d[i] = s[i];
     } else {
-        for (u64 i = lane; i < bytes; i += 32) dst[i] = src[i];
+        for (u64 i = lane; i < bytes; i += SPARSETIER_WARP) dst[i] = src[i];
     }
 }
 
@@ -138,9 +156,10 @@ extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
                                               Step s, Geometry geo,
                                               int cells, int k, int pages_per_row,
                                               int layers, int layer, int page_size, int tokens) {
-    const u32 lane = threadIdx.x & 31u;
-    const int warps = (gridDim.x * blockDim.x) >> 5;
-    for (int c = (int)((blockIdx.x * blockDim.x + threadIdx.x) >> 5); c < cells; c += warps) {
+    const u32 lane = threadIdx.x % SPARSETIER_WARP;
+    const int warps = (int)(gridDim.x * blockDim.x / SPARSETIER_WARP);
+    for (int c = (int)((blockIdx.x * blockDim.x + threadIdx.x) / SPARSETIER_WARP); c < cells;
+         c += warps) {
         // Lane 0 decides: (slot, home to copy from or -1).
         int slot = ABSENT, copy_from = -1, g = -1, e = -1, page = -1, row = -1;
         if (lane == 0) {
@@ -161,23 +180,30 @@ extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
                     atomicAdd(&s.tok[TOK_SELECTED], 1ull);
                     atomicAdd(&s.tok[TOK_NEEDED], needed);
                     const u32 before = atomicExch(&s.marks[e], s.serial);
+                    __threadfence();  // the mark before the mirror's read (see `take`)
                     for (;;) {
                         const int m = atomicCAS(&s.mirror[e], ABSENT, CLAIMING);
                         if (m >= 0) {
                             slot = m;
-                            if (before != s.serial) {
-                                atomicAdd(&s.counts[2 * layer], 1u);
-                            } else if (((volatile u32*)s.filled)[e] == s.serial) {
-                                // Brought in by this step: its tokens count as moved.
+                            __threadfence();  // the slot before `filled` (its copier's order)
+                            if (((volatile u32*)s.filled)[e] == s.serial) {
+                                // Brought in by this step (its copier counted the miss): its
+                                // tokens count as moved. The cell that marked the entry first
+                                // may find it so: cells race from the mark to the claim.
                                 atomicAdd(&s.tok[TOK_NEEDED_MOVED], needed);
+                            } else if (before != s.serial) {
+                                atomicAdd(&s.counts[2 * layer], 1u);
                             }
                             break;
                         }
-                        if (m == CLAIMING) continue;  // another cell copies it: wait for the slot
+                        // Another cell copies it, or a miss decides on it as a victim: wait.
+                        if (m == CLAIMING) continue;
                         const int2 t = take(s, layers, layer);
                         if (t.y < 0) {
+                            // No slot: the row has no data here (the reference's FAILED).
                             atomicAdd(&s.st[ST_OVERFLOW], 1u);
                             atomicExch(&s.mirror[e], ABSENT);
+                            slot = FAILED;
                             break;
                         }
                         g = t.x;

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sparsetier as sp
-from sparsetier.tools import demo
+from sparsetier.tools import demo, runtime
 from sparsetier.tools.model import ModelConfig, TinySparseModel
 from sparsetier.tools.runtime import DecodeRuntime
 
@@ -90,6 +90,37 @@ def test_demo_through_the_device_resolver_is_exact(selection, faults):
         # every armed load fault fired.
         assert t["failed_loads"] >= 3 and t["retried_loads"] >= 2, t
         assert "loads" not in t["faults_unused"], t["faults_unused"]
+
+
+@pytest.mark.parametrize(
+    ("selection", "faults"), [("block", False), ("token", False), ("token", True)]
+)
+def test_demo_through_the_cuda_kernel_run_on_the_cpu_is_exact(monkeypatch, selection, faults):
+    # The kernel's own source (cuda/resolve.cu, compiled for the CPU in test builds), its cells
+    # racing on 4 threads, in place of the reference: outputs bit-identical to the resident
+    # run, nothing leaked. It takes no copy faults (a failed copy on a GPU is a sticky error),
+    # so the armed load faults fail host-planned loads (prefill) instead.
+    init = runtime.DecodeRuntime.__init__
+    kernels = []
+
+    def with_kernel(self, *a, **k):
+        init(self, *a, **k)
+        if self.resolver is not None:
+            self.resolver._use_host_kernel(4)
+            kernels.append(self)
+
+    monkeypatch.setattr(runtime.DecodeRuntime, "__init__", with_kernel)
+    cfg = demo.DemoConfig(
+        requests=8, steps=24, selection=selection, faults=faults, resolve="device"
+    )
+    r = demo.run_demo(cfg, progress=False)
+    t = r["totals"]
+    assert t["correct"], demo.format_summary(r)
+    assert (t["end_pins"], t["end_handles"], t["end_device_leaked"]) == (0, 0, 0), t
+    assert t["end_quarantined_slots"] == t["end_transfers_in_flight"] == 0, t
+    assert t["prefix_hits"] > 0 and t["loaded"] > 0, t
+    # Decode steps went through the kernel (not planned on the host instead).
+    assert kernels and all(k.scheduler.device_stats()["steps"] > 0 for k in kernels)
 
 
 def test_the_device_path_resolves_decode_steps_and_its_record_counts_them():

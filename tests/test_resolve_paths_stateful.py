@@ -46,6 +46,7 @@ HOST_SIDE = ("objects", "host_none", "host_writing", "host_ready")
 
 class ResolvePathsMachine(RuleBasedStateMachine):
     MODE = "block"
+    KERNEL = False  # the device side runs the CUDA kernel's source on CPU threads
 
     def _runtime(self, resolve: str) -> DecodeRuntime:
         return DecodeRuntime(
@@ -61,6 +62,8 @@ class ResolvePathsMachine(RuleBasedStateMachine):
         self.slots = 2000 if ample else 72
         event("ample device" if ample else "tight device")
         self.dev, self.host = self._runtime("device"), self._runtime("host")
+        if self.KERNEL:
+            self.dev.resolver._use_host_kernel(4)
         self.both = (self.dev, self.host)
         self.steps_of: dict[int, int] = {}
         self.next_rid = 0
@@ -148,6 +151,16 @@ class TokenResolvePathsMachine(ResolvePathsMachine):
     MODE = "token"
 
 
+class KernelResolvePathsMachine(ResolvePathsMachine):
+    # Cells race for claims, victims and the grant: slots differ from the reference's, what
+    # each cell reads and (with room) every count must not.
+    KERNEL = True
+
+
+class KernelTokenResolvePathsMachine(KernelResolvePathsMachine):
+    MODE = "token"
+
+
 # Each rule runs the tiny model in two runtimes: a tenth of the profile's examples.
 _fewer = settings(
     max_examples=max(5, settings.default.max_examples // 10),
@@ -159,3 +172,7 @@ TestResolvePathsMachine = ResolvePathsMachine.TestCase
 TestResolvePathsMachine.settings = _fewer
 TestTokenResolvePathsMachine = TokenResolvePathsMachine.TestCase
 TestTokenResolvePathsMachine.settings = _fewer
+TestKernelResolvePathsMachine = KernelResolvePathsMachine.TestCase
+TestKernelResolvePathsMachine.settings = _fewer
+TestKernelTokenResolvePathsMachine = KernelTokenResolvePathsMachine.TestCase
+TestKernelTokenResolvePathsMachine.settings = _fewer

@@ -51,6 +51,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     MODE = "block"
     TOKEN_MAP = "core"
     RESOLVE = "host"  # the tiered runtime's; the twin always plans on the host
+    KERNEL = False  # resolve="device": the CUDA kernel's source run on CPU threads
 
     def __init__(self):
         super().__init__()
@@ -87,6 +88,8 @@ class RuntimeMachine(RuleBasedStateMachine):
             event("prefetch on (no faults)")
         event(f"restore {restore}")
         self.rt = self._runtime(60, prefetch, self.RESOLVE, restore)
+        if self.KERNEL:
+            self.rt.resolver._use_host_kernel(4)
         self.twin = self._runtime(2000, False)
         # Two requests over the longest prompt hold most of the device, so what comes next
         # evicts and loads (and load faults find loads to fail).
@@ -276,6 +279,18 @@ class DeviceTokenRuntimeMachine(RuntimeMachine):
     RESOLVE = "device"
 
 
+class KernelRuntimeMachine(RuntimeMachine):
+    # The same, with the CUDA kernel's source (compiled for the CPU, its cells racing on 4
+    # threads) in place of the reference: it takes no copy faults, so the load faults armed
+    # fail the host-planned steps' loads (prefill) and wait for those.
+    RESOLVE = "device"
+    KERNEL = True
+
+
+class KernelTokenRuntimeMachine(KernelRuntimeMachine):
+    MODE = "token"
+
+
 # Each rule runs the tiny model (a step or a prefill) in two runtimes, so these machines take
 # a tenth of the profile's examples (SPARSETIER_HYPOTHESIS=deep: 200 of up to 30 rules).
 _fewer = settings(
@@ -294,3 +309,7 @@ TestDeviceRuntimeMachine = DeviceRuntimeMachine.TestCase
 TestDeviceRuntimeMachine.settings = _fewer
 TestDeviceTokenRuntimeMachine = DeviceTokenRuntimeMachine.TestCase
 TestDeviceTokenRuntimeMachine.settings = _fewer
+TestKernelRuntimeMachine = KernelRuntimeMachine.TestCase
+TestKernelRuntimeMachine.settings = _fewer
+TestKernelTokenRuntimeMachine = KernelTokenRuntimeMachine.TestCase
+TestKernelTokenRuntimeMachine.settings = _fewer

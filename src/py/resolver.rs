@@ -96,6 +96,16 @@ impl PyDeviceResolver {
         numpy::PyArray1::from_vec(py, table).reshape([ids.len(), k])
     }
 
+    /// Test builds with `host-kernel` (`make build`): from the next step on, resolves with the
+    /// CUDA kernel's source compiled for the CPU, run on `threads` threads (1 to 256) that race
+    /// as the GPU's warps do, instead of the reference. Refused while a step is open.
+    #[cfg(all(feature = "testing", feature = "host-kernel"))]
+    #[pyo3(name = "_use_host_kernel", signature = (threads=4))]
+    fn use_host_kernel(&self, py: Python<'_>, threads: usize) -> PyResult<()> {
+        py.detach(|| self.state.lock().use_host_kernel(threads))
+            .py_err(py)
+    }
+
     /// Whether a step is granted and not yet ended.
     #[getter]
     fn step_open(&self, py: Python<'_>) -> bool {

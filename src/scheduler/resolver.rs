@@ -2,7 +2,8 @@
 //! with the misses served from pinned host memory into slots the core granted, and no call
 //! into the core. This is the algorithm and its state; [`ResolverState::resolve_layer`] is the
 //! reference implementation (sequential, on the CPU), which the CPU runtime uses and which a
-//! CUDA kernel is held to.
+//! CUDA kernel is held to. In test builds (`host-kernel`) the kernel's own source, compiled for
+//! the CPU, can run in its place (`kernel`).
 //!
 //! # State (device memory on a GPU; here, memory of this process)
 //! - the mirror: per (host page `h`, layer `l`) the device slot holding that object, or -1
@@ -41,6 +42,9 @@ use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::transfer::{LayerPageOrder, PageTransferBinding};
 use rustc_hash::FxHashMap;
+
+#[cfg(feature = "host-kernel")]
+mod kernel;
 
 /// A mirror entry's device slot when the object is not on the device (as far as the device
 /// knows).
@@ -152,6 +156,9 @@ pub struct ResolverState {
     device: PageTransferBinding,
     host: PageTransferBinding,
     order: LayerPageOrder,
+    /// The CUDA kernel's source run on the CPU in place of the reference (test builds).
+    #[cfg(feature = "host-kernel")]
+    kernel: Option<kernel::HostKernel>,
 }
 
 impl ResolverState {
@@ -198,6 +205,8 @@ impl ResolverState {
             device,
             host,
             order,
+            #[cfg(feature = "host-kernel")]
+            kernel: None,
         })
     }
 
@@ -280,6 +289,10 @@ impl ResolverState {
             self.failed.fill(0);
             self.serial = 1;
         }
+        #[cfg(feature = "host-kernel")]
+        if let Some(k) = &mut self.kernel {
+            k.open(&self.grant, self.layers);
+        }
         self.open = true;
     }
 
@@ -288,6 +301,11 @@ impl ResolverState {
     pub(crate) fn close(&mut self) -> StepDone {
         self.open = false;
         self.grant.clear();
+        #[cfg(feature = "host-kernel")]
+        if let Some(k) = &self.kernel {
+            self.used = k.used();
+            self.counts = k.counts(self.layers, &self.log);
+        }
         StepDone {
             used: std::mem::take(&mut self.used),
             log: std::mem::take(&mut self.log),
@@ -342,9 +360,13 @@ impl ResolverState {
                 ),
             ));
         }
+        self.call += 1;
+        #[cfg(feature = "host-kernel")]
+        if self.kernel.is_some() {
+            return self.launch_host_kernel(layer, rids, selection, k, tokens, table);
+        }
         // The tables are read while the mirror and marks change: held apart meanwhile.
         let tables = std::mem::take(&mut self.tables);
-        self.call += 1;
         let out = self.resolve_rows(&tables, layer, rids, selection, k, tokens, table);
         self.tables = tables;
         out

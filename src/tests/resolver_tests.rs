@@ -27,7 +27,7 @@ struct Fixture {
     st: ResolverState,
 }
 
-fn fixture(slots: u32) -> Fixture {
+fn fixture(slots: u32, homes: u32) -> Fixture {
     let kv = PoolSpec::new(Component::Kv, 1, 1, 1, 4, Dtype::Bf16, PS, slots).unwrap();
     let host = PoolSpec::new(
         Component::Kv,
@@ -37,7 +37,7 @@ fn fixture(slots: u32) -> Fixture {
         4,
         Dtype::Bf16,
         PS,
-        HOMES,
+        homes,
     )
     .unwrap();
     // SAFETY: the fixture owns both buffers for as long as the resolver copies between them.
@@ -48,7 +48,7 @@ fn fixture(slots: u32) -> Fixture {
     let (flat, order) = host_b.flatten_layers().unwrap();
     let page_bytes = flat.page_bytes();
     let base = host_buf.as_ptr() as u64;
-    for h in 0..HOMES {
+    for h in 0..homes {
         for l in 0..LAYERS {
             for plane in 0..flat.planes_per_layer() {
                 let at = (flat.row_addr(plane, order.flat(h, l), 0) - base) as usize;
@@ -60,7 +60,7 @@ fn fixture(slots: u32) -> Fixture {
         .map(|p| dev.row_addr(p, 0, 0))
         .collect();
     let dev_stride = dev.page_stride();
-    let st = ResolverState::new(LAYERS, PS, HOMES, dev, flat, order).unwrap();
+    let st = ResolverState::new(LAYERS, PS, homes, dev, flat, order).unwrap();
     Fixture {
         _buffers: (dev_buf, host_buf),
         dev_base,
@@ -143,122 +143,262 @@ fn case() -> impl Strategy<Value = Case> {
         })
 }
 
+/// Runs case `c` on the reference, or with `kernel` on the CUDA kernel's source run on that
+/// many CPU threads, and checks every cell and the step's outcome.
+fn check(c: Case, kernel: Option<usize>) -> Result<(), TestCaseError> {
+    let rows = c.homes.len();
+    // Slots: one layer's cells of grant, plus room for the resident objects.
+    let cells = rows * K;
+    let slots = (cells * (c.steps.len() + 2) + c.resident.len() + 2) as u32;
+    let mut f = fixture(slots, HOMES);
+    #[cfg(feature = "host-kernel")]
+    if let Some(t) = kernel {
+        f.st.use_host_kernel(t).unwrap();
+    }
+    #[cfg(not(feature = "host-kernel"))]
+    assert!(
+        kernel.is_none(),
+        "the kernel runs on the CPU with feature host-kernel"
+    );
+    let rids: Vec<RequestId> = (0..rows as u64).map(RequestId::new).collect();
+    // Resident objects: copied in by hand, named in the mirror; some become victims.
+    let mut next = 0u32;
+    let mut named = std::collections::BTreeMap::new();
+    for &(h, l) in &c.resident {
+        if named.contains_key(&(h, l)) {
+            continue;
+        }
+        let e = f.st.entry(h, l);
+        for &b in &f.dev_base {
+            let at = b + next as u64 * f.dev_stride;
+            // SAFETY: slot `next` is a slot of the fixture's device pool.
+            unsafe { std::ptr::write_bytes(at as *mut u8, tag(h, l), f.page_bytes as usize) };
+        }
+        f.st.set(e, next as i32);
+        named.insert((h, l), next);
+        next += 1;
+    }
+    for (r, homes) in c.homes.iter().enumerate() {
+        let len = homes.len() as u64 * u64::from(PS);
+        let pairs: Vec<(u32, u32)> = homes.iter().map(|&h| (h, 0)).collect();
+        f.st.update_table(rids[r], 0, &pairs, len);
+    }
+    for step in &c.steps {
+        // The grant: victims first (resident objects, in order), then free slots, as many
+        // entries as one layer's cells.
+        let mut grant: Vec<(i32, i64)> = named
+            .iter()
+            .take(c.victims)
+            .map(|(&(h, l), &s)| (s as i32, f.st.entry(h, l) as i64))
+            .collect();
+        let mut free = next;
+        let size = if c.short { cells.div_ceil(2) } else { cells };
+        grant.truncate(size);
+        while grant.len() < size {
+            grant.push((free as i32, -1));
+            free += 1;
+        }
+        prop_assume!(free <= slots);
+        f.st.open(grant, c.faults.clone());
+        // Per layer: the distinct objects its cells name, and whether a cell failed.
+        let mut objects = vec![(std::collections::BTreeSet::new(), false); LAYERS as usize];
+        for (layer, sel_rows) in step.iter().enumerate() {
+            let layer = layer as u16;
+            let sel: Vec<i32> = sel_rows.concat();
+            let mut table = vec![0i32; sel.len()];
+            f.st.resolve_layer(layer, &rids, &sel, K, false, &mut table)
+                .unwrap();
+            let o = &mut objects[layer as usize];
+            for (i, &entry) in sel.iter().enumerate().filter(|&(_, &e)| e >= 0) {
+                o.0.insert(c.homes[i / K][entry as usize]);
+            }
+            o.1 |= table.contains(&FAILED);
+            // Every cell: -1 where it names nothing, else a slot with its object's bytes.
+            for (i, (&entry, &slot)) in sel.iter().zip(&table).enumerate() {
+                if entry < 0 {
+                    prop_assert_eq!(slot, ABSENT);
+                    continue;
+                }
+                let h = c.homes[i / K][entry as usize];
+                if slot == FAILED {
+                    // A copy that failed twice (the reference: the kernel takes no
+                    // faults), or (short grant) no slot left: counted below.
+                    prop_assert!(
+                        (kernel.is_none() && !c.faults.is_empty()) || c.short,
+                        "cell {} failed with no fault armed and a full grant",
+                        i
+                    );
+                    continue;
+                }
+                prop_assert!(slot >= 0, "cell {} got no slot", i);
+                prop_assert!(
+                    f.holds(slot, h, layer),
+                    "cell {} reads slot {} without {:?}",
+                    i,
+                    slot,
+                    (h, layer)
+                );
+                prop_assert_eq!(f.st.slot(h, layer), slot);
+            }
+        }
+        let done = f.st.close();
+        // Each object a layer read counts once, as a hit or a miss (where no cell failed).
+        for (l, (o, failed)) in objects.iter().enumerate() {
+            if !failed {
+                prop_assert_eq!(
+                    done.counts.hits[l] + done.counts.misses[l],
+                    o.len() as u64,
+                    "layer {}",
+                    l
+                );
+            }
+        }
+        // A grant of one layer's cells is enough, failed copies included (their slots are
+        // taken again).
+        if !c.short {
+            prop_assert_eq!(done.counts.overflow, 0);
+        }
+        // Every failure is an armed fault taken; what was not taken is handed back.
+        let armed: u64 = c.faults.iter().map(|&(_, n)| u64::from(n)).sum();
+        let left: u64 = done.faults.iter().map(|&(_, n)| u64::from(n)).sum();
+        prop_assert_eq!(done.counts.failed + left, armed);
+        prop_assert!(done.counts.retried <= done.counts.failed);
+        let failed_entries = done.log.iter().filter(|en| en.failed).count() as u64;
+        // A copy that failed once was retried; an entry failed when its retry failed too.
+        prop_assert_eq!(done.counts.failed, done.counts.retried + failed_entries);
+        // No slot named twice by the mirror.
+        let mut seen = std::collections::HashSet::new();
+        for &s in f.st.mirror().iter().filter(|&&s| s >= 0) {
+            prop_assert!(seen.insert(s), "slot {} named twice", s);
+        }
+        // What the mirror names is there.
+        for h in 0..HOMES {
+            for l in 0..LAYERS {
+                let s = f.st.slot(h, l);
+                if s >= 0 {
+                    prop_assert!(f.holds(s, h, l));
+                }
+            }
+        }
+        // The next step's grant reuses what this one did not fill; the named map follows
+        // the mirror.
+        named.clear();
+        for h in 0..HOMES {
+            for l in 0..LAYERS {
+                let s = f.st.slot(h, l);
+                if s >= 0 {
+                    named.insert((h, l), s as u32);
+                }
+            }
+        }
+        next = named.values().copied().max().map_or(0, |m| m + 1);
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(crate::testing::proptest_config(256, "resolver_reference"))]
     #[test]
     fn every_cell_reads_its_objects_bytes_and_a_layers_grant_is_enough(c in case()) {
-        let rows = c.homes.len();
-        // Slots: one layer's cells of grant, plus room for the resident objects.
-        let cells = rows * K;
-        let slots = (cells * (c.steps.len() + 2) + c.resident.len() + 2) as u32;
-        let mut f = fixture(slots);
-        let rids: Vec<RequestId> = (0..rows as u64).map(RequestId::new).collect();
-        // Resident objects: copied in by hand, named in the mirror; some become victims.
-        let mut next = 0u32;
-        let mut named = std::collections::BTreeMap::new();
-        for &(h, l) in &c.resident {
-            if named.contains_key(&(h, l)) {
-                continue;
-            }
-            let e = f.st.entry(h, l);
-            for &b in &f.dev_base {
-                let at = b + next as u64 * f.dev_stride;
-                // SAFETY: slot `next` is a slot of the fixture's device pool.
-                unsafe {
-                    std::ptr::write_bytes(at as *mut u8, tag(h, l), f.page_bytes as usize)
-                };
-            }
-            f.st.set(e, next as i32);
-            named.insert((h, l), next);
-            next += 1;
+        check(c, None)?;
+    }
+}
+
+#[cfg(feature = "host-kernel")]
+proptest! {
+    #![proptest_config(crate::testing::proptest_config(256, "resolver_kernel"))]
+    /// The same, with the CUDA kernel's source run on 4 CPU threads: cells race for claims,
+    /// victims and the grant's cursors.
+    #[test]
+    fn the_kernel_reads_every_cells_object_and_a_layers_grant_is_enough(c in case()) {
+        check(c, Some(4))?;
+    }
+}
+
+/// The kernel's races at a size where they meet: 16 requests sharing 64 pages, 32 entries a
+/// row (cells of one object claim it together), the device holding a third of the objects,
+/// each step's grant their victims first (many of them read by the layer taking them), on 8
+/// threads, 40 steps of 3 layers. Every cell must read its object's bytes.
+#[cfg(feature = "host-kernel")]
+#[test]
+fn the_kernels_racing_cells_read_their_objects_bytes() {
+    // xorshift64: a fixed stream, so a failure repeats.
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move |n: u64| {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x % n
+    };
+    const H: u32 = 64;
+    const ROWS: usize = 16;
+    const KK: usize = 32;
+    let cells = ROWS * KK;
+    let slots = (cells + H as usize * LAYERS as usize) as u32;
+    let mut f = fixture(slots, H);
+    f.st.use_host_kernel(8).unwrap();
+    let rids: Vec<RequestId> = (0..ROWS as u64).map(RequestId::new).collect();
+    let pairs: Vec<(u32, u32)> = (0..H).map(|h| (h, 0)).collect();
+    for &id in &rids {
+        f.st.update_table(id, 0, &pairs, u64::from(H * PS));
+    }
+    let mut free: Vec<i32> = (0..slots as i32).collect();
+    for step in 0..40 {
+        // Evict by hand what the last step left beyond a third of the objects: it goes back
+        // to free slots; the rest are this step's victims, in random order.
+        let mut named: Vec<(usize, i32)> = (0..H)
+            .flat_map(|h| (0..LAYERS).map(move |l| (h, l)))
+            .map(|(h, l)| (f.st.entry(h, l), f.st.slot(h, l)))
+            .filter(|&(_, s)| s >= 0)
+            .collect();
+        for i in (1..named.len()).rev() {
+            named.swap(i, next(i as u64 + 1) as usize);
         }
-        for (r, homes) in c.homes.iter().enumerate() {
-            let len = homes.len() as u64 * u64::from(PS);
-            let pairs: Vec<(u32, u32)> = homes.iter().map(|&h| (h, 0)).collect();
-            f.st.update_table(rids[r], 0, &pairs, len);
+        while named.len() > (H as usize * LAYERS as usize) / 3 {
+            let (e, s) = named.pop().unwrap();
+            f.st.set(e, ABSENT);
+            free.push(s);
         }
-        for step in &c.steps {
-            // The grant: victims first (resident objects, in order), then free slots, as many
-            // entries as one layer's cells.
-            let mut grant: Vec<(i32, i64)> = named
-                .iter()
-                .take(c.victims)
-                .map(|(&(h, l), &s)| (s as i32, f.st.entry(h, l) as i64))
+        let mut grant: Vec<(i32, i64)> = named.iter().map(|&(e, s)| (s, e as i64)).collect();
+        while grant.len() < cells {
+            grant.push((free.pop().expect("a free slot"), -1));
+        }
+        f.st.open(grant, Vec::new());
+        let mut distinct = [0usize; LAYERS as usize];
+        for layer in 0..LAYERS {
+            // Skewed: most entries among a few pages, so that cells of an object race.
+            let sel: Vec<i32> = (0..cells)
+                .map(|_| {
+                    if next(10) < 7 {
+                        next(8) as i32
+                    } else {
+                        next(u64::from(H)) as i32
+                    }
+                })
                 .collect();
-            let mut free = next;
-            let size = if c.short { cells.div_ceil(2) } else { cells };
-            grant.truncate(size);
-            while grant.len() < size {
-                grant.push((free as i32, -1));
-                free += 1;
+            let mut table = vec![0i32; cells];
+            f.st.resolve_layer(layer, &rids, &sel, KK, false, &mut table)
+                .unwrap();
+            distinct[layer as usize] = sel.iter().collect::<std::collections::BTreeSet<_>>().len();
+            for (i, (&p, &slot)) in sel.iter().zip(&table).enumerate() {
+                assert!(slot >= 0, "step {step} layer {layer} cell {i}: no slot");
+                assert!(
+                    f.holds(slot, p as u32, layer),
+                    "step {step} layer {layer} cell {i}: slot {slot} without page {p}"
+                );
             }
-            prop_assume!(free <= slots);
-            f.st.open(grant, c.faults.clone());
-            for (layer, sel_rows) in step.iter().enumerate() {
-                let layer = layer as u16;
-                let sel: Vec<i32> = sel_rows.concat();
-                let mut table = vec![0i32; sel.len()];
-                f.st.resolve_layer(layer, &rids, &sel, K, false, &mut table).unwrap();
-                // Every cell: -1 where it names nothing, else a slot with its object's bytes.
-                for (i, (&entry, &slot)) in sel.iter().zip(&table).enumerate() {
-                    if entry < 0 {
-                        prop_assert_eq!(slot, ABSENT);
-                        continue;
-                    }
-                    let h = c.homes[i / K][entry as usize];
-                    if slot == FAILED {
-                        // A copy that failed twice, or (short grant) no slot left: counted below.
-                        prop_assert!(
-                            !c.faults.is_empty() || c.short,
-                            "cell {} failed with no fault armed and a full grant", i
-                        );
-                        continue;
-                    }
-                    prop_assert!(slot >= 0, "cell {} got no slot", i);
-                    prop_assert!(f.holds(slot, h, layer), "cell {} reads slot {} without {:?}", i, slot, (h, layer));
-                    prop_assert_eq!(f.st.slot(h, layer), slot);
-                }
-            }
-            let done = f.st.close();
-            // A grant of one layer's cells is enough, failed copies included (their slots are
-            // taken again).
-            if !c.short {
-                prop_assert_eq!(done.counts.overflow, 0);
-            }
-            // Every failure is an armed fault taken; what was not taken is handed back.
-            let armed: u64 = c.faults.iter().map(|&(_, n)| u64::from(n)).sum();
-            let left: u64 = done.faults.iter().map(|&(_, n)| u64::from(n)).sum();
-            prop_assert_eq!(done.counts.failed + left, armed);
-            prop_assert!(done.counts.retried <= done.counts.failed);
-            let failed_entries = done.log.iter().filter(|en| en.failed).count() as u64;
-            // A copy that failed once was retried; an entry failed when its retry failed too.
-            prop_assert_eq!(done.counts.failed, done.counts.retried + failed_entries);
-            // No slot named twice by the mirror.
-            let mut seen = std::collections::HashSet::new();
-            for &s in f.st.mirror().iter().filter(|&&s| s >= 0) {
-                prop_assert!(seen.insert(s), "slot {} named twice", s);
-            }
-            // What the mirror names is there.
-            for h in 0..HOMES {
-                for l in 0..LAYERS {
-                    let s = f.st.slot(h, l);
-                    if s >= 0 {
-                        prop_assert!(f.holds(s, h, l));
-                    }
-                }
-            }
-            // The next step's grant reuses what this one did not fill; the named map follows
-            // the mirror.
-            named.clear();
-            for h in 0..HOMES {
-                for l in 0..LAYERS {
-                    let s = f.st.slot(h, l);
-                    if s >= 0 {
-                        named.insert((h, l), s as u32);
-                    }
-                }
-            }
-            next = named.values().copied().max().map_or(0, |m| m + 1);
         }
+        let done = f.st.close();
+        assert_eq!(done.counts.overflow, 0);
+        for (l, &n) in distinct.iter().enumerate() {
+            let counted = done.counts.hits[l] + done.counts.misses[l];
+            assert_eq!(counted, n as u64, "step {step} layer {l}: objects counted");
+        }
+        // Slots the step did not use are free again; those it did belong to the mirror.
+        let mut owned = std::collections::HashSet::new();
+        for &s in f.st.mirror().iter().filter(|&&s| s >= 0) {
+            assert!(owned.insert(s), "slot {s} named twice");
+        }
+        free = (0..slots as i32).filter(|s| !owned.contains(s)).collect();
     }
 }

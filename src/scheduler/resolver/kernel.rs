@@ -1,0 +1,343 @@
+//! The device resolver's CUDA kernel (`cuda/resolve.cu`) run on the CPU, in place of the
+//! reference (test builds, feature `host-kernel`): the same source compiled for the host
+//! (`cuda/host/resolve_host.cpp`), launched over CPU threads that race as warps do, on the
+//! resolver's own mirror and marks. The state the kernel keeps in its own form (the grant,
+//! deferred victims, the log, cursors and counts) lives here, laid out as device memory would
+//! hold it; after each launch the log's new entries are read into the resolver's log, and at
+//! the step's end the counts, so the core reconciles a kernel's step as it does the
+//! reference's.
+
+use super::{LogEntry, ResolveCounts, ResolverState, FAILED};
+use crate::error::{Error, Result};
+use crate::ids::RequestId;
+use crate::transfer::{LayerPageOrder, PageTransferBinding};
+
+// Cursors and counters in `st` (`ST_*` in the kernel).
+const ST_USED: usize = 0;
+const ST_LOG: usize = 1;
+const ST_OVERFLOW: usize = 2;
+const ST_BAD: usize = 6;
+const ST_LEN: usize = 8;
+// Token counts in `tok` (`TOK_*`).
+const TOK_SELECTED: usize = 0;
+const TOK_NEEDED: usize = 1;
+const TOK_NEEDED_MOVED: usize = 2;
+/// A deferred entry not written yet.
+const NOT_YET: i32 = 0x7fff_ffff;
+/// Ints per log entry: (grant index, mirror entry, table row, page, call).
+const LOG_INTS: usize = 5;
+/// A mirror entry claimed by a cell in flight: never left once a launch returns.
+const CLAIMING: i32 = -3;
+
+/// `struct Step` of the kernel, field for field.
+#[repr(C)]
+struct Step {
+    mirror: *mut i32,
+    marks: *mut u32,
+    filled: *mut u32,
+    grant: *const i32,
+    grant_len: i32,
+    deferred: *mut i32,
+    log: *mut i32,
+    log_capacity: i32,
+    log_before: i32,
+    st: *mut u32,
+    counts: *mut u32,
+    tok: *mut u64,
+    serial: u32,
+    call: i32,
+}
+
+/// `struct Geometry` of the kernel, field for field.
+#[repr(C)]
+struct Geometry {
+    host_planes: *const u64,
+    dev_planes: *const u64,
+    host_stride: u64,
+    dev_stride: u64,
+    page_bytes: u64,
+    planes: i32,
+    order_first: i32,
+    order_n: u32,
+}
+
+extern "C" {
+    fn sparsetier_resolve_host(
+        threads: i32,
+        sel: *const i32,
+        rows: *const i32,
+        tables: *const i32,
+        lens: *const i64,
+        table: *mut i32,
+        s: Step,
+        geo: Geometry,
+        cells: i32,
+        k: i32,
+        pages_per_row: i32,
+        layers: i32,
+        layer: i32,
+        page_size: i32,
+        tokens: i32,
+    );
+}
+
+/// The kernel's own state for one step, and how many threads a launch runs.
+#[derive(Debug)]
+pub(super) struct HostKernel {
+    threads: i32,
+    /// `[G * 2]`: (slot, victim entry or -1).
+    grant: Vec<i32>,
+    /// `[G * 2]`: (grant index, call), call [`NOT_YET`] until written.
+    deferred: Vec<i32>,
+    /// `[capacity * LOG_INTS]`.
+    log: Vec<i32>,
+    st: [u32; ST_LEN],
+    /// `[layers * 2]`: hits, misses.
+    counts: Vec<u32>,
+    tok: [u64; 3],
+}
+
+impl HostKernel {
+    /// A kernel run on `threads` CPU threads, for a resolver over `entries` mirror entries.
+    pub(super) fn new(threads: usize, entries: usize) -> Result<Self> {
+        let threads = i32::try_from(threads)
+            .ok()
+            .filter(|&t| (1..=256).contains(&t))
+            .ok_or_else(|| Error::out_of_range("threads", threads as u64, 1, 257))?;
+        if i32::try_from(entries).is_err() {
+            return Err(Error::config(
+                "host_pages",
+                entries,
+                "host pages x layers that an int32 mirror index holds",
+            ));
+        }
+        Ok(HostKernel {
+            threads,
+            grant: Vec::new(),
+            deferred: Vec::new(),
+            log: Vec::new(),
+            st: [0; ST_LEN],
+            counts: Vec::new(),
+            tok: [0; 3],
+        })
+    }
+
+    /// Starts a step over `grant`.
+    pub(super) fn open(&mut self, grant: &[(i32, i64)], layers: u16) {
+        self.grant.clear();
+        for &(slot, victim) in grant {
+            // Victims are mirror entries: `new` checked that they fit an int32.
+            self.grant.extend([slot, victim as i32]);
+        }
+        self.deferred.clear();
+        for _ in grant {
+            self.deferred.extend([0, NOT_YET]);
+        }
+        self.log.clear();
+        self.st = [0; ST_LEN];
+        self.counts = vec![0; 2 * layers as usize];
+        self.tok = [0; 3];
+    }
+
+    /// Log entries written this step.
+    fn logged(&self) -> usize {
+        self.st[ST_LOG] as usize
+    }
+
+    /// The step's counts as the reference keeps them; `log` is the step's log, in order.
+    pub(super) fn counts(&self, layers: u16, log: &[LogEntry]) -> ResolveCounts {
+        let mut seen = vec![false; self.grant.len() / 2];
+        let mut refills = 0;
+        for en in log {
+            let s = &mut seen[en.g as usize];
+            refills += u64::from(*s);
+            *s = true;
+        }
+        ResolveCounts {
+            hits: (0..layers as usize)
+                .map(|l| u64::from(self.counts[2 * l]))
+                .collect(),
+            misses: (0..layers as usize)
+                .map(|l| u64::from(self.counts[2 * l + 1]))
+                .collect(),
+            needed_tokens: self.tok[TOK_NEEDED],
+            needed_tokens_moved: self.tok[TOK_NEEDED_MOVED],
+            selected: self.tok[TOK_SELECTED],
+            overflow: u64::from(self.st[ST_OVERFLOW]),
+            refills,
+            failed: 0,
+            retried: 0,
+        }
+    }
+
+    /// Grant entries the step went through (the kernel's cursor runs past the end).
+    pub(super) fn used(&self) -> usize {
+        (self.st[ST_USED] as usize).min(self.grant.len() / 2)
+    }
+}
+
+/// The kernel's geometry over the resolver's bindings (planes of one flattened layer).
+fn geometry(
+    host: &PageTransferBinding,
+    device: &PageTransferBinding,
+    order: LayerPageOrder,
+) -> (Vec<u64>, Vec<u64>, Geometry) {
+    let planes = device.planes_per_layer();
+    let host_planes: Vec<u64> = (0..planes).map(|p| host.row_addr(p, 0, 0)).collect();
+    let dev_planes: Vec<u64> = (0..planes).map(|p| device.row_addr(p, 0, 0)).collect();
+    let (order_first, order_n) = match order {
+        LayerPageOrder::LayerFirst { pages } => (1, pages),
+        LayerPageOrder::LayerPageFirst { layers } => (0, layers),
+    };
+    let geo = Geometry {
+        host_planes: host_planes.as_ptr(),
+        dev_planes: dev_planes.as_ptr(),
+        host_stride: host.page_stride(),
+        dev_stride: device.page_stride(),
+        page_bytes: device.page_bytes(),
+        planes: planes as i32,
+        order_first,
+        order_n,
+    };
+    (host_planes, dev_planes, geo)
+}
+
+impl ResolverState {
+    /// Runs the kernel's source for every later step (test builds): `threads` CPU threads a
+    /// launch. Refused while a step is open.
+    pub fn use_host_kernel(&mut self, threads: usize) -> Result<()> {
+        if self.open {
+            return Err(Error::config(
+                "step",
+                "open",
+                "no step granted and not yet ended",
+            ));
+        }
+        self.kernel = Some(HostKernel::new(threads, self.mirror.len())?);
+        Ok(())
+    }
+
+    /// [`ResolverState::resolve_layer`] by the kernel: one launch for the batch. The
+    /// arguments were checked by the caller.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn launch_host_kernel(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        selection: &[i32],
+        k: usize,
+        tokens: bool,
+        table: &mut [i32],
+    ) -> Result<()> {
+        // Each batch row its own table row: (homes, len), as the device would hold them.
+        let mut width = 0;
+        for id in rids {
+            let t = self
+                .tables
+                .get(id)
+                .ok_or_else(|| Error::config("rids", id, "requests of the granted step"))?;
+            width = width.max(t.homes.len());
+        }
+        let width = width.max(1);
+        let mut homes = vec![0i32; rids.len() * width];
+        let mut lens = Vec::with_capacity(rids.len());
+        for (b, id) in rids.iter().enumerate() {
+            let t = &self.tables[id];
+            for (p, &h) in t.homes.iter().enumerate() {
+                homes[b * width + p] = h as i32;
+            }
+            lens.push(t.len as i64);
+        }
+        let rows: Vec<i32> = (0..rids.len() as i32).collect();
+        let cells = selection.len();
+        let layers = self.layers;
+        let page_size = self.page_size;
+        let serial = self.serial;
+        let call = self.call as i32;
+        let (host_planes, dev_planes, geo) = geometry(&self.host, &self.device, self.order);
+        let kern = self.kernel.as_mut().expect("the kernel chosen");
+        // Room for every cell of this launch to take an entry: the kernel drops what overflows.
+        let before = kern.logged();
+        kern.log.resize((before + cells) * LOG_INTS, 0);
+        let step = Step {
+            mirror: self.mirror.as_mut_ptr(),
+            marks: self.mark.as_mut_ptr(),
+            filled: self.filled.as_mut_ptr(),
+            grant: kern.grant.as_ptr(),
+            grant_len: (kern.grant.len() / 2) as i32,
+            deferred: kern.deferred.as_mut_ptr(),
+            log: kern.log.as_mut_ptr(),
+            log_capacity: (before + cells) as i32,
+            log_before: before as i32,
+            st: kern.st.as_mut_ptr(),
+            counts: kern.counts.as_mut_ptr(),
+            tok: kern.tok.as_mut_ptr(),
+            serial,
+            call,
+        };
+        // SAFETY: every pointer is to a live buffer of the length the kernel indexes: the
+        // mirror, marks and filled have an entry per (home, layer) and the tables' homes come
+        // from the core's pages (homes of the host pool); the grant and deferred have 2 ints
+        // an entry; the log has room for every cell of this launch past what is written; the
+        // counts have 2 a layer; `sel`, `table` have `cells`; `rows`, `lens` one a row and
+        // `homes` `width` a row. The planes' addresses are the bindings', checked when built,
+        // and the slots the grant names are pages of the device pool (the core granted them).
+        // Nothing else touches these buffers until the call returns: `&mut self` is held, and
+        // the launch joins its threads before returning. Host (a home) and device (a slot)
+        // pages are distinct buffers.
+        unsafe {
+            sparsetier_resolve_host(
+                kern.threads,
+                selection.as_ptr(),
+                rows.as_ptr(),
+                homes.as_ptr(),
+                lens.as_ptr(),
+                table.as_mut_ptr(),
+                step,
+                geo,
+                cells as i32,
+                k as i32,
+                width as i32,
+                i32::from(layers),
+                i32::from(layer),
+                page_size as i32,
+                i32::from(tokens),
+            );
+        }
+        drop((host_planes, dev_planes));
+        let after = kern.logged();
+        if after > before + cells {
+            return Err(Error::config(
+                "log",
+                after,
+                format!("at most {} entries (one a cell)", before + cells),
+            ));
+        }
+        for i in before..after {
+            let l = &kern.log[i * LOG_INTS..(i + 1) * LOG_INTS];
+            self.log.push(LogEntry {
+                g: l[0] as u32,
+                e: l[1] as u32,
+                rid: rids[l[2] as usize],
+                page: l[3] as u32,
+                call: l[4] as u32,
+                failed: false,
+            });
+        }
+        for (b, row) in table.chunks(k.max(1)).enumerate() {
+            for _ in row.iter().filter(|&&s| s == FAILED) {
+                self.failed_rids.push(rids[b]);
+            }
+        }
+        debug_assert!(!self.mirror.contains(&CLAIMING));
+        let bad = std::mem::take(&mut kern.st[ST_BAD]);
+        if bad > 0 {
+            return Err(Error::config(
+                "selection",
+                format!("{bad} entries past their request's tokens"),
+                "entries inside their requests' tokens",
+            ));
+        }
+        Ok(())
+    }
+}
