@@ -49,7 +49,8 @@ typedef unsigned int u32;
 #define TOK_NEEDED 1       // selected tokens, every cell
 #define TOK_NEEDED_MOVED 2 // selected tokens in the objects this step copied
 
-// A deferred entry not written yet (the host fills `deferred` with it at each step's start).
+// A deferred or log entry not written yet (the host fills `deferred` and the log's calls with
+// it at each step's start).
 #define NOT_YET 0x7fffffff
 
 struct Geometry {
@@ -70,9 +71,9 @@ struct Step {
     const int* grant;        // [G * 2] (slot, victim entry or -1)
     int grant_len;
     int* deferred;           // [G * 2] (grant index, call); call NOT_YET until written
-    int* log;                // [capacity * 5] (grant index, entry, row, page, call)
+    int* log;                // [capacity * 5] (grant index, entry, row, page, call); the
+                             // host fills each call with NOT_YET at the step's start
     int log_capacity;
-    int log_before;          // log entries written by earlier calls of the step
     u32* st;                 // cursors and counters (ST_*)
     u32* counts;             // [L * 2] hits, misses
     u64* tok;                // TOK_*
@@ -124,10 +125,13 @@ __device__ int2 take(Step& s, int layers, int layer) {
         atomicCAS(&s.mirror[victim], slot, ABSENT);
         return make_int2(g, slot);
     }
-    // Slots earlier calls filled, oldest first; the same cursor rule.
+    // Slots earlier calls filled, oldest first; the same cursor rule. Earlier calls' entries
+    // come first in the log (stream order), each with its call written last.
     for (;;) {
         const int i = (int)atomicAdd(&s.st[ST_REFILL_AT], 0u);
-        if (i >= s.log_before) break;
+        if (i >= s.log_capacity) break;
+        const int call = ((volatile int*)s.log)[5 * i + 4];
+        if (call == NOT_YET || call >= s.call) break;  // this call's, or not written yet
         if (atomicCAS(&s.st[ST_REFILL_AT], (u32)i, (u32)i + 1u) != (u32)i) continue;
         const int g = s.log[5 * i], e = s.log[5 * i + 1];
         const int slot = s.grant[2 * g];
@@ -237,7 +241,8 @@ extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
                     l[1] = e;
                     l[2] = row;
                     l[3] = page;
-                    l[4] = s.call;
+                    __threadfence();
+                    atomicExch(&l[4], s.call);  // last: a reader that finds NOT_YET stops
                 }
                 atomicAdd(&s.counts[2 * layer + 1], 1u);
                 atomicExch(&s.filled[e], s.serial);

@@ -5,7 +5,7 @@
 #       builds an abi3 wheel with a manylinux_2_28 tag (maturin --zig) into .whl/, which
 #       `.git/info/exclude` must ignore (`echo /.whl/ >> .git/info/exclude`).
 #   there:        device run, carry [".whl"], command: bash scripts/gpu-check.sh run [PART...]
-#       PARTs (default: all, in this order): tests demos sanitizer decode transfer token
+#       PARTs (default: all, in this order): tests resolver demos sanitizer decode transfer token
 #       installs the wheel offline into /tmp/site (the machine has Python 3.12, torch with
 #       CUDA 13.0, hypothesis and pytest, and no network), then writes under $OUT:
 #         env.txt             versions, GPU name, driver, the cost of a stream look-up
@@ -18,6 +18,13 @@
 #                             tests/test_block_mover.py (the vLLM worker's block moves:
 #                             DeepSeek-V3.2-shaped MLA and indexer blocks to pinned host pools
 #                             and back, and a failed copy, through the kernel and direct engines)
+#         resolver.txt        the device resolver's kernel launched on the GPU alone
+#                             (`python -m sparsetier.tools.resolver_gpu`): every cell of every
+#                             layer checked against its object's bytes, the objects counted
+#                             once, and its GPU time a layer at batch 64, top-2048 of 128k
+#                             tokens (DeepSeek-V3.2's 656-byte rows, 64-token pages), block and
+#                             token mode, each run's JSON after its line; then
+#                             tests/test_resolver_gpu.py's GPU case
 #         demo_cuda.txt       `sparsetier demo --device cuda` (tiered == resident on the GPU,
 #                             through the step scheduler with stream waits), block and token
 #                             selection, with and without prefetch, in FP8 (--kv-format),
@@ -27,7 +34,7 @@
 #         demo_block.json     the block-mode run with prefetch, as JSON
 #         bench_transfer.txt  `sparsetier bench transfer --device cuda` table
 #         bench_transfer.json the same rows as JSON
-#         sanitizer.txt       compute-sanitizer memcheck over scripts/gpu_sanitize.py
+#         (pytest.txt, after the tests) compute-sanitizer memcheck over scripts/gpu_sanitize.py
 #         bench_decode.txt    `sparsetier bench decode` on the machine's CPU: block mode with
 #                             its three stacks (issue 10's figure), on the cpu engine and on
 #                             the kernel engine (pools on the GPU), then token mode with a
@@ -36,7 +43,8 @@
 #                             (eager ops against TokenMapper's CUDA graph replay)
 # Each step has its own timeout, so a hang leaves the others' results; the steps run in order
 # of worth, so a device call stopped at its limit loses the least worth first.
-# About 6-8 minutes of the machine in all (the transfer bench's paired rows are the longest).
+# About 8-10 minutes of the machine in all (the transfer bench's paired rows are the longest);
+# run the parts in two calls where a call's limit is shorter.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -53,7 +61,7 @@ build)
     ;;
 run)
     shift
-    parts=" ${*:-tests demos sanitizer decode transfer token} "
+    parts=" ${*:-tests resolver demos sanitizer decode transfer token} "
     has() { [[ $parts == *" $1 "* ]]; }
     OUT=${OUT:-/tmp/sparsetier-out}
     mkdir -p "$OUT"
@@ -77,6 +85,16 @@ run)
             tests/test_decode.py tests/test_token_map.py tests/test_block_mover.py \
             > "$OUT/pytest.txt" 2>&1
         echo "exit $?" >> "$OUT/pytest.txt"
+    fi
+    if has resolver; then
+        for tok in false true; do
+            timeout 150 python3 -m sparsetier.tools.resolver_gpu --tokens "$tok" \
+                --steps "$([ $tok = true ] && echo 6 || echo 12)" --json - >> "$OUT/resolver.txt" 2>&1
+            echo "resolver tokens=$tok: exit $?" >> "$OUT/resolver.txt"
+        done
+        timeout 90 python3 -m pytest -q -rs -p no:cacheprovider $per_test \
+            tests/test_resolver_gpu.py -k gpu_passes >> "$OUT/resolver.txt" 2>&1
+        echo "resolver pytest: exit $?" >> "$OUT/resolver.txt"
     fi
     if has demos; then
         for mode in block token; do
@@ -103,9 +121,11 @@ run)
     if has sanitizer; then
         # Out-of-bounds or misaligned accesses of the copy kernel and the direct engine.
         command -v compute-sanitizer >/dev/null || export PATH="/usr/local/cuda/bin:$PATH"
+        # (Into pytest.txt: at most 8 files come back.)
+        echo "== compute-sanitizer" >> "$OUT/pytest.txt"
         timeout 100 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
-            python3 scripts/gpu_sanitize.py > "$OUT/sanitizer.txt" 2>&1
-        echo "exit $?" >> "$OUT/sanitizer.txt"
+            python3 scripts/gpu_sanitize.py >> "$OUT/pytest.txt" 2>&1
+        echo "sanitizer exit $?" >> "$OUT/pytest.txt"
     fi
     if has decode; then
         # The decode step's CPU time (issue 10) on this machine's server CPU (the GPU idle):
@@ -133,12 +153,13 @@ run)
         # Where one layer's device mapping spends its CPU (8 files at most come back).
         timeout 60 python3 scripts/token_map_timing.py >> "$OUT/bench_decode.txt" 2>&1
     fi
-    cd "$OUT" && tail -n 4 pytest.txt sanitizer.txt bench_decode.txt 2>/dev/null
+    cd "$OUT" && tail -n 4 pytest.txt bench_decode.txt 2>/dev/null
+    grep -E "^resolver|exit|passed|failed" resolver.txt 2>/dev/null
     tail -n 12 bench_transfer.txt 2>/dev/null
     grep -E "exit|correctness|end state|faults" demo_cuda.txt 2>/dev/null
     ;;
 *)
-    echo "usage: $0 build | run [tests] [demos] [sanitizer] [decode] [transfer] [token]" >&2
+    echo "usage: $0 build | run [tests] [resolver] [demos] [sanitizer] [decode] [transfer] [token]" >&2
     exit 2
     ;;
 esac

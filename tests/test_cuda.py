@@ -43,7 +43,8 @@ def test_kernels_compile_with_nvrtc_13_0_for_sm_90():
     ptx = out["ptx"]
     assert ".target sm_90" in ptx
     assert ".entry sparsetier_copy_ops(" in ptx
-    # The device resolver's kernel compiles too (not launched yet): a warp a cell, the misses
+    # The device resolver's kernel compiles too (launched by its GPU check, not by the
+    # runtime yet): a warp a cell, the misses
     # claimed with a CAS and copied from host over unified addressing.
     assert ".entry sparsetier_resolve(" in ptx
     assert "atom.global.cas.b32" in ptx, "the claim of a missing entry is an atomic CAS"
@@ -71,6 +72,8 @@ for arch in ("sm_90", "sm_80", "sm_90"):
 open(out[0]["path"], "wb").write(b"not a cubin")  # a damaged cache file is compiled again
 c = lowlevel.kernel_cubin("sm_90", d)
 out.append({"from_cache": c["from_cache"], "elf": c["image"][:4] == b"\\x7fELF"})
+r = lowlevel.kernel_cubin("sm_90", d, kernel="resolve")  # the device resolver: its own file
+out.append({"elf": r["image"][:4] == b"\\x7fELF", "path": str(r["path"])})
 print(json.dumps(out))
 """
 
@@ -82,12 +85,13 @@ def test_kernel_compiles_to_a_cubin_per_arch_cached_on_disk(tmp_path):
         [sys.executable, "-c", CUBIN, str(tmp_path)], capture_output=True, text=True, check=False
     )
     assert r.returncode == 0, r.stderr
-    first, other, again, damaged = json.loads(r.stdout)
+    first, other, again, damaged, resolve = json.loads(r.stdout)
     assert first["elf"] and other["elf"] and first["size"] > 0
     assert (first["from_cache"], other["from_cache"], again["from_cache"]) == (False, False, True)
     assert first["path"] == again["path"] != other["path"]
     assert "sm_90" in first["path"] and "nvrtc13.0" in first["path"]
     assert damaged == {"from_cache": False, "elf": True}
+    assert resolve["elf"] and "resolve-sm_90" in resolve["path"]
 
 
 def test_bad_arch_is_refused():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import sparsetier as sp
+from sparsetier import testing
 from sparsetier.tools import demo, runtime
 from sparsetier.tools.model import ModelConfig, TinySparseModel
 from sparsetier.tools.runtime import DecodeRuntime
@@ -106,7 +107,7 @@ def test_demo_through_the_cuda_kernel_run_on_the_cpu_is_exact(monkeypatch, selec
     def with_kernel(self, *a, **k):
         init(self, *a, **k)
         if self.resolver is not None:
-            self.resolver._use_host_kernel(4)
+            testing.use_host_kernel(self, 4)
             kernels.append(self)
 
     monkeypatch.setattr(runtime.DecodeRuntime, "__init__", with_kernel)

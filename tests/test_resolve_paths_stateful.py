@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from sparsetier import testing
 from sparsetier.tools.model import ModelConfig, TinySparseModel
 from sparsetier.tools.runtime import DecodeRuntime
 
@@ -63,7 +64,7 @@ class ResolvePathsMachine(RuleBasedStateMachine):
         event("ample device" if ample else "tight device")
         self.dev, self.host = self._runtime("device"), self._runtime("host")
         if self.KERNEL:
-            self.dev.resolver._use_host_kernel(4)
+            testing.use_host_kernel(self.dev, 4)
         self.both = (self.dev, self.host)
         self.steps_of: dict[int, int] = {}
         self.next_rid = 0

@@ -37,6 +37,7 @@ from hypothesis.stateful import (
 )
 
 import sparsetier as sp
+from sparsetier import testing
 from sparsetier.tools.model import ModelConfig, TinySparseModel
 from sparsetier.tools.runtime import DecodeRuntime
 
@@ -89,7 +90,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         event(f"restore {restore}")
         self.rt = self._runtime(60, prefetch, self.RESOLVE, restore)
         if self.KERNEL:
-            self.rt.resolver._use_host_kernel(4)
+            testing.use_host_kernel(self.rt, 4)
         self.twin = self._runtime(2000, False)
         # Two requests over the longest prompt hold most of the device, so what comes next
         # evicts and loads (and load faults find loads to fail).
@@ -153,8 +154,6 @@ class RuntimeMachine(RuleBasedStateMachine):
     def evict_device_kv(self):
         # Every main-KV object the tiered runtime does not pin leaves its device (written
         # through first): later plans, and a prefix hit's full restore, load them again.
-        from sparsetier import testing
-
         if testing.evict_device(self.rt.scheduler, 10**6):
             event("device KV evicted")
 

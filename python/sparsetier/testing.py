@@ -17,10 +17,11 @@ try:
 except ImportError:  # pragma: no cover - the release build
     raise ImportError(
         "sparsetier was built without its test hooks: build with the `testing` cargo feature "
-        "(`maturin develop --release --features testing`; `make build` does)"
+        "(`maturin develop --release --features testing,host-kernel`; `make build` does)"
     ) from None
 
 __all__ = [
+    "ResolveKernel",
     "bench_resolve",
     "bench_serve",
     "contained_panic",
@@ -30,6 +31,7 @@ __all__ = [
     "inject_copy_fault",
     "inject_faults",
     "run_soak",
+    "use_host_kernel",
 ]
 
 run_soak = _hooks.run_soak
@@ -83,3 +85,23 @@ def directory_of(scheduler: _core.StepScheduler) -> Any:
     """`scheduler`'s own residency directory, which the caller may change under it (the
     decode benchmark's per-request baseline drives it directly)."""
     return scheduler._directory()
+
+
+def use_host_kernel(target: Any, threads: int = 4) -> None:
+    """From `target`'s next step on (a `DeviceResolver`, or a `DecodeRuntime` with
+    `resolve="device"`), its decode layers are resolved by the CUDA kernel's own source compiled
+    for the CPU, on `threads` threads that race as the GPU's warps do, instead of the reference
+    (builds with the `host-kernel` feature too: `make build`)."""
+    resolver = getattr(target, "resolver", target)
+    if not hasattr(resolver, "_use_host_kernel"):
+        raise ImportError(
+            "this build has no host kernel: build with `--features testing,host-kernel` "
+            "(`make build` does)"
+        )
+    resolver._use_host_kernel(threads)
+
+
+# The device resolver's kernel, launched on torch tensors: `ResolveKernel(device)` on a CUDA
+# device, or `ResolveKernel("cpu", threads)` on CPU threads (`host-kernel` builds); its
+# `launch(stream, tensors, ...)` checks every buffer first (`sparsetier.tools.resolver_gpu`).
+ResolveKernel = _hooks.ResolveKernel

@@ -20,6 +20,8 @@ mod prefix_result;
 mod radix;
 mod replay;
 mod residency_view;
+#[cfg(feature = "testing")]
+mod resolve_kernel;
 mod resolver;
 mod restore_policy;
 pub(crate) mod scheduler;

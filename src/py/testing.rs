@@ -13,6 +13,7 @@ pub fn register(core: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(crate::py::directory::bench_resolve, &m)?)?;
     m.add_function(wrap_pyfunction!(crate::py::radix::bench_serve, &m)?)?;
     m.add_function(wrap_pyfunction!(crate::py::error::contained_panic, &m)?)?;
+    m.add_class::<crate::py::resolve_kernel::PyResolveKernel>()?;
     core.add_submodule(&m)?;
     // `import sparsetier._core._testing` finds it, as a submodule of an extension should.
     py.import("sys")?

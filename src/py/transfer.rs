@@ -659,20 +659,33 @@ fn torch_current_device(py: Python<'_>) -> i64 {
         .unwrap_or(0)
 }
 
-/// The copy kernel's cubin for `arch` (e.g. `sm_90`), compiled with NVRTC or read from the
-/// disk cache (`cache_dir`, default `$SPARSETIER_KERNEL_CACHE` or `~/.cache/sparsetier/kernels`):
+/// A kernel's cubin for `arch` (e.g. `sm_90`): `kernel` is `page_copy` (the copy kernel) or
+/// `resolve` (the device resolver), compiled with NVRTC or read from the disk cache
+/// (`cache_dir`, default `$SPARSETIER_KERNEL_CACHE` or `~/.cache/sparsetier/kernels`):
 /// `{"arch", "image" (bytes), "path", "from_cache"}`. Needs libnvrtc only.
 #[pyfunction]
-#[pyo3(signature = (arch, cache_dir=None))]
+#[pyo3(signature = (arch, cache_dir=None, kernel="page_copy"))]
 pub fn kernel_cubin<'py>(
     py: Python<'py>,
     arch: &Bound<'py, PyAny>,
     cache_dir: Option<std::path::PathBuf>,
+    kernel: &str,
 ) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+    use crate::transfer::cubin::{cubin_of, PAGE_COPY, RESOLVE};
     contained(|| {
         let a = string(arch, "arch")?;
+        let src = match kernel {
+            "page_copy" => PAGE_COPY,
+            "resolve" => RESOLVE,
+            other => {
+                return Err(to_py(
+                    py,
+                    Error::config("kernel", other, "page_copy or resolve"),
+                ))
+            }
+        };
         let c = py
-            .detach(|| crate::transfer::cubin::cubin(&a, cache_dir.as_deref()))
+            .detach(|| cubin_of(src, &a, cache_dir.as_deref()))
             .py_err(py)?;
         let d = pyo3::types::PyDict::new(py);
         d.set_item("arch", c.arch)?;

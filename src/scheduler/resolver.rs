@@ -43,8 +43,10 @@ use crate::ids::RequestId;
 use crate::transfer::{LayerPageOrder, PageTransferBinding};
 use rustc_hash::FxHashMap;
 
+pub mod abi;
 #[cfg(feature = "host-kernel")]
-mod kernel;
+pub mod kernel;
+pub mod launch;
 
 /// A mirror entry's device slot when the object is not on the device (as far as the device
 /// knows).

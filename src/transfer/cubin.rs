@@ -1,4 +1,5 @@
-//! The copy kernel as a cubin for one GPU architecture: compiled with NVRTC once, kept on disk.
+//! A kernel (the copy kernel, the device resolver) as a cubin for one GPU architecture:
+//! compiled with NVRTC once, kept on disk.
 //!
 //! PTX needs the driver to JIT it and fails to load when NVRTC is newer than the driver
 //! (`CUDA_ERROR_UNSUPPORTED_PTX_VERSION`); a cubin for the device's own compute capability
@@ -8,11 +9,32 @@
 //! only if it is an ELF image; it is written to a temporary name and renamed into place, so
 //! concurrent processes never read half a file.
 
-use super::cuda::{INSTALL_NVRTC, KERNEL_SOURCE};
+use super::cuda::{INSTALL_NVRTC, KERNEL_SOURCE, RESOLVE_SOURCE};
 use crate::error::{Error, Result};
 use std::ffi::{c_char, CString};
 use std::hash::Hasher;
 use std::path::{Path, PathBuf};
+
+/// A kernel's source: its file name (for NVRTC's messages and the cache) and text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelSource {
+    /// The file name without `.cu`.
+    pub name: &'static str,
+    /// The CUDA C++ source.
+    pub text: &'static str,
+}
+
+/// The copy kernel (`cuda/page_copy.cu`).
+pub const PAGE_COPY: KernelSource = KernelSource {
+    name: "page_copy",
+    text: KERNEL_SOURCE,
+};
+
+/// The device resolver (`cuda/resolve.cu`).
+pub const RESOLVE: KernelSource = KernelSource {
+    name: "resolve",
+    text: RESOLVE_SOURCE,
+};
 
 /// A compiled kernel image.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -94,25 +116,36 @@ pub fn nvrtc_version() -> Result<(i32, i32)> {
     Ok((major, minor))
 }
 
-/// The cache file name of the kernel for `arch` under NVRTC `version`.
+/// The cache file name of the copy kernel for `arch` under NVRTC `version`.
 pub fn cache_name(arch: &str, version: (i32, i32)) -> String {
+    cache_name_of(PAGE_COPY, arch, version)
+}
+
+/// The cache file name of kernel `src` for `arch` under NVRTC `version`.
+pub fn cache_name_of(src: KernelSource, arch: &str, version: (i32, i32)) -> String {
     let mut h = rustc_hash::FxHasher::default();
-    h.write(KERNEL_SOURCE.as_bytes());
+    h.write(src.text.as_bytes());
     format!(
-        "page_copy-{arch}-nvrtc{}.{}-{:016x}.cubin",
+        "{}-{arch}-nvrtc{}.{}-{:016x}.cubin",
+        src.name,
         version.0,
         version.1,
         h.finish()
     )
 }
 
-/// The kernel's cubin for `arch`, from `dir` (default [`cache_dir`]) or compiled and stored
-/// there. A cache that cannot be written is not an error: the image is still returned.
+/// The copy kernel's cubin for `arch` ([`cubin_of`]).
 pub fn cubin(arch: &str, dir: Option<&Path>) -> Result<Cubin> {
+    cubin_of(PAGE_COPY, arch, dir)
+}
+
+/// Kernel `src`'s cubin for `arch`, from `dir` (default [`cache_dir`]) or compiled and stored
+/// there. A cache that cannot be written is not an error: the image is still returned.
+pub fn cubin_of(src: KernelSource, arch: &str, dir: Option<&Path>) -> Result<Cubin> {
     check_arch(arch)?;
     let version = nvrtc_version()?;
     let dir = dir.map_or_else(cache_dir, Path::to_path_buf);
-    let path = dir.join(cache_name(arch, version));
+    let path = dir.join(cache_name_of(src, arch, version));
     if let Ok(image) = std::fs::read(&path) {
         if image.starts_with(b"\x7fELF") {
             return Ok(Cubin {
@@ -123,7 +156,7 @@ pub fn cubin(arch: &str, dir: Option<&Path>) -> Result<Cubin> {
             });
         }
     }
-    let image = compile_cubin(arch)?;
+    let image = compile_cubin_of(src, arch)?;
     let _ = store(&dir, &path, &image);
     Ok(Cubin {
         arch: arch.to_owned(),
@@ -140,13 +173,19 @@ fn store(dir: &Path, path: &Path, image: &[u8]) -> std::io::Result<()> {
     std::fs::rename(&tmp, path)
 }
 
-/// Compiles the kernel source with NVRTC straight to a cubin for `arch`.
+/// Compiles the copy kernel with NVRTC straight to a cubin for `arch`.
 pub fn compile_cubin(arch: &str) -> Result<Vec<u8>> {
+    compile_cubin_of(PAGE_COPY, arch)
+}
+
+/// Compiles kernel `src` with NVRTC straight to a cubin for `arch`.
+pub fn compile_cubin_of(kernel: KernelSource, arch: &str) -> Result<Vec<u8>> {
     use cudarc::nvrtc::{result, sys};
     check_arch(arch)?;
     nvrtc_present()?;
-    let src = CString::new(KERNEL_SOURCE).expect("the kernel source has no NUL");
-    let prog = result::create_program(&src, Some(c"page_copy.cu"))
+    let src = CString::new(kernel.text).expect("the kernel source has no NUL");
+    let file = CString::new(format!("{}.cu", kernel.name)).expect("a name without NUL");
+    let prog = result::create_program(&src, Some(&file))
         .map_err(|e| nvrtc_err("nvrtcCreateProgram", e.0))?;
     let opts = [
         format!("--gpu-architecture={arch}"),

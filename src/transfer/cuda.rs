@@ -142,7 +142,7 @@ pub fn check_libraries(nvrtc: bool) -> Result<()> {
 }
 
 /// Runs `f`, turning a cudarc panic into a typed error.
-fn guarded<T>(what: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+pub(crate) fn guarded<T>(what: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|p| {
         let msg = p
             .downcast_ref::<String>()
@@ -156,7 +156,7 @@ fn guarded<T>(what: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     })
 }
 
-fn cuda_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
+pub(crate) fn cuda_err(call: &'static str) -> impl Fn(cudarc::driver::DriverError) -> Error {
     move |e| Error::Cuda {
         call,
         message: format!("{e:?}"),
@@ -582,7 +582,7 @@ impl CudaEngine {
     }
 }
 
-fn check(r: sys::CUresult, call: &'static str) -> Result<()> {
+pub(crate) fn check(r: sys::CUresult, call: &'static str) -> Result<()> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -893,12 +893,12 @@ fn order_after(producer: u64, copy: sys::CUstream) -> Result<()> {
 
 /// Binds the engine's context to this thread and puts the caller's back on drop, so a call
 /// into the engine never changes which device torch (or anyone else) is using.
-struct CurrentContext {
+pub(crate) struct CurrentContext {
     previous: sys::CUcontext,
 }
 
 impl CurrentContext {
-    fn bind(ctx: &CudaContext) -> Result<Self> {
+    pub(crate) fn bind(ctx: &CudaContext) -> Result<Self> {
         let mut previous: sys::CUcontext = std::ptr::null_mut();
         // SAFETY: a live out-pointer.
         check(

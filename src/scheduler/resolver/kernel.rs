@@ -7,59 +7,14 @@
 //! the step's end the counts, so the core reconciles a kernel's step as it does the
 //! reference's.
 
+use super::abi::{
+    Geometry, Step, CLAIMING, LOG_INTS, NOT_YET, ST_BAD, ST_LEN, ST_LOG, ST_OVERFLOW, ST_USED,
+    TOK_NEEDED, TOK_NEEDED_MOVED, TOK_SELECTED,
+};
 use super::{LogEntry, ResolveCounts, ResolverState, FAILED};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::transfer::{LayerPageOrder, PageTransferBinding};
-
-// Cursors and counters in `st` (`ST_*` in the kernel).
-const ST_USED: usize = 0;
-const ST_LOG: usize = 1;
-const ST_OVERFLOW: usize = 2;
-const ST_BAD: usize = 6;
-const ST_LEN: usize = 8;
-// Token counts in `tok` (`TOK_*`).
-const TOK_SELECTED: usize = 0;
-const TOK_NEEDED: usize = 1;
-const TOK_NEEDED_MOVED: usize = 2;
-/// A deferred entry not written yet.
-const NOT_YET: i32 = 0x7fff_ffff;
-/// Ints per log entry: (grant index, mirror entry, table row, page, call).
-const LOG_INTS: usize = 5;
-/// A mirror entry claimed by a cell in flight: never left once a launch returns.
-const CLAIMING: i32 = -3;
-
-/// `struct Step` of the kernel, field for field.
-#[repr(C)]
-struct Step {
-    mirror: *mut i32,
-    marks: *mut u32,
-    filled: *mut u32,
-    grant: *const i32,
-    grant_len: i32,
-    deferred: *mut i32,
-    log: *mut i32,
-    log_capacity: i32,
-    log_before: i32,
-    st: *mut u32,
-    counts: *mut u32,
-    tok: *mut u64,
-    serial: u32,
-    call: i32,
-}
-
-/// `struct Geometry` of the kernel, field for field.
-#[repr(C)]
-struct Geometry {
-    host_planes: *const u64,
-    dev_planes: *const u64,
-    host_stride: u64,
-    dev_stride: u64,
-    page_bytes: u64,
-    planes: i32,
-    order_first: i32,
-    order_n: u32,
-}
 
 extern "C" {
     fn sparsetier_resolve_host(
@@ -79,6 +34,34 @@ extern "C" {
         page_size: i32,
         tokens: i32,
     );
+}
+
+/// Launches the kernel on `threads` CPU threads over `args` (host addresses); returns when it
+/// is done.
+///
+/// # Safety
+/// As [`super::launch::ResolveKernel::launch`], with host memory for device memory.
+pub unsafe fn launch_on_host(threads: u32, args: &super::launch::LaunchArgs) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        sparsetier_resolve_host(
+            threads.clamp(1, 256) as i32,
+            args.sel as *const i32,
+            args.rows as *const i32,
+            args.tables as *const i32,
+            args.lens as *const i64,
+            args.table as *mut i32,
+            args.step,
+            args.geo,
+            args.cells as i32,
+            args.k as i32,
+            args.pages_per_row as i32,
+            args.layers as i32,
+            args.layer as i32,
+            args.page_size as i32,
+            i32::from(args.tokens),
+        )
+    }
 }
 
 /// The kernel's own state for one step, and how many threads a launch runs.
@@ -258,7 +241,13 @@ impl ResolverState {
         let kern = self.kernel.as_mut().expect("the kernel chosen");
         // Room for every cell of this launch to take an entry: the kernel drops what overflows.
         let before = kern.logged();
+        // (A new entry's call reads NOT_YET until it is written.)
+        let mut at = kern.log.len();
         kern.log.resize((before + cells) * LOG_INTS, 0);
+        while at + LOG_INTS <= kern.log.len() {
+            kern.log[at + LOG_INTS - 1] = NOT_YET;
+            at += LOG_INTS;
+        }
         let step = Step {
             mirror: self.mirror.as_mut_ptr(),
             marks: self.mark.as_mut_ptr(),
@@ -268,7 +257,6 @@ impl ResolverState {
             deferred: kern.deferred.as_mut_ptr(),
             log: kern.log.as_mut_ptr(),
             log_capacity: (before + cells) as i32,
-            log_before: before as i32,
             st: kern.st.as_mut_ptr(),
             counts: kern.counts.as_mut_ptr(),
             tok: kern.tok.as_mut_ptr(),

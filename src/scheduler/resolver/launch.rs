@@ -1,0 +1,169 @@
+//! The device resolver's kernel (`cuda/resolve.cu`) launched on a GPU: its cubin for the
+//! device's architecture (NVRTC, cached on disk), and one launch a layer on the caller's stream.
+//! The caller owns the buffers and their contents; what the kernel indexes with them is the
+//! caller's contract ([`ResolveKernel::launch`]). Used today by the GPU check of the kernel
+//! (`sparsetier.tools.resolver_gpu`, through `_testing.ResolveKernel`); the runtime does not
+//! launch it yet.
+
+use super::abi::{Geometry, Step};
+use crate::error::Result;
+use crate::transfer::cubin::{arch_of, cubin_of, RESOLVE};
+use crate::transfer::cuda::{check, check_libraries, cuda_err, guarded, CurrentContext};
+use cudarc::driver::{sys, CudaContext, CudaFunction};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// The kernel's name in `cuda/resolve.cu`.
+const NAME: &str = "sparsetier_resolve";
+/// Threads a block: 8 warps, one cell each at a time.
+const THREADS: u32 = 256;
+
+/// One layer's launch: the buffers (device addresses) and the sizes.
+#[derive(Debug, Clone, Copy)]
+pub struct LaunchArgs {
+    /// `[cells]` int32 entries (-1 = none).
+    pub sel: u64,
+    /// `[cells / k]` int32: each batch row's page-table row.
+    pub rows: u64,
+    /// `[table rows * pages_per_row]` int32 homes.
+    pub tables: u64,
+    /// `[table rows]` int64 lengths in tokens.
+    pub lens: u64,
+    /// `[cells]` int32 out: each cell's slot.
+    pub table: u64,
+    /// The step's state (device addresses).
+    pub step: Step,
+    /// Where the host and device pages lie (device-readable plane tables).
+    pub geo: Geometry,
+    /// Cells: rows x k.
+    pub cells: u32,
+    /// Entries a row.
+    pub k: u32,
+    /// Width of a page-table row.
+    pub pages_per_row: u32,
+    /// Layers of the mirror (entry = home x layers + layer).
+    pub layers: u32,
+    /// The layer resolved.
+    pub layer: u32,
+    /// Tokens a page.
+    pub page_size: u32,
+    /// Entries are tokens (else pages).
+    pub tokens: bool,
+    /// Blocks to launch (the kernel strides over the cells); `None`: one warp a cell, at most
+    /// 4096 blocks.
+    pub blocks: Option<u32>,
+}
+
+/// The kernel, loaded on one device.
+pub struct ResolveKernel {
+    ctx: Arc<CudaContext>,
+    func: CudaFunction,
+}
+
+impl std::fmt::Debug for ResolveKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResolveKernel")
+            .field("ordinal", &self.ctx.ordinal())
+            .finish()
+    }
+}
+
+impl ResolveKernel {
+    /// Loads the kernel on device `ordinal`: a cubin for its architecture, compiled once and
+    /// kept on disk. The caller's current context is left as it was.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        check_libraries(true)?;
+        guarded("resolve kernel setup", || {
+            let ctx = CudaContext::new(ordinal).map_err(cuda_err("cuDevicePrimaryCtxRetain"))?;
+            let _bound = CurrentContext::bind(&ctx)?;
+            let (major, minor) = ctx
+                .compute_capability()
+                .map_err(cuda_err("cuDeviceGetAttribute"))?;
+            let image = cubin_of(RESOLVE, &arch_of(major, minor), None)?.image;
+            let module = ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(image))
+                .map_err(cuda_err("cuModuleLoadData"))?;
+            let func = module
+                .load_function(NAME)
+                .map_err(cuda_err("cuModuleGetFunction"))?;
+            Ok(ResolveKernel { ctx, func })
+        })
+    }
+
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// Launches one layer on `stream` (a raw `CUstream` of this device, e.g. torch's current
+    /// stream); returns once it is queued.
+    ///
+    /// # Safety
+    /// Every address in `args` is device-accessible memory of this device (or pinned host
+    /// memory mapped for it) that stays alive until the launch has run, large enough for what
+    /// the kernel indexes: the sizes in `args`, the `rows` and `tables` contents (table rows,
+    /// homes of the host pool), the grant's slots (slots of the device pool) and its victims
+    /// (mirror entries), the log's capacity; the mirror, marks and filled have an entry per
+    /// (home, layer). `stream` is a live stream of this device's primary context.
+    pub unsafe fn launch(&self, stream: u64, args: &LaunchArgs) -> Result<()> {
+        if args.cells == 0 {
+            return Ok(());
+        }
+        let warps_a_block = THREADS / 32;
+        let blocks = args
+            .blocks
+            .unwrap_or_else(|| args.cells.div_ceil(warps_a_block).min(4096))
+            .max(1);
+        let _bound = CurrentContext::bind(&self.ctx)?;
+        let (mut sel, mut rows, mut tables, mut lens, mut table) =
+            (args.sel, args.rows, args.tables, args.lens, args.table);
+        let (mut step, mut geo) = (args.step, args.geo);
+        let mut ints: [i32; 7] = [
+            args.cells as i32,
+            args.k as i32,
+            args.pages_per_row as i32,
+            args.layers as i32,
+            args.layer as i32,
+            args.page_size as i32,
+            i32::from(args.tokens),
+        ];
+        let [cells, k, ppr, layers, layer, page_size, tokens] = &mut ints;
+        // The kernel's parameters in order, each a pointer to its value.
+        let mut params: [*mut c_void; 14] = [
+            &mut sel as *mut u64 as *mut c_void,
+            &mut rows as *mut u64 as *mut c_void,
+            &mut tables as *mut u64 as *mut c_void,
+            &mut lens as *mut u64 as *mut c_void,
+            &mut table as *mut u64 as *mut c_void,
+            &mut step as *mut Step as *mut c_void,
+            &mut geo as *mut Geometry as *mut c_void,
+            cells as *mut i32 as *mut c_void,
+            k as *mut i32 as *mut c_void,
+            ppr as *mut i32 as *mut c_void,
+            layers as *mut i32 as *mut c_void,
+            layer as *mut i32 as *mut c_void,
+            page_size as *mut i32 as *mut c_void,
+            tokens as *mut i32 as *mut c_void,
+        ];
+        // SAFETY: the function is loaded in this context (bound above); each parameter points
+        // to a live local of the kernel's parameter type (u64 device addresses for its
+        // pointers, the `#[repr(C)]` structs for `Step` and `Geometry`, i32 for its ints),
+        // copied by the driver at the call; the buffers are the caller's contract.
+        let r = unsafe {
+            sys::cuLaunchKernel(
+                self.func.cu_function(),
+                blocks,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream as sys::CUstream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        check(r, "cuLaunchKernel")
+    }
+}

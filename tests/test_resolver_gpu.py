@@ -1,0 +1,59 @@
+"""The device resolver kernel's GPU check (`sparsetier.tools.resolver_gpu`, part `resolver` of
+`scripts/gpu-check.sh`): here its own logic runs over the kernel's source on CPU threads (the
+grant as the core makes it, the log's calls filled with NOT_YET, steps of several layers), and
+its checks catch a cell that reads another object; on a GPU (skipped without one) the kernel
+itself runs under the same checks."""
+
+import pytest
+import torch
+
+import sparsetier as st
+from sparsetier import testing
+from sparsetier.tools import resolver_gpu as rg
+
+HAS_GPU = torch.cuda.is_available() and st.cuda_status()[0]
+SMALL = {"rows": 8, "context": 4096, "layers": 3, "steps": 6, "warmup": 1}
+
+
+@pytest.mark.parametrize("tokens", [False, True])
+def test_the_gpu_check_runs_on_the_kernels_source_on_cpu_threads(tokens):
+    r = rg.run(rg.ResolverGpuConfig(device="cpu", tokens=tokens, **SMALL))
+    s = r["summary"]
+    assert s["checked"] and s["cells_per_layer"] == 8 * (32 * 64 if tokens else 32)
+    # Once the grant has grown to the misses (the core's rule: twice the last step's), about a
+    # tenth of each row's pages are new each step.
+    later = [m for step in r["steps"][2:] for m in step["misses"]]
+    assert 0 < max(later) < 8 * 32
+
+
+def test_the_gpu_check_catches_a_cell_that_reads_another_object(monkeypatch):
+    real = testing.ResolveKernel
+
+    class Swapped:
+        # The real kernel, then two cells of different objects swap slots.
+        def __init__(self, *a, **k):
+            self.k = real(*a, **k)
+
+        def launch(self, stream, t, **kw):
+            self.k.launch(stream, t, **kw)
+            table = t["table"]
+            table[0], table[1] = table[1].clone(), table[0].clone()
+
+    monkeypatch.setattr(testing, "ResolveKernel", Swapped)
+    with pytest.raises(AssertionError, match="read another object"):
+        rg.run(rg.ResolverGpuConfig(device="cpu", **SMALL))
+
+
+def test_the_kernel_launch_refuses_a_bad_buffer_before_launching():
+    k = testing.ResolveKernel("cpu")
+    with pytest.raises(st.ConfigError) as e:
+        k.launch(0, {"sel": torch.zeros(4, dtype=torch.int64)}, k=2, layers=1, layer=0,
+                 page_size=4, tokens=False, serial=1, call=1)  # fmt: skip
+    assert e.value.field == "sel.dtype"
+
+
+@pytest.mark.skipif(not HAS_GPU, reason=f"no usable CUDA GPU here: {st.cuda_status()[1]}")
+@pytest.mark.parametrize("tokens", [False, True])
+def test_the_kernel_on_the_gpu_passes_the_same_checks(tokens):
+    r = rg.run(rg.ResolverGpuConfig(device="cuda", tokens=tokens, **SMALL))
+    assert r["summary"]["checked"]
