@@ -43,6 +43,10 @@ typedef unsigned int u32;
 #define ST_DEF_AT 4    // deferred entries taken again
 #define ST_REFILL_AT 5 // log entries of earlier calls considered for a refill
 #define ST_BAD 6       // cells naming a page past their request (the reference refuses them)
+// Written by the host before a step (with the grant), read by every launch of the step, so
+// that a layer's launch takes the same arguments every step and a CUDA graph can replay it.
+#define ST_GRANT_LEN 7 // entries in the grant
+#define ST_SERIAL 8    // the step's serial (read marks)
 
 // Token counts in `tok` (64-bit): read amplification's terms, as the reference counts them.
 #define TOK_SELECTED 0     // selected entries (cells naming a page)
@@ -64,12 +68,11 @@ struct Geometry {
     u32 order_n;             // pages per layer, or layers
 };
 
-struct Step {
+struct StepArgs {
     int* mirror;             // [H * L] slot, ABSENT or CLAIMING
     u32* marks;              // [H * L] serial of the step that last read the entry
     u32* filled;             // [H * L] serial of the step that last copied the entry in
-    const int* grant;        // [G * 2] (slot, victim entry or -1)
-    int grant_len;
+    const int* grant;        // [G * 2] (slot, victim entry or -1); st[ST_GRANT_LEN] of them
     int* deferred;           // [G * 2] (grant index, call); call NOT_YET until written
     int* log;                // [capacity * 5] (grant index, entry, row, page, call); the
                              // host fills each call with NOT_YET at the step's start
@@ -77,8 +80,13 @@ struct Step {
     u32* st;                 // cursors and counters (ST_*)
     u32* counts;             // [L * 2] hits, misses
     u64* tok;                // TOK_*
+    int call;                // the launch's place in the step, from 1
+};
+
+// The step as the kernel uses it: its arguments, and what the host wrote in `st`.
+struct Step : StepArgs {
     u32 serial;
-    int call;
+    int grant_len;
 };
 
 __device__ __forceinline__ bool read_here(const Step& s, int v, int layers, int layer) {
@@ -157,9 +165,13 @@ extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
                                               const int* __restrict__ tables,
                                               const long long* __restrict__ lens,
                                               int* __restrict__ table,
-                                              Step s, Geometry geo,
+                                              StepArgs args, Geometry geo,
                                               int cells, int k, int pages_per_row,
                                               int layers, int layer, int page_size, int tokens) {
+    Step s;
+    static_cast<StepArgs&>(s) = args;
+    s.serial = ((volatile u32*)args.st)[ST_SERIAL];
+    s.grant_len = (int)((volatile u32*)args.st)[ST_GRANT_LEN];
     const u32 lane = threadIdx.x % SPARSETIER_WARP;
     const int warps = (int)(gridDim.x * blockDim.x / SPARSETIER_WARP);
     for (int c = (int)((blockIdx.x * blockDim.x + threadIdx.x) / SPARSETIER_WARP); c < cells;

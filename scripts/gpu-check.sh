@@ -23,8 +23,9 @@
 #                             layer checked against its object's bytes, the objects counted
 #                             once, and its GPU time a layer at batch 64, top-2048 of 128k
 #                             tokens (DeepSeek-V3.2's 656-byte rows, 64-token pages), block and
-#                             token mode, each run's JSON after its line; then
-#                             tests/test_resolver_gpu.py's GPU case
+#                             token mode, and a step's layers captured in a CUDA graph and
+#                             replayed, each run's JSON after its line; then
+#                             tests/test_resolver_gpu.py's GPU cases
 #         demo_cuda.txt       `sparsetier demo --device cuda` (tiered == resident on the GPU,
 #                             through the step scheduler with stream waits), block and token
 #                             selection, with and without prefetch, in FP8 (--kv-format),
@@ -92,6 +93,10 @@ run)
                 --steps "$([ $tok = true ] && echo 6 || echo 12)" --json - >> "$OUT/resolver.txt" 2>&1
             echo "resolver tokens=$tok: exit $?" >> "$OUT/resolver.txt"
         done
+        # Under CUDA graph capture: a step's 4 layers captured once, replayed each step.
+        timeout 90 python3 -m sparsetier.tools.resolver_gpu --graph true --layers 4 --rows 16 \
+            --steps 8 --json - >> "$OUT/resolver.txt" 2>&1
+        echo "resolver graph: exit $?" >> "$OUT/resolver.txt"
         timeout 90 python3 -m pytest -q -rs -p no:cacheprovider $per_test \
             tests/test_resolver_gpu.py -k gpu_passes >> "$OUT/resolver.txt" 2>&1
         echo "resolver pytest: exit $?" >> "$OUT/resolver.txt"

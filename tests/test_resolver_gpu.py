@@ -48,12 +48,22 @@ def test_the_kernel_launch_refuses_a_bad_buffer_before_launching():
     k = testing.ResolveKernel("cpu")
     with pytest.raises(st.ConfigError) as e:
         k.launch(0, {"sel": torch.zeros(4, dtype=torch.int64)}, k=2, layers=1, layer=0,
-                 page_size=4, tokens=False, serial=1, call=1)  # fmt: skip
+                 page_size=4, tokens=False, call=1)  # fmt: skip
     assert e.value.field == "sel.dtype"
 
 
+def test_a_graph_is_for_a_gpu_and_a_capture_launch_for_a_graph():
+    with pytest.raises(ValueError, match="graph"):
+        rg.run(rg.ResolverGpuConfig(device="cpu", graph=True, **SMALL))
+    with pytest.raises(st.ConfigError) as e:
+        testing.ResolveKernel("cpu").launch(0, {}, k=1, layers=1, layer=0, page_size=4,
+                                            tokens=False, call=1, capture=True)  # fmt: skip
+    assert e.value.field == "capture"
+
+
 @pytest.mark.skipif(not HAS_GPU, reason=f"no usable CUDA GPU here: {st.cuda_status()[1]}")
-@pytest.mark.parametrize("tokens", [False, True])
-def test_the_kernel_on_the_gpu_passes_the_same_checks(tokens):
-    r = rg.run(rg.ResolverGpuConfig(device="cuda", tokens=tokens, **SMALL))
+@pytest.mark.parametrize(("tokens", "graph"), [(False, False), (True, False), (False, True)])
+def test_the_kernel_on_the_gpu_passes_the_same_checks(tokens, graph):
+    # With `graph`, the layers' launches are captured in a CUDA graph and replayed each step.
+    r = rg.run(rg.ResolverGpuConfig(device="cuda", tokens=tokens, graph=graph, **SMALL))
     assert r["summary"]["checked"]

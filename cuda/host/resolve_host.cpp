@@ -70,7 +70,7 @@ inline void __syncwarp() {}
 // One launch of `sparsetier_resolve` over `threads` CPU threads; returns when all are done.
 extern "C" void sparsetier_resolve_host(int threads, const int* sel, const int* rows,
                                         const int* tables, const long long* lens, int* table,
-                                        Step s, Geometry geo, int cells, int k,
+                                        StepArgs s, Geometry geo, int cells, int k,
                                         int pages_per_row, int layers, int layer,
                                         int page_size, int tokens) {
     if (threads < 1) threads = 1;

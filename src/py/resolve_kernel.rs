@@ -8,7 +8,7 @@
 use crate::error::Error;
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::tensor::TensorInfo;
-use crate::scheduler::resolver::abi::{Geometry, Step, LOG_INTS, NOT_YET, ST_LEN};
+use crate::scheduler::resolver::abi::{Geometry, Step, LOG_INTS, NOT_YET, ST_GRANT_LEN, ST_LEN};
 use crate::scheduler::resolver::launch::{LaunchArgs, ResolveKernel};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -176,9 +176,12 @@ impl PyResolveKernel {
     /// `grant`, `deferred`, `log`, `st`, `counts` (int32 on the device), `lens`, `tok` and
     /// `planes` (int64 on the device; `planes` = [host pool address, device pool address]),
     /// `host` (uint8 `[pages, page_bytes]`, pinned) and `dev` (uint8 `[slots, page_bytes]` on
-    /// the device). Host pages are numbered layer-first (`layer * homes + home`).
+    /// the device). Host pages are numbered layer-first (`layer * homes + home`). Every index
+    /// the kernel takes from a buffer is read back and bounded first; with `capture` (inside a
+    /// CUDA graph's capture, where nothing can be read back) only the buffers and sizes are,
+    /// and the caller runs `check` on the same buffers before each replay.
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (stream, t, *, k, layers, layer, page_size, tokens, serial, call, blocks=None))]
+    #[pyo3(signature = (stream, t, *, k, layers, layer, page_size, tokens, call, blocks=None, capture=false))]
     fn launch(
         &self,
         py: Python<'_>,
@@ -189,10 +192,84 @@ impl PyResolveKernel {
         layer: u32,
         page_size: u32,
         tokens: bool,
-        serial: u32,
         call: i32,
         blocks: Option<u32>,
+        capture: bool,
     ) -> PyResult<()> {
+        if capture && matches!(self.backend, Backend::Cpu { .. }) {
+            return Err(to_py(
+                py,
+                Error::config("capture", "True", "False on the CPU (no graph to capture)"),
+            ));
+        }
+        let args = self.prepare(
+            py, t, k, layers, layer, page_size, tokens, call, blocks, !capture,
+        )?;
+        // SAFETY: every buffer was checked by `prepare` (device, dtype, contiguity, size), the
+        // indices the kernel reads from them (rows, homes, lengths, grant slots and victims,
+        // deferred entries, earlier log entries, mirror slots) are bounded by the sizes they
+        // index (under capture, by `check` before each replay: the caller's contract), the
+        // host pool is pinned (mapped for the device under unified addressing) with a page per
+        // (home, layer), and the caller's dict keeps every tensor alive while torch's stream
+        // (the caller's) runs the launch: the tensors are freed through torch's caching
+        // allocator, stream-ordered. (Queuing a launch does not wait: the GIL stays held.) On
+        // the CPU the launch has joined its threads when it returns.
+        match &self.backend {
+            Backend::Gpu(k) => unsafe { k.launch(stream, &args) }.py_err(py),
+            #[cfg(feature = "host-kernel")]
+            Backend::Cpu { threads } => {
+                unsafe { crate::scheduler::resolver::kernel::launch_on_host(*threads, &args) };
+                Ok(())
+            }
+            #[cfg(not(feature = "host-kernel"))]
+            Backend::Cpu { .. } => Err(to_py(
+                py,
+                Error::config(
+                    "device",
+                    "cpu",
+                    "a CUDA device (a build without host-kernel)",
+                ),
+            )),
+        }
+    }
+
+    /// The checks `launch` makes, every index included, without launching: before each replay
+    /// of a CUDA graph captured with `launch(..., capture=True)`.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (t, *, k, layers, layer, page_size, tokens, call))]
+    fn check(
+        &self,
+        py: Python<'_>,
+        t: &Bound<'_, PyDict>,
+        k: u32,
+        layers: u32,
+        layer: u32,
+        page_size: u32,
+        tokens: bool,
+        call: i32,
+    ) -> PyResult<()> {
+        self.prepare(py, t, k, layers, layer, page_size, tokens, call, None, true)
+            .map(|_| ())
+    }
+}
+
+impl PyResolveKernel {
+    /// Checks the buffers and the launch's sizes; with `contents`, also every index the kernel
+    /// takes from a buffer (read back: not possible while a CUDA graph is captured).
+    #[allow(clippy::too_many_arguments)]
+    fn prepare(
+        &self,
+        py: Python<'_>,
+        t: &Bound<'_, PyDict>,
+        k: u32,
+        layers: u32,
+        layer: u32,
+        page_size: u32,
+        tokens: bool,
+        call: i32,
+        blocks: Option<u32>,
+        contents: bool,
+    ) -> PyResult<LaunchArgs> {
         let dev = match &self.backend {
             Backend::Gpu(k) => Where::Cuda(k.ordinal()),
             Backend::Cpu { .. } => Where::Cpu,
@@ -290,59 +367,74 @@ impl PyResolveKernel {
             ));
         }
         let capacity = log.numel / LOG_INTS as u64;
-        // The indices the kernel takes from the buffers.
-        bounded(py, "rows", &values(t, "rows")?, 0, rows_n as i64)?;
-        bounded(py, "tables", &values(t, "tables")?, 0, homes as i64)?;
-        bounded(
-            py,
-            "lens",
-            &values(t, "lens")?,
-            0,
-            (ppr * u64::from(page_size)) as i64 + 1,
-        )?;
-        let g = values(t, "grant")?;
-        let slots_g: Vec<i64> = g.iter().step_by(2).copied().collect();
-        let victims: Vec<i64> = g.iter().skip(1).step_by(2).copied().collect();
-        bounded(py, "grant slots", &slots_g, 0, slots as i64)?;
-        bounded(py, "grant victims", &victims, -1, entries as i64)?;
-        let d = values(t, "deferred")?;
-        bounded(
-            py,
-            "deferred",
-            &d.iter().step_by(2).copied().collect::<Vec<_>>(),
-            0,
-            grant.numel as i64 / 2 + 1,
-        )?;
-        let l = values(t, "log")?;
-        // Entries written by earlier calls (their call set; the rest read NOT_YET).
-        for (i, en) in l
-            .chunks(LOG_INTS)
-            .enumerate()
-            .filter(|(_, en)| en[4] != i64::from(NOT_YET))
-        {
-            if en[0] < 0 || en[0] >= grant.numel as i64 / 2 || en[1] < 0 || en[1] >= entries as i64
+        if contents {
+            // The indices the kernel takes from the buffers.
+            bounded(py, "rows", &values(t, "rows")?, 0, rows_n as i64)?;
+            bounded(py, "tables", &values(t, "tables")?, 0, homes as i64)?;
+            bounded(
+                py,
+                "lens",
+                &values(t, "lens")?,
+                0,
+                (ppr * u64::from(page_size)) as i64 + 1,
+            )?;
+            let st_now = values(t, "st")?;
+            bounded(
+                py,
+                "st[ST_GRANT_LEN]",
+                &st_now[ST_GRANT_LEN..=ST_GRANT_LEN],
+                0,
+                grant.numel as i64 / 2 + 1,
+            )?;
+            // The grant's first st[ST_GRANT_LEN] entries are the step's.
+            let g = values(t, "grant")?;
+            let g = &g[..2 * st_now[ST_GRANT_LEN] as usize];
+            let slots_g: Vec<i64> = g.iter().step_by(2).copied().collect();
+            let victims: Vec<i64> = g.iter().skip(1).step_by(2).copied().collect();
+            bounded(py, "grant slots", &slots_g, 0, slots as i64)?;
+            bounded(py, "grant victims", &victims, -1, entries as i64)?;
+            let d = values(t, "deferred")?;
+            bounded(
+                py,
+                "deferred",
+                &d.iter().step_by(2).copied().collect::<Vec<_>>(),
+                0,
+                grant.numel as i64 / 2 + 1,
+            )?;
+            let l = values(t, "log")?;
+            // Entries written by earlier calls (their call set; the rest read NOT_YET).
+            for (i, en) in l
+                .chunks(LOG_INTS)
+                .enumerate()
+                .filter(|(_, en)| en[4] != i64::from(NOT_YET))
             {
+                if en[0] < 0
+                    || en[0] >= grant.numel as i64 / 2
+                    || en[1] < 0
+                    || en[1] >= entries as i64
+                {
+                    return Err(to_py(
+                        py,
+                        Error::config(
+                            format!("log[{i}]"),
+                            format!("{en:?}"),
+                            "an entry of this grant and mirror, of an earlier call",
+                        ),
+                    ));
+                }
+            }
+            bounded(py, "mirror", &values(t, "mirror")?, -1, slots as i64)?;
+            let p = values(t, "planes")?;
+            if p != [host.ptr as i64, devpool.ptr as i64] {
                 return Err(to_py(
                     py,
                     Error::config(
-                        format!("log[{i}]"),
-                        format!("{en:?}"),
-                        "an entry of this grant and mirror, of an earlier call",
+                        "planes",
+                        format!("{p:?}"),
+                        "[host.data_ptr(), dev.data_ptr()]",
                     ),
                 ));
             }
-        }
-        bounded(py, "mirror", &values(t, "mirror")?, -1, slots as i64)?;
-        let p = values(t, "planes")?;
-        if p != [host.ptr as i64, devpool.ptr as i64] {
-            return Err(to_py(
-                py,
-                Error::config(
-                    "planes",
-                    format!("{p:?}"),
-                    "[host.data_ptr(), dev.data_ptr()]",
-                ),
-            ));
         }
         let args = LaunchArgs {
             sel: sel.ptr,
@@ -355,14 +447,12 @@ impl PyResolveKernel {
                 marks: marks.ptr as *mut u32,
                 filled: filled.ptr as *mut u32,
                 grant: grant.ptr as *const i32,
-                grant_len: (grant.numel / 2) as i32,
                 deferred: deferred.ptr as *mut i32,
                 log: log.ptr as *mut i32,
                 log_capacity: capacity as i32,
                 st: st.ptr as *mut u32,
                 counts: counts.ptr as *mut u32,
                 tok: tok.ptr as *mut u64,
-                serial,
                 call,
             },
             geo: Geometry {
@@ -384,23 +474,6 @@ impl PyResolveKernel {
             tokens,
             blocks,
         };
-        // SAFETY: every buffer was checked above (device, dtype, contiguity, size), the indices
-        // the kernel reads from them (rows, homes, lengths, grant slots and victims, deferred
-        // entries, earlier log entries, mirror slots) are bounded by the sizes they index, the
-        // host pool is pinned (mapped for the device under unified addressing) with a page per
-        // (home, layer), and the caller's dict keeps every tensor alive while torch's stream
-        // (the caller's) runs the launch: the tensors are freed through torch's caching
-        // allocator, stream-ordered. (Queuing a launch does not wait: the GIL stays held.) On
-        // the CPU the launch has joined its threads when it returns.
-        match &self.backend {
-            Backend::Gpu(k) => unsafe { k.launch(stream, &args) }.py_err(py),
-            #[cfg(feature = "host-kernel")]
-            Backend::Cpu { threads } => {
-                unsafe { crate::scheduler::resolver::kernel::launch_on_host(*threads, &args) };
-                Ok(())
-            }
-            #[cfg(not(feature = "host-kernel"))]
-            Backend::Cpu { .. } => unreachable!("refused by new"),
-        }
+        Ok(args)
     }
 }

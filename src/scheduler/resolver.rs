@@ -293,7 +293,7 @@ impl ResolverState {
         }
         #[cfg(feature = "host-kernel")]
         if let Some(k) = &mut self.kernel {
-            k.open(&self.grant, self.layers);
+            k.open(&self.grant, self.layers, self.serial);
         }
         self.open = true;
     }

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 NOT_YET = 0x7FFFFFFF
-ST_LEN, ST_USED, ST_LOG, ST_OVERFLOW, ST_BAD = 8, 0, 1, 2, 6
+ST_LEN, ST_USED, ST_LOG, ST_OVERFLOW, ST_BAD, ST_GRANT_LEN, ST_SERIAL = 10, 0, 1, 2, 6, 7, 8
 LOG_INTS = 5
 
 
@@ -40,6 +40,7 @@ class ResolverGpuConfig:
     locality: float = 0.9
     seed: int = 0
     device: str = "cuda:0"  # or "cpu": the same source on CPU threads (test builds)
+    graph: bool = False  # the layers' launches captured in a CUDA graph once, then replayed
 
 
 def run(cfg: ResolverGpuConfig) -> dict:
@@ -47,6 +48,8 @@ def run(cfg: ResolverGpuConfig) -> dict:
 
     dev = torch.device(cfg.device)
     on_gpu = dev.type == "cuda"
+    if cfg.graph and not on_gpu:
+        raise ValueError("graph = True: allowed on a CUDA device only")
     g = torch.Generator(device="cpu").manual_seed(cfg.seed)
     pages = cfg.context // cfg.page_size  # a request's pages
     kp = cfg.topk // cfg.page_size  # pages a row selects
@@ -83,8 +86,21 @@ def run(cfg: ResolverGpuConfig) -> dict:
         "tok": torch.zeros(3, dtype=torch.int64, device=dev),
     }
     kernel = testing.ResolveKernel((dev.index or 0) if on_gpu else "cpu")
-    stream = torch.cuda.current_stream(dev).cuda_stream if on_gpu else 0
     sel_pages = torch.stack([torch.randperm(pages, generator=g)[:kp] for _ in range(cfg.rows)])
+    k = kp * cfg.page_size if cfg.tokens else kp
+    cells = cfg.rows * k
+    # Fixed buffers, written in place each step (a captured graph reads the same addresses);
+    # each layer its own table of slots.
+    t["sel"] = torch.empty(cells, **i32)
+    tables_out = torch.empty((cfg.layers, cells), **i32)
+    t["grant"] = torch.zeros(2 * slots, **i32)
+    t["deferred"] = torch.empty(2 * slots, **i32)
+    cap = cells * cfg.layers
+    t["log"] = torch.empty(cap * LOG_INTS, **i32)
+    per_layer = [dict(t, table=tables_out[layer]) for layer in range(cfg.layers)]
+    shape = {"k": k, "layers": cfg.layers, "page_size": cfg.page_size, "tokens": cfg.tokens}
+    div = cfg.page_size if cfg.tokens else 1
+    graph = None
     out = {"config": asdict(cfg), "steps": []}
     for step in range(cfg.steps):
         serial = step + 1
@@ -99,12 +115,11 @@ def run(cfg: ResolverGpuConfig) -> dict:
             within = torch.arange(cfg.page_size)
             sel = (sel_pages[:, :, None] * cfg.page_size + within).reshape(cfg.rows, -1)
         else:
-            sel = sel_pages.clone()
-        k = sel.shape[1]
-        t["sel"] = sel.to(**i32).contiguous().view(-1)
-        t["table"] = torch.empty(t["sel"].numel(), **i32)
+            sel = sel_pages
+        t["sel"].copy_(sel.reshape(-1))
         # The grant, as the core makes it: free slots, then victims the last step did not
-        # read, then those it read.
+        # read, then those it read. A graph's step takes every layer's misses from it (its
+        # layers are checked after the replay, so none may fill a slot another read).
         mirror = t["mirror"].cpu()
         marks = t["marks"].cpu()
         named = torch.nonzero(mirror >= 0).view(-1)
@@ -114,41 +129,65 @@ def run(cfg: ResolverGpuConfig) -> dict:
         free = torch.nonzero(~used).view(-1)
         read = marks[named] == serial - 1
         victims = torch.cat([named[~read], named[read]])
-        grant_n = max(cells_n, 2 * last)
+        grant_n = cells_n * cfg.layers if cfg.graph else max(cells_n, 2 * last)
         gslots = torch.cat([free, mirror[victims].long()])[:grant_n]
         gvict = torch.cat([torch.full((free.numel(),), -1), victims])[:grant_n]
-        t["grant"] = torch.stack([gslots, gvict], 1).to(**i32).contiguous().view(-1)
         n = gslots.numel()
-        t["deferred"] = torch.tensor([0, NOT_YET] * n, **i32)
-        cap = t["sel"].numel() * cfg.layers
-        t["log"] = torch.zeros(cap * LOG_INTS, **i32)
+        t["grant"].view(slots, 2)[:n] = torch.stack([gslots, gvict], 1).to(**i32)
+        t["deferred"].view(slots, 2)[:, 0] = 0
+        t["deferred"].view(slots, 2)[:, 1] = NOT_YET
         t["log"].view(cap, LOG_INTS)[:, 4] = NOT_YET
         for name in ("st", "counts", "tok"):
             t[name].zero_()
-        layer_ms, misses = [], []
-        for layer in range(cfg.layers):
-            if on_gpu:
-                a, b = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-                a.record()
-            start = time.perf_counter()
-            kernel.launch(
-                stream, t, k=k, layers=cfg.layers, layer=layer, page_size=cfg.page_size,
-                tokens=cfg.tokens, serial=serial, call=layer + 1,
-            )  # fmt: skip
-            took = (time.perf_counter() - start) * 1e3  # on the CPU the launch has run
-            if on_gpu:
-                b.record()
-            _check_layer(t, cfg.rows, pages, homes, layer, k, cfg.page_size if cfg.tokens else 1)
-            if on_gpu:
-                b.synchronize()
-                took = a.elapsed_time(b)
-            layer_ms.append(took)
-            c = t["counts"].cpu()
-            misses.append(int(c[2 * layer + 1]))
+        t["st"][ST_GRANT_LEN] = n
+        t["st"][ST_SERIAL] = serial
+        layer_ms = []
+        if cfg.graph and step >= 1:
+            # Step 0 ran eagerly; the layers' launches are captured once, then replayed each
+            # step after the same checks a launch makes (`check`: nothing is read back inside
+            # a capture).
+            for layer in range(cfg.layers):
+                kernel.check(per_layer[layer], layer=layer, call=layer + 1, **shape)
+            if graph is None:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    raw = torch.cuda.current_stream().cuda_stream
+                    for layer in range(cfg.layers):
+                        kernel.launch(
+                            raw, per_layer[layer], layer=layer, call=layer + 1, capture=True,
+                            **shape,
+                        )  # fmt: skip
+            a, b = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            layer_ms = [a.elapsed_time(b) / cfg.layers] * cfg.layers
+            for layer in range(cfg.layers):
+                _check_layer(per_layer[layer], cfg.rows, pages, homes, layer, k, div)
+        else:
+            stream = torch.cuda.current_stream(dev).cuda_stream if on_gpu else 0
+            for layer in range(cfg.layers):
+                if on_gpu:
+                    a, b = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+                    a.record()
+                start = time.perf_counter()
+                kernel.launch(stream, per_layer[layer], layer=layer, call=layer + 1, **shape)
+                took = (time.perf_counter() - start) * 1e3  # on the CPU the launch has run
+                if on_gpu:
+                    b.record()
+                # Before the next layer's launch: it may fill again what this one filled.
+                _check_layer(per_layer[layer], cfg.rows, pages, homes, layer, k, div)
+                if on_gpu:
+                    b.synchronize()
+                    took = a.elapsed_time(b)
+                layer_ms.append(took)
+        c = t["counts"].cpu()
+        misses = [int(c[2 * layer + 1]) for layer in range(cfg.layers)]
         st = t["st"].cpu()
         assert int(st[ST_OVERFLOW]) == 0 and int(st[ST_BAD]) == 0, st
         last = sum(misses)
-        out["steps"].append({"layer_ms": layer_ms, "misses": misses, "cells": t["sel"].numel()})
+        out["steps"].append({"layer_ms": layer_ms, "misses": misses, "cells": cells})
     timed = out["steps"][cfg.warmup :] or out["steps"]
     per_layer = [ms for s in timed for ms in s["layer_ms"]]
     miss = [m for s in timed for m in s["misses"]]

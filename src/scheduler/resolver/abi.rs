@@ -10,8 +10,12 @@ pub const ST_LOG: usize = 1;
 pub const ST_OVERFLOW: usize = 2;
 /// `st[ST_BAD]`: cells naming a page past their request.
 pub const ST_BAD: usize = 6;
+/// `st[ST_GRANT_LEN]`: entries in the grant (written by the host before a step).
+pub const ST_GRANT_LEN: usize = 7;
+/// `st[ST_SERIAL]`: the step's serial (written by the host before a step).
+pub const ST_SERIAL: usize = 8;
 /// Words in `st`.
-pub const ST_LEN: usize = 8;
+pub const ST_LEN: usize = 10;
 /// `tok[TOK_SELECTED]`: selected entries (cells naming a page).
 pub const TOK_SELECTED: usize = 0;
 /// `tok[TOK_NEEDED]`: selected tokens, every cell.
@@ -26,7 +30,9 @@ pub const LOG_INTS: usize = 5;
 /// A mirror entry claimed by a cell in flight: never left once a launch returns.
 pub const CLAIMING: i32 = -3;
 
-/// `struct Step` of the kernel, field for field (passed by value): the step's state.
+/// `struct StepArgs` of the kernel, field for field (passed by value): the step's state. The
+/// grant's length and the step's serial are in `st` (`ST_GRANT_LEN`, `ST_SERIAL`), so that a
+/// layer's launch takes the same arguments every step.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 #[allow(missing_docs)]
@@ -35,14 +41,12 @@ pub struct Step {
     pub marks: *mut u32,
     pub filled: *mut u32,
     pub grant: *const i32,
-    pub grant_len: i32,
     pub deferred: *mut i32,
     pub log: *mut i32,
     pub log_capacity: i32,
     pub st: *mut u32,
     pub counts: *mut u32,
     pub tok: *mut u64,
-    pub serial: u32,
     pub call: i32,
 }
 

@@ -8,8 +8,8 @@
 //! reference's.
 
 use super::abi::{
-    Geometry, Step, CLAIMING, LOG_INTS, NOT_YET, ST_BAD, ST_LEN, ST_LOG, ST_OVERFLOW, ST_USED,
-    TOK_NEEDED, TOK_NEEDED_MOVED, TOK_SELECTED,
+    Geometry, Step, CLAIMING, LOG_INTS, NOT_YET, ST_BAD, ST_GRANT_LEN, ST_LEN, ST_LOG, ST_OVERFLOW,
+    ST_SERIAL, ST_USED, TOK_NEEDED, TOK_NEEDED_MOVED, TOK_SELECTED,
 };
 use super::{LogEntry, ResolveCounts, ResolverState, FAILED};
 use crate::error::{Error, Result};
@@ -105,8 +105,8 @@ impl HostKernel {
         })
     }
 
-    /// Starts a step over `grant`.
-    pub(super) fn open(&mut self, grant: &[(i32, i64)], layers: u16) {
+    /// Starts step `serial` over `grant`.
+    pub(super) fn open(&mut self, grant: &[(i32, i64)], layers: u16, serial: u32) {
         self.grant.clear();
         for &(slot, victim) in grant {
             // Victims are mirror entries: `new` checked that they fit an int32.
@@ -118,6 +118,8 @@ impl HostKernel {
         }
         self.log.clear();
         self.st = [0; ST_LEN];
+        self.st[ST_GRANT_LEN] = grant.len() as u32;
+        self.st[ST_SERIAL] = serial;
         self.counts = vec![0; 2 * layers as usize];
         self.tok = [0; 3];
     }
@@ -235,7 +237,6 @@ impl ResolverState {
         let cells = selection.len();
         let layers = self.layers;
         let page_size = self.page_size;
-        let serial = self.serial;
         let call = self.call as i32;
         let (host_planes, dev_planes, geo) = geometry(&self.host, &self.device, self.order);
         let kern = self.kernel.as_mut().expect("the kernel chosen");
@@ -253,14 +254,12 @@ impl ResolverState {
             marks: self.mark.as_mut_ptr(),
             filled: self.filled.as_mut_ptr(),
             grant: kern.grant.as_ptr(),
-            grant_len: (kern.grant.len() / 2) as i32,
             deferred: kern.deferred.as_mut_ptr(),
             log: kern.log.as_mut_ptr(),
             log_capacity: (before + cells) as i32,
             st: kern.st.as_mut_ptr(),
             counts: kern.counts.as_mut_ptr(),
             tok: kern.tok.as_mut_ptr(),
-            serial,
             call,
         };
         // SAFETY: every pointer is to a live buffer of the length the kernel indexes: the
