@@ -73,9 +73,32 @@ def test_a_device_step_calls_the_core_a_fixed_number_of_times_not_per_layer(sele
 
 
 @pytest.mark.parametrize(
-    ("selection", "faults"), [("block", False), ("token", False), ("block", True)]
+    ("selection", "faults", "kernel"),
+    [
+        ("block", False, False),
+        ("token", False, False),
+        ("block", True, False),
+        ("block", False, True),
+        ("token", False, True),
+        ("token", True, True),
+    ],
 )
-def test_demo_through_the_device_resolver_is_exact(selection, faults):
+def test_demo_through_the_device_resolver_is_exact(monkeypatch, selection, faults, kernel):
+    # With `kernel`, the CUDA kernel's own source (cuda/resolve.cu compiled for the CPU in test
+    # builds), its cells racing on 4 threads, in place of the reference. It takes no copy
+    # faults (a failed copy on a GPU is a sticky error), so the armed load faults fail
+    # host-planned loads (prefill) instead.
+    init = runtime.DecodeRuntime.__init__
+    devices = []
+
+    def tracked(self, *a, **k):
+        init(self, *a, **k)
+        if self.resolver is not None:
+            if kernel:
+                testing.use_host_kernel(self, 4)
+            devices.append(self)
+
+    monkeypatch.setattr(runtime.DecodeRuntime, "__init__", tracked)
     cfg = demo.DemoConfig(
         requests=8, steps=24, selection=selection, faults=faults, resolve="device"
     )
@@ -86,42 +109,13 @@ def test_demo_through_the_device_resolver_is_exact(selection, faults):
     assert t["end_quarantined_slots"] == t["end_transfers_in_flight"] == 0, t
     assert t["prefix_hits"] > 0  # prefix hits took the device path too
     assert t["loaded"] > 0  # and misses were served from host
-    if faults:
+    # Decode steps went through the resolver (not planned on the host instead).
+    assert devices and all(d.scheduler.device_stats()["steps"] > 0 for d in devices)
+    if faults and not kernel:
         # The load faults failed the resolver's copies (one retried, one failed twice), and
         # every armed load fault fired.
         assert t["failed_loads"] >= 3 and t["retried_loads"] >= 2, t
         assert "loads" not in t["faults_unused"], t["faults_unused"]
-
-
-@pytest.mark.parametrize(
-    ("selection", "faults"), [("block", False), ("token", False), ("token", True)]
-)
-def test_demo_through_the_cuda_kernel_run_on_the_cpu_is_exact(monkeypatch, selection, faults):
-    # The kernel's own source (cuda/resolve.cu, compiled for the CPU in test builds), its cells
-    # racing on 4 threads, in place of the reference: outputs bit-identical to the resident
-    # run, nothing leaked. It takes no copy faults (a failed copy on a GPU is a sticky error),
-    # so the armed load faults fail host-planned loads (prefill) instead.
-    init = runtime.DecodeRuntime.__init__
-    kernels = []
-
-    def with_kernel(self, *a, **k):
-        init(self, *a, **k)
-        if self.resolver is not None:
-            testing.use_host_kernel(self, 4)
-            kernels.append(self)
-
-    monkeypatch.setattr(runtime.DecodeRuntime, "__init__", with_kernel)
-    cfg = demo.DemoConfig(
-        requests=8, steps=24, selection=selection, faults=faults, resolve="device"
-    )
-    r = demo.run_demo(cfg, progress=False)
-    t = r["totals"]
-    assert t["correct"], demo.format_summary(r)
-    assert (t["end_pins"], t["end_handles"], t["end_device_leaked"]) == (0, 0, 0), t
-    assert t["end_quarantined_slots"] == t["end_transfers_in_flight"] == 0, t
-    assert t["prefix_hits"] > 0 and t["loaded"] > 0, t
-    # Decode steps went through the kernel (not planned on the host instead).
-    assert kernels and all(k.scheduler.device_stats()["steps"] > 0 for k in kernels)
 
 
 def test_the_device_path_resolves_decode_steps_and_its_record_counts_them():

@@ -284,7 +284,8 @@ impl ResolverState {
             ..Default::default()
         };
         self.serial = self.serial.wrapping_add(1);
-        if self.serial == 0 {
+        let wrapped = self.serial == 0;
+        if wrapped {
             // The marks wrapped: start them over.
             self.mark.fill(0);
             self.filled.fill(0);
@@ -293,7 +294,7 @@ impl ResolverState {
         }
         #[cfg(feature = "host-kernel")]
         if let Some(k) = &mut self.kernel {
-            k.open(&self.grant, self.layers, self.serial);
+            k.open(&self.grant, self.layers, self.serial, &self.mirror, wrapped);
         }
         self.open = true;
     }
@@ -307,6 +308,7 @@ impl ResolverState {
         if let Some(k) = &self.kernel {
             self.used = k.used();
             self.counts = k.counts(self.layers, &self.log);
+            k.download(&mut self.mirror, &mut self.mark);
         }
         StepDone {
             used: std::mem::take(&mut self.used),

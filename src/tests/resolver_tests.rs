@@ -238,7 +238,10 @@ fn check(c: Case, kernel: Option<usize>) -> Result<(), TestCaseError> {
                     slot,
                     (h, layer)
                 );
-                prop_assert_eq!(f.st.slot(h, layer), slot);
+                if kernel.is_none() {
+                    // (The kernel's mirror comes back when the step closes, as from a GPU.)
+                    prop_assert_eq!(f.st.slot(h, layer), slot);
+                }
             }
         }
         let done = f.st.close();

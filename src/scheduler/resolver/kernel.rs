@@ -1,11 +1,13 @@
 //! The device resolver's CUDA kernel (`cuda/resolve.cu`) run on the CPU, in place of the
 //! reference (test builds, feature `host-kernel`): the same source compiled for the host
 //! (`cuda/host/resolve_host.cpp`), launched over CPU threads that race as warps do, on the
-//! resolver's own mirror and marks. The state the kernel keeps in its own form (the grant,
-//! deferred victims, the log, cursors and counts) lives here, laid out as device memory would
-//! hold it; after each launch the log's new entries are read into the resolver's log, and at
-//! the step's end the counts, so the core reconciles a kernel's step as it does the
-//! reference's.
+//! same protocol a GPU's copy would follow: the kernel works on its own copies of the mirror,
+//! read marks and fill marks ("device memory"), the resolver's mirror is copied in when a step
+//! opens and the mirror and marks copied back when it closes, so the core reads and changes
+//! them only between steps, as it must on a GPU. The state the kernel keeps in its own form
+//! (the grant, deferred victims, the log, cursors and counts) lives here too; after each launch
+//! the log's new entries are read into the resolver's log, and at the step's end the counts,
+//! so the core reconciles a kernel's step as it does the reference's.
 
 use super::abi::{
     Geometry, Step, CLAIMING, LOG_INTS, NOT_YET, ST_BAD, ST_GRANT_LEN, ST_LEN, ST_LOG, ST_OVERFLOW,
@@ -75,6 +77,10 @@ pub(super) struct HostKernel {
     /// `[capacity * LOG_INTS]`.
     log: Vec<i32>,
     st: [u32; ST_LEN],
+    /// The kernel's copies: `[homes * layers]` mirror, read marks and fill marks.
+    mirror: Vec<i32>,
+    marks: Vec<u32>,
+    filled: Vec<u32>,
     /// `[layers * 2]`: hits, misses.
     counts: Vec<u32>,
     tok: [u64; 3],
@@ -100,13 +106,29 @@ impl HostKernel {
             deferred: Vec::new(),
             log: Vec::new(),
             st: [0; ST_LEN],
+            mirror: vec![-1; entries],
+            marks: vec![0; entries],
+            filled: vec![0; entries],
             counts: Vec::new(),
             tok: [0; 3],
         })
     }
 
-    /// Starts step `serial` over `grant`.
-    pub(super) fn open(&mut self, grant: &[(i32, i64)], layers: u16, serial: u32) {
+    /// Starts step `serial` over `grant`, the resolver's `mirror` copied in (and when the
+    /// serials wrapped, the marks cleared).
+    pub(super) fn open(
+        &mut self,
+        grant: &[(i32, i64)],
+        layers: u16,
+        serial: u32,
+        mirror: &[i32],
+        wrapped: bool,
+    ) {
+        self.mirror.copy_from_slice(mirror);
+        if wrapped {
+            self.marks.fill(0);
+            self.filled.fill(0);
+        }
         self.grant.clear();
         for &(slot, victim) in grant {
             // Victims are mirror entries: `new` checked that they fit an int32.
@@ -155,6 +177,13 @@ impl HostKernel {
         }
     }
 
+    /// Copies the kernel's mirror and read marks back to the resolver's (the step closed).
+    pub(super) fn download(&self, mirror: &mut [i32], marks: &mut [u32]) {
+        debug_assert!(!self.mirror.contains(&CLAIMING));
+        mirror.copy_from_slice(&self.mirror);
+        marks.copy_from_slice(&self.marks);
+    }
+
     /// Grant entries the step went through (the kernel's cursor runs past the end).
     pub(super) fn used(&self) -> usize {
         (self.st[ST_USED] as usize).min(self.grant.len() / 2)
@@ -198,7 +227,10 @@ impl ResolverState {
                 "no step granted and not yet ended",
             ));
         }
-        self.kernel = Some(HostKernel::new(threads, self.mirror.len())?);
+        let mut k = HostKernel::new(threads, self.mirror.len())?;
+        k.marks.copy_from_slice(&self.mark);
+        k.filled.copy_from_slice(&self.filled);
+        self.kernel = Some(k);
         Ok(())
     }
 
@@ -250,9 +282,9 @@ impl ResolverState {
             at += LOG_INTS;
         }
         let step = Step {
-            mirror: self.mirror.as_mut_ptr(),
-            marks: self.mark.as_mut_ptr(),
-            filled: self.filled.as_mut_ptr(),
+            mirror: kern.mirror.as_mut_ptr(),
+            marks: kern.marks.as_mut_ptr(),
+            filled: kern.filled.as_mut_ptr(),
             grant: kern.grant.as_ptr(),
             deferred: kern.deferred.as_mut_ptr(),
             log: kern.log.as_mut_ptr(),
@@ -316,7 +348,6 @@ impl ResolverState {
                 self.failed_rids.push(rids[b]);
             }
         }
-        debug_assert!(!self.mirror.contains(&CLAIMING));
         let bad = std::mem::take(&mut kern.st[ST_BAD]);
         if bad > 0 {
             return Err(Error::config(
