@@ -45,6 +45,8 @@ def test_the_gpu_check_catches_a_cell_that_reads_another_object(monkeypatch):
 
 
 def test_the_kernel_launch_refuses_a_bad_buffer_before_launching():
+    with pytest.raises(st.OutOfRangeError):
+        testing.ResolveKernel("cpu", threads=0)
     k = testing.ResolveKernel("cpu")
     with pytest.raises(st.ConfigError) as e:
         k.launch(0, {"sel": torch.zeros(4, dtype=torch.int64)}, k=2, layers=1, layer=0,

@@ -145,6 +145,9 @@ impl PyResolveKernel {
                         ),
                     ));
                 }
+                if !(1..=256).contains(&threads) {
+                    return Err(to_py(py, Error::out_of_range("threads", threads, 1, 257)));
+                }
                 return Ok(PyResolveKernel {
                     backend: Backend::Cpu { threads },
                 });

@@ -38,8 +38,8 @@ extern "C" {
     );
 }
 
-/// Launches the kernel on `threads` CPU threads over `args` (host addresses); returns when it
-/// is done.
+/// Launches the kernel on `threads` CPU threads (1 to 256) over `args` (host addresses);
+/// returns when it is done.
 ///
 /// # Safety
 /// As [`super::launch::ResolveKernel::launch`], with host memory for device memory.
