@@ -36,6 +36,7 @@
 #         bench_transfer.txt  `sparsetier bench transfer --device cuda` table
 #         bench_transfer.json the same rows as JSON
 #         (pytest.txt, after the tests) compute-sanitizer memcheck over scripts/gpu_sanitize.py
+#                             and over a small run of the resolver's GPU check
 #         bench_decode.txt    `sparsetier bench decode` on the machine's CPU: block mode with
 #                             its three stacks (issue 10's figure), on the cpu engine and on
 #                             the kernel engine (pools on the GPU), then token mode with a
@@ -131,6 +132,12 @@ run)
         timeout 100 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
             python3 scripts/gpu_sanitize.py >> "$OUT/pytest.txt" 2>&1
         echo "sanitizer exit $?" >> "$OUT/pytest.txt"
+        # The device resolver's kernel under memcheck: its cells' reads of the host pool over
+        # unified addressing and its writes of slots, log and counts stay in bounds.
+        timeout 100 compute-sanitizer --tool memcheck --leak-check no --error-exitcode 9 \
+            python3 -m sparsetier.tools.resolver_gpu --rows 4 --context 8192 --layers 2 \
+            --steps 3 --warmup 0 >> "$OUT/pytest.txt" 2>&1
+        echo "resolver sanitizer exit $?" >> "$OUT/pytest.txt"
     fi
     if has decode; then
         # The decode step's CPU time (issue 10) on this machine's server CPU (the GPU idle):
