@@ -330,6 +330,12 @@ impl PyResolveKernel {
                 ),
             ));
         }
+        if entries > i32::MAX as u64 {
+            return Err(to_py(
+                py,
+                Error::config("mirror.numel()", entries, "entries an int32 index holds"),
+            ));
+        }
         let homes = entries / u64::from(layers);
         let dims = |name: &str| -> PyResult<Vec<u64>> {
             Ok(TensorInfo::inspect(&t.get_item(name)?.expect("checked"), name)?.shape)
