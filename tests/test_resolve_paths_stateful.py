@@ -16,7 +16,8 @@ On a device with room for every page (`ample`), nothing is evicted and the two m
 everything: each step's loads, bytes moved and bytes needed among them (read amplification),
 and which objects are on the device. Each runtime's own `validate()` (for the device path,
 its mirror against the directory) runs after every rule, and at the end nothing is pinned,
-held or in flight in either."""
+held or in flight in either. The `Kernel` machines put the CUDA kernel's own source (compiled
+for the CPU, its cells racing on threads) in the reference's place on the device side."""
 
 import torch
 from hypothesis import HealthCheck, event, settings

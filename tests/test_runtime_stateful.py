@@ -22,7 +22,8 @@ selections mapped on the model's device and planned as counted page rows; and tw
 drive the tiered runtime's decode steps through the device resolver (`resolve="device"`,
 block and token selections) against the same host-planned resident twin, so the two resolve
 paths run the same stream and must give the same outputs, with the scheduler's checks (the
-device mirror against the directory among them) after every rule.
+device mirror against the directory among them) after every rule; and two more with the CUDA
+kernel's own source (compiled for the CPU, its cells racing on threads) as the resolver.
 """
 
 import torch
