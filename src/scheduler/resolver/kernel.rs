@@ -294,6 +294,23 @@ impl ResolverState {
             tok: kern.tok.as_mut_ptr(),
             call,
         };
+        let args = super::launch::LaunchArgs {
+            sel: selection.as_ptr() as u64,
+            rows: rows.as_ptr() as u64,
+            tables: homes.as_ptr() as u64,
+            lens: lens.as_ptr() as u64,
+            table: table.as_mut_ptr() as u64,
+            step,
+            geo,
+            cells: cells as u32,
+            k: k as u32,
+            pages_per_row: width as u32,
+            layers: u32::from(layers),
+            layer: u32::from(layer),
+            page_size,
+            tokens,
+            blocks: None,
+        };
         // SAFETY: every pointer is to a live buffer of the length the kernel indexes: the
         // mirror, marks and filled have an entry per (home, layer) and the tables' homes come
         // from the core's pages (homes of the host pool); the grant and deferred have 2 ints
@@ -304,25 +321,7 @@ impl ResolverState {
         // Nothing else touches these buffers until the call returns: `&mut self` is held, and
         // the launch joins its threads before returning. Host (a home) and device (a slot)
         // pages are distinct buffers.
-        unsafe {
-            sparsetier_resolve_host(
-                kern.threads,
-                selection.as_ptr(),
-                rows.as_ptr(),
-                homes.as_ptr(),
-                lens.as_ptr(),
-                table.as_mut_ptr(),
-                step,
-                geo,
-                cells as i32,
-                k as i32,
-                width as i32,
-                i32::from(layers),
-                i32::from(layer),
-                page_size as i32,
-                i32::from(tokens),
-            );
-        }
+        unsafe { launch_on_host(kern.threads as u32, &args) };
         drop((host_planes, dev_planes));
         let after = kern.logged();
         if after > before + cells {
