@@ -227,7 +227,7 @@ impl StepScheduler<PrefixTier> {
             .map(|&(s, v)| (s.raw() as i32, v.map_or(-1, |(e, _)| e as i64)))
             .collect();
         // Armed load failures (test builds) fail the resolver's copies this step.
-        st.open(grant, self.xfer.take_copy_faults());
+        st.open(grant, self.xfer.take_copy_faults(), cells);
         link.open = true;
         link.steps += 1;
         Ok(true)

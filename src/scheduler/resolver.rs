@@ -267,8 +267,14 @@ impl ResolverState {
     }
 
     /// Opens a step with `grant` entries to take: (slot, victim entry or -1), and `faults`
-    /// copy failures armed (fault injection: (layer or any, count)).
-    pub(crate) fn open(&mut self, grant: Vec<(i32, i64)>, faults: Vec<(Option<u16>, u32)>) {
+    /// copy failures armed (fault injection: (layer or any, count)); `cells` bounds the
+    /// objects one layer of the step can miss (the kernel's log is sized by it).
+    pub(crate) fn open(
+        &mut self,
+        grant: Vec<(i32, i64)>,
+        faults: Vec<(Option<u16>, u32)>,
+        cells: usize,
+    ) {
         self.grant = grant;
         self.faults = faults;
         self.used = 0;
@@ -294,7 +300,15 @@ impl ResolverState {
         }
         #[cfg(feature = "host-kernel")]
         if let Some(k) = &mut self.kernel {
-            k.open(&self.grant, self.layers, self.serial, &self.mirror, wrapped);
+            let capacity = cells * self.layers as usize;
+            k.open(
+                &self.grant,
+                self.layers,
+                self.serial,
+                capacity,
+                &self.mirror,
+                wrapped,
+            );
         }
         self.open = true;
     }
@@ -307,7 +321,12 @@ impl ResolverState {
         #[cfg(feature = "host-kernel")]
         if let Some(k) = &self.kernel {
             self.used = k.used();
+            let (log, lost) = k.log_entries();
+            self.log = log;
             self.counts = k.counts(self.layers, &self.log);
+            // (Entries past the log's room would be copies the core never learns of: reported
+            // as cells without a slot, which the core treats as an internal error.)
+            self.counts.overflow += lost;
             k.download(&mut self.mirror, &mut self.mark);
         }
         StepDone {

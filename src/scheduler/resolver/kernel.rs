@@ -74,8 +74,11 @@ pub(super) struct HostKernel {
     grant: Vec<i32>,
     /// `[G * 2]`: (grant index, call), call [`NOT_YET`] until written.
     deferred: Vec<i32>,
-    /// `[capacity * LOG_INTS]`.
+    /// `[capacity * LOG_INTS]`, sized when a step opens (as on a GPU, where nothing is read
+    /// back between launches).
     log: Vec<i32>,
+    /// Per launch of the step, its batch's requests (a log entry's row is one of them).
+    call_rids: Vec<Vec<RequestId>>,
     st: [u32; ST_LEN],
     /// The kernel's copies: `[homes * layers]` mirror, read marks and fill marks.
     mirror: Vec<i32>,
@@ -105,6 +108,7 @@ impl HostKernel {
             grant: Vec::new(),
             deferred: Vec::new(),
             log: Vec::new(),
+            call_rids: Vec::new(),
             st: [0; ST_LEN],
             mirror: vec![-1; entries],
             marks: vec![0; entries],
@@ -114,13 +118,14 @@ impl HostKernel {
         })
     }
 
-    /// Starts step `serial` over `grant`, the resolver's `mirror` copied in (and when the
-    /// serials wrapped, the marks cleared).
+    /// Starts step `serial` over `grant` with room for `log_capacity` log entries, the
+    /// resolver's `mirror` copied in (and when the serials wrapped, the marks cleared).
     pub(super) fn open(
         &mut self,
         grant: &[(i32, i64)],
         layers: u16,
         serial: u32,
+        log_capacity: usize,
         mirror: &[i32],
         wrapped: bool,
     ) {
@@ -138,7 +143,13 @@ impl HostKernel {
         for _ in grant {
             self.deferred.extend([0, NOT_YET]);
         }
+        // Each entry's call reads NOT_YET until the entry is written.
         self.log.clear();
+        self.log.resize(log_capacity * LOG_INTS, 0);
+        for en in self.log.chunks_mut(LOG_INTS) {
+            en[LOG_INTS - 1] = NOT_YET;
+        }
+        self.call_rids.clear();
         self.st = [0; ST_LEN];
         self.st[ST_GRANT_LEN] = grant.len() as u32;
         self.st[ST_SERIAL] = serial;
@@ -146,9 +157,24 @@ impl HostKernel {
         self.tok = [0; 3];
     }
 
-    /// Log entries written this step.
-    fn logged(&self) -> usize {
-        self.st[ST_LOG] as usize
+    /// The step's log, read once when it closes (as from a GPU), and how many entries did
+    /// not fit (none: a step's capacity is a layer's cells times its layers, and a cell takes
+    /// at most one entry).
+    pub(super) fn log_entries(&self) -> (Vec<LogEntry>, u64) {
+        let cap = self.log.len() / LOG_INTS;
+        let written = self.st[ST_LOG] as usize;
+        let entries = self.log[..written.min(cap) * LOG_INTS]
+            .chunks(LOG_INTS)
+            .map(|l| LogEntry {
+                g: l[0] as u32,
+                e: l[1] as u32,
+                rid: self.call_rids[l[4] as usize - 1][l[2] as usize],
+                page: l[3] as u32,
+                call: l[4] as u32,
+                failed: false,
+            })
+            .collect();
+        (entries, written.saturating_sub(cap) as u64)
     }
 
     /// The step's counts as the reference keeps them; `log` is the step's log, in order.
@@ -272,15 +298,7 @@ impl ResolverState {
         let call = self.call as i32;
         let (host_planes, dev_planes, geo) = geometry(&self.host, &self.device, self.order);
         let kern = self.kernel.as_mut().expect("the kernel chosen");
-        // Room for every cell of this launch to take an entry: the kernel drops what overflows.
-        let before = kern.logged();
-        // (A new entry's call reads NOT_YET until it is written.)
-        let mut at = kern.log.len();
-        kern.log.resize((before + cells) * LOG_INTS, 0);
-        while at + LOG_INTS <= kern.log.len() {
-            kern.log[at + LOG_INTS - 1] = NOT_YET;
-            at += LOG_INTS;
-        }
+        kern.call_rids.push(rids.to_vec());
         let step = Step {
             mirror: kern.mirror.as_mut_ptr(),
             marks: kern.marks.as_mut_ptr(),
@@ -288,7 +306,7 @@ impl ResolverState {
             grant: kern.grant.as_ptr(),
             deferred: kern.deferred.as_mut_ptr(),
             log: kern.log.as_mut_ptr(),
-            log_capacity: (before + cells) as i32,
+            log_capacity: (kern.log.len() / LOG_INTS) as i32,
             st: kern.st.as_mut_ptr(),
             counts: kern.counts.as_mut_ptr(),
             tok: kern.tok.as_mut_ptr(),
@@ -314,7 +332,7 @@ impl ResolverState {
         // SAFETY: every pointer is to a live buffer of the length the kernel indexes: the
         // mirror, marks and filled have an entry per (home, layer) and the tables' homes come
         // from the core's pages (homes of the host pool); the grant and deferred have 2 ints
-        // an entry; the log has room for every cell of this launch past what is written; the
+        // an entry; the log has room for every take of the step (one a cell a layer); the
         // counts have 2 a layer; `sel`, `table` have `cells`; `rows`, `lens` one a row and
         // `homes` `width` a row. The planes' addresses are the bindings', checked when built,
         // and the slots the grant names are pages of the device pool (the core granted them).
@@ -323,25 +341,6 @@ impl ResolverState {
         // pages are distinct buffers.
         unsafe { launch_on_host(kern.threads as u32, &args) };
         drop((host_planes, dev_planes));
-        let after = kern.logged();
-        if after > before + cells {
-            return Err(Error::config(
-                "log",
-                after,
-                format!("at most {} entries (one a cell)", before + cells),
-            ));
-        }
-        for i in before..after {
-            let l = &kern.log[i * LOG_INTS..(i + 1) * LOG_INTS];
-            self.log.push(LogEntry {
-                g: l[0] as u32,
-                e: l[1] as u32,
-                rid: rids[l[2] as usize],
-                page: l[3] as u32,
-                call: l[4] as u32,
-                failed: false,
-            });
-        }
         for (b, row) in table.chunks(k.max(1)).enumerate() {
             for _ in row.iter().filter(|&&s| s == FAILED) {
                 self.failed_rids.push(rids[b]);
