@@ -269,6 +269,7 @@ impl ResolverState {
     /// Opens a step with `grant` entries to take: (slot, victim entry or -1), and `faults`
     /// copy failures armed (fault injection: (layer or any, count)); `cells` bounds the
     /// objects one layer of the step can miss (the kernel's log is sized by it).
+    #[cfg_attr(not(feature = "host-kernel"), allow(unused_variables))]
     pub(crate) fn open(
         &mut self,
         grant: Vec<(i32, i64)>,
