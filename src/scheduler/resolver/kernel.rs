@@ -5,9 +5,10 @@
 //! read marks and fill marks ("device memory"), the resolver's mirror is copied in when a step
 //! opens and the mirror and marks copied back when it closes, so the core reads and changes
 //! them only between steps, as it must on a GPU. The state the kernel keeps in its own form
-//! (the grant, deferred victims, the log, cursors and counts) lives here too; after each launch
-//! the log's new entries are read into the resolver's log, and at the step's end the counts,
-//! so the core reconciles a kernel's step as it does the reference's.
+//! (the grant, deferred victims, the log, cursors and counts) lives here too, set up when a
+//! step opens; the log and the counts are read once when it closes, so that between launches
+//! the host does nothing but launch, and the core reconciles a kernel's step as it does the
+//! reference's.
 
 use super::abi::{
     Geometry, Step, CLAIMING, LOG_INTS, NOT_YET, ST_BAD, ST_GRANT_LEN, ST_LEN, ST_LOG, ST_OVERFLOW,
