@@ -57,15 +57,16 @@ class ResolvePathsMachine(RuleBasedStateMachine):
             resolve=resolve,
         )  # fmt: skip
 
-    @initialize(ample=st.booleans())
-    def runtimes(self, ample):
+    @initialize(ample=st.booleans(), threads=st.sampled_from([1, 4, 8]))
+    def runtimes(self, ample, threads):
         # Tight: two long requests hold most of the device, so steps evict and load.
         self.ample = ample
         self.slots = 2000 if ample else 72
         event("ample device" if ample else "tight device")
         self.dev, self.host = self._runtime("device"), self._runtime("host")
         if self.KERNEL:
-            testing.use_host_kernel(self.dev, 4)
+            # 1 thread: the kernel's order on one warp; 4 and 8: cells racing.
+            testing.use_host_kernel(self.dev, threads)
         self.both = (self.dev, self.host)
         self.steps_of: dict[int, int] = {}
         self.next_rid = 0

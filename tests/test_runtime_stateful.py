@@ -79,8 +79,9 @@ class RuntimeMachine(RuleBasedStateMachine):
     @initialize(
         prefetch=st.sampled_from([False, False, False, True]),
         restore=st.sampled_from(["auto", "indexer", "full", "predicted"]),
+        threads=st.sampled_from([1, 4, 8]),
     )
-    def two_long_requests(self, prefetch, restore):
+    def two_long_requests(self, prefetch, restore, threads):
         # A device budget small enough that decode steps load from host (so load faults hit).
         # Every transfer is settled after each rule (`settle`). The twin has room for every
         # page and the same host and Indexer-K budgets, so its prefix cache keeps what the
@@ -91,7 +92,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         event(f"restore {restore}")
         self.rt = self._runtime(60, prefetch, self.RESOLVE, restore)
         if self.KERNEL:
-            testing.use_host_kernel(self.rt, 4)
+            # 1 thread: the kernel's order on one warp; 4 and 8: cells racing.
+            testing.use_host_kernel(self.rt, threads)
         self.twin = self._runtime(2000, False)
         # Two requests over the longest prompt hold most of the device, so what comes next
         # evicts and loads (and load faults find loads to fail).
