@@ -69,3 +69,22 @@ def test_the_kernel_on_the_gpu_passes_the_same_checks(tokens, graph):
     # With `graph`, the layers' launches are captured in a CUDA graph and replayed each step.
     r = rg.run(rg.ResolverGpuConfig(device="cuda", tokens=tokens, graph=graph, **SMALL))
     assert r["summary"]["checked"]
+
+
+def test_the_kernel_launch_refuses_cursors_past_what_they_index(monkeypatch):
+    # A step's cursors (st) as the kernel would find them: a deferral count above the grant
+    # entries gone through would write past the deferred list, so the launch refuses it.
+    real = testing.ResolveKernel
+
+    class Corrupting:
+        def __init__(self, *a, **k):
+            self.k = real(*a, **k)
+
+        def launch(self, stream, t, **kw):
+            t["st"][3] = 1 << 20  # ST_DEF_LEN
+            self.k.launch(stream, t, **kw)
+
+    monkeypatch.setattr(testing, "ResolveKernel", Corrupting)
+    with pytest.raises(st.OutOfRangeError) as e:
+        rg.run(rg.ResolverGpuConfig(device="cpu", **SMALL))
+    assert e.value.field == "st[ST_DEF_LEN]"

@@ -8,7 +8,10 @@
 use crate::error::Error;
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::tensor::TensorInfo;
-use crate::scheduler::resolver::abi::{Geometry, Step, LOG_INTS, NOT_YET, ST_GRANT_LEN, ST_LEN};
+use crate::scheduler::resolver::abi::{
+    Geometry, Step, LOG_INTS, NOT_YET, ST_DEF_AT, ST_DEF_LEN, ST_GRANT_LEN, ST_LEN, ST_REFILL_AT,
+    ST_USED,
+};
 use crate::scheduler::resolver::launch::{LaunchArgs, ResolveKernel};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -395,6 +398,25 @@ impl PyResolveKernel {
                 0,
                 grant.numel as i64 / 2 + 1,
             )?;
+            // The cursors as a step leaves them: deferrals consume grant entries, and the
+            // cursors over deferrals and the log stay inside what they index.
+            let grant_len = st_now[ST_GRANT_LEN];
+            let def_len = st_now[ST_DEF_LEN];
+            bounded(
+                py,
+                "st[ST_DEF_LEN]",
+                &[def_len],
+                0,
+                st_now[ST_USED].min(grant_len) + 1,
+            )?;
+            bounded(py, "st[ST_DEF_AT]", &[st_now[ST_DEF_AT]], 0, def_len + 1)?;
+            bounded(
+                py,
+                "st[ST_REFILL_AT]",
+                &[st_now[ST_REFILL_AT]],
+                0,
+                capacity as i64 + 1,
+            )?;
             // The grant's first st[ST_GRANT_LEN] entries are the step's.
             let g = values(t, "grant")?;
             let g = &g[..2 * st_now[ST_GRANT_LEN] as usize];
@@ -408,7 +430,7 @@ impl PyResolveKernel {
                 "deferred",
                 &d.iter().step_by(2).copied().collect::<Vec<_>>(),
                 0,
-                grant.numel as i64 / 2 + 1,
+                grant_len.max(1),
             )?;
             let l = values(t, "log")?;
             // Entries written by earlier calls (their call set; the rest read NOT_YET).

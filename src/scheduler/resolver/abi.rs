@@ -8,6 +8,12 @@ pub const ST_USED: usize = 0;
 pub const ST_LOG: usize = 1;
 /// `st[ST_OVERFLOW]`: cells left without a slot.
 pub const ST_OVERFLOW: usize = 2;
+/// `st[ST_DEF_LEN]`: grant entries deferred (a victim the layer taking it had read).
+pub const ST_DEF_LEN: usize = 3;
+/// `st[ST_DEF_AT]`: deferred entries taken again.
+pub const ST_DEF_AT: usize = 4;
+/// `st[ST_REFILL_AT]`: log entries of earlier calls considered for a refill.
+pub const ST_REFILL_AT: usize = 5;
 /// `st[ST_BAD]`: cells naming a page past their request.
 pub const ST_BAD: usize = 6;
 /// `st[ST_GRANT_LEN]`: entries in the grant (written by the host before a step).
