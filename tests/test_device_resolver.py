@@ -269,10 +269,17 @@ def test_a_device_too_small_for_the_grant_plans_those_steps_on_the_host():
         assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True))
 
 
-def test_resolver_misuse_is_refused_before_anything_changes():
+@pytest.mark.parametrize("kernel", [False, True])
+def test_resolver_misuse_is_refused_before_anything_changes(kernel):
+    # The same refusals with the CUDA kernel's source in the reference's place.
     rt = _runtime(2, "device")
     rt.add_request(0, torch.arange(30) % 512, 4)
     res = rt.resolver
+    with pytest.raises(sp.OutOfRangeError) as e:
+        testing.use_host_kernel(res, 0)
+    assert e.value.field == "threads"
+    if kernel:
+        testing.use_host_kernel(res, 4)
     rids = np.array([0], dtype=np.int64)
     sel = np.array([[0, 1, -1]], dtype=np.int32)
     # No step granted.
@@ -296,6 +303,10 @@ def test_resolver_misuse_is_refused_before_anything_changes():
         with pytest.raises(sp.ConfigError) as e:
             bad()
         assert e.value.field == field, (field, e.value)
+    # The resolver cannot change how it resolves in the middle of a step.
+    with pytest.raises(sp.ConfigError) as e:
+        testing.use_host_kernel(res, 2)
+    assert e.value.field == "step"
     table = res.resolve(0, rids, sel)
     assert table.dtype == np.int32 and table.shape == (1, 3) and table[0, 2] == -1
     rt.scheduler.end_step()
