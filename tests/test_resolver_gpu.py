@@ -26,20 +26,33 @@ def test_the_gpu_check_runs_on_the_kernels_source_on_cpu_threads(tokens):
     assert 0 < max(later) < 8 * 32
 
 
-def test_the_gpu_check_catches_a_cell_that_reads_another_object(monkeypatch):
+def _wrap_launches(monkeypatch, before=None, after=None):
+    """The check's kernel, with `before(t)` / `after(t)` around each of its launches."""
     real = testing.ResolveKernel
 
-    class Swapped:
-        # The real kernel, then two cells of different objects swap slots.
+    class Wrapped:
         def __init__(self, *a, **k):
             self.k = real(*a, **k)
 
         def launch(self, stream, t, **kw):
+            if before:
+                before(t)
             self.k.launch(stream, t, **kw)
-            table = t["table"]
-            table[0], table[1] = table[1].clone(), table[0].clone()
+            if after:
+                after(t)
 
-    monkeypatch.setattr(testing, "ResolveKernel", Swapped)
+    for name in (n for n in dir(real) if n.isupper()):  # the ABI's constants
+        setattr(Wrapped, name, getattr(real, name))
+    monkeypatch.setattr(testing, "ResolveKernel", Wrapped)
+
+
+def test_the_gpu_check_catches_a_cell_that_reads_another_object(monkeypatch):
+    # The real kernel, then two cells of different objects swap slots.
+    def swap(t):
+        table = t["table"]
+        table[0], table[1] = table[1].clone(), table[0].clone()
+
+    _wrap_launches(monkeypatch, after=swap)
     with pytest.raises(AssertionError, match="read another object"):
         rg.run(rg.ResolverGpuConfig(device="cpu", **SMALL))
 
@@ -74,17 +87,10 @@ def test_the_kernel_on_the_gpu_passes_the_same_checks(tokens, graph):
 def test_the_kernel_launch_refuses_cursors_past_what_they_index(monkeypatch):
     # A step's cursors (st) as the kernel would find them: a deferral count above the grant
     # entries gone through would write past the deferred list, so the launch refuses it.
-    real = testing.ResolveKernel
+    def corrupt(t):
+        t["st"][testing.ResolveKernel.ST_DEF_LEN] = 1 << 20
 
-    class Corrupting:
-        def __init__(self, *a, **k):
-            self.k = real(*a, **k)
-
-        def launch(self, stream, t, **kw):
-            t["st"][3] = 1 << 20  # ST_DEF_LEN
-            self.k.launch(stream, t, **kw)
-
-    monkeypatch.setattr(testing, "ResolveKernel", Corrupting)
+    _wrap_launches(monkeypatch, before=corrupt)
     with pytest.raises(st.OutOfRangeError) as e:
         rg.run(rg.ResolverGpuConfig(device="cpu", **SMALL))
     assert e.value.field == "st[ST_DEF_LEN]"

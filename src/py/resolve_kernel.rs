@@ -9,8 +9,8 @@ use crate::error::Error;
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::tensor::TensorInfo;
 use crate::scheduler::resolver::abi::{
-    Geometry, Step, LOG_INTS, NOT_YET, ST_DEF_AT, ST_DEF_LEN, ST_GRANT_LEN, ST_LEN, ST_REFILL_AT,
-    ST_USED,
+    self, Geometry, Step, LOG_INTS, NOT_YET, ST_DEF_AT, ST_DEF_LEN, ST_GRANT_LEN, ST_LEN,
+    ST_REFILL_AT, ST_USED,
 };
 use crate::scheduler::resolver::launch::{LaunchArgs, ResolveKernel};
 use pyo3::prelude::*;
@@ -131,6 +131,32 @@ fn need(py: Python<'_>, name: &str, have: u64, want: u64) -> PyResult<()> {
 
 #[pymethods]
 impl PyResolveKernel {
+    // The kernel's ABI (`resolver/abi.rs`), for callers that lay out its buffers.
+    /// Words in `st`.
+    #[classattr]
+    const ST_LEN: usize = abi::ST_LEN;
+    /// `st` index: entries in the grant (written before a step).
+    #[classattr]
+    const ST_GRANT_LEN: usize = abi::ST_GRANT_LEN;
+    /// `st` index: the step's serial (written before a step).
+    #[classattr]
+    const ST_SERIAL: usize = abi::ST_SERIAL;
+    /// `st` index: grant entries deferred.
+    #[classattr]
+    const ST_DEF_LEN: usize = abi::ST_DEF_LEN;
+    /// `st` index: cells left without a slot.
+    #[classattr]
+    const ST_OVERFLOW: usize = abi::ST_OVERFLOW;
+    /// `st` index: cells naming a page past their request.
+    #[classattr]
+    const ST_BAD: usize = abi::ST_BAD;
+    /// Ints per log entry (grant index, mirror entry, row, page, call).
+    #[classattr]
+    const LOG_INTS: usize = abi::LOG_INTS;
+    /// A deferred or log entry's call before it is written.
+    #[classattr]
+    const NOT_YET: i32 = abi::NOT_YET;
+
     /// The kernel on CUDA device `device` (an index), or with `device="cpu"` on `threads` CPU
     /// threads (builds with `host-kernel`).
     #[new]

@@ -21,10 +21,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-NOT_YET = 0x7FFFFFFF
-ST_LEN, ST_USED, ST_LOG, ST_OVERFLOW, ST_BAD, ST_GRANT_LEN, ST_SERIAL = 10, 0, 1, 2, 6, 7, 8
-LOG_INTS = 5
-
 
 @dataclass(frozen=True)
 class ResolverGpuConfig:
@@ -81,11 +77,12 @@ def run(cfg: ResolverGpuConfig) -> dict:
         "rows": torch.arange(cfg.rows, **i32),
         "tables": torch.arange(homes, **i32).view(cfg.rows, pages),
         "lens": torch.full((cfg.rows,), cfg.context, dtype=torch.int64, device=dev),
-        "st": torch.zeros(ST_LEN, **i32),
+        "st": torch.zeros(testing.ResolveKernel.ST_LEN, **i32),
         "counts": torch.zeros(2 * cfg.layers, **i32),
         "tok": torch.zeros(3, dtype=torch.int64, device=dev),
     }
     kernel = testing.ResolveKernel((dev.index or 0) if on_gpu else "cpu")
+    abi = testing.ResolveKernel  # the buffers' layout, from the kernel's own ABI
     sel_pages = torch.stack([torch.randperm(pages, generator=g)[:kp] for _ in range(cfg.rows)])
     k = kp * cfg.page_size if cfg.tokens else kp
     cells = cfg.rows * k
@@ -96,7 +93,7 @@ def run(cfg: ResolverGpuConfig) -> dict:
     t["grant"] = torch.zeros(2 * slots, **i32)
     t["deferred"] = torch.empty(2 * slots, **i32)
     cap = cells * cfg.layers
-    t["log"] = torch.empty(cap * LOG_INTS, **i32)
+    t["log"] = torch.empty(cap * abi.LOG_INTS, **i32)
     per_layer = [dict(t, table=tables_out[layer]) for layer in range(cfg.layers)]
     shape = {"k": k, "layers": cfg.layers, "page_size": cfg.page_size, "tokens": cfg.tokens}
     div = cfg.page_size if cfg.tokens else 1
@@ -135,12 +132,12 @@ def run(cfg: ResolverGpuConfig) -> dict:
         n = gslots.numel()
         t["grant"].view(slots, 2)[:n] = torch.stack([gslots, gvict], 1).to(**i32)
         t["deferred"].view(slots, 2)[:, 0] = 0
-        t["deferred"].view(slots, 2)[:, 1] = NOT_YET
-        t["log"].view(cap, LOG_INTS)[:, 4] = NOT_YET
+        t["deferred"].view(slots, 2)[:, 1] = abi.NOT_YET
+        t["log"].view(cap, abi.LOG_INTS)[:, 4] = abi.NOT_YET
         for name in ("st", "counts", "tok"):
             t[name].zero_()
-        t["st"][ST_GRANT_LEN] = n
-        t["st"][ST_SERIAL] = serial
+        t["st"][abi.ST_GRANT_LEN] = n
+        t["st"][abi.ST_SERIAL] = serial
         layer_ms = []
         if cfg.graph and step >= 1:
             # Step 0 ran eagerly; the layers' launches are captured once, then replayed each
@@ -185,7 +182,7 @@ def run(cfg: ResolverGpuConfig) -> dict:
         c = t["counts"].cpu()
         misses = [int(c[2 * layer + 1]) for layer in range(cfg.layers)]
         st = t["st"].cpu()
-        assert int(st[ST_OVERFLOW]) == 0 and int(st[ST_BAD]) == 0, st
+        assert int(st[abi.ST_OVERFLOW]) == 0 and int(st[abi.ST_BAD]) == 0, st
         last = sum(misses)
         out["steps"].append({"layer_ms": layer_ms, "misses": misses, "cells": cells})
     timed = out["steps"][cfg.warmup :] or out["steps"]
