@@ -265,3 +265,34 @@ extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
         if (lane == 0) table[c] = slot;
     }
 }
+
+// Before a step: the core's changes to the mirror since the last step (objects that gave up
+// their slot, pages that started, victims granted, duplicates found at reconcile), as
+// (entry, slot) pairs, one per entry. A copy of the whole mirror would move 4 bytes an object
+// (32 MB at DeepSeek-V3.2's shape) every step.
+extern "C" __global__ void sparsetier_mirror_apply(const int* __restrict__ changes, int n,
+                                                   int* __restrict__ mirror) {
+    for (int i = (int)(blockIdx.x * blockDim.x + threadIdx.x); i < n;
+         i += (int)(gridDim.x * blockDim.x)) {
+        mirror[changes[2 * i]] = changes[2 * i + 1];
+    }
+}
+
+// After a step: the entries it read (hit or copied in), a bit each (bit e % 32 of word e / 32),
+// for the core's second chance, which reads them back instead of the marks (32 times fewer
+// bytes). The serial is read from `st`, so this can be captured with the step's launches.
+extern "C" __global__ void sparsetier_marks_read(const u32* __restrict__ marks,
+                                                 const u32* __restrict__ st, int entries,
+                                                 u32* __restrict__ bits) {
+    const u32 serial = st[ST_SERIAL];
+    const int words = (entries + 31) / 32;
+    for (int w = (int)(blockIdx.x * blockDim.x + threadIdx.x); w < words;
+         w += (int)(gridDim.x * blockDim.x)) {
+        u32 b = 0;
+        for (int j = 0; j < 32; ++j) {
+            const int e = w * 32 + j;
+            if (e < entries && marks[e] == serial) b |= 1u << j;
+        }
+        bits[w] = b;
+    }
+}

@@ -47,6 +47,9 @@ def test_kernels_compile_with_nvrtc_13_0_for_sm_90():
     # runtime yet): a warp a cell, the misses
     # claimed with a CAS and copied from host over unified addressing.
     assert ".entry sparsetier_resolve(" in ptx
+    # Its step boundaries: the core's mirror changes applied, the read marks as a bitmap.
+    assert ".entry sparsetier_mirror_apply(" in ptx
+    assert ".entry sparsetier_marks_read(" in ptx
     assert "atom.global.cas.b32" in ptx, "the claim of a missing entry is an atomic CAS"
     resolve = ptx[ptx.index(".entry sparsetier_resolve(") :]
     # It counts read amplification's token terms (64-bit) as the reference does.

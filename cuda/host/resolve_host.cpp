@@ -67,14 +67,13 @@ inline void __syncwarp() {}
 
 #include "../resolve.cu"
 
-// One launch of `sparsetier_resolve` over `threads` CPU threads; returns when all are done.
-extern "C" void sparsetier_resolve_host(int threads, const int* sel, const int* rows,
-                                        const int* tables, const long long* lens, int* table,
-                                        StepArgs s, Geometry geo, int cells, int k,
-                                        int pages_per_row, int layers, int layer,
-                                        int page_size, int tokens) {
+namespace {
+
+// Runs `body` on `threads` CPU threads, each a block of one thread (`blockIdx.x` its index),
+// started together behind a gate so that they overlap however slowly they spawn; returns when
+// all are done.
+template <typename F> void on_threads(int threads, unsigned long long seed, F body) {
     if (threads < 1) threads = 1;
-    // The threads start together (a gate), so that they overlap however slowly they spawn.
     std::atomic<int> ready{0};
     std::vector<std::thread> pool;
     pool.reserve(threads);
@@ -82,12 +81,37 @@ extern "C" void sparsetier_resolve_host(int threads, const int* sel, const int* 
         pool.emplace_back([=, &ready] {
             blockIdx.x = (unsigned)t;
             gridDim.x = (unsigned)threads;
-            chaos_state = 0x9e3779b97f4a7c15ull * (unsigned long long)(t + 1) + (u64)layer;
+            chaos_state = 0x9e3779b97f4a7c15ull * (unsigned long long)(t + 1) + seed;
             ready.fetch_add(1);
             while (ready.load() < threads) std::this_thread::yield();
-            sparsetier_resolve(sel, rows, tables, lens, table, s, geo, cells, k, pages_per_row,
-                               layers, layer, page_size, tokens);
+            body();
         });
     }
     for (auto& th : pool) th.join();
+}
+
+}  // namespace
+
+// One launch of `sparsetier_resolve` over `threads` CPU threads.
+extern "C" void sparsetier_resolve_host(int threads, const int* sel, const int* rows,
+                                        const int* tables, const long long* lens, int* table,
+                                        StepArgs s, Geometry geo, int cells, int k,
+                                        int pages_per_row, int layers, int layer,
+                                        int page_size, int tokens) {
+    on_threads(threads, (u64)layer, [=] {
+        sparsetier_resolve(sel, rows, tables, lens, table, s, geo, cells, k, pages_per_row,
+                           layers, layer, page_size, tokens);
+    });
+}
+
+// One launch of `sparsetier_mirror_apply` over `threads` CPU threads.
+extern "C" void sparsetier_mirror_apply_host(int threads, const int* changes, int n,
+                                             int* mirror) {
+    on_threads(threads, 1, [=] { sparsetier_mirror_apply(changes, n, mirror); });
+}
+
+// One launch of `sparsetier_marks_read` over `threads` CPU threads.
+extern "C" void sparsetier_marks_read_host(int threads, const unsigned* marks,
+                                           const unsigned* st, int entries, unsigned* bits) {
+    on_threads(threads, 2, [=] { sparsetier_marks_read(marks, st, entries, bits); });
 }

@@ -227,7 +227,7 @@ impl StepScheduler<PrefixTier> {
             .map(|&(s, v)| (s.raw() as i32, v.map_or(-1, |(e, _)| e as i64)))
             .collect();
         // Armed load failures (test builds) fail the resolver's copies this step.
-        st.open(grant, self.xfer.take_copy_faults(), cells);
+        st.open(rids, grant, self.xfer.take_copy_faults(), cells);
         link.open = true;
         link.steps += 1;
         Ok(true)
@@ -538,6 +538,11 @@ impl StepScheduler<PrefixTier> {
         let st = link.state.lock();
         if st.is_open() {
             return Ok(()); // mid-step: filled entries are not adopted yet
+        }
+        // The device's mirror is the host's, as the log told it (the kernel's, test builds).
+        #[cfg(feature = "host-kernel")]
+        if let Some(m) = st.device_mirror_mismatch() {
+            return Err(m);
         }
         let layers = self.cfg.layers as usize;
         // What the next grant applies: pages started, and slots given up.

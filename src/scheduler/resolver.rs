@@ -239,6 +239,10 @@ impl ResolverState {
     /// on reconcile).
     pub(crate) fn set(&mut self, e: usize, slot: i32) {
         self.mirror[e] = slot;
+        #[cfg(feature = "host-kernel")]
+        if let Some(k) = &mut self.kernel {
+            k.changed.push(e);
+        }
     }
 
     /// Brings request `id`'s page table up to `homes` (its pages' homes) and `len` tokens:
@@ -266,12 +270,14 @@ impl ResolverState {
         self.tables.retain(|id, _| keep(id));
     }
 
-    /// Opens a step with `grant` entries to take: (slot, victim entry or -1), and `faults`
-    /// copy failures armed (fault injection: (layer or any, count)); `cells` bounds the
-    /// objects one layer of the step can miss (the kernel's log is sized by it).
+    /// Opens a step of the batch `rids` (their tables up to date) with `grant` entries to
+    /// take: (slot, victim entry or -1), and `faults` copy failures armed (fault injection:
+    /// (layer or any, count)); `cells` bounds the objects one layer of the step can miss (the
+    /// kernel's log is sized by it).
     #[cfg_attr(not(feature = "host-kernel"), allow(unused_variables))]
     pub(crate) fn open(
         &mut self,
+        rids: &[RequestId],
         grant: Vec<(i32, i64)>,
         faults: Vec<(Option<u16>, u32)>,
         cells: usize,
@@ -302,6 +308,10 @@ impl ResolverState {
         #[cfg(feature = "host-kernel")]
         if let Some(k) = &mut self.kernel {
             let capacity = cells * self.layers as usize;
+            let tables: Vec<(RequestId, &[u32], u64)> = rids
+                .iter()
+                .filter_map(|id| self.tables.get(id).map(|t| (*id, &t.homes[..], t.len)))
+                .collect();
             k.open(
                 &self.grant,
                 self.layers,
@@ -309,6 +319,7 @@ impl ResolverState {
                 capacity,
                 &self.mirror,
                 wrapped,
+                &tables,
             );
         }
         self.open = true;
@@ -318,9 +329,8 @@ impl ResolverState {
     /// through, the log and the counts.
     pub(crate) fn close(&mut self) -> StepDone {
         self.open = false;
-        self.grant.clear();
         #[cfg(feature = "host-kernel")]
-        if let Some(k) = &self.kernel {
+        if let Some(k) = &mut self.kernel {
             self.used = k.used();
             let (log, lost) = k.log_entries();
             self.log = log;
@@ -328,8 +338,10 @@ impl ResolverState {
             // (Entries past the log's room would be copies the core never learns of: reported
             // as cells without a slot, which the core treats as an internal error.)
             self.counts.overflow += lost;
-            k.download(&mut self.mirror, &mut self.mark);
+            k.read_marks();
+            kernel::follow_log(&mut self.mirror, &self.grant, &self.log);
         }
+        self.grant.clear();
         StepDone {
             used: std::mem::take(&mut self.used),
             log: std::mem::take(&mut self.log),
@@ -341,6 +353,10 @@ impl ResolverState {
 
     /// Whether the last step read mirror entry `e` (hit or copied in).
     pub(crate) fn was_read(&self, e: usize) -> bool {
+        #[cfg(feature = "host-kernel")]
+        if let Some(k) = &self.kernel {
+            return k.was_read(e);
+        }
         self.mark[e] == self.serial
     }
 

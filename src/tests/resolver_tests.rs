@@ -199,7 +199,7 @@ fn check(c: Case, kernel: Option<usize>) -> Result<(), TestCaseError> {
             free += 1;
         }
         prop_assume!(free <= slots);
-        f.st.open(grant, c.faults.clone(), cells);
+        f.st.open(&rids, grant, c.faults.clone(), cells);
         // Per layer: the distinct objects its cells name, and whether a cell failed.
         let mut objects = vec![(std::collections::BTreeSet::new(), false); LAYERS as usize];
         for (layer, sel_rows) in step.iter().enumerate() {
@@ -269,6 +269,11 @@ fn check(c: Case, kernel: Option<usize>) -> Result<(), TestCaseError> {
         let failed_entries = done.log.iter().filter(|en| en.failed).count() as u64;
         // A copy that failed once was retried; an entry failed when its retry failed too.
         prop_assert_eq!(done.counts.failed, done.counts.retried + failed_entries);
+        // The host's mirror followed the kernel's from the log alone.
+        #[cfg(feature = "host-kernel")]
+        if let Some(m) = f.st.device_mirror_mismatch() {
+            return Err(TestCaseError::fail(m));
+        }
         // No slot named twice by the mirror.
         let mut seen = std::collections::HashSet::new();
         for &s in f.st.mirror().iter().filter(|&&s| s >= 0) {
@@ -366,7 +371,7 @@ fn the_kernels_racing_cells_read_their_objects_bytes() {
         while grant.len() < cells {
             grant.push((free.pop().expect("a free slot"), -1));
         }
-        f.st.open(grant, Vec::new(), cells);
+        f.st.open(&rids, grant, Vec::new(), cells);
         let mut distinct = [0usize; LAYERS as usize];
         for layer in 0..LAYERS {
             // Skewed: most entries among a few pages, so that cells of an object race.
@@ -393,6 +398,7 @@ fn the_kernels_racing_cells_read_their_objects_bytes() {
         }
         let done = f.st.close();
         assert_eq!(done.counts.overflow, 0);
+        assert_eq!(f.st.device_mirror_mismatch(), None, "step {step}");
         for (l, &n) in distinct.iter().enumerate() {
             let counted = done.counts.hits[l] + done.counts.misses[l];
             assert_eq!(counted, n as u64, "step {step} layer {l}: objects counted");

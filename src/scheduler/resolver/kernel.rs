@@ -1,20 +1,22 @@
 //! The device resolver's CUDA kernel (`cuda/resolve.cu`) run on the CPU, in place of the
 //! reference (test builds, feature `host-kernel`): the same source compiled for the host
 //! (`cuda/host/resolve_host.cpp`), launched over CPU threads that race as warps do, on the
-//! same protocol a GPU's copy would follow: the kernel works on its own copies of the mirror,
-//! read marks and fill marks ("device memory"), the resolver's mirror is copied in when a step
-//! opens and the mirror and marks copied back when it closes, so the core reads and changes
-//! them only between steps, as it must on a GPU. The state the kernel keeps in its own form
-//! (the grant, deferred victims, the log, cursors and counts) lives here too, set up when a
-//! step opens; the log and the counts are read once when it closes, so that between launches
-//! the host does nothing but launch, and the core reconciles a kernel's step as it does the
-//! reference's.
+//! protocol a GPU's copy follows. The kernel's state ("device memory": its mirror, read and
+//! fill marks, the step's page tables, grant, log, cursors and counts) lives here, apart from
+//! the resolver's; between a step's launches the host does nothing but launch.
+//! - When a step opens: the core's changes to the mirror since the last step go in as
+//!   (entry, slot) pairs, applied by `sparsetier_mirror_apply`; the batch's page tables, the
+//!   grant, the step's serial and the log (its calls NOT_YET) are written.
+//! - When it closes: the log, the counts and a bitmap of the entries the step read
+//!   (`sparsetier_marks_read`) come back, never the mirror. The resolver's mirror (the host's
+//!   copy) follows the device's from the log alone ([`ResolverState::close`]); the two are
+//!   compared by `validate` ([`ResolverState::device_mirror_mismatch`]).
 
 use super::abi::{
-    Geometry, Step, CLAIMING, LOG_INTS, NOT_YET, ST_BAD, ST_GRANT_LEN, ST_LEN, ST_LOG, ST_OVERFLOW,
+    Geometry, Step, LOG_INTS, NOT_YET, ST_BAD, ST_GRANT_LEN, ST_LEN, ST_LOG, ST_OVERFLOW,
     ST_SERIAL, ST_USED, TOK_NEEDED, TOK_NEEDED_MOVED, TOK_SELECTED,
 };
-use super::{LogEntry, ResolveCounts, ResolverState, FAILED};
+use super::{LogEntry, ResolveCounts, ResolverState, ABSENT, FAILED};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::transfer::{LayerPageOrder, PageTransferBinding};
@@ -36,6 +38,14 @@ extern "C" {
         layer: i32,
         page_size: i32,
         tokens: i32,
+    );
+    fn sparsetier_mirror_apply_host(threads: i32, changes: *const i32, n: i32, mirror: *mut i32);
+    fn sparsetier_marks_read_host(
+        threads: i32,
+        marks: *const u32,
+        st: *const u32,
+        entries: i32,
+        bits: *mut u32,
     );
 }
 
@@ -67,7 +77,7 @@ pub unsafe fn launch_on_host(threads: u32, args: &super::launch::LaunchArgs) {
     }
 }
 
-/// The kernel's own state for one step, and how many threads a launch runs.
+/// The kernel's own state ("device memory"), and how many threads a launch runs.
 #[derive(Debug)]
 pub(super) struct HostKernel {
     threads: i32,
@@ -78,25 +88,42 @@ pub(super) struct HostKernel {
     /// `[capacity * LOG_INTS]`, sized when a step opens (as on a GPU, where nothing is read
     /// back between launches).
     log: Vec<i32>,
-    /// Per launch of the step, its batch's requests (a log entry's row is one of them).
-    call_rids: Vec<Vec<RequestId>>,
     st: [u32; ST_LEN],
-    /// The kernel's copies: `[homes * layers]` mirror, read marks and fill marks.
+    /// `[homes * layers]` mirror, read marks and fill marks.
     mirror: Vec<i32>,
     marks: Vec<u32>,
     filled: Vec<u32>,
     /// `[layers * 2]`: hits, misses.
     counts: Vec<u32>,
     tok: [u64; 3],
+    /// The step's page tables: a row per request of the step (`rids`), `width` homes each,
+    /// and their lengths; `ident` maps batch row `b` to table row `b` (the batch is the
+    /// step's, in its order: nothing to upload per launch).
+    rids: Vec<RequestId>,
+    tables: Vec<i32>,
+    lens: Vec<i64>,
+    width: usize,
+    ident: Vec<i32>,
+    /// The host's side: mirror entries the core changed since the step last opened (uploaded
+    /// when the next opens), and the read bitmap of the last step (read back when it closed).
+    pub(super) changed: Vec<usize>,
+    read: Vec<u32>,
 }
 
 impl HostKernel {
-    /// A kernel run on `threads` CPU threads, for a resolver over `entries` mirror entries.
-    pub(super) fn new(threads: usize, entries: usize) -> Result<Self> {
+    /// A kernel run on `threads` CPU threads, for a resolver over `entries` mirror entries,
+    /// its mirror and marks as `mirror`, `marks` and `filled` (copied in whole once).
+    pub(super) fn new(
+        threads: usize,
+        mirror: &[i32],
+        marks: &[u32],
+        filled: &[u32],
+    ) -> Result<Self> {
         let threads = i32::try_from(threads)
             .ok()
             .filter(|&t| (1..=256).contains(&t))
             .ok_or_else(|| Error::out_of_range("threads", threads as u64, 1, 257))?;
+        let entries = mirror.len();
         if i32::try_from(entries).is_err() {
             return Err(Error::config(
                 "host_pages",
@@ -109,18 +136,27 @@ impl HostKernel {
             grant: Vec::new(),
             deferred: Vec::new(),
             log: Vec::new(),
-            call_rids: Vec::new(),
             st: [0; ST_LEN],
-            mirror: vec![-1; entries],
-            marks: vec![0; entries],
-            filled: vec![0; entries],
+            mirror: mirror.to_vec(),
+            marks: marks.to_vec(),
+            filled: filled.to_vec(),
             counts: Vec::new(),
             tok: [0; 3],
+            rids: Vec::new(),
+            tables: Vec::new(),
+            lens: Vec::new(),
+            width: 1,
+            ident: Vec::new(),
+            changed: Vec::new(),
+            read: vec![0; entries.div_ceil(32)],
         })
     }
 
-    /// Starts step `serial` over `grant` with room for `log_capacity` log entries, the
-    /// resolver's `mirror` copied in (and when the serials wrapped, the marks cleared).
+    /// Starts step `serial` over `grant` with room for `log_capacity` log entries: applies
+    /// the changes to the mirror (`mirror` is the host's copy; when the serials wrapped, the
+    /// marks are cleared) and writes the batch's page tables (`tables`: per request of the
+    /// step, its homes and length).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn open(
         &mut self,
         grant: &[(i32, i64)],
@@ -129,8 +165,28 @@ impl HostKernel {
         log_capacity: usize,
         mirror: &[i32],
         wrapped: bool,
+        tables: &[(RequestId, &[u32], u64)],
     ) {
-        self.mirror.copy_from_slice(mirror);
+        // The changes, one pair an entry (its value now), applied in parallel.
+        self.changed.sort_unstable();
+        self.changed.dedup();
+        let pairs: Vec<i32> = self
+            .changed
+            .drain(..)
+            .flat_map(|e| [e as i32, mirror[e]])
+            .collect();
+        // SAFETY: `pairs` holds `n` (entry, slot) pairs; every entry indexes the mirror (the
+        // host's mirror has the kernel's length, and `new` checked it fits an int32); nothing
+        // else touches the kernel's mirror while `&mut self` is held, and the call joins its
+        // threads before it returns.
+        unsafe {
+            sparsetier_mirror_apply_host(
+                self.threads,
+                pairs.as_ptr(),
+                (pairs.len() / 2) as i32,
+                self.mirror.as_mut_ptr(),
+            )
+        };
         if wrapped {
             self.marks.fill(0);
             self.filled.fill(0);
@@ -150,7 +206,19 @@ impl HostKernel {
         for en in self.log.chunks_mut(LOG_INTS) {
             en[LOG_INTS - 1] = NOT_YET;
         }
-        self.call_rids.clear();
+        self.width = tables.iter().map(|t| t.1.len()).max().unwrap_or(0).max(1);
+        self.rids.clear();
+        self.tables.clear();
+        self.tables.resize(tables.len() * self.width, 0);
+        self.lens.clear();
+        for (r, &(id, homes, len)) in tables.iter().enumerate() {
+            self.rids.push(id);
+            for (p, &h) in homes.iter().enumerate() {
+                self.tables[r * self.width + p] = h as i32;
+            }
+            self.lens.push(len as i64);
+        }
+        self.ident = (0..tables.len() as i32).collect();
         self.st = [0; ST_LEN];
         self.st[ST_GRANT_LEN] = grant.len() as u32;
         self.st[ST_SERIAL] = serial;
@@ -169,7 +237,7 @@ impl HostKernel {
             .map(|l| LogEntry {
                 g: l[0] as u32,
                 e: l[1] as u32,
-                rid: self.call_rids[l[4] as usize - 1][l[2] as usize],
+                rid: self.rids[l[2] as usize],
                 page: l[3] as u32,
                 call: l[4] as u32,
                 failed: false,
@@ -204,16 +272,51 @@ impl HostKernel {
         }
     }
 
-    /// Copies the kernel's mirror and read marks back to the resolver's (the step closed).
-    pub(super) fn download(&self, mirror: &mut [i32], marks: &mut [u32]) {
-        debug_assert!(!self.mirror.contains(&CLAIMING));
-        mirror.copy_from_slice(&self.mirror);
-        marks.copy_from_slice(&self.marks);
+    /// Reads back which entries the step read, as a bitmap made on the device.
+    pub(super) fn read_marks(&mut self) {
+        // SAFETY: `marks` has an entry per mirror entry and `read` a bit each, rounded up to
+        // whole words; `st` is the step's; `&mut self` is held and the call joins its threads.
+        unsafe {
+            sparsetier_marks_read_host(
+                self.threads,
+                self.marks.as_ptr(),
+                self.st.as_ptr(),
+                self.marks.len() as i32,
+                self.read.as_mut_ptr(),
+            )
+        };
+    }
+
+    /// Whether the last step read entry `e` (its bit, read back when it closed).
+    pub(super) fn was_read(&self, e: usize) -> bool {
+        self.read[e / 32] >> (e % 32) & 1 == 1
     }
 
     /// Grant entries the step went through (the kernel's cursor runs past the end).
     pub(super) fn used(&self) -> usize {
         (self.st[ST_USED] as usize).min(self.grant.len() / 2)
+    }
+}
+
+/// Applies a closed step's `log` (in order) to the host's `mirror`: each entry's slot names
+/// the object it filled, and the object the slot held before (the grant's victim, or what an
+/// earlier entry of the step filled it with) leaves the slot, unless it moved on meanwhile.
+/// `grant` is the step's, (slot, victim entry or -1).
+pub(super) fn follow_log(mirror: &mut [i32], grant: &[(i32, i64)], log: &[LogEntry]) {
+    let mut last: Vec<Option<u32>> = vec![None; grant.len()];
+    for en in log {
+        let (slot, victim) = grant[en.g as usize];
+        let before = match last[en.g as usize] {
+            Some(e) => Some(e as usize),
+            None => usize::try_from(victim).ok(),
+        };
+        if let Some(b) = before {
+            if mirror[b] == slot {
+                mirror[b] = ABSENT;
+            }
+        }
+        mirror[en.e as usize] = slot;
+        last[en.g as usize] = Some(en.e);
     }
 }
 
@@ -254,11 +357,32 @@ impl ResolverState {
                 "no step granted and not yet ended",
             ));
         }
-        let mut k = HostKernel::new(threads, self.mirror.len())?;
-        k.marks.copy_from_slice(&self.mark);
-        k.filled.copy_from_slice(&self.filled);
-        self.kernel = Some(k);
+        self.kernel = Some(HostKernel::new(
+            threads,
+            &self.mirror,
+            &self.mark,
+            &self.filled,
+        )?);
         Ok(())
+    }
+
+    /// Where the kernel's mirror ("device memory") differs from the host's, outside a step,
+    /// other than by the changes the next step applies: the first such entry (`validate`).
+    pub(crate) fn device_mirror_mismatch(&self) -> Option<String> {
+        let k = self.kernel.as_ref()?;
+        if self.open {
+            return None;
+        }
+        let pending: rustc_hash::FxHashSet<usize> = k.changed.iter().copied().collect();
+        let e = (0..self.mirror.len())
+            .find(|&e| k.mirror[e] != self.mirror[e] && !pending.contains(&e))?;
+        Some(format!(
+            "the device's mirror has {} for entry {e} (home {}, layer {}), the host's {}",
+            k.mirror[e],
+            e / self.layers as usize,
+            e % self.layers as usize,
+            self.mirror[e]
+        ))
     }
 
     /// [`ResolverState::resolve_layer`] by the kernel: one launch for the batch. The
@@ -273,33 +397,29 @@ impl ResolverState {
         tokens: bool,
         table: &mut [i32],
     ) -> Result<()> {
-        // Each batch row its own table row: (homes, len), as the device would hold them.
-        let mut width = 0;
-        for id in rids {
-            let t = self
-                .tables
-                .get(id)
-                .ok_or_else(|| Error::config("rids", id, "requests of the granted step"))?;
-            width = width.max(t.homes.len());
-        }
-        let width = width.max(1);
-        let mut homes = vec![0i32; rids.len() * width];
-        let mut lens = Vec::with_capacity(rids.len());
-        for (b, id) in rids.iter().enumerate() {
-            let t = &self.tables[id];
-            for (p, &h) in t.homes.iter().enumerate() {
-                homes[b * width + p] = h as i32;
-            }
-            lens.push(t.len as i64);
-        }
-        let rows: Vec<i32> = (0..rids.len() as i32).collect();
+        let kern = self.kernel.as_mut().expect("the kernel chosen");
+        // Batch rows to table rows: none to upload when the batch is the step's, in order.
+        let own: Vec<i32>;
+        let rows: &[i32] = if rids == kern.rids.as_slice() {
+            &kern.ident
+        } else {
+            own = rids
+                .iter()
+                .map(|id| {
+                    kern.rids
+                        .iter()
+                        .position(|r| r == id)
+                        .map(|r| r as i32)
+                        .ok_or_else(|| Error::config("rids", id, "requests of the granted step"))
+                })
+                .collect::<Result<_>>()?;
+            &own
+        };
         let cells = selection.len();
         let layers = self.layers;
         let page_size = self.page_size;
         let call = self.call as i32;
         let (host_planes, dev_planes, geo) = geometry(&self.host, &self.device, self.order);
-        let kern = self.kernel.as_mut().expect("the kernel chosen");
-        kern.call_rids.push(rids.to_vec());
         let step = Step {
             mirror: kern.mirror.as_mut_ptr(),
             marks: kern.marks.as_mut_ptr(),
@@ -316,14 +436,14 @@ impl ResolverState {
         let args = super::launch::LaunchArgs {
             sel: selection.as_ptr() as u64,
             rows: rows.as_ptr() as u64,
-            tables: homes.as_ptr() as u64,
-            lens: lens.as_ptr() as u64,
+            tables: kern.tables.as_ptr() as u64,
+            lens: kern.lens.as_ptr() as u64,
             table: table.as_mut_ptr() as u64,
             step,
             geo,
             cells: cells as u32,
             k: k as u32,
-            pages_per_row: width as u32,
+            pages_per_row: kern.width as u32,
             layers: u32::from(layers),
             layer: u32::from(layer),
             page_size,
@@ -334,8 +454,8 @@ impl ResolverState {
         // mirror, marks and filled have an entry per (home, layer) and the tables' homes come
         // from the core's pages (homes of the host pool); the grant and deferred have 2 ints
         // an entry; the log has room for every take of the step (one a cell a layer); the
-        // counts have 2 a layer; `sel`, `table` have `cells`; `rows`, `lens` one a row and
-        // `homes` `width` a row. The planes' addresses are the bindings', checked when built,
+        // counts have 2 a layer; `sel`, `table` have `cells`; `rows` one a batch row, each a
+        // row of the step's tables, which have `width` homes a row and a length each. The planes' addresses are the bindings', checked when built,
         // and the slots the grant names are pages of the device pool (the core granted them).
         // Nothing else touches these buffers until the call returns: `&mut self` is held, and
         // the launch joins its threads before returning. Host (a home) and device (a slot)
