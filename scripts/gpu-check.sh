@@ -24,7 +24,10 @@
 #                             once, and its GPU time a layer at batch 64, top-2048 of 128k
 #                             tokens (DeepSeek-V3.2's 656-byte rows, 64-token pages), block and
 #                             token mode, and a step's layers captured in a CUDA graph and
-#                             replayed, each run's JSON after its line; then
+#                             replayed, each run's JSON after its line; the runtime's decode
+#                             through it (`demo --device cuda --resolve device`, block and
+#                             token, and test_gpu_runtime.py's device_resolve cases: tiered ==
+#                             resident, layers under torch's sync debug mode "error"); then
 #                             tests/test_resolver_gpu.py's GPU cases
 #         demo_cuda.txt       `sparsetier demo --device cuda` (tiered == resident on the GPU,
 #                             through the step scheduler with stream waits), block and token
@@ -95,6 +98,16 @@ run)
             echo "resolver tokens=$tok: exit $?" >> "$OUT/resolver.txt"
         done
         # Under CUDA graph capture: a step's 4 layers captured once, replayed each step.
+        # The runtime's decode steps through the kernel on CUDA pools (bit-identical to the
+        # all-resident run), and its layers under torch's sync debug mode.
+        for mode in block token; do
+            timeout 60 python3 -m sparsetier.tools.cli demo --device cuda --quiet --resolve device \
+                --selection "$mode" >> "$OUT/resolver.txt" 2>&1
+            echo "resolver demo $mode: exit $?" >> "$OUT/resolver.txt"
+        done
+        timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py \
+            -k device_resolve >> "$OUT/resolver.txt" 2>&1
+        echo "resolver runtime pytest: exit $?" >> "$OUT/resolver.txt"
         timeout 90 python3 -m sparsetier.tools.resolver_gpu --graph true --layers 4 --rows 16 \
             --steps 8 --json - >> "$OUT/resolver.txt" 2>&1
         echo "resolver graph: exit $?" >> "$OUT/resolver.txt"

@@ -688,9 +688,7 @@ class DeviceResolver:
     the slots the scheduler granted (`JoinedStepScheduler.begin_device_step`)."""
 
     FAILED: ClassVar[int]
-    def resolve(
-        self, layer: int, rids: Any, selection: npt.NDArray[np.int32], tokens: bool = False
-    ) -> npt.NDArray[np.int32]: ...
+    def resolve(self, layer: int, rids: Any, selection: Any, tokens: bool = False) -> Any: ...
     @property
     def step_open(self) -> bool: ...
 

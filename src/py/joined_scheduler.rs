@@ -95,18 +95,21 @@ impl PyJoinedStepScheduler {
     /// one on every call). Each decode step is then `append`, `begin_device_step`, the
     /// resolver once a layer, `end_step`: a fixed number of calls into the scheduler a step.
     /// The scheduler stops prefetching (the resolver serves its misses itself). Runs the
-    /// reference implementation on the cpu engine's pools; CUDA pools are refused (the
-    /// resolver's kernel is not wired in yet).
+    /// reference implementation on the cpu engine's pools, and the CUDA kernel on CUDA pools
+    /// (whose host pool must be pinned: the kernel reads it over unified addressing; never
+    /// run on a GPU yet).
     fn enable_device_resolver(
         slf: &Bound<'_, Self>,
         py: Python<'_>,
     ) -> PyResult<Py<PyDeviceResolver>> {
         let this = slf.as_super().get();
-        let state = this
-            .inner
-            .run_py(py, |s| s.joined()?.enable_device_resolver())?;
+        let (state, gpu) = this.inner.run_py(py, |s| {
+            let j = s.joined()?;
+            let state = j.enable_device_resolver()?;
+            Ok((state, j.device_resolver_gpu()))
+        })?;
         let owner: Py<PyStepScheduler> = slf.as_super().clone().unbind();
-        Py::new(py, PyDeviceResolver::new(state, owner))
+        Py::new(py, PyDeviceResolver::new(state, owner, gpu))
     }
 
     /// Grants the device decode step of `rids` (after `append`), whose rows have at most
@@ -122,8 +125,24 @@ impl PyJoinedStepScheduler {
         let this = slf.as_super().get();
         let ids = rid_list(rids)?;
         let n = u32_arg(py, entries, "entries", 1)? as usize;
-        py.detach(|| this.inner.run(|s| s.joined()?.begin_device_step(&ids, n)))
-            .py_err(py)
+        // On a GPU the step's work is queued on torch's current stream.
+        let gpu = this
+            .inner
+            .run_py(py, |s| Ok(s.joined()?.device_resolver_gpu()))?;
+        let stream = match gpu {
+            Some(ordinal) => Some(crate::py::transfer::current_torch_stream(py, ordinal)?),
+            None => None,
+        };
+        py.detach(|| {
+            this.inner.run(|s| {
+                let j = s.joined()?;
+                if let Some(st) = stream {
+                    j.set_device_stream(st);
+                }
+                j.begin_device_step(&ids, n)
+            })
+        })
+        .py_err(py)
     }
 
     /// Device-resolve counters: steps resolved on the device, steps planned on the host for

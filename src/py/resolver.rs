@@ -1,13 +1,15 @@
 //! `sparsetier.DeviceResolver`: the device side of a joined scheduler's decode step
 //! (`JoinedStepScheduler.enable_device_resolver`). One call a layer for the batch, which never
 //! enters the scheduler: it works on the resolver's own state (the mirror, page tables, the
-//! grant) under its own lock, with the GIL released. Here it runs the reference
-//! implementation on the CPU (the cpu engine's pools).
+//! grant) under its own lock, with the GIL released. On the cpu engine's pools it runs the
+//! reference implementation (numpy in and out); on CUDA pools, the kernel on their GPU (torch
+//! tensors in and out, queued on the step's stream, nothing read back).
 
 use crate::error::Error;
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::scheduler::PyStepScheduler;
 use crate::py::scheduler_args::{rid_list, row_width, u32_arg};
+use crate::py::tensor::TensorInfo;
 use crate::scheduler::resolver::ResolverState;
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use parking_lot::Mutex;
@@ -21,19 +23,99 @@ use std::sync::Arc;
 pub struct PyDeviceResolver {
     state: Arc<Mutex<ResolverState>>,
     layers: u16,
+    /// The CUDA device its kernel runs on (CUDA pools), else `None` (the reference).
+    gpu: Option<usize>,
     /// The scheduler whose pools the copies read and write: kept alive with this object.
     #[allow(dead_code)]
     owner: Py<PyStepScheduler>,
 }
 
 impl PyDeviceResolver {
-    pub(crate) fn new(state: Arc<Mutex<ResolverState>>, owner: Py<PyStepScheduler>) -> Self {
+    pub(crate) fn new(
+        state: Arc<Mutex<ResolverState>>,
+        owner: Py<PyStepScheduler>,
+        gpu: Option<usize>,
+    ) -> Self {
         let layers = state.lock().layers();
         PyDeviceResolver {
             state,
             layers,
+            gpu,
             owner,
         }
+    }
+
+    /// One layer on the GPU: `selection` a CUDA int32 `[B, K]` tensor on the resolver's
+    /// device; the slot table comes back as a tensor like it, both queued on the step's stream
+    /// (which must be torch's current one: the tensors' memory is ordered on it).
+    fn resolve_cuda<'py>(
+        &self,
+        py: Python<'py>,
+        (layer, ids): (u16, &[crate::ids::RequestId]),
+        selection: &Bound<'py, PyAny>,
+        tokens: bool,
+        ordinal: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let info = TensorInfo::inspect(selection, "selection")?;
+        let index: Option<usize> = selection.getattr("device")?.getattr("index")?.extract()?;
+        if info.device_type != "cuda" || index != Some(ordinal) {
+            return Err(to_py(
+                py,
+                Error::config(
+                    "selection.device",
+                    format!("{}:{index:?}", info.device_type),
+                    format!("cuda:{ordinal}, the pools' device (the resolver runs there)"),
+                ),
+            ));
+        }
+        if info.dtype != "int32" {
+            return Err(to_py(
+                py,
+                Error::config("selection.dtype", &info.dtype, "int32"),
+            ));
+        }
+        info.require_contiguous("selection").py_err(py)?;
+        if info.shape.len() != 2 {
+            return Err(to_py(
+                py,
+                Error::config(
+                    "selection.shape",
+                    format!("{:?}", info.shape),
+                    "(B, K): one row per request",
+                ),
+            ));
+        }
+        let shape: Vec<usize> = info.shape.iter().map(|&d| d as usize).collect();
+        let k = row_width(py, &shape, ids.len())?;
+        let stream = crate::py::transfer::current_torch_stream(py, ordinal)?;
+        let step = self.state.lock().stream();
+        if stream != step {
+            return Err(to_py(
+                py,
+                Error::config(
+                    "stream",
+                    format!("{stream:#x}"),
+                    format!("the step's stream ({step:#x}), current at begin_device_step"),
+                ),
+            ));
+        }
+        let table = py
+            .import("torch")?
+            .call_method1("empty_like", (selection,))?;
+        let sel: u64 = selection.call_method0("data_ptr")?.extract()?;
+        let out: u64 = table.call_method0("data_ptr")?.extract()?;
+        py.detach(|| {
+            // SAFETY: both tensors were checked: contiguous int32 on the kernel's device, of
+            // `ids.len() * k` elements; their memory is ordered on the step's stream (torch's
+            // current one, checked), so it is not reused before the launch has run.
+            unsafe {
+                self.state
+                    .lock()
+                    .resolve_layer_device(layer, ids, (sel, out), k, tokens)
+            }
+        })
+        .py_err(py)?;
+        Ok(table)
     }
 }
 
@@ -47,7 +129,9 @@ impl PyDeviceResolver {
     /// Resolves `layer` for the batch `rids` (int64, the granted step's requests):
     /// `selection` is a C-contiguous int32 `[B, K]` array of entries (-1 = none), block ids of
     /// a page each, or with `tokens` token indices. Returns the slot table (int32 `[B, K]`, -1
-    /// where an entry names nothing, `FAILED` where its copy failed twice).
+    /// where an entry names nothing, `FAILED` where its copy failed twice). On CUDA pools both
+    /// are CUDA tensors on the pools' device, and the work is queued on the step's stream:
+    /// nothing is read back, and entries past their request are reported by `end_step`.
     #[pyo3(signature = (layer, rids, selection, tokens=false))]
     fn resolve<'py>(
         &self,
@@ -56,13 +140,16 @@ impl PyDeviceResolver {
         rids: &Bound<'py, PyAny>,
         selection: &Bound<'py, PyAny>,
         tokens: bool,
-    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let layer = u32_arg(py, layer, "layer", 0)?;
         let layer = u16::try_from(layer)
             .ok()
             .filter(|&l| l < self.layers)
             .ok_or_else(|| to_py(py, Error::out_of_range("layer", layer, 0, self.layers)))?;
         let ids = rid_list(rids)?;
+        if let Some(ordinal) = self.gpu {
+            return self.resolve_cuda(py, (layer, &ids), selection, tokens, ordinal);
+        }
         let sel: PyReadonlyArray2<'py, i32> = crate::py::args::c_order(selection)?
             .extract()
             .map_err(|_| {
@@ -93,7 +180,9 @@ impl PyDeviceResolver {
                 .resolve_layer(layer, &ids, flat, k, tokens, &mut table)
         })
         .py_err(py)?;
-        numpy::PyArray1::from_vec(py, table).reshape([ids.len(), k])
+        let table: Bound<'py, PyArray2<i32>> =
+            numpy::PyArray1::from_vec(py, table).reshape([ids.len(), k])?;
+        Ok(table.into_any())
     }
 
     /// Test builds with `host-kernel` (`make build`): from the next step on, resolves with the

@@ -728,7 +728,7 @@ static RAW_STREAM: PyOnceLock<Option<Py<PyAny>>> = PyOnceLock::new();
 /// C call, as Triton and Inductor do) rather than `torch.cuda.current_stream(i).cuda_stream`,
 /// which builds a `Stream` object each time; the same handle, and that path where the getter
 /// is missing.
-fn current_torch_stream(py: Python<'_>, ordinal: usize) -> PyResult<u64> {
+pub(crate) fn current_torch_stream(py: Python<'_>, ordinal: usize) -> PyResult<u64> {
     let raw = RAW_STREAM.get_or_try_init(py, || -> PyResult<_> {
         let c = py.import("torch")?.getattr("_C")?;
         Ok(c.getattr("_cuda_getCurrentRawStream")

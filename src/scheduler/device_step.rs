@@ -102,20 +102,15 @@ impl StepScheduler<PrefixTier> {
         if let Some(link) = &self.tier.device {
             return Ok(link.state.clone());
         }
-        if self.xfer.device().kind() == crate::transfer::MemoryKind::Device {
-            return Err(Error::config(
-                "device",
-                "CUDA memory",
-                "pools in host memory (the cpu engine): the resolver runs its reference \
-                 implementation on the CPU; its CUDA kernel is not built yet",
-            ));
-        }
+        let gpu = self.xfer.device().kind() == crate::transfer::MemoryKind::Device;
         let (device, host, order) = (
             self.xfer.device().clone(),
             self.xfer.host().clone(),
             self.tier.order(),
         );
-        let state = ResolverState::new(
+        let ordinal = device.device().unwrap_or(0) as usize;
+        let host_base = host.extent().0;
+        let mut state = ResolverState::new(
             self.cfg.layers,
             self.cfg.page_size,
             self.cfg.host_pages,
@@ -123,6 +118,12 @@ impl StepScheduler<PrefixTier> {
             host,
             order,
         )?;
+        if gpu {
+            // CUDA pools: the kernel on their device, reading the host pool over unified
+            // addressing (never run on a GPU yet).
+            let dev = super::resolver::gpu::GpuDevice::new(ordinal, host_base)?;
+            state.use_kernel(Box::new(dev))?;
+        }
         let state = Arc::new(Mutex::new(state));
         // The resolver serves its misses itself: a prefetch would load pages for plans that
         // decode steps no longer make. Prefetch stops here (what is outstanding is let go).
@@ -161,6 +162,24 @@ impl StepScheduler<PrefixTier> {
             last_misses: 0,
         });
         Ok(state)
+    }
+
+    /// The CUDA device the resolver's kernel runs on, when it runs on a GPU (its work is
+    /// queued on the stream [`StepScheduler::set_device_stream`] names).
+    pub fn device_resolver_gpu(&self) -> Option<usize> {
+        let link = self.tier.device.as_ref()?;
+        link.state
+            .lock()
+            .on_gpu()
+            .then(|| self.xfer.device().device().unwrap_or(0) as usize)
+    }
+
+    /// Sets the stream the resolver's kernel queues the next steps' work on (a raw
+    /// `CUstream` of its device: torch's current one).
+    pub fn set_device_stream(&mut self, stream: u64) {
+        if let Some(link) = &self.tier.device {
+            link.state.lock().set_stream(stream);
+        }
     }
 
     /// The mirror entry of a joined object key.
@@ -227,7 +246,7 @@ impl StepScheduler<PrefixTier> {
             .map(|&(s, v)| (s.raw() as i32, v.map_or(-1, |(e, _)| e as i64)))
             .collect();
         // Armed load failures (test builds) fail the resolver's copies this step.
-        st.open(rids, grant, self.xfer.take_copy_faults(), cells);
+        st.open(rids, grant, self.xfer.take_copy_faults(), cells)?;
         link.open = true;
         link.steps += 1;
         Ok(true)
@@ -319,7 +338,7 @@ impl StepScheduler<PrefixTier> {
         }
         link.open = false;
         let state = link.state.clone();
-        let mut done = state.lock().close();
+        let mut done = state.lock().close()?;
         let grant = std::mem::take(&mut link.grant);
         self.xfer
             .restore_copy_faults(std::mem::take(&mut done.faults));
@@ -459,6 +478,13 @@ impl StepScheduler<PrefixTier> {
             ..Default::default()
         };
         self.rec.fold(&rec);
+        if done.bad_cells > 0 {
+            return Err(Error::config(
+                "selection",
+                format!("{} entries past their request's tokens", done.bad_cells),
+                "entries inside their requests' tokens (those cells read nothing)",
+            ));
+        }
         if c.overflow > 0 {
             return Err(Error::Internal {
                 site: "scheduler::device_step::end_device_step".into(),
@@ -535,12 +561,11 @@ impl StepScheduler<PrefixTier> {
         let Some(link) = &self.tier.device else {
             return Ok(());
         };
-        let st = link.state.lock();
+        let mut st = link.state.lock();
         if st.is_open() {
             return Ok(()); // mid-step: filled entries are not adopted yet
         }
-        // The device's mirror is the host's, as the log told it (the kernel's, test builds).
-        #[cfg(feature = "host-kernel")]
+        // The device's mirror is the host's, as the log told it (the kernel's).
         if let Some(m) = st.device_mirror_mismatch() {
             return Err(m);
         }

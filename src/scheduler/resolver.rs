@@ -44,7 +44,8 @@ use crate::transfer::{LayerPageOrder, PageTransferBinding};
 use rustc_hash::FxHashMap;
 
 pub mod abi;
-#[cfg(feature = "host-kernel")]
+pub(crate) mod device;
+pub(crate) mod gpu;
 pub mod kernel;
 pub mod launch;
 
@@ -114,6 +115,9 @@ pub(crate) struct StepDone {
     pub faults: Vec<(Option<u16>, u32)>,
     /// The requests of the rows that got a [`FAILED`] cell (repeats included).
     pub failed_rids: Vec<RequestId>,
+    /// Cells the kernel found naming a page past their request (left without a slot; the
+    /// reference refuses them before it resolves anything).
+    pub bad_cells: u64,
 }
 
 /// The resolver's state: the mirror, page tables, grant, log and counts.
@@ -158,9 +162,10 @@ pub struct ResolverState {
     device: PageTransferBinding,
     host: PageTransferBinding,
     order: LayerPageOrder,
-    /// The CUDA kernel's source run on the CPU in place of the reference (test builds).
-    #[cfg(feature = "host-kernel")]
-    kernel: Option<kernel::HostKernel>,
+    /// The CUDA kernel, on a GPU or (test builds) on the CPU, in place of the reference.
+    kernel: Option<kernel::DeviceKernel>,
+    /// The stream the kernel's work of the next step is queued on (a raw `CUstream`).
+    stream: u64,
 }
 
 impl ResolverState {
@@ -207,8 +212,8 @@ impl ResolverState {
             device,
             host,
             order,
-            #[cfg(feature = "host-kernel")]
             kernel: None,
+            stream: 0,
         })
     }
 
@@ -239,7 +244,6 @@ impl ResolverState {
     /// on reconcile).
     pub(crate) fn set(&mut self, e: usize, slot: i32) {
         self.mirror[e] = slot;
-        #[cfg(feature = "host-kernel")]
         if let Some(k) = &mut self.kernel {
             k.changed.push(e);
         }
@@ -274,14 +278,13 @@ impl ResolverState {
     /// take: (slot, victim entry or -1), and `faults` copy failures armed (fault injection:
     /// (layer or any, count)); `cells` bounds the objects one layer of the step can miss (the
     /// kernel's log is sized by it).
-    #[cfg_attr(not(feature = "host-kernel"), allow(unused_variables))]
     pub(crate) fn open(
         &mut self,
         rids: &[RequestId],
         grant: Vec<(i32, i64)>,
         faults: Vec<(Option<u16>, u32)>,
         cells: usize,
-    ) {
+    ) -> Result<()> {
         self.grant = grant;
         self.faults = faults;
         self.used = 0;
@@ -305,7 +308,6 @@ impl ResolverState {
             self.failed.fill(0);
             self.serial = 1;
         }
-        #[cfg(feature = "host-kernel")]
         if let Some(k) = &mut self.kernel {
             let capacity = cells * self.layers as usize;
             let tables: Vec<(RequestId, &[u32], u64)> = rids
@@ -313,47 +315,70 @@ impl ResolverState {
                 .filter_map(|id| self.tables.get(id).map(|t| (*id, &t.homes[..], t.len)))
                 .collect();
             k.open(
+                self.stream,
                 &self.grant,
-                self.layers,
                 self.serial,
                 capacity,
                 &self.mirror,
                 wrapped,
                 &tables,
-            );
+            )?;
         }
         self.open = true;
+        Ok(())
+    }
+
+    /// Sets the stream the kernel's work of the next steps is queued on (a raw `CUstream` of
+    /// the pools' device, torch's current one; ignored by the reference and on the CPU).
+    pub fn set_stream(&mut self, stream: u64) {
+        self.stream = stream;
+    }
+
+    /// The stream the kernel's work is queued on.
+    pub fn stream(&self) -> u64 {
+        self.stream
+    }
+
+    /// Whether the kernel resolves, on a device whose memory is not this process's (a GPU):
+    /// resolves then take device addresses ([`ResolverState::resolve_layer_device`]).
+    pub fn on_gpu(&self) -> bool {
+        self.kernel.as_ref().is_some_and(|k| !k.on_host())
     }
 
     /// Closes the step. Returns what it did: how many of the grant's entries the step went
-    /// through, the log and the counts.
-    pub(crate) fn close(&mut self) -> StepDone {
+    /// through, the log and the counts. The kernel's are read back from its device (a wait
+    /// for the step's work); when that fails the step is closed with nothing done.
+    pub(crate) fn close(&mut self) -> Result<StepDone> {
         self.open = false;
-        #[cfg(feature = "host-kernel")]
+        let mut bad_cells = 0;
         if let Some(k) = &mut self.kernel {
+            let read = k.close(self.layers);
+            let (log, counts, bad) = match read {
+                Ok(r) => r,
+                Err(e) => {
+                    self.grant.clear();
+                    return Err(e);
+                }
+            };
             self.used = k.used();
-            let (log, lost) = k.log_entries();
             self.log = log;
-            self.counts = k.counts(self.layers, &self.log);
-            // (Entries past the log's room would be copies the core never learns of: reported
-            // as cells without a slot, which the core treats as an internal error.)
-            self.counts.overflow += lost;
-            k.read_marks();
+            self.counts = counts;
+            bad_cells = bad;
             kernel::follow_log(&mut self.mirror, &self.grant, &self.log);
         }
         self.grant.clear();
-        StepDone {
+        Ok(StepDone {
+            bad_cells,
             used: std::mem::take(&mut self.used),
             log: std::mem::take(&mut self.log),
             counts: std::mem::take(&mut self.counts),
             faults: std::mem::take(&mut self.faults),
             failed_rids: std::mem::take(&mut self.failed_rids),
-        }
+        })
     }
 
     /// Whether the last step read mirror entry `e` (hit or copied in).
     pub(crate) fn was_read(&self, e: usize) -> bool {
-        #[cfg(feature = "host-kernel")]
         if let Some(k) = &self.kernel {
             return k.was_read(e);
         }
@@ -401,15 +426,53 @@ impl ResolverState {
             ));
         }
         self.call += 1;
-        #[cfg(feature = "host-kernel")]
         if self.kernel.is_some() {
-            return self.launch_host_kernel(layer, rids, selection, k, tokens, table);
+            return self.launch_on_host_memory(layer, rids, selection, (k, tokens), table);
         }
         // The tables are read while the mirror and marks change: held apart meanwhile.
         let tables = std::mem::take(&mut self.tables);
         let out = self.resolve_rows(&tables, layer, rids, selection, k, tokens, table);
         self.tables = tables;
         out
+    }
+
+    /// [`ResolverState::resolve_layer`] on the kernel's device, queued on the step's stream:
+    /// `selection` and `table` are device addresses of `rids.len() * k` int32 each. Nothing
+    /// is read back: cells naming a page past their request are left without a slot (-1)
+    /// and reported when the step ends.
+    ///
+    /// # Safety
+    /// `selection` and `table` are addresses the kernel's device can read and write, of
+    /// `rids.len() * k` int32 each, alive until the step's work has run.
+    pub unsafe fn resolve_layer_device(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        (selection, table): (u64, u64),
+        k: usize,
+        tokens: bool,
+    ) -> Result<()> {
+        if !self.open {
+            return Err(Error::config(
+                "step",
+                "not granted",
+                "a step the core granted (begin_device_step) and did not end yet",
+            ));
+        }
+        if layer >= self.layers {
+            return Err(Error::out_of_range("layer", layer, 0, self.layers));
+        }
+        let Some(kern) = self.kernel.as_mut() else {
+            return Err(Error::config(
+                "resolver",
+                "the reference (CPU)",
+                "a resolver whose kernel runs on a device",
+            ));
+        };
+        self.call += 1;
+        let cells = (selection, table, rids.len() * k, k);
+        // SAFETY: the caller's contract.
+        unsafe { kern.launch(layer, rids, cells, self.call, self.page_size, tokens) }
     }
 
     #[allow(clippy::too_many_arguments)]

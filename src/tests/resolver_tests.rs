@@ -199,7 +199,7 @@ fn check(c: Case, kernel: Option<usize>) -> Result<(), TestCaseError> {
             free += 1;
         }
         prop_assume!(free <= slots);
-        f.st.open(&rids, grant, c.faults.clone(), cells);
+        f.st.open(&rids, grant, c.faults.clone(), cells).unwrap();
         // Per layer: the distinct objects its cells name, and whether a cell failed.
         let mut objects = vec![(std::collections::BTreeSet::new(), false); LAYERS as usize];
         for (layer, sel_rows) in step.iter().enumerate() {
@@ -244,7 +244,7 @@ fn check(c: Case, kernel: Option<usize>) -> Result<(), TestCaseError> {
                 }
             }
         }
-        let done = f.st.close();
+        let done = f.st.close().unwrap();
         // Each object a layer read counts once, as a hit or a miss (where no cell failed).
         for (l, (o, failed)) in objects.iter().enumerate() {
             if !failed {
@@ -371,7 +371,7 @@ fn the_kernels_racing_cells_read_their_objects_bytes() {
         while grant.len() < cells {
             grant.push((free.pop().expect("a free slot"), -1));
         }
-        f.st.open(&rids, grant, Vec::new(), cells);
+        f.st.open(&rids, grant, Vec::new(), cells).unwrap();
         let mut distinct = [0usize; LAYERS as usize];
         for layer in 0..LAYERS {
             // Skewed: most entries among a few pages, so that cells of an object race.
@@ -396,7 +396,7 @@ fn the_kernels_racing_cells_read_their_objects_bytes() {
                 );
             }
         }
-        let done = f.st.close();
+        let done = f.st.close().unwrap();
         assert_eq!(done.counts.overflow, 0);
         assert_eq!(f.st.device_mirror_mismatch(), None, "step {step}");
         for (l, &n) in distinct.iter().enumerate() {

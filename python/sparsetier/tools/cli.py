@@ -684,8 +684,8 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         choices=["host", "device"],
         default=d.resolve,
         help="where a decode layer's top-k becomes slots: the core, one call a layer (host), "
-        "or the device resolver, one grant a step (device; its reference implementation, "
-        "cpu only)",
+        "or the device resolver, one grant a step (device: its reference implementation on "
+        "the cpu, its CUDA kernel with --device cuda, never run on a GPU yet)",
     )
     p.add_argument(
         "--restore",

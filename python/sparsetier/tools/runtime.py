@@ -112,14 +112,15 @@ class DecodeRuntime:
     (one layer of one page each) and `host_pages` host pages (every layer of a page), which
     the prefix cache owns; Indexer-K lives in `indexer_pages` whole device pages. A decode
     layer's top-k becomes slots in the core, one call a layer (`resolve="host"`), or through the
-    device resolver with one grant a step (`resolve="device"`: its reference implementation,
-    on the cpu engine's pools). A prefix hit restores its Indexer-K, and its main KV as the
-    core's restore policy decides (`restore`: "auto" by its cost model, "indexer" only,
-    "full", or "predicted": the pages its position model expects selected, in bulk). With
-    `storage` (an L3 backend: `sparsetier.l3.FileStore`, `MooncakeStore`) the
-    prefix tier spans L3 too: pages are written there (`storage_write_policy`), and a prompt
-    whose pages left host memory has them fetched back into host pages before it is matched
-    (`storage_options`: `StorageController`'s, such as `retry_interval`)."""
+    device resolver with one grant a step (`resolve="device"`: its reference implementation on
+    the cpu engine's pools, its CUDA kernel on a GPU's, never run on one yet). A prefix hit
+    restores its Indexer-K, and its main KV as the core's restore policy decides (`restore`:
+    "auto" by its cost model, "indexer" only, "full", or "predicted": the pages its position
+    model expects selected, in bulk). With `storage` (an L3 backend:
+    `sparsetier.l3.FileStore`, `MooncakeStore`) the prefix tier spans L3 too: pages are written
+    there (`storage_write_policy`), and a prompt whose pages left host memory has them fetched
+    back into host pages before it is matched (`storage_options`: `StorageController`'s, such
+    as `retry_interval`)."""
 
     def __init__(
         self,
@@ -183,8 +184,8 @@ class DecodeRuntime:
             raise ConfigError.of("topk", str(topk), ">= 2 (the sink token and the query's own)")
         # Where a decode layer's top-k becomes slots: the core, one call a layer ("host"), or
         # the device resolver, with one grant a step and no call into the core per layer
-        # ("device": its reference implementation, on the cpu engine's pools; the scheduler
-        # stops prefetching once it has one).
+        # ("device": its reference implementation on the cpu engine's pools, its kernel on a
+        # GPU's; the scheduler stops prefetching once it has one).
         if resolve not in ("host", "device"):
             raise ConfigError.of("resolve", resolve, "host or device")
         if resolve == "device" and (selection == "block" and unit != page_size):
@@ -574,6 +575,7 @@ class DecodeRuntime:
             on_device = self.resolver is not None and self.scheduler.begin_device_step(
                 rids_np, self.topk
             )
+            cuda, token_mode = dev.type == "cuda", self.mode == "token"
             for li, layer in enumerate(m.layers):
                 q, k, v = layer.qkv(x, pos)
                 self.fmt.write_kv(self.device_kv, 0, slots[:, li], rows, k)
@@ -587,13 +589,21 @@ class DecodeRuntime:
                 )  # fmt: skip
                 if on_device:
                     # No call into the core: the resolver maps the layer and serves its misses.
-                    sel32 = sel.to(torch.int32).cpu().numpy()
-                    table = self.resolver.resolve(li, rids_np, sel32, self.mode == "token")
-                    # A cell whose copy failed twice (-2): its row has no data at this layer.
-                    for b in np.flatnonzero((table == self.resolver.FAILED).any(axis=1)):
-                        failed.setdefault(int(rids_np[b]), f"device copy failed at layer {li}")
-                    out = sparse_attention_batched(q, self.device_kv, self._table(table), sel,
-                                                   pos, self.unit, ps, self.fmt)  # fmt: skip
+                    if cuda:
+                        # The kernel, on this stream: the top-k never leaves the GPU (and the
+                        # kernel has no copy to fail: a failed copy on a GPU is a sticky error
+                        # of the context).
+                        sel32 = sel.to(torch.int32).contiguous()
+                        table_dev = self.resolver.resolve(li, rids_np, sel32, token_mode)
+                    else:
+                        sel32 = sel.to(torch.int32).cpu().numpy()
+                        table = self.resolver.resolve(li, rids_np, sel32, token_mode)
+                        # A cell whose copy failed twice (-2): no data at this layer.
+                        for b in np.flatnonzero((table == self.resolver.FAILED).any(axis=1)):
+                            failed.setdefault(int(rids_np[b]), f"device copy failed at layer {li}")
+                        table_dev = self._table(table)
+                    out = sparse_attention_batched(q, self.device_kv, table_dev, sel, pos,
+                                                   self.unit, ps, self.fmt)  # fmt: skip
                     x = layer.finish(x, out)
                     continue
                 mapped = self.mode == "token" and self.token_map == "device"

@@ -1,26 +1,29 @@
-//! The device resolver's CUDA kernel (`cuda/resolve.cu`) run on the CPU, in place of the
-//! reference (test builds, feature `host-kernel`): the same source compiled for the host
-//! (`cuda/host/resolve_host.cpp`), launched over CPU threads that race as warps do, on the
-//! protocol a GPU's copy follows. The kernel's state ("device memory": its mirror, read and
-//! fill marks, the step's page tables, grant, log, cursors and counts) lives here, apart from
-//! the resolver's; between a step's launches the host does nothing but launch.
-//! - When a step opens: the core's changes to the mirror since the last step go in as
-//!   (entry, slot) pairs, applied by `sparsetier_mirror_apply`; the batch's page tables, the
-//!   grant, the step's serial and the log (its calls NOT_YET) are written.
-//! - When it closes: the log, the counts and a bitmap of the entries the step read
-//!   (`sparsetier_marks_read`) come back, never the mirror. The resolver's mirror (the host's
-//!   copy) follows the device's from the log alone ([`ResolverState::close`]); the two are
-//!   compared by `validate` ([`ResolverState::device_mirror_mismatch`]).
+//! The device resolver's CUDA kernel (`cuda/resolve.cu`) as the resolver runs it: the state
+//! it keeps in device memory and the protocol around its launches, written once over a
+//! [`KernelDevice`] (a GPU, or in test builds the CPU, where the same source runs on threads
+//! that race as warps do). Between a step's launches the host does nothing but launch.
+//! - When a step opens (one batch of uploads): the core's changes to the mirror since the last
+//!   step as (entry, slot) pairs, applied by `sparsetier_mirror_apply`; the grant; the batch's
+//!   page tables; the step's serial and grant length in `st`. The log and the deferred list
+//!   are filled with NOT_YET.
+//! - When it closes (one read-back): `st`, the counts, the log's written entries and a bitmap
+//!   of the entries the step read (`sparsetier_marks_read`), never the mirror. The resolver's
+//!   mirror (the host's copy) follows the device's from the log alone
+//!   ([`ResolverState::close`]); `validate` compares the two
+//!   ([`ResolverState::device_mirror_mismatch`], which reads the device's back).
 
 use super::abi::{
     Geometry, Step, LOG_INTS, NOT_YET, ST_BAD, ST_GRANT_LEN, ST_LEN, ST_LOG, ST_OVERFLOW,
     ST_SERIAL, ST_USED, TOK_NEEDED, TOK_NEEDED_MOVED, TOK_SELECTED,
 };
+use super::device::KernelDevice;
+use super::launch::LaunchArgs;
 use super::{LogEntry, ResolveCounts, ResolverState, ABSENT, FAILED};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
 use crate::transfer::{LayerPageOrder, PageTransferBinding};
 
+#[cfg(feature = "host-kernel")]
 extern "C" {
     fn sparsetier_resolve_host(
         threads: i32,
@@ -39,14 +42,6 @@ extern "C" {
         page_size: i32,
         tokens: i32,
     );
-    fn sparsetier_mirror_apply_host(threads: i32, changes: *const i32, n: i32, mirror: *mut i32);
-    fn sparsetier_marks_read_host(
-        threads: i32,
-        marks: *const u32,
-        st: *const u32,
-        entries: i32,
-        bits: *mut u32,
-    );
 }
 
 /// Launches the kernel on `threads` CPU threads (1 to 256) over `args` (host addresses);
@@ -54,7 +49,8 @@ extern "C" {
 ///
 /// # Safety
 /// As [`super::launch::ResolveKernel::launch`], with host memory for device memory.
-pub unsafe fn launch_on_host(threads: u32, args: &super::launch::LaunchArgs) {
+#[cfg(feature = "host-kernel")]
+pub unsafe fn launch_on_host(threads: u32, args: &LaunchArgs) {
     // SAFETY: the caller's contract.
     unsafe {
         sparsetier_resolve_host(
@@ -77,52 +73,85 @@ pub unsafe fn launch_on_host(threads: u32, args: &super::launch::LaunchArgs) {
     }
 }
 
-/// The kernel's own state ("device memory"), and how many threads a launch runs.
-#[derive(Debug)]
-pub(super) struct HostKernel {
-    threads: i32,
-    /// `[G * 2]`: (slot, victim entry or -1).
-    grant: Vec<i32>,
-    /// `[G * 2]`: (grant index, call), call [`NOT_YET`] until written.
-    deferred: Vec<i32>,
-    /// `[capacity * LOG_INTS]`, sized when a step opens (as on a GPU, where nothing is read
-    /// back between launches).
-    log: Vec<i32>,
-    st: [u32; ST_LEN],
-    /// `[homes * layers]` mirror, read marks and fill marks.
-    mirror: Vec<i32>,
-    marks: Vec<u32>,
-    filled: Vec<u32>,
-    /// `[layers * 2]`: hits, misses.
-    counts: Vec<u32>,
-    tok: [u64; 3],
-    /// The step's page tables: a row per request of the step (`rids`), `width` homes each,
-    /// and their lengths; `ident` maps batch row `b` to table row `b` (the batch is the
-    /// step's, in its order: nothing to upload per launch).
-    rids: Vec<RequestId>,
-    tables: Vec<i32>,
-    lens: Vec<i64>,
-    width: usize,
-    ident: Vec<i32>,
-    /// The host's side: mirror entries the core changed since the step last opened (uploaded
-    /// when the next opens), and the read bitmap of the last step (read back when it closed).
-    pub(super) changed: Vec<usize>,
-    read: Vec<u32>,
+/// A buffer of device memory that grows: its address and room in bytes.
+#[derive(Debug, Default, Clone, Copy)]
+struct Buf {
+    addr: u64,
+    bytes: usize,
 }
 
-impl HostKernel {
-    /// A kernel run on `threads` CPU threads, for a resolver over `entries` mirror entries,
-    /// its mirror and marks as `mirror`, `marks` and `filled` (copied in whole once).
+/// Views plain integers as bytes (for uploads and read-backs).
+fn bytes_of<T: Copy>(v: &[T]) -> &[u8] {
+    // SAFETY: T is a plain integer type here (i32, i64, u32, u64): every byte is initialized
+    // and any bytes are a valid value; the length covers the slice exactly.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+fn bytes_of_mut<T: Copy>(v: &mut [T]) -> &mut [u8] {
+    // SAFETY: as `bytes_of`; the borrow is exclusive.
+    unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, std::mem::size_of_val(v)) }
+}
+
+/// The kernel's state on its device, and what the host keeps of it.
+#[derive(Debug)]
+pub(crate) struct DeviceKernel {
+    dev: Box<dyn KernelDevice>,
+    entries: usize,
+    layers: u16,
+    /// `[entries]`: mirror, read marks, fill marks; `[entries / 32]` the read bitmap.
+    mirror: u64,
+    marks: u64,
+    filled: u64,
+    bits: u64,
+    /// The plane tables: host planes, then device planes.
+    planes: u64,
+    /// The kernel's `Geometry`, its plane tables at `planes` (kept as plain data: the struct
+    /// holds device addresses as pointers).
+    geo: [u64; 6],
+    st: u64,
+    counts: u64,
+    tok: u64,
+    /// `[G * 2]` (slot, victim entry or -1) and (grant index, call).
+    grant: Buf,
+    deferred: Buf,
+    /// `[capacity * LOG_INTS]`.
+    log: Buf,
+    log_capacity: usize,
+    grant_len: usize,
+    /// The step's page tables: a row per request of the step (`rids`), `width` homes each,
+    /// their lengths, and rows `0..n` (a batch that is the step's, in its order, needs no
+    /// upload of its rows).
+    tables: Buf,
+    lens: Buf,
+    ident: Buf,
+    rows: Buf,
+    changes: Buf,
+    rids: Vec<RequestId>,
+    width: usize,
+    /// The host's side: entries the core changed since the step last opened (uploaded when
+    /// the next opens); what came back when the last step closed.
+    pub(super) changed: Vec<usize>,
+    read: Vec<u32>,
+    st_host: [u32; ST_LEN],
+    counts_host: Vec<u32>,
+    tok_host: [u64; 3],
+    log_host: Vec<i32>,
+    /// A step is open (between `open` and `close`).
+    open: bool,
+}
+
+impl DeviceKernel {
+    /// The kernel on `dev` for a resolver over `mirror.len()` entries of `layers` layers,
+    /// copying between `host` (homes) and `device` (slots); its mirror and marks start as
+    /// `mirror`, `marks` and `filled` (copied in whole, once).
     pub(super) fn new(
-        threads: usize,
-        mirror: &[i32],
-        marks: &[u32],
-        filled: &[u32],
+        mut dev: Box<dyn KernelDevice>,
+        layers: u16,
+        (mirror, marks, filled): (&[i32], &[u32], &[u32]),
+        host: &PageTransferBinding,
+        device: &PageTransferBinding,
+        order: LayerPageOrder,
     ) -> Result<Self> {
-        let threads = i32::try_from(threads)
-            .ok()
-            .filter(|&t| (1..=256).contains(&t))
-            .ok_or_else(|| Error::out_of_range("threads", threads as u64, 1, 257))?;
         let entries = mirror.len();
         if i32::try_from(entries).is_err() {
             return Err(Error::config(
@@ -131,108 +160,282 @@ impl HostKernel {
                 "host pages x layers that an int32 mirror index holds",
             ));
         }
-        Ok(HostKernel {
-            threads,
-            grant: Vec::new(),
-            deferred: Vec::new(),
-            log: Vec::new(),
-            st: [0; ST_LEN],
-            mirror: mirror.to_vec(),
-            marks: marks.to_vec(),
-            filled: filled.to_vec(),
-            counts: Vec::new(),
-            tok: [0; 3],
+        let planes = device.planes_per_layer();
+        let mut plane_addrs: Vec<u64> = (0..planes).map(|p| host.row_addr(p, 0, 0)).collect();
+        plane_addrs.extend((0..planes).map(|p| device.row_addr(p, 0, 0)));
+        let (order_first, order_n) = match order {
+            LayerPageOrder::LayerFirst { pages } => (1, pages),
+            LayerPageOrder::LayerPageFirst { layers } => (0, layers),
+        };
+        let words = entries.div_ceil(32);
+        let m = dev.alloc(4 * entries)?;
+        let mk = dev.alloc(4 * entries)?;
+        let f = dev.alloc(4 * entries)?;
+        let bits = dev.alloc(4 * words)?;
+        let pl = dev.alloc(8 * plane_addrs.len())?;
+        let st = dev.alloc(4 * ST_LEN)?;
+        let counts = dev.alloc(8 * layers as usize)?;
+        let tok = dev.alloc(24)?;
+        // SAFETY: each destination was just allocated with room for its bytes.
+        unsafe {
+            dev.upload(&[
+                (m, bytes_of(mirror)),
+                (mk, bytes_of(marks)),
+                (f, bytes_of(filled)),
+                (pl, bytes_of(&plane_addrs)),
+            ])?
+        };
+        let geo = [
+            host.page_stride(),
+            device.page_stride(),
+            device.page_bytes(),
+            planes as u64,
+            order_first,
+            u64::from(order_n),
+        ];
+        Ok(DeviceKernel {
+            dev,
+            entries,
+            layers,
+            mirror: m,
+            marks: mk,
+            filled: f,
+            bits,
+            planes: pl,
+            geo,
+            st,
+            counts,
+            tok,
+            grant: Buf::default(),
+            deferred: Buf::default(),
+            log: Buf::default(),
+            log_capacity: 0,
+            grant_len: 0,
+            tables: Buf::default(),
+            lens: Buf::default(),
+            ident: Buf::default(),
+            rows: Buf::default(),
+            changes: Buf::default(),
             rids: Vec::new(),
-            tables: Vec::new(),
-            lens: Vec::new(),
             width: 1,
-            ident: Vec::new(),
             changed: Vec::new(),
-            read: vec![0; entries.div_ceil(32)],
+            read: vec![0; words],
+            st_host: [0; ST_LEN],
+            counts_host: vec![0; 2 * layers as usize],
+            tok_host: [0; 3],
+            log_host: Vec::new(),
+            open: false,
         })
     }
 
-    /// Starts step `serial` over `grant` with room for `log_capacity` log entries: applies
-    /// the changes to the mirror (`mirror` is the host's copy; when the serials wrapped, the
-    /// marks are cleared) and writes the batch's page tables (`tables`: per request of the
-    /// step, its homes and length).
+    /// Makes `buf` hold at least `bytes` (grown by powers of two, so a run settles).
+    fn room(dev: &mut dyn KernelDevice, buf: &mut Buf, bytes: usize) -> Result<()> {
+        if buf.bytes >= bytes && buf.addr != 0 {
+            return Ok(());
+        }
+        let want = bytes.max(64).next_power_of_two();
+        let addr = dev.alloc(want)?;
+        if buf.addr != 0 {
+            dev.free(buf.addr);
+        }
+        *buf = Buf { addr, bytes: want };
+        Ok(())
+    }
+
+    /// Opens step `serial` on `stream` over `grant` with room for `log_capacity` log
+    /// entries: the changes to the mirror (`mirror` is the host's copy), the grant, the
+    /// batch's page tables (`tables`: per request of the step, its homes and length) and `st`
+    /// go in with one batch of uploads; when the serials wrapped, the marks are cleared.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn open(
         &mut self,
+        stream: u64,
         grant: &[(i32, i64)],
-        layers: u16,
         serial: u32,
         log_capacity: usize,
         mirror: &[i32],
         wrapped: bool,
         tables: &[(RequestId, &[u32], u64)],
-    ) {
-        // The changes, one pair an entry (its value now), applied in parallel.
+    ) -> Result<()> {
+        self.dev.set_stream(stream);
+        // The changes, one pair an entry (its value now).
         self.changed.sort_unstable();
         self.changed.dedup();
         let pairs: Vec<i32> = self
             .changed
-            .drain(..)
-            .flat_map(|e| [e as i32, mirror[e]])
+            .iter()
+            .flat_map(|&e| [e as i32, mirror[e]])
             .collect();
-        // SAFETY: `pairs` holds `n` (entry, slot) pairs; every entry indexes the mirror (the
-        // host's mirror has the kernel's length, and `new` checked it fits an int32); nothing
-        // else touches the kernel's mirror while `&mut self` is held, and the call joins its
-        // threads before it returns.
-        unsafe {
-            sparsetier_mirror_apply_host(
-                self.threads,
-                pairs.as_ptr(),
-                (pairs.len() / 2) as i32,
-                self.mirror.as_mut_ptr(),
-            )
-        };
-        if wrapped {
-            self.marks.fill(0);
-            self.filled.fill(0);
-        }
-        self.grant.clear();
-        for &(slot, victim) in grant {
-            // Victims are mirror entries: `new` checked that they fit an int32.
-            self.grant.extend([slot, victim as i32]);
-        }
-        self.deferred.clear();
-        for _ in grant {
-            self.deferred.extend([0, NOT_YET]);
-        }
-        // Each entry's call reads NOT_YET until the entry is written.
-        self.log.clear();
-        self.log.resize(log_capacity * LOG_INTS, 0);
-        for en in self.log.chunks_mut(LOG_INTS) {
-            en[LOG_INTS - 1] = NOT_YET;
-        }
+        // Victims are mirror entries: `new` checked that they fit an int32.
+        let g: Vec<i32> = grant
+            .iter()
+            .flat_map(|&(slot, victim)| [slot, victim as i32])
+            .collect();
         self.width = tables.iter().map(|t| t.1.len()).max().unwrap_or(0).max(1);
+        let mut homes = vec![0i32; tables.len() * self.width];
+        let mut lens = Vec::with_capacity(tables.len());
         self.rids.clear();
-        self.tables.clear();
-        self.tables.resize(tables.len() * self.width, 0);
-        self.lens.clear();
-        for (r, &(id, homes, len)) in tables.iter().enumerate() {
+        for (r, &(id, hs, len)) in tables.iter().enumerate() {
             self.rids.push(id);
-            for (p, &h) in homes.iter().enumerate() {
-                self.tables[r * self.width + p] = h as i32;
+            for (p, &h) in hs.iter().enumerate() {
+                homes[r * self.width + p] = h as i32;
             }
-            self.lens.push(len as i64);
+            lens.push(len as i64);
         }
-        self.ident = (0..tables.len() as i32).collect();
-        self.st = [0; ST_LEN];
-        self.st[ST_GRANT_LEN] = grant.len() as u32;
-        self.st[ST_SERIAL] = serial;
-        self.counts = vec![0; 2 * layers as usize];
-        self.tok = [0; 3];
+        let ident: Vec<i32> = (0..tables.len() as i32).collect();
+        let mut st = [0u32; ST_LEN];
+        st[ST_GRANT_LEN] = grant.len() as u32;
+        st[ST_SERIAL] = serial;
+        let d = &mut *self.dev;
+        Self::room(d, &mut self.changes, 4 * pairs.len())?;
+        Self::room(d, &mut self.grant, 4 * g.len())?;
+        Self::room(d, &mut self.deferred, 4 * g.len())?;
+        Self::room(d, &mut self.log, 4 * LOG_INTS * log_capacity)?;
+        Self::room(d, &mut self.tables, 4 * homes.len())?;
+        Self::room(d, &mut self.lens, 8 * lens.len())?;
+        Self::room(d, &mut self.ident, 4 * ident.len())?;
+        let zero = [0u64; 2 * 64];
+        // SAFETY: every destination has room for its bytes (sized above, or at `new`); the
+        // fills cover the deferred list and the log as sized; the pairs' entries index the
+        // mirror (the host's mirror has the device's length); the marks have `entries` words.
+        unsafe {
+            d.upload(&[
+                (self.changes.addr, bytes_of(&pairs)),
+                (self.grant.addr, bytes_of(&g)),
+                (self.tables.addr, bytes_of(&homes)),
+                (self.lens.addr, bytes_of(&lens)),
+                (self.ident.addr, bytes_of(&ident)),
+                (self.st, bytes_of(&st)),
+                (self.tok, bytes_of(&zero[..3])),
+            ])?;
+            d.fill32(self.counts, 0, 2 * self.layers as usize)?;
+            d.fill32(self.deferred.addr, NOT_YET as u32, g.len())?;
+            d.fill32(self.log.addr, NOT_YET as u32, LOG_INTS * log_capacity)?;
+            d.mirror_apply(self.changes.addr, (pairs.len() / 2) as u32, self.mirror)?;
+            if wrapped {
+                d.fill32(self.marks, 0, self.entries)?;
+                d.fill32(self.filled, 0, self.entries)?;
+            }
+        }
+        self.changed.clear();
+        self.grant_len = grant.len();
+        self.log_capacity = log_capacity;
+        self.open = true;
+        Ok(())
     }
 
-    /// The step's log, read once when it closes (as from a GPU), and how many entries did
-    /// not fit (none: a step's capacity is a layer's cells times its layers, and a cell takes
-    /// at most one entry).
-    pub(super) fn log_entries(&self) -> (Vec<LogEntry>, u64) {
-        let cap = self.log.len() / LOG_INTS;
-        let written = self.st[ST_LOG] as usize;
-        let entries = self.log[..written.min(cap) * LOG_INTS]
+    /// Queues one layer's launch over `sel` and `table` (device addresses of `cells` int32
+    /// each, `k` a row) for the batch `rids`, call `call` of the step. Checks what it can
+    /// without reading the device: the batch's requests are the step's.
+    ///
+    /// # Safety
+    /// `sel` and `table` are device-accessible addresses of `cells` int32 each, alive until
+    /// the launch has run; `cells` is a multiple of `k` with a row per request of `rids`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn launch(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        (sel, table, cells, k): (u64, u64, usize, usize),
+        call: u32,
+        page_size: u32,
+        tokens: bool,
+    ) -> Result<()> {
+        // Batch rows to table rows: nothing to upload when the batch is the step's, in order.
+        let rows = if rids == self.rids.as_slice() {
+            self.ident.addr
+        } else {
+            let rows = rids
+                .iter()
+                .map(|id| {
+                    self.rids
+                        .iter()
+                        .position(|r| r == id)
+                        .map(|r| r as i32)
+                        .ok_or_else(|| Error::config("rids", id, "requests of the granted step"))
+                })
+                .collect::<Result<Vec<i32>>>()?;
+            Self::room(&mut *self.dev, &mut self.rows, 4 * rows.len())?;
+            // SAFETY: sized just above.
+            unsafe { self.dev.upload(&[(self.rows.addr, bytes_of(&rows))])? };
+            self.rows.addr
+        };
+        let step = Step {
+            mirror: self.mirror as *mut i32,
+            marks: self.marks as *mut u32,
+            filled: self.filled as *mut u32,
+            grant: self.grant.addr as *const i32,
+            deferred: self.deferred.addr as *mut i32,
+            log: self.log.addr as *mut i32,
+            log_capacity: self.log_capacity as i32,
+            st: self.st as *mut u32,
+            counts: self.counts as *mut u32,
+            tok: self.tok as *mut u64,
+            call: call as i32,
+        };
+        let args = LaunchArgs {
+            sel,
+            rows,
+            tables: self.tables.addr,
+            lens: self.lens.addr,
+            table,
+            step,
+            geo: Geometry {
+                host_planes: self.planes as *const u64,
+                dev_planes: (self.planes + 8 * self.geo[3]) as *const u64,
+                host_stride: self.geo[0],
+                dev_stride: self.geo[1],
+                page_bytes: self.geo[2],
+                planes: self.geo[3] as i32,
+                order_first: self.geo[4] as i32,
+                order_n: self.geo[5] as u32,
+            },
+            cells: cells as u32,
+            k: k as u32,
+            pages_per_row: self.width as u32,
+            layers: u32::from(self.layers),
+            layer: u32::from(layer),
+            page_size,
+            tokens,
+            blocks: None,
+        };
+        // SAFETY: the step's buffers were sized when it opened: the mirror, marks and filled
+        // an entry per (home, layer), and the tables' homes are the core's (homes of the host
+        // pool); the grant and deferred 2 ints an entry; the log room for every take of the
+        // step (one a cell a layer); the counts 2 a layer; `rows` a batch row each, each a row
+        // of the step's tables, which have `width` homes a row and a length each. The planes
+        // are the bindings', checked when built, and the slots the grant names are pages of
+        // the device pool (the core granted them). `sel` and `table` are the caller's.
+        unsafe { self.dev.resolve(&args) }
+    }
+
+    /// Closes the step: reads back `st`, the counts, the log's entries and the read bitmap.
+    /// Returns the log and the counts as the reference keeps them, and the cells that named
+    /// a page past their request (which the kernel left without a slot).
+    pub(super) fn close(&mut self, layers: u16) -> Result<(Vec<LogEntry>, ResolveCounts, u64)> {
+        self.open = false;
+        let d = &mut *self.dev;
+        // SAFETY: `st` has ST_LEN words and `bits` a bit an entry; the marks an entry each.
+        unsafe {
+            d.marks_read(self.marks, self.st, self.entries as u32, self.bits)?;
+            d.read(&mut [
+                (self.st, bytes_of_mut(&mut self.st_host)),
+                (self.counts, bytes_of_mut(&mut self.counts_host)),
+                (self.tok, bytes_of_mut(&mut self.tok_host)),
+                (self.bits, bytes_of_mut(&mut self.read)),
+            ])?;
+        }
+        let cap = self.log_capacity;
+        let written = self.st_host[ST_LOG] as usize;
+        self.log_host.clear();
+        self.log_host.resize(written.min(cap) * LOG_INTS, 0);
+        // SAFETY: the log has room for `cap` entries, and at most that many are read.
+        unsafe {
+            self.dev
+                .read(&mut [(self.log.addr, bytes_of_mut(&mut self.log_host))])?
+        };
+        let log: Vec<LogEntry> = self
+            .log_host
             .chunks(LOG_INTS)
             .map(|l| LogEntry {
                 g: l[0] as u32,
@@ -243,48 +446,41 @@ impl HostKernel {
                 failed: false,
             })
             .collect();
-        (entries, written.saturating_sub(cap) as u64)
-    }
-
-    /// The step's counts as the reference keeps them; `log` is the step's log, in order.
-    pub(super) fn counts(&self, layers: u16, log: &[LogEntry]) -> ResolveCounts {
-        let mut seen = vec![false; self.grant.len() / 2];
+        let mut seen = vec![false; self.grant_len];
         let mut refills = 0;
-        for en in log {
+        for en in &log {
             let s = &mut seen[en.g as usize];
             refills += u64::from(*s);
             *s = true;
         }
-        ResolveCounts {
+        let counts = ResolveCounts {
             hits: (0..layers as usize)
-                .map(|l| u64::from(self.counts[2 * l]))
+                .map(|l| u64::from(self.counts_host[2 * l]))
                 .collect(),
             misses: (0..layers as usize)
-                .map(|l| u64::from(self.counts[2 * l + 1]))
+                .map(|l| u64::from(self.counts_host[2 * l + 1]))
                 .collect(),
-            needed_tokens: self.tok[TOK_NEEDED],
-            needed_tokens_moved: self.tok[TOK_NEEDED_MOVED],
-            selected: self.tok[TOK_SELECTED],
-            overflow: u64::from(self.st[ST_OVERFLOW]),
+            needed_tokens: self.tok_host[TOK_NEEDED],
+            needed_tokens_moved: self.tok_host[TOK_NEEDED_MOVED],
+            selected: self.tok_host[TOK_SELECTED],
+            // (Entries past the log's room would be copies the core never learns of:
+            // reported as cells without a slot, which the core treats as an internal error.)
+            overflow: u64::from(self.st_host[ST_OVERFLOW]) + written.saturating_sub(cap) as u64,
             refills,
             failed: 0,
             retried: 0,
-        }
+        };
+        Ok((log, counts, u64::from(self.st_host[ST_BAD])))
     }
 
-    /// Reads back which entries the step read, as a bitmap made on the device.
-    pub(super) fn read_marks(&mut self) {
-        // SAFETY: `marks` has an entry per mirror entry and `read` a bit each, rounded up to
-        // whole words; `st` is the step's; `&mut self` is held and the call joins its threads.
-        unsafe {
-            sparsetier_marks_read_host(
-                self.threads,
-                self.marks.as_ptr(),
-                self.st.as_ptr(),
-                self.marks.len() as i32,
-                self.read.as_mut_ptr(),
-            )
-        };
+    /// Grant entries the last step went through (the kernel's cursor runs past the end).
+    pub(super) fn used(&self) -> usize {
+        (self.st_host[ST_USED] as usize).min(self.grant_len)
+    }
+
+    /// Whether its device is the CPU.
+    pub(super) fn on_host(&self) -> bool {
+        self.dev.host_memory()
     }
 
     /// Whether the last step read entry `e` (its bit, read back when it closed).
@@ -292,9 +488,43 @@ impl HostKernel {
         self.read[e / 32] >> (e % 32) & 1 == 1
     }
 
-    /// Grant entries the step went through (the kernel's cursor runs past the end).
-    pub(super) fn used(&self) -> usize {
-        (self.st[ST_USED] as usize).min(self.grant.len() / 2)
+    /// The device's mirror, read back (`validate`).
+    fn read_mirror(&mut self) -> Result<Vec<i32>> {
+        let mut m = vec![0i32; self.entries];
+        // SAFETY: the mirror has `entries` words.
+        unsafe { self.dev.read(&mut [(self.mirror, bytes_of_mut(&mut m))])? };
+        Ok(m)
+    }
+}
+
+impl Drop for DeviceKernel {
+    fn drop(&mut self) {
+        for a in [
+            self.mirror,
+            self.marks,
+            self.filled,
+            self.bits,
+            self.planes,
+            self.st,
+            self.counts,
+            self.tok,
+        ] {
+            self.dev.free(a);
+        }
+        for b in [
+            self.grant,
+            self.deferred,
+            self.log,
+            self.tables,
+            self.lens,
+            self.ident,
+            self.rows,
+            self.changes,
+        ] {
+            if b.addr != 0 {
+                self.dev.free(b.addr);
+            }
+        }
     }
 }
 
@@ -320,36 +550,10 @@ pub(super) fn follow_log(mirror: &mut [i32], grant: &[(i32, i64)], log: &[LogEnt
     }
 }
 
-/// The kernel's geometry over the resolver's bindings (planes of one flattened layer).
-fn geometry(
-    host: &PageTransferBinding,
-    device: &PageTransferBinding,
-    order: LayerPageOrder,
-) -> (Vec<u64>, Vec<u64>, Geometry) {
-    let planes = device.planes_per_layer();
-    let host_planes: Vec<u64> = (0..planes).map(|p| host.row_addr(p, 0, 0)).collect();
-    let dev_planes: Vec<u64> = (0..planes).map(|p| device.row_addr(p, 0, 0)).collect();
-    let (order_first, order_n) = match order {
-        LayerPageOrder::LayerFirst { pages } => (1, pages),
-        LayerPageOrder::LayerPageFirst { layers } => (0, layers),
-    };
-    let geo = Geometry {
-        host_planes: host_planes.as_ptr(),
-        dev_planes: dev_planes.as_ptr(),
-        host_stride: host.page_stride(),
-        dev_stride: device.page_stride(),
-        page_bytes: device.page_bytes(),
-        planes: planes as i32,
-        order_first,
-        order_n,
-    };
-    (host_planes, dev_planes, geo)
-}
-
 impl ResolverState {
-    /// Runs the kernel's source for every later step (test builds): `threads` CPU threads a
-    /// launch. Refused while a step is open.
-    pub fn use_host_kernel(&mut self, threads: usize) -> Result<()> {
+    /// Runs the resolver's kernel on `dev` from the next step on. Refused while a step is
+    /// open.
+    pub(crate) fn use_kernel(&mut self, dev: Box<dyn KernelDevice>) -> Result<()> {
         if self.open {
             return Err(Error::config(
                 "step",
@@ -357,123 +561,102 @@ impl ResolverState {
                 "no step granted and not yet ended",
             ));
         }
-        self.kernel = Some(HostKernel::new(
-            threads,
-            &self.mirror,
-            &self.mark,
-            &self.filled,
+        self.kernel = Some(DeviceKernel::new(
+            dev,
+            self.layers,
+            (&self.mirror, &self.mark, &self.filled),
+            &self.host,
+            &self.device,
+            self.order,
         )?);
         Ok(())
     }
 
-    /// Where the kernel's mirror ("device memory") differs from the host's, outside a step,
-    /// other than by the changes the next step applies: the first such entry (`validate`).
-    pub(crate) fn device_mirror_mismatch(&self) -> Option<String> {
-        let k = self.kernel.as_ref()?;
+    /// Runs the kernel's source for every later step (test builds): on the CPU, `threads`
+    /// threads a launch. Refused while a step is open.
+    #[cfg(feature = "host-kernel")]
+    pub fn use_host_kernel(&mut self, threads: usize) -> Result<()> {
+        let threads = u32::try_from(threads)
+            .ok()
+            .filter(|&t| (1..=256).contains(&t))
+            .ok_or_else(|| Error::out_of_range("threads", threads as u64, 1, 257))?;
+        self.use_kernel(Box::new(super::device::HostDevice::new(threads)))
+    }
+
+    /// Where the kernel's mirror (read back from its device) differs from the host's, outside
+    /// a step, other than by the changes the next step applies: the first such entry
+    /// (`validate`). `None` on the reference, or when they agree.
+    pub(crate) fn device_mirror_mismatch(&mut self) -> Option<String> {
         if self.open {
             return None;
         }
+        let k = self.kernel.as_mut()?;
+        let dev = match k.read_mirror() {
+            Ok(m) => m,
+            Err(e) => return Some(format!("the device's mirror could not be read: {e}")),
+        };
         let pending: rustc_hash::FxHashSet<usize> = k.changed.iter().copied().collect();
-        let e = (0..self.mirror.len())
-            .find(|&e| k.mirror[e] != self.mirror[e] && !pending.contains(&e))?;
+        let e =
+            (0..self.mirror.len()).find(|&e| dev[e] != self.mirror[e] && !pending.contains(&e))?;
         Some(format!(
             "the device's mirror has {} for entry {e} (home {}, layer {}), the host's {}",
-            k.mirror[e],
+            dev[e],
             e / self.layers as usize,
             e % self.layers as usize,
             self.mirror[e]
         ))
     }
 
-    /// [`ResolverState::resolve_layer`] by the kernel: one launch for the batch. The
-    /// arguments were checked by the caller.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn launch_host_kernel(
+    /// [`ResolverState::resolve_layer`] by the kernel, over host memory (its device is the
+    /// CPU): one launch for the batch. The entries are checked first, as the reference does.
+    pub(super) fn launch_on_host_memory(
         &mut self,
         layer: u16,
         rids: &[RequestId],
         selection: &[i32],
-        k: usize,
-        tokens: bool,
+        (k, tokens): (usize, bool),
         table: &mut [i32],
     ) -> Result<()> {
         let kern = self.kernel.as_mut().expect("the kernel chosen");
-        // Batch rows to table rows: none to upload when the batch is the step's, in order.
-        let own: Vec<i32>;
-        let rows: &[i32] = if rids == kern.rids.as_slice() {
-            &kern.ident
-        } else {
-            own = rids
-                .iter()
-                .map(|id| {
-                    kern.rids
-                        .iter()
-                        .position(|r| r == id)
-                        .map(|r| r as i32)
-                        .ok_or_else(|| Error::config("rids", id, "requests of the granted step"))
-                })
-                .collect::<Result<_>>()?;
-            &own
-        };
-        let cells = selection.len();
-        let layers = self.layers;
-        let page_size = self.page_size;
-        let call = self.call as i32;
-        let (host_planes, dev_planes, geo) = geometry(&self.host, &self.device, self.order);
-        let step = Step {
-            mirror: kern.mirror.as_mut_ptr(),
-            marks: kern.marks.as_mut_ptr(),
-            filled: kern.filled.as_mut_ptr(),
-            grant: kern.grant.as_ptr(),
-            deferred: kern.deferred.as_mut_ptr(),
-            log: kern.log.as_mut_ptr(),
-            log_capacity: (kern.log.len() / LOG_INTS) as i32,
-            st: kern.st.as_mut_ptr(),
-            counts: kern.counts.as_mut_ptr(),
-            tok: kern.tok.as_mut_ptr(),
-            call,
-        };
-        let args = super::launch::LaunchArgs {
-            sel: selection.as_ptr() as u64,
-            rows: rows.as_ptr() as u64,
-            tables: kern.tables.as_ptr() as u64,
-            lens: kern.lens.as_ptr() as u64,
-            table: table.as_mut_ptr() as u64,
-            step,
-            geo,
-            cells: cells as u32,
-            k: k as u32,
-            pages_per_row: kern.width as u32,
-            layers: u32::from(layers),
-            layer: u32::from(layer),
-            page_size,
-            tokens,
-            blocks: None,
-        };
-        // SAFETY: every pointer is to a live buffer of the length the kernel indexes: the
-        // mirror, marks and filled have an entry per (home, layer) and the tables' homes come
-        // from the core's pages (homes of the host pool); the grant and deferred have 2 ints
-        // an entry; the log has room for every take of the step (one a cell a layer); the
-        // counts have 2 a layer; `sel`, `table` have `cells`; `rows` one a batch row, each a
-        // row of the step's tables, which have `width` homes a row and a length each. The planes' addresses are the bindings', checked when built,
-        // and the slots the grant names are pages of the device pool (the core granted them).
-        // Nothing else touches these buffers until the call returns: `&mut self` is held, and
-        // the launch joins its threads before returning. Host (a home) and device (a slot)
-        // pages are distinct buffers.
-        unsafe { launch_on_host(kern.threads as u32, &args) };
-        drop((host_planes, dev_planes));
+        if !kern.dev.host_memory() {
+            return Err(Error::config(
+                "selection",
+                "host memory",
+                "device tensors: the resolver runs on a GPU (resolve_device)",
+            ));
+        }
+        let per = if tokens { 1 } else { u64::from(self.page_size) };
+        for (b, id) in rids.iter().enumerate() {
+            let t = self
+                .tables
+                .get(id)
+                .ok_or_else(|| Error::config("rids", id, "requests of the granted step"))?;
+            for &entry in &selection[b * k..(b + 1) * k] {
+                if entry >= 0 && entry as u64 * per >= t.len {
+                    return Err(Error::config(
+                        "selection",
+                        entry,
+                        format!("an entry inside its request's {} tokens", t.len),
+                    ));
+                }
+            }
+        }
+        let cells = (
+            selection.as_ptr() as u64,
+            table.as_mut_ptr() as u64,
+            selection.len(),
+            k,
+        );
+        // SAFETY: `selection` and `table` are live host slices of `cells` int32 (checked by
+        // the caller), borrowed until the call returns, and the device runs its launches in
+        // this process's memory before returning; `cells` is `rids.len() * k`.
+        unsafe {
+            kern.launch(layer, rids, cells, self.call, self.page_size, tokens)?;
+        }
         for (b, row) in table.chunks(k.max(1)).enumerate() {
             for _ in row.iter().filter(|&&s| s == FAILED) {
                 self.failed_rids.push(rids[b]);
             }
-        }
-        let bad = std::mem::take(&mut kern.st[ST_BAD]);
-        if bad > 0 {
-            return Err(Error::config(
-                "selection",
-                format!("{bad} entries past their request's tokens"),
-                "entries inside their requests' tokens",
-            ));
         }
         Ok(())
     }

@@ -1,9 +1,9 @@
 //! The device resolver's kernel (`cuda/resolve.cu`) launched on a GPU: its cubin for the
 //! device's architecture (NVRTC, cached on disk), and one launch a layer on the caller's stream.
 //! The caller owns the buffers and their contents; what the kernel indexes with them is the
-//! caller's contract ([`ResolveKernel::launch`]). Used today by the GPU check of the kernel
-//! (`sparsetier.tools.resolver_gpu`, through `_testing.ResolveKernel`); the runtime does not
-//! launch it yet.
+//! caller's contract ([`ResolveKernel::launch`]). Used by the runtime's resolver on CUDA pools
+//! (`gpu`) and by the GPU check of the kernel (`sparsetier.tools.resolver_gpu`, through
+//! `_testing.ResolveKernel`).
 
 use super::abi::{Geometry, Step};
 use crate::error::Result;
@@ -13,8 +13,10 @@ use cudarc::driver::{sys, CudaContext, CudaFunction};
 use std::ffi::c_void;
 use std::sync::Arc;
 
-/// The kernel's name in `cuda/resolve.cu`.
+/// The kernels' names in `cuda/resolve.cu`.
 const NAME: &str = "sparsetier_resolve";
+const APPLY: &str = "sparsetier_mirror_apply";
+const MARKS: &str = "sparsetier_marks_read";
 /// Threads a block: 8 warps, one cell each at a time.
 const THREADS: u32 = 256;
 
@@ -58,6 +60,8 @@ pub struct LaunchArgs {
 pub struct ResolveKernel {
     ctx: Arc<CudaContext>,
     func: CudaFunction,
+    apply: CudaFunction,
+    marks: CudaFunction,
 }
 
 impl std::fmt::Debug for ResolveKernel {
@@ -83,16 +87,114 @@ impl ResolveKernel {
             let module = ctx
                 .load_module(cudarc::nvrtc::Ptx::from_binary(image))
                 .map_err(cuda_err("cuModuleLoadData"))?;
-            let func = module
-                .load_function(NAME)
-                .map_err(cuda_err("cuModuleGetFunction"))?;
-            Ok(ResolveKernel { ctx, func })
+            let load = |name| {
+                module
+                    .load_function(name)
+                    .map_err(cuda_err("cuModuleGetFunction"))
+            };
+            Ok(ResolveKernel {
+                func: load(NAME)?,
+                apply: load(APPLY)?,
+                marks: load(MARKS)?,
+                ctx,
+            })
         })
     }
 
     /// The device ordinal.
     pub fn ordinal(&self) -> usize {
         self.ctx.ordinal()
+    }
+
+    /// The device's primary context.
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+
+    /// Queues `sparsetier_mirror_apply` over `n` (entry, slot) pairs at `changes`.
+    ///
+    /// # Safety
+    /// `changes` holds `n` int32 pairs in device memory, each entry an index of `mirror`;
+    /// `stream` is a live stream of this device's primary context.
+    pub unsafe fn launch_mirror_apply(
+        &self,
+        stream: u64,
+        changes: u64,
+        n: u32,
+        mirror: u64,
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let (mut c, mut n, mut m) = (changes, n as i32, mirror);
+        let mut params: [*mut c_void; 3] = [
+            &mut c as *mut u64 as *mut c_void,
+            &mut n as *mut i32 as *mut c_void,
+            &mut m as *mut u64 as *mut c_void,
+        ];
+        let blocks = (n as u32).div_ceil(THREADS).min(4096);
+        // SAFETY: the parameters match the kernel's (two device pointers around an int), each
+        // a live local; the buffers are the caller's contract.
+        unsafe { self.raw_launch(&self.apply, blocks, stream, &mut params) }
+    }
+
+    /// Queues `sparsetier_marks_read`: bit e of `bits` set where `marks[e]` is `st`'s serial.
+    ///
+    /// # Safety
+    /// `marks` has `entries` u32, `st` the kernel's `st`, `bits` `entries / 32` words rounded
+    /// up, all device memory of this device; `stream` a live stream of its primary context.
+    pub unsafe fn launch_marks_read(
+        &self,
+        stream: u64,
+        marks: u64,
+        st: u64,
+        entries: u32,
+        bits: u64,
+    ) -> Result<()> {
+        let (mut m, mut s, mut e, mut b) = (marks, st, entries as i32, bits);
+        let mut params: [*mut c_void; 4] = [
+            &mut m as *mut u64 as *mut c_void,
+            &mut s as *mut u64 as *mut c_void,
+            &mut e as *mut i32 as *mut c_void,
+            &mut b as *mut u64 as *mut c_void,
+        ];
+        let blocks = entries.div_ceil(32).div_ceil(THREADS).clamp(1, 4096);
+        // SAFETY: the parameters match the kernel's, each a live local; the buffers are the
+        // caller's contract.
+        unsafe { self.raw_launch(&self.marks, blocks, stream, &mut params) }
+    }
+
+    /// Launches `func` on `blocks` blocks of [`THREADS`] with `params` on `stream`.
+    ///
+    /// # Safety
+    /// `params` are pointers to the kernel's parameters in order, alive for the call; what
+    /// the kernel indexes is the caller's contract.
+    unsafe fn raw_launch(
+        &self,
+        func: &CudaFunction,
+        blocks: u32,
+        stream: u64,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let _bound = CurrentContext::bind(&self.ctx)?;
+        // SAFETY: the function is loaded in this context (bound above); the parameters are
+        // the caller's contract, copied by the driver at the call.
+        let r = unsafe {
+            sys::cuLaunchKernel(
+                func.cu_function(),
+                blocks.max(1),
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream as sys::CUstream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        check(r, "cuLaunchKernel")
     }
 
     /// Launches one layer on `stream` (a raw `CUstream` of this device, e.g. torch's current
