@@ -3,10 +3,11 @@
 // host round trip. The algorithm of `src/scheduler/resolver.rs` (the reference, run on the CPU),
 // in parallel: one warp per selected cell; lane 0 decides, the warp copies.
 //
-// Compiled with NVRTC in CI (`compile_cuda_kernels`); not yet launched on a GPU by the runtime,
-// and never run on one. Test builds also compile this source for the CPU
-// (`cuda/host/resolve_host.cpp`: a thread per cell in flight, lane 0 alone) and run the
-// runtime's checks with it in place of the reference (`scheduler/resolver_kernel.rs`).
+// Compiled with NVRTC in CI (`compile_cuda_kernels`); launched by the runtime on CUDA pools
+// (`src/scheduler/resolver/gpu.rs`), and never run on a GPU yet. Test builds also compile this
+// source for the CPU (`cuda/host/resolve_host.cpp`: a thread per cell in flight, lane 0 alone)
+// and run the runtime's checks with it in place of the reference, through the same protocol
+// (`src/scheduler/resolver/kernel.rs`).
 //
 // Where the reference walks cells in order, here cells race, and these make the race safe:
 // - a missing mirror entry is claimed with a CAS from -1 to CLAIMING; the winner takes a slot,

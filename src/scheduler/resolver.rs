@@ -2,8 +2,9 @@
 //! with the misses served from pinned host memory into slots the core granted, and no call
 //! into the core. This is the algorithm and its state; [`ResolverState::resolve_layer`] is the
 //! reference implementation (sequential, on the CPU), which the CPU runtime uses and which a
-//! CUDA kernel is held to. In test builds (`host-kernel`) the kernel's own source, compiled for
-//! the CPU, can run in its place (`kernel`).
+//! CUDA kernel is held to. On CUDA pools the kernel runs in its place (`kernel`, over `gpu`),
+//! and in test builds (`host-kernel`) the kernel's own source, compiled for the CPU, can
+//! (`kernel` over `device::HostDevice`).
 //!
 //! # State (device memory on a GPU; here, memory of this process)
 //! - the mirror: per (host page `h`, layer `l`) the device slot holding that object, or -1
