@@ -393,6 +393,21 @@ impl ResolverState {
 
     // -- the device's side (each layer) --------------------------------------------------
 
+    /// A resolve of `layer` is allowed now: a step is open, and the layer exists.
+    fn check_call(&self, layer: u16) -> Result<()> {
+        if !self.open {
+            return Err(Error::config(
+                "step",
+                "not granted",
+                "a step the core granted (begin_device_step) and did not end yet",
+            ));
+        }
+        if layer >= self.layers {
+            return Err(Error::out_of_range("layer", layer, 0, self.layers));
+        }
+        Ok(())
+    }
+
     /// Resolves `layer` for the batch `rids`: `selection` is `[B][k]` entries (-1 = none), of
     /// a page each (`tokens` false: block ids) or of one token (`tokens` true). Writes the
     /// slot of each cell into `table` (`[B][k]`, -1 where the entry names nothing). Misses are
@@ -406,16 +421,7 @@ impl ResolverState {
         tokens: bool,
         table: &mut [i32],
     ) -> Result<()> {
-        if !self.open {
-            return Err(Error::config(
-                "step",
-                "not granted",
-                "a step the core granted (begin_device_step) and did not end yet",
-            ));
-        }
-        if layer >= self.layers {
-            return Err(Error::out_of_range("layer", layer, 0, self.layers));
-        }
+        self.check_call(layer)?;
         if selection.len() != rids.len() * k || table.len() != selection.len() {
             return Err(Error::config(
                 "selection",
@@ -453,16 +459,7 @@ impl ResolverState {
         k: usize,
         tokens: bool,
     ) -> Result<()> {
-        if !self.open {
-            return Err(Error::config(
-                "step",
-                "not granted",
-                "a step the core granted (begin_device_step) and did not end yet",
-            ));
-        }
-        if layer >= self.layers {
-            return Err(Error::out_of_range("layer", layer, 0, self.layers));
-        }
+        self.check_call(layer)?;
         let Some(kern) = self.kernel.as_mut() else {
             return Err(Error::config(
                 "resolver",

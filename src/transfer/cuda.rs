@@ -459,22 +459,7 @@ impl CudaEngine {
                 if b.kind() != super::binding::MemoryKind::Host || seen.contains(&base) {
                     continue;
                 }
-                let mut dev: sys::CUdeviceptr = 0;
-                // SAFETY: a live out-pointer of the attribute's size; `base` is any address.
-                let r = unsafe {
-                    sys::cuPointerGetAttribute(
-                        &mut dev as *mut sys::CUdeviceptr as *mut std::ffi::c_void,
-                        sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
-                        base,
-                    )
-                };
-                if r != sys::CUresult::CUDA_SUCCESS || dev != base {
-                    return Err(Error::config(
-                        "host tensor",
-                        format!("memory at {base:#x} ({r:?})"),
-                        "pinned host memory mapped for the device (tensor.pin_memory())",
-                    ));
-                }
+                check_mapped(base, "host tensor")?;
                 seen.insert(base);
             }
         }
@@ -580,6 +565,29 @@ impl CudaEngine {
         };
         check(r, "cuMemcpyBatchAsync")
     }
+}
+
+/// Checks that host address `base` (named `field` in the error) is pinned memory mapped for
+/// the current context's device at the same address: a kernel reading it over unified
+/// addressing would otherwise make an illegal access that poisons the whole context.
+pub(crate) fn check_mapped(base: u64, field: &str) -> Result<()> {
+    let mut dev: sys::CUdeviceptr = 0;
+    // SAFETY: a live out-pointer of the attribute's size; `base` is any address.
+    let r = unsafe {
+        sys::cuPointerGetAttribute(
+            &mut dev as *mut sys::CUdeviceptr as *mut std::ffi::c_void,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
+            base,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS || dev != base {
+        return Err(Error::config(
+            field,
+            format!("memory at {base:#x} ({r:?})"),
+            "pinned host memory mapped for the device (tensor.pin_memory())",
+        ));
+    }
+    Ok(())
 }
 
 pub(crate) fn check(r: sys::CUresult, call: &'static str) -> Result<()> {

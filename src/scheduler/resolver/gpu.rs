@@ -6,8 +6,8 @@
 
 use super::device::KernelDevice;
 use super::launch::{LaunchArgs, ResolveKernel};
-use crate::error::{Error, Result};
-use crate::transfer::cuda::{check, CurrentContext};
+use crate::error::Result;
+use crate::transfer::cuda::{check, check_mapped, CurrentContext};
 use cudarc::driver::sys;
 
 /// Pinned host memory (`cuMemHostAlloc`) of `bytes`.
@@ -60,22 +60,7 @@ impl GpuDevice {
     pub(crate) fn new(ordinal: usize, host_base: u64) -> Result<Self> {
         let kernel = ResolveKernel::new(ordinal)?;
         let _bound = CurrentContext::bind(kernel.context())?;
-        let mut dev: sys::CUdeviceptr = 0;
-        // SAFETY: a live out-pointer of the attribute's size; `host_base` is any address.
-        let r = unsafe {
-            sys::cuPointerGetAttribute(
-                &mut dev as *mut sys::CUdeviceptr as *mut std::ffi::c_void,
-                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_POINTER,
-                host_base,
-            )
-        };
-        if r != sys::CUresult::CUDA_SUCCESS || dev != host_base {
-            return Err(Error::config(
-                "host pool",
-                format!("memory at {host_base:#x} ({r:?})"),
-                "pinned host memory mapped for the device (tensor.pin_memory())",
-            ));
-        }
+        check_mapped(host_base, "host pool")?;
         let mut staged: sys::CUevent = std::ptr::null_mut();
         // SAFETY: a live out-pointer; valid flags.
         check(
