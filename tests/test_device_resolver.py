@@ -307,8 +307,16 @@ def test_resolver_misuse_is_refused_before_anything_changes(kernel):
     with pytest.raises(sp.ConfigError) as e:
         testing.use_host_kernel(res, 2)
     assert e.value.field == "step"
+    # Rows wider than the step was granted for: its log and grant would not cover them.
+    with pytest.raises(sp.ConfigError) as e:
+        res.resolve(0, rids, np.array([[0, 1, -1, -1]], np.int32))
+    assert e.value.field == "selection.shape"
     table = res.resolve(0, rids, sel)
     assert table.dtype == np.int32 and table.shape == (1, 3) and table[0, 2] == -1
+    # Each layer once a step: a second call could refill a slot a cell of the first read.
+    with pytest.raises(sp.ConfigError) as e:
+        res.resolve(0, rids, sel)
+    assert e.value.field == "layer"
     rt.scheduler.end_step()
     assert not res.step_open
     rt.scheduler.validate()

@@ -134,13 +134,8 @@ impl PyJoinedStepScheduler {
             None => None,
         };
         py.detach(|| {
-            this.inner.run(|s| {
-                let j = s.joined()?;
-                if let Some(st) = stream {
-                    j.set_device_stream(st);
-                }
-                j.begin_device_step(&ids, n)
-            })
+            this.inner
+                .run(|s| s.joined()?.begin_device_step_on(&ids, n, stream))
         })
         .py_err(py)
     }

@@ -88,31 +88,28 @@ impl PyDeviceResolver {
         let shape: Vec<usize> = info.shape.iter().map(|&d| d as usize).collect();
         let k = row_width(py, &shape, ids.len())?;
         let stream = crate::py::transfer::current_torch_stream(py, ordinal)?;
-        let step = self.state.lock().stream();
-        if stream != step {
-            return Err(to_py(
-                py,
-                Error::config(
-                    "stream",
-                    format!("{stream:#x}"),
-                    format!("the step's stream ({step:#x}), current at begin_device_step"),
-                ),
-            ));
-        }
         let table = py
             .import("torch")?
             .call_method1("empty_like", (selection,))?;
         let sel: u64 = selection.call_method0("data_ptr")?.extract()?;
         let out: u64 = table.call_method0("data_ptr")?.extract()?;
         py.detach(|| {
-            // SAFETY: both tensors were checked: contiguous int32 on the kernel's device, of
-            // `ids.len() * k` elements; their memory is ordered on the step's stream (torch's
-            // current one, checked), so it is not reused before the launch has run.
-            unsafe {
-                self.state
-                    .lock()
-                    .resolve_layer_device(layer, ids, (sel, out), k, tokens)
+            // SAFETY (the launch below): both tensors were checked: contiguous int32 on the
+            // kernel's device, of `ids.len() * k` elements; their memory is ordered on the
+            // step's stream (torch's current one, checked), so it is not reused before the
+            // launch has run.
+            let mut st = self.state.lock();
+            // (Checked under the lock the launch takes: the step's stream cannot change
+            // between the two.)
+            let step = st.stream();
+            if stream != step {
+                return Err(Error::config(
+                    "stream",
+                    format!("{stream:#x}"),
+                    format!("the step's stream ({step:#x}), current at begin_device_step"),
+                ));
             }
+            unsafe { st.resolve_layer_device(layer, ids, (sel, out), k, tokens) }
         })
         .py_err(py)?;
         Ok(table)

@@ -164,22 +164,14 @@ impl StepScheduler<PrefixTier> {
         Ok(state)
     }
 
-    /// The CUDA device the resolver's kernel runs on, when it runs on a GPU (its work is
-    /// queued on the stream [`StepScheduler::set_device_stream`] names).
+    /// The CUDA device the resolver's kernel runs on, when it runs on a GPU (a step's work is
+    /// queued on the stream [`StepScheduler::begin_device_step_on`] names).
     pub fn device_resolver_gpu(&self) -> Option<usize> {
         let link = self.tier.device.as_ref()?;
         link.state
             .lock()
             .on_gpu()
             .then(|| self.xfer.device().device().unwrap_or(0) as usize)
-    }
-
-    /// Sets the stream the resolver's kernel queues the next steps' work on (a raw
-    /// `CUstream` of its device: torch's current one).
-    pub fn set_device_stream(&mut self, stream: u64) {
-        if let Some(link) = &self.tier.device {
-            link.state.lock().set_stream(stream);
-        }
     }
 
     /// The mirror entry of a joined object key.
@@ -196,6 +188,18 @@ impl StepScheduler<PrefixTier> {
     /// grant up to a slot for every cell. Returns false when the device cannot give that many
     /// (this step then plans on the host; nothing is open).
     pub fn begin_device_step(&mut self, rids: &[RequestId], entries: usize) -> Result<bool> {
+        self.begin_device_step_on(rids, entries, None)
+    }
+
+    /// [`StepScheduler::begin_device_step`], the step's kernel work queued on `stream` (a raw
+    /// `CUstream` of the resolver's GPU: torch's current one) when given. Nothing changes
+    /// when the step is refused.
+    pub fn begin_device_step_on(
+        &mut self,
+        rids: &[RequestId],
+        entries: usize,
+        stream: Option<u64>,
+    ) -> Result<bool> {
         let Some(link) = self.tier.device.as_ref() else {
             return Err(Error::config(
                 "resolver",
@@ -222,6 +226,9 @@ impl StepScheduler<PrefixTier> {
             .sum();
         let state = link.state.clone();
         let mut st = state.lock();
+        if let Some(s) = stream {
+            st.set_stream(s);
+        }
         self.sync_mirror(&mut st)?;
         // Page tables: homes of the batch's pages (appended as they start), and lengths.
         for id in rids {
@@ -246,7 +253,7 @@ impl StepScheduler<PrefixTier> {
             .map(|&(s, v)| (s.raw() as i32, v.map_or(-1, |(e, _)| e as i64)))
             .collect();
         // Armed load failures (test builds) fail the resolver's copies this step.
-        st.open(rids, grant, self.xfer.take_copy_faults(), cells)?;
+        st.open((rids, entries), grant, self.xfer.take_copy_faults(), cells)?;
         link.open = true;
         link.steps += 1;
         Ok(true)

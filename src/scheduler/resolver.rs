@@ -139,6 +139,11 @@ pub struct ResolverState {
     log: Vec<LogEntry>,
     /// Resolve calls this step, and the first log entry not yet refilled.
     call: u32,
+    /// Per layer, whether the step resolved it (each layer once a step: a second call of a
+    /// layer could refill a slot a cell of that layer read), and the widest row the step
+    /// granted for (its log and grant are sized by it).
+    resolved: Vec<bool>,
+    entries: usize,
     refill_at: usize,
     /// Grant entries passed over (a victim the resolving layer had read), for later layers.
     deferred: Vec<usize>,
@@ -215,6 +220,8 @@ impl ResolverState {
             order,
             kernel: None,
             stream: 0,
+            resolved: vec![false; layers as usize],
+            entries: 0,
         })
     }
 
@@ -275,17 +282,19 @@ impl ResolverState {
         self.tables.retain(|id, _| keep(id));
     }
 
-    /// Opens a step of the batch `rids` (their tables up to date) with `grant` entries to
-    /// take: (slot, victim entry or -1), and `faults` copy failures armed (fault injection:
-    /// (layer or any, count)); `cells` bounds the objects one layer of the step can miss (the
-    /// kernel's log is sized by it).
+    /// Opens a step of the batch `rids` (their tables up to date), whose rows have at most
+    /// `entries` entries a layer, with `grant` entries to take: (slot, victim entry or -1),
+    /// and `faults` copy failures armed (fault injection: (layer or any, count)); `cells`
+    /// bounds the objects one layer of the step can miss (the kernel's log is sized by it).
     pub(crate) fn open(
         &mut self,
-        rids: &[RequestId],
+        (rids, entries): (&[RequestId], usize),
         grant: Vec<(i32, i64)>,
         faults: Vec<(Option<u16>, u32)>,
         cells: usize,
     ) -> Result<()> {
+        self.resolved.fill(false);
+        self.entries = entries;
         self.grant = grant;
         self.faults = faults;
         self.used = 0;
@@ -311,9 +320,14 @@ impl ResolverState {
         }
         if let Some(k) = &mut self.kernel {
             let capacity = cells * self.layers as usize;
+            // (A length past the homes it has would name a page with none: bounded by them.)
+            let ps = u64::from(self.page_size);
             let tables: Vec<(RequestId, &[u32], u64)> = rids
                 .iter()
-                .filter_map(|id| self.tables.get(id).map(|t| (*id, &t.homes[..], t.len)))
+                .filter_map(|id| {
+                    let t = self.tables.get(id)?;
+                    Some((*id, &t.homes[..], t.len.min(t.homes.len() as u64 * ps)))
+                })
                 .collect();
             k.open(
                 self.stream,
@@ -393,8 +407,10 @@ impl ResolverState {
 
     // -- the device's side (each layer) --------------------------------------------------
 
-    /// A resolve of `layer` is allowed now: a step is open, and the layer exists.
-    fn check_call(&self, layer: u16) -> Result<()> {
+    /// A resolve of `layer` with rows of `k` entries is allowed now: a step is open, the
+    /// layer exists and was not resolved yet this step, and `k` is at most what the step was
+    /// granted for.
+    fn check_call(&self, layer: u16, k: usize) -> Result<()> {
         if !self.open {
             return Err(Error::config(
                 "step",
@@ -404,6 +420,51 @@ impl ResolverState {
         }
         if layer >= self.layers {
             return Err(Error::out_of_range("layer", layer, 0, self.layers));
+        }
+        if self.resolved[layer as usize] {
+            return Err(Error::config(
+                "layer",
+                layer,
+                "a layer not resolved yet this step (each layer once a step)",
+            ));
+        }
+        if k > self.entries {
+            return Err(Error::config(
+                "selection.shape",
+                format!("rows of {k} entries"),
+                format!(
+                    "at most {} entries a row, as granted by begin_device_step",
+                    self.entries
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks a batch on host memory before anything changes: its requests have tables (are
+    /// running), and every entry lies inside its request's tokens.
+    fn check_batch(
+        &self,
+        rids: &[RequestId],
+        selection: &[i32],
+        k: usize,
+        tokens: bool,
+    ) -> Result<()> {
+        let per = if tokens { 1 } else { u64::from(self.page_size) };
+        for (b, id) in rids.iter().enumerate() {
+            let t = self
+                .tables
+                .get(id)
+                .ok_or_else(|| Error::config("rids", id, "requests of the granted step"))?;
+            for &entry in &selection[b * k..(b + 1) * k] {
+                if entry >= 0 && entry as u64 * per >= t.len {
+                    return Err(Error::config(
+                        "selection",
+                        entry,
+                        format!("an entry inside its request's {} tokens", t.len),
+                    ));
+                }
+            }
         }
         Ok(())
     }
@@ -421,7 +482,7 @@ impl ResolverState {
         tokens: bool,
         table: &mut [i32],
     ) -> Result<()> {
-        self.check_call(layer)?;
+        self.check_call(layer, k)?;
         if selection.len() != rids.len() * k || table.len() != selection.len() {
             return Err(Error::config(
                 "selection",
@@ -432,10 +493,12 @@ impl ResolverState {
                 ),
             ));
         }
-        self.call += 1;
+        self.check_batch(rids, selection, k, tokens)?;
         if self.kernel.is_some() {
             return self.launch_on_host_memory(layer, rids, selection, (k, tokens), table);
         }
+        self.call += 1;
+        self.resolved[layer as usize] = true;
         // The tables are read while the mirror and marks change: held apart meanwhile.
         let tables = std::mem::take(&mut self.tables);
         let out = self.resolve_rows(&tables, layer, rids, selection, k, tokens, table);
@@ -459,7 +522,15 @@ impl ResolverState {
         k: usize,
         tokens: bool,
     ) -> Result<()> {
-        self.check_call(layer)?;
+        self.check_call(layer, k)?;
+        let cells = rids.len() * k;
+        if i32::try_from(cells).is_err() {
+            return Err(Error::config(
+                "selection.shape",
+                format!("{} x {k}", rids.len()),
+                "fewer than 2^31 entries",
+            ));
+        }
         let Some(kern) = self.kernel.as_mut() else {
             return Err(Error::config(
                 "resolver",
@@ -467,10 +538,21 @@ impl ResolverState {
                 "a resolver whose kernel runs on a device",
             ));
         };
-        self.call += 1;
-        let cells = (selection, table, rids.len() * k, k);
+        let call = self.call + 1;
         // SAFETY: the caller's contract.
-        unsafe { kern.launch(layer, rids, cells, self.call, self.page_size, tokens) }
+        unsafe {
+            kern.launch(
+                layer,
+                rids,
+                (selection, table, cells, k),
+                call,
+                self.page_size,
+                tokens,
+            )?
+        };
+        self.call = call;
+        self.resolved[layer as usize] = true;
+        Ok(())
     }
 
     #[allow(clippy::too_many_arguments)]

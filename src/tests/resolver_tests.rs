@@ -199,7 +199,8 @@ fn check(c: Case, kernel: Option<usize>) -> Result<(), TestCaseError> {
             free += 1;
         }
         prop_assume!(free <= slots);
-        f.st.open(&rids, grant, c.faults.clone(), cells).unwrap();
+        f.st.open((&rids, K), grant, c.faults.clone(), cells)
+            .unwrap();
         // Per layer: the distinct objects its cells name, and whether a cell failed.
         let mut objects = vec![(std::collections::BTreeSet::new(), false); LAYERS as usize];
         for (layer, sel_rows) in step.iter().enumerate() {
@@ -371,7 +372,7 @@ fn the_kernels_racing_cells_read_their_objects_bytes() {
         while grant.len() < cells {
             grant.push((free.pop().expect("a free slot"), -1));
         }
-        f.st.open(&rids, grant, Vec::new(), cells).unwrap();
+        f.st.open((&rids, KK), grant, Vec::new(), cells).unwrap();
         let mut distinct = [0usize; LAYERS as usize];
         for layer in 0..LAYERS {
             // Skewed: most entries among a few pages, so that cells of an object race.

@@ -10,6 +10,9 @@ use crate::error::Result;
 use crate::transfer::cuda::{check, check_mapped, CurrentContext};
 use cudarc::driver::sys;
 
+/// A batch of uploads or read-backs past this many bytes frees its pinned buffer afterwards.
+const LARGE: usize = 16 << 20;
+
 /// Pinned host memory (`cuMemHostAlloc`) of `bytes`.
 #[derive(Debug)]
 struct Pinned {
@@ -89,13 +92,18 @@ impl GpuDevice {
     /// A pinned buffer of at least `bytes` in `slot` (grown by powers of two).
     fn room(slot: &mut Option<Pinned>, bytes: usize) -> Result<*mut u8> {
         if slot.as_ref().is_none_or(|p| p.bytes < bytes) {
-            if let Some(old) = slot.take() {
-                // SAFETY: allocated by cuMemHostAlloc; no copy uses it (the caller waited).
-                unsafe { sys::cuMemFreeHost(old.ptr as *mut std::ffi::c_void) };
-            }
+            Self::release(slot);
             *slot = Some(Pinned::new(bytes.max(4096).next_power_of_two())?);
         }
         Ok(slot.as_ref().expect("allocated above").ptr)
+    }
+
+    /// Frees the pinned buffer in `slot`, which no copy uses any more (the caller waited).
+    fn release(slot: &mut Option<Pinned>) {
+        if let Some(old) = slot.take() {
+            // SAFETY: allocated by cuMemHostAlloc, freed once; the context is bound.
+            unsafe { sys::cuMemFreeHost(old.ptr as *mut std::ffi::c_void) };
+        }
     }
 }
 
@@ -118,12 +126,13 @@ impl KernelDevice for GpuDevice {
         };
         if let Some(i) = self.allocs.iter().position(|&a| a == addr) {
             self.allocs.swap_remove(i);
-            // Work queued on it runs first: the stream is waited for before the next use of
-            // the memory the free returns.
-            // SAFETY: allocated by `alloc` in this context, freed once.
-            let _ = unsafe { sys::cuStreamSynchronize(self.stream()) };
-            // SAFETY: as above.
-            let _ = unsafe { sys::cuMemFree_v2(addr) };
+            // Work queued on it runs first (on whichever stream: the one it was queued on
+            // may be gone by now). Frees come only when a buffer grows, and at drop.
+            // SAFETY: the context is bound; `addr` was allocated by `alloc` in it, freed once.
+            unsafe {
+                let _ = sys::cuCtxSynchronize();
+                let _ = sys::cuMemFree_v2(addr);
+            }
         }
     }
 
@@ -148,6 +157,7 @@ impl KernelDevice for GpuDevice {
         let total: usize = parts.iter().map(|(_, b)| b.len().next_multiple_of(8)).sum();
         let base = Self::room(&mut self.staging, total)?;
         let mut at = 0;
+        let mut queued = Ok(());
         for (dst, bytes) in parts {
             if bytes.is_empty() {
                 continue;
@@ -157,7 +167,7 @@ impl KernelDevice for GpuDevice {
             unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), base.add(at), bytes.len()) };
             // SAFETY: `dst` has room (the caller's contract); the staging stays untouched until
             // the event recorded below has completed.
-            check(
+            queued = check(
                 unsafe {
                     sys::cuMemcpyHtoDAsync_v2(
                         *dst,
@@ -167,14 +177,32 @@ impl KernelDevice for GpuDevice {
                     )
                 },
                 "cuMemcpyHtoDAsync",
-            )?;
+            );
+            if queued.is_err() {
+                break;
+            }
             at += bytes.len().next_multiple_of(8);
         }
+        // After what was queued, whatever failed: the staging is written again only once the
+        // copies already queued have read it.
         // SAFETY: a live event and the step's stream.
-        check(
+        let recorded = check(
             unsafe { sys::cuEventRecord(self.staged, self.stream()) },
             "cuEventRecord",
-        )
+        );
+        queued?;
+        recorded?;
+        // A large one-off batch (the mirror when the resolver starts, a resync) does not keep
+        // its pinned staging for good.
+        if total > LARGE {
+            // SAFETY: the event recorded above.
+            check(
+                unsafe { sys::cuEventSynchronize(self.staged) },
+                "cuEventSynchronize",
+            )?;
+            Self::release(&mut self.staging);
+        }
+        Ok(())
     }
 
     unsafe fn fill32(&mut self, dst: u64, value: u32, n: usize) -> Result<()> {
@@ -194,10 +222,11 @@ impl KernelDevice for GpuDevice {
         let total: usize = parts.iter().map(|(_, b)| b.len().next_multiple_of(8)).sum();
         let base = Self::room(&mut self.readback, total)?;
         let mut at = 0;
+        let mut queued = Ok(());
         for (src, bytes) in parts.iter() {
             if !bytes.is_empty() {
                 // SAFETY: `src` has as many bytes (the caller's contract); `base` has `total`.
-                check(
+                queued = check(
                     unsafe {
                         sys::cuMemcpyDtoHAsync_v2(
                             base.add(at) as *mut std::ffi::c_void,
@@ -207,21 +236,30 @@ impl KernelDevice for GpuDevice {
                         )
                     },
                     "cuMemcpyDtoHAsync",
-                )?;
+                );
+                if queued.is_err() {
+                    break;
+                }
             }
             at += bytes.len().next_multiple_of(8);
         }
-        // The one wait of a step: its work, and the read-back after it.
+        // The one wait of a step: its work, and the read-back after it (also when a copy
+        // could not be queued: those queued write into `readback` until then).
         // SAFETY: the step's stream.
-        check(
+        let waited = check(
             unsafe { sys::cuStreamSynchronize(self.stream()) },
             "cuStreamSynchronize",
-        )?;
+        );
+        queued?;
+        waited?;
         let mut at = 0;
         for (_, bytes) in parts.iter_mut() {
             // SAFETY: the copies above have completed into `base[at..at + len]`.
             unsafe { std::ptr::copy_nonoverlapping(base.add(at), bytes.as_mut_ptr(), bytes.len()) };
             at += bytes.len().next_multiple_of(8);
+        }
+        if total > LARGE {
+            Self::release(&mut self.readback); // (the mirror, read back by `validate`)
         }
         Ok(())
     }
@@ -253,10 +291,10 @@ impl Drop for GpuDevice {
         let Ok(_bound) = CurrentContext::bind(self.kernel.context()) else {
             return;
         };
-        // SAFETY: the step's stream, or the legacy one; every handle below is this device's,
-        // released once, after the work queued on them.
+        // SAFETY: the context is bound; every handle below is this device's, released once,
+        // after the work queued on them (on any stream: the step's may be gone).
         unsafe {
-            let _ = sys::cuStreamSynchronize(self.stream());
+            let _ = sys::cuCtxSynchronize();
             for a in self.allocs.drain(..) {
                 let _ = sys::cuMemFree_v2(a);
             }

@@ -138,6 +138,9 @@ pub(crate) struct DeviceKernel {
     log_host: Vec<i32>,
     /// A step is open (between `open` and `close`).
     open: bool,
+    /// The device's mirror may differ from the host's beyond the changes (a step whose
+    /// read-back failed, or whose log lost entries): the next step uploads the whole mirror.
+    resync: bool,
 }
 
 impl DeviceKernel {
@@ -176,14 +179,18 @@ impl DeviceKernel {
         let st = dev.alloc(4 * ST_LEN)?;
         let counts = dev.alloc(8 * layers as usize)?;
         let tok = dev.alloc(24)?;
-        // SAFETY: each destination was just allocated with room for its bytes.
+        // SAFETY: each destination was just allocated with room for its bytes (marks that
+        // are all zero, as a resolver's are when it starts, are filled rather than copied).
         unsafe {
-            dev.upload(&[
-                (m, bytes_of(mirror)),
-                (mk, bytes_of(marks)),
-                (f, bytes_of(filled)),
-                (pl, bytes_of(&plane_addrs)),
-            ])?
+            let mut parts = vec![(m, bytes_of(mirror)), (pl, bytes_of(&plane_addrs))];
+            for (at, v) in [(mk, marks), (f, filled)] {
+                if v.iter().all(|&x| x == 0) {
+                    dev.fill32(at, 0, entries)?;
+                } else {
+                    parts.push((at, bytes_of(v)));
+                }
+            }
+            dev.upload(&parts)?
         };
         let geo = [
             host.page_stride(),
@@ -225,6 +232,7 @@ impl DeviceKernel {
             tok_host: [0; 3],
             log_host: Vec::new(),
             open: false,
+            resync: false,
         })
     }
 
@@ -258,14 +266,21 @@ impl DeviceKernel {
         tables: &[(RequestId, &[u32], u64)],
     ) -> Result<()> {
         self.dev.set_stream(stream);
-        // The changes, one pair an entry (its value now).
+        // The changes, one pair an entry (its value now); after a step that went wrong, all.
         self.changed.sort_unstable();
         self.changed.dedup();
-        let pairs: Vec<i32> = self
-            .changed
-            .iter()
-            .flat_map(|&e| [e as i32, mirror[e]])
-            .collect();
+        let pairs: Vec<i32> = if std::mem::take(&mut self.resync) {
+            mirror
+                .iter()
+                .enumerate()
+                .flat_map(|(e, &s)| [e as i32, s])
+                .collect()
+        } else {
+            self.changed
+                .iter()
+                .flat_map(|&e| [e as i32, mirror[e]])
+                .collect()
+        };
         // Victims are mirror entries: `new` checked that they fit an int32.
         let g: Vec<i32> = grant
             .iter()
@@ -414,6 +429,8 @@ impl DeviceKernel {
     /// a page past their request (which the kernel left without a slot).
     pub(super) fn close(&mut self, layers: u16) -> Result<(Vec<LogEntry>, ResolveCounts, u64)> {
         self.open = false;
+        // Until the step is read back in full, the host cannot tell what it changed.
+        self.resync = true;
         let d = &mut *self.dev;
         // SAFETY: `st` has ST_LEN words and `bits` a bit an entry; the marks an entry each.
         unsafe {
@@ -446,6 +463,8 @@ impl DeviceKernel {
                 failed: false,
             })
             .collect();
+        // (Entries past the log's room: copies the host never learns of.)
+        self.resync = written > cap;
         let mut seen = vec![false; self.grant_len];
         let mut refills = 0;
         for en in &log {
@@ -591,6 +610,9 @@ impl ResolverState {
             return None;
         }
         let k = self.kernel.as_mut()?;
+        if k.resync {
+            return None; // known to differ: the next step uploads the whole mirror
+        }
         let dev = match k.read_mirror() {
             Ok(m) => m,
             Err(e) => return Some(format!("the device's mirror could not be read: {e}")),
@@ -608,7 +630,7 @@ impl ResolverState {
     }
 
     /// [`ResolverState::resolve_layer`] by the kernel, over host memory (its device is the
-    /// CPU): one launch for the batch. The entries are checked first, as the reference does.
+    /// CPU): one launch for the batch, whose entries the caller checked.
     pub(super) fn launch_on_host_memory(
         &mut self,
         layer: u16,
@@ -625,22 +647,7 @@ impl ResolverState {
                 "device tensors: the resolver runs on a GPU (resolve_device)",
             ));
         }
-        let per = if tokens { 1 } else { u64::from(self.page_size) };
-        for (b, id) in rids.iter().enumerate() {
-            let t = self
-                .tables
-                .get(id)
-                .ok_or_else(|| Error::config("rids", id, "requests of the granted step"))?;
-            for &entry in &selection[b * k..(b + 1) * k] {
-                if entry >= 0 && entry as u64 * per >= t.len {
-                    return Err(Error::config(
-                        "selection",
-                        entry,
-                        format!("an entry inside its request's {} tokens", t.len),
-                    ));
-                }
-            }
-        }
+        let call = self.call + 1;
         let cells = (
             selection.as_ptr() as u64,
             table.as_mut_ptr() as u64,
@@ -651,8 +658,10 @@ impl ResolverState {
         // the caller), borrowed until the call returns, and the device runs its launches in
         // this process's memory before returning; `cells` is `rids.len() * k`.
         unsafe {
-            kern.launch(layer, rids, cells, self.call, self.page_size, tokens)?;
+            kern.launch(layer, rids, cells, call, self.page_size, tokens)?;
         }
+        self.call = call;
+        self.resolved[layer as usize] = true;
         for (b, row) in table.chunks(k.max(1)).enumerate() {
             for _ in row.iter().filter(|&&s| s == FAILED) {
                 self.failed_rids.push(rids[b]);
