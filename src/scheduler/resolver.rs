@@ -49,6 +49,7 @@ pub(crate) mod device;
 pub(crate) mod gpu;
 pub mod kernel;
 pub mod launch;
+mod tables;
 
 /// A mirror entry's device slot when the object is not on the device (as far as the device
 /// knows).
@@ -322,13 +323,16 @@ impl ResolverState {
             let capacity = cells * self.layers as usize;
             // (A length past the homes it has would name a page with none: bounded by them.)
             let ps = u64::from(self.page_size);
-            let tables: Vec<(RequestId, &[u32], u64)> = rids
+            let tables: Vec<tables::StepTable<'_>> = rids
                 .iter()
                 .filter_map(|id| {
                     let t = self.tables.get(id)?;
-                    Some((*id, &t.homes[..], t.len.min(t.homes.len() as u64 * ps)))
+                    let len = t.len.min(t.homes.len() as u64 * ps);
+                    Some((*id, t.serial, &t.homes[..], len))
                 })
                 .collect();
+            let running = &self.tables;
+            let live = |id: &RequestId| running.contains_key(id);
             k.open(
                 self.stream,
                 &self.grant,
@@ -336,7 +340,7 @@ impl ResolverState {
                 capacity,
                 &self.mirror,
                 wrapped,
-                &tables,
+                (&tables, &live),
             )?;
         }
         self.open = true;

@@ -18,6 +18,7 @@ use super::abi::{
 };
 use super::device::KernelDevice;
 use super::launch::LaunchArgs;
+use super::tables::{DeviceTables, Live, StepTable};
 use super::{LogEntry, ResolveCounts, ResolverState, ABSENT, FAILED};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
@@ -118,16 +119,17 @@ pub(crate) struct DeviceKernel {
     log: Buf,
     log_capacity: usize,
     grant_len: usize,
-    /// The step's page tables: a row per request of the step (`rids`), `width` homes each,
-    /// their lengths, and rows `0..n` (a batch that is the step's, in its order, needs no
-    /// upload of its rows).
-    tables: Buf,
+    /// The running requests' page tables (kept from step to step), their lengths, the step's
+    /// batch as rows of them (a batch that is the step's, in its order, needs no upload of
+    /// its rows), and a call's rows otherwise.
+    tables: DeviceTables,
     lens: Buf,
-    ident: Buf,
+    step_rows: Buf,
     rows: Buf,
-    changes: Buf,
     rids: Vec<RequestId>,
-    width: usize,
+    /// The uploads' (index, value) pairs: the mirror's changes, the tables'.
+    changes: Buf,
+    table_changes: Buf,
     /// The host's side: entries the core changed since the step last opened (uploaded when
     /// the next opens); what came back when the last step closed.
     pub(super) changed: Vec<usize>,
@@ -218,13 +220,13 @@ impl DeviceKernel {
             log: Buf::default(),
             log_capacity: 0,
             grant_len: 0,
-            tables: Buf::default(),
+            tables: DeviceTables::default(),
             lens: Buf::default(),
-            ident: Buf::default(),
+            step_rows: Buf::default(),
             rows: Buf::default(),
-            changes: Buf::default(),
             rids: Vec::new(),
-            width: 1,
+            changes: Buf::default(),
+            table_changes: Buf::default(),
             changed: Vec::new(),
             read: vec![0; words],
             st_host: [0; ST_LEN],
@@ -251,9 +253,10 @@ impl DeviceKernel {
     }
 
     /// Opens step `serial` on `stream` over `grant` with room for `log_capacity` log
-    /// entries: the changes to the mirror (`mirror` is the host's copy), the grant, the
-    /// batch's page tables (`tables`: per request of the step, its homes and length) and `st`
-    /// go in with one batch of uploads; when the serials wrapped, the marks are cleared.
+    /// entries: the changes to the mirror (`mirror` is the host's copy), the grant, what
+    /// changed of the batch's page tables (`tables`, in the batch's order; the rows of
+    /// requests `live` no longer names are let go) and `st` go in with one batch of uploads;
+    /// when the serials wrapped, the marks are cleared.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn open(
         &mut self,
@@ -263,7 +266,7 @@ impl DeviceKernel {
         log_capacity: usize,
         mirror: &[i32],
         wrapped: bool,
-        tables: &[(RequestId, &[u32], u64)],
+        (tables, live): (&[StepTable<'_>], Live<'_>),
     ) -> Result<()> {
         self.dev.set_stream(stream);
         // The changes, one pair an entry (its value now); after a step that went wrong, all.
@@ -286,18 +289,9 @@ impl DeviceKernel {
             .iter()
             .flat_map(|&(slot, victim)| [slot, victim as i32])
             .collect();
-        self.width = tables.iter().map(|t| t.1.len()).max().unwrap_or(0).max(1);
-        let mut homes = vec![0i32; tables.len() * self.width];
-        let mut lens = Vec::with_capacity(tables.len());
+        let t = self.tables.prepare(&mut *self.dev, tables, live)?;
         self.rids.clear();
-        for (r, &(id, hs, len)) in tables.iter().enumerate() {
-            self.rids.push(id);
-            for (p, &h) in hs.iter().enumerate() {
-                homes[r * self.width + p] = h as i32;
-            }
-            lens.push(len as i64);
-        }
-        let ident: Vec<i32> = (0..tables.len() as i32).collect();
+        self.rids.extend(tables.iter().map(|t| t.0));
         let mut st = [0u32; ST_LEN];
         st[ST_GRANT_LEN] = grant.len() as u32;
         st[ST_SERIAL] = serial;
@@ -306,20 +300,21 @@ impl DeviceKernel {
         Self::room(d, &mut self.grant, 4 * g.len())?;
         Self::room(d, &mut self.deferred, 4 * g.len())?;
         Self::room(d, &mut self.log, 4 * LOG_INTS * log_capacity)?;
-        Self::room(d, &mut self.tables, 4 * homes.len())?;
-        Self::room(d, &mut self.lens, 8 * lens.len())?;
-        Self::room(d, &mut self.ident, 4 * ident.len())?;
+        Self::room(d, &mut self.table_changes, 4 * t.pairs.len())?;
+        Self::room(d, &mut self.lens, 8 * t.lens.len())?;
+        Self::room(d, &mut self.step_rows, 4 * t.rows.len())?;
         let zero = [0u64; 2 * 64];
         // SAFETY: every destination has room for its bytes (sized above, or at `new`); the
         // fills cover the deferred list and the log as sized; the pairs' entries index the
-        // mirror (the host's mirror has the device's length); the marks have `entries` words.
+        // mirror (the host's mirror has the device's length) and the tables' pairs the tables
+        // (`prepare` sized them); the marks have `entries` words.
         unsafe {
             d.upload(&[
                 (self.changes.addr, bytes_of(&pairs)),
+                (self.table_changes.addr, bytes_of(&t.pairs)),
                 (self.grant.addr, bytes_of(&g)),
-                (self.tables.addr, bytes_of(&homes)),
-                (self.lens.addr, bytes_of(&lens)),
-                (self.ident.addr, bytes_of(&ident)),
+                (self.lens.addr, bytes_of(&t.lens)),
+                (self.step_rows.addr, bytes_of(&t.rows)),
                 (self.st, bytes_of(&st)),
                 (self.tok, bytes_of(&zero[..3])),
             ])?;
@@ -327,6 +322,11 @@ impl DeviceKernel {
             d.fill32(self.deferred.addr, NOT_YET as u32, g.len())?;
             d.fill32(self.log.addr, NOT_YET as u32, LOG_INTS * log_capacity)?;
             d.mirror_apply(self.changes.addr, (pairs.len() / 2) as u32, self.mirror)?;
+            d.mirror_apply(
+                self.table_changes.addr,
+                (t.pairs.len() / 2) as u32,
+                self.tables.addr,
+            )?;
             if wrapped {
                 d.fill32(self.marks, 0, self.entries)?;
                 d.fill32(self.filled, 0, self.entries)?;
@@ -358,18 +358,12 @@ impl DeviceKernel {
     ) -> Result<()> {
         // Batch rows to table rows: nothing to upload when the batch is the step's, in order.
         let rows = if rids == self.rids.as_slice() {
-            self.ident.addr
+            self.step_rows.addr
         } else {
-            let rows = rids
-                .iter()
-                .map(|id| {
-                    self.rids
-                        .iter()
-                        .position(|r| r == id)
-                        .map(|r| r as i32)
-                        .ok_or_else(|| Error::config("rids", id, "requests of the granted step"))
-                })
-                .collect::<Result<Vec<i32>>>()?;
+            if let Some(id) = rids.iter().find(|id| !self.rids.contains(id)) {
+                return Err(Error::config("rids", id, "requests of the granted step"));
+            }
+            let rows = self.tables.rows_of(rids)?;
             Self::room(&mut *self.dev, &mut self.rows, 4 * rows.len())?;
             // SAFETY: sized just above.
             unsafe { self.dev.upload(&[(self.rows.addr, bytes_of(&rows))])? };
@@ -407,7 +401,7 @@ impl DeviceKernel {
             },
             cells: cells as u32,
             k: k as u32,
-            pages_per_row: self.width as u32,
+            pages_per_row: self.tables.width as u32,
             layers: u32::from(self.layers),
             layer: u32::from(layer),
             page_size,
@@ -457,7 +451,7 @@ impl DeviceKernel {
             .map(|l| LogEntry {
                 g: l[0] as u32,
                 e: l[1] as u32,
-                rid: self.rids[l[2] as usize],
+                rid: self.tables.owners[l[2] as usize].expect("a row of the step"),
                 page: l[3] as u32,
                 call: l[4] as u32,
                 failed: false,
@@ -518,6 +512,7 @@ impl DeviceKernel {
 
 impl Drop for DeviceKernel {
     fn drop(&mut self) {
+        self.tables.release(&mut *self.dev);
         for a in [
             self.mirror,
             self.marks,
@@ -534,11 +529,11 @@ impl Drop for DeviceKernel {
             self.grant,
             self.deferred,
             self.log,
-            self.tables,
             self.lens,
-            self.ident,
+            self.step_rows,
             self.rows,
             self.changes,
+            self.table_changes,
         ] {
             if b.addr != 0 {
                 self.dev.free(b.addr);
