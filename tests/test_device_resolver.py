@@ -346,12 +346,15 @@ def test_bench_decode_resolve_device_pairs_the_two_paths_on_the_same_selections(
             layers=3, batch=4, context_min=512, context_max=1024, steps=4, warmup=3,
             budget=0.3, mode=mode, tokens=64, token_pages=8,
         )  # fmt: skip
-        r = bench_resolve.run(cfg)
-        assert r["steps"] == 4 and r["device_steps"] == 7 and r["device_fallbacks"] == 0, r
-        # Both sides read the same pages; the device side's loads differ only by what its
-        # grant's victims and holds keep, not by more than the host side loads.
-        assert r["device_loaded"] <= 2 * r["host_loaded"] + 64, r
-        assert "device/host" in bench_resolve.format_report(r)
+        for threads in (None, 2):
+            # With threads: the kernel's source on CPU threads, through a GPU's protocol.
+            r = bench_resolve.run(cfg, kernel_threads=threads)
+            assert r["steps"] == 4 and r["device_steps"] == 7 and r["device_fallbacks"] == 0, r
+            # Both sides read the same pages; the device side's loads differ only by what its
+            # grant's victims and holds keep, not by more than the host side loads.
+            assert r["device_loaded"] <= 2 * r["host_loaded"] + 64, r
+            assert (r["boundary_device_ms"] > 0) == (threads is not None), r
+            assert "device/host" in bench_resolve.format_report(r)
 
 
 def test_a_prefill_whose_layer_plan_makes_room_keeps_its_chunks_later_layers():

@@ -192,6 +192,16 @@ impl PyDeviceResolver {
             .py_err(py)
     }
 
+    /// Test builds: nanoseconds the host spent in the kernel's device calls when steps opened
+    /// and closed, in all (on the CPU the device's work itself; on a GPU queuing and the
+    /// step's one wait), or None on the reference. `bench decode --resolve device
+    /// --kernel-threads` takes it out of the core's time.
+    #[cfg(feature = "testing")]
+    #[pyo3(name = "_kernel_device_ns")]
+    fn kernel_device_ns(&self, py: Python<'_>) -> Option<u64> {
+        py.detach(|| self.state.lock().kernel_device_ns())
+    }
+
     /// Whether a step is granted and not yet ended.
     #[getter]
     fn step_open(&self, py: Python<'_>) -> bool {

@@ -10,6 +10,13 @@ the resolver's own time taken out), the median of the per-step ratios, and the r
 apart. The resolver here is the reference implementation, on the CPU: its time is not what a
 GPU would spend, and not the figure that counts; the core's is.
 
+With `kernel_threads` (test builds: `make build`), the device side runs the CUDA kernel's own
+source on that many CPU threads, through the protocol a GPU gets: the step's uploads (the
+mirror's changes, the grant, what changed of the page tables) packed when it opens, its log
+read back and followed when it closes. That host work is the core's on a GPU too, and is in
+the core's time here; the device's work at those boundaries (the copies, fills and small
+kernels, on the CPU here) is taken out, as the launches are.
+
 Rows are one head of one dimension (the core's work does not depend on the row bytes), so a
 stack at the default shape holds a few GB: the KV host pool, Indexer-K on device and host.
 """
@@ -23,6 +30,7 @@ import numpy as np
 import torch
 
 from sparsetier import _core
+from sparsetier.errors import ConfigError
 from sparsetier.tools.bench_decode import (
     WARMUP_CAP,
     DecodeBenchConfig,
@@ -37,7 +45,14 @@ PREFILL_CHUNK = 8192  # tokens a prefill extends at once (then written through)
 class JoinedStack:
     """A joined scheduler at the bench's shape with every request admitted and prefilled."""
 
-    def __init__(self, cfg: DecodeBenchConfig, lens: np.ndarray, device_pages: int, resolve):
+    def __init__(
+        self,
+        cfg: DecodeBenchConfig,
+        lens: np.ndarray,
+        device_pages: int,
+        resolve,
+        kernel_threads: int | None = None,
+    ):
         ps, layers = cfg.page_size, cfg.layers
         # Every request's pages through the longest run (warm-up cap and timed steps), on
         # host (the KV host pool and Indexer-K's) and on the device (Indexer-K).
@@ -75,11 +90,22 @@ class JoinedStack:
                 self.s.end_step()  # written through, so the next chunk finds room
                 done += step
         self.s.drain()
+        if kernel_threads is not None and self.resolver is not None:
+            from sparsetier import testing
+
+            testing.use_host_kernel(self.resolver, kernel_threads)
+
+    def _device_ns(self) -> int:
+        """The kernel's device time at step boundaries so far (0 on the reference)."""
+        if self.resolver is None or not hasattr(self.resolver, "_kernel_device_ns"):
+            return 0
+        return self.resolver._kernel_device_ns() or 0
 
     def step(self, rids: np.ndarray, sel: np.ndarray, unit: int, tokens: bool) -> dict:
         """One timed step; returns the core's CPU (wall, less waits and the resolver's time),
         the resolver's time, and the record."""
         s, pc = self.s, time.perf_counter
+        dev0 = self._device_ns()
         t = pc()
         s.append(rids)
         resolver_s = 0.0
@@ -96,17 +122,23 @@ class JoinedStack:
                 s.finish(plan)
         rec = s.end_step()
         wall = pc() - t
-        core_s = wall - resolver_s - rec["exposed_wait_ns"] / 1e9
-        return {"core_s": core_s, "resolver_s": resolver_s, "rec": rec}
+        boundary_s = (self._device_ns() - dev0) / 1e9
+        core_s = wall - resolver_s - boundary_s - rec["exposed_wait_ns"] / 1e9
+        return {"core_s": core_s, "resolver_s": resolver_s, "boundary_s": boundary_s, "rec": rec}
 
 
-def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
-    """Builds the two stacks, warms them up and times `cfg.steps` paired steps."""
+def run(cfg: DecodeBenchConfig, progress: bool = False, kernel_threads: int | None = None) -> dict:
+    """Builds the two stacks, warms them up and times `cfg.steps` paired steps; with
+    `kernel_threads`, the device side runs the kernel's source on CPU threads (module docs)."""
     cfg.check()
+    if kernel_threads is not None and not hasattr(_core.DeviceResolver, "_use_host_kernel"):
+        raise ConfigError.of(
+            "kernel_threads", str(kernel_threads), "a build with the host kernel (make build)"
+        )
     lens, device_pages, _ = sizes(cfg)
     t0 = time.perf_counter()
     host = JoinedStack(cfg, lens, device_pages, "host")
-    dev = JoinedStack(cfg, lens, device_pages, "device")
+    dev = JoinedStack(cfg, lens, device_pages, "device", kernel_threads)
     setup_s = time.perf_counter() - t0
     sels = Selections(cfg, lens)
     rids = np.arange(cfg.batch, dtype=np.int64)
@@ -136,16 +168,18 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     host_ms = [r[0]["core_s"] * 1e3 for r in rows]
     dev_ms = [r[1]["core_s"] * 1e3 for r in rows]
     resolver_ms = [r[1]["resolver_s"] * 1e3 for r in rows]
+    boundary_ms = [r[1]["boundary_s"] * 1e3 for r in rows]
     ratios = [d / h for h, d in zip(host_ms, dev_ms, strict=True)]
     totals = dev.s.device_stats()
     return {
-        "config": {**vars(cfg), "resolve": "device"},
+        "config": {**vars(cfg), "resolve": "device", "kernel_threads": kernel_threads},
         "setup_s": setup_s,
         "warmup": warm.describe(),
         "device_pages": device_pages,
         "host_core_ms": statistics.median(host_ms),
         "device_core_ms": statistics.median(dev_ms),
         "resolver_ms": statistics.median(resolver_ms),
+        "boundary_device_ms": statistics.median(boundary_ms),
         "ratio_device_host": statistics.median(ratios),
         "device_steps": totals["steps"],
         "device_fallbacks": totals["fallbacks"],
@@ -166,8 +200,15 @@ def format_report(r: dict) -> str:
             f"core CPU per step   host-resolved {r['host_core_ms']:.2f} ms | device-resolved "
             f"{r['device_core_ms']:.2f} ms | device/host {r['ratio_device_host']:.3f} (median "
             "of per-step ratios)",
-            f"resolver            {r['resolver_ms']:.2f} ms a step (the reference "
-            "implementation, on the CPU: not a GPU's time)",
+            (
+                f"resolver            {r['resolver_ms']:.2f} ms a step (the reference "
+                "implementation, on the CPU: not a GPU's time)"
+                if c.get("kernel_threads") is None
+                else f"resolver            {r['resolver_ms']:.2f} ms a step of launches, and "
+                f"{r['boundary_device_ms']:.2f} ms of the device's work when steps open and "
+                f"close (the kernel's source on {c['kernel_threads']} CPU threads: not a GPU's "
+                "time; taken out of the core's)"
+            ),
             f"pages loaded        host {r['host_loaded']} | device {r['device_loaded']}; "
             f"device steps {r['device_steps']}, planned on the host for want of a grant "
             f"{r['device_fallbacks']}",

@@ -336,6 +336,14 @@ def _bench_decode_parser(benches: argparse._SubParsersAction, out: argparse.Argu
         help="device: the joined scheduler's steps resolved by the device resolver "
         "(one grant a step), paired against the same steps planned on the host",
     )
+    p.add_argument(
+        "--kernel-threads",
+        type=int,
+        metavar="N",
+        help="with --resolve device, in a build with the host kernel (make build): resolve "
+        "with the CUDA kernel's source on N CPU threads, through the protocol a GPU gets "
+        "(its host work counted in the core's time)",
+    )
     p.set_defaults(bench=_bench_decode)
 
 
@@ -516,6 +524,8 @@ def _bench_decode(args: argparse.Namespace) -> dict:
         map_device=args.map_device, io_backend=args.io_backend,
         alone_steps=args.alone_steps, entry_dtype=args.entry_dtype,
     )  # fmt: skip
+    if args.kernel_threads is not None and args.resolve != "device":
+        raise ConfigError.of("kernel_threads", str(args.kernel_threads), "with --resolve device")
     if args.resolve == "device":
         from sparsetier.tools import bench_resolve
 
@@ -524,7 +534,7 @@ def _bench_decode(args: argparse.Namespace) -> dict:
                 "resolve", "device", "with --io-backend cpu, no --map-device and no --trace "
                 "(the device resolver runs its reference implementation on the CPU)"
             )  # fmt: skip
-        r = bench_resolve.run(cfg, progress=True)
+        r = bench_resolve.run(cfg, progress=True, kernel_threads=args.kernel_threads)
         print(bench_resolve.format_report(r))
         return r
     r = bench_decode.run(cfg, progress=True)

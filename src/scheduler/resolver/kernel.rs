@@ -143,6 +143,9 @@ pub(crate) struct DeviceKernel {
     /// The device's mirror may differ from the host's beyond the changes (a step whose
     /// read-back failed, or whose log lost entries): the next step uploads the whole mirror.
     resync: bool,
+    /// Time the host spent in the device's calls when steps opened and closed (queuing, and
+    /// on the CPU the device's work itself; the read-back's wait), in all.
+    pub(super) device_ns: u64,
 }
 
 impl DeviceKernel {
@@ -235,6 +238,7 @@ impl DeviceKernel {
             log_host: Vec::new(),
             open: false,
             resync: false,
+            device_ns: 0,
         })
     }
 
@@ -304,6 +308,7 @@ impl DeviceKernel {
         Self::room(d, &mut self.lens, 8 * t.lens.len())?;
         Self::room(d, &mut self.step_rows, 4 * t.rows.len())?;
         let zero = [0u64; 2 * 64];
+        let t0 = std::time::Instant::now();
         // SAFETY: every destination has room for its bytes (sized above, or at `new`); the
         // fills cover the deferred list and the log as sized; the pairs' entries index the
         // mirror (the host's mirror has the device's length) and the tables' pairs the tables
@@ -332,6 +337,7 @@ impl DeviceKernel {
                 d.fill32(self.filled, 0, self.entries)?;
             }
         }
+        self.device_ns += t0.elapsed().as_nanos() as u64;
         self.changed.clear();
         self.grant_len = grant.len();
         self.log_capacity = log_capacity;
@@ -425,6 +431,7 @@ impl DeviceKernel {
         self.open = false;
         // Until the step is read back in full, the host cannot tell what it changed.
         self.resync = true;
+        let t0 = std::time::Instant::now();
         let d = &mut *self.dev;
         // SAFETY: `st` has ST_LEN words and `bits` a bit an entry; the marks an entry each.
         unsafe {
@@ -445,6 +452,7 @@ impl DeviceKernel {
             self.dev
                 .read(&mut [(self.log.addr, bytes_of_mut(&mut self.log_host))])?
         };
+        self.device_ns += t0.elapsed().as_nanos() as u64;
         let log: Vec<LogEntry> = self
             .log_host
             .chunks(LOG_INTS)
@@ -584,6 +592,12 @@ impl ResolverState {
             self.order,
         )?);
         Ok(())
+    }
+
+    /// Time the host spent in the kernel's device calls when steps opened and closed, in all
+    /// (`None` on the reference): what a benchmark of the core takes out of a step.
+    pub fn kernel_device_ns(&self) -> Option<u64> {
+        self.kernel.as_ref().map(|k| k.device_ns)
     }
 
     /// Runs the kernel's source for every later step (test builds): on the CPU, `threads`
