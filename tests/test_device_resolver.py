@@ -287,6 +287,9 @@ def test_resolver_misuse_is_refused_before_anything_changes(kernel):
         res.resolve(0, rids, sel)
     assert e.value.field == "step"
     rt.scheduler.append(rids)
+    with pytest.raises(sp.ConfigError) as e:
+        rt.scheduler.begin_device_step(np.array([0, 0]), 3)
+    assert e.value.field == "rids"
     assert rt.scheduler.begin_device_step(rids, 3)
     with pytest.raises(sp.ConfigError) as e:
         rt.scheduler.begin_device_step(rids, 3)
@@ -299,6 +302,8 @@ def test_resolver_misuse_is_refused_before_anything_changes(kernel):
         (lambda: res.resolve(0, rids, sel.astype(np.int64)), "selection"),
         (lambda: res.resolve(0, rids, np.array([[0, 9, -1]], np.int32)), "selection"),
         (lambda: res.resolve(0, np.array([7]), sel), "rids"),
+        # One request twice: the step's grant and log were sized for its rows once each.
+        (lambda: res.resolve(0, np.array([0, 0]), np.zeros((2, 3), np.int32)), "rids"),
     ]:
         with pytest.raises(sp.ConfigError) as e:
             bad()

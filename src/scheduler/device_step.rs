@@ -224,11 +224,16 @@ impl StepScheduler<PrefixTier> {
             .iter()
             .map(|id| entries.min(self.requests[id].pages(ps) as usize))
             .sum();
+        let mut seen = rustc_hash::FxHashSet::default();
+        if let Some(id) = rids.iter().find(|id| !seen.insert(**id)) {
+            return Err(Error::config(
+                "rids",
+                id,
+                "distinct requests (this one twice)",
+            ));
+        }
         let state = link.state.clone();
         let mut st = state.lock();
-        if let Some(s) = stream {
-            st.set_stream(s);
-        }
         self.sync_mirror(&mut st)?;
         // Page tables: homes of the batch's pages (appended as they start), and lengths.
         for id in rids {
@@ -252,8 +257,16 @@ impl StepScheduler<PrefixTier> {
             .iter()
             .map(|&(s, v)| (s.raw() as i32, v.map_or(-1, |(e, _)| e as i64)))
             .collect();
+        // The step's stream, once the step is granted (the last one's back if it cannot open).
+        let before = st.stream();
+        if let Some(s) = stream {
+            st.set_stream(s);
+        }
         // Armed load failures (test builds) fail the resolver's copies this step.
-        st.open((rids, entries), grant, self.xfer.take_copy_faults(), cells)?;
+        if let Err(e) = st.open((rids, entries), grant, self.xfer.take_copy_faults(), cells) {
+            st.set_stream(before);
+            return Err(e);
+        }
         link.open = true;
         link.steps += 1;
         Ok(true)

@@ -145,6 +145,8 @@ pub struct ResolverState {
     /// granted for (its log and grant are sized by it).
     resolved: Vec<bool>,
     entries: usize,
+    /// The step's requests (a call's batch is some of them, each once).
+    step_rids: rustc_hash::FxHashSet<RequestId>,
     refill_at: usize,
     /// Grant entries passed over (a victim the resolving layer had read), for later layers.
     deferred: Vec<usize>,
@@ -223,6 +225,7 @@ impl ResolverState {
             stream: 0,
             resolved: vec![false; layers as usize],
             entries: 0,
+            step_rids: Default::default(),
         })
     }
 
@@ -296,6 +299,7 @@ impl ResolverState {
     ) -> Result<()> {
         self.resolved.fill(false);
         self.entries = entries;
+        self.step_rids = rids.iter().copied().collect();
         self.grant = grant;
         self.faults = faults;
         self.used = 0;
@@ -445,6 +449,25 @@ impl ResolverState {
         Ok(())
     }
 
+    /// A call's batch is requests of the step, each once (the grant and the log were sized
+    /// for the step's rows).
+    fn check_rids(&self, rids: &[RequestId]) -> Result<()> {
+        let mut seen = rustc_hash::FxHashSet::default();
+        for id in rids {
+            if !self.step_rids.contains(id) {
+                return Err(Error::config("rids", id, "requests of the granted step"));
+            }
+            if !seen.insert(*id) {
+                return Err(Error::config(
+                    "rids",
+                    id,
+                    "distinct requests (this one twice)",
+                ));
+            }
+        }
+        Ok(())
+    }
+
     /// Checks a batch on host memory before anything changes: its requests have tables (are
     /// running), and every entry lies inside its request's tokens.
     fn check_batch(
@@ -497,6 +520,7 @@ impl ResolverState {
                 ),
             ));
         }
+        self.check_rids(rids)?;
         self.check_batch(rids, selection, k, tokens)?;
         if self.kernel.is_some() {
             return self.launch_on_host_memory(layer, rids, selection, (k, tokens), table);
@@ -527,6 +551,7 @@ impl ResolverState {
         tokens: bool,
     ) -> Result<()> {
         self.check_call(layer, k)?;
+        self.check_rids(rids)?;
         let cells = rids.len() * k;
         if i32::try_from(cells).is_err() {
             return Err(Error::config(

@@ -18,7 +18,7 @@ use super::abi::{
 };
 use super::device::KernelDevice;
 use super::launch::LaunchArgs;
-use super::tables::{DeviceTables, Live, StepTable};
+use super::tables::{DeviceTables, Live, StepTable, TableUpload};
 use super::{LogEntry, ResolveCounts, ResolverState, ABSENT, FAILED};
 use crate::error::{Error, Result};
 use crate::ids::RequestId;
@@ -143,6 +143,8 @@ pub(crate) struct DeviceKernel {
     /// The device's mirror may differ from the host's beyond the changes (a step whose
     /// read-back failed, or whose log lost entries): the next step uploads the whole mirror.
     resync: bool,
+    /// The marks are still to clear (the serials wrapped at a step that could not open).
+    wrap_pending: bool,
     /// Time the host spent in the device's calls when steps opened and closed (queuing, and
     /// on the CPU the device's work itself; the read-back's wait), in all.
     pub(super) device_ns: u64,
@@ -238,6 +240,7 @@ impl DeviceKernel {
             log_host: Vec::new(),
             open: false,
             resync: false,
+            wrap_pending: false,
             device_ns: 0,
         })
     }
@@ -276,7 +279,7 @@ impl DeviceKernel {
         // The changes, one pair an entry (its value now); after a step that went wrong, all.
         self.changed.sort_unstable();
         self.changed.dedup();
-        let pairs: Vec<i32> = if std::mem::take(&mut self.resync) {
+        let pairs: Vec<i32> = if self.resync {
             mirror
                 .iter()
                 .enumerate()
@@ -294,10 +297,37 @@ impl DeviceKernel {
             .flat_map(|&(slot, victim)| [slot, victim as i32])
             .collect();
         let t = self.tables.prepare(&mut *self.dev, tables, live)?;
+        // From here a failure leaves the tables' rows unsent and the mirror's changes (or the
+        // whole mirror) still to send: the next step sends them again.
+        let wrapped = wrapped || self.wrap_pending;
+        let sent = self.send_step(&g, &pairs, &t, (serial, log_capacity, wrapped));
+        if let Err(e) = sent {
+            self.tables.invalidate();
+            self.wrap_pending = wrapped;
+            return Err(e);
+        }
+        self.wrap_pending = false;
+        self.resync = false;
+        self.changed.clear();
         self.rids.clear();
         self.rids.extend(tables.iter().map(|t| t.0));
+        self.grant_len = grant.len();
+        self.log_capacity = log_capacity;
+        self.open = true;
+        Ok(())
+    }
+
+    /// `open`'s buffers and uploads, in one batch: the grant `g`, the mirror's `pairs`, the
+    /// tables' `t`, and `st` for step `serial` with room for `log_capacity` log entries.
+    fn send_step(
+        &mut self,
+        g: &[i32],
+        pairs: &[i32],
+        t: &TableUpload,
+        (serial, log_capacity, wrapped): (u32, usize, bool),
+    ) -> Result<()> {
         let mut st = [0u32; ST_LEN];
-        st[ST_GRANT_LEN] = grant.len() as u32;
+        st[ST_GRANT_LEN] = (g.len() / 2) as u32;
         st[ST_SERIAL] = serial;
         let d = &mut *self.dev;
         Self::room(d, &mut self.changes, 4 * pairs.len())?;
@@ -315,9 +345,9 @@ impl DeviceKernel {
         // (`prepare` sized them); the marks have `entries` words.
         unsafe {
             d.upload(&[
-                (self.changes.addr, bytes_of(&pairs)),
+                (self.changes.addr, bytes_of(pairs)),
                 (self.table_changes.addr, bytes_of(&t.pairs)),
-                (self.grant.addr, bytes_of(&g)),
+                (self.grant.addr, bytes_of(g)),
                 (self.lens.addr, bytes_of(&t.lens)),
                 (self.step_rows.addr, bytes_of(&t.rows)),
                 (self.st, bytes_of(&st)),
@@ -338,10 +368,6 @@ impl DeviceKernel {
             }
         }
         self.device_ns += t0.elapsed().as_nanos() as u64;
-        self.changed.clear();
-        self.grant_len = grant.len();
-        self.log_capacity = log_capacity;
-        self.open = true;
         Ok(())
     }
 
@@ -456,15 +482,25 @@ impl DeviceKernel {
         let log: Vec<LogEntry> = self
             .log_host
             .chunks(LOG_INTS)
-            .map(|l| LogEntry {
-                g: l[0] as u32,
-                e: l[1] as u32,
-                rid: self.tables.owners[l[2] as usize].expect("a row of the step"),
-                page: l[3] as u32,
-                call: l[4] as u32,
-                failed: false,
+            .map(|l| {
+                let rid = usize::try_from(l[2])
+                    .ok()
+                    .and_then(|r| self.tables.owners.get(r).copied().flatten());
+                let ok = rid.is_some() && (l[0] as usize) < self.grant_len;
+                ok.then(|| LogEntry {
+                    g: l[0] as u32,
+                    e: l[1] as u32,
+                    rid: rid.expect("checked"),
+                    page: l[3] as u32,
+                    call: l[4] as u32,
+                    failed: false,
+                })
+                .ok_or_else(|| Error::Internal {
+                    site: "scheduler::resolver::kernel::close".into(),
+                    message: format!("a log entry names no row or grant entry of the step: {l:?}"),
+                })
             })
-            .collect();
+            .collect::<Result<_>>()?;
         // (Entries past the log's room: copies the host never learns of.)
         self.resync = written > cap;
         let mut seen = vec![false; self.grant_len];

@@ -109,6 +109,14 @@ impl DeviceTables {
         Ok(up)
     }
 
+    /// Forgets what the device has of every row (an upload that may not have reached it):
+    /// each is sent whole at its request's next step.
+    pub(super) fn invalidate(&mut self) {
+        for r in self.rows.values_mut() {
+            r.sent = 0;
+        }
+    }
+
     /// The rows of `rids`, which must be requests of the step.
     pub(super) fn rows_of(&self, rids: &[RequestId]) -> Result<Vec<i32>> {
         rids.iter()
