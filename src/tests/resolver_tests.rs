@@ -331,6 +331,83 @@ proptest! {
 #[cfg(feature = "host-kernel")]
 #[test]
 fn the_kernels_racing_cells_read_their_objects_bytes() {
+    race(None);
+}
+
+/// The same, on a device whose uploads fail when told (as a `cuMemcpyHtoDAsync` or an
+/// allocation may): every third step, the first among them, cannot open, and opens at the
+/// second try. Nothing is left half-sent: the mirror's changes and the page tables go again,
+/// and every cell still reads its object's bytes (without the tables sent again, the first
+/// step's cells read pages the device never got).
+#[cfg(feature = "host-kernel")]
+#[test]
+fn a_step_that_cannot_open_leaves_the_device_whole() {
+    let fail = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    race(Some(fail));
+}
+
+/// The CPU as the kernel's device, its uploads failing while `fail` is set.
+#[cfg(feature = "host-kernel")]
+#[derive(Debug)]
+struct Flaky {
+    inner: crate::scheduler::resolver::device::HostDevice,
+    fail: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[cfg(feature = "host-kernel")]
+impl crate::scheduler::resolver::device::KernelDevice for Flaky {
+    fn alloc(&mut self, bytes: usize) -> crate::error::Result<u64> {
+        self.inner.alloc(bytes)
+    }
+    fn free(&mut self, addr: u64) {
+        self.inner.free(addr)
+    }
+    fn set_stream(&mut self, stream: u64) {
+        self.inner.set_stream(stream)
+    }
+    fn host_memory(&self) -> bool {
+        true
+    }
+    unsafe fn upload(&mut self, parts: &[(u64, &[u8])]) -> crate::error::Result<()> {
+        if self.fail.load(std::sync::atomic::Ordering::Relaxed) {
+            // Half of the batch went before the failure.
+            // SAFETY: the caller's contract.
+            unsafe { self.inner.upload(&parts[..parts.len() / 2])? };
+            return Err(crate::error::Error::Cuda {
+                call: "cuMemcpyHtoDAsync",
+                message: "injected".into(),
+            });
+        }
+        // SAFETY: the caller's contract.
+        unsafe { self.inner.upload(parts) }
+    }
+    unsafe fn fill32(&mut self, dst: u64, value: u32, n: usize) -> crate::error::Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.inner.fill32(dst, value, n) }
+    }
+    unsafe fn read(&mut self, parts: &mut [(u64, &mut [u8])]) -> crate::error::Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.inner.read(parts) }
+    }
+    unsafe fn resolve(
+        &mut self,
+        args: &crate::scheduler::resolver::launch::LaunchArgs,
+    ) -> crate::error::Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.inner.resolve(args) }
+    }
+    unsafe fn mirror_apply(&mut self, c: u64, n: u32, m: u64) -> crate::error::Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.inner.mirror_apply(c, n, m) }
+    }
+    unsafe fn marks_read(&mut self, m: u64, st: u64, e: u32, b: u64) -> crate::error::Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.inner.marks_read(m, st, e, b) }
+    }
+}
+
+#[cfg(feature = "host-kernel")]
+fn race(flaky: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
     // xorshift64: a fixed stream, so a failure repeats.
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move |n: u64| {
@@ -345,7 +422,16 @@ fn the_kernels_racing_cells_read_their_objects_bytes() {
     let cells = ROWS * KK;
     let slots = (cells + H as usize * LAYERS as usize) as u32;
     let mut f = fixture(slots, H);
-    f.st.use_host_kernel(8).unwrap();
+    match &flaky {
+        None => f.st.use_host_kernel(8).unwrap(),
+        Some(fail) => {
+            f.st.use_kernel(Box::new(Flaky {
+                inner: crate::scheduler::resolver::device::HostDevice::new(8),
+                fail: fail.clone(),
+            }))
+            .unwrap()
+        }
+    }
     let rids: Vec<RequestId> = (0..ROWS as u64).map(RequestId::new).collect();
     let pairs: Vec<(u32, u32)> = (0..H).map(|h| (h, 0)).collect();
     for &id in &rids {
@@ -371,6 +457,14 @@ fn the_kernels_racing_cells_read_their_objects_bytes() {
         let mut grant: Vec<(i32, i64)> = named.iter().map(|&(e, s)| (s, e as i64)).collect();
         while grant.len() < cells {
             grant.push((free.pop().expect("a free slot"), -1));
+        }
+        if let Some(fail) = flaky.as_ref().filter(|_| step % 3 == 0) {
+            fail.store(true, std::sync::atomic::Ordering::Relaxed);
+            assert!(f
+                .st
+                .open((&rids, KK), grant.clone(), Vec::new(), cells)
+                .is_err());
+            fail.store(false, std::sync::atomic::Ordering::Relaxed);
         }
         f.st.open((&rids, KK), grant, Vec::new(), cells).unwrap();
         let mut distinct = [0usize; LAYERS as usize];
