@@ -105,6 +105,10 @@ run)
                 --selection "$mode" >> "$OUT/resolver.txt" 2>&1
             echo "resolver demo $mode: exit $?" >> "$OUT/resolver.txt"
         done
+        # With injected faults: the host-planned steps take them, the kernel's steps none.
+        timeout 60 python3 -m sparsetier.tools.cli demo --device cuda --quiet --resolve device \
+            --faults >> "$OUT/resolver.txt" 2>&1
+        echo "resolver demo block faults: exit $?" >> "$OUT/resolver.txt"
         timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_runtime.py \
             -k device_resolve >> "$OUT/resolver.txt" 2>&1
         echo "resolver runtime pytest: exit $?" >> "$OUT/resolver.txt"
