@@ -52,6 +52,7 @@ extern "C" {
 /// As [`super::launch::ResolveKernel::launch`], with host memory for device memory.
 #[cfg(feature = "host-kernel")]
 pub unsafe fn launch_on_host(threads: u32, args: &LaunchArgs) {
+    let [cells, k, pages_per_row, layers, layer, page_size, tokens] = args.ints();
     // SAFETY: the caller's contract.
     unsafe {
         sparsetier_resolve_host(
@@ -63,13 +64,13 @@ pub unsafe fn launch_on_host(threads: u32, args: &LaunchArgs) {
             args.table as *mut i32,
             args.step,
             args.geo,
-            args.cells as i32,
-            args.k as i32,
-            args.pages_per_row as i32,
-            args.layers as i32,
-            args.layer as i32,
-            args.page_size as i32,
-            i32::from(args.tokens),
+            cells,
+            k,
+            pages_per_row,
+            layers,
+            layer,
+            page_size,
+            tokens,
         )
     }
 }
@@ -392,9 +393,7 @@ impl DeviceKernel {
         let rows = if rids == self.rids.as_slice() {
             self.step_rows.addr
         } else {
-            if let Some(id) = rids.iter().find(|id| !self.rids.contains(id)) {
-                return Err(Error::config("rids", id, "requests of the granted step"));
-            }
+            // (The resolver checked that they are requests of the step, each once.)
             let rows = self.tables.rows_of(rids)?;
             Self::room(&mut *self.dev, &mut self.rows, 4 * rows.len())?;
             // SAFETY: sized just above.

@@ -56,6 +56,22 @@ pub struct LaunchArgs {
     pub blocks: Option<u32>,
 }
 
+impl LaunchArgs {
+    /// The kernel's int parameters, in its order: cells, k, pages_per_row, layers, layer,
+    /// page_size, tokens.
+    pub fn ints(&self) -> [i32; 7] {
+        [
+            self.cells as i32,
+            self.k as i32,
+            self.pages_per_row as i32,
+            self.layers as i32,
+            self.layer as i32,
+            self.page_size as i32,
+            i32::from(self.tokens),
+        ]
+    }
+}
+
 /// The kernel, loaded on one device.
 pub struct ResolveKernel {
     ctx: Arc<CudaContext>,
@@ -216,19 +232,10 @@ impl ResolveKernel {
             .blocks
             .unwrap_or_else(|| args.cells.div_ceil(warps_a_block).min(4096))
             .max(1);
-        let _bound = CurrentContext::bind(&self.ctx)?;
         let (mut sel, mut rows, mut tables, mut lens, mut table) =
             (args.sel, args.rows, args.tables, args.lens, args.table);
         let (mut step, mut geo) = (args.step, args.geo);
-        let mut ints: [i32; 7] = [
-            args.cells as i32,
-            args.k as i32,
-            args.pages_per_row as i32,
-            args.layers as i32,
-            args.layer as i32,
-            args.page_size as i32,
-            i32::from(args.tokens),
-        ];
+        let mut ints = args.ints();
         let [cells, k, ppr, layers, layer, page_size, tokens] = &mut ints;
         // The kernel's parameters in order, each a pointer to its value.
         let mut params: [*mut c_void; 14] = [
@@ -247,25 +254,9 @@ impl ResolveKernel {
             page_size as *mut i32 as *mut c_void,
             tokens as *mut i32 as *mut c_void,
         ];
-        // SAFETY: the function is loaded in this context (bound above); each parameter points
-        // to a live local of the kernel's parameter type (u64 device addresses for its
-        // pointers, the `#[repr(C)]` structs for `Step` and `Geometry`, i32 for its ints),
-        // copied by the driver at the call; the buffers are the caller's contract.
-        let r = unsafe {
-            sys::cuLaunchKernel(
-                self.func.cu_function(),
-                blocks,
-                1,
-                1,
-                THREADS,
-                1,
-                1,
-                0,
-                stream as sys::CUstream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        };
-        check(r, "cuLaunchKernel")
+        // SAFETY: each parameter points to a live local of the kernel's parameter type (u64
+        // device addresses for its pointers, the `#[repr(C)]` structs for `Step` and
+        // `Geometry`, i32 for its ints); the buffers are the caller's contract.
+        unsafe { self.raw_launch(&self.func, blocks, stream, &mut params) }
     }
 }
