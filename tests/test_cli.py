@@ -429,7 +429,7 @@ def test_bench_decode_hands_rows_over_as_int32_and_plans_them_alike(mode, tmp_pa
     assert e.value.field == "entry_dtype"
     sel = np.arange(6, dtype=np.int64).reshape(1, 2, 3)
     for dtype in ("int64", "int32"):
-        given = bench_decode._entries(bench_decode.DecodeBenchConfig(entry_dtype=dtype), sel)
+        given = bench_decode.as_given(bench_decode.DecodeBenchConfig(entry_dtype=dtype), sel)
         assert given.dtype == np.dtype(dtype) and (given == sel).all()
 
 

@@ -229,6 +229,8 @@ class RuntimeMachine(RuleBasedStateMachine):
 
     @invariant()
     def settle(self):
+        # (The device path's resolver keeps its pool across a drain: the next steps run on
+        # what earlier ones left on the device.)
         self.rt.drain()
 
     @invariant()

@@ -188,6 +188,11 @@ impl Directory {
         self.core.lock().take_victims(victims)
     }
 
+    /// See [`core::Core::granted`].
+    pub fn granted(&self) -> usize {
+        self.core.lock().granted()
+    }
+
     /// See [`core::Core::return_slots`].
     pub fn return_slots(&self, slots: &[crate::ids::SlotId]) -> Result<()> {
         self.core.lock().return_slots(slots)

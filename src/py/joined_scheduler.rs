@@ -141,7 +141,8 @@ impl PyJoinedStepScheduler {
     }
 
     /// Device-resolve counters: steps resolved on the device, steps planned on the host for
-    /// want of a grant, grant entries standing, objects held for the device.
+    /// want of a grant, grant entries standing, slots filled twice in a step, the slots of
+    /// the resolver's pool, and the objects only the resolver's slots hold (`pool_live`).
     fn device_stats<'py>(
         slf: &Bound<'py, Self>,
         py: Python<'py>,
@@ -152,6 +153,8 @@ impl PyJoinedStepScheduler {
         d.set_item("steps", t.steps)?;
         d.set_item("fallbacks", t.fallbacks)?;
         d.set_item("granted", t.granted)?;
+        d.set_item("pool", t.pool)?;
+        d.set_item("pool_live", t.pool_live)?;
         d.set_item("refills", t.refills)?;
         Ok(d)
     }

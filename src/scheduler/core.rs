@@ -414,12 +414,31 @@ impl<T: Tier> StepScheduler<T> {
             None => dir.allocate(keys),
         };
         match alloc(&self.dir) {
-            Err(Error::OutOfSlots { .. }) => {
-                self.make_room()?;
+            Err(e @ Error::OutOfSlots { .. }) => {
+                if !self.reclaim_for(&e)? {
+                    self.make_room()?;
+                }
                 alloc(&self.dir)
             }
             r => r,
         }
+    }
+
+    /// After `err`, a device `OutOfSlots`: frees what the call lacked from what the tier
+    /// keeps on the device for itself (the device resolver's pool), when it can. Returns
+    /// whether it did (the call may then be retried without making room).
+    pub(super) fn reclaim_for(&mut self, err: &Error) -> Result<bool> {
+        let Error::OutOfSlots {
+            tier: "device",
+            requested,
+            free,
+            evictable,
+        } = *err
+        else {
+            return Ok(false);
+        };
+        let short = requested.saturating_sub(free + evictable);
+        Ok(short > 0 && T::reclaim(self, short)? >= short)
     }
 
     /// Resolves a plan's new keys (none when every page was kept): pins them and plans the
@@ -437,7 +456,11 @@ impl<T: Tier> StepScheduler<T> {
             return Ok(Resolution::Resolved(None));
         }
         match self.dir.resolve_hinted(keys, hints, Some(needed_bytes)) {
-            Err(Error::OutOfSlots { .. }) => {
+            Err(e @ Error::OutOfSlots { .. }) => {
+                if self.reclaim_for(&e)? {
+                    let r = self.dir.resolve_hinted(keys, hints, Some(needed_bytes))?;
+                    return Ok(Resolution::Resolved(Some(r)));
+                }
                 self.make_room()?;
                 if read_kept {
                     return Ok(Resolution::StartOver);

@@ -10,7 +10,8 @@
 //! # The grant
 //! A standing list of device slots the device may fill, taken in order: free slots first,
 //! then victims (the core's least recently used evictable objects, pinned so that the host
-//! cannot move them, still readable and still in the mirror). It holds at least one entry per
+//! cannot move them, still readable and still in the mirror), then the slots of the
+//! resolver's pool (`device_pool.rs`) in clock order. It holds at least one entry per
 //! cell a layer can miss (`cells`: per row, its entries or its pages if fewer; the slots
 //! earlier layers filled are filled again once the grant is spent), so a step never runs out;
 //! when the device cannot give that many, `begin_device_step` says so and the step plans on
@@ -18,38 +19,67 @@
 //! What a step did not take stays granted.
 //!
 //! # Reconcile (at `end_step`)
-//! For each entry the step took: a victim is evicted (`take_victim`); the object copied in is
-//! adopted at the slot (`adopt`), or, when it came to the device another way meanwhile, the
-//! slot is given back and the mirror names where it is. Victims the step read are given back
-//! to the LRU (they are hot).
+//! For each entry the step took: a victim is evicted (`take_victim`), and the slot joins the
+//! pool with the object copied in, which stays the resolver's (the directory never learns of
+//! it: no work per miss). Victims the step read are given back to the LRU (they are hot); the
+//! pool's slots it passed over go to the pool's back.
+//!
+//! # The pool
+//! Slots the resolver owns between steps, granted in the directory. When the host lacks
+//! device slots and the directory has nothing to evict, the pool frees them from its front
+//! (`reclaim_device`); `make_room` gives it back whole, its objects adopted where they are.
 //!
 //! # Recency
 //! The core's LRU does not see the device's hits. So victims are chosen by second chance: a
 //! least recently used object the last device step read (the resolver's read marks) goes back
-//! to the LRU's end instead, as its hit would have put it. Nothing the device reads is pinned
+//! to the LRU's end instead, as its hit would have put it (the pool's clock does the same
+//! with its slots). Nothing the device reads is pinned
 //! between steps: what the host evicts then is logged and leaves the mirror at the next grant,
 //! and on a GPU the host's copies are stream-ordered after the device's reads.
 //!
 //! # Invariants (`validate`)
-//! Every mirror entry names a device-Ready object of the directory at that slot (or a slot
-//! granted and filled this step); every object of a running request on the device is in the
-//! mirror (the host's loads enter it too: `Tier::count_loads`); the grant's slots are the
-//! directory's granted slots and victims.
+//! Every mirror entry names a device-Ready object of the directory at that slot, or a slot of
+//! the resolver's that holds it; every object of a running request on the device is in the
+//! mirror (the host's loads enter it too: `Tier::count_loads`); the resolver's slots (the
+//! pool's, and the grant's that are not victims) are distinct and are the directory's granted
+//! slots.
 
-use super::core::{StepScheduler, NONE};
+use super::core::StepScheduler;
+use super::device_pool::DevicePool;
 use super::prefix::HOST_NS;
 use super::record::StepRecord;
 use super::resolver::{ResolverState, ABSENT};
 use super::tier::Tier;
 use super::PrefixTier;
-use crate::directory::{DeviceState, LayerGroup, ObjectHint, ObjectKey};
+use crate::directory::{DeviceState, LayerGroup, ObjectKey};
 use crate::error::{Error, Result};
 use crate::ids::{RequestId, SlotId};
 use parking_lot::Mutex;
 use std::sync::Arc;
 
-/// A grant entry: its slot, and its victim's (mirror entry, object index) when not free.
-type Entry = (SlotId, Option<(usize, u32)>);
+/// What a grant entry's slot holds when granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Held {
+    /// Nothing: a free slot.
+    Free,
+    /// A directory object the device may evict: (mirror entry, object index).
+    Victim(usize, u32),
+    /// The object a step copied into this pool slot (its mirror entry).
+    Pool(usize),
+}
+
+impl Held {
+    /// The mirror entry the kernel evicts when it takes the slot, or -1.
+    fn victim(self) -> i64 {
+        match self {
+            Held::Free => -1,
+            Held::Victim(e, _) | Held::Pool(e) => e as i64,
+        }
+    }
+}
+
+/// A grant entry: its slot, and what it holds.
+pub(super) type Entry = (SlotId, Held);
 
 /// The link between a joined scheduler and its device resolver.
 pub(crate) struct DeviceLink {
@@ -58,8 +88,10 @@ pub(crate) struct DeviceLink {
     pub(crate) adds: Vec<usize>,
     /// Host pages that got a new generation: their entries name another page's objects now.
     pub(crate) bumped: Vec<u32>,
-    grant: Vec<Entry>,
-    open: bool,
+    pub(super) grant: Vec<Entry>,
+    /// Slots the resolver keeps between steps, with what it copied into them.
+    pub(super) pool: DevicePool,
+    pub(super) open: bool,
     /// Device steps run, steps that planned on the host for want of a grant, and slots
     /// filled twice in a step.
     steps: u64,
@@ -89,6 +121,12 @@ pub struct DeviceTotals {
     pub fallbacks: u64,
     /// Grant entries standing.
     pub granted: u64,
+    /// Slots in the resolver's pool (outside the grant).
+    pub pool: u64,
+    /// Objects the resolver's slots hold (pool and grant) that the mirror names there and the
+    /// directory has nowhere else on the device: what the resolver adds to the device's
+    /// residency.
+    pub pool_live: u64,
     /// Slots a step filled again after an earlier layer of it had filled them.
     pub refills: u64,
 }
@@ -155,6 +193,7 @@ impl StepScheduler<PrefixTier> {
             adds,
             bumped: Vec::new(),
             grant: Vec::new(),
+            pool: DevicePool::default(),
             open: false,
             steps: 0,
             fallbacks: 0,
@@ -175,7 +214,7 @@ impl StepScheduler<PrefixTier> {
     }
 
     /// The mirror entry of a joined object key.
-    fn entry_of(&self, key: &ObjectKey) -> usize {
+    pub(super) fn entry_of(&self, key: &ObjectKey) -> usize {
         let h = (key.namespace.id - HOST_NS) as usize;
         let LayerGroup::Layer(l) = key.layers else {
             unreachable!("main-KV objects are per layer")
@@ -255,7 +294,7 @@ impl StepScheduler<PrefixTier> {
         let grant = link
             .grant
             .iter()
-            .map(|&(s, v)| (s.raw() as i32, v.map_or(-1, |(e, _)| e as i64)))
+            .map(|&(s, held)| (s.raw() as i32, held.victim()))
             .collect();
         // The step's stream, once the step is granted (the last one's back if it cannot open).
         let before = st.stream();
@@ -302,8 +341,10 @@ impl StepScheduler<PrefixTier> {
         Ok(())
     }
 
-    /// Tops the grant up to `want` entries (at least `cells`): free slots, then victims.
-    /// Returns whether it has `cells` (when not, what it took stays granted).
+    /// Tops the grant up to `want` entries (at least `cells`): free slots, then the
+    /// directory's victims (the pool grows into the device), then the pool's slots in clock
+    /// order, those the last step read last. Returns whether it has `cells` (when not, what
+    /// it took stays granted).
     fn top_up(&mut self, cells: usize, want: usize, st: &mut ResolverState) -> Result<bool> {
         let have = self.tier.device.as_ref().map_or(0, |l| l.grant.len());
         if have >= want {
@@ -314,7 +355,12 @@ impl StepScheduler<PrefixTier> {
         let take = need.min(free);
         let mut fresh: Vec<Entry> = Vec::with_capacity(need);
         if take > 0 {
-            fresh.extend(self.dir.grant_slots(take)?.into_iter().map(|s| (s, None)));
+            fresh.extend(
+                self.dir
+                    .grant_slots(take)?
+                    .into_iter()
+                    .map(|s| (s, Held::Free)),
+            );
             need -= take;
         }
         if need > 0 {
@@ -330,19 +376,36 @@ impl StepScheduler<PrefixTier> {
             let victims = self
                 .dir
                 .grant_victims(need, |key| entry(key).is_some_and(|e| st.was_read(e)));
+            need -= victims.len();
             for (idx, key, slot) in victims {
-                fresh.push((slot, Some((self.entry_of(&key), idx))));
+                fresh.push((slot, Held::Victim(self.entry_of(&key), idx)));
             }
         }
         // A victim the mirror does not name yet (it came to the device another way) enters
         // it: a cell that selects it hits, so a layer passes over at most as many victims as
         // it hits, and no object is copied in twice.
-        for &(slot, v) in &fresh {
-            if let Some((e, _)) = v {
+        for &(slot, held) in &fresh {
+            if let Held::Victim(e, _) = held {
                 st.set(e, slot.raw() as i32);
             }
         }
         let link = self.tier.device.as_mut().expect("checked by the caller");
+        if need > 0 {
+            let fetch = |e: usize| st.prefetch_read(e);
+            let mut pooled = Vec::with_capacity(need);
+            link.pool
+                .take(need, true, |e| st.was_read(e), fetch, &mut pooled);
+            let short = need.saturating_sub(pooled.len());
+            if link.grant.len() + fresh.len() + pooled.len() < cells {
+                // Not enough without them: the slots the last step read too.
+                link.pool.take(short, false, |_| false, fetch, &mut pooled);
+            }
+            fresh.extend(
+                pooled
+                    .into_iter()
+                    .map(|(s, e)| (s, e.map_or(Held::Free, Held::Pool))),
+            );
+        }
         link.grant.extend(fresh);
         Ok(link.grant.len() >= cells)
     }
@@ -359,93 +422,45 @@ impl StepScheduler<PrefixTier> {
         link.open = false;
         let state = link.state.clone();
         let mut done = state.lock().close()?;
-        let grant = std::mem::take(&mut link.grant);
+        let mut grant = std::mem::take(&mut link.grant);
         self.xfer
             .restore_copy_faults(std::mem::take(&mut done.faults));
-        let mut taken = vec![false; done.used];
+        // Each taken entry's last copy: a slot filled more than once this step holds its
+        // last object (none when that copy failed).
+        const UNTAKEN: u32 = u32::MAX;
+        const EMPTY: u32 = u32::MAX - 1;
+        let mut owner = vec![UNTAKEN; done.used];
         for en in &done.log {
-            taken[en.g as usize] = true;
+            owner[en.g as usize] = if en.failed { EMPTY } else { en.e };
         }
-        // Victims first: the device evicted those it took; those it passed over it read, so
-        // they go back to the LRU as the most recently used.
+        // Victims the device took are evicted; those it passed over it read, so they go back
+        // to the LRU as the most recently used. Every other slot the step went through stays
+        // the resolver's, in the pool, with what it holds now.
         let mut evicted = Vec::new();
         let mut back = Vec::new();
-        for (g, &(slot, victim)) in grant[..done.used].iter().enumerate() {
-            match (victim, taken[g]) {
-                (Some((_, idx)), true) => evicted.push((idx, slot)),
-                (Some((_, idx)), false) => back.push(idx),
-                (None, _) => {}
+        let link = self.tier.device.as_mut().expect("checked above");
+        for (g, (slot, held)) in grant.drain(..done.used).enumerate() {
+            let now = (owner[g] < EMPTY).then_some(owner[g] as usize);
+            match (held, owner[g]) {
+                (Held::Victim(_, idx), UNTAKEN) => back.push(idx),
+                (Held::Victim(_, idx), _) => {
+                    evicted.push((idx, slot));
+                    link.pool.push(slot, now);
+                }
+                (Held::Pool(e), UNTAKEN) => link.pool.push(slot, Some(e)),
+                (Held::Free, UNTAKEN) => link.pool.push(slot, None),
+                (_, _) => link.pool.push(slot, now),
             }
         }
+        // What the step did not reach stays granted.
+        link.grant = grant;
         self.dir.take_victims(&evicted)?;
         self.dir.unhold(&back)?;
-        // The objects the device copied in: adopted at their slots, or (already on the device
-        // another way) their slots given back and the mirror pointed where they are.
         let layers = self.cfg.layers as usize;
-        // A slot filled more than once this step holds its last object.
-        let mut owner_seen = vec![false; done.used];
-        let mut owners: Vec<&super::resolver::LogEntry> = Vec::with_capacity(done.log.len());
-        for en in done.log.iter().rev() {
-            if !std::mem::replace(&mut owner_seen[en.g as usize], true) {
-                owners.push(en);
-            }
-        }
-        // A slot whose last copy failed holds nothing: it goes back free.
-        let mut spare: Vec<SlotId> = Vec::new();
-        owners.retain(|en| {
-            if en.failed {
-                spare.push(grant[en.g as usize].0);
-            }
-            !en.failed
-        });
-        // Each with its object's index from the request's hints (no key lookup).
-        let keys: Vec<(ObjectKey, ObjectHint, SlotId)> = owners
-            .iter()
-            .map(|en| {
-                // The hint of the request's page, if it still names that home.
-                let h = (en.e as usize / layers) as u32;
-                let hint = self
-                    .requests
-                    .get(&en.rid)
-                    .filter(|r| {
-                        r.homes
-                            .get(en.page as usize)
-                            .is_some_and(|&(hh, _)| hh == h)
-                    })
-                    .map_or(ObjectHint::NONE, |r| {
-                        r.hint(en.page, (en.e as usize % layers) as u16)
-                    });
-                (
-                    self.key_of(en.e as usize, layers),
-                    hint,
-                    grant[en.g as usize].0,
-                )
-            })
-            .collect();
-        let adopted = self.dir.adopt(&keys)?;
-        {
-            let mut st = state.lock();
-            for ((key, _, slot), ok) in keys.iter().zip(&adopted) {
-                if !ok {
-                    spare.push(*slot);
-                    let e = self.entry_of(key);
-                    let now = match self.dir.state(key).map(|o| o.device) {
-                        Some(DeviceState::Ready { slot }) => slot.raw() as i32,
-                        _ => ABSENT,
-                    };
-                    st.set(e, now);
-                }
-            }
-        }
-        self.dir.return_slots(&spare)?;
-        // What the step did not reach stays granted.
-        let link = self.tier.device.as_mut().expect("checked above");
-        link.grant = grant[done.used..].to_vec();
 
         // Matched prefix pages loaded, as the host path counts them (per layer: the log's
         // entries of one layer together).
-        let mut by_layer: Vec<(Vec<bool>, Vec<u32>, Vec<RequestId>)> =
-            vec![Default::default(); layers];
+        let mut by_layer: Vec<(Vec<bool>, Vec<u32>, Vec<RequestId>)> = Vec::new();
         for &super::resolver::LogEntry {
             e,
             rid,
@@ -457,10 +472,16 @@ impl StepScheduler<PrefixTier> {
             if failed {
                 continue;
             }
+            // (Only prefix pages count: the rest would be skipped there.)
+            if self.requests.get(&rid).is_none_or(|r| page >= r.matched) {
+                continue;
+            }
             let l = e as usize % layers;
-            let matched = self.requests.get(&rid).is_some_and(|r| page < r.matched);
+            if by_layer.is_empty() {
+                by_layer.resize_with(layers, Default::default);
+            }
             by_layer[l].0.push(true);
-            by_layer[l].1.push(if matched { page } else { NONE });
+            by_layer[l].1.push(page);
             by_layer[l].2.push(rid);
         }
         for (l, (loaded, pages, rids)) in by_layer.iter().enumerate() {
@@ -518,56 +539,53 @@ impl StepScheduler<PrefixTier> {
         Ok(())
     }
 
-    /// Gives back the grant between steps (no step open): victims to the LRU and free slots
-    /// to the free list. The host needs the room (`make_room`), or the run is ending (`drain`).
-    /// The mirror stays true: what the host then evicts is logged and cleared at the next
-    /// grant.
-    pub(crate) fn release_device(&mut self) -> Result<()> {
-        let Some(link) = self.tier.device.as_mut() else {
-            return Ok(());
-        };
-        let grant = if link.open {
-            Vec::new()
-        } else {
-            std::mem::take(&mut link.grant)
-        };
-        let victims: Vec<u32> = grant
-            .iter()
-            .filter_map(|(_, v)| v.map(|(_, i)| i))
-            .collect();
-        let free: Vec<SlotId> = grant
-            .iter()
-            .filter(|(_, v)| v.is_none())
-            .map(|(s, _)| *s)
-            .collect();
-        self.dir.unhold(&victims)?;
-        self.dir.return_slots(&free)
-    }
-
     /// Pins the device path holds: the victims granted.
     pub(crate) fn device_pins(&self) -> u64 {
         self.tier.device.as_ref().map_or(0, |l| {
-            l.grant.iter().filter(|(_, v)| v.is_some()).count() as u64
+            l.grant
+                .iter()
+                .filter(|(_, h)| matches!(h, Held::Victim(..)))
+                .count() as u64
         })
     }
 
     /// The object key of mirror entry `e`.
-    fn key_of(&self, e: usize, layers: usize) -> ObjectKey {
+    pub(super) fn key_of(&self, e: usize, layers: usize) -> ObjectKey {
         let (h, l) = ((e / layers) as u32, (e % layers) as u16);
         self.tier.key_at(h, l)
     }
 
     /// Device-resolve counters (zero when no resolver is enabled).
     pub fn device_totals(&self) -> DeviceTotals {
-        self.tier
-            .device
-            .as_ref()
-            .map_or_else(DeviceTotals::default, |l| DeviceTotals {
-                steps: l.steps,
-                fallbacks: l.fallbacks,
-                granted: l.grant.len() as u64,
-                refills: l.refills,
+        let Some(l) = self.tier.device.as_ref() else {
+            return DeviceTotals::default();
+        };
+        let st = l.state.lock();
+        let layers = self.cfg.layers as usize;
+        let in_grant = l.grant.iter().filter_map(|&(s, h)| match h {
+            Held::Pool(e) => Some((s, Some(e))),
+            _ => None,
+        });
+        let pool_live = l
+            .pool
+            .iter()
+            .chain(in_grant)
+            .filter_map(|(s, e)| e.filter(|&e| st.mirror()[e] == s.raw() as i32))
+            .filter(|&e| {
+                !self
+                    .dir
+                    .state(&self.key_of(e, layers))
+                    .is_some_and(|o| matches!(o.device, DeviceState::Ready { .. }))
             })
+            .count() as u64;
+        DeviceTotals {
+            steps: l.steps,
+            fallbacks: l.fallbacks,
+            granted: l.grant.len() as u64,
+            pool: l.pool.len() as u64,
+            pool_live,
+            refills: l.refills,
+        }
     }
 
     /// Whether a device step is granted and not yet reconciled (the copy check's guard).
@@ -602,9 +620,32 @@ impl StepScheduler<PrefixTier> {
                 .filter(|(k, _)| k.namespace.id >= HOST_NS)
                 .map(|(k, _)| self.entry_of(k)),
         );
+        // The resolver's slots: the pool's and the grant's free and pool entries, each once,
+        // and every one of them granted by the directory (held by no object).
+        let mut owned: rustc_hash::FxHashMap<i32, Option<usize>> = Default::default();
+        let grant_owned = link.grant.iter().filter_map(|&(s, h)| match h {
+            Held::Free => Some((s, None)),
+            Held::Pool(e) => Some((s, Some(e))),
+            Held::Victim(..) => None,
+        });
+        for (s, e) in link.pool.iter().chain(grant_owned) {
+            if owned.insert(s.raw() as i32, e).is_some() {
+                return Err(format!("the resolver holds slot {s} twice"));
+            }
+        }
+        if owned.len() != self.dir.granted() {
+            return Err(format!(
+                "the resolver holds {} slots, the directory granted {}",
+                owned.len(),
+                self.dir.granted()
+            ));
+        }
         for (e, &slot) in st.mirror().iter().enumerate() {
             if slot < 0 || pending.contains(&e) {
                 continue;
+            }
+            if owned.get(&slot) == Some(&Some(e)) {
+                continue; // in a slot of the resolver's, which it copied there
             }
             let key = self.key_of(e, layers);
             let ok = self.dir.state(&key).is_some_and(|o| {

@@ -490,6 +490,10 @@ impl StepScheduler<PrefixTier> {
     /// `host` host pages of unlocked host-only nodes (whose main-KV objects go with them).
     /// Returns (device pages freed, host pages freed).
     pub fn evict_prefix(&mut self, device: usize, host: usize) -> Result<(usize, usize)> {
+        if device > 0 {
+            // What the device resolver's pool holds becomes the directory's, to leave too.
+            self.release_device()?;
+        }
         let dir = self.dir.clone();
         let p = &mut self.tier;
         let d = p.cache.evict_device(device);
@@ -692,7 +696,7 @@ impl Tier for PrefixTier {
     /// ended (a failed write gets more tries).
     fn drain(s: &mut StepScheduler<Self>) -> Result<()> {
         s.end_device_step()?;
-        s.release_device()?;
+        s.park_grant()?;
         s.tier.cache.drain()?;
         s.tier.drop_freed(&s.dir)?;
         s.flush_finished()?;
@@ -708,6 +712,10 @@ impl Tier for PrefixTier {
 
     fn make_room(s: &mut StepScheduler<Self>) -> Result<()> {
         s.release_device()
+    }
+
+    fn reclaim(s: &mut StepScheduler<Self>, n: usize) -> Result<usize> {
+        s.reclaim_device(n)
     }
 
     fn extra_pins(s: &StepScheduler<Self>) -> u64 {

@@ -11,6 +11,7 @@ pub mod bench;
 mod copies_check;
 pub mod core;
 mod csr;
+mod device_pool;
 mod device_step;
 pub mod entry;
 #[cfg(any(test, feature = "testing"))]

@@ -242,6 +242,10 @@ impl Tier for Plain {
         Ok(())
     }
 
+    fn reclaim(_: &mut StepScheduler<Self>, _: usize) -> Result<usize> {
+        Ok(0)
+    }
+
     fn extra_pins(_: &StepScheduler<Self>) -> u64 {
         0
     }

@@ -11,9 +11,10 @@
 //!   (joined mode: every main-KV object lives at a host page, its home, so an object shared
 //!   by the requests of one prefix has one entry);
 //! - per running request, its page table: page -> home;
-//! - the grant: device slots the core handed over, each free or holding a victim (an object
-//!   the core lets the device evict, least recently used first), taken in order; what a step
-//!   did not take stays granted for the next;
+//! - the grant: device slots the core handed over, each free, holding a victim (an object
+//!   the core lets the device evict, least recently used first) or holding an object an
+//!   earlier step copied into the resolver's pool, taken in order; what a step did not take
+//!   stays granted for the next;
 //! - the log: for each grant entry taken, the object copied into it;
 //! - a read mark per mirror entry (the step that last read it: a layer counts each object once,
 //!   and the core gives a victim the device read a second chance), and counts per layer.
@@ -406,6 +407,16 @@ impl ResolverState {
             return k.was_read(e);
         }
         self.mark[e] == self.serial
+    }
+
+    /// Fetches what [`Self::was_read`] reads for entry `e` into the cache (a hint: any `e`
+    /// is fine).
+    #[inline]
+    pub(crate) fn prefetch_read(&self, e: usize) {
+        match &self.kernel {
+            Some(k) => k.prefetch_read(e),
+            None => crate::prefetch::prefetch(self.mark.as_ptr().wrapping_add(e)),
+        }
     }
 
     /// The mirror, for the core's checks.

@@ -82,7 +82,13 @@ impl StepScheduler<PrefixTier> {
             let r = &self.requests[&id];
             let keys: Vec<ObjectKey> = pages.iter().map(|&p| r.key(p, l)).collect();
             let hints: Vec<ObjectHint> = pages.iter().map(|&p| r.hint(p, l)).collect();
-            let res = match self.dir.prefetch_loads(&keys, &hints) {
+            let mut res = self.dir.prefetch_loads(&keys, &hints);
+            if let Err(e @ Error::OutOfSlots { .. }) = &res {
+                if self.reclaim_for(e)? {
+                    res = self.dir.prefetch_loads(&keys, &hints);
+                }
+            }
+            let res = match res {
                 Ok(res) => res,
                 Err(Error::OutOfSlots { .. }) => {
                     self.tier.totals.restores_partial += 1;

@@ -78,8 +78,13 @@ pub trait Tier: sealed::Sealed + Sized + Send + 'static {
     fn validate(s: &StepScheduler<Self>) -> std::result::Result<(), String>;
 
     /// When the host runs out of device slots: gives back what the tier holds on the device
-    /// that it can do without (joined: the device resolver's holds and grant).
+    /// that it can do without (joined: the device resolver's holds, grant and pool).
     fn make_room(s: &mut StepScheduler<Self>) -> Result<()>;
+
+    /// When the host lacks `n` device slots: frees them from what the tier keeps on the device
+    /// for itself, if it can, before anything is given up (joined: the device resolver's
+    /// pool). Returns the slots freed.
+    fn reclaim(s: &mut StepScheduler<Self>, n: usize) -> Result<usize>;
 
     /// Pins the tier holds outside plans, prefetches and kept selections (joined: the device
     /// resolver's holds and victims).

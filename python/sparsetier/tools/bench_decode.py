@@ -302,7 +302,7 @@ def _step_mapped(
     return _step(s, rids, sel.shape[0], plan_layer, after)
 
 
-def _entries(cfg: DecodeBenchConfig, sel: np.ndarray) -> np.ndarray:
+def as_given(cfg: DecodeBenchConfig, sel: np.ndarray) -> np.ndarray:
     """The step's selections in the dtype the stacks are handed them in."""
     return sel if cfg.entry_dtype == "int64" else sel.astype(np.int32)
 
@@ -412,7 +412,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     warm = WarmUp(cfg, device_pages)
     while len(rows) < cfg.steps:
         sel = sels.next()
-        given = _entries(cfg, sel)
+        given = as_given(cfg, sel)
         ra = _step_scheduler(a, rids, given, unit)
         r0 = _step_scheduler(a0, rids, given, unit) if a0 is not None else None
         rm = None
@@ -468,7 +468,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False) -> dict:
     # the other stacks' steps, and their memory traffic, between two of its steps).
     alone = []
     for _ in range(n_alone):
-        r = _step_scheduler(a, rids, _entries(cfg, sels.next()), unit)
+        r = _step_scheduler(a, rids, as_given(cfg, sels.next()), unit)
         alone.append({"ms": (r["wall_s"] - r["wait_s"]) * 1e3, "core_ms": r["rec"]["cpu_ns"] / 1e6})
         if bar is not None:
             bar.update(1)

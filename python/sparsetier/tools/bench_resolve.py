@@ -36,6 +36,7 @@ from sparsetier.tools.bench_decode import (
     DecodeBenchConfig,
     Selections,
     WarmUp,
+    as_given,
     sizes,
 )
 
@@ -110,7 +111,9 @@ class JoinedStack:
         s.append(rids)
         resolver_s = 0.0
         if self.resolver is not None and s.begin_device_step(rids, sel.shape[2]):
-            sel32 = sel.astype(np.int32)
+            # (The resolver takes int32: selections held as int64 are converted here, in
+            # the device path's time.)
+            sel32 = sel.astype(np.int32, copy=False)
             for layer in range(sel.shape[0]):
                 r = pc()
                 self.resolver.resolve(layer, rids, sel32[layer], tokens)
@@ -152,7 +155,7 @@ def run(cfg: DecodeBenchConfig, progress: bool = False, kernel_threads: int | No
 
         bar = tqdm(desc=f"bench decode --resolve device ({cfg.mode})", unit="step")
     while len(rows) < cfg.steps:
-        sel = sels.next()
+        sel = as_given(cfg, sels.next())
         first, second = (host, dev) if (warm.steps + len(rows)) % 2 == 0 else (dev, host)
         a = first.step(rids, sel, unit, tokens)
         b = second.step(rids, sel, unit, tokens)
@@ -194,7 +197,8 @@ def format_report(r: dict) -> str:
     return "\n".join(
         [
             f"bench decode --resolve device: {c['mode']} mode, {c['layers']} layers, batch "
-            f"{c['batch']}, contexts {c['context_min']}-{c['context_max']}, "
+            f"{c['batch']}, contexts {c['context_min']}-{c['context_max']}, rows as "
+            f"{c.get('entry_dtype', 'int64')}, "
             f"{r['device_pages']} device slots; {r['steps']} paired steps after a warm-up of "
             f"{r['warmup']}",
             f"core CPU per step   host-resolved {r['host_core_ms']:.2f} ms | device-resolved "

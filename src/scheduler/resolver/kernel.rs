@@ -540,6 +540,12 @@ impl DeviceKernel {
     }
 
     /// Whether the last step read entry `e` (its bit, read back when it closed).
+    /// Fetches [`Self::was_read`]'s word for entry `e` into the cache (a hint).
+    #[inline]
+    pub(super) fn prefetch_read(&self, e: usize) {
+        crate::prefetch::prefetch(self.read.as_ptr().wrapping_add(e / 32));
+    }
+
     pub(super) fn was_read(&self, e: usize) -> bool {
         self.read[e / 32] >> (e % 32) & 1 == 1
     }

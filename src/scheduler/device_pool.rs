@@ -1,0 +1,211 @@
+//! The device resolver's pool: device slots the resolver keeps between steps, each holding
+//! the object it last copied in (or nothing). The directory counts them as granted and never
+//! tracks what is in them, so a step's misses cost the core no directory work once the pool
+//! has grown: the log says which slot now holds which mirror entry, and that is all the pool
+//! records.
+//!
+//! Slots are offered again in ring order with a second chance (the clock algorithm): an
+//! entry whose object the last step read goes to the back once a pass. An entry's occupant
+//! is stale when the mirror names another slot for it (the host moved or dropped the object
+//! since); such an entry is as good as free, and the pool does not look: the device evicts an
+//! occupant only where the mirror names that slot for it.
+
+use super::core::StepScheduler;
+use super::device_step::Held;
+use super::resolver::ABSENT;
+use super::PrefixTier;
+use crate::directory::{DeviceState, ObjectHint};
+use crate::error::Result;
+use crate::ids::SlotId;
+use std::collections::VecDeque;
+
+/// No occupant.
+const NONE: u32 = u32::MAX;
+
+/// Entries fetched ahead of the clock hand.
+const AHEAD: usize = 32;
+
+/// Pool slots in clock order, each with its occupant's mirror entry.
+#[derive(Debug, Default)]
+pub(crate) struct DevicePool {
+    ring: VecDeque<(SlotId, u32)>,
+}
+
+impl DevicePool {
+    /// Slots in the pool.
+    pub(crate) fn len(&self) -> usize {
+        self.ring.len()
+    }
+
+    /// Puts `slot` at the back, holding mirror entry `occupant` (or nothing).
+    pub(crate) fn push(&mut self, slot: SlotId, occupant: Option<usize>) {
+        let e = occupant.map_or(NONE, |e| u32::try_from(e).expect("mirror entries fit u32"));
+        self.ring.push_back((slot, e));
+    }
+
+    /// Takes up to `n` entries off the front, in clock order: an entry whose occupant is
+    /// `recent` goes to the back instead, at most once each (`second_chance`; without it,
+    /// every entry is taken as it comes). Returns (slot, occupant as recorded: it may be
+    /// stale, which costs nothing, since the device evicts an occupant only where the mirror
+    /// names that slot for it).
+    pub(crate) fn take(
+        &mut self,
+        n: usize,
+        second_chance: bool,
+        recent: impl Fn(usize) -> bool,
+        fetch: impl Fn(usize),
+        out: &mut Vec<(SlotId, Option<usize>)>,
+    ) {
+        let mut passes = self.ring.len();
+        let want = out.len() + n;
+        // `recent` reads state indexed by the occupant, a cache miss apiece: the entries
+        // ahead are fetched (`fetch`) so that those misses overlap.
+        if second_chance {
+            for &(_, e) in self.ring.iter().take(AHEAD) {
+                if e != NONE {
+                    fetch(e as usize);
+                }
+            }
+        }
+        while out.len() < want && passes > 0 {
+            passes -= 1;
+            if second_chance {
+                if let Some(&(_, e)) = self.ring.get(AHEAD) {
+                    if e != NONE {
+                        fetch(e as usize);
+                    }
+                }
+            }
+            let Some((slot, e)) = self.ring.pop_front() else {
+                break;
+            };
+            let occupant = (e != NONE).then_some(e as usize);
+            if second_chance && occupant.is_some_and(&recent) {
+                self.ring.push_back((slot, e));
+                continue;
+            }
+            out.push((slot, occupant));
+        }
+    }
+
+    /// Empties the pool: every (slot, occupant as recorded).
+    pub(crate) fn drain(&mut self) -> Vec<(SlotId, Option<usize>)> {
+        self.ring
+            .drain(..)
+            .map(|(s, e)| (s, (e != NONE).then_some(e as usize)))
+            .collect()
+    }
+
+    /// Every (slot, occupant as recorded), front to back (for checks).
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (SlotId, Option<usize>)> + '_ {
+        self.ring
+            .iter()
+            .map(|&(s, e)| (s, (e != NONE).then_some(e as usize)))
+    }
+}
+
+impl StepScheduler<PrefixTier> {
+    /// Gives back the grant and the pool between steps (no step open): victims to the LRU,
+    /// the objects the pool holds to the directory (adopted where they are: nothing on the
+    /// device is lost), and empty slots to the free list. The host needs the room
+    /// (`make_room`), or the run is ending (`drain`). The mirror stays true: what the host
+    /// then evicts is logged and cleared at the next grant.
+    pub(crate) fn release_device(&mut self) -> Result<()> {
+        let Some(link) = self.tier.device.as_mut() else {
+            return Ok(());
+        };
+        if link.open {
+            return Ok(());
+        }
+        let mut slots = link.pool.drain();
+        let mut victims = Vec::new();
+        for (s, held) in std::mem::take(&mut link.grant) {
+            match held {
+                Held::Free => slots.push((s, None)),
+                Held::Pool(e) => slots.push((s, Some(e))),
+                Held::Victim(_, i) => victims.push(i),
+            }
+        }
+        self.dir.unhold(&victims)?;
+        self.give_back(slots, true)
+    }
+
+    /// Ends the grant between steps (no step open): victims back to the LRU (nothing stays
+    /// pinned), and the slots the resolver owns into its pool, which keeps what they hold.
+    pub(crate) fn park_grant(&mut self) -> Result<()> {
+        let Some(link) = self.tier.device.as_mut() else {
+            return Ok(());
+        };
+        if link.open {
+            return Ok(());
+        }
+        let mut victims = Vec::new();
+        for (s, held) in std::mem::take(&mut link.grant) {
+            match held {
+                Held::Free => link.pool.push(s, None),
+                Held::Pool(e) => link.pool.push(s, Some(e)),
+                Held::Victim(_, i) => victims.push(i),
+            }
+        }
+        self.dir.unhold(&victims)
+    }
+
+    /// Gives `slots` of the pool back to the directory (no step open): each live occupant
+    /// (the mirror names its slot) adopted there when `adopt`, else dropped from the mirror,
+    /// and the other slots freed.
+    fn give_back(&mut self, slots: Vec<(SlotId, Option<usize>)>, adopt: bool) -> Result<()> {
+        let Some(link) = self.tier.device.as_ref() else {
+            return Ok(());
+        };
+        let state = link.state.clone();
+        let mut st = state.lock();
+        let layers = self.cfg.layers as usize;
+        let mut keep = Vec::new();
+        let mut free = Vec::new();
+        for (s, e) in slots {
+            match e.filter(|&e| st.mirror()[e] == s.raw() as i32) {
+                Some(e) if adopt => keep.push((self.key_of(e, layers), ObjectHint::NONE, s)),
+                Some(e) => {
+                    st.set(e, ABSENT);
+                    free.push(s);
+                }
+                None => free.push(s),
+            }
+        }
+        let adopted = self.dir.adopt(&keep)?;
+        for ((key, _, s), ok) in keep.iter().zip(adopted) {
+            if !ok {
+                // (Its object moved or went meanwhile: the mirror follows the directory.)
+                let e = self.entry_of(key);
+                let now = match self.dir.state(key).map(|o| o.device) {
+                    Some(DeviceState::Ready { slot }) => slot.raw() as i32,
+                    _ => ABSENT,
+                };
+                st.set(e, now);
+                free.push(*s);
+            }
+        }
+        self.dir.return_slots(&free)
+    }
+
+    /// Frees at least `n` device slots from the resolver's pool when it can (no step open),
+    /// oldest first, dropping what they hold from the mirror: for the host's allocations
+    /// once the directory has nothing left to evict. Returns the slots freed.
+    pub(crate) fn reclaim_device(&mut self, n: usize) -> Result<usize> {
+        let Some(link) = self.tier.device.as_mut() else {
+            return Ok(0);
+        };
+        if link.open || n == 0 {
+            return Ok(0);
+        }
+        let mut slots = Vec::with_capacity(n);
+        link.pool.take(n, false, |_| false, |_| {}, &mut slots);
+        let freed = slots.len();
+        self.give_back(slots, false)?;
+        Ok(freed)
+    }
+}
+
+#[cfg(test)]
+#[path = "../tests/device_pool_proptest.rs"]
+mod device_pool_proptest;

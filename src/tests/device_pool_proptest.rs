@@ -1,0 +1,158 @@
+//! State-machine test of [`DevicePool`] (the device resolver's slots between steps) against a
+//! reference model: a list of (slot, occupant) in clock order and the set of occupants the
+//! last step read. Slots are pushed (each once), taken with or without a second chance, and
+//! drained. After every transition: the pool holds exactly the model's entries in the model's
+//! order, and no slot twice.
+
+use super::DevicePool;
+use crate::ids::SlotId;
+use proptest::prelude::*;
+use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
+use std::collections::BTreeSet;
+
+#[derive(Debug, Clone, Default)]
+struct Model {
+    ring: Vec<(u32, Option<usize>)>,
+    /// Occupants the last step read.
+    recent: BTreeSet<usize>,
+    next_slot: u32,
+    /// What the last take returned.
+    taken: Vec<(u32, Option<usize>)>,
+}
+
+#[derive(Debug, Clone)]
+enum Step {
+    /// A new slot at the back, holding this occupant.
+    Push(Option<usize>),
+    /// Up to n entries, with or without a second chance.
+    Take(usize, bool),
+    /// A step read these occupants (the last step's marks).
+    Read(BTreeSet<usize>),
+    Drain,
+}
+
+struct RefMachine;
+
+impl ReferenceStateMachine for RefMachine {
+    type State = Model;
+    type Transition = Step;
+
+    fn init_state() -> BoxedStrategy<Model> {
+        Just(Model::default()).boxed()
+    }
+
+    fn transitions(_: &Model) -> BoxedStrategy<Step> {
+        prop_oneof![
+            6 => proptest::option::weighted(0.8, 0usize..16).prop_map(Step::Push),
+            4 => (0usize..12, any::<bool>()).prop_map(|(n, c)| Step::Take(n, c)),
+            2 => proptest::collection::btree_set(0usize..16, 0..10).prop_map(Step::Read),
+            1 => Just(Step::Drain),
+        ]
+        .boxed()
+    }
+
+    fn apply(mut m: Model, step: &Step) -> Model {
+        m.taken.clear();
+        match step {
+            Step::Push(e) => {
+                m.ring.push((m.next_slot, *e));
+                m.next_slot += 1;
+            }
+            Step::Take(n, second_chance) => {
+                // One pass at most: a recent occupant goes to the back, once; the rest are
+                // taken in order until n.
+                let mut passes = m.ring.len();
+                while m.taken.len() < *n && passes > 0 {
+                    passes -= 1;
+                    let (s, e) = m.ring.remove(0);
+                    if *second_chance && e.is_some_and(|e| m.recent.contains(&e)) {
+                        m.ring.push((s, e));
+                    } else {
+                        m.taken.push((s, e));
+                    }
+                }
+            }
+            Step::Read(read) => m.recent = read.clone(),
+            Step::Drain => m.taken = std::mem::take(&mut m.ring),
+        }
+        m
+    }
+}
+
+struct PoolTest;
+
+struct Sut {
+    pool: DevicePool,
+    recent: BTreeSet<usize>,
+    taken: Vec<(u32, Option<usize>)>,
+}
+
+impl StateMachineTest for PoolTest {
+    type SystemUnderTest = Sut;
+    type Reference = RefMachine;
+
+    fn init_test(_: &Model) -> Sut {
+        Sut {
+            pool: DevicePool::default(),
+            recent: BTreeSet::new(),
+            taken: Vec::new(),
+        }
+    }
+
+    fn apply(mut sut: Sut, m: &Model, step: Step) -> Sut {
+        sut.taken.clear();
+        match step {
+            Step::Push(e) => sut.pool.push(SlotId::new(m.next_slot - 1), e),
+            Step::Take(n, second_chance) => {
+                let mut out = Vec::new();
+                let recent = &sut.recent;
+                sut.pool
+                    .take(n, second_chance, |e| recent.contains(&e), |_| {}, &mut out);
+                assert!(out.len() <= n);
+                sut.taken = out.into_iter().map(|(s, e)| (s.raw(), e)).collect();
+            }
+            Step::Read(read) => sut.recent = read,
+            Step::Drain => {
+                sut.taken = sut
+                    .pool
+                    .drain()
+                    .into_iter()
+                    .map(|(s, e)| (s.raw(), e))
+                    .collect();
+            }
+        }
+        assert_eq!(sut.taken, m.taken, "what the step took");
+        sut
+    }
+
+    fn check_invariants(sut: &Sut, m: &Model) {
+        let have: Vec<(u32, Option<usize>)> = sut.pool.iter().map(|(s, e)| (s.raw(), e)).collect();
+        assert_eq!(have, m.ring, "the pool's entries, in clock order");
+        assert_eq!(sut.pool.len(), m.ring.len());
+        let slots: BTreeSet<u32> = have.iter().map(|&(s, _)| s).collect();
+        assert_eq!(slots.len(), have.len(), "a slot held twice");
+    }
+}
+
+prop_state_machine! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #[test]
+    fn the_pool_turns_over_as_a_clock(sequential 1..60 => PoolTest);
+}
+
+#[test]
+fn a_take_with_a_second_chance_takes_what_was_not_read_first() {
+    let mut pool = DevicePool::default();
+    for (s, e) in [(0, Some(1)), (1, Some(2)), (2, None), (3, Some(4))] {
+        pool.push(SlotId::new(s), e);
+    }
+    let mut out = Vec::new();
+    pool.take(2, true, |e| e == 1 || e == 2, |_| {}, &mut out);
+    assert_eq!(out, vec![(SlotId::new(2), None), (SlotId::new(3), Some(4))]);
+    // The read ones went to the back, in their order.
+    let rest: Vec<_> = pool.iter().collect();
+    assert_eq!(
+        rest,
+        vec![(SlotId::new(0), Some(1)), (SlotId::new(1), Some(2))]
+    );
+}
