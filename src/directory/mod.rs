@@ -188,6 +188,11 @@ impl Directory {
         self.core.lock().take_victims(victims)
     }
 
+    /// Whether device `slot` is granted (held by no object, neither free).
+    pub fn is_granted(&self, slot: crate::ids::SlotId) -> bool {
+        self.core.lock().is_granted(slot)
+    }
+
     /// See [`core::Core::granted`].
     pub fn granted(&self) -> usize {
         self.core.lock().granted()

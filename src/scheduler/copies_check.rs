@@ -5,7 +5,8 @@ use super::PrefixTier;
 
 impl StepScheduler<PrefixTier> {
     /// Test builds, memory of this process: every object with a written host copy and a
-    /// device copy holds the same bytes in both (no copy read or wrote the wrong slot).
+    /// device copy (the directory's, or a slot of the device resolver's that the mirror names
+    /// for it) holds the same bytes in both (no copy read or wrote the wrong slot).
     pub(crate) fn validate_copies(&self) -> std::result::Result<(), String> {
         use crate::directory::HostState;
         let (dev, host) = (self.xfer.device(), self.xfer.host());
@@ -19,39 +20,51 @@ impl StepScheduler<PrefixTier> {
         }
         let order = self.tier.order();
         let bytes = dev.page_bytes() as usize;
-        for h in 0..self.cfg.host_pages {
-            for l in 0..self.cfg.layers {
-                let key = self.tier.key_at(h, l);
-                let Some(o) = self.dir.state(&key) else {
-                    continue;
+        // The objects the device resolver's slots hold (where the mirror names them), then
+        // every home's object on the device.
+        let layers = self.cfg.layers as usize;
+        let pooled = self.resolver_named().into_iter().map(|(e, slot)| {
+            let (h, l) = ((e / layers) as u32, (e % layers) as u16);
+            (h, l, Some(slot))
+        });
+        let homes =
+            (0..self.cfg.host_pages).flat_map(|h| (0..self.cfg.layers).map(move |l| (h, l, None)));
+        for (h, l, pool_slot) in pooled.chain(homes) {
+            let key = self.tier.key_at(h, l);
+            let Some(o) = self.dir.state(&key) else {
+                continue;
+            };
+            let device = match pool_slot {
+                Some(slot) => crate::directory::DeviceState::Ready { slot },
+                None => o.device,
+            };
+            let (crate::directory::DeviceState::Ready { slot }, HostState::Ready { .. }) =
+                (device, o.host)
+            else {
+                continue;
+            };
+            for plane in 0..dev.planes_per_layer() {
+                let (Some(d), Some(hp)) = (
+                    dev.row_addr_checked(plane, slot.raw(), 0),
+                    host.row_addr_checked(plane, order.flat(h, l), 0),
+                ) else {
+                    return Err(format!("{key}: slot {slot:?} or its home out of its pool"));
                 };
-                let (crate::directory::DeviceState::Ready { slot }, HostState::Ready { .. }) =
-                    (o.device, o.host)
-                else {
-                    continue;
+                // SAFETY: both addresses were bounds-checked against their bindings, which
+                // the scheduler keeps alive; a page's bytes lie inside its plane; memory
+                // of this process (checked above). No device step is open (checked
+                // above: the resolver writes only inside one, and opening one needs the
+                // scheduler, which `&self` holds; the resolver's slots are written only
+                // then), and an object Ready on both tiers has no copy in flight to or
+                // from it; this only reads.
+                let same = unsafe {
+                    std::slice::from_raw_parts(d as *const u8, bytes)
+                        == std::slice::from_raw_parts(hp as *const u8, bytes)
                 };
-                for plane in 0..dev.planes_per_layer() {
-                    let (Some(d), Some(hp)) = (
-                        dev.row_addr_checked(plane, slot.raw(), 0),
-                        host.row_addr_checked(plane, order.flat(h, l), 0),
-                    ) else {
-                        return Err(format!("{key}: slot {slot:?} or its home out of its pool"));
-                    };
-                    // SAFETY: both addresses were bounds-checked against their bindings, which
-                    // the scheduler keeps alive; a page's bytes lie inside its plane; memory
-                    // of this process (checked above). No device step is open (checked
-                    // above: the resolver writes only inside one, and opening one needs the
-                    // scheduler, which `&self` holds), and an object Ready on both tiers has
-                    // no copy in flight to or from it; this only reads.
-                    let same = unsafe {
-                        std::slice::from_raw_parts(d as *const u8, bytes)
-                            == std::slice::from_raw_parts(hp as *const u8, bytes)
-                    };
-                    if !same {
-                        return Err(format!(
-                            "{key}: device slot {slot:?} and its host copy differ (plane {plane})"
-                        ));
-                    }
+                if !same {
+                    return Err(format!(
+                        "{key}: device slot {slot:?} and its host copy differ (plane {plane})"
+                    ));
                 }
             }
         }

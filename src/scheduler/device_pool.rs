@@ -159,6 +159,9 @@ impl StepScheduler<PrefixTier> {
         };
         let state = link.state.clone();
         let mut st = state.lock();
+        // The mirror first follows what changed since the last step (a home with a new
+        // generation no longer holds what the pool copied from it).
+        self.sync_mirror(&mut st)?;
         let layers = self.cfg.layers as usize;
         let mut keep = Vec::new();
         let mut free = Vec::new();
@@ -198,6 +201,17 @@ impl StepScheduler<PrefixTier> {
         if link.open || n == 0 {
             return Ok(0);
         }
+        // All or nothing: when the pool cannot give them all, `make_room` adopts what it holds
+        // instead. The standing grant's slots count too (it is parked first: its victims go
+        // back to the LRU, and the next grant is made again).
+        if link.pool.len() < n {
+            self.park_grant()?;
+            let link = self.tier.device.as_mut().expect("checked above");
+            if link.pool.len() < n {
+                return Ok(0);
+            }
+        }
+        let link = self.tier.device.as_mut().expect("checked above");
         let mut slots = Vec::with_capacity(n);
         link.pool.take(n, false, |_| false, |_| {}, &mut slots);
         let freed = slots.len();

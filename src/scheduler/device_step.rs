@@ -314,7 +314,7 @@ impl StepScheduler<PrefixTier> {
     /// Applies to the mirror what changed on the device since the last call (objects that
     /// gave up their slot, pages that started): each entry touched is set to where the
     /// directory has its object now, whatever the order the changes came in.
-    fn sync_mirror(&mut self, st: &mut ResolverState) -> Result<()> {
+    pub(super) fn sync_mirror(&mut self, st: &mut ResolverState) -> Result<()> {
         let mut changed: Vec<usize> = self
             .dir
             .take_releases()
@@ -410,6 +410,33 @@ impl StepScheduler<PrefixTier> {
         Ok(link.grant.len() >= cells)
     }
 
+    /// After a step whose log never came back: any slot of the grant may hold something else
+    /// now. Victims count as evicted, every slot joins the pool empty, and the mirror forgets
+    /// them (the next step uploads it whole).
+    fn taint_grant(&mut self) -> Result<()> {
+        let Some(link) = self.tier.device.as_mut() else {
+            return Ok(());
+        };
+        let grant = std::mem::take(&mut link.grant);
+        let mut st = link.state.lock();
+        let mut evicted = Vec::new();
+        for &(slot, held) in &grant {
+            match held {
+                Held::Victim(e, idx) => {
+                    if st.mirror()[e] == slot.raw() as i32 {
+                        st.set(e, ABSENT);
+                    }
+                    evicted.push((idx, slot));
+                }
+                Held::Pool(e) if st.mirror()[e] == slot.raw() as i32 => st.set(e, ABSENT),
+                _ => {}
+            }
+            link.pool.push(slot, None);
+        }
+        drop(st);
+        self.dir.take_victims(&evicted)
+    }
+
     /// Reconciles the open device step from the device's log (see the module docs); folds its
     /// counts into the step record. Nothing to do when no device step is open.
     pub(crate) fn end_device_step(&mut self) -> Result<()> {
@@ -421,7 +448,15 @@ impl StepScheduler<PrefixTier> {
         }
         link.open = false;
         let state = link.state.clone();
-        let mut done = state.lock().close()?;
+        let closed = state.lock().close();
+        let mut done = match closed {
+            Ok(done) => done,
+            Err(e) => {
+                self.taint_grant()?;
+                return Err(e);
+            }
+        };
+        let link = self.tier.device.as_mut().expect("checked above");
         let mut grant = std::mem::take(&mut link.grant);
         self.xfer
             .restore_copy_faults(std::mem::take(&mut done.faults));
@@ -560,18 +595,11 @@ impl StepScheduler<PrefixTier> {
         let Some(l) = self.tier.device.as_ref() else {
             return DeviceTotals::default();
         };
-        let st = l.state.lock();
         let layers = self.cfg.layers as usize;
-        let in_grant = l.grant.iter().filter_map(|&(s, h)| match h {
-            Held::Pool(e) => Some((s, Some(e))),
-            _ => None,
-        });
-        let pool_live = l
-            .pool
-            .iter()
-            .chain(in_grant)
-            .filter_map(|(s, e)| e.filter(|&e| st.mirror()[e] == s.raw() as i32))
-            .filter(|&e| {
+        let pool_live = self
+            .resolver_named()
+            .into_iter()
+            .filter(|&(e, _)| {
                 !self
                     .dir
                     .state(&self.key_of(e, layers))
@@ -594,6 +622,44 @@ impl StepScheduler<PrefixTier> {
         self.tier.device.as_ref().is_some_and(|l| l.open)
     }
 
+    /// The mirror entries the next grant sets again (pages started, homes with a new
+    /// generation, objects that gave up their slot): until then the mirror may be stale there.
+    fn pending_entries(&self, link: &DeviceLink) -> rustc_hash::FxHashSet<usize> {
+        let layers = self.cfg.layers as usize;
+        let mut pending: rustc_hash::FxHashSet<usize> = link.adds.iter().copied().collect();
+        for &h in &link.bumped {
+            pending.extend((0..layers).map(|l| h as usize * layers + l));
+        }
+        pending.extend(
+            self.dir
+                .pending_releases()
+                .iter()
+                .filter(|(k, _)| k.namespace.id >= HOST_NS)
+                .map(|(k, _)| self.entry_of(k)),
+        );
+        pending
+    }
+
+    /// (mirror entry, slot) of every object a slot of the resolver's holds and the mirror
+    /// names there, changes pending for the next grant left out (checks and stats).
+    pub(super) fn resolver_named(&self) -> Vec<(usize, SlotId)> {
+        let Some(link) = &self.tier.device else {
+            return Vec::new();
+        };
+        let pending = self.pending_entries(link);
+        let st = link.state.lock();
+        let in_grant = link.grant.iter().filter_map(|&(s, h)| match h {
+            Held::Pool(e) => Some((s, Some(e))),
+            _ => None,
+        });
+        link.pool
+            .iter()
+            .chain(in_grant)
+            .filter_map(|(s, e)| e.map(|e| (e, s)))
+            .filter(|&(e, s)| st.mirror()[e] == s.raw() as i32 && !pending.contains(&e))
+            .collect()
+    }
+
     /// Checks the mirror against the directory (see the module docs).
     pub(crate) fn validate_device(&self) -> std::result::Result<(), String> {
         let Some(link) = &self.tier.device else {
@@ -608,20 +674,10 @@ impl StepScheduler<PrefixTier> {
             return Err(m);
         }
         let layers = self.cfg.layers as usize;
-        // What the next grant applies: pages started, and slots given up.
-        let mut pending: rustc_hash::FxHashSet<usize> = link.adds.iter().copied().collect();
-        for &h in &link.bumped {
-            pending.extend((0..layers).map(|l| h as usize * layers + l));
-        }
-        pending.extend(
-            self.dir
-                .pending_releases()
-                .iter()
-                .filter(|(k, _)| k.namespace.id >= HOST_NS)
-                .map(|(k, _)| self.entry_of(k)),
-        );
+        let pending = self.pending_entries(link);
         // The resolver's slots: the pool's and the grant's free and pool entries, each once,
-        // and every one of them granted by the directory (held by no object).
+        // and every one of them granted by the directory (held by no object); the grant's
+        // victims are held objects Ready at their slots, none of them the resolver's.
         let mut owned: rustc_hash::FxHashMap<i32, Option<usize>> = Default::default();
         let grant_owned = link.grant.iter().filter_map(|&(s, h)| match h {
             Held::Free => Some((s, None)),
@@ -632,6 +688,32 @@ impl StepScheduler<PrefixTier> {
             if owned.insert(s.raw() as i32, e).is_some() {
                 return Err(format!("the resolver holds slot {s} twice"));
             }
+        }
+        for (s, held) in &link.grant {
+            // (A victim whose home got a new generation is another key's now: the next
+            // grant sets its entry again.)
+            if let Held::Victim(e, _) = *held {
+                if pending.contains(&e) {
+                    continue;
+                }
+                let ok = self
+                    .dir
+                    .state(&self.key_of(e, layers))
+                    .is_some_and(|o| o.pins > 0 && o.device == (DeviceState::Ready { slot: *s }));
+                if !ok || owned.contains_key(&(s.raw() as i32)) {
+                    return Err(format!(
+                        "victim {s} ({}) is not a pinned object Ready there: {:?}",
+                        self.key_of(e, layers),
+                        self.dir.state(&self.key_of(e, layers))
+                    ));
+                }
+            }
+        }
+        if let Some(s) = owned
+            .keys()
+            .find(|&&s| !self.dir.is_granted(SlotId::new(s as u32)))
+        {
+            return Err(format!("the resolver holds slot {s}, which is not granted"));
         }
         if owned.len() != self.dir.granted() {
             return Err(format!(

@@ -721,15 +721,14 @@ impl ResolverState {
         while let Some(&(slot, victim)) = self.grant.get(self.used) {
             let g = self.used;
             self.used += 1;
-            if victim >= 0 {
+            // A victim the mirror no longer names here (it moved or left) is as good as free.
+            if victim >= 0 && self.mirror[victim as usize] == slot {
                 let v = victim as usize;
                 if read_here(self, v) {
                     self.deferred.push(g);
                     continue;
                 }
-                if self.mirror[v] == slot {
-                    self.mirror[v] = ABSENT;
-                }
+                self.mirror[v] = ABSENT;
             }
             return Some((g, slot));
         }

@@ -506,3 +506,50 @@ fn race(flaky: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
         free = (0..slots as i32).filter(|s| !owned.contains(s)).collect();
     }
 }
+
+/// A grant entry whose victim the mirror names at another slot (the pool's occupant moved on)
+/// is a free slot: taking it evicts nothing, and a cell that read the victim elsewhere does not
+/// pass it over (the layer would run out of slots).
+fn a_stale_victim_is_a_free_slot(kernel: Option<usize>) {
+    let mut f = fixture(8, HOMES);
+    #[cfg(feature = "host-kernel")]
+    if let Some(t) = kernel {
+        f.st.use_host_kernel(t).unwrap();
+    }
+    #[cfg(not(feature = "host-kernel"))]
+    assert!(kernel.is_none());
+    let rid = RequestId::new(0);
+    // (home 0, layer 0) resident at slot 0.
+    for &b in &f.dev_base {
+        // SAFETY: slot 0 is a slot of the fixture's device pool.
+        unsafe { std::ptr::write_bytes(b as *mut u8, tag(0, 0), f.page_bytes as usize) };
+    }
+    let e = f.st.entry(0, 0);
+    f.st.set(e, 0);
+    f.st.update_table(rid, 0, &[(0, 0), (1, 0)], 2 * u64::from(PS));
+    // One entry: slot 5, its victim (home 0, layer 0), which the mirror names at slot 0.
+    f.st.open((&[rid], 2), vec![(5, e as i64)], vec![], 2)
+        .unwrap();
+    let mut table = vec![0i32; 2];
+    f.st.resolve_layer(0, &[rid], &[0, 1], 2, false, &mut table)
+        .unwrap();
+    let done = f.st.close().unwrap();
+    assert_eq!(
+        done.counts.overflow, 0,
+        "the stale victim's slot was passed over"
+    );
+    assert_eq!(table, vec![0, 5]);
+    assert!(f.holds(0, 0, 0) && f.holds(5, 1, 0));
+    assert_eq!((f.st.slot(0, 0), f.st.slot(1, 0)), (0, 5));
+}
+
+#[test]
+fn the_reference_takes_a_stale_victims_slot_as_free() {
+    a_stale_victim_is_a_free_slot(None);
+}
+
+#[cfg(feature = "host-kernel")]
+#[test]
+fn the_kernel_takes_a_stale_victims_slot_as_free() {
+    a_stale_victim_is_a_free_slot(Some(1));
+}

@@ -156,6 +156,11 @@ impl Core {
         self.device.free_count()
     }
 
+    /// Whether `slot` is granted and neither adopted nor returned.
+    pub fn is_granted(&self, slot: SlotId) -> bool {
+        self.granted.contains(&slot)
+    }
+
     /// Slots granted and neither adopted nor returned.
     pub fn granted(&self) -> usize {
         self.granted.len()
