@@ -188,6 +188,11 @@ impl Directory {
         self.core.lock().take_victims(victims)
     }
 
+    /// See [`core::Core::is_held_at`].
+    pub fn is_held_at(&self, idx: u32, slot: crate::ids::SlotId) -> bool {
+        self.core.lock().is_held_at(idx, slot)
+    }
+
     /// Whether device `slot` is granted (held by no object, neither free).
     pub fn is_granted(&self, slot: crate::ids::SlotId) -> bool {
         self.core.lock().is_granted(slot)

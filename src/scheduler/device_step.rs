@@ -689,23 +689,12 @@ impl StepScheduler<PrefixTier> {
                 return Err(format!("the resolver holds slot {s} twice"));
             }
         }
+        // (A victim is checked by its object, not its home's key: the home may have a new
+        // generation since, the victim staying pinned where it is until taken or given back.)
         for (s, held) in &link.grant {
-            // (A victim whose home got a new generation is another key's now: the next
-            // grant sets its entry again.)
-            if let Held::Victim(e, _) = *held {
-                if pending.contains(&e) {
-                    continue;
-                }
-                let ok = self
-                    .dir
-                    .state(&self.key_of(e, layers))
-                    .is_some_and(|o| o.pins > 0 && o.device == (DeviceState::Ready { slot: *s }));
-                if !ok || owned.contains_key(&(s.raw() as i32)) {
-                    return Err(format!(
-                        "victim {s} ({}) is not a pinned object Ready there: {:?}",
-                        self.key_of(e, layers),
-                        self.dir.state(&self.key_of(e, layers))
-                    ));
+            if let Held::Victim(_, idx) = *held {
+                if !self.dir.is_held_at(idx, *s) || owned.contains_key(&(s.raw() as i32)) {
+                    return Err(format!("victim {idx} is not an object held at slot {s}"));
                 }
             }
         }

@@ -156,6 +156,13 @@ impl Core {
         self.device.free_count()
     }
 
+    /// Whether object `idx` is a granted victim: held, and device-Ready at `slot` (checks).
+    pub fn is_held_at(&self, idx: u32, slot: SlotId) -> bool {
+        self.objects
+            .get(idx as usize)
+            .is_some_and(|o| o.held > 0 && o.device == (DeviceState::Ready { slot }))
+    }
+
     /// Whether `slot` is granted and neither adopted nor returned.
     pub fn is_granted(&self, slot: SlotId) -> bool {
         self.granted.contains(&slot)
