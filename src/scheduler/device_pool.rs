@@ -202,14 +202,18 @@ impl StepScheduler<PrefixTier> {
             return Ok(0);
         }
         // All or nothing: when the pool cannot give them all, `make_room` adopts what it holds
-        // instead. The standing grant's slots count too (it is parked first: its victims go
-        // back to the LRU, and the next grant is made again).
+        // instead. The standing grant's own slots count too: it is parked when they make up
+        // the difference (its victims go back to the LRU; the next step grants again).
         if link.pool.len() < n {
-            self.park_grant()?;
-            let link = self.tier.device.as_mut().expect("checked above");
-            if link.pool.len() < n {
+            let parked = link
+                .grant
+                .iter()
+                .filter(|(_, h)| !matches!(h, Held::Victim(..)))
+                .count();
+            if link.pool.len() + parked < n {
                 return Ok(0);
             }
+            self.park_grant()?;
         }
         let link = self.tier.device.as_mut().expect("checked above");
         let mut slots = Vec::with_capacity(n);

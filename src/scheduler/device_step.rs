@@ -495,7 +495,7 @@ impl StepScheduler<PrefixTier> {
 
         // Matched prefix pages loaded, as the host path counts them (per layer: the log's
         // entries of one layer together).
-        let mut by_layer: Vec<(Vec<bool>, Vec<u32>, Vec<RequestId>)> = Vec::new();
+        let mut by_layer: Vec<(Vec<u32>, Vec<RequestId>)> = Vec::new();
         for &super::resolver::LogEntry {
             e,
             rid,
@@ -515,14 +515,14 @@ impl StepScheduler<PrefixTier> {
             if by_layer.is_empty() {
                 by_layer.resize_with(layers, Default::default);
             }
-            by_layer[l].0.push(true);
-            by_layer[l].1.push(page);
-            by_layer[l].2.push(rid);
+            by_layer[l].0.push(page);
+            by_layer[l].1.push(rid);
         }
-        for (l, (loaded, pages, rids)) in by_layer.iter().enumerate() {
-            if !loaded.is_empty() {
-                // (The device's own loads: its mirror has them.)
-                <PrefixTier as Tier>::count_loads(self, l as u16, &[], loaded, pages, rids);
+        for (l, (pages, rids)) in by_layer.iter().enumerate() {
+            if !pages.is_empty() {
+                // (The device's own loads, every one a load: its mirror has them.)
+                let loaded = vec![true; pages.len()];
+                <PrefixTier as Tier>::count_loads(self, l as u16, &[], &loaded, pages, rids);
             }
         }
         // Rows that got a failed cell had no data for that layer: failed for the step, once.
