@@ -396,3 +396,46 @@ def test_a_prefill_whose_layer_plan_makes_room_keeps_its_chunks_later_layers():
     for rid in (1, 2, 3):
         a, b = tiered.requests[rid], ref.requests[rid]
         assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True)), rid
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_host_loads_adopt_what_the_resolvers_pool_holds_instead_of_copying_it_again(kernel):
+    # Request 0's decode steps copy the blocks they miss into the resolver's pool (its prompt
+    # outgrows the device). Request 1 extends its prompt after it ended: its prefill plans on
+    # the host over request 0's pages, and the blocks the pool holds are handed to the
+    # directory where they are (hits, not loads). The outputs stay the resident run's, and
+    # validate() (test builds: device bytes against host copies) holds with the adopted
+    # objects in the directory.
+    model = TinySparseModel(ModelConfig(layers=3, seed=5))
+    kw = dict(page_size=8, host_pages=300, indexer_pages=200, topk=4, prefetch=False,
+              prefill_chunk=16)  # fmt: skip
+    tiered = DecodeRuntime(model, device_slots=100, resolve="device", **kw)
+    ref = DecodeRuntime(model, device_slots=2000, **kw)
+    if kernel:
+        testing.use_host_kernel(tiered, 2)
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, 512, (400,), generator=g)
+    outputs = {}
+    for rt in (tiered, ref):
+        rt.add_request(0, prompt, 8)
+        for _ in range(8):
+            rt.step()
+        outputs[rt] = [rt.finish_request(0)]
+    d0 = tiered.scheduler.device_stats()
+    assert d0["pool_live"] > 0 and d0["adopted"] == 0, d0
+    longer = torch.cat([prompt, torch.randint(0, 512, (30,), generator=g)])
+    for rt in (tiered, ref):
+        assert rt.add_request(1, longer, 4)["matched_pages"] > 0
+    d1 = tiered.scheduler.device_stats()
+    assert d1["adopted"] > 0, d1
+    tiered.scheduler.validate()
+    for rt in (tiered, ref):
+        for _ in range(4):
+            rt.step()
+        outputs[rt].append(rt.finish_request(1))
+    for a, b in zip(outputs[tiered], outputs[ref], strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True))
+    tiered.drain()
+    tiered.scheduler.validate()
+    s = tiered.scheduler.stats()
+    assert (s["pins"], s["handles"]) == (0, 0), s

@@ -198,6 +198,14 @@ impl Directory {
         self.core.lock().is_granted(slot)
     }
 
+    /// Of `slots`, the indices of those granted (one lock for them all).
+    pub fn granted_among(&self, slots: &[crate::ids::SlotId]) -> Vec<usize> {
+        let core = self.core.lock();
+        (0..slots.len())
+            .filter(|&i| core.is_granted(slots[i]))
+            .collect()
+    }
+
     /// See [`core::Core::granted`].
     pub fn granted(&self) -> usize {
         self.core.lock().granted()

@@ -142,7 +142,8 @@ impl PyJoinedStepScheduler {
 
     /// Device-resolve counters: steps resolved on the device, steps planned on the host for
     /// want of a grant, grant entries standing, slots filled twice in a step, the slots of
-    /// the resolver's pool, and the objects only the resolver's slots hold (`pool_live`).
+    /// the resolver's pool, the objects only the resolver's slots hold (`pool_live`), and the
+    /// objects host loads took from the pool instead of copying them (`adopted`).
     fn device_stats<'py>(
         slf: &Bound<'py, Self>,
         py: Python<'py>,
@@ -156,6 +157,7 @@ impl PyJoinedStepScheduler {
         d.set_item("pool", t.pool)?;
         d.set_item("pool_live", t.pool_live)?;
         d.set_item("refills", t.refills)?;
+        d.set_item("adopted", t.adopted)?;
         Ok(d)
     }
 

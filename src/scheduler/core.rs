@@ -455,6 +455,7 @@ impl<T: Tier> StepScheduler<T> {
         if keys.is_empty() {
             return Ok(Resolution::Resolved(None));
         }
+        T::adopt_own(self, keys, hints)?;
         match self.dir.resolve_hinted(keys, hints, Some(needed_bytes)) {
             Err(e @ Error::OutOfSlots { .. }) => {
                 if self.reclaim_for(&e)? {

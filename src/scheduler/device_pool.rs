@@ -9,12 +9,17 @@
 //! is stale when the mirror names another slot for it (the host moved or dropped the object
 //! since); such an entry is as good as free, and the pool does not look: the device evicts an
 //! occupant only where the mirror names that slot for it.
+//!
+//! A host load of an object a slot holds (where the mirror names it) adopts it there instead
+//! of copying it again (`adopt_pooled`): the slot leaves the pool from wherever it is in the
+//! ring.
 
 use super::core::StepScheduler;
 use super::device_step::Held;
+use super::prefix::HOST_NS;
 use super::resolver::ABSENT;
 use super::PrefixTier;
-use crate::directory::{DeviceState, ObjectHint};
+use crate::directory::{DeviceState, LayerGroup, ObjectHint, ObjectKey};
 use crate::error::Result;
 use crate::ids::SlotId;
 use std::collections::VecDeque;
@@ -26,21 +31,60 @@ const NONE: u32 = u32::MAX;
 const AHEAD: usize = 32;
 
 /// Pool slots in clock order, each with its occupant's mirror entry.
+///
+/// A slot can leave from anywhere in the ring ([`DevicePool::remove`]: the host adopts what
+/// it holds). Its entry stays in the ring, dead, and the clock drops it when it comes round:
+/// a slot's dead entries always come before its live one (a slot is pushed again only after
+/// it left), so a count of dead entries per slot tells them apart. Removals are rare (host
+/// loads of what the pool holds), and the clock pays nothing for them until there are some.
 #[derive(Debug, Default)]
 pub(crate) struct DevicePool {
+    /// (slot, occupant or NONE), in clock order; dead entries included.
     ring: VecDeque<(SlotId, u32)>,
+    /// Per slot, dead entries still in the ring; and how many in all.
+    dead: rustc_hash::FxHashMap<u32, u32>,
+    dead_total: usize,
 }
 
 impl DevicePool {
     /// Slots in the pool.
     pub(crate) fn len(&self) -> usize {
-        self.ring.len()
+        self.ring.len() - self.dead_total
     }
 
-    /// Puts `slot` at the back, holding mirror entry `occupant` (or nothing).
+    /// Puts `slot` (not in the pool) at the back, holding mirror entry `occupant` (or
+    /// nothing).
     pub(crate) fn push(&mut self, slot: SlotId, occupant: Option<usize>) {
         let e = occupant.map_or(NONE, |e| u32::try_from(e).expect("mirror entries fit u32"));
         self.ring.push_back((slot, e));
+    }
+
+    /// Takes `slot`, which is in the pool, out of it, from wherever it is in the ring.
+    pub(crate) fn remove(&mut self, slot: SlotId) {
+        debug_assert!(
+            self.iter().any(|(s, _)| s == slot),
+            "{slot} is not in the pool"
+        );
+        *self.dead.entry(slot.raw()).or_default() += 1;
+        self.dead_total += 1;
+    }
+
+    /// Pops the front entry: Some(Some(live entry)), Some(None) for a dead one, None when
+    /// the ring is empty. A live entry popped leaves the pool.
+    fn pop(&mut self) -> Option<Option<(SlotId, u32)>> {
+        let (slot, e) = self.ring.pop_front()?;
+        if self.dead_total > 0 {
+            if let std::collections::hash_map::Entry::Occupied(mut d) = self.dead.entry(slot.raw())
+            {
+                *d.get_mut() -= 1;
+                if *d.get() == 0 {
+                    d.remove();
+                }
+                self.dead_total -= 1;
+                return Some(None);
+            }
+        }
+        Some(Some((slot, e)))
     }
 
     /// Takes up to `n` entries off the front, in clock order: an entry whose occupant is
@@ -76,12 +120,15 @@ impl DevicePool {
                     }
                 }
             }
-            let Some((slot, e)) = self.ring.pop_front() else {
+            let Some(popped) = self.pop() else {
                 break;
+            };
+            let Some((slot, e)) = popped else {
+                continue; // (dead: it left the pool before)
             };
             let occupant = (e != NONE).then_some(e as usize);
             if second_chance && occupant.is_some_and(&recent) {
-                self.ring.push_back((slot, e));
+                self.push(slot, occupant);
                 continue;
             }
             out.push((slot, occupant));
@@ -90,17 +137,25 @@ impl DevicePool {
 
     /// Empties the pool: every (slot, occupant as recorded).
     pub(crate) fn drain(&mut self) -> Vec<(SlotId, Option<usize>)> {
-        self.ring
-            .drain(..)
-            .map(|(s, e)| (s, (e != NONE).then_some(e as usize)))
-            .collect()
+        let mut out = Vec::with_capacity(self.len());
+        while let Some(popped) = self.pop() {
+            if let Some((s, e)) = popped {
+                out.push((s, (e != NONE).then_some(e as usize)));
+            }
+        }
+        out
     }
 
     /// Every (slot, occupant as recorded), front to back (for checks).
     pub(crate) fn iter(&self) -> impl Iterator<Item = (SlotId, Option<usize>)> + '_ {
-        self.ring
-            .iter()
-            .map(|&(s, e)| (s, (e != NONE).then_some(e as usize)))
+        let mut dead = self.dead.clone();
+        self.ring.iter().filter_map(move |&(s, e)| {
+            if let Some(d) = dead.get_mut(&s.raw()).filter(|d| **d > 0) {
+                *d -= 1;
+                return None;
+            }
+            Some((s, (e != NONE).then_some(e as usize)))
+        })
     }
 }
 
@@ -189,6 +244,66 @@ impl StepScheduler<PrefixTier> {
             }
         }
         self.dir.return_slots(&free)
+    }
+
+    /// Before the host loads `keys` (a plan's or a restore's; no step open): those whose
+    /// object the resolver's pool holds, where the mirror names it, are adopted in their
+    /// slots instead of copied in again, and leave the pool. Returns how many.
+    pub(crate) fn adopt_pooled(
+        &mut self,
+        keys: &[ObjectKey],
+        hints: &[ObjectHint],
+    ) -> Result<usize> {
+        let Some(link) = self.tier.device.as_ref() else {
+            return Ok(0);
+        };
+        if link.open || link.pool.len() == 0 {
+            return Ok(0);
+        }
+        let state = link.state.clone();
+        let mut st = state.lock();
+        // The mirror first follows what changed since the last step: a home with a new
+        // generation no longer holds the page the pool copied from it.
+        self.sync_mirror(&mut st)?;
+        let mut found = Vec::new();
+        for (key, &hint) in keys.iter().zip(hints) {
+            if key.namespace.id < HOST_NS || !matches!(key.layers, LayerGroup::Layer(_)) {
+                continue;
+            }
+            if let Ok(s) = u32::try_from(st.mirror()[self.entry_of(key)]) {
+                found.push((*key, hint, SlotId::new(s)));
+            }
+        }
+        drop(st);
+        // Of the slots the mirror names, the resolver's are the directory's granted ones, and
+        // each holds the entry the mirror names there (`validate`); the rest are the
+        // directory's own objects.
+        let slots: Vec<SlotId> = found.iter().map(|&(_, _, s)| s).collect();
+        let found: Vec<_> = self
+            .dir
+            .granted_among(&slots)
+            .into_iter()
+            .map(|i| found[i])
+            .collect();
+        if found.is_empty() {
+            return Ok(0);
+        }
+        // The standing grant's slots join the pool (its victims back to the LRU), so that
+        // every slot found is in the pool.
+        self.park_grant()?;
+        // (One the directory has elsewhere on the device, or whose host copy is not Ready,
+        // is not adopted: the pool keeps it.)
+        let adopted = self.dir.adopt(&found)?;
+        let link = self.tier.device.as_mut().expect("checked above");
+        let mut n = 0;
+        for (&(_, _, s), ok) in found.iter().zip(adopted) {
+            if ok {
+                link.pool.remove(s);
+                n += 1;
+            }
+        }
+        link.adopted += n as u64;
+        Ok(n)
     }
 
     /// Frees at least `n` device slots from the resolver's pool when it can (no step open),

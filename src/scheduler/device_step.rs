@@ -28,6 +28,7 @@
 //! Slots the resolver owns between steps, granted in the directory. When the host lacks
 //! device slots and the directory has nothing to evict, the pool frees them from its front
 //! (`reclaim_device`); `make_room` gives it back whole, its objects adopted where they are.
+//! A host load of an object a pool slot holds adopts it in that slot (`adopt_pooled`).
 //!
 //! # Recency
 //! The core's LRU does not see the device's hits. So victims are chosen by second chance: a
@@ -97,6 +98,8 @@ pub(crate) struct DeviceLink {
     steps: u64,
     fallbacks: u64,
     refills: u64,
+    /// Objects host loads found in the pool and adopted there instead of copying them.
+    pub(super) adopted: u64,
     /// Objects the last device step copied in: the grant holds twice as many, so that a step
     /// rarely fills a slot twice (an object an earlier layer brought in leaves then, and the
     /// next step loads it again).
@@ -129,6 +132,9 @@ pub struct DeviceTotals {
     pub pool_live: u64,
     /// Slots a step filled again after an earlier layer of it had filled them.
     pub refills: u64,
+    /// Objects the host was about to load that the pool held: adopted where they were, not
+    /// copied again.
+    pub adopted: u64,
 }
 
 impl StepScheduler<PrefixTier> {
@@ -198,6 +204,7 @@ impl StepScheduler<PrefixTier> {
             steps: 0,
             fallbacks: 0,
             refills: 0,
+            adopted: 0,
             last_misses: 0,
         });
         Ok(state)
@@ -613,6 +620,7 @@ impl StepScheduler<PrefixTier> {
             pool: l.pool.len() as u64,
             pool_live,
             refills: l.refills,
+            adopted: l.adopted,
         }
     }
 

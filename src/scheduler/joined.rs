@@ -19,7 +19,7 @@ use super::prefix::Finishing;
 use super::tier::Tier;
 use super::{PrefixTier, PrefixTotals};
 use crate::config::HitPolicy;
-use crate::directory::{HostState, ObjectKey};
+use crate::directory::{HostState, ObjectHint, ObjectKey};
 use crate::error::{Error, Result};
 use crate::ids::{HostSlotId, PageId, RequestId, SlotId};
 use crate::radix::{HiCache, HiCacheConfig, PoolPair};
@@ -712,6 +712,14 @@ impl Tier for PrefixTier {
 
     fn make_room(s: &mut StepScheduler<Self>) -> Result<()> {
         s.release_device()
+    }
+
+    fn adopt_own(
+        s: &mut StepScheduler<Self>,
+        keys: &[ObjectKey],
+        hints: &[ObjectHint],
+    ) -> Result<()> {
+        s.adopt_pooled(keys, hints).map(drop)
     }
 
     fn reclaim(s: &mut StepScheduler<Self>, n: usize) -> Result<usize> {

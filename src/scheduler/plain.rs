@@ -11,7 +11,7 @@
 use super::core::{SchedulerConfig, StepScheduler};
 use super::request::{Prefix, RequestState};
 use super::tier::{Plain, Tier};
-use crate::directory::{LayerGroup, ObjectKey};
+use crate::directory::{LayerGroup, ObjectHint, ObjectKey};
 use crate::error::{Error, Result};
 use crate::ids::{RequestId, SlotId};
 use crate::transfer::{CopyEngine, PageTransferBinding};
@@ -239,6 +239,10 @@ impl Tier for Plain {
     }
 
     fn make_room(_: &mut StepScheduler<Self>) -> Result<()> {
+        Ok(())
+    }
+
+    fn adopt_own(_: &mut StepScheduler<Self>, _: &[ObjectKey], _: &[ObjectHint]) -> Result<()> {
         Ok(())
     }
 

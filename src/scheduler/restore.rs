@@ -82,6 +82,8 @@ impl StepScheduler<PrefixTier> {
             let r = &self.requests[&id];
             let keys: Vec<ObjectKey> = pages.iter().map(|&p| r.key(p, l)).collect();
             let hints: Vec<ObjectHint> = pages.iter().map(|&p| r.hint(p, l)).collect();
+            // (What the device resolver's pool holds is adopted there, not loaded again.)
+            self.adopt_pooled(&keys, &hints)?;
             let mut res = self.dir.prefetch_loads(&keys, &hints);
             if let Err(e @ Error::OutOfSlots { .. }) = &res {
                 if self.reclaim_for(e)? {

@@ -86,6 +86,15 @@ pub trait Tier: sealed::Sealed + Sized + Send + 'static {
     /// pool). Returns the slots freed.
     fn reclaim(s: &mut StepScheduler<Self>, n: usize) -> Result<usize>;
 
+    /// Before the host resolves `keys` (a plan's): what the tier holds on the device for
+    /// itself of them is handed to the directory where it is, so that it is not loaded again
+    /// (joined: objects the device resolver's pool holds).
+    fn adopt_own(
+        s: &mut StepScheduler<Self>,
+        keys: &[ObjectKey],
+        hints: &[ObjectHint],
+    ) -> Result<()>;
+
     /// Pins the tier holds outside plans, prefetches and kept selections (joined: the device
     /// resolver's holds and victims).
     fn extra_pins(s: &StepScheduler<Self>) -> u64;

@@ -1,8 +1,9 @@
 //! State-machine test of [`DevicePool`] (the device resolver's slots between steps) against a
 //! reference model: a list of (slot, occupant) in clock order and the set of occupants the
-//! last step read. Slots are pushed (each once), taken with or without a second chance, and
-//! drained. After every transition: the pool holds exactly the model's entries in the model's
-//! order, and no slot twice.
+//! last step read. Slots are pushed (new ones, or ones that left the pool before), taken with
+//! or without a second chance, removed from anywhere (the host adopting what one holds), and
+//! drained. After every transition: the pool holds exactly the model's entries in the
+//! model's order, and no slot twice.
 
 use super::DevicePool;
 use crate::ids::SlotId;
@@ -16,14 +17,21 @@ struct Model {
     /// Occupants the last step read.
     recent: BTreeSet<usize>,
     next_slot: u32,
-    /// What the last take returned.
+    /// Slots that left the pool, to push again.
+    out: Vec<u32>,
+    /// The slot the last push used.
+    pushed: u32,
+    /// What the last take (or remove) returned.
     taken: Vec<(u32, Option<usize>)>,
 }
 
 #[derive(Debug, Clone)]
 enum Step {
-    /// A new slot at the back, holding this occupant.
-    Push(Option<usize>),
+    /// A slot at the back, holding this occupant: one that left the pool (the nth of them,
+    /// if any), else a new one.
+    Push(Option<usize>, Option<usize>),
+    /// Remove the nth entry's slot.
+    Remove(usize),
     /// Up to n entries, with or without a second chance.
     Take(usize, bool),
     /// A step read these occupants (the last step's marks).
@@ -43,7 +51,12 @@ impl ReferenceStateMachine for RefMachine {
 
     fn transitions(_: &Model) -> BoxedStrategy<Step> {
         prop_oneof![
-            6 => proptest::option::weighted(0.8, 0usize..16).prop_map(Step::Push),
+            6 => (
+                proptest::option::weighted(0.8, 0usize..16),
+                proptest::option::of(0usize..8)
+            )
+                .prop_map(|(e, again)| Step::Push(e, again)),
+            3 => (0usize..16).prop_map(Step::Remove),
             4 => (0usize..12, any::<bool>()).prop_map(|(n, c)| Step::Take(n, c)),
             2 => proptest::collection::btree_set(0usize..16, 0..10).prop_map(Step::Read),
             1 => Just(Step::Drain),
@@ -54,9 +67,21 @@ impl ReferenceStateMachine for RefMachine {
     fn apply(mut m: Model, step: &Step) -> Model {
         m.taken.clear();
         match step {
-            Step::Push(e) => {
-                m.ring.push((m.next_slot, *e));
-                m.next_slot += 1;
+            Step::Push(e, again) => {
+                m.pushed = match again {
+                    Some(i) if !m.out.is_empty() => m.out.remove(i % m.out.len()),
+                    _ => {
+                        m.next_slot += 1;
+                        m.next_slot - 1
+                    }
+                };
+                m.ring.push((m.pushed, *e));
+            }
+            Step::Remove(i) => {
+                if !m.ring.is_empty() {
+                    let i = i % m.ring.len();
+                    m.taken.push(m.ring.remove(i));
+                }
             }
             Step::Take(n, second_chance) => {
                 // One pass at most: a recent occupant goes to the back, once; the rest are
@@ -75,6 +100,7 @@ impl ReferenceStateMachine for RefMachine {
             Step::Read(read) => m.recent = read.clone(),
             Step::Drain => m.taken = std::mem::take(&mut m.ring),
         }
+        m.out.extend(m.taken.iter().map(|&(s, _)| s));
         m
     }
 }
@@ -85,6 +111,8 @@ struct Sut {
     pool: DevicePool,
     recent: BTreeSet<usize>,
     taken: Vec<(u32, Option<usize>)>,
+    /// The model's ring before the step (where `Remove` finds its entry).
+    before: Vec<(u32, Option<usize>)>,
 }
 
 impl StateMachineTest for PoolTest {
@@ -96,13 +124,21 @@ impl StateMachineTest for PoolTest {
             pool: DevicePool::default(),
             recent: BTreeSet::new(),
             taken: Vec::new(),
+            before: Vec::new(),
         }
     }
 
     fn apply(mut sut: Sut, m: &Model, step: Step) -> Sut {
         sut.taken.clear();
         match step {
-            Step::Push(e) => sut.pool.push(SlotId::new(m.next_slot - 1), e),
+            Step::Push(e, _) => sut.pool.push(SlotId::new(m.pushed), e),
+            Step::Remove(i) => {
+                // (The entry is found in the model's ring before the step.)
+                if let Some(&(s, e)) = sut.before.get(i % sut.before.len().max(1)) {
+                    sut.pool.remove(SlotId::new(s));
+                    sut.taken.push((s, e));
+                }
+            }
             Step::Take(n, second_chance) => {
                 let mut out = Vec::new();
                 let recent = &sut.recent;
@@ -122,6 +158,7 @@ impl StateMachineTest for PoolTest {
             }
         }
         assert_eq!(sut.taken, m.taken, "what the step took");
+        sut.before = m.ring.clone();
         sut
     }
 

@@ -406,7 +406,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     end = rt.scheduler.stats()
     rt.scheduler.validate()  # (the device resolver's slots among them: its pool, checked)
     # Slots the device resolver keeps in its pool are its own (a cache), not leaked.
-    pooled = rt.scheduler.device_stats()["pool"] if rt.resolve == "device" else 0
+    dstats = rt.scheduler.device_stats() if rt.resolve == "device" else {}
+    pooled = dstats.get("pool", 0)
     recs = rt.records
     core = rt.scheduler.totals()
     step_s = [r.step_s for r in recs if r.requests]
@@ -489,6 +490,9 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         - end["device_loading"]
         - pooled,
         "end_device_pool": pooled,
+        # Host loads (prefills, steps planned on the host) that took an object from the
+        # resolver's pool instead of copying it again.
+        "device_pool_adopted": dstats.get("adopted", 0),
         "correct": exact,
     }
     steps = []
@@ -619,6 +623,7 @@ def format_summary(r: dict) -> str:
             f"{t['end_device_leaked']}, in flight {t['end_transfers_in_flight']}"
             + (
                 f", device resolver's pool {t['end_device_pool']} slots"
+                f" ({t['device_pool_adopted']} objects adopted by host loads)"
                 if t["end_device_pool"]
                 else ""
             ),
