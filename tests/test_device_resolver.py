@@ -439,3 +439,40 @@ def test_host_loads_adopt_what_the_resolvers_pool_holds_instead_of_copying_it_ag
     tiered.scheduler.validate()
     s = tiered.scheduler.stats()
     assert (s["pins"], s["handles"]) == (0, 0), s
+
+
+def test_a_step_whose_read_back_fails_leaves_the_core_whole_and_the_run_exact():
+    # A GPU's read-back of a step's log can fail (cuMemcpyDtoHAsync): the step's work is done
+    # and the core learns nothing of it. The step ends with CudaError; every slot of its grant
+    # counts as overwritten (victims evicted, slots back in the pool empty, the mirror sent
+    # whole at the next step), and the run goes on exact, with nothing leaked.
+    tiered, ref = _miss_heavy_pair(steps=8)
+    testing.use_host_kernel(tiered, 2)
+    for rt in (tiered, ref):
+        for _ in range(3):
+            rt.step()
+    testing.fail_device_read_backs(tiered, 1)
+    with pytest.raises(sp.CudaError, match="read-back"):
+        tiered.step()
+    ref.step()
+    tiered.scheduler.validate()
+    d = tiered.scheduler.device_stats()
+    assert d["granted"] == 0 and d["pool"] > 0, d
+    for rt in (tiered, ref):
+        for _ in range(4):
+            rt.step()
+    tiered.scheduler.validate()
+    assert tiered.scheduler.device_stats()["steps"] >= 7
+    for rid in range(3):
+        a, b = tiered.finish_request(rid), ref.finish_request(rid)
+        assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True)), rid
+    tiered.drain()
+    tiered.scheduler.validate()
+    s = tiered.scheduler.stats()
+    assert (s["pins"], s["handles"]) == (0, 0), s
+
+
+def test_read_back_faults_need_the_kernel():
+    rt = _runtime(2, "device")
+    with pytest.raises(sp.ConfigError, match="resolver"):
+        testing.fail_device_read_backs(rt, 1)

@@ -27,6 +27,7 @@ __all__ = [
     "contained_panic",
     "directory_of",
     "evict_device",
+    "fail_device_read_backs",
     "inject_alloc_failures",
     "inject_copy_fault",
     "inject_faults",
@@ -99,6 +100,15 @@ def use_host_kernel(target: Any, threads: int = 4) -> None:
             "(`make build` does)"
         )
     resolver._use_host_kernel(threads)
+
+
+def fail_device_read_backs(target: Any, count: int = 1) -> None:
+    """The next `count` device steps of `target` (a `DeviceResolver`, or a `DecodeRuntime` with
+    `resolve="device"`) fail when they end, as a GPU's read-back of the step's log can: the
+    step's work is done and the core learns nothing of it, so every slot the step was granted
+    counts as overwritten. Needs the kernel (`use_host_kernel`, or CUDA pools)."""
+    resolver = getattr(target, "resolver", target)
+    resolver._fail_read_backs(count)
 
 
 # The device resolver's kernel, launched on torch tensors: `ResolveKernel(device)` on a CUDA

@@ -192,6 +192,15 @@ impl PyDeviceResolver {
             .py_err(py)
     }
 
+    /// Test builds: the read-backs of the next `count` steps fail when they end, as a GPU's
+    /// can (the kernel only: the reference reads nothing back).
+    #[cfg(feature = "testing")]
+    #[pyo3(name = "_fail_read_backs", signature = (count=1))]
+    fn fail_read_backs(&self, py: Python<'_>, count: u32) -> PyResult<()> {
+        py.detach(|| self.state.lock().fail_read_backs(count))
+            .py_err(py)
+    }
+
     /// Test builds: nanoseconds the host spent in the kernel's device calls when steps opened
     /// and closed, in all (on the CPU the device's work itself; on a GPU queuing and the
     /// step's one wait), or None on the reference. `bench decode --resolve device

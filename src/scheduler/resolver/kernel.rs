@@ -149,6 +149,9 @@ pub(crate) struct DeviceKernel {
     /// Time the host spent in the device's calls when steps opened and closed (queuing, and
     /// on the CPU the device's work itself; the read-back's wait), in all.
     pub(super) device_ns: u64,
+    /// Test builds: the next closes whose read-back fails (as a `cuMemcpyDtoHAsync` can).
+    #[cfg(any(test, feature = "testing"))]
+    pub(super) fail_closes: u32,
 }
 
 impl DeviceKernel {
@@ -243,6 +246,8 @@ impl DeviceKernel {
             resync: false,
             wrap_pending: false,
             device_ns: 0,
+            #[cfg(any(test, feature = "testing"))]
+            fail_closes: 0,
         })
     }
 
@@ -456,6 +461,15 @@ impl DeviceKernel {
         self.open = false;
         // Until the step is read back in full, the host cannot tell what it changed.
         self.resync = true;
+        #[cfg(any(test, feature = "testing"))]
+        if self.fail_closes > 0 {
+            // (The step's work is done; the host learns nothing of it.)
+            self.fail_closes -= 1;
+            return Err(Error::Cuda {
+                call: "cuMemcpyDtoHAsync",
+                message: "injected: the step's read-back failed".into(),
+            });
+        }
         let t0 = std::time::Instant::now();
         let d = &mut *self.dev;
         // SAFETY: `st` has ST_LEN words and `bits` a bit an entry; the marks an entry each.
@@ -639,6 +653,22 @@ impl ResolverState {
     /// (`None` on the reference): what a benchmark of the core takes out of a step.
     pub fn kernel_device_ns(&self) -> Option<u64> {
         self.kernel.as_ref().map(|k| k.device_ns)
+    }
+
+    /// Test builds: the read-back of each of the next `count` steps fails when the step
+    /// closes, as a GPU's can; the step's work is done, and the host learns nothing of it.
+    /// The reference reads nothing back: refused there.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn fail_read_backs(&mut self, count: u32) -> Result<()> {
+        let k = self.kernel.as_mut().ok_or_else(|| {
+            Error::config(
+                "resolver",
+                "the reference",
+                "the kernel (use_host_kernel, or CUDA pools): the reference reads nothing back",
+            )
+        })?;
+        k.fail_closes = count;
+        Ok(())
     }
 
     /// Runs the kernel's source for every later step (test builds): on the CPU, `threads`
