@@ -472,7 +472,61 @@ def test_a_step_whose_read_back_fails_leaves_the_core_whole_and_the_run_exact():
     assert (s["pins"], s["handles"]) == (0, 0), s
 
 
+def test_a_step_whose_read_back_fails_still_ends_and_keeps_its_faults_armed():
+    rt = _runtime(2, "device")
+    testing.use_host_kernel(rt, 2)
+    g = torch.Generator().manual_seed(2)
+    rt.add_request(0, torch.randint(0, 512, (60,), generator=g), 5)
+    rt.step()
+    before = rt.records[-1].core["step"]
+    testing.fail_device_read_backs(rt, 1)
+    # Handed to the step (the kernel takes no copy faults), and armed again after it.
+    testing.inject_faults(rt, "load", 1)
+    with pytest.raises(sp.CudaError, match="read-back"):
+        rt.step()
+    assert rt.scheduler.stats()["faults_armed_loads"] == 1
+    rt.step()
+    # The failed step ended in the core (a step's number went by).
+    assert rt.records[-1].core["step"] == before + 2
+    rt.scheduler.validate()
+
+
 def test_read_back_faults_need_the_kernel():
     rt = _runtime(2, "device")
     with pytest.raises(sp.ConfigError, match="resolver"):
         testing.fail_device_read_backs(rt, 1)
+
+
+def test_a_host_plan_whose_rows_share_a_pooled_object_adopts_it_once():
+    # Two requests on the same prefix: a host plan's rows name the same objects (the plan
+    # dedups within a row only). An object the resolver's pool holds is adopted once, the
+    # plan reads it, and the pool and the directory agree afterwards (found by a review:
+    # the second adoption of the slot was refused half-way, leaving it in both).
+    model = TinySparseModel(ModelConfig(layers=3, seed=5))
+    kw = dict(page_size=8, host_pages=300, indexer_pages=200, topk=4, prefetch=False,
+              prefill_chunk=16)  # fmt: skip
+    rt = DecodeRuntime(model, device_slots=100, resolve="device", **kw)
+    g = torch.Generator().manual_seed(6)
+    prompt = torch.randint(0, 512, (400,), generator=g)
+    rt.add_request(0, prompt, 8)
+    for _ in range(8):
+        rt.step()
+    rt.finish_request(0)
+    rt.add_request(1, prompt[:200], 2)
+    rt.add_request(2, prompt[:200], 2)
+    before = rt.scheduler.device_stats()
+    assert before["pool_live"] > 0, before
+    rids = np.array([1, 2], dtype=np.int64)
+    blocks = np.tile(np.arange(24, dtype=np.int32), (2, 1))
+    for layer in range(3):
+        plan, _ = rt.scheduler.plan(layer, rids, blocks, rt.unit)
+        bad, _ = rt.scheduler.ready(plan, None)
+        assert not bad
+        rt.scheduler.finish(plan)
+    after = rt.scheduler.device_stats()
+    assert after["adopted"] > before["adopted"], (before, after)
+    rt.scheduler.validate()
+    for _ in range(2):
+        rt.step()
+    rt.drain()
+    rt.scheduler.validate()

@@ -939,13 +939,17 @@ impl<T: Tier> StepScheduler<T> {
 
     /// Ends the step: writes through every page that filled (one backup submission), settles
     /// finished transfers, releases prefetches no plan consumed, issues the next step's first
-    /// prefetches, and returns the step's record.
+    /// prefetches, and returns the step's record; or, when the tier's end of the step failed
+    /// (a device step's log that never came back, selections it refused), that error, the
+    /// step ended all the same (its record folded into the totals).
     pub fn end_step(&mut self) -> Result<StepRecord> {
         let t0 = Instant::now();
         self.xfer.pending.append(&mut self.xfer.filled);
         self.submit_pending_backups()?;
         self.poll()?;
-        T::end_step(self)?;
+        // The tier's error (a device step's log that never came back, cells it refused) is
+        // the step's, returned once the step has ended: its counts are in the totals.
+        let tier = T::end_step(self);
         let stale: Vec<u16> = self.prefetches.keys().copied().collect();
         for l in stale {
             self.drop_prefetch(l)?;
@@ -975,7 +979,7 @@ impl<T: Tier> StepScheduler<T> {
         self.steps += 1;
         self.rec.pinned_peak = self.pins;
         self.rec.prefetch_pinned_peak = self.prefetch_pins;
-        Ok(rec)
+        tier.map(|()| rec)
     }
 
     /// Writes through what filled, waits for every transfer in flight and settles it,

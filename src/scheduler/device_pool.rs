@@ -257,7 +257,9 @@ impl StepScheduler<PrefixTier> {
         let Some(link) = self.tier.device.as_ref() else {
             return Ok(0);
         };
-        if link.open || link.pool.len() == 0 {
+        let owns_objects =
+            link.pool.len() > 0 || link.grant.iter().any(|(_, h)| matches!(h, Held::Pool(_)));
+        if link.open || !owns_objects {
             return Ok(0);
         }
         let state = link.state.clone();
@@ -275,25 +277,51 @@ impl StepScheduler<PrefixTier> {
             }
         }
         drop(st);
+        // A plan's rows may name one object each (requests on one prefix): one slot, once.
+        found.sort_unstable_by_key(|&(_, _, s)| s);
+        found.dedup_by_key(|&mut (_, _, s)| s);
         // Of the slots the mirror names, the resolver's are the directory's granted ones, and
         // each holds the entry the mirror names there (`validate`); the rest are the
         // directory's own objects.
-        let slots: Vec<SlotId> = found.iter().map(|&(_, _, s)| s).collect();
         let found: Vec<_> = self
             .dir
-            .granted_among(&slots)
+            .granted_among(&slots_of(&found))
             .into_iter()
             .map(|i| found[i])
             .collect();
         if found.is_empty() {
             return Ok(0);
         }
-        // The standing grant's slots join the pool (its victims back to the LRU), so that
-        // every slot found is in the pool.
-        self.park_grant()?;
+        let link = self.tier.device.as_mut().expect("checked above");
+        // Those standing in the grant join the pool first (a victim's slot is never one:
+        // the directory does not count it granted).
+        let wanted: rustc_hash::FxHashSet<SlotId> = found.iter().map(|&(_, _, s)| s).collect();
+        let mut grant = std::mem::take(&mut link.grant);
+        grant.retain(|&(s, held)| {
+            let keep = !wanted.contains(&s);
+            if !keep {
+                link.pool.push(s, held.pool_entry());
+            }
+            keep
+        });
+        link.grant = grant;
         // (One the directory has elsewhere on the device, or whose host copy is not Ready,
         // is not adopted: the pool keeps it.)
-        let adopted = self.dir.adopt(&found)?;
+        let adopted = match self.dir.adopt(&found) {
+            Ok(a) => a,
+            Err(e) => {
+                // Stopped part way: the slots it adopted leave the pool all the same.
+                let link = self.tier.device.as_mut().expect("checked above");
+                let still = self.dir.granted_among(&slots_of(&found));
+                let mut still = still.into_iter().peekable();
+                for (i, &(_, _, s)) in found.iter().enumerate() {
+                    if still.next_if_eq(&i).is_none() {
+                        link.pool.remove(s);
+                    }
+                }
+                return Err(e);
+            }
+        };
         let link = self.tier.device.as_mut().expect("checked above");
         let mut n = 0;
         for (&(_, _, s), ok) in found.iter().zip(adopted) {
@@ -337,6 +365,11 @@ impl StepScheduler<PrefixTier> {
         self.give_back(slots, false)?;
         Ok(freed)
     }
+}
+
+/// The slots of (key, hint, slot) entries.
+fn slots_of(found: &[(ObjectKey, ObjectHint, SlotId)]) -> Vec<SlotId> {
+    found.iter().map(|&(_, _, s)| s).collect()
 }
 
 #[cfg(test)]

@@ -70,6 +70,14 @@ pub(super) enum Held {
 }
 
 impl Held {
+    /// What the slot holds for the pool (a victim is not the resolver's: none).
+    pub(super) fn pool_entry(self) -> Option<usize> {
+        match self {
+            Held::Pool(e) => Some(e),
+            _ => None,
+        }
+    }
+
     /// The mirror entry the kernel evicts when it takes the slot, or -1.
     fn victim(self) -> i64 {
         match self {
@@ -459,6 +467,9 @@ impl StepScheduler<PrefixTier> {
         let mut done = match closed {
             Ok(done) => done,
             Err(e) => {
+                // (The faults it was handed are armed again: it learnt nothing of them.)
+                let faults = state.lock().take_faults();
+                self.xfer.restore_copy_faults(faults);
                 self.taint_grant()?;
                 return Err(e);
             }

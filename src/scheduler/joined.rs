@@ -686,10 +686,13 @@ impl Tier for PrefixTier {
     /// Settles the cache's transfers, drops the objects of the host pages it let go, and
     /// advances the requests that ended.
     fn end_step(s: &mut StepScheduler<Self>) -> Result<()> {
-        s.end_device_step()?;
+        // A device step whose log never came back (its grant written off) still ends as a
+        // step: the cache's transfers settle and ended requests move on; then its error.
+        let device = s.end_device_step();
         s.tier.cache.poll()?;
         s.tier.drop_freed(&s.dir)?;
-        s.progress_finishing()
+        s.progress_finishing()?;
+        device
     }
 
     /// Waits for the cache's transfers, then writes through and inserts the requests that

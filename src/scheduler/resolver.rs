@@ -401,6 +401,11 @@ impl ResolverState {
         })
     }
 
+    /// The copy faults armed for the step and not taken (after a close that failed).
+    pub(crate) fn take_faults(&mut self) -> Vec<(Option<u16>, u32)> {
+        std::mem::take(&mut self.faults)
+    }
+
     /// Whether the last step read mirror entry `e` (hit or copied in).
     pub(crate) fn was_read(&self, e: usize) -> bool {
         if let Some(k) = &self.kernel {

@@ -193,3 +193,27 @@ fn a_take_with_a_second_chance_takes_what_was_not_read_first() {
         vec![(SlotId::new(0), Some(1)), (SlotId::new(1), Some(2))]
     );
 }
+
+#[test]
+fn a_slot_removed_and_pushed_again_is_in_the_pool_once_at_its_new_place() {
+    let mut pool = DevicePool::default();
+    for (s, e) in [(0, Some(1)), (1, Some(2)), (2, Some(3))] {
+        pool.push(SlotId::new(s), e);
+    }
+    pool.remove(SlotId::new(0));
+    pool.push(SlotId::new(0), Some(9));
+    assert_eq!(pool.len(), 3);
+    let order: Vec<_> = pool.iter().collect();
+    assert_eq!(
+        order,
+        vec![
+            (SlotId::new(1), Some(2)),
+            (SlotId::new(2), Some(3)),
+            (SlotId::new(0), Some(9))
+        ]
+    );
+    let mut out = Vec::new();
+    pool.take(3, false, |_| false, |_| {}, &mut out);
+    assert_eq!(out, order);
+    assert_eq!(pool.len(), 0);
+}
