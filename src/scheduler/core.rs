@@ -952,7 +952,10 @@ impl<T: Tier> StepScheduler<T> {
         let tier = T::end_step(self);
         let stale: Vec<u16> = self.prefetches.keys().copied().collect();
         for l in stale {
-            self.drop_prefetch(l)?;
+            if let Err(e) = self.drop_prefetch(l) {
+                tier?; // (the tier's error first: it came first)
+                return Err(e);
+            }
         }
         if self.cfg.prefetch {
             let rids = std::mem::take(&mut self.last_batch);

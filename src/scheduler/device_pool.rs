@@ -310,13 +310,18 @@ impl StepScheduler<PrefixTier> {
         let adopted = match self.dir.adopt(&found) {
             Ok(a) => a,
             Err(e) => {
-                // Stopped part way: the slots it adopted leave the pool all the same.
-                let link = self.tier.device.as_mut().expect("checked above");
+                // (Not reached while the invariants hold: the slots are distinct and granted.)
+                // Stopped part way: the slots it adopted leave the pool all the same, those
+                // the pool still holds (an error path: the ring is walked).
                 let still = self.dir.granted_among(&slots_of(&found));
+                let link = self.tier.device.as_mut().expect("checked above");
+                let pooled: rustc_hash::FxHashSet<SlotId> =
+                    link.pool.iter().map(|(s, _)| s).collect();
                 let mut still = still.into_iter().peekable();
                 for (i, &(_, _, s)) in found.iter().enumerate() {
-                    if still.next_if_eq(&i).is_none() {
+                    if still.next_if_eq(&i).is_none() && pooled.contains(&s) {
                         link.pool.remove(s);
+                        link.adopted += 1;
                     }
                 }
                 return Err(e);

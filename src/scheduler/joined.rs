@@ -689,10 +689,13 @@ impl Tier for PrefixTier {
         // A device step whose log never came back (its grant written off) still ends as a
         // step: the cache's transfers settle and ended requests move on; then its error.
         let device = s.end_device_step();
-        s.tier.cache.poll()?;
-        s.tier.drop_freed(&s.dir)?;
-        s.progress_finishing()?;
-        device
+        let rest = s
+            .tier
+            .cache
+            .poll()
+            .and_then(|_| s.tier.drop_freed(&s.dir))
+            .and_then(|()| s.progress_finishing());
+        device.and(rest)
     }
 
     /// Waits for the cache's transfers, then writes through and inserts the requests that
