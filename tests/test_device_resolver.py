@@ -398,6 +398,27 @@ def test_a_prefill_whose_layer_plan_makes_room_keeps_its_chunks_later_layers():
         assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True)), rid
 
 
+def _outgrown_prefix(device_slots: int) -> tuple[DecodeRuntime, torch.Tensor, torch.Generator]:
+    """A 3-layer runtime (device-resolved when `device_slots` is small) and a 400-token prompt
+    that outgrows a 100-slot device, so that decode steps copy the blocks they miss into the
+    resolver's pool; with the generator that drew it."""
+    model = TinySparseModel(ModelConfig(layers=3, seed=5))
+    rt = DecodeRuntime(
+        model, device_slots=device_slots, resolve="device" if device_slots < 2000 else "host",
+        page_size=8, host_pages=300, indexer_pages=200, topk=4, prefetch=False, prefill_chunk=16,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(6)
+    return rt, torch.randint(0, 512, (400,), generator=g), g
+
+
+def _ends_clean(rt: DecodeRuntime) -> None:
+    """Every transfer landed, the scheduler's checks hold, and nothing stays pinned."""
+    rt.drain()
+    rt.scheduler.validate()
+    s = rt.scheduler.stats()
+    assert (s["pins"], s["handles"]) == (0, 0), s
+
+
 @pytest.mark.parametrize("kernel", [False, True])
 def test_host_loads_adopt_what_the_resolvers_pool_holds_instead_of_copying_it_again(kernel):
     # Request 0's decode steps copy the blocks they miss into the resolver's pool (its prompt
@@ -406,15 +427,10 @@ def test_host_loads_adopt_what_the_resolvers_pool_holds_instead_of_copying_it_ag
     # directory where they are (hits, not loads). The outputs stay the resident run's, and
     # validate() (test builds: device bytes against host copies) holds with the adopted
     # objects in the directory.
-    model = TinySparseModel(ModelConfig(layers=3, seed=5))
-    kw = dict(page_size=8, host_pages=300, indexer_pages=200, topk=4, prefetch=False,
-              prefill_chunk=16)  # fmt: skip
-    tiered = DecodeRuntime(model, device_slots=100, resolve="device", **kw)
-    ref = DecodeRuntime(model, device_slots=2000, **kw)
+    tiered, prompt, g = _outgrown_prefix(100)
+    ref, _, _ = _outgrown_prefix(2000)
     if kernel:
         testing.use_host_kernel(tiered, 2)
-    g = torch.Generator().manual_seed(6)
-    prompt = torch.randint(0, 512, (400,), generator=g)
     outputs = {}
     for rt in (tiered, ref):
         rt.add_request(0, prompt, 8)
@@ -435,10 +451,7 @@ def test_host_loads_adopt_what_the_resolvers_pool_holds_instead_of_copying_it_ag
         outputs[rt].append(rt.finish_request(1))
     for a, b in zip(outputs[tiered], outputs[ref], strict=True):
         assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True))
-    tiered.drain()
-    tiered.scheduler.validate()
-    s = tiered.scheduler.stats()
-    assert (s["pins"], s["handles"]) == (0, 0), s
+    _ends_clean(tiered)
 
 
 def test_a_step_whose_read_back_fails_leaves_the_core_whole_and_the_run_exact():
@@ -466,10 +479,7 @@ def test_a_step_whose_read_back_fails_leaves_the_core_whole_and_the_run_exact():
     for rid in range(3):
         a, b = tiered.finish_request(rid), ref.finish_request(rid)
         assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True)), rid
-    tiered.drain()
-    tiered.scheduler.validate()
-    s = tiered.scheduler.stats()
-    assert (s["pins"], s["handles"]) == (0, 0), s
+    _ends_clean(tiered)
 
 
 def test_a_step_whose_read_back_fails_still_ends_and_keeps_its_faults_armed():
@@ -502,12 +512,7 @@ def test_a_host_plan_whose_rows_share_a_pooled_object_adopts_it_once():
     # dedups within a row only). An object the resolver's pool holds is adopted once, the
     # plan reads it, and the pool and the directory agree afterwards (found by a review:
     # the second adoption of the slot was refused half-way, leaving it in both).
-    model = TinySparseModel(ModelConfig(layers=3, seed=5))
-    kw = dict(page_size=8, host_pages=300, indexer_pages=200, topk=4, prefetch=False,
-              prefill_chunk=16)  # fmt: skip
-    rt = DecodeRuntime(model, device_slots=100, resolve="device", **kw)
-    g = torch.Generator().manual_seed(6)
-    prompt = torch.randint(0, 512, (400,), generator=g)
+    rt, prompt, _ = _outgrown_prefix(100)
     rt.add_request(0, prompt, 8)
     for _ in range(8):
         rt.step()
@@ -528,5 +533,6 @@ def test_a_host_plan_whose_rows_share_a_pooled_object_adopts_it_once():
     rt.scheduler.validate()
     for _ in range(2):
         rt.step()
-    rt.drain()
-    rt.scheduler.validate()
+    for rid in (1, 2):
+        rt.finish_request(rid)
+    _ends_clean(rt)

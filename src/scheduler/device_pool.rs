@@ -285,7 +285,7 @@ impl StepScheduler<PrefixTier> {
         // directory's own objects.
         let found: Vec<_> = self
             .dir
-            .granted_among(&slots_of(&found))
+            .granted_among(&found.iter().map(|&(_, _, s)| s).collect::<Vec<_>>())
             .into_iter()
             .map(|i| found[i])
             .collect();
@@ -296,37 +296,18 @@ impl StepScheduler<PrefixTier> {
         // Those standing in the grant join the pool first (a victim's slot is never one:
         // the directory does not count it granted).
         let wanted: rustc_hash::FxHashSet<SlotId> = found.iter().map(|&(_, _, s)| s).collect();
-        let mut grant = std::mem::take(&mut link.grant);
-        grant.retain(|&(s, held)| {
-            let keep = !wanted.contains(&s);
-            if !keep {
-                link.pool.push(s, held.pool_entry());
+        let pool = &mut link.pool;
+        link.grant.retain(|&(s, held)| {
+            let found = wanted.contains(&s);
+            if found {
+                pool.push(s, held.pool_entry());
             }
-            keep
+            !found
         });
-        link.grant = grant;
-        // (One the directory has elsewhere on the device, or whose host copy is not Ready,
-        // is not adopted: the pool keeps it.)
-        let adopted = match self.dir.adopt(&found) {
-            Ok(a) => a,
-            Err(e) => {
-                // (Not reached while the invariants hold: the slots are distinct and granted.)
-                // Stopped part way: the slots it adopted leave the pool all the same, those
-                // the pool still holds (an error path: the ring is walked).
-                let still = self.dir.granted_among(&slots_of(&found));
-                let link = self.tier.device.as_mut().expect("checked above");
-                let pooled: rustc_hash::FxHashSet<SlotId> =
-                    link.pool.iter().map(|(s, _)| s).collect();
-                let mut still = still.into_iter().peekable();
-                for (i, &(_, _, s)) in found.iter().enumerate() {
-                    if still.next_if_eq(&i).is_none() && pooled.contains(&s) {
-                        link.pool.remove(s);
-                        link.adopted += 1;
-                    }
-                }
-                return Err(e);
-            }
-        };
+        // One the directory has elsewhere on the device, or whose host copy is not Ready, is
+        // not adopted: the pool keeps it. (The call's one refusal, a slot not granted, cannot
+        // come: the slots are distinct, granted, and nothing took them since.)
+        let adopted = self.dir.adopt(&found)?;
         let link = self.tier.device.as_mut().expect("checked above");
         let mut n = 0;
         for (&(_, _, s), ok) in found.iter().zip(adopted) {
@@ -370,11 +351,6 @@ impl StepScheduler<PrefixTier> {
         self.give_back(slots, false)?;
         Ok(freed)
     }
-}
-
-/// The slots of (key, hint, slot) entries.
-fn slots_of(found: &[(ObjectKey, ObjectHint, SlotId)]) -> Vec<SlotId> {
-    found.iter().map(|&(_, _, s)| s).collect()
 }
 
 #[cfg(test)]
