@@ -48,6 +48,7 @@ typedef unsigned int u32;
 // that a layer's launch takes the same arguments every step and a CUDA graph can replay it.
 #define ST_GRANT_LEN 7 // entries in the grant
 #define ST_SERIAL 8    // the step's serial (read marks)
+#define ST_LOG_CAP 9   // log entries the step's log has room for
 
 // Token counts in `tok` (64-bit): read amplification's terms, as the reference counts them.
 #define TOK_SELECTED 0     // selected entries (cells naming a page)
@@ -75,9 +76,8 @@ struct StepArgs {
     u32* filled;             // [H * L] serial of the step that last copied the entry in
     const int* grant;        // [G * 2] (slot, victim entry or -1); st[ST_GRANT_LEN] of them
     int* deferred;           // [G * 2] (grant index, call); call NOT_YET until written
-    int* log;                // [capacity * 5] (grant index, entry, row, page, call); the
-                             // host fills each call with NOT_YET at the step's start
-    int log_capacity;
+    int* log;                // [st[ST_LOG_CAP] * 5] (grant index, entry, row, page, call);
+                             // the host fills each call with NOT_YET at the step's start
     u32* st;                 // cursors and counters (ST_*)
     u32* counts;             // [L * 2] hits, misses
     u64* tok;                // TOK_*
@@ -88,6 +88,7 @@ struct StepArgs {
 struct Step : StepArgs {
     u32 serial;
     int grant_len;
+    int log_capacity;
 };
 
 __device__ __forceinline__ bool read_here(const Step& s, int v, int layers, int layer) {
@@ -173,6 +174,7 @@ extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
     static_cast<StepArgs&>(s) = args;
     s.serial = ((volatile u32*)args.st)[ST_SERIAL];
     s.grant_len = (int)((volatile u32*)args.st)[ST_GRANT_LEN];
+    s.log_capacity = (int)((volatile u32*)args.st)[ST_LOG_CAP];
     const u32 lane = threadIdx.x % SPARSETIER_WARP;
     const int warps = (int)(gridDim.x * blockDim.x / SPARSETIER_WARP);
     for (int c = (int)((blockIdx.x * blockDim.x + threadIdx.x) / SPARSETIER_WARP); c < cells;

@@ -24,7 +24,9 @@
 #                             once, and its GPU time a layer at batch 64, top-2048 of 128k
 #                             tokens (DeepSeek-V3.2's 656-byte rows, 64-token pages), block and
 #                             token mode, and a step's layers captured in a CUDA graph and
-#                             replayed, each run's JSON after its line; the runtime's decode
+#                             replayed, each run's JSON after its line; the runtime's
+#                             resolver captured in torch CUDA graphs and replayed
+#                             (tests/test_resolver_capture.py); the runtime's decode
 #                             through it (`demo --device cuda --resolve device`, block and
 #                             token, and test_gpu_runtime.py's device_resolve cases: tiered ==
 #                             resident, layers under torch's sync debug mode "error"); then
@@ -118,6 +120,11 @@ run)
         timeout 90 python3 -m pytest -q -rs -p no:cacheprovider $per_test \
             tests/test_resolver_gpu.py -k gpu_passes >> "$OUT/resolver.txt" 2>&1
         echo "resolver pytest: exit $?" >> "$OUT/resolver.txt"
+        # The runtime's resolver captured in torch CUDA graphs and replayed step after step
+        # (graph_epoch, will_replay), every cell checked against the rows the model wrote.
+        timeout 90 python3 -m pytest -q -rs -p no:cacheprovider $per_test \
+            tests/test_resolver_capture.py -k cuda >> "$OUT/resolver.txt" 2>&1
+        echo "resolver capture pytest: exit $?" >> "$OUT/resolver.txt"
     fi
     if has demos; then
         for mode in block token; do

@@ -1,7 +1,7 @@
 # Type stubs for the Rust extension sparsetier._core. Keep in step with src/py/;
 # tests/test_stub.py checks them against the built module with mypy's stubtest.
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, ClassVar, final
 
@@ -689,6 +689,9 @@ class DeviceResolver:
 
     FAILED: ClassVar[int]
     def resolve(self, layer: int, rids: Any, selection: Any, tokens: bool = False) -> Any: ...
+    @property
+    def graph_epoch(self) -> int | None: ...
+    def will_replay(self, layers: Iterable[int]) -> None: ...
     @property
     def step_open(self) -> bool: ...
 

@@ -10,7 +10,7 @@ use crate::py::error::{to_py, IntoPyResult};
 use crate::py::tensor::TensorInfo;
 use crate::scheduler::resolver::abi::{
     self, Geometry, Step, LOG_INTS, NOT_YET, ST_DEF_AT, ST_DEF_LEN, ST_GRANT_LEN, ST_LEN,
-    ST_REFILL_AT, ST_USED,
+    ST_LOG_CAP, ST_REFILL_AT, ST_USED,
 };
 use crate::scheduler::resolver::launch::{LaunchArgs, ResolveKernel};
 use pyo3::prelude::*;
@@ -141,6 +141,9 @@ impl PyResolveKernel {
     /// `st` index: the step's serial (written before a step).
     #[classattr]
     const ST_SERIAL: usize = abi::ST_SERIAL;
+    /// `st` index: log entries the log has room for (written before a step).
+    #[classattr]
+    const ST_LOG_CAP: usize = abi::ST_LOG_CAP;
     /// `st` index: grant entries deferred.
     #[classattr]
     const ST_DEF_LEN: usize = abi::ST_DEF_LEN;
@@ -438,6 +441,13 @@ impl PyResolveKernel {
             bounded(py, "st[ST_DEF_AT]", &[st_now[ST_DEF_AT]], 0, def_len + 1)?;
             bounded(
                 py,
+                "st[ST_LOG_CAP]",
+                &st_now[ST_LOG_CAP..=ST_LOG_CAP],
+                0,
+                capacity as i64 + 1,
+            )?;
+            bounded(
+                py,
                 "st[ST_REFILL_AT]",
                 &[st_now[ST_REFILL_AT]],
                 0,
@@ -506,7 +516,6 @@ impl PyResolveKernel {
                 grant: grant.ptr as *const i32,
                 deferred: deferred.ptr as *mut i32,
                 log: log.ptr as *mut i32,
-                log_capacity: capacity as i32,
                 st: st.ptr as *mut u32,
                 counts: counts.ptr as *mut u32,
                 tok: tok.ptr as *mut u64,

@@ -88,6 +88,12 @@ impl PyDeviceResolver {
         let shape: Vec<usize> = info.shape.iter().map(|&d| d as usize).collect();
         let k = row_width(py, &shape, ids.len())?;
         let stream = crate::py::transfer::current_torch_stream(py, ordinal)?;
+        // Under a CUDA graph's capture the launch is captured on the capturing stream.
+        let capturing: bool = py
+            .import("torch")?
+            .getattr("cuda")?
+            .call_method0("is_current_stream_capturing")?
+            .extract()?;
         let table = py
             .import("torch")?
             .call_method1("empty_like", (selection,))?;
@@ -102,14 +108,15 @@ impl PyDeviceResolver {
             // (Checked under the lock the launch takes: the step's stream cannot change
             // between the two.)
             let step = st.stream();
-            if stream != step {
+            if stream != step && !capturing {
                 return Err(Error::config(
                     "stream",
                     format!("{stream:#x}"),
                     format!("the step's stream ({step:#x}), current at begin_device_step"),
                 ));
             }
-            unsafe { st.resolve_layer_device(layer, ids, (sel, out), k, tokens) }
+            let capture = capturing.then_some(stream);
+            unsafe { st.resolve_layer_device(layer, ids, (sel, out), (k, tokens), capture) }
         })
         .py_err(py)?;
         Ok(table)
@@ -209,6 +216,77 @@ impl PyDeviceResolver {
     #[pyo3(name = "_kernel_device_ns")]
     fn kernel_device_ns(&self, py: Python<'_>) -> Option<u64> {
         py.detach(|| self.state.lock().kernel_device_ns())
+    }
+
+    /// The epoch of the open step's launch arguments on a device (None on the reference):
+    /// it changes when the resolver's buffers move (they grow by powers of two, so it
+    /// settles once the largest batch has run). A graph captured in one epoch replays in
+    /// steps of the same epoch only.
+    #[getter]
+    fn graph_epoch(&self, py: Python<'_>) -> Option<u64> {
+        py.detach(|| self.state.lock().graph_epoch())
+    }
+
+    /// Before a CUDA graph that captured the launches of `layers` (`resolve` under capture)
+    /// is replayed in the open step: accounts them, in order, as the step's next calls.
+    /// Refused (`ConfigError`, nothing changed) unless each layer's launch was captured in
+    /// this `graph_epoch` for a step of as many requests, in capture order, no layer
+    /// resolved twice, and (on a GPU) torch's current stream is the step's.
+    fn will_replay(&self, py: Python<'_>, layers: &Bound<'_, PyAny>) -> PyResult<()> {
+        let layers: Vec<u16> = layers
+            .try_iter()
+            .map_err(|_| {
+                to_py(
+                    py,
+                    Error::config(
+                        "layers",
+                        crate::py::args::short(layers),
+                        "an iterable of layer indices",
+                    ),
+                )
+            })?
+            .map(|l| crate::py::args::unsigned::<u16>(&l?, "layers"))
+            .collect::<PyResult<_>>()?;
+        let stream = match self.gpu {
+            Some(ordinal) => Some(crate::py::transfer::current_torch_stream(py, ordinal)?),
+            None => None,
+        };
+        py.detach(|| {
+            let mut st = self.state.lock();
+            if let Some(stream) = stream.filter(|&s| s != st.stream()) {
+                return Err(Error::config(
+                    "stream",
+                    format!("{stream:#x}"),
+                    format!(
+                        "the step's stream ({:#x}), current at begin_device_step",
+                        st.stream()
+                    ),
+                ));
+            }
+            st.will_replay(&layers)
+        })
+        .py_err(py)
+    }
+
+    /// Test builds: while `on`, the kernel on CPU threads records each launch instead of
+    /// running it, as a CUDA graph's capture does (`_replay_recorded` runs them).
+    #[cfg(feature = "testing")]
+    #[pyo3(name = "_record_launches")]
+    fn record_launches(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        py.detach(|| self.state.lock().record_launches(on))
+            .py_err(py)
+    }
+
+    /// Test builds: runs the launches recorded for `layers` with their arguments as
+    /// recorded (a graph's replay; `will_replay` first). The arrays a recorded launch read
+    /// and wrote (the selection passed, the table returned) must still be alive: the caller
+    /// keeps them.
+    #[cfg(feature = "testing")]
+    #[pyo3(name = "_replay_recorded")]
+    fn replay_recorded(&self, py: Python<'_>, layers: Vec<u16>) -> PyResult<()> {
+        // SAFETY: the caller's contract above (test builds only).
+        py.detach(|| unsafe { self.state.lock().replay_recorded(&layers) })
+            .py_err(py)
     }
 
     /// Whether a step is granted and not yet ended.

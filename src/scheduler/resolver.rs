@@ -46,6 +46,7 @@ use crate::transfer::{LayerPageOrder, PageTransferBinding};
 use rustc_hash::FxHashMap;
 
 pub mod abi;
+mod capture;
 pub(crate) mod device;
 pub(crate) mod gpu;
 pub mod kernel;
@@ -176,6 +177,13 @@ pub struct ResolverState {
     kernel: Option<kernel::DeviceKernel>,
     /// The stream the kernel's work of the next step is queued on (a raw `CUstream`).
     stream: u64,
+    /// Per layer, its launch as a CUDA graph captured it (`capture`), and the launches
+    /// captured since the step opened (their calls follow the step's).
+    captured: Vec<Option<capture::Captured>>,
+    captured_calls: u32,
+    /// Test builds: launches over host memory are recorded, not run (a capture on the CPU).
+    #[cfg(any(test, feature = "testing"))]
+    recording: bool,
 }
 
 impl ResolverState {
@@ -227,6 +235,10 @@ impl ResolverState {
             resolved: vec![false; layers as usize],
             entries: 0,
             step_rids: Default::default(),
+            captured: vec![None; layers as usize],
+            captured_calls: 0,
+            #[cfg(any(test, feature = "testing"))]
+            recording: false,
         })
     }
 
@@ -299,6 +311,7 @@ impl ResolverState {
         cells: usize,
     ) -> Result<()> {
         self.resolved.fill(false);
+        self.captured_calls = 0;
         self.entries = entries;
         self.step_rids = rids.iter().copied().collect();
         self.grant = grant;
@@ -555,16 +568,20 @@ impl ResolverState {
     /// is read back: cells naming a page past their request are left without a slot (-1)
     /// and reported when the step ends.
     ///
+    /// With `capture` (a stream a CUDA graph is capturing), the launch is captured there
+    /// instead ([`ResolverState::will_replay`]).
+    ///
     /// # Safety
     /// `selection` and `table` are addresses the kernel's device can read and write, of
-    /// `rids.len() * k` int32 each, alive until the step's work has run.
+    /// `rids.len() * k` int32 each, alive until the step's work has run (captured: until
+    /// every replay of the graph has run).
     pub unsafe fn resolve_layer_device(
         &mut self,
         layer: u16,
         rids: &[RequestId],
         (selection, table): (u64, u64),
-        k: usize,
-        tokens: bool,
+        (k, tokens): (usize, bool),
+        capture: Option<u64>,
     ) -> Result<()> {
         self.check_call(layer, k)?;
         self.check_rids(rids)?;
@@ -583,18 +600,17 @@ impl ResolverState {
                 "a resolver whose kernel runs on a device",
             ));
         };
+        let cells = (selection, table, cells, k);
+        if let Some(stream) = capture {
+            let call = self.call + self.captured_calls + 1;
+            // SAFETY: the caller's contract.
+            unsafe { kern.capture(stream, layer, rids, cells, call, (self.page_size, tokens))? };
+            self.captured_launch(layer, rids.len(), k, call);
+            return Ok(());
+        }
         let call = self.call + 1;
         // SAFETY: the caller's contract.
-        unsafe {
-            kern.launch(
-                layer,
-                rids,
-                (selection, table, cells, k),
-                call,
-                self.page_size,
-                tokens,
-            )?
-        };
+        unsafe { kern.launch(layer, rids, cells, call, self.page_size, tokens)? };
         self.call = call;
         self.resolved[layer as usize] = true;
         Ok(())

@@ -138,6 +138,7 @@ def run(cfg: ResolverGpuConfig) -> dict:
             t[name].zero_()
         t["st"][abi.ST_GRANT_LEN] = n
         t["st"][abi.ST_SERIAL] = serial
+        t["st"][abi.ST_LOG_CAP] = cap
         layer_ms = []
         if cfg.graph and step >= 1:
             # Step 0 ran eagerly; the layers' launches are captured once, then replayed each

@@ -20,6 +20,9 @@ pub const ST_BAD: usize = 6;
 pub const ST_GRANT_LEN: usize = 7;
 /// `st[ST_SERIAL]`: the step's serial (written by the host before a step).
 pub const ST_SERIAL: usize = 8;
+/// `st[ST_LOG_CAP]`: log entries the step's log has room for (written by the host before a
+/// step).
+pub const ST_LOG_CAP: usize = 9;
 /// Words in `st`.
 pub const ST_LEN: usize = 10;
 /// `tok[TOK_SELECTED]`: selected entries (cells naming a page).
@@ -37,8 +40,8 @@ pub const LOG_INTS: usize = 5;
 pub const CLAIMING: i32 = -3;
 
 /// `struct StepArgs` of the kernel, field for field (passed by value): the step's state. The
-/// grant's length and the step's serial are in `st` (`ST_GRANT_LEN`, `ST_SERIAL`), so that a
-/// layer's launch takes the same arguments every step.
+/// grant's length, the step's serial and the log's room are in `st` (`ST_GRANT_LEN`,
+/// `ST_SERIAL`, `ST_LOG_CAP`), so that a layer's launch takes the same arguments every step.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 #[allow(missing_docs)]
@@ -49,7 +52,6 @@ pub struct Step {
     pub grant: *const i32,
     pub deferred: *mut i32,
     pub log: *mut i32,
-    pub log_capacity: i32,
     pub st: *mut u32,
     pub counts: *mut u32,
     pub tok: *mut u64,

@@ -155,6 +155,30 @@ mod host {
         }
 
         unsafe fn resolve(&mut self, args: &LaunchArgs) -> Result<()> {
+            // Every buffer of the device the launch names is one it holds: a replayed launch
+            // whose buffers moved is refused (on a GPU it would read freed memory).
+            let s = &args.step;
+            let named = [
+                args.rows,
+                args.tables,
+                args.lens,
+                s.mirror as u64,
+                s.marks as u64,
+                s.filled as u64,
+                s.grant as u64,
+                s.deferred as u64,
+                s.log as u64,
+                s.st as u64,
+                s.counts as u64,
+                s.tok as u64,
+                args.geo.host_planes as u64,
+            ];
+            if let Some(gone) = named.iter().find(|a| !self.blocks.contains_key(a)) {
+                return Err(crate::error::Error::Cuda {
+                    call: "cuLaunchKernel",
+                    message: format!("the launch names freed device memory ({gone:#x})"),
+                });
+            }
             // SAFETY: the caller's contract, with this process's memory for the device's.
             unsafe { super::super::kernel::launch_on_host(self.threads, args) };
             Ok(())

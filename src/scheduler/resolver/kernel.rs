@@ -13,8 +13,8 @@
 //!   ([`ResolverState::device_mirror_mismatch`], which reads the device's back).
 
 use super::abi::{
-    Geometry, Step, LOG_INTS, NOT_YET, ST_BAD, ST_GRANT_LEN, ST_LEN, ST_LOG, ST_OVERFLOW,
-    ST_SERIAL, ST_USED, TOK_NEEDED, TOK_NEEDED_MOVED, TOK_SELECTED,
+    Geometry, Step, LOG_INTS, NOT_YET, ST_BAD, ST_GRANT_LEN, ST_LEN, ST_LOG, ST_LOG_CAP,
+    ST_OVERFLOW, ST_SERIAL, ST_USED, TOK_NEEDED, TOK_NEEDED_MOVED, TOK_SELECTED,
 };
 use super::device::KernelDevice;
 use super::launch::LaunchArgs;
@@ -149,10 +149,31 @@ pub(crate) struct DeviceKernel {
     /// Time the host spent in the device's calls when steps opened and closed (queuing, and
     /// on the CPU the device's work itself; the read-back's wait), in all.
     pub(super) device_ns: u64,
+    /// The stream the open step's work is queued on.
+    stream: u64,
+    /// What a layer's launch takes that can change between steps (the buffers' addresses,
+    /// the tables' width), as of the last step that opened; `epoch` counts its changes. A
+    /// launch captured in a CUDA graph replays correctly in any step of the same epoch.
+    launch_sig: [u64; 7],
+    pub(super) epoch: u64,
     /// Test builds: the next closes whose read-back fails (as a `cuMemcpyDtoHAsync` can).
     #[cfg(any(test, feature = "testing"))]
     pub(super) fail_closes: u32,
+    /// Test builds: launches recorded instead of run, by layer (a CUDA graph's capture, on
+    /// the CPU: the arguments kept by value and replayed as they are).
+    #[cfg(any(test, feature = "testing"))]
+    recorded: rustc_hash::FxHashMap<u16, Recorded>,
 }
+
+/// Test builds: a launch's arguments kept for a replay.
+#[cfg(any(test, feature = "testing"))]
+#[derive(Debug, Clone, Copy)]
+struct Recorded(LaunchArgs);
+
+// SAFETY: the pointers are addresses kept as values; only the device dereferences them, in
+// a replay made under the resolver's lock (the kernel is moved between threads whole).
+#[cfg(any(test, feature = "testing"))]
+unsafe impl Send for Recorded {}
 
 impl DeviceKernel {
     /// The kernel on `dev` for a resolver over `mirror.len()` entries of `layers` layers,
@@ -246,8 +267,13 @@ impl DeviceKernel {
             resync: false,
             wrap_pending: false,
             device_ns: 0,
+            stream: 0,
+            launch_sig: [0; 7],
+            epoch: 0,
             #[cfg(any(test, feature = "testing"))]
             fail_closes: 0,
+            #[cfg(any(test, feature = "testing"))]
+            recorded: rustc_hash::FxHashMap::default(),
         })
     }
 
@@ -282,6 +308,7 @@ impl DeviceKernel {
         (tables, live): (&[StepTable<'_>], Live<'_>),
     ) -> Result<()> {
         self.dev.set_stream(stream);
+        self.stream = stream;
         // The changes, one pair an entry (its value now); after a step that went wrong, all.
         self.changed.sort_unstable();
         self.changed.dedup();
@@ -320,6 +347,19 @@ impl DeviceKernel {
         self.grant_len = grant.len();
         self.log_capacity = log_capacity;
         self.open = true;
+        let sig = [
+            self.grant.addr,
+            self.deferred.addr,
+            self.log.addr,
+            self.lens.addr,
+            self.step_rows.addr,
+            self.tables.addr,
+            self.tables.width as u64,
+        ];
+        if sig != self.launch_sig {
+            self.launch_sig = sig;
+            self.epoch += 1;
+        }
         Ok(())
     }
 
@@ -335,6 +375,8 @@ impl DeviceKernel {
         let mut st = [0u32; ST_LEN];
         st[ST_GRANT_LEN] = (g.len() / 2) as u32;
         st[ST_SERIAL] = serial;
+        // (A step's cells times its layers: far below 2^32, `open`'s cells fit an int32.)
+        st[ST_LOG_CAP] = log_capacity as u32;
         let d = &mut *self.dev;
         Self::room(d, &mut self.changes, 4 * pairs.len())?;
         Self::room(d, &mut self.grant, 4 * g.len())?;
@@ -389,11 +431,104 @@ impl DeviceKernel {
         &mut self,
         layer: u16,
         rids: &[RequestId],
-        (sel, table, cells, k): (u64, u64, usize, usize),
+        cells: (u64, u64, usize, usize),
         call: u32,
         page_size: u32,
         tokens: bool,
     ) -> Result<()> {
+        let args = self.args(layer, rids, cells, call, (page_size, tokens))?;
+        // SAFETY: the step's buffers were sized when it opened: the mirror, marks and filled
+        // an entry per (home, layer), and the tables' homes are the core's (homes of the host
+        // pool); the grant and deferred 2 ints an entry; the log room for every take of the
+        // step (one a cell a layer); the counts 2 a layer; `rows` a batch row each, each a row
+        // of the step's tables, which have `width` homes a row and a length each. The planes
+        // are the bindings', checked when built, and the slots the grant names are pages of
+        // the device pool (the core granted them). `sel` and `table` are the caller's.
+        unsafe { self.dev.resolve(&args) }
+    }
+
+    /// [`Self::launch`] queued on `stream`, which a CUDA graph is capturing, instead of the
+    /// step's: the launch runs when the graph is replayed (on the step's stream, in a step of
+    /// this epoch). The batch must be the step's, in its order (its rows were uploaded when
+    /// the step opened; a capture can upload nothing).
+    ///
+    /// # Safety
+    /// As [`Self::launch`], with `sel` and `table` alive until every replay has run.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn capture(
+        &mut self,
+        stream: u64,
+        layer: u16,
+        rids: &[RequestId],
+        cells: (u64, u64, usize, usize),
+        call: u32,
+        (page_size, tokens): (u32, bool),
+    ) -> Result<()> {
+        self.require_step_batch(rids)?;
+        let args = self.args(layer, rids, cells, call, (page_size, tokens))?;
+        self.dev.set_stream(stream);
+        // SAFETY: as `launch`: the buffers stay where they are for the epoch, and a replay
+        // in another epoch is refused (`ResolverState::will_replay`).
+        let out = unsafe { self.dev.resolve(&args) };
+        self.dev.set_stream(self.stream);
+        out
+    }
+
+    /// A captured launch reads the step's rows: refuses any other batch.
+    fn require_step_batch(&self, rids: &[RequestId]) -> Result<()> {
+        if rids != self.rids.as_slice() {
+            return Err(Error::config(
+                "rids",
+                format!("{} requests, not the step's in its order", rids.len()),
+                "the step's batch in begin_device_step's order (a captured launch reads the \
+                 rows uploaded when the step opened)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Test builds: [`Self::capture`] on the CPU, where no graph records the launch: its
+    /// arguments are kept by value for [`Self::replay_recorded`].
+    #[cfg(any(test, feature = "testing"))]
+    pub(super) fn record(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        cells: (u64, u64, usize, usize),
+        call: u32,
+        (page_size, tokens): (u32, bool),
+    ) -> Result<()> {
+        self.require_step_batch(rids)?;
+        let args = self.args(layer, rids, cells, call, (page_size, tokens))?;
+        self.recorded.insert(layer, Recorded(args));
+        Ok(())
+    }
+
+    /// Test builds: runs the launch recorded for `layer` with its arguments as they were
+    /// (a graph's replay). The host device refuses arguments naming memory it has freed.
+    ///
+    /// # Safety
+    /// The recorded `sel` and `table` are still alive.
+    #[cfg(any(test, feature = "testing"))]
+    pub(super) unsafe fn replay_recorded(&mut self, layer: u16) -> Result<()> {
+        let Recorded(args) = *self
+            .recorded
+            .get(&layer)
+            .ok_or_else(|| Error::config("layers", layer, "layers whose launch was recorded"))?;
+        // SAFETY: the caller's contract for `sel` and `table`; the device checks the rest.
+        unsafe { self.dev.resolve(&args) }
+    }
+
+    /// A layer's launch arguments over `cells` = (sel, table, cells, k): the batch's rows (the
+    /// step's, or `rids`' uploaded now), the step's buffers, the geometry.
+    fn args(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        (sel, table, cells, k): (u64, u64, usize, usize),
+        call: u32,
+        (page_size, tokens): (u32, bool),
+    ) -> Result<LaunchArgs> {
         // Batch rows to table rows: nothing to upload when the batch is the step's, in order.
         let rows = if rids == self.rids.as_slice() {
             self.step_rows.addr
@@ -412,13 +547,12 @@ impl DeviceKernel {
             grant: self.grant.addr as *const i32,
             deferred: self.deferred.addr as *mut i32,
             log: self.log.addr as *mut i32,
-            log_capacity: self.log_capacity as i32,
             st: self.st as *mut u32,
             counts: self.counts as *mut u32,
             tok: self.tok as *mut u64,
             call: call as i32,
         };
-        let args = LaunchArgs {
+        Ok(LaunchArgs {
             sel,
             rows,
             tables: self.tables.addr,
@@ -443,15 +577,7 @@ impl DeviceKernel {
             page_size,
             tokens,
             blocks: None,
-        };
-        // SAFETY: the step's buffers were sized when it opened: the mirror, marks and filled
-        // an entry per (home, layer), and the tables' homes are the core's (homes of the host
-        // pool); the grant and deferred 2 ints an entry; the log room for every take of the
-        // step (one a cell a layer); the counts 2 a layer; `rows` a batch row each, each a row
-        // of the step's tables, which have `width` homes a row and a length each. The planes
-        // are the bindings', checked when built, and the slots the grant names are pages of
-        // the device pool (the core granted them). `sel` and `table` are the caller's.
-        unsafe { self.dev.resolve(&args) }
+        })
     }
 
     /// Closes the step: reads back `st`, the counts, the log's entries and the read bitmap.
@@ -727,13 +853,20 @@ impl ResolverState {
                 "device tensors: the resolver runs on a GPU (resolve_device)",
             ));
         }
-        let call = self.call + 1;
         let cells = (
             selection.as_ptr() as u64,
             table.as_mut_ptr() as u64,
             selection.len(),
             k,
         );
+        #[cfg(any(test, feature = "testing"))]
+        if self.recording {
+            let call = self.call + self.captured_calls + 1;
+            kern.record(layer, rids, cells, call, (self.page_size, tokens))?;
+            self.captured_launch(layer, rids.len(), k, call);
+            return Ok(());
+        }
+        let call = self.call + 1;
         // SAFETY: `selection` and `table` are live host slices of `cells` int32 (checked by
         // the caller), borrowed until the call returns, and the device runs its launches in
         // this process's memory before returning; `cells` is `rids.len() * k`.
