@@ -49,6 +49,7 @@ typedef unsigned int u32;
 #define ST_GRANT_LEN 7 // entries in the grant
 #define ST_SERIAL 8    // the step's serial (read marks)
 #define ST_LOG_CAP 9   // log entries the step's log has room for
+#define ST_ROWS 10     // the step's requests: a launch's rows past them are padding
 
 // Token counts in `tok` (64-bit): read amplification's terms, as the reference counts them.
 #define TOK_SELECTED 0     // selected entries (cells naming a page)
@@ -175,6 +176,8 @@ extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
     s.serial = ((volatile u32*)args.st)[ST_SERIAL];
     s.grant_len = (int)((volatile u32*)args.st)[ST_GRANT_LEN];
     s.log_capacity = (int)((volatile u32*)args.st)[ST_LOG_CAP];
+    // Rows past the step's requests (a graph's batch bucket) are padding: no slot, no count.
+    const int rows_n = (int)((volatile u32*)args.st)[ST_ROWS];
     const u32 lane = threadIdx.x % SPARSETIER_WARP;
     const int warps = (int)(gridDim.x * blockDim.x / SPARSETIER_WARP);
     for (int c = (int)((blockIdx.x * blockDim.x + threadIdx.x) / SPARSETIER_WARP); c < cells;
@@ -183,7 +186,7 @@ extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
         int slot = ABSENT, copy_from = -1, g = -1, e = -1, page = -1, row = -1;
         if (lane == 0) {
             const int entry = sel[c];
-            if (entry >= 0) {
+            if (entry >= 0 && c / k < rows_n) {
                 row = rows[c / k];
                 const long long first = tokens ? (long long)entry : (long long)entry * page_size;
                 if (first >= lens[row]) {

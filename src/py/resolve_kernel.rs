@@ -10,7 +10,7 @@ use crate::py::error::{to_py, IntoPyResult};
 use crate::py::tensor::TensorInfo;
 use crate::scheduler::resolver::abi::{
     self, Geometry, Step, LOG_INTS, NOT_YET, ST_DEF_AT, ST_DEF_LEN, ST_GRANT_LEN, ST_LEN,
-    ST_LOG_CAP, ST_REFILL_AT, ST_USED,
+    ST_LOG_CAP, ST_REFILL_AT, ST_ROWS, ST_USED,
 };
 use crate::scheduler::resolver::launch::{LaunchArgs, ResolveKernel};
 use pyo3::prelude::*;
@@ -144,6 +144,10 @@ impl PyResolveKernel {
     /// `st` index: log entries the log has room for (written before a step).
     #[classattr]
     const ST_LOG_CAP: usize = abi::ST_LOG_CAP;
+    /// `st` index: the step's rows; a launch's rows past them are padding (written before a
+    /// step).
+    #[classattr]
+    const ST_ROWS: usize = abi::ST_ROWS;
     /// `st` index: grant entries deferred.
     #[classattr]
     const ST_DEF_LEN: usize = abi::ST_DEF_LEN;
@@ -439,6 +443,13 @@ impl PyResolveKernel {
                 st_now[ST_USED].min(grant_len) + 1,
             )?;
             bounded(py, "st[ST_DEF_AT]", &[st_now[ST_DEF_AT]], 0, def_len + 1)?;
+            bounded(
+                py,
+                "st[ST_ROWS]",
+                &st_now[ST_ROWS..=ST_ROWS],
+                0,
+                rows.numel as i64 + 1,
+            )?;
             bounded(
                 py,
                 "st[ST_LOG_CAP]",

@@ -8,7 +8,7 @@
 use crate::error::Error;
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::scheduler::PyStepScheduler;
-use crate::py::scheduler_args::{rid_list, row_width, u32_arg};
+use crate::py::scheduler_args::{rid_list, u32_arg};
 use crate::py::tensor::TensorInfo;
 use crate::scheduler::resolver::ResolverState;
 use numpy::{PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
@@ -86,14 +86,8 @@ impl PyDeviceResolver {
             ));
         }
         let shape: Vec<usize> = info.shape.iter().map(|&d| d as usize).collect();
-        let k = row_width(py, &shape, ids.len())?;
+        let (rows, k) = rows_and_width(py, &shape, ids.len())?;
         let stream = crate::py::transfer::current_torch_stream(py, ordinal)?;
-        // Under a CUDA graph's capture the launch is captured on the capturing stream.
-        let capturing: bool = py
-            .import("torch")?
-            .getattr("cuda")?
-            .call_method0("is_current_stream_capturing")?
-            .extract()?;
         let table = py
             .import("torch")?
             .call_method1("empty_like", (selection,))?;
@@ -108,6 +102,8 @@ impl PyDeviceResolver {
             // (Checked under the lock the launch takes: the step's stream cannot change
             // between the two.)
             let step = st.stream();
+            // Under a CUDA graph's capture of this stream the launch is captured there.
+            let capturing = stream != step && st.stream_capturing(stream)?;
             if stream != step && !capturing {
                 return Err(Error::config(
                     "stream",
@@ -116,10 +112,34 @@ impl PyDeviceResolver {
                 ));
             }
             let capture = capturing.then_some(stream);
-            unsafe { st.resolve_layer_device(layer, ids, (sel, out), (k, tokens), capture) }
+            unsafe { st.resolve_layer_device(layer, ids, (sel, out), (rows, k, tokens), capture) }
         })
         .py_err(py)?;
         Ok(table)
+    }
+}
+
+/// A selection's rows and width: at least a row per request of the batch (`n`); rows past
+/// them are padding, which the resolver allows for the step's batch in its order.
+fn rows_and_width(py: Python<'_>, shape: &[usize], n: usize) -> PyResult<(usize, usize)> {
+    if shape.len() != 2 || shape[0] < n {
+        return Err(to_py(
+            py,
+            Error::config(
+                "selection.shape",
+                format!("{shape:?}"),
+                format!("(B, K) with B >= {n}: a row per request, padding rows after"),
+            ),
+        ));
+    }
+    Ok((shape[0], shape[1]))
+}
+
+/// `will_replay`'s `rows`: a graph's batch bucket, or `None`.
+fn rows_arg(rows: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    match rows {
+        Some(r) if !r.is_none() => Ok(Some(crate::py::args::unsigned::<usize>(r, "rows")?)),
+        _ => Ok(None),
     }
 }
 
@@ -133,7 +153,9 @@ impl PyDeviceResolver {
     /// Resolves `layer` for the batch `rids` (int64, the granted step's requests):
     /// `selection` is a C-contiguous int32 `[B, K]` array of entries (-1 = none), block ids of
     /// a page each, or with `tokens` token indices. Returns the slot table (int32 `[B, K]`, -1
-    /// where an entry names nothing, `FAILED` where its copy failed twice). On CUDA pools both
+    /// where an entry names nothing, `FAILED` where its copy failed twice). `B` may exceed
+    /// `len(rids)` when `rids` is the step's batch in its order: the rows past it are padding
+    /// (a CUDA graph's batch bucket), left -1. On CUDA pools both
     /// are CUDA tensors on the pools' device, and the work is queued on the step's stream:
     /// nothing is read back, and entries past their request are reported by `end_step`.
     #[pyo3(signature = (layer, rids, selection, tokens=false))]
@@ -166,7 +188,7 @@ impl PyDeviceResolver {
                     ),
                 )
             })?;
-        let k = row_width(py, sel.shape(), ids.len())?;
+        let (rows, k) = rows_and_width(py, sel.shape(), ids.len())?;
         let flat = sel.as_slice().map_err(|_| {
             to_py(
                 py,
@@ -185,7 +207,7 @@ impl PyDeviceResolver {
         })
         .py_err(py)?;
         let table: Bound<'py, PyArray2<i32>> =
-            numpy::PyArray1::from_vec(py, table).reshape([ids.len(), k])?;
+            numpy::PyArray1::from_vec(py, table).reshape([rows, k])?;
         Ok(table.into_any())
     }
 
@@ -229,10 +251,18 @@ impl PyDeviceResolver {
 
     /// Before a CUDA graph that captured the launches of `layers` (`resolve` under capture)
     /// is replayed in the open step: accounts them, in order, as the step's next calls.
-    /// Refused (`ConfigError`, nothing changed) unless each layer's launch was captured in
-    /// this `graph_epoch` for a step of as many requests, in capture order, no layer
-    /// resolved twice, and (on a GPU) torch's current stream is the step's.
-    fn will_replay(&self, py: Python<'_>, layers: &Bound<'_, PyAny>) -> PyResult<()> {
+    /// `rows` names the graph's rows (its batch bucket) when a layer has captures over
+    /// several. Refused (`ConfigError`, nothing changed) unless each layer's launch was
+    /// captured in this `graph_epoch` with a row per request of the step at least, in capture
+    /// order, no layer resolved twice, and (on a GPU) torch's current stream is the step's.
+    #[pyo3(signature = (layers, rows=None))]
+    fn will_replay(
+        &self,
+        py: Python<'_>,
+        layers: &Bound<'_, PyAny>,
+        rows: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let rows = rows_arg(rows)?;
         let layers: Vec<u16> = layers
             .try_iter()
             .map_err(|_| {
@@ -263,7 +293,7 @@ impl PyDeviceResolver {
                     ),
                 ));
             }
-            st.will_replay(&layers)
+            st.will_replay(&layers, rows)
         })
         .py_err(py)
     }
@@ -282,10 +312,16 @@ impl PyDeviceResolver {
     /// and wrote (the selection passed, the table returned) must still be alive: the caller
     /// keeps them.
     #[cfg(feature = "testing")]
-    #[pyo3(name = "_replay_recorded")]
-    fn replay_recorded(&self, py: Python<'_>, layers: Vec<u16>) -> PyResult<()> {
+    #[pyo3(name = "_replay_recorded", signature = (layers, rows=None))]
+    fn replay_recorded(
+        &self,
+        py: Python<'_>,
+        layers: Vec<u16>,
+        rows: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let rows = rows_arg(rows)?;
         // SAFETY: the caller's contract above (test builds only).
-        py.detach(|| unsafe { self.state.lock().replay_recorded(&layers) })
+        py.detach(|| unsafe { self.state.lock().replay_recorded(&layers, rows) })
             .py_err(py)
     }
 

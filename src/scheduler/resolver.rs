@@ -149,6 +149,7 @@ pub struct ResolverState {
     entries: usize,
     /// The step's requests (a call's batch is some of them, each once).
     step_rids: rustc_hash::FxHashSet<RequestId>,
+    step_order: Vec<RequestId>,
     refill_at: usize,
     /// Grant entries passed over (a victim the resolving layer had read), for later layers.
     deferred: Vec<usize>,
@@ -177,10 +178,10 @@ pub struct ResolverState {
     kernel: Option<kernel::DeviceKernel>,
     /// The stream the kernel's work of the next step is queued on (a raw `CUstream`).
     stream: u64,
-    /// Per layer, its launch as a CUDA graph captured it (`capture`), and the launches
-    /// captured since the step opened (their calls follow the step's).
-    captured: Vec<Option<capture::Captured>>,
-    captured_calls: u32,
+    /// The launches CUDA graphs captured, by layer and rows, and those captured since the
+    /// step opened and not replayed yet (their calls follow the step's).
+    captured: FxHashMap<(u16, usize), capture::Captured>,
+    pending: Vec<(u16, usize)>,
     /// Test builds: launches over host memory are recorded, not run (a capture on the CPU).
     #[cfg(any(test, feature = "testing"))]
     recording: bool,
@@ -235,8 +236,9 @@ impl ResolverState {
             resolved: vec![false; layers as usize],
             entries: 0,
             step_rids: Default::default(),
-            captured: vec![None; layers as usize],
-            captured_calls: 0,
+            step_order: Vec::new(),
+            captured: FxHashMap::default(),
+            pending: Vec::new(),
             #[cfg(any(test, feature = "testing"))]
             recording: false,
         })
@@ -311,9 +313,10 @@ impl ResolverState {
         cells: usize,
     ) -> Result<()> {
         self.resolved.fill(false);
-        self.captured_calls = 0;
+        self.pending.clear();
         self.entries = entries;
         self.step_rids = rids.iter().copied().collect();
+        self.step_order = rids.to_vec();
         self.grant = grant;
         self.faults = faults;
         self.used = 0;
@@ -528,7 +531,9 @@ impl ResolverState {
     /// Resolves `layer` for the batch `rids`: `selection` is `[B][k]` entries (-1 = none), of
     /// a page each (`tokens` false: block ids) or of one token (`tokens` true). Writes the
     /// slot of each cell into `table` (`[B][k]`, -1 where the entry names nothing). Misses are
-    /// copied from host into granted slots before this returns.
+    /// copied from host into granted slots before this returns. `B` may exceed the batch when
+    /// it is the step's, in its order: rows past it are padding (a CUDA graph's batch
+    /// bucket), their cells left -1.
     pub fn resolve_layer(
         &mut self,
         layer: u16,
@@ -539,32 +544,66 @@ impl ResolverState {
         table: &mut [i32],
     ) -> Result<()> {
         self.check_call(layer, k)?;
-        if selection.len() != rids.len() * k || table.len() != selection.len() {
+        let rows = selection.len().checked_div(k).unwrap_or(rids.len());
+        if selection.len() != rows * k || table.len() != selection.len() || rows < rids.len() {
             return Err(Error::config(
                 "selection",
                 format!("{} entries, a table of {}", selection.len(), table.len()),
                 format!(
-                    "{} x {k}: one row of k per request, and a table as large",
+                    "B x {k} with B >= {}: one row of k per request (padding after), and a \
+                     table as large",
                     rids.len()
                 ),
             ));
         }
         self.check_rids(rids)?;
-        self.check_batch(rids, selection, k, tokens)?;
+        self.check_padding(rids, rows)?;
+        let n = rids.len() * k;
+        self.check_batch(rids, &selection[..n], k, tokens)?;
         if self.kernel.is_some() {
             return self.launch_on_host_memory(layer, rids, selection, (k, tokens), table);
         }
         self.call += 1;
         self.resolved[layer as usize] = true;
+        table[n..].fill(ABSENT);
         // The tables are read while the mirror and marks change: held apart meanwhile.
         let tables = std::mem::take(&mut self.tables);
-        let out = self.resolve_rows(&tables, layer, rids, selection, k, tokens, table);
+        let out = self.resolve_rows(
+            &tables,
+            layer,
+            rids,
+            &selection[..n],
+            k,
+            tokens,
+            &mut table[..n],
+        );
         self.tables = tables;
         out
     }
 
+    /// A selection of `rows` rows for the batch `rids`: rows past the batch (padding) only
+    /// when it is the step's, in its order (the kernel bounds a launch's rows by the step's).
+    fn check_padding(&self, rids: &[RequestId], rows: usize) -> Result<()> {
+        if rows < rids.len() {
+            return Err(Error::config(
+                "selection.shape",
+                format!("{rows} rows"),
+                format!("at least a row per request ({})", rids.len()),
+            ));
+        }
+        if rows > rids.len() && rids != self.step_order.as_slice() {
+            return Err(Error::config(
+                "rids",
+                format!("{} requests under {rows} rows", rids.len()),
+                "the step's batch in begin_device_step's order when the selection has more \
+                 rows (rows past it are padding)",
+            ));
+        }
+        Ok(())
+    }
+
     /// [`ResolverState::resolve_layer`] on the kernel's device, queued on the step's stream:
-    /// `selection` and `table` are device addresses of `rids.len() * k` int32 each. Nothing
+    /// `selection` and `table` are device addresses of `rows * k` int32 each. Nothing
     /// is read back: cells naming a page past their request are left without a slot (-1)
     /// and reported when the step ends.
     ///
@@ -573,41 +612,44 @@ impl ResolverState {
     ///
     /// # Safety
     /// `selection` and `table` are addresses the kernel's device can read and write, of
-    /// `rids.len() * k` int32 each, alive until the step's work has run (captured: until
+    /// `rows * k` int32 each, alive until the step's work has run (captured: until
     /// every replay of the graph has run).
     pub unsafe fn resolve_layer_device(
         &mut self,
         layer: u16,
         rids: &[RequestId],
         (selection, table): (u64, u64),
-        (k, tokens): (usize, bool),
+        (rows, k, tokens): (usize, usize, bool),
         capture: Option<u64>,
     ) -> Result<()> {
         self.check_call(layer, k)?;
         self.check_rids(rids)?;
-        let cells = rids.len() * k;
+        self.check_padding(rids, rows)?;
+        let cells = rows * k;
         if i32::try_from(cells).is_err() {
             return Err(Error::config(
                 "selection.shape",
-                format!("{} x {k}", rids.len()),
+                format!("{rows} x {k}"),
                 "fewer than 2^31 entries",
             ));
         }
-        let Some(kern) = self.kernel.as_mut() else {
+        if self.kernel.is_none() {
             return Err(Error::config(
                 "resolver",
                 "the reference (CPU)",
                 "a resolver whose kernel runs on a device",
             ));
-        };
+        }
         let cells = (selection, table, cells, k);
         if let Some(stream) = capture {
-            let call = self.call + self.captured_calls + 1;
+            let call = self.capture_call(layer, rows)?;
+            let kern = self.kernel.as_mut().expect("checked above");
             // SAFETY: the caller's contract.
             unsafe { kern.capture(stream, layer, rids, cells, call, (self.page_size, tokens))? };
-            self.captured_launch(layer, rids.len(), k, call);
+            self.captured_launch(layer, rows, k, call);
             return Ok(());
         }
+        let kern = self.kernel.as_mut().expect("checked above");
         let call = self.call + 1;
         // SAFETY: the caller's contract.
         unsafe { kern.launch(layer, rids, cells, call, self.page_size, tokens)? };

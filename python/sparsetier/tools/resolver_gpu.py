@@ -139,6 +139,7 @@ def run(cfg: ResolverGpuConfig) -> dict:
         t["st"][abi.ST_GRANT_LEN] = n
         t["st"][abi.ST_SERIAL] = serial
         t["st"][abi.ST_LOG_CAP] = cap
+        t["st"][abi.ST_ROWS] = cfg.rows
         layer_ms = []
         if cfg.graph and step >= 1:
             # Step 0 ran eagerly; the layers' launches are captured once, then replayed each

@@ -23,8 +23,11 @@ pub const ST_SERIAL: usize = 8;
 /// `st[ST_LOG_CAP]`: log entries the step's log has room for (written by the host before a
 /// step).
 pub const ST_LOG_CAP: usize = 9;
+/// `st[ST_ROWS]`: the step's requests (written by the host before a step): a launch's rows
+/// past them are padding (a CUDA graph's batch bucket), left without a slot.
+pub const ST_ROWS: usize = 10;
 /// Words in `st`.
-pub const ST_LEN: usize = 10;
+pub const ST_LEN: usize = 11;
 /// `tok[TOK_SELECTED]`: selected entries (cells naming a page).
 pub const TOK_SELECTED: usize = 0;
 /// `tok[TOK_NEEDED]`: selected tokens, every cell.

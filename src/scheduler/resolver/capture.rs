@@ -1,36 +1,55 @@
 //! A layer's launch captured in a CUDA graph and replayed in later steps. A launch takes the
 //! same arguments every step while the kernel's buffers stay where they are (the step's
-//! grant length, serial and log room are in device memory, `st`); the kernel counts the
-//! moves of those buffers as an epoch. The host learns nothing from a replay, so the engine
-//! says which layers a replay runs before it replays them (`will_replay`), and the resolver
-//! accounts them as the step's calls, as if they had been launched one by one.
+//! grant length, serial, log room and request count are in device memory, `st`); the kernel
+//! counts the moves of those buffers as an epoch. The host learns nothing from a replay, so
+//! the engine says which layers a replay runs before it replays them (`will_replay`), and the
+//! resolver accounts them as the step's calls, as if they had been launched one by one.
+//! Captures are kept by layer and rows (a graph per batch bucket): the latest of each.
 
 use super::ResolverState;
 use crate::error::{Error, Result};
 
-/// A layer's captured launch: the epoch of the buffers it names, its batch's row count and
-/// width, and its place among the step's calls.
+/// A layer's captured launch: the epoch of the buffers it names, its selection's rows (a
+/// step of fewer requests leaves the rest as padding) and width, and its place among the
+/// step's calls.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Captured {
     epoch: u64,
-    rows: usize,
     k: usize,
     call: u32,
 }
 
 impl ResolverState {
-    /// Keeps what a replay of `layer`'s captured launch must find: a step of `rows` requests
-    /// granted rows of `k` entries at least, in the same epoch. (A captured launch's call
-    /// comes after the step's calls and the launches captured since it opened.)
+    /// The call a launch of `layer` over `rows` rows captured now takes: after the step's
+    /// calls and the launches of as many rows captured since it opened and not replayed yet
+    /// (each batch bucket's graph numbers its launches from the step's next call). Refused
+    /// for a layer captured already in this step at these rows.
+    pub(super) fn capture_call(&self, layer: u16, rows: usize) -> Result<u32> {
+        if self.pending.contains(&(layer, rows)) {
+            return Err(Error::config(
+                "layer",
+                layer,
+                format!("a layer not captured yet this step over {rows} rows"),
+            ));
+        }
+        let earlier = self.pending.iter().filter(|p| p.1 == rows).count() as u32;
+        Ok(self.call + earlier + 1)
+    }
+
+    /// Keeps what a replay of `layer`'s launch over `rows` rows, captured as call `call`,
+    /// must find: a step of at most `rows` requests granted rows of `k` entries at least, in
+    /// the same epoch.
     pub(super) fn captured_launch(&mut self, layer: u16, rows: usize, k: usize, call: u32) {
         let epoch = self.kernel.as_ref().map_or(0, |k| k.epoch);
-        self.captured_calls += 1;
-        self.captured[layer as usize] = Some(Captured {
-            epoch,
-            rows,
-            k,
-            call,
-        });
+        self.pending.push((layer, rows));
+        self.captured
+            .insert((layer, rows), Captured { epoch, k, call });
+    }
+
+    /// Forgets every capture (the kernel's buffers were replaced).
+    pub(super) fn forget_captures(&mut self) {
+        self.captured.clear();
+        self.pending.clear();
     }
 
     /// The epoch of the open step's launch arguments (`None` on the reference, which has
@@ -40,11 +59,12 @@ impl ResolverState {
     }
 
     /// Accounts the captured launches of `layers`, in order, as the open step's next calls,
-    /// before a graph replays them (on the step's stream). Refused, with nothing changed,
+    /// before a graph replays them (on the step's stream). `rows` names the graph's rows (its
+    /// batch bucket); `None` when each layer has one capture. Refused, with nothing changed,
     /// unless each layer's launch was captured, is not resolved yet this step, was captured
-    /// for a step of as many requests with rows no wider than this step's grant, in this
-    /// epoch, and takes the step's next call.
-    pub fn will_replay(&mut self, layers: &[u16]) -> Result<()> {
+    /// with at least a row per request of this step (the rest padding) no wider than this
+    /// step's grant, in this epoch, and takes the step's next call.
+    pub fn will_replay(&mut self, layers: &[u16], rows: Option<usize>) -> Result<()> {
         if !self.open {
             return Err(Error::config(
                 "step",
@@ -61,17 +81,13 @@ impl ResolverState {
         };
         let mut call = self.call;
         let mut seen = vec![false; self.layers as usize];
+        let mut keys = Vec::with_capacity(layers.len());
         for &layer in layers {
             if layer >= self.layers {
                 return Err(Error::out_of_range("layers", layer, 0, self.layers));
             }
-            let Some(c) = self.captured[layer as usize] else {
-                return Err(Error::config(
-                    "layers",
-                    layer,
-                    "layers whose launch a graph captured (resolve under capture)",
-                ));
-            };
+            let key = self.capture_of(layer, rows)?;
+            let c = self.captured[&key];
             if self.resolved[layer as usize] || seen[layer as usize] {
                 return Err(Error::config(
                     "layers",
@@ -80,11 +96,14 @@ impl ResolverState {
                 ));
             }
             seen[layer as usize] = true;
-            if c.rows != self.step_rids.len() {
+            if key.1 < self.step_rids.len() {
                 return Err(Error::config(
                     "rids",
                     format!("a step of {} requests", self.step_rids.len()),
-                    format!("a step of {} requests, as captured", c.rows),
+                    format!(
+                        "a step of at most {} requests, the rows captured (the rest padding)",
+                        key.1
+                    ),
                 ));
             }
             if c.k > self.entries {
@@ -120,12 +139,62 @@ impl ResolverState {
                 ));
             }
             call += 1;
+            keys.push(key);
         }
-        for &layer in layers {
-            self.resolved[layer as usize] = true;
+        for key in keys {
+            self.resolved[key.0 as usize] = true;
+            self.pending.retain(|p| *p != key);
         }
         self.call = call;
         Ok(())
+    }
+
+    /// The capture of `layer` a replay names: over `rows` rows, or its only one.
+    fn capture_of(&self, layer: u16, rows: Option<usize>) -> Result<(u16, usize)> {
+        if let Some(r) = rows {
+            return if self.captured.contains_key(&(layer, r)) {
+                Ok((layer, r))
+            } else {
+                Err(Error::config(
+                    "layers",
+                    layer,
+                    format!("layers whose launch a graph captured over {r} rows"),
+                ))
+            };
+        }
+        let mut of_layer = self.captured.keys().filter(|k| k.0 == layer);
+        match (of_layer.next(), of_layer.next()) {
+            (Some(&key), None) => Ok(key),
+            (None, _) => Err(Error::config(
+                "layers",
+                layer,
+                "layers whose launch a graph captured (resolve under capture)",
+            )),
+            (Some(_), Some(_)) => {
+                let mut all: Vec<usize> = self
+                    .captured
+                    .keys()
+                    .filter(|k| k.0 == layer)
+                    .map(|k| k.1)
+                    .collect();
+                all.sort_unstable();
+                Err(Error::config(
+                    "rows",
+                    "None",
+                    format!(
+                        "the rows of the graph replayed: layer {layer} has captures over {all:?}"
+                    ),
+                ))
+            }
+        }
+    }
+
+    /// Whether a CUDA graph is capturing `stream` (a stream of the kernel's device).
+    pub fn stream_capturing(&self, stream: u64) -> Result<bool> {
+        match &self.kernel {
+            Some(k) => k.capturing(stream),
+            None => Ok(false),
+        }
     }
 
     /// Test builds: from now on (`on`), launches over host memory are recorded instead of
@@ -143,13 +212,17 @@ impl ResolverState {
         Ok(())
     }
 
-    /// Test builds: runs the recorded launches of `layers` as they were recorded (a graph's
-    /// replay, after [`Self::will_replay`]).
+    /// Test builds: runs the recorded launches of `layers` over `rows` rows as they were
+    /// recorded (a graph's replay, after [`Self::will_replay`]).
     ///
     /// # Safety
     /// The host memory the recorded launches name as their selection and table is alive.
     #[cfg(any(test, feature = "testing"))]
-    pub unsafe fn replay_recorded(&mut self, layers: &[u16]) -> Result<()> {
+    pub unsafe fn replay_recorded(&mut self, layers: &[u16], rows: Option<usize>) -> Result<()> {
+        let mut keys = Vec::with_capacity(layers.len());
+        for &layer in layers {
+            keys.push(self.capture_of(layer, rows)?);
+        }
         let Some(kern) = self.kernel.as_mut().filter(|k| k.on_host()) else {
             return Err(Error::config(
                 "resolver",
@@ -157,9 +230,9 @@ impl ResolverState {
                 "the kernel's source on CPU threads (use_host_kernel)",
             ));
         };
-        for &layer in layers {
+        for (layer, r) in keys {
             // SAFETY: the caller's contract.
-            unsafe { kern.replay_recorded(layer)? };
+            unsafe { kern.replay_recorded(layer, r)? };
         }
         Ok(())
     }

@@ -20,6 +20,12 @@ pub(crate) trait KernelDevice: Send + std::fmt::Debug {
     /// Whether its memory is this process's (the CPU): a launch may then take host slices.
     fn host_memory(&self) -> bool;
 
+    /// Whether a CUDA graph is capturing `stream` (a raw `CUstream` of this device; never on
+    /// the CPU).
+    fn capturing(&self, _stream: u64) -> Result<bool> {
+        Ok(false)
+    }
+
     /// Queues copies of each `(dst, bytes)` to device address `dst`; the bytes may be reused
     /// once this returns.
     ///
@@ -91,6 +97,10 @@ mod host {
         threads: u32,
         /// The allocations, by address (words, so that every one is 8-byte aligned).
         blocks: FxHashMap<u64, Vec<u64>>,
+        /// Freed allocations, kept until the device drops so that no address is handed out
+        /// twice: a launch naming a freed buffer is always refused (buffers only grow, so
+        /// few are freed).
+        freed: Vec<Vec<u64>>,
     }
 
     impl HostDevice {
@@ -99,6 +109,7 @@ mod host {
             HostDevice {
                 threads: threads.clamp(1, 256),
                 blocks: FxHashMap::default(),
+                freed: Vec::new(),
             }
         }
     }
@@ -112,7 +123,9 @@ mod host {
         }
 
         fn free(&mut self, addr: u64) {
-            self.blocks.remove(&addr);
+            if let Some(block) = self.blocks.remove(&addr) {
+                self.freed.push(block);
+            }
         }
 
         fn set_stream(&mut self, _stream: u64) {}

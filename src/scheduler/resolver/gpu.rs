@@ -264,6 +264,18 @@ impl KernelDevice for GpuDevice {
         Ok(())
     }
 
+    fn capturing(&self, stream: u64) -> Result<bool> {
+        let _bound = CurrentContext::bind(self.kernel.context())?;
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: a live out-pointer; `stream` is a stream of this device (the caller's,
+        // torch's current one), its context bound above.
+        check(
+            unsafe { sys::cuStreamIsCapturing(stream as sys::CUstream, &mut status) },
+            "cuStreamIsCapturing",
+        )?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
     unsafe fn resolve(&mut self, args: &LaunchArgs) -> Result<()> {
         // SAFETY: the caller's contract.
         unsafe { self.kernel.launch(self.stream, args) }

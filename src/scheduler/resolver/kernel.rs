@@ -14,7 +14,7 @@
 
 use super::abi::{
     Geometry, Step, LOG_INTS, NOT_YET, ST_BAD, ST_GRANT_LEN, ST_LEN, ST_LOG, ST_LOG_CAP,
-    ST_OVERFLOW, ST_SERIAL, ST_USED, TOK_NEEDED, TOK_NEEDED_MOVED, TOK_SELECTED,
+    ST_OVERFLOW, ST_ROWS, ST_SERIAL, ST_USED, TOK_NEEDED, TOK_NEEDED_MOVED, TOK_SELECTED,
 };
 use super::device::KernelDevice;
 use super::launch::LaunchArgs;
@@ -162,7 +162,7 @@ pub(crate) struct DeviceKernel {
     /// Test builds: launches recorded instead of run, by layer (a CUDA graph's capture, on
     /// the CPU: the arguments kept by value and replayed as they are).
     #[cfg(any(test, feature = "testing"))]
-    recorded: rustc_hash::FxHashMap<u16, Recorded>,
+    recorded: rustc_hash::FxHashMap<(u16, usize), Recorded>,
 }
 
 /// Test builds: a launch's arguments kept for a replay.
@@ -377,6 +377,7 @@ impl DeviceKernel {
         st[ST_SERIAL] = serial;
         // (A step's cells times its layers: far below 2^32, `open`'s cells fit an int32.)
         st[ST_LOG_CAP] = log_capacity as u32;
+        st[ST_ROWS] = t.rows.len() as u32;
         let d = &mut *self.dev;
         Self::room(d, &mut self.changes, 4 * pairs.len())?;
         Self::room(d, &mut self.grant, 4 * g.len())?;
@@ -500,20 +501,22 @@ impl DeviceKernel {
     ) -> Result<()> {
         self.require_step_batch(rids)?;
         let args = self.args(layer, rids, cells, call, (page_size, tokens))?;
-        self.recorded.insert(layer, Recorded(args));
+        let rows = cells.2 / cells.3.max(1);
+        self.recorded.insert((layer, rows), Recorded(args));
         Ok(())
     }
 
-    /// Test builds: runs the launch recorded for `layer` with its arguments as they were
-    /// (a graph's replay). The host device refuses arguments naming memory it has freed.
+    /// Test builds: runs the launch recorded for `layer` over `rows` rows with its arguments
+    /// as they were (a graph's replay). The host device refuses arguments naming memory it
+    /// has freed.
     ///
     /// # Safety
     /// The recorded `sel` and `table` are still alive.
     #[cfg(any(test, feature = "testing"))]
-    pub(super) unsafe fn replay_recorded(&mut self, layer: u16) -> Result<()> {
+    pub(super) unsafe fn replay_recorded(&mut self, layer: u16, rows: usize) -> Result<()> {
         let Recorded(args) = *self
             .recorded
-            .get(&layer)
+            .get(&(layer, rows))
             .ok_or_else(|| Error::config("layers", layer, "layers whose launch was recorded"))?;
         // SAFETY: the caller's contract for `sel` and `table`; the device checks the rest.
         unsafe { self.dev.resolve(&args) }
@@ -679,6 +682,11 @@ impl DeviceKernel {
         self.dev.host_memory()
     }
 
+    /// Whether a CUDA graph is capturing `stream`.
+    pub(super) fn capturing(&self, stream: u64) -> Result<bool> {
+        self.dev.capturing(stream)
+    }
+
     /// Whether the last step read entry `e` (its bit, read back when it closed).
     /// Fetches [`Self::was_read`]'s word for entry `e` into the cache (a hint).
     #[inline]
@@ -764,14 +772,18 @@ impl ResolverState {
                 "no step granted and not yet ended",
             ));
         }
-        self.kernel = Some(DeviceKernel::new(
+        let mut kern = DeviceKernel::new(
             dev,
             self.layers,
             (&self.mirror, &self.mark, &self.filled),
             &self.host,
             &self.device,
             self.order,
-        )?);
+        )?;
+        // Its buffers are new: epochs go on from the old kernel's, and no capture replays.
+        kern.epoch = self.kernel.as_ref().map_or(0, |k| k.epoch);
+        self.kernel = Some(kern);
+        self.forget_captures();
         Ok(())
     }
 
@@ -845,8 +857,7 @@ impl ResolverState {
         (k, tokens): (usize, bool),
         table: &mut [i32],
     ) -> Result<()> {
-        let kern = self.kernel.as_mut().expect("the kernel chosen");
-        if !kern.dev.host_memory() {
+        if !self.kernel.as_ref().is_some_and(|k| k.dev.host_memory()) {
             return Err(Error::config(
                 "selection",
                 "host memory",
@@ -861,21 +872,26 @@ impl ResolverState {
         );
         #[cfg(any(test, feature = "testing"))]
         if self.recording {
-            let call = self.call + self.captured_calls + 1;
+            let rows = selection.len() / k.max(1);
+            let call = self.capture_call(layer, rows)?;
+            let kern = self.kernel.as_mut().expect("checked above");
             kern.record(layer, rids, cells, call, (self.page_size, tokens))?;
-            self.captured_launch(layer, rids.len(), k, call);
+            self.captured_launch(layer, rows, k, call);
             return Ok(());
         }
+        let kern = self.kernel.as_mut().expect("checked above");
         let call = self.call + 1;
         // SAFETY: `selection` and `table` are live host slices of `cells` int32 (checked by
         // the caller), borrowed until the call returns, and the device runs its launches in
-        // this process's memory before returning; `cells` is `rids.len() * k`.
+        // this process's memory before returning; `cells` is a row of `k` per request of
+        // `rids`, then padding rows only when `rids` is the step's batch in order (the
+        // kernel bounds the rows it reads by the step's).
         unsafe {
             kern.launch(layer, rids, cells, call, self.page_size, tokens)?;
         }
         self.call = call;
         self.resolved[layer as usize] = true;
-        for (b, row) in table.chunks(k.max(1)).enumerate() {
+        for (b, row) in table.chunks(k.max(1)).take(rids.len()).enumerate() {
             for _ in row.iter().filter(|&&s| s == FAILED) {
                 self.failed_rids.push(rids[b]);
             }
