@@ -488,3 +488,61 @@ def test_captures_by_layer_and_bucket_and_their_calls_in_one_step():
         st.check(rids, sels[3][li], li, st.resolve(li, rids, sels[3][li]))
     st.s.end_step()
     st.s.validate()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reserved_buffers_keep_one_capture_for_the_whole_run(device):
+    # As an engine captures its graphs once at start-up: the resolver sized for its largest
+    # batch bucket, longest request and widest rows, one capture of the bucket serves every
+    # step: batches that shrink, grow, and change their requests, a request that outgrows
+    # the others, bursts of misses.
+    lens = [150, 230, 310, 90, 170, 260]
+    eager, graphed = (Stack(lens, device, more_pages=700, device_pages=320) for _ in range(2))
+    k, bucket = 6, 24
+    rids = np.arange(6, dtype=np.int64)
+    _step(graphed, rids, k)
+    with pytest.raises(ConfigError, match="step"):
+        graphed.res.reserve(bucket, k, 128)  # not while a step is open
+    graphed.s.end_step()
+    _step(eager, rids, k)
+    eager.s.end_step()
+    graphed.res.reserve(bucket, k, 128)
+    g, epoch, steps = None, None, 0
+    for phase in range(3):
+        if phase == 1:
+            for st in (eager, graphed):
+                st.s.finish_request(5)
+                st.admit(6, 800)  # wider than the others: 100 pages
+            rids = np.array([0, 1, 2, 3, 4, 6], dtype=np.int64)
+        if phase == 2:
+            for st in (eager, graphed):
+                for rid in range(7, 21):
+                    st.admit(rid, 120 + 10 * rid)
+            rids = np.array([0, 1, 2, 3, 4, 6, *range(7, 21)], dtype=np.int64)
+        for sel in _selections(eager, rids, k, 5, seed=20 + phase):
+            _step(eager, rids, k)
+            _step(graphed, rids, k)
+            padded = _padded(sel, bucket)
+            if g is None:
+                g, epoch = Graphs(graphed, rids, padded), graphed.res.graph_epoch
+                g.replay(range(LAYERS))
+                for li in range(LAYERS):
+                    eager.check(rids, sel[li], li, eager.resolve(li, rids, sel[li]))
+            else:
+                assert graphed.res.graph_epoch == epoch  # nothing moved: no capture again
+                g.write(padded)
+                for li in range(LAYERS):
+                    eager.check(rids, sel[li], li, eager.resolve(li, rids, sel[li]))
+                    g.replay([li])
+                    graphed.check(rids, sel[li], li, g.table(li)[: len(rids)])
+            assert _record(eager.s.end_step()) == _record(graphed.s.end_step())
+            graphed.s.validate()
+            steps += 1
+    assert steps == 15
+    for st in (eager, graphed):
+        for rid in rids:
+            st.s.finish_request(int(rid))
+        st.s.end_step()
+        st.s.drain()
+        stats = st.s.stats()
+        assert (stats["pins"], stats["handles"]) == (0, 0), stats

@@ -298,6 +298,24 @@ impl PyDeviceResolver {
         .py_err(py)
     }
 
+    /// Sizes the resolver's device buffers for steps of up to `requests` requests (and as
+    /// many running), rows of up to `entries` entries and requests of up to `pages` pages:
+    /// while steps stay within them `graph_epoch` stays put, so graphs captured once replay
+    /// for the whole run. Between steps only; nothing to do on the reference.
+    fn reserve(
+        &self,
+        py: Python<'_>,
+        requests: &Bound<'_, PyAny>,
+        entries: &Bound<'_, PyAny>,
+        pages: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let requests = crate::py::args::unsigned::<usize>(requests, "requests")?;
+        let entries = crate::py::args::unsigned::<usize>(entries, "entries")?;
+        let pages = crate::py::args::unsigned::<usize>(pages, "pages")?;
+        py.detach(|| self.state.lock().reserve(requests, entries, pages))
+            .py_err(py)
+    }
+
     /// Test builds: while `on`, the kernel on CPU threads records each launch instead of
     /// running it, as a CUDA graph's capture does (`_replay_recorded` runs them).
     #[cfg(feature = "testing")]

@@ -189,6 +189,39 @@ impl ResolverState {
         }
     }
 
+    /// Sizes the kernel's buffers for steps of up to `requests` requests (and as many
+    /// running), rows of up to `entries` entries and requests of up to `pages` pages, so
+    /// that `graph_epoch` stays put while steps stay within them: graphs captured once
+    /// replay for the whole run. Only between steps; nothing to do on the reference.
+    pub fn reserve(&mut self, requests: usize, entries: usize, pages: usize) -> Result<()> {
+        if self.open {
+            return Err(Error::config(
+                "step",
+                "open",
+                "no step granted and not yet ended",
+            ));
+        }
+        let Some(kern) = self.kernel.as_mut() else {
+            return Ok(());
+        };
+        // A layer's cells, and the longest grant: twice a step's misses (a cell a layer
+        // each), and never more than the device has slots.
+        let too_big = || {
+            Error::config(
+                "requests",
+                format!("{requests} x {entries} entries x {pages} pages"),
+                "sizes whose buffers a 32-bit index holds",
+            )
+        };
+        let cells = requests
+            .checked_mul(entries.min(pages))
+            .filter(|&c| i32::try_from(c.saturating_mul(self.layers as usize)).is_ok())
+            .ok_or_else(too_big)?;
+        let slots = self.device.pages() as usize;
+        let grant = (2 * cells * self.layers as usize).clamp(cells, slots.max(cells));
+        kern.reserve(requests, (cells, grant, pages))
+    }
+
     /// Whether a CUDA graph is capturing `stream` (a stream of the kernel's device).
     pub fn stream_capturing(&self, stream: u64) -> Result<bool> {
         match &self.kernel {

@@ -363,6 +363,30 @@ impl DeviceKernel {
         Ok(())
     }
 
+    /// Sizes the buffers a launch names for steps of up to `requests` requests (as many
+    /// running), `cells` cells a layer and a grant of up to `grant` entries, and page tables
+    /// of `pages` pages a request: no step within them moves a buffer (changes the epoch).
+    /// Only between steps.
+    pub(super) fn reserve(
+        &mut self,
+        requests: usize,
+        (cells, grant, pages): (usize, usize, usize),
+    ) -> Result<()> {
+        let d = &mut *self.dev;
+        Self::room(d, &mut self.grant, 4 * 2 * grant)?;
+        Self::room(d, &mut self.deferred, 4 * 2 * grant)?;
+        Self::room(
+            d,
+            &mut self.log,
+            4 * LOG_INTS * cells * self.layers as usize,
+        )?;
+        Self::room(d, &mut self.step_rows, 4 * requests)?;
+        self.tables.reserve(d, pages, requests)?;
+        // (The lengths go up a row of the tables each.)
+        Self::room(d, &mut self.lens, 8 * self.tables.capacity())?;
+        Ok(())
+    }
+
     /// `open`'s buffers and uploads, in one batch: the grant `g`, the mirror's `pairs`, the
     /// tables' `t`, and `st` for step `serial` with room for `log_capacity` log entries.
     fn send_step(

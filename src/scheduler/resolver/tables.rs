@@ -158,6 +158,25 @@ impl DeviceTables {
         Ok(())
     }
 
+    /// Makes room for `rows` requests of up to `width` pages without moving again while the
+    /// steps stay within them (a no-op when there is room).
+    pub(super) fn reserve(
+        &mut self,
+        dev: &mut dyn KernelDevice,
+        width: usize,
+        rows: usize,
+    ) -> Result<()> {
+        if width > self.width || rows > self.capacity || self.addr == 0 {
+            self.grow(dev, width, rows)?;
+        }
+        Ok(())
+    }
+
+    /// Rows the table has room for.
+    pub(super) fn capacity(&self) -> usize {
+        self.capacity
+    }
+
     /// Frees the table on `dev`.
     pub(super) fn release(&mut self, dev: &mut dyn KernelDevice) {
         if self.addr != 0 {
