@@ -493,12 +493,14 @@ def test_a_step_whose_read_back_fails_still_ends_and_keeps_its_faults_armed():
     testing.fail_device_read_backs(rt, 1)
     # Handed to the step (the kernel takes no copy faults), and armed again after it.
     testing.inject_faults(rt, "load", 1)
+    steps = rt.steps
     with pytest.raises(sp.CudaError, match="read-back"):
         rt.step()
     assert rt.scheduler.stats()["faults_armed_loads"] == 1
     rt.step()
-    # The failed step ended in the core (a step's number went by).
+    # The failed step ended in the core (a step's number went by), and in the runtime.
     assert rt.records[-1].core["step"] == before + 2
+    assert rt.steps == steps + 2 and rt.records[-1].step == steps + 1
     rt.scheduler.validate()
 
 

@@ -36,6 +36,7 @@ from sparsetier.attention import sparse_attention_batched
 from sparsetier.errors import (
     ConfigError,
     CopyFailedError,
+    CudaError,
     OutOfPagesError,
     RequestFailedError,
     TransferFailedError,
@@ -639,7 +640,14 @@ class DecodeRuntime:
                     continue
                 r.outputs.append(out_cpu[b])
                 r.next_token = nxt[b]
-            core = self.scheduler.end_step()
+            try:
+                core = self.scheduler.end_step()
+            except CudaError:
+                # The device step's read-back failed: the core ended the step without learning
+                # what it did (its grant counts as overwritten). Its outputs are kept; the step
+                # is counted, as the core counts it, and the error goes to the caller.
+                self.steps += 1
+                raise
             self._poll_l3()
             rec = StepRecord(
                 self.steps, len(reqs), time.perf_counter() - t_step, core, sorted(failed)
