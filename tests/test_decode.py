@@ -75,6 +75,44 @@ def test_nan_in_indexer_input_raises():
     assert e.value.field == "hidden"
 
 
+@pytest.mark.parametrize("resolve", ["host", "device"])
+def test_a_request_whose_logits_are_not_finite_fails_alone(resolve):
+    # On a GPU the layers do not stop the host to check their keys for NaN: the runtime checks
+    # each step's logits in the copy it makes anyway, and fails only the rows that are not
+    # finite; the others are served as before.
+    def runtime():
+        m = TinySparseModel(ModelConfig(seed=3))
+        return DecodeRuntime(m, page_size=8, device_slots=400, host_pages=200,
+                             indexer_pages=80, topk=4, resolve=resolve)  # fmt: skip
+
+    rt, ref = runtime(), runtime()
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (30 + 9 * r,), generator=g) for r in range(3)]
+    for r in (rt, ref):
+        for rid, p in enumerate(prompts):
+            r.add_request(rid, p, 4)
+        r.step()
+    logits = rt.model.logits
+
+    def poisoned(x):
+        out = logits(x).clone()
+        out[1, 3] = float("nan")
+        return out
+
+    rt.model.logits = poisoned
+    rec = rt.step()
+    rt.model.logits = logits
+    assert rec.failed == [1] and [f[1:] for f in rt.failures] == [(1, "non-finite logits")]
+    ref.step()
+    ref.abort(1)  # (the same batches from here on: outputs depend on the batch's rows)
+    for r in (rt, ref):
+        r.step()
+    for rid in (0, 2):
+        a, b = rt.finish_request(rid), ref.finish_request(rid)
+        assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True))
+    finish_all(rt)
+
+
 def test_sparse_attention_with_every_block_equals_dense():
     torch.manual_seed(1)
     bs, n_blocks, hkv, d = 8, 5, 2, 16

@@ -124,3 +124,34 @@ def test_device_resolved_layers_never_sync_with_the_host():
         assert t.is_cuda and t.dtype == torch.int32
         assert (t[:, :3] >= 0).all() and (t[:, 3] == -1).all()
     rt.scheduler.validate()
+
+
+def test_device_resolved_decode_steps_keep_their_layers_free_of_host_syncs():
+    # Whole runtime steps: every op between the first layer's projections and the logits
+    # (KV and Indexer-K writes, the indexer's top-k, the resolver, attention) runs under
+    # torch's sync debug mode "error", so any device-to-host read or wait in a layer fails.
+    rt = _resolved_runtime("block", 60, "device")
+    for rid in range(3):
+        rt.add_request(rid, torch.arange(40 + 8 * rid) % 512, 8)
+    layer0, logits = rt.model.layers[0], rt.model.logits
+    qkv = layer0.qkv
+
+    def strict_qkv(*a, **k):
+        torch.cuda.set_sync_debug_mode("error")
+        return qkv(*a, **k)
+
+    def lenient_logits(x):
+        torch.cuda.set_sync_debug_mode(0)
+        return logits(x)
+
+    layer0.qkv, rt.model.logits = strict_qkv, lenient_logits
+    try:
+        for _ in range(6):
+            rt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        layer0.qkv, rt.model.logits = qkv, logits
+    d = rt.scheduler.device_stats()
+    assert d["steps"] == 6 and d["fallbacks"] == 0, d  # every step's layers on the device
+    assert not rt.failures
+    finish_all(rt)

@@ -90,10 +90,11 @@ class SparseIndexer(nn.Module):
     ) -> None:
         """Writes Indexer-K of `hidden` into the INDEXER `pool` (layer-first,
         [1, layers, pages, page_size, 1, head_dim]) at token slots `out_cache_loc`
-        (page * page_size + token)."""
+        (page * page_size + token). A NaN key raises `ConfigError` on the CPU; on a GPU that
+        check would stall the host once a layer, so it is the caller's (`DecodeRuntime` checks
+        each step's logits, in the copy it makes anyway)."""
         k = self.key(hidden, positions)
-        if torch.isnan(k).any():
-            raise ConfigError.of("hidden", "NaN", "finite values")
+        _check_finite(k)
         rows = pool[0, layer].reshape(-1, self.head_dim)
         rows[out_cache_loc] = k.to(pool.dtype)
 
@@ -111,8 +112,7 @@ class SparseIndexer(nn.Module):
         from sparsetier import fp8
 
         k = self.key(hidden, positions)
-        if torch.isnan(k).any():
-            raise ConfigError.of("hidden", "NaN", "finite values")
+        _check_finite(k)
         values, scales = fp8.quantize(k)
         fp8.store(pages, slots, values, scales)
 
@@ -156,6 +156,12 @@ class SparseIndexer(nn.Module):
             window=window,
             reduce=reduce,
         )
+
+
+def _check_finite(k: torch.Tensor) -> None:
+    """Refuses NaN keys where that costs no device sync (CPU tensors)."""
+    if not k.is_cuda and torch.isnan(k).any():
+        raise ConfigError.of("hidden", "NaN", "finite values")
 
 
 def select_from_scores(

@@ -559,15 +559,22 @@ class DecodeRuntime:
             for b in np.flatnonzero(rows_np == 0):
                 self._refresh_idx(reqs[b])  # a page started: its Indexer-K page is new
             # Per-step batch state (built once per step, not per layer).
-            pos = torch.tensor([r.pos for r in reqs], device=dev)
-            tokens = torch.tensor([r.next_token for r in reqs], device=dev)
+            # The batch's host state in one copy to the device (pinned, on the stream: the
+            # host does not wait for it).
+            n, nl = len(reqs), slots_np.shape[1]
+            state = np.empty((n, 3 + nl), dtype=np.int64)
+            state[:, 0] = [r.pos for r in reqs]
+            state[:, 1] = [r.next_token for r in reqs]
+            state[:, 2] = rows_np
+            state[:, 3:] = slots_np
+            state_dev = self._table(state)
+            pos, tokens, rows, slots = (state_dev[:, 0], state_dev[:, 1], state_dev[:, 2],
+                                        state_dev[:, 3:])  # fmt: skip
             idx_tbl = torch.nn.utils.rnn.pad_sequence([r.idx_pages for r in reqs], batch_first=True)
-            t_hist = int(pos.max()) + 1
+            t_hist = max(r.pos for r in reqs) + 1  # (from the host's copy: no device sync)
             t = torch.arange(t_hist, device=dev)
             hist_locs = idx_tbl[:, (t // ps).clamp(max=idx_tbl.shape[1] - 1)] * ps + t % ps
             my_locs = idx_tbl.gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps
-            slots = torch.from_numpy(slots_np).to(dev, torch.long)
-            rows = torch.from_numpy(rows_np).to(dev, torch.long)
             x = m.embed(tokens)
             failed: dict[int, str] = {}
             stream = self._stream()
@@ -633,6 +640,10 @@ class DecodeRuntime:
             logits = m.logits(x)
             nxt = logits.argmax(dim=-1).tolist()
             out_cpu = logits.cpu()
+            # Non-finite logits (a NaN hidden state: on a GPU the layers do not stop the host to
+            # check) fail their request, not the step.
+            for b in torch.nonzero(~torch.isfinite(out_cpu).all(dim=-1)).view(-1).tolist():
+                failed.setdefault(reqs[b].rid, "non-finite logits")
             for b, r in enumerate(reqs):
                 r.fed.append(r.next_token)
                 r.pos += 1
