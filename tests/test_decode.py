@@ -76,10 +76,11 @@ def test_nan_in_indexer_input_raises():
 
 
 @pytest.mark.parametrize("resolve", ["host", "device"])
-def test_a_request_whose_logits_are_not_finite_fails_alone(resolve):
+def test_a_request_whose_logits_are_nan_fails_alone(resolve):
     # On a GPU the layers do not stop the host to check their keys for NaN: the runtime checks
-    # each step's logits in the copy it makes anyway, and fails only the rows that are not
-    # finite; the others are served as before.
+    # each step's logits in the copy it makes anyway, and fails only the rows with a NaN; the
+    # others are served as before, and a slot the failed request leaves with NaN rows is never
+    # read into another's sum (masked rows read zeros).
     def runtime():
         m = TinySparseModel(ModelConfig(seed=3))
         return DecodeRuntime(m, page_size=8, device_slots=400, host_pages=200,
@@ -102,7 +103,7 @@ def test_a_request_whose_logits_are_not_finite_fails_alone(resolve):
     rt.model.logits = poisoned
     rec = rt.step()
     rt.model.logits = logits
-    assert rec.failed == [1] and [f[1:] for f in rt.failures] == [(1, "non-finite logits")]
+    assert rec.failed == [1] and [f[1:] for f in rt.failures] == [(1, "NaN logits")]
     ref.step()
     ref.abort(1)  # (the same batches from here on: outputs depend on the batch's rows)
     for r in (rt, ref):
@@ -111,6 +112,28 @@ def test_a_request_whose_logits_are_not_finite_fails_alone(resolve):
         a, b = rt.finish_request(rid), ref.finish_request(rid)
         assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True))
     finish_all(rt)
+
+
+def test_rows_attention_masks_never_reach_the_output_even_as_nan():
+    # A slot's rows past a query's position (or a slot a failed request left) may hold NaN:
+    # masked out, they must not reach the sum through a zero weight.
+    from sparsetier.attention import sparse_attention_batched
+
+    g = torch.Generator().manual_seed(2)
+    pool = torch.randn((2, 1, 4, 8, 2, 16), generator=g)
+    clean = pool.clone()
+    pool[:, 0, 1, 5:] = float("nan")  # rows past position 12 in slot 1 (page 1)
+    clean[:, 0, 1, 5:] = 0.0
+    q = torch.randn((1, 4, 16), generator=g)
+    sel = torch.tensor([[0, 1]])
+    table = torch.tensor([[2, 1]], dtype=torch.int32)
+    pos = torch.tensor([12])
+    out = sparse_attention_batched(q, pool, table, sel, pos, 8, 8)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out, sparse_attention_batched(q, clean, table, sel, pos, 8, 8))
+    k, v = pool[0, 0, 1], pool[1, 0, 1]
+    mask = torch.arange(8) <= 4
+    assert torch.isfinite(attend(q[0], k, v, mask)).all()
 
 
 def test_sparse_attention_with_every_block_equals_dense():

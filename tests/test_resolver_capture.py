@@ -546,3 +546,35 @@ def test_reserved_buffers_keep_one_capture_for_the_whole_run(device):
         st.s.drain()
         stats = st.s.stats()
         assert (stats["pins"], stats["handles"]) == (0, 0), stats
+
+
+@on_cpu
+def test_two_buckets_captured_in_one_step_replay_in_later_steps():
+    # Bucket A's layer 0, bucket B's layer 0, A replayed, then B's layer 1: each bucket's
+    # launches are numbered from where its own replay will start.
+    st = Stack([150, 230, 310, 90], device_pages=160)
+    k = 6
+    rids = np.arange(4, dtype=np.int64)
+    sels = list(_selections(st, rids, k, 3))
+    st.res.reserve(8, k, 64)  # (so that no later step moves the buffers)
+    _step(st, rids, k)
+    a = Graphs(st, rids, sels[0], layers=[])
+    b = Graphs(st, rids, _padded(sels[0], 8), layers=[])
+    a.capture(0, rids)
+    b.capture(0, rids)
+    a.replay([0])
+    b.capture(1, rids)
+    st.check(rids, sels[0][0], 0, a.table(0))
+    for li in range(1, LAYERS):
+        st.check(rids, sels[0][li], li, st.resolve(li, rids, sels[0][li]))
+    st.s.end_step()
+    for sel in sels[1:]:
+        _step(st, rids, k)
+        b.write(_padded(sel, 8))
+        for li in (0, 1):
+            b.replay([li])
+            st.check(rids, sel[li], li, b.table(li)[:4])
+        for li in range(2, LAYERS):
+            st.check(rids, sel[li], li, st.resolve(li, rids, sel[li]))
+        st.s.end_step()
+        st.s.validate()

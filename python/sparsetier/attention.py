@@ -34,7 +34,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     hq, d = q.shape
     group = hq // k.shape[1]
     kk = k.repeat_interleave(group, dim=1)  # [S, Hq, D]
-    vv = v.repeat_interleave(group, dim=1)
+    # Rows masked out read zeros: whatever a slot held before (a failed request's NaN) must
+    # not reach the sum through a zero weight (0 x NaN is NaN).
+    vv = v.repeat_interleave(group, dim=1).masked_fill(~mask[:, None, None], 0)
     logits = torch.einsum("hd,shd->hs", q.to(torch.float32), kk) / math.sqrt(d)
     logits = logits.masked_fill(~mask[None, :], float("-inf"))
     return torch.einsum("hs,shd->hd", torch.softmax(logits, dim=-1), vv)
@@ -78,7 +80,8 @@ def sparse_attention_batched(
     mask = mask.reshape(b, -1)
     group = q.shape[1] // hkv
     kk = kk.repeat_interleave(group, dim=2)
-    vv = vv.repeat_interleave(group, dim=2)
+    # (Masked rows read zeros, as in `attend`: a slot's stale NaN must not reach the sum.)
+    vv = vv.repeat_interleave(group, dim=2).masked_fill(~mask[:, :, None, None], 0)
     logits = torch.einsum("bhd,bnhd->bhn", q.to(torch.float32), kk) / math.sqrt(d)
     logits = logits.masked_fill(~mask[:, None, :], float("-inf"))
     any_valid = mask.any(dim=1)

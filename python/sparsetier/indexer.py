@@ -160,7 +160,7 @@ class SparseIndexer(nn.Module):
 
 def _check_finite(k: torch.Tensor) -> None:
     """Refuses NaN keys where that costs no device sync (CPU tensors)."""
-    if not k.is_cuda and torch.isnan(k).any():
+    if k.device.type == "cpu" and torch.isnan(k).any():
         raise ConfigError.of("hidden", "NaN", "finite values")
 
 

@@ -102,8 +102,9 @@ impl PyDeviceResolver {
             // (Checked under the lock the launch takes: the step's stream cannot change
             // between the two.)
             let step = st.stream();
-            // Under a CUDA graph's capture of this stream the launch is captured there.
-            let capturing = stream != step && st.stream_capturing(stream)?;
+            // Under a CUDA graph's capture of this stream (the step's or another) the launch
+            // is captured there.
+            let capturing = st.stream_capturing(stream)?;
             if stream != step && !capturing {
                 return Err(Error::config(
                     "stream",

@@ -57,8 +57,9 @@ log = logging.getLogger("sparsetier.tools.runtime")
 LAYOUTS = ("layer_first", "layer_page_first")
 
 
-class _LoadFailed(Exception):
-    """A prefill plan's loads failed twice (reported to the caller as RequestFailedError)."""
+class _PrefillFailed(Exception):
+    """A prefill failed: its plan's loads twice, or its logits are NaN (reported to the
+    caller as RequestFailedError)."""
 
 
 @dataclass
@@ -383,7 +384,9 @@ class DecodeRuntime:
             r.pos = r.matched_tokens = adm["matched_pages"] * self.ps
             try:
                 logits = self._prefill(r, restoring=adm["restored_pages"] > 0)
-            except (CopyFailedError, TransferFailedError, _LoadFailed) as e:
+                if torch.isnan(logits).any():  # (the host reads the logits next anyway)
+                    raise _PrefillFailed("NaN logits")
+            except (CopyFailedError, TransferFailedError, _PrefillFailed) as e:
                 # Its loads (or its prefix's restore) failed twice: end it, keep serving.
                 self.scheduler.finish_request(rid)
                 self._ended(restarting or Request(rid, prompt, r.decode_steps))
@@ -481,7 +484,7 @@ class DecodeRuntime:
             table = new
         try:
             if failed:
-                raise _LoadFailed(failed[0][2])
+                raise _PrefillFailed(failed[0][2])
             ppe = max(1, self.unit // self.ps)
             cells = self._table(table)[0].view(-1, ppe).to(self.device, torch.long)
             j = torch.searchsorted(entries, sel.clamp(min=0))
@@ -640,10 +643,10 @@ class DecodeRuntime:
             logits = m.logits(x)
             nxt = logits.argmax(dim=-1).tolist()
             out_cpu = logits.cpu()
-            # Non-finite logits (a NaN hidden state: on a GPU the layers do not stop the host to
+            # NaN logits (a NaN hidden state: on a GPU the layers do not stop the host to
             # check) fail their request, not the step.
-            for b in torch.nonzero(~torch.isfinite(out_cpu).all(dim=-1)).view(-1).tolist():
-                failed.setdefault(reqs[b].rid, "non-finite logits")
+            for b in torch.nonzero(torch.isnan(out_cpu).any(dim=-1)).view(-1).tolist():
+                failed.setdefault(reqs[b].rid, "NaN logits")
             for b, r in enumerate(reqs):
                 r.fed.append(r.next_token)
                 r.pos += 1
@@ -655,24 +658,30 @@ class DecodeRuntime:
                 core = self.scheduler.end_step()
             except CudaError:
                 # The device step's read-back failed: the core ended the step without learning
-                # what it did (its grant counts as overwritten). Its outputs are kept; the step
-                # is counted, as the core counts it, and the error goes to the caller.
+                # what it did (its grant counts as overwritten). Its outputs are kept, its
+                # failed requests ended, the step counted as the core counts it, and the
+                # error goes to the caller.
+                self._end_failed(self.steps, failed)
                 self.steps += 1
                 raise
             self._poll_l3()
             rec = StepRecord(
                 self.steps, len(reqs), time.perf_counter() - t_step, core, sorted(failed)
             )
-            for rid, why in sorted(failed.items()):
-                log.warning("request %d failed at step %d: %s", rid, rec.step, why)
-                self.failures.append((rec.step, rid, why))
-                self._ended(self.requests.pop(rid))
-                self.scheduler.finish_request(rid)
+            self._end_failed(rec.step, failed)
             self.records.append(rec)
             self.steps += 1
             if self.metrics is not None:
                 self.metrics.step_seconds.observe(rec.step_s)
             return rec
+
+    def _end_failed(self, step: int, failed: dict[int, str]) -> None:
+        """Ends the requests that failed at `step` (kept in `ended` for `restart`)."""
+        for rid, why in sorted(failed.items()):
+            log.warning("request %d failed at step %d: %s", rid, step, why)
+            self.failures.append((step, rid, why))
+            self._ended(self.requests.pop(rid))
+            self.scheduler.finish_request(rid)
 
     def metrics_text(self) -> str:
         """Every counter, gauge and latency histogram in Prometheus' text format (constant

@@ -20,10 +20,11 @@ pub(super) struct Captured {
 }
 
 impl ResolverState {
-    /// The call a launch of `layer` over `rows` rows captured now takes: after the step's
-    /// calls and the launches of as many rows captured since it opened and not replayed yet
-    /// (each batch bucket's graph numbers its launches from the step's next call). Refused
-    /// for a layer captured already in this step at these rows.
+    /// The call a launch of `layer` over `rows` rows captured now takes: the one after the
+    /// last launch of as many rows captured since the step opened and not replayed yet, or
+    /// else after the step's calls (each batch bucket's graph numbers its launches on from
+    /// where its replay will start). Refused for a layer captured already in this step at
+    /// these rows.
     pub(super) fn capture_call(&self, layer: u16, rows: usize) -> Result<u32> {
         if self.pending.contains(&(layer, rows)) {
             return Err(Error::config(
@@ -32,8 +33,8 @@ impl ResolverState {
                 format!("a layer not captured yet this step over {rows} rows"),
             ));
         }
-        let earlier = self.pending.iter().filter(|p| p.1 == rows).count() as u32;
-        Ok(self.call + earlier + 1)
+        let last = self.pending.iter().rev().find(|p| p.1 == rows);
+        Ok(last.map_or(self.call, |p| self.captured[p].call) + 1)
     }
 
     /// Keeps what a replay of `layer`'s launch over `rows` rows, captured as call `call`,
