@@ -143,6 +143,18 @@ def _step(st: Stack, rids: np.ndarray, k: int) -> None:
     assert st.s.begin_device_step(rids, k)
 
 
+def _ends_clean(rids: np.ndarray, *stacks: Stack) -> None:
+    """Every request finished: the checks hold, and nothing stays pinned or held."""
+    for st in stacks:
+        for rid in rids:
+            st.s.finish_request(int(rid))
+        st.s.end_step()
+        st.s.drain()
+        st.s.validate()
+        stats = st.s.stats()
+        assert (stats["pins"], stats["handles"]) == (0, 0), stats
+
+
 def _record(rec) -> dict:
     # (What each loads depends on which slots each granted: the two stacks' transfer
     # threads finish in their own order, so their LRUs differ.)
@@ -281,14 +293,7 @@ def test_replayed_launches_match_launching_each_layer_and_recapture_when_the_epo
     captures = state["captures"]
     _run(eager, graphed, rids, list(_selections(eager, rids, k, 6, seed=11)), 0, state)
     assert state["captures"] > captures and state["captures"] + state["replays"] == 21
-    for st in (eager, graphed):
-        for rid in rids:
-            st.s.finish_request(int(rid))
-        st.s.end_step()
-        st.s.drain()
-        st.s.validate()
-        stats = st.s.stats()
-        assert (stats["pins"], stats["handles"]) == (0, 0), stats
+    _ends_clean(rids, eager, graphed)
 
 
 @on_cpu
@@ -431,13 +436,7 @@ def test_a_graph_captured_for_a_batch_bucket_replays_smaller_steps(device):
         eager.s.validate()
         graphed.s.validate()
     assert replays >= 5 and captures <= 3
-    for st in (eager, graphed):
-        for rid in rids:
-            st.s.finish_request(int(rid))
-        st.s.end_step()
-        st.s.drain()
-        stats = st.s.stats()
-        assert (stats["pins"], stats["handles"]) == (0, 0), stats
+    _ends_clean(rids, eager, graphed)
 
 
 @on_cpu
@@ -539,13 +538,7 @@ def test_reserved_buffers_keep_one_capture_for_the_whole_run(device):
             graphed.s.validate()
             steps += 1
     assert steps == 15
-    for st in (eager, graphed):
-        for rid in rids:
-            st.s.finish_request(int(rid))
-        st.s.end_step()
-        st.s.drain()
-        stats = st.s.stats()
-        assert (stats["pins"], stats["handles"]) == (0, 0), stats
+    _ends_clean(rids, eager, graphed)
 
 
 @on_cpu

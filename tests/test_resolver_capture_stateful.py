@@ -14,7 +14,16 @@ import pytest
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from test_resolver_capture import HOST_KERNEL, LAYERS, Graphs, Stack, _padded, _selections, _step
+from test_resolver_capture import (
+    HOST_KERNEL,
+    LAYERS,
+    Graphs,
+    Stack,
+    _ends_clean,
+    _padded,
+    _selections,
+    _step,
+)
 
 from sparsetier.errors import ConfigError, OutOfRangeError
 
@@ -171,13 +180,7 @@ class CaptureMachine(RuleBasedStateMachine):
             return
         if self.open:
             self.st.s.end_step()
-        for rid in self.rids:
-            self.st.s.finish_request(int(rid))
-        self.st.s.end_step()
-        self.st.s.drain()
-        self.st.s.validate()
-        stats = self.st.s.stats()
-        assert (stats["pins"], stats["handles"]) == (0, 0), stats
+        _ends_clean(self.rids, self.st)
 
 
 TestCaptureMachine = CaptureMachine.TestCase

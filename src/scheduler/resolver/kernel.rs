@@ -489,8 +489,7 @@ impl DeviceKernel {
         call: u32,
         (page_size, tokens): (u32, bool),
     ) -> Result<()> {
-        self.require_step_batch(rids)?;
-        let args = self.args(layer, rids, cells, call, (page_size, tokens))?;
+        let args = self.captured_args(layer, rids, cells, call, (page_size, tokens))?;
         self.dev.set_stream(stream);
         // SAFETY: as `launch`: the buffers stay where they are for the epoch, and a replay
         // in another epoch is refused (`ResolverState::will_replay`).
@@ -499,8 +498,16 @@ impl DeviceKernel {
         out
     }
 
-    /// A captured launch reads the step's rows: refuses any other batch.
-    fn require_step_batch(&self, rids: &[RequestId]) -> Result<()> {
+    /// A captured launch's arguments ([`Self::args`]): it reads the step's rows, so any
+    /// other batch is refused.
+    fn captured_args(
+        &mut self,
+        layer: u16,
+        rids: &[RequestId],
+        cells: (u64, u64, usize, usize),
+        call: u32,
+        shape: (u32, bool),
+    ) -> Result<LaunchArgs> {
         if rids != self.rids.as_slice() {
             return Err(Error::config(
                 "rids",
@@ -509,7 +516,7 @@ impl DeviceKernel {
                  rows uploaded when the step opened)",
             ));
         }
-        Ok(())
+        self.args(layer, rids, cells, call, shape)
     }
 
     /// Test builds: [`Self::capture`] on the CPU, where no graph records the launch: its
@@ -523,8 +530,7 @@ impl DeviceKernel {
         call: u32,
         (page_size, tokens): (u32, bool),
     ) -> Result<()> {
-        self.require_step_batch(rids)?;
-        let args = self.args(layer, rids, cells, call, (page_size, tokens))?;
+        let args = self.captured_args(layer, rids, cells, call, (page_size, tokens))?;
         let rows = cells.2 / cells.3.max(1);
         self.recorded.insert((layer, rows), Recorded(args));
         Ok(())
