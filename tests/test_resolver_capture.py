@@ -209,6 +209,44 @@ class Graphs:
         return _host(self.tables[layer])
 
 
+def _padded(sel: np.ndarray, rows: int) -> np.ndarray:
+    """`sel` ([layers, n, k]) under `rows` rows: the rows past n are padding, filled with
+    entries a request could name (the resolver must not read them)."""
+    out = np.zeros((sel.shape[0], rows, sel.shape[2]), dtype=np.int32)
+    out[:, : sel.shape[1]] = sel
+    out[:, sel.shape[1] :] = np.arange(sel.shape[2], dtype=np.int32)
+    return out
+
+
+def _replay_layers(eager: Stack, graphed: Stack, g: Graphs, rids: np.ndarray, sel) -> None:
+    """One step's layers: each launched on the twin and replayed (padded to the graph's
+    rows) on the graphed stack, both checked when the layer has run."""
+    n = len(rids)
+    g.write(_padded(sel, g.rows))
+    for li in range(LAYERS):
+        eager.check(rids, sel[li], li, eager.resolve(li, rids, sel[li]))
+        g.replay([li])
+        table = g.table(li)
+        assert ((table[:n] >= 0) == (sel[li] >= 0)).all() and (table[n:] == -1).all()
+        graphed.check(rids, sel[li], li, table[:n])
+
+
+def _swap_in_a_long_request(*stacks: Stack) -> np.ndarray:
+    """Request 5 ends and request 6, of 100 pages (wider than the others), takes its place."""
+    for st in stacks:
+        st.s.finish_request(5)
+        st.admit(6, 800)
+    return np.array([0, 1, 2, 3, 4, 6], dtype=np.int64)
+
+
+def _admit_more(*stacks: Stack) -> np.ndarray:
+    """Fourteen requests more (7 to 20) beside those `_swap_in_a_long_request` left."""
+    for st in stacks:
+        for rid in range(7, 21):
+            st.admit(rid, 120 + 10 * rid)
+    return np.array([0, 1, 2, 3, 4, 6, *range(7, 21)], dtype=np.int64)
+
+
 def _run(eager: Stack, graphed: Stack, rids, sels, warm: int, state: dict) -> None:
     """Steps both stacks over `sels`: the first `warm` launch each layer on both; then the
     graphed stack captures (again when its epoch or its batch's size moved: the capture
@@ -230,13 +268,7 @@ def _run(eager: Stack, graphed: Stack, rids, sels, warm: int, state: dict) -> No
             # (The last layer's slots: no later launch of the step refilled them.)
             graphed.check(rids, sel[-1], LAYERS - 1, g.table(LAYERS - 1))
         elif step >= warm:
-            g = state["graphs"]
-            g.write(sel)
-            for li in range(LAYERS):
-                eager.check(rids, sel[li], li, eager.resolve(li, rids, sel[li]))
-                g.replay([li])
-                assert ((g.table(li) >= 0) == (sel[li] >= 0)).all()
-                graphed.check(rids, sel[li], li, g.table(li))
+            _replay_layers(eager, graphed, state["graphs"], rids, sel)
             state["replays"] += 1
         else:
             for li in range(LAYERS):
@@ -266,10 +298,7 @@ def test_replayed_launches_match_launching_each_layer_and_recapture_when_the_epo
     # the epoch) before anything changes; a replay of its stale arguments would name freed
     # memory.
     first_epoch = state["epoch"]
-    for st in (eager, graphed):
-        st.s.finish_request(5)
-        st.admit(6, 800)
-    rids = np.array([0, 1, 2, 3, 4, 6], dtype=np.int64)
+    rids = _swap_in_a_long_request(eager, graphed)
     _step(eager, rids, k)
     _step(graphed, rids, k)
     assert graphed.res.graph_epoch != first_epoch
@@ -286,10 +315,7 @@ def test_replayed_launches_match_launching_each_layer_and_recapture_when_the_epo
     _run(eager, graphed, rids, list(_selections(eager, rids, k, 6, seed=9)), 0, state)
     assert state["captures"] > captures and state["captures"] + state["replays"] == 15
     # More requests: captured again for the wider batch.
-    for st in (eager, graphed):
-        for rid in range(7, 21):
-            st.admit(rid, 120 + 10 * rid)
-    rids = np.array([0, 1, 2, 3, 4, 6, *range(7, 21)], dtype=np.int64)
+    rids = _admit_more(eager, graphed)
     captures = state["captures"]
     _run(eager, graphed, rids, list(_selections(eager, rids, k, 6, seed=11)), 0, state)
     assert state["captures"] > captures and state["captures"] + state["replays"] == 21
@@ -361,15 +387,6 @@ def test_capture_needs_the_kernel():
     st.s.end_step()
 
 
-def _padded(sel: np.ndarray, rows: int) -> np.ndarray:
-    """`sel` ([layers, n, k]) under `rows` rows: the rows past n are padding, filled with
-    entries a request could name (the resolver must not read them)."""
-    out = np.zeros((sel.shape[0], rows, sel.shape[2]), dtype=np.int32)
-    out[:, : sel.shape[1]] = sel
-    out[:, sel.shape[1] :] = np.arange(sel.shape[2], dtype=np.int32)
-    return out
-
-
 @pytest.mark.parametrize("kernel", [pytest.param(True, marks=on_cpu), False])
 def test_rows_past_the_steps_batch_are_padding_left_without_slots(kernel):
     st = Stack([120, 200, 160], kernel=kernel)
@@ -423,13 +440,7 @@ def test_a_graph_captured_for_a_batch_bucket_replays_smaller_steps(device):
                 eager.check(rids, sel[li], li, eager.resolve(li, rids, sel[li]))
             graphed.check(rids, sel[-1], LAYERS - 1, g.table(LAYERS - 1)[: len(rids)])
         else:
-            g.write(padded)
-            for li in range(LAYERS):
-                eager.check(rids, sel[li], li, eager.resolve(li, rids, sel[li]))
-                g.replay([li])
-                table = g.table(li)
-                assert (table[len(rids) :] == -1).all()
-                graphed.check(rids, sel[li], li, table[: len(rids)])
+            _replay_layers(eager, graphed, g, rids, sel)
             replays += 1
         # The padding is neither selected nor loaded: the records count the requests' cells.
         assert _record(eager.s.end_step()) == _record(graphed.s.end_step())
@@ -509,15 +520,9 @@ def test_reserved_buffers_keep_one_capture_for_the_whole_run(device):
     g, epoch, steps = None, None, 0
     for phase in range(3):
         if phase == 1:
-            for st in (eager, graphed):
-                st.s.finish_request(5)
-                st.admit(6, 800)  # wider than the others: 100 pages
-            rids = np.array([0, 1, 2, 3, 4, 6], dtype=np.int64)
+            rids = _swap_in_a_long_request(eager, graphed)
         if phase == 2:
-            for st in (eager, graphed):
-                for rid in range(7, 21):
-                    st.admit(rid, 120 + 10 * rid)
-            rids = np.array([0, 1, 2, 3, 4, 6, *range(7, 21)], dtype=np.int64)
+            rids = _admit_more(eager, graphed)
         for sel in _selections(eager, rids, k, 5, seed=20 + phase):
             _step(eager, rids, k)
             _step(graphed, rids, k)
@@ -529,11 +534,7 @@ def test_reserved_buffers_keep_one_capture_for_the_whole_run(device):
                     eager.check(rids, sel[li], li, eager.resolve(li, rids, sel[li]))
             else:
                 assert graphed.res.graph_epoch == epoch  # nothing moved: no capture again
-                g.write(padded)
-                for li in range(LAYERS):
-                    eager.check(rids, sel[li], li, eager.resolve(li, rids, sel[li]))
-                    g.replay([li])
-                    graphed.check(rids, sel[li], li, g.table(li)[: len(rids)])
+                _replay_layers(eager, graphed, g, rids, sel)
             assert _record(eager.s.end_step()) == _record(graphed.s.end_step())
             graphed.s.validate()
             steps += 1

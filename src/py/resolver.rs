@@ -242,9 +242,9 @@ impl PyDeviceResolver {
     }
 
     /// The epoch of the open step's launch arguments on a device (None on the reference):
-    /// it changes when the resolver's buffers move (they grow by powers of two, so it
-    /// settles once the largest batch has run). A graph captured in one epoch replays in
-    /// steps of the same epoch only.
+    /// it changes when the resolver's buffers move (they grow by powers of two; `reserve`
+    /// sizes them for the largest steps). A graph captured in one epoch replays in steps of
+    /// the same epoch only.
     #[getter]
     fn graph_epoch(&self, py: Python<'_>) -> Option<u64> {
         py.detach(|| self.state.lock().graph_epoch())

@@ -149,6 +149,7 @@ pub struct ResolverState {
     entries: usize,
     /// The step's requests (a call's batch is some of them, each once).
     step_rids: rustc_hash::FxHashSet<RequestId>,
+    /// The step's requests in its order (a launch for them reads the rows sent at its open).
     step_order: Vec<RequestId>,
     refill_at: usize,
     /// Grant entries passed over (a victim the resolving layer had read), for later layers.
@@ -581,6 +582,16 @@ impl ResolverState {
         out
     }
 
+    /// Which rows a launch for `rids` reads: the step's (uploaded when it opened) when they
+    /// are the step's batch in its order.
+    fn batch<'a>(&self, rids: &'a [RequestId]) -> kernel::Batch<'a> {
+        if rids == self.step_order.as_slice() {
+            kernel::Batch::Step
+        } else {
+            kernel::Batch::Of(rids)
+        }
+    }
+
     /// A selection of `rows` rows for the batch `rids`: rows past the batch (padding) only
     /// when it is the step's, in its order (the kernel bounds a launch's rows by the step's).
     fn check_padding(&self, rids: &[RequestId], rows: usize) -> Result<()> {
@@ -642,17 +653,21 @@ impl ResolverState {
         }
         let cells = (selection, table, cells, k);
         if let Some(stream) = capture {
-            let call = self.capture_call(layer, rows)?;
-            let kern = self.kernel.as_mut().expect("checked above");
             // SAFETY: the caller's contract.
-            unsafe { kern.capture(stream, layer, rids, cells, call, (self.page_size, tokens))? };
-            self.captured_launch(layer, rows, k, call);
-            return Ok(());
+            return unsafe {
+                self.capture_launch(
+                    kernel::CaptureTo::Stream(stream),
+                    (layer, rids),
+                    cells,
+                    tokens,
+                )
+            };
         }
+        let batch = self.batch(rids);
         let kern = self.kernel.as_mut().expect("checked above");
         let call = self.call + 1;
         // SAFETY: the caller's contract.
-        unsafe { kern.launch(layer, rids, cells, call, self.page_size, tokens)? };
+        unsafe { kern.launch(layer, batch, cells, call, self.page_size, tokens)? };
         self.call = call;
         self.resolved[layer as usize] = true;
         Ok(())

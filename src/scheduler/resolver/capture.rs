@@ -6,8 +6,10 @@
 //! resolver accounts them as the step's calls, as if they had been launched one by one.
 //! Captures are kept by layer and rows (a graph per batch bucket): the latest of each.
 
+use super::kernel::CaptureTo;
 use super::ResolverState;
 use crate::error::{Error, Result};
+use crate::ids::RequestId;
 
 /// A layer's captured launch: the epoch of the buffers it names, its selection's rows (a
 /// step of fewer requests leaves the rest as padding) and width, and its place among the
@@ -20,12 +22,51 @@ pub(super) struct Captured {
 }
 
 impl ResolverState {
+    /// Captures `layer`'s launch over `cells` = (sel, table, cells, k) for the batch `rids`
+    /// (`to`: a capturing stream, or in test builds the host), and keeps what its replays
+    /// must find.
+    ///
+    /// # Safety
+    /// As [`ResolverState::resolve_layer_device`]'s, for every replay.
+    pub(super) unsafe fn capture_launch(
+        &mut self,
+        to: CaptureTo,
+        (layer, rids): (u16, &[RequestId]),
+        cells: (u64, u64, usize, usize),
+        tokens: bool,
+    ) -> Result<()> {
+        if rids != self.step_order.as_slice() {
+            return Err(Error::config(
+                "rids",
+                format!("{} requests, not the step's in its order", rids.len()),
+                "the step's batch in begin_device_step's order (a captured launch reads the \
+                 rows uploaded when the step opened)",
+            ));
+        }
+        let k = cells.3;
+        // (Rows of no entries: as many as the batch.)
+        let rows = cells.2.checked_div(k).unwrap_or(rids.len());
+        let call = self.capture_call(layer, rows)?;
+        let page_size = self.page_size;
+        let Some(kern) = self.kernel.as_mut() else {
+            return Err(Error::config(
+                "resolver",
+                "the reference (CPU)",
+                "a resolver whose kernel runs on a device",
+            ));
+        };
+        // SAFETY: the caller's contract.
+        unsafe { kern.capture(to, (layer, rows), cells, call, (page_size, tokens))? };
+        self.captured_launch(layer, rows, k, call);
+        Ok(())
+    }
+
     /// The call a launch of `layer` over `rows` rows captured now takes: the one after the
     /// last launch of as many rows captured since the step opened and not replayed yet, or
     /// else after the step's calls (each batch bucket's graph numbers its launches on from
     /// where its replay will start). Refused for a layer captured already in this step at
     /// these rows.
-    pub(super) fn capture_call(&self, layer: u16, rows: usize) -> Result<u32> {
+    fn capture_call(&self, layer: u16, rows: usize) -> Result<u32> {
         if self.pending.contains(&(layer, rows)) {
             return Err(Error::config(
                 "layer",
@@ -40,7 +81,7 @@ impl ResolverState {
     /// Keeps what a replay of `layer`'s launch over `rows` rows, captured as call `call`,
     /// must find: a step of at most `rows` requests granted rows of `k` entries at least, in
     /// the same epoch.
-    pub(super) fn captured_launch(&mut self, layer: u16, rows: usize, k: usize, call: u32) {
+    fn captured_launch(&mut self, layer: u16, rows: usize, k: usize, call: u32) {
         let epoch = self.kernel.as_ref().map_or(0, |k| k.epoch);
         self.pending.push((layer, rows));
         self.captured

@@ -127,7 +127,6 @@ pub(crate) struct DeviceKernel {
     lens: Buf,
     step_rows: Buf,
     rows: Buf,
-    rids: Vec<RequestId>,
     /// The uploads' (index, value) pairs: the mirror's changes, the tables'.
     changes: Buf,
     table_changes: Buf,
@@ -163,6 +162,24 @@ pub(crate) struct DeviceKernel {
     /// the CPU: the arguments kept by value and replayed as they are).
     #[cfg(any(test, feature = "testing"))]
     recorded: rustc_hash::FxHashMap<(u16, usize), Recorded>,
+}
+
+/// The rows a launch reads: the step's batch in its order (uploaded when the step opened),
+/// or some of the step's requests in another order (uploaded with the launch).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Batch<'a> {
+    Step,
+    Of(&'a [RequestId]),
+}
+
+/// Where a captured launch goes ([`DeviceKernel::capture`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) enum CaptureTo {
+    /// A raw `CUstream` a CUDA graph is capturing.
+    Stream(u64),
+    /// Test builds: kept by value on the host (the CPU device has no graphs).
+    #[cfg(any(test, feature = "testing"))]
+    Record,
 }
 
 /// Test builds: a launch's arguments kept for a replay.
@@ -254,7 +271,6 @@ impl DeviceKernel {
             lens: Buf::default(),
             step_rows: Buf::default(),
             rows: Buf::default(),
-            rids: Vec::new(),
             changes: Buf::default(),
             table_changes: Buf::default(),
             changed: Vec::new(),
@@ -342,8 +358,6 @@ impl DeviceKernel {
         self.wrap_pending = false;
         self.resync = false;
         self.changed.clear();
-        self.rids.clear();
-        self.rids.extend(tables.iter().map(|t| t.0));
         self.grant_len = grant.len();
         self.log_capacity = log_capacity;
         self.open = true;
@@ -455,13 +469,13 @@ impl DeviceKernel {
     pub(super) unsafe fn launch(
         &mut self,
         layer: u16,
-        rids: &[RequestId],
+        batch: Batch<'_>,
         cells: (u64, u64, usize, usize),
         call: u32,
         page_size: u32,
         tokens: bool,
     ) -> Result<()> {
-        let args = self.args(layer, rids, cells, call, (page_size, tokens))?;
+        let args = self.args(layer, batch, cells, call, (page_size, tokens))?;
         // SAFETY: the step's buffers were sized when it opened: the mirror, marks and filled
         // an entry per (home, layer), and the tables' homes are the core's (homes of the host
         // pool); the grant and deferred 2 ints an entry; the log room for every take of the
@@ -472,68 +486,40 @@ impl DeviceKernel {
         unsafe { self.dev.resolve(&args) }
     }
 
-    /// [`Self::launch`] queued on `stream`, which a CUDA graph is capturing, instead of the
-    /// step's: the launch runs when the graph is replayed (on the step's stream, in a step of
-    /// this epoch). The batch must be the step's, in its order (its rows were uploaded when
-    /// the step opened; a capture can upload nothing).
+    /// [`Self::launch`] captured instead of run: queued on a stream a CUDA graph is capturing
+    /// (`CaptureTo::Stream`), or in test builds kept by value for
+    /// [`Self::replay_recorded`] (`CaptureTo::Record`, the CPU, where no graph records it).
+    /// The launch runs when the graph is replayed (on the step's stream, in a step of this
+    /// epoch), over the step's batch in its order: its rows were uploaded when the step
+    /// opened, and a capture can upload nothing.
     ///
     /// # Safety
     /// As [`Self::launch`], with `sel` and `table` alive until every replay has run.
-    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn capture(
         &mut self,
-        stream: u64,
-        layer: u16,
-        rids: &[RequestId],
-        cells: (u64, u64, usize, usize),
-        call: u32,
-        (page_size, tokens): (u32, bool),
-    ) -> Result<()> {
-        let args = self.captured_args(layer, rids, cells, call, (page_size, tokens))?;
-        self.dev.set_stream(stream);
-        // SAFETY: as `launch`: the buffers stay where they are for the epoch, and a replay
-        // in another epoch is refused (`ResolverState::will_replay`).
-        let out = unsafe { self.dev.resolve(&args) };
-        self.dev.set_stream(self.stream);
-        out
-    }
-
-    /// A captured launch's arguments ([`Self::args`]): it reads the step's rows, so any
-    /// other batch is refused.
-    fn captured_args(
-        &mut self,
-        layer: u16,
-        rids: &[RequestId],
+        to: CaptureTo,
+        (layer, rows): (u16, usize),
         cells: (u64, u64, usize, usize),
         call: u32,
         shape: (u32, bool),
-    ) -> Result<LaunchArgs> {
-        if rids != self.rids.as_slice() {
-            return Err(Error::config(
-                "rids",
-                format!("{} requests, not the step's in its order", rids.len()),
-                "the step's batch in begin_device_step's order (a captured launch reads the \
-                 rows uploaded when the step opened)",
-            ));
-        }
-        self.args(layer, rids, cells, call, shape)
-    }
-
-    /// Test builds: [`Self::capture`] on the CPU, where no graph records the launch: its
-    /// arguments are kept by value for [`Self::replay_recorded`].
-    #[cfg(any(test, feature = "testing"))]
-    pub(super) fn record(
-        &mut self,
-        layer: u16,
-        rids: &[RequestId],
-        cells: (u64, u64, usize, usize),
-        call: u32,
-        (page_size, tokens): (u32, bool),
     ) -> Result<()> {
-        let args = self.captured_args(layer, rids, cells, call, (page_size, tokens))?;
-        let rows = cells.2 / cells.3.max(1);
-        self.recorded.insert((layer, rows), Recorded(args));
-        Ok(())
+        debug_assert_eq!(rows * cells.3, cells.2, "cells are rows of k");
+        let args = self.args(layer, Batch::Step, cells, call, shape)?;
+        match to {
+            CaptureTo::Stream(stream) => {
+                self.dev.set_stream(stream);
+                // SAFETY: as `launch`: the buffers stay where they are for the epoch, and a
+                // replay in another epoch is refused (`ResolverState::will_replay`).
+                let out = unsafe { self.dev.resolve(&args) };
+                self.dev.set_stream(self.stream);
+                out
+            }
+            #[cfg(any(test, feature = "testing"))]
+            CaptureTo::Record => {
+                self.recorded.insert((layer, rows), Recorded(args));
+                Ok(())
+            }
+        }
     }
 
     /// Test builds: runs the launch recorded for `layer` over `rows` rows with its arguments
@@ -553,25 +539,27 @@ impl DeviceKernel {
     }
 
     /// A layer's launch arguments over `cells` = (sel, table, cells, k): the batch's rows (the
-    /// step's, or `rids`' uploaded now), the step's buffers, the geometry.
+    /// step's, or those of some of its requests uploaded now), the step's buffers, the
+    /// geometry.
     fn args(
         &mut self,
         layer: u16,
-        rids: &[RequestId],
+        batch: Batch<'_>,
         (sel, table, cells, k): (u64, u64, usize, usize),
         call: u32,
         (page_size, tokens): (u32, bool),
     ) -> Result<LaunchArgs> {
         // Batch rows to table rows: nothing to upload when the batch is the step's, in order.
-        let rows = if rids == self.rids.as_slice() {
-            self.step_rows.addr
-        } else {
-            // (The resolver checked that they are requests of the step, each once.)
-            let rows = self.tables.rows_of(rids)?;
-            Self::room(&mut *self.dev, &mut self.rows, 4 * rows.len())?;
-            // SAFETY: sized just above.
-            unsafe { self.dev.upload(&[(self.rows.addr, bytes_of(&rows))])? };
-            self.rows.addr
+        let rows = match batch {
+            Batch::Step => self.step_rows.addr,
+            Batch::Of(rids) => {
+                // (The resolver checked that they are requests of the step, each once.)
+                let rows = self.tables.rows_of(rids)?;
+                Self::room(&mut *self.dev, &mut self.rows, 4 * rows.len())?;
+                // SAFETY: sized just above.
+                unsafe { self.dev.upload(&[(self.rows.addr, bytes_of(&rows))])? };
+                self.rows.addr
+            }
         };
         let step = Step {
             mirror: self.mirror as *mut i32,
@@ -902,13 +890,10 @@ impl ResolverState {
         );
         #[cfg(any(test, feature = "testing"))]
         if self.recording {
-            let rows = selection.len() / k.max(1);
-            let call = self.capture_call(layer, rows)?;
-            let kern = self.kernel.as_mut().expect("checked above");
-            kern.record(layer, rids, cells, call, (self.page_size, tokens))?;
-            self.captured_launch(layer, rows, k, call);
-            return Ok(());
+            // SAFETY: nothing runs now; the caller of a replay keeps the slices alive.
+            return unsafe { self.capture_launch(CaptureTo::Record, (layer, rids), cells, tokens) };
         }
+        let batch = self.batch(rids);
         let kern = self.kernel.as_mut().expect("checked above");
         let call = self.call + 1;
         // SAFETY: `selection` and `table` are live host slices of `cells` int32 (checked by
@@ -917,7 +902,7 @@ impl ResolverState {
         // `rids`, then padding rows only when `rids` is the step's batch in order (the
         // kernel bounds the rows it reads by the step's).
         unsafe {
-            kern.launch(layer, rids, cells, call, self.page_size, tokens)?;
+            kern.launch(layer, batch, cells, call, self.page_size, tokens)?;
         }
         self.call = call;
         self.resolved[layer as usize] = true;
