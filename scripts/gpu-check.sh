@@ -30,7 +30,9 @@
 #                             through it (`demo --device cuda --resolve device`, block and
 #                             token, and test_gpu_runtime.py's device_resolve cases: tiered ==
 #                             resident, layers under torch's sync debug mode "error"); then
-#                             tests/test_resolver_gpu.py's GPU cases
+#                             tests/test_resolver_gpu.py's GPU cases; the runtime's whole
+#                             decode steps as CUDA graphs (tests/test_step_graphs.py's cuda
+#                             cases, `demo --device cuda --resolve device --graphs`)
 #         demo_cuda.txt       `sparsetier demo --device cuda` (tiered == resident on the GPU,
 #                             through the step scheduler with stream waits), block and token
 #                             selection, with and without prefetch, in FP8 (--kv-format),
@@ -125,6 +127,14 @@ run)
         timeout 90 python3 -m pytest -q -rs -p no:cacheprovider $per_test \
             tests/test_resolver_capture.py -k cuda >> "$OUT/resolver.txt" 2>&1
         echo "resolver capture pytest: exit $?" >> "$OUT/resolver.txt"
+        # The runtime's whole decode steps as CUDA graphs (DecodeRuntime(graphs=True)):
+        # tiered == resident through captures and replays, in the tests and the demo.
+        timeout 120 python3 -m pytest -q -rs -p no:cacheprovider $per_test \
+            tests/test_step_graphs.py -k cuda >> "$OUT/resolver.txt" 2>&1
+        echo "step graphs pytest: exit $?" >> "$OUT/resolver.txt"
+        timeout 90 python3 -m sparsetier.tools.cli demo --device cuda --quiet --resolve device \
+            --graphs >> "$OUT/resolver.txt" 2>&1
+        echo "resolver demo block graphs: exit $?" >> "$OUT/resolver.txt"
     fi
     if has demos; then
         for mode in block token; do

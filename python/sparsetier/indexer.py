@@ -174,11 +174,12 @@ def select_from_scores(
     window: int = 1,
     reduce: str = "max",
 ) -> torch.Tensor:
-    """Top-k selection over token scores [B, S] for the whole batch: one `torch.topk`, no loop
+    """Top-k selection over token scores [B, S] for the whole batch: one stable sort, no loop
     over requests. Block mode reduces `unit`-token blocks (max or mean over their visible
     tokens) and always keeps the sink block and the `window` most recent blocks; token mode
-    keeps the sink token and the query's own token. Returns int64 [B, topk], ascending, -1
-    padded."""
+    keeps the sink token and the query's own token. Ties go to the lower entry. Returns int64
+    [B, topk], ascending: a row with fewer entries starts with -1s. Neither depends on the
+    width of `scores` past the batch's positions."""
     if mode not in MODES:
         raise ConfigError.of("mode", mode, "block or token")
     if reduce not in ("max", "mean"):
@@ -212,12 +213,18 @@ def select_from_scores(
             (blk[None, :] >= (n_blocks - window)[:, None]) & (blk[None, :] < n_blocks[:, None])
         )
         x = x.masked_fill(forced, inf)
-    k = min(topk, x.shape[1])
-    vals, idx = torch.topk(x, k, dim=1, sorted=False)
-    idx = idx.masked_fill(vals == -inf, -1)
+    if x.shape[1] < topk:
+        # Fewer candidates than topk: padded with ones never chosen, so that the rows' layout
+        # (-1 first) does not depend on how wide the history was (a CUDA graph's history is
+        # a bucket wider than the batch's).
+        x = torch.nn.functional.pad(x, (0, topk - x.shape[1]), value=-inf)
+    # Ties (ReLU scores are often exactly 0) go to the lower entry: `torch.topk` breaks them
+    # in an order that depends on the row's length, so the same scores in a wider history
+    # could select other entries.
+    order = torch.sort(x, dim=1, descending=True, stable=True).indices[:, :topk]
+    vals = x.gather(1, order)
+    idx = order.masked_fill(vals == -inf, -1)
     idx, _ = torch.sort(idx, dim=1)
-    if k < topk:
-        idx = torch.nn.functional.pad(idx, (0, topk - k), value=-1)
     return idx
 
 

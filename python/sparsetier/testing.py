@@ -26,6 +26,7 @@ __all__ = [
     "bench_serve",
     "contained_panic",
     "directory_of",
+    "emulate_step_graphs",
     "evict_device",
     "fail_device_read_backs",
     "inject_alloc_failures",
@@ -109,6 +110,64 @@ def fail_device_read_backs(target: Any, count: int = 1) -> None:
     counts as overwritten. Needs the kernel (`use_host_kernel`, or CUDA pools)."""
     resolver = getattr(target, "resolver", target)
     resolver._fail_read_backs(count)
+
+
+def emulate_step_graphs(runtime: Any, threads: int = 1) -> None:
+    """Replays a CPU `DecodeRuntime`'s device-resolved steps as `graphs=True` does on a GPU,
+    but for the capture itself: the resolver's kernel runs on `threads` CPU threads
+    (`use_host_kernel`); a capture records its launches over fixed selection buffers, and a
+    replay runs the torch ops eagerly over the graph's shapes and the recorded launches as
+    they were recorded (`will_replay` first, as on a GPU). Before the first step."""
+    from sparsetier.tools.step_graphs import StepGraphs
+
+    graphs = StepGraphs(runtime, _RecordedGraphs(runtime))  # (refuses a runtime without one)
+    use_host_kernel(runtime, threads)
+    runtime.graphs = graphs
+
+
+class _RecordedGraphs:
+    """`StepGraphs`' backend on the CPU: the resolver's launches recorded and replayed."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.rt = runtime
+
+    def capture(self, forward: Any, rids: Any) -> tuple[Any, None]:
+        import numpy as np
+        import torch
+
+        res, tokens = self.rt.resolver, self.rt.mode == "token"
+        bufs: dict[int, Any] = {}
+        tables: dict[int, Any] = {}
+
+        def resolve(li: int, sel: Any) -> tuple[Any, None]:
+            # The launch reads this buffer at every replay, as a graph's reads its input.
+            bufs[li] = np.ascontiguousarray(sel.to(torch.int32).numpy())
+            tables[li] = res.resolve(li, rids, bufs[li], tokens)  # recorded, not run
+            return torch.from_numpy(tables[li]), None
+
+        res._record_launches(True)
+        try:
+            forward(resolve)  # (its outputs are a capture's: nothing ran)
+        finally:
+            res._record_launches(False)
+        return (bufs, tables), None
+
+    def replay(self, handle: Any, forward: Any, rids: Any, failed: dict) -> Any:
+        import numpy as np
+        import torch
+
+        bufs, tables = handle
+        res, n = self.rt.resolver, len(rids)
+
+        def resolve(li: int, sel: Any) -> tuple[Any, None]:
+            np.copyto(bufs[li], sel.to(torch.int32).numpy())
+            res._replay_recorded([li], n)
+            table = tables[li]
+            for b in np.flatnonzero((table == res.FAILED).any(axis=1)):
+                failed.setdefault(int(rids[b]), f"device copy failed at layer {li}")
+            return torch.from_numpy(table.copy()), None
+
+        return forward(resolve)
 
 
 # The device resolver's kernel, launched on torch tensors: `ResolveKernel(device)` on a CUDA

@@ -698,6 +698,13 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         "the cpu, its CUDA kernel with --device cuda, never run on a GPU yet)",
     )
     p.add_argument(
+        "--graphs",
+        action="store_true",
+        help="with --device cuda --resolve device: replay the tiered runs' device-resolved "
+        "decode steps as CUDA graphs, one per batch size and history bucket (never run on a "
+        "GPU yet)",
+    )
+    p.add_argument(
         "--restore",
         choices=["auto", "indexer", "full", "predicted"],
         default=d.restore,
@@ -833,6 +840,7 @@ def _run_demo(args: argparse.Namespace) -> int:
         kv_format=args.kv_format,
         token_map=args.token_map,
         resolve=args.resolve,
+        graphs=args.graphs,
         restore=args.restore,
         storage_backend=args.storage_backend,
         trace=args.trace,

@@ -50,6 +50,9 @@ class DemoConfig:
     # Where the tiered run's decode layers become slots: the core ("host") or the device
     # resolver ("device"); the resident run always plans on the host.
     resolve: str = "host"
+    # With resolve "device" on a GPU: the tiered runs' device-resolved steps replayed as CUDA
+    # graphs (`DecodeRuntime(graphs=True)`).
+    graphs: bool = False
     # What a prefix hit restores of its main KV: by the core's cost model ("auto"), Indexer-K
     # only ("indexer"), everything ("full"), or the pages predicted selected ("predicted");
     # both runs alike.
@@ -171,6 +174,7 @@ def _run(
         resolve=resolve,
         restore=cfg.restore,
         storage=storage,
+        graphs=cfg.graphs and resolve == "device",
     )
     prefill_bytes = 0  # matched-block KV first loaded by the suffix prefills
     if trace:
@@ -321,6 +325,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         cfg.device == "cuda" and not torch.cuda.is_available()
     ):
         raise ConfigError.of("device", cfg.device, "cpu, or cuda where a GPU is present")
+    if cfg.graphs and (cfg.device != "cuda" or cfg.resolve != "device"):
+        raise ConfigError.of("graphs", "True", "--device cuda with --resolve device")
     torch.manual_seed(cfg.seed)
     model = TinySparseModel(ModelConfig(seed=cfg.seed)).to(cfg.device)
     work = _workload(cfg, model.c.vocab)
@@ -493,6 +499,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         # Host loads (prefills, steps planned on the host) that took an object from the
         # resolver's pool instead of copying it again.
         "device_pool_adopted": dstats.get("adopted", 0),
+        # Device-resolved steps as graphs (`--graphs`): captured, replayed, run eagerly.
+        "graph_steps": rt.graphs.stats() if rt.graphs is not None else None,
         "correct": exact,
     }
     steps = []
@@ -628,8 +636,15 @@ def format_summary(r: dict) -> str:
                 else ""
             ),
         ),
-        ("correctness (tiered == resident)", "PASS" if t["correct"] else "FAIL"),
     ]
+    if t.get("graph_steps"):
+        gs = t["graph_steps"]
+        rows.append((
+            "step graphs",
+            f"{gs['captures']} captured, {gs['replays']} replayed, {gs['eager']} eager "
+            f"({gs['refused']} replays refused), {gs['graphs']} graphs",
+        ))  # fmt: skip
+    rows.append(("correctness (tiered == resident)", "PASS" if t["correct"] else "FAIL"))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
 

@@ -46,6 +46,7 @@ from sparsetier.kv_format import kv_format as make_kv_format
 from sparsetier.l3 import StorageBackend, StorageController
 from sparsetier.token_map import TokenMapper
 from sparsetier.tools.model import TinySparseModel, rms
+from sparsetier.tools.step_graphs import StepGraphs
 
 try:
     from sparsetier.tools.metrics import RuntimeMetrics
@@ -122,7 +123,9 @@ class DecodeRuntime:
     `sparsetier.l3.FileStore`, `MooncakeStore`) the prefix tier spans L3 too: pages are written
     there (`storage_write_policy`), and a prompt whose pages left host memory has them fetched
     back into host pages before it is matched (`storage_options`: `StorageController`'s, such
-    as `retry_interval`)."""
+    as `retry_interval`). With `graphs` (CUDA, `resolve="device"`) a device-resolved step is
+    replayed as a CUDA graph, one per batch size and history bucket (`step_graphs.py`; never
+    run on a GPU yet)."""
 
     def __init__(
         self,
@@ -150,6 +153,7 @@ class DecodeRuntime:
         storage: StorageBackend | None = None,
         storage_write_policy: str = "write_through",
         storage_options: dict | None = None,
+        graphs: bool = False,
     ) -> None:
         c = model.c
         if selection not in MODES:
@@ -196,6 +200,11 @@ class DecodeRuntime:
             )
         if resolve == "device" and selection == "token" and token_map != "core":
             raise ConfigError.of("token_map", token_map, "core with resolve='device'")
+        if graphs and (resolve != "device" or torch.device(device).type != "cuda"):
+            raise ConfigError.of(
+                "graphs", "True", "device cuda with resolve='device' (a step the host plans "
+                "asks the core once a layer)"
+            )  # fmt: skip
         self.model, self.ps, self.topk, self.window = model, page_size, topk, window
         self.mode, self.unit, self.reduce, self.prefetch = selection, unit, reduce, prefetch
         self.chunk = prefill_chunk
@@ -232,6 +241,10 @@ class DecodeRuntime:
         )
         self.resolve = resolve
         self.resolver = self.scheduler.enable_device_resolver() if resolve == "device" else None
+        # Device-resolved steps replayed as CUDA graphs (`step_graphs.py`).
+        self.graphs: StepGraphs | None = None
+        if graphs:
+            self.graphs = StepGraphs(self)
         # L3 under the prefix cache: a hit beyond host memory is fetched into host pages before
         # the admission matches it; what the cache plans to write is written as steps go.
         self.l3: StorageController | None = None
@@ -547,7 +560,6 @@ class DecodeRuntime:
         """One decode step of every running request; requests whose loads failed twice are
         reported in the record (and in `failures`) and ended after the step."""
         with self._device_budget():
-            m, ps, dev = self.model, self.ps, self.device
             reqs = [r for r in self.requests.values() if not r.done]
             t_step = time.perf_counter()
             if not reqs:
@@ -570,77 +582,19 @@ class DecodeRuntime:
             state[:, 1] = [r.next_token for r in reqs]
             state[:, 2] = rows_np
             state[:, 3:] = slots_np
-            state_dev = self._table(state)
-            pos, tokens, rows, slots = (state_dev[:, 0], state_dev[:, 1], state_dev[:, 2],
-                                        state_dev[:, 3:])  # fmt: skip
             idx_tbl = torch.nn.utils.rnn.pad_sequence([r.idx_pages for r in reqs], batch_first=True)
             t_hist = max(r.pos for r in reqs) + 1  # (from the host's copy: no device sync)
-            t = torch.arange(t_hist, device=dev)
-            hist_locs = idx_tbl[:, (t // ps).clamp(max=idx_tbl.shape[1] - 1)] * ps + t % ps
-            my_locs = idx_tbl.gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps
-            x = m.embed(tokens)
             failed: dict[int, str] = {}
-            stream = self._stream()
             # One grant for the step; False: the device cannot grant a slot for every cell,
             # and this step plans on the host.
             on_device = self.resolver is not None and self.scheduler.begin_device_step(
                 rids_np, self.topk
             )
-            cuda, token_mode = dev.type == "cuda", self.mode == "token"
-            for li, layer in enumerate(m.layers):
-                q, k, v = layer.qkv(x, pos)
-                self.fmt.write_kv(self.device_kv, 0, slots[:, li], rows, k)
-                self.fmt.write_kv(self.device_kv, 1, slots[:, li], rows, v)
-                h = rms(x)
-                self.fmt.write_keys(layer.indexer, h, pos, my_locs, self.indexer_pool, li)
-                keys = self.fmt.gather_keys(self.indexer_pool, li, hist_locs)
-                sel = layer.indexer.select(
-                    h, pos, keys, mode=self.mode, unit=self.unit, topk=self.topk,
-                    window=self.window, reduce=self.reduce,
-                )  # fmt: skip
-                if on_device:
-                    # No call into the core: the resolver maps the layer and serves its misses.
-                    if cuda:
-                        # The kernel, on this stream: the top-k never leaves the GPU (and the
-                        # kernel has no copy to fail: a failed copy on a GPU is a sticky error
-                        # of the context).
-                        sel32 = sel.to(torch.int32).contiguous()
-                        table_dev = self.resolver.resolve(li, rids_np, sel32, token_mode)
-                    else:
-                        sel32 = sel.to(torch.int32).cpu().numpy()
-                        table = self.resolver.resolve(li, rids_np, sel32, token_mode)
-                        # A cell whose copy failed twice (-2): no data at this layer.
-                        for b in np.flatnonzero((table == self.resolver.FAILED).any(axis=1)):
-                            failed.setdefault(int(rids_np[b]), f"device copy failed at layer {li}")
-                        table_dev = self._table(table)
-                    out = sparse_attention_batched(q, self.device_kv, table_dev, sel, pos,
-                                                   self.unit, ps, self.fmt)  # fmt: skip
-                    x = layer.finish(x, out)
-                    continue
-                mapped = self.mode == "token" and self.token_map == "device"
-                if mapped:
-                    # Tokens become pages on the model's device; the core plans page rows.
-                    tp = self._mapper(sel)
-                    pages_np, counts_np = tp.to_host()
-                    plan, table = self.scheduler.plan(li, rids_np, pages_np, ps, counts_np)
-                else:
-                    # As int32: half the bytes to copy off the device and for the core to read
-                    # (entries are below 2^31: token indices or block ids of one context).
-                    sel32 = sel.to(torch.int32).cpu().numpy()
-                    plan, table = self.scheduler.plan(li, rids_np, sel32, self.unit)
-                bad, new = self.scheduler.ready(plan, stream)
-                if new is not None:
-                    table = new
-                for _, rid, why in bad:
-                    failed.setdefault(rid, why)
-                table_dev = self._table(table)
-                if mapped:
-                    table_dev = tp.token_table(table_dev)
-                out = sparse_attention_batched(q, self.device_kv, table_dev, sel, pos,
-                                               self.unit, ps, self.fmt)  # fmt: skip
-                x = layer.finish(x, out)
-                self.scheduler.finish(plan)
-            logits = m.logits(x)
+            if on_device and self.graphs is not None:
+                logits = self.graphs.step(rids_np, state, idx_tbl, t_hist, failed)
+            else:
+                resolve = self._resolve_fn(rids_np, failed, on_device)
+                logits = self._forward(self._table(state), idx_tbl, t_hist, resolve)
             nxt = logits.argmax(dim=-1).tolist()
             out_cpu = logits.cpu()
             # NaN logits (a NaN hidden state: on a GPU the layers do not stop the host to
@@ -674,6 +628,83 @@ class DecodeRuntime:
             if self.metrics is not None:
                 self.metrics.step_seconds.observe(rec.step_s)
             return rec
+
+    def _forward(self, state_dev, idx_tbl, width: int, resolve) -> torch.Tensor:
+        """A decode step's layers and logits: `state_dev` [B, 3 + layers] (positions, tokens,
+        rows in their pages, each layer's slot of the page being written) on the device,
+        `idx_tbl` [B, P] each request's Indexer-K pages, `width` history tokens scored (at
+        least the batch's longest; a graph's are a bucket). `resolve(layer, sel)` gives the
+        layer's slot table on the device, and what to call once attention read it."""
+        m, ps, dev = self.model, self.ps, self.device
+        pos, tokens, rows, slots = (state_dev[:, 0], state_dev[:, 1], state_dev[:, 2],
+                                    state_dev[:, 3:])  # fmt: skip
+        t = torch.arange(width, device=dev)
+        hist_locs = idx_tbl[:, (t // ps).clamp(max=idx_tbl.shape[1] - 1)] * ps + t % ps
+        my_locs = idx_tbl.gather(1, (pos // ps)[:, None])[:, 0] * ps + pos % ps
+        x = m.embed(tokens)
+        for li, layer in enumerate(m.layers):
+            q, k, v = layer.qkv(x, pos)
+            self.fmt.write_kv(self.device_kv, 0, slots[:, li], rows, k)
+            self.fmt.write_kv(self.device_kv, 1, slots[:, li], rows, v)
+            h = rms(x)
+            self.fmt.write_keys(layer.indexer, h, pos, my_locs, self.indexer_pool, li)
+            keys = self.fmt.gather_keys(self.indexer_pool, li, hist_locs)
+            sel = layer.indexer.select(
+                h, pos, keys, mode=self.mode, unit=self.unit, topk=self.topk,
+                window=self.window, reduce=self.reduce,
+            )  # fmt: skip
+            table_dev, after = resolve(li, sel)
+            out = sparse_attention_batched(q, self.device_kv, table_dev, sel, pos,
+                                           self.unit, ps, self.fmt)  # fmt: skip
+            x = layer.finish(x, out)
+            if after is not None:
+                after()
+        return m.logits(x)
+
+    def _resolve_fn(self, rids_np: np.ndarray, failed: dict[int, str], on_device: bool):
+        """How an eager step's layers get their slot tables: the device resolver (no call into
+        the core), or the core's plan, one call a layer. Requests whose loads failed go into
+        `failed`."""
+        stream = self._stream()
+        cuda, token_mode = self.device.type == "cuda", self.mode == "token"
+        resolver = self.resolver
+
+        def on_the_device(li: int, sel: torch.Tensor):
+            if cuda:
+                # The kernel, on this stream: the top-k never leaves the GPU (and the kernel
+                # has no copy to fail: a failed copy on a GPU is a sticky error of the
+                # context).
+                return resolver.resolve(li, rids_np, sel.to(torch.int32).contiguous(),
+                                        token_mode), None  # fmt: skip
+            table = resolver.resolve(li, rids_np, sel.to(torch.int32).cpu().numpy(), token_mode)
+            # A cell whose copy failed twice (-2): no data at this layer.
+            for b in np.flatnonzero((table == resolver.FAILED).any(axis=1)):
+                failed.setdefault(int(rids_np[b]), f"device copy failed at layer {li}")
+            return self._table(table), None
+
+        def planned(li: int, sel: torch.Tensor):
+            mapped = self.mode == "token" and self.token_map == "device"
+            if mapped:
+                # Tokens become pages on the model's device; the core plans page rows.
+                tp = self._mapper(sel)
+                pages_np, counts_np = tp.to_host()
+                plan, table = self.scheduler.plan(li, rids_np, pages_np, self.ps, counts_np)
+            else:
+                # As int32: half the bytes to copy off the device and for the core to read
+                # (entries are below 2^31: token indices or block ids of one context).
+                sel32 = sel.to(torch.int32).cpu().numpy()
+                plan, table = self.scheduler.plan(li, rids_np, sel32, self.unit)
+            bad, new = self.scheduler.ready(plan, stream)
+            if new is not None:
+                table = new
+            for _, rid, why in bad:
+                failed.setdefault(rid, why)
+            table_dev = self._table(table)
+            if mapped:
+                table_dev = tp.token_table(table_dev)
+            return table_dev, lambda: self.scheduler.finish(plan)
+
+        return on_the_device if on_device else planned
 
     def _end_failed(self, step: int, failed: dict[int, str]) -> None:
         """Ends the requests that failed at `step` (kept in `ended` for `restart`)."""
