@@ -165,9 +165,8 @@ impl RestorePolicy {
         self.copy_overhead
     }
 
-    /// The coverage expected for a suffix of `suffix` tokens: its bucket's; else between the
-    /// nearest buckets with samples below and above, linear in log2 of the length (coverage
-    /// grows with the suffix); else the nearest one's.
+    /// The coverage expected for a suffix of `suffix` tokens: its bucket's; else from the
+    /// nearest buckets with samples, as a union grows (`restore_positions::interpolate`).
     pub fn coverage(&self, suffix: u64) -> Option<f64> {
         restore_positions::interpolate(suffix, |b| self.coverage[b].get())
     }
@@ -346,9 +345,25 @@ mod tests {
             RestoreChoice::IndexerOnly
         );
         assert_eq!(p.coverage(2), Some(0.1));
-        // Between two samples (buckets 1 and 8): linear in log2 of the length.
-        let c = p.coverage(16).unwrap(); // log2 16 = 4: 3/7 of the way from 0.1 to 0.95
-        assert!((c - (0.1 + 3.0 / 7.0 * 0.85)).abs() < 1e-12, "{c}");
+        // Between two samples (buckets 1 and 8): the hazard -ln(1 - c) geometric in log2 of
+        // the length, log2 16 = 4 being 3/7 of the way.
+        let c = p.coverage(16).unwrap();
+        let (ul, uh) = (-(0.9f64).ln(), -(0.05f64).ln());
+        let want = 1.0 - (-(ul * (uh / ul).powf(3.0 / 7.0))).exp();
+        assert!((c - want).abs() < 1e-12 && c > 0.1 && c < 0.95, "{c}");
+        // Past the ends, from the two nearest samples as a union grows: a longer suffix than
+        // any seen covers more than the longest seen (not the same), a shorter one less.
+        let (hi, lo) = (p.coverage(4096).unwrap(), p.coverage(1).unwrap());
+        assert!(hi > 0.95 && hi <= 1.0, "{hi}");
+        assert!(lo > 0.0 && lo < 0.1, "{lo}");
+        // The hazard -ln(1 - c) grows at most in proportion to the length (tokens that select
+        // independently): from 0.01 at 16 tokens and 0.5 at 32, 64 tokens read 0.75, not more.
+        let mut q = RestorePolicy::new(RestoreMode::Auto, 4096);
+        learn(&mut q, 16, 1000, 10);
+        learn(&mut q, 32, 1000, 500);
+        let c = q.coverage(64).unwrap();
+        assert!((c - 0.75).abs() < 1e-12, "{c}");
+        assert!(q.coverage(1 << 20).unwrap() <= 1.0);
     }
 
     #[test]

@@ -39,24 +39,60 @@ pub fn class_of(page: u32, matched: u32) -> usize {
     }
 }
 
-/// A value learned per suffix-length bucket, read for a length between its neighbours'
-/// (linear in log2 of the length; the nearest one's past the ends). None with no sample.
+/// A share learned per suffix-length bucket (a share of objects a suffix selects, which grows
+/// with its length), read for a length without a sample as a union grows: the hazard
+/// `-ln(1 - c)` as a power of the length. Between two samples, through both (linearly in log2
+/// of the length where a share is 0 or 1, or they do not grow); past the ends, from the two
+/// nearest samples on that side, the power bounded by 0 and 1 (tokens that select
+/// independently: 1), so that a longer suffix is not read as one of the longest seen; the
+/// nearest one's with one sample only. None with no sample.
 pub fn interpolate(suffix: u64, at: impl Fn(usize) -> Option<f64>) -> Option<f64> {
     let b = bucket(suffix);
     if let Some(c) = at(b) {
         return Some(c);
     }
-    let lo = (0..b).rev().find_map(|x| at(x).map(|c| (x, c)));
-    let hi = (b + 1..BUCKETS).find_map(|x| at(x).map(|c| (x, c)));
-    match (lo, hi) {
+    let x = (suffix.max(1) as f64).log2();
+    let mut below = (0..b).rev().filter_map(|x| at(x).map(|c| (x, c)));
+    let mut above = (b + 1..BUCKETS).filter_map(|x| at(x).map(|c| (x, c)));
+    match (below.next(), above.next()) {
         (Some((xl, cl)), Some((xh, ch))) => {
-            let x = (suffix.max(1) as f64).log2();
             let t = ((x - xl as f64) / (xh - xl) as f64).clamp(0.0, 1.0);
-            Some(cl + t * (ch - cl))
+            let (ul, uh) = (hazard(cl), hazard(ch));
+            if ul > 0.0 && uh.is_finite() && uh >= ul {
+                // The hazard as a power of the length through both samples.
+                Some(1.0 - (-(ul * (uh / ul).powf(t))).exp())
+            } else {
+                Some(cl + t * (ch - cl))
+            }
         }
-        (Some((_, c)), None) | (None, Some((_, c))) => Some(c),
+        (Some(near), None) => Some(extrapolate(x, near, below.next())),
+        (None, Some(near)) => Some(extrapolate(x, near, above.next())),
         (None, None) => None,
     }
+}
+
+/// `-ln(1 - c)`: what grows in proportion to the tokens of a union of independent draws that
+/// covers a share `c`.
+fn hazard(c: f64) -> f64 {
+    -(1.0 - c.clamp(0.0, 1.0)).ln()
+}
+
+/// The share at log2 length `x` from the nearest sample `near` and the next one `far` (both
+/// (bucket, share), on the same side of `x`).
+fn extrapolate(x: f64, near: (usize, f64), far: Option<(usize, f64)>) -> f64 {
+    let (xn, cn) = near;
+    let Some((xf, cf)) = far else {
+        return cn;
+    };
+    let (un, uf) = (hazard(cn), hazard(cf));
+    if !(un.is_finite() && uf.is_finite()) || un <= 0.0 || uf <= 0.0 {
+        return cn; // a share of 0 or 1: nothing to fit
+    }
+    // u = un * 2^(power * (x - xn)), log2 lengths apart.
+    let power =
+        ((un / uf).ln() / ((xn as f64 - xf as f64) * std::f64::consts::LN_2)).clamp(0.0, 1.0);
+    let u = un * (power * (x - xn as f64) * std::f64::consts::LN_2).exp();
+    1.0 - (-u).exp()
 }
 
 /// Moving average of a share, with its sample count.
