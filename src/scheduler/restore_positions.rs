@@ -164,6 +164,43 @@ impl PositionModel {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Shares that grow with the length (as a union's do) are read back as shares that
+        /// grow with the length: each sample as it is, every other length in [0, 1] and
+        /// between its neighbours' samples, and none below a smaller length's.
+        #[test]
+        fn a_growing_share_reads_as_one(
+            samples in prop::collection::btree_map(0usize..20, 0.0f64..=1.0, 1..6),
+        ) {
+            // Sorted by bucket, made non-decreasing in it.
+            let mut grown = Vec::new();
+            let mut top = 0.0f64;
+            for (&b, &c) in &samples {
+                top = top.max(c);
+                grown.push((b, top));
+            }
+            let at = |b: usize| grown.iter().find(|s| s.0 == b).map(|s| s.1);
+            let mut last = 0.0f64;
+            for x in 0..24u32 {
+                for suffix in [1u64 << x, (1u64 << x) + (1u64 << x) / 2] {
+                    let c = interpolate(suffix, at).expect("there are samples");
+                    prop_assert!((0.0..=1.0).contains(&c), "{suffix}: {c}");
+                    prop_assert!(c >= last - 1e-12, "{suffix}: {c} after {last}");
+                    if let Some(own) = at(bucket(suffix)) {
+                        prop_assert_eq!(c, own);
+                    }
+                    let below = grown.iter().rev().find(|s| s.0 < bucket(suffix));
+                    let above = grown.iter().find(|s| s.0 > bucket(suffix));
+                    if let (Some(lo), Some(hi)) = (below, above) {
+                        prop_assert!(c >= lo.1 - 1e-12 && c <= hi.1 + 1e-12, "{suffix}: {c}");
+                    }
+                    last = c;
+                }
+            }
+        }
+    }
 
     #[test]
     fn classes_are_distances_from_the_nearer_end_in_powers_of_two() {
