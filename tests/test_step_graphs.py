@@ -8,26 +8,14 @@ replays the resolver refused; and nothing stays pinned."""
 
 import pytest
 import torch
+from test_resolver_capture import DEVICES, on_cpu
 
-import sparsetier as sp
-from sparsetier import _core, testing
+from sparsetier import testing
 from sparsetier.errors import ConfigError
 from sparsetier.indexer import select_from_scores
 from sparsetier.tools import demo, runtime
 from sparsetier.tools.model import ModelConfig, TinySparseModel
 from sparsetier.tools.runtime import DecodeRuntime
-
-HOST_KERNEL = hasattr(_core.DeviceResolver, "_record_launches") and hasattr(
-    _core.DeviceResolver, "_use_host_kernel"
-)
-GPU = torch.cuda.is_available() and sp.cuda_status()[0]
-on_cpu = pytest.mark.skipif(
-    not HOST_KERNEL, reason="needs a build with the testing and host-kernel features (make build)"
-)
-DEVICES = [
-    pytest.param("cpu", marks=on_cpu),
-    pytest.param("cuda", marks=pytest.mark.skipif(not GPU, reason="no usable CUDA GPU here")),
-]
 
 
 def _pair(device: str, selection: str, requests: int = 4):
