@@ -364,6 +364,13 @@ mod tests {
         let c = q.coverage(64).unwrap();
         assert!((c - 0.75).abs() < 1e-12, "{c}");
         assert!(q.coverage(1 << 20).unwrap() <= 1.0);
+        // Below a sample and one that loaded everything (no power fits): independent
+        // tokens', so 16 tokens under 0.75 at 64 read 1 - 0.25^(1/4), not 0.75.
+        let mut r = RestorePolicy::new(RestoreMode::Auto, 4096);
+        learn(&mut r, 64, 1000, 750);
+        learn(&mut r, 256, 1000, 1000);
+        let c = r.coverage(16).unwrap();
+        assert!((c - (1.0 - 0.25f64.powf(0.25))).abs() < 1e-12, "{c}");
     }
 
     #[test]

@@ -85,12 +85,16 @@ fn extrapolate(x: f64, near: (usize, f64), far: Option<(usize, f64)>) -> f64 {
         return cn;
     };
     let (un, uf) = (hazard(cn), hazard(cf));
-    if !(un.is_finite() && uf.is_finite()) || un <= 0.0 || uf <= 0.0 {
-        return cn; // a share of 0 or 1: nothing to fit
+    if !un.is_finite() || un <= 0.0 {
+        return cn; // the nearest is 0 or 1: it stays so
     }
-    // u = un * 2^(power * (x - xn)), log2 lengths apart.
-    let power =
-        ((un / uf).ln() / ((xn as f64 - xf as f64) * std::f64::consts::LN_2)).clamp(0.0, 1.0);
+    // u = un * 2^(power * (x - xn)), log2 lengths apart. A farther share of 0 or 1 fits no
+    // power: independent tokens' (1), which a union never outgrows.
+    let power = if uf.is_finite() && uf > 0.0 {
+        ((un / uf).ln() / ((xn as f64 - xf as f64) * std::f64::consts::LN_2)).clamp(0.0, 1.0)
+    } else {
+        1.0
+    };
     let u = un * (power * (x - xn as f64) * std::f64::consts::LN_2).exp();
     1.0 - (-u).exp()
 }
