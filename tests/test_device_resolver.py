@@ -34,6 +34,31 @@ class Counting:
         return call
 
 
+def run_device_demo(monkeypatch, cfg: demo.DemoConfig, hook) -> tuple[dict, list]:
+    """Runs the demo with `hook(rt)` called on each of its runtimes with a device resolver
+    (as soon as it is built); checks that it ends exact, with nothing pinned, held, leaked,
+    quarantined or in flight, with prefix hits and loads. Returns the run and those
+    runtimes."""
+    init = runtime.DecodeRuntime.__init__
+    devices = []
+
+    def hooked(self, *a, **k):
+        init(self, *a, **k)
+        if self.resolver is not None:
+            hook(self)
+            devices.append(self)
+
+    monkeypatch.setattr(runtime.DecodeRuntime, "__init__", hooked)
+    r = demo.run_demo(cfg, progress=False)
+    t = r["totals"]
+    assert t["correct"], demo.format_summary(r)
+    assert (t["end_pins"], t["end_handles"], t["end_device_leaked"]) == (0, 0, 0), t
+    assert t["end_quarantined_slots"] == t["end_transfers_in_flight"] == 0, t
+    assert t["prefix_hits"] > 0  # prefix hits took the device path too
+    assert t["loaded"] > 0  # and misses were served from host
+    return r, devices
+
+
 def _runtime(layers: int, resolve: str, selection: str = "block") -> DecodeRuntime:
     model = TinySparseModel(ModelConfig(layers=layers, seed=5))
     return DecodeRuntime(
@@ -88,27 +113,15 @@ def test_demo_through_the_device_resolver_is_exact(monkeypatch, selection, fault
     # builds), its cells racing on 4 threads, in place of the reference. It takes no copy
     # faults (a failed copy on a GPU is a sticky error), so the armed load faults fail
     # host-planned loads (prefill) instead.
-    init = runtime.DecodeRuntime.__init__
-    devices = []
+    def hook(rt):
+        if kernel:
+            testing.use_host_kernel(rt, 4)
 
-    def tracked(self, *a, **k):
-        init(self, *a, **k)
-        if self.resolver is not None:
-            if kernel:
-                testing.use_host_kernel(self, 4)
-            devices.append(self)
-
-    monkeypatch.setattr(runtime.DecodeRuntime, "__init__", tracked)
     cfg = demo.DemoConfig(
         requests=8, steps=24, selection=selection, faults=faults, resolve="device"
     )
-    r = demo.run_demo(cfg, progress=False)
+    r, devices = run_device_demo(monkeypatch, cfg, hook)
     t = r["totals"]
-    assert t["correct"], demo.format_summary(r)
-    assert (t["end_pins"], t["end_handles"], t["end_device_leaked"]) == (0, 0, 0), t
-    assert t["end_quarantined_slots"] == t["end_transfers_in_flight"] == 0, t
-    assert t["prefix_hits"] > 0  # prefix hits took the device path too
-    assert t["loaded"] > 0  # and misses were served from host
     # Decode steps went through the resolver (not planned on the host instead).
     assert devices and all(d.scheduler.device_stats()["steps"] > 0 for d in devices)
     if faults and not kernel:

@@ -8,12 +8,13 @@ replays the resolver refused; and nothing stays pinned."""
 
 import pytest
 import torch
+from test_device_resolver import run_device_demo
 from test_resolver_capture import DEVICES, on_cpu
 
 from sparsetier import testing
 from sparsetier.errors import ConfigError
 from sparsetier.indexer import select_from_scores
-from sparsetier.tools import demo, runtime
+from sparsetier.tools import demo
 from sparsetier.tools.model import ModelConfig, TinySparseModel
 from sparsetier.tools.runtime import DecodeRuntime
 
@@ -76,13 +77,19 @@ def test_replayed_steps_are_the_resident_runs_bit_for_bit(device, selection):
     _finish_exact(graphed, ref)
 
 
-@on_cpu
-def test_a_graph_is_captured_again_when_the_resolvers_buffers_move():
+def _replaying():
+    """A CPU pair of three requests six steps in, its graphs replaying; and their stats."""
     graphed, ref = _pair("cpu", "block", requests=3)
     for _ in range(6):
         _step_both(graphed, ref)
     s0 = graphed.graphs.stats()
     assert s0["replays"] >= 1, s0
+    return graphed, ref, s0
+
+
+@on_cpu
+def test_a_graph_is_captured_again_when_the_resolvers_buffers_move():
+    graphed, ref, s0 = _replaying()
     # Room for more and wider requests: the buffers move, the epoch with them, and the next
     # step's launches would name the old ones: its graph is captured again.
     epoch = graphed.resolver.graph_epoch
@@ -116,10 +123,7 @@ class _RefusingOnce:
 
 @on_cpu
 def test_a_refused_replay_runs_the_step_eagerly_and_the_next_captures_again():
-    graphed, ref = _pair("cpu", "block", requests=3)
-    for _ in range(6):
-        _step_both(graphed, ref)
-    s0 = graphed.graphs.stats()
+    graphed, ref, s0 = _replaying()
     graphed.resolver = _RefusingOnce(graphed.resolver)
     _step_both(graphed, ref)
     s1 = graphed.graphs.stats()
@@ -135,24 +139,11 @@ def test_a_refused_replay_runs_the_step_eagerly_and_the_next_captures_again():
 @on_cpu
 @pytest.mark.parametrize(("selection", "faults"), [("block", True), ("token", False)])
 def test_the_demo_with_step_graphs_is_exact(monkeypatch, selection, faults):
-    init = runtime.DecodeRuntime.__init__
-    graphed = []
-
-    def emulated(self, *a, **k):
-        init(self, *a, **k)
-        if self.resolver is not None:
-            testing.emulate_step_graphs(self)
-            graphed.append(self)
-
-    monkeypatch.setattr(runtime.DecodeRuntime, "__init__", emulated)
     cfg = demo.DemoConfig(
         requests=8, steps=24, selection=selection, faults=faults, resolve="device"
     )
-    r = demo.run_demo(cfg, progress=False)
+    r, graphed = run_device_demo(monkeypatch, cfg, testing.emulate_step_graphs)
     t = r["totals"]
-    assert t["correct"], demo.format_summary(r)
-    assert (t["end_pins"], t["end_handles"], t["end_device_leaked"]) == (0, 0, 0), t
-    assert t["prefix_hits"] > 0 and t["loaded"] > 0, t
     gs = t["graph_steps"]
     assert gs["replays"] > 0 and gs["captures"] > 0, gs
     assert "step graphs" in demo.format_summary(r)

@@ -162,10 +162,8 @@ class _RecordedGraphs:
         def resolve(li: int, sel: Any) -> tuple[Any, None]:
             np.copyto(bufs[li], sel.to(torch.int32).numpy())
             res._replay_recorded([li], n)
-            table = tables[li]
-            for b in np.flatnonzero((table == res.FAILED).any(axis=1)):
-                failed.setdefault(int(rids[b]), f"device copy failed at layer {li}")
-            return torch.from_numpy(table.copy()), None
+            self.rt._failed_cells(li, rids, tables[li], failed)
+            return torch.from_numpy(tables[li].copy()), None
 
         return forward(resolve)
 

@@ -661,6 +661,12 @@ class DecodeRuntime:
                 after()
         return m.logits(x)
 
+    def _failed_cells(self, li: int, rids_np: np.ndarray, table: np.ndarray, failed: dict) -> None:
+        """The requests of a device-resolved host table with a cell whose copy failed twice
+        (`FAILED`: no data at this layer) go into `failed`."""
+        for b in np.flatnonzero((table == self.resolver.FAILED).any(axis=1)):
+            failed.setdefault(int(rids_np[b]), f"device copy failed at layer {li}")
+
     def _resolve_fn(self, rids_np: np.ndarray, failed: dict[int, str], on_device: bool):
         """How an eager step's layers get their slot tables: the device resolver (no call into
         the core), or the core's plan, one call a layer. Requests whose loads failed go into
@@ -677,9 +683,7 @@ class DecodeRuntime:
                 return resolver.resolve(li, rids_np, sel.to(torch.int32).contiguous(),
                                         token_mode), None  # fmt: skip
             table = resolver.resolve(li, rids_np, sel.to(torch.int32).cpu().numpy(), token_mode)
-            # A cell whose copy failed twice (-2): no data at this layer.
-            for b in np.flatnonzero((table == resolver.FAILED).any(axis=1)):
-                failed.setdefault(int(rids_np[b]), f"device copy failed at layer {li}")
+            self._failed_cells(li, rids_np, table, failed)
             return self._table(table), None
 
         def planned(li: int, sel: torch.Tensor):

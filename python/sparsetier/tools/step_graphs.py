@@ -113,9 +113,7 @@ class StepGraphs:
         if g is None and key not in self.warm:
             # The first step of these shapes runs eagerly over them: a capture's warm-up.
             self.warm.add(key)
-            self.eager += 1
-            resolve = rt._resolve_fn(rids, failed, True)
-            return rt._forward(rt._table(state), self._pages(idx_tbl, width), width, resolve)
+            return self._eager(rids, state, idx_tbl, width, failed)
         if g is None or g.epoch != epoch:
             g = self._new(n, width, epoch)
             self._write(g, state, idx_tbl)
@@ -131,9 +129,7 @@ class StepGraphs:
             # Nothing changed: this step runs eagerly, and the graph is captured again.
             self.graphs.pop(key, None)
             self.refused += 1
-            self.eager += 1
-            resolve = rt._resolve_fn(rids, failed, True)
-            return rt._forward(rt._table(state), g.idx, width, resolve)
+            return self._eager(rids, state, idx_tbl, width, failed)
         out = self.backend.replay(g.handle, self._body(g, rids), rids, failed)
         return g.logits if out is None else out
 
@@ -147,29 +143,32 @@ class StepGraphs:
     def _write(self, g: StepGraph, state: np.ndarray, idx_tbl: torch.Tensor) -> None:
         """The step's inputs into the graph's buffers (queued on the stream)."""
         g.state.copy_(self.rt._table(state), non_blocking=True)
-        g.idx.zero_()
-        g.idx[:, : idx_tbl.shape[1]].copy_(idx_tbl)
+        g.idx.copy_(_padded(idx_tbl, g.idx.shape[1]))
 
-    def _pages(self, idx_tbl: torch.Tensor, width: int) -> torch.Tensor:
-        pages = width // self.rt.ps
-        return torch.nn.functional.pad(idx_tbl, (0, pages - idx_tbl.shape[1]))
+    def _eager(self, rids, state, idx_tbl, width: int, failed: dict) -> torch.Tensor:
+        """The step run eagerly over a graph's shapes."""
+        self.eager += 1
+        rt = self.rt
+        pages = _padded(idx_tbl, width // rt.ps)
+        return rt._forward(rt._table(state), pages, width, rt._resolve_fn(rids, failed, True))
 
     def _body(self, g: StepGraph, rids: np.ndarray):
         """The step as a graph holds it, over its buffers; `resolve(layer, sel)` is the
-        backend's (None: the resolver's own, captured)."""
+        backend's (None: the runtime's, whose launches a capture captures)."""
         rt = self.rt
-        token_mode = rt.mode == "token"
 
         def forward(resolve):
-            if resolve is None:
-
-                def resolve(li, sel):
-                    sel32 = sel.to(torch.int32).contiguous()
-                    return rt.resolver.resolve(li, rids, sel32, token_mode), None
-
+            # (A CUDA kernel has no copy to fail: nothing goes into `failed`.)
+            resolve = resolve or rt._resolve_fn(rids, {}, True)
             return rt._forward(g.state, g.idx, g.width, resolve)
 
         return forward
+
+
+def _padded(idx_tbl: torch.Tensor, pages: int) -> torch.Tensor:
+    """Indexer-K page rows widened to `pages` (page 0 past a request's: never scored, its
+    tokens are past the query's position)."""
+    return torch.nn.functional.pad(idx_tbl, (0, pages - idx_tbl.shape[1]))
 
 
 __all__ = ["CudaGraphs", "StepGraph", "StepGraphs"]
