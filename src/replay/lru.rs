@@ -12,14 +12,22 @@ use rustc_hash::FxHashMap;
 struct Replay {
     dir: Core,
     handles: FxHashMap<u64, PinHandleId>,
+    /// Of `handles`, the prefetches' (their pins are dropped to make room).
+    prefetches: Vec<u64>,
     loads: FxHashMap<u64, TransferId>,
     backups: FxHashMap<u64, TransferId>,
     stats: ReplayStats,
 }
 
 impl Replay {
-    /// Writes every unbacked page through now (the scheduler's make-room).
+    /// Writes every unbacked page through now and drops the pins of outstanding prefetches
+    /// (their loads still land), as the scheduler's make-room does.
     fn make_room(&mut self) -> Result<()> {
+        for arg in std::mem::take(&mut self.prefetches) {
+            if let Some(h) = self.handles.remove(&arg) {
+                self.dir.release(h)?;
+            }
+        }
         for (_, t) in self.backups.drain() {
             let _ = self.dir.backup_complete(t);
         }
@@ -68,6 +76,7 @@ pub fn replay_lru(j: &Journal, budget: u32) -> Result<ReplayStats> {
     let mut r = Replay {
         dir,
         handles: FxHashMap::default(),
+        prefetches: Vec::new(),
         loads: FxHashMap::default(),
         backups: FxHashMap::default(),
         stats: ReplayStats {
@@ -114,6 +123,9 @@ pub fn replay_lru(j: &Journal, budget: u32) -> Result<ReplayStats> {
                         }
                         r.stats.loads += m.absent;
                         r.handles.insert(arg, res.handle);
+                        if !pin {
+                            r.prefetches.push(arg);
+                        }
                         if let Some(lp) = res.loads.first() {
                             r.loads.insert(arg, lp.transfer);
                         }

@@ -81,6 +81,29 @@ impl Min {
         true
     }
 
+    /// [`Self::room`]; when that fails, drops the pins of outstanding prefetches (handles
+    /// `prefetched` of `pinned`) and tries again, as the scheduler's make-room does.
+    fn room_dropping(
+        &mut self,
+        n: u64,
+        prefetched: &mut Vec<u64>,
+        pinned: &mut FxHashMap<u64, Vec<u32>>,
+    ) -> bool {
+        if self.room(n) {
+            return true;
+        }
+        if prefetched.is_empty() {
+            return false;
+        }
+        for arg in prefetched.drain(..) {
+            for id in pinned.remove(&arg).unwrap_or_default() {
+                self.objs[id as usize].pins -= 1;
+                self.free_if_dead(id);
+            }
+        }
+        self.room(n)
+    }
+
     fn place(&mut self, id: u32, next: u64) {
         let o = &mut self.objs[id as usize];
         o.next = next;
@@ -140,6 +163,7 @@ pub fn replay_min(j: &Journal, budget: u32) -> Result<ReplayStats> {
         },
     };
     let mut pinned: FxHashMap<u64, Vec<u32>> = FxHashMap::default();
+    let mut prefetched: Vec<u64> = Vec::new(); // handles of `pinned` that are prefetches'
     let mut backups: FxHashMap<u64, Vec<u32>> = FxHashMap::default();
     let mut seen = vec![u64::MAX; ids.len()];
     for i in 0..j.len() {
@@ -150,7 +174,7 @@ pub fn replay_min(j: &Journal, budget: u32) -> Result<ReplayStats> {
                     .clone()
                     .filter(|&k| !m.objs[key_id[k] as usize].live)
                     .collect();
-                if !m.room(fresh.len() as u64) {
+                if !m.room_dropping(fresh.len() as u64, &mut prefetched, &mut pinned) {
                     false
                 } else {
                     for k in fresh {
@@ -212,7 +236,7 @@ pub fn replay_min(j: &Journal, budget: u32) -> Result<ReplayStats> {
                 if read {
                     m.stats.accesses += distinct.len() as u64;
                 }
-                let fits = m.room(misses.len() as u64);
+                let fits = m.room_dropping(misses.len() as u64, &mut prefetched, &mut pinned);
                 if fits {
                     for &(id, next) in &misses {
                         let o = &mut m.objs[id as usize];
@@ -226,6 +250,9 @@ pub fn replay_min(j: &Journal, budget: u32) -> Result<ReplayStats> {
                     if !read {
                         m.stats.prefetch_loads += misses.len() as u64;
                     }
+                }
+                if !read && !pins.is_empty() {
+                    prefetched.push(arg);
                 }
                 pinned.insert(arg, pins);
                 // A prefetch that does not fit is skipped, as at run time.

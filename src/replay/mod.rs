@@ -6,8 +6,9 @@
 //! Both replays run the journal's calls in order with an instant link: a load completes when
 //! the recorded one did (or, if the recording made none, before its handle is released), a
 //! backup when the recorded one did. When the device is full of pages that are pinned or not
-//! yet written through, both write every unbacked page through at once, as the step scheduler's
-//! make-room does; a budget that still cannot hold a call's pinned pages is infeasible.
+//! yet written through, both write every unbacked page through at once and drop the pins of
+//! outstanding prefetches, as the step scheduler's make-room does; a budget that still cannot
+//! hold a call's pinned pages is infeasible.
 
 pub mod lru;
 pub mod min;
