@@ -514,19 +514,30 @@ impl StepScheduler<PrefixTier> {
         // Matched prefix pages loaded, as the host path counts them (per layer: the log's
         // entries of one layer together).
         let mut by_layer: Vec<(Vec<u32>, Vec<RequestId>)> = Vec::new();
+        // (Only prefix pages count: the rest would be skipped there. Most steps have none,
+        // and a step's entries come a row at a time: one lookup a run of a request's.)
+        let any_prefix = self.requests.values().any(|r| r.matched > 0);
+        let mut matched: Option<(RequestId, u32)> = None;
         for &super::resolver::LogEntry {
             e,
             rid,
             page,
             failed,
             ..
-        } in &done.log
+        } in done.log.iter().filter(|_| any_prefix)
         {
             if failed {
                 continue;
             }
-            // (Only prefix pages count: the rest would be skipped there.)
-            if self.requests.get(&rid).is_none_or(|r| page >= r.matched) {
+            let m = match matched {
+                Some((r, m)) if r == rid => m,
+                _ => {
+                    let m = self.requests.get(&rid).map_or(0, |r| r.matched);
+                    matched = Some((rid, m));
+                    m
+                }
+            };
+            if page >= m {
                 continue;
             }
             let l = e as usize % layers;

@@ -163,6 +163,14 @@ pub struct ResolverState {
     /// the entries this step brought in.
     mark: Vec<u32>,
     filled: Vec<u32>,
+    /// A bit per mirror entry: read by the last closed step (what `was_read` asks), and read
+    /// by this one so far (the reference's; the kernel's come back from its device). One
+    /// bit an entry keeps the core's second chance within cache where the marks are not;
+    /// `reads_serial` is the step that cleared `reads_now` (the device's side does, at its
+    /// first resolve).
+    reads_last: Vec<u32>,
+    reads_now: Vec<u32>,
+    reads_serial: u32,
     /// Per mirror entry, the serial of the step whose copy of it failed (its later cells of
     /// the step fail without trying again).
     failed: Vec<u32>,
@@ -219,6 +227,9 @@ impl ResolverState {
             log: Vec::new(),
             mark: vec![0; n],
             filled: vec![0; n],
+            reads_last: vec![0; n.div_ceil(32)],
+            reads_now: vec![0; n.div_ceil(32)],
+            reads_serial: 0,
             failed: vec![0; n],
             call: 0,
             refill_at: 0,
@@ -340,6 +351,7 @@ impl ResolverState {
             self.filled.fill(0);
             self.failed.fill(0);
             self.serial = 1;
+            self.reads_serial = 0;
         }
         if let Some(k) = &mut self.kernel {
             let capacity = cells * self.layers as usize;
@@ -406,6 +418,13 @@ impl ResolverState {
             self.counts = counts;
             bad_cells = bad;
             kernel::follow_log(&mut self.mirror, &self.grant, &self.log);
+        } else {
+            if self.reads_serial != self.serial {
+                // (A step that resolved nothing read nothing.)
+                self.reads_now.fill(0);
+                self.reads_serial = self.serial;
+            }
+            std::mem::swap(&mut self.reads_last, &mut self.reads_now);
         }
         self.grant.clear();
         Ok(StepDone {
@@ -428,7 +447,7 @@ impl ResolverState {
         if let Some(k) = &self.kernel {
             return k.was_read(e);
         }
-        self.mark[e] == self.serial
+        self.reads_last[e / 32] >> (e % 32) & 1 == 1
     }
 
     /// Fetches what [`Self::was_read`] reads for entry `e` into the cache (a hint: any `e`
@@ -437,7 +456,7 @@ impl ResolverState {
     pub(crate) fn prefetch_read(&self, e: usize) {
         match &self.kernel {
             Some(k) => k.prefetch_read(e),
-            None => crate::prefetch::prefetch(self.mark.as_ptr().wrapping_add(e)),
+            None => crate::prefetch::prefetch(self.reads_last.as_ptr().wrapping_add(e / 32)),
         }
     }
 
@@ -567,6 +586,11 @@ impl ResolverState {
         self.call += 1;
         self.resolved[layer as usize] = true;
         table[n..].fill(ABSENT);
+        if self.reads_serial != self.serial {
+            // This step's read bits start empty (the device's work, as the kernel's are).
+            self.reads_now.fill(0);
+            self.reads_serial = self.serial;
+        }
         // The tables are read while the mirror and marks change: held apart meanwhile.
         let tables = std::mem::take(&mut self.tables);
         let out = self.resolve_rows(
@@ -721,6 +745,7 @@ impl ResolverState {
                 let first_touch = self.mark[e] != self.serial;
                 if first_touch {
                     self.mark[e] = self.serial;
+                    self.reads_now[e / 32] |= 1 << (e % 32);
                 }
                 let slot = self.mirror[e];
                 if slot >= 0 {

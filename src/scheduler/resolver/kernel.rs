@@ -639,28 +639,35 @@ impl DeviceKernel {
                 .read(&mut [(self.log.addr, bytes_of_mut(&mut self.log_host))])?
         };
         self.device_ns += t0.elapsed().as_nanos() as u64;
-        let log: Vec<LogEntry> = self
-            .log_host
-            .chunks(LOG_INTS)
-            .map(|l| {
-                let rid = usize::try_from(l[2])
-                    .ok()
-                    .and_then(|r| self.tables.owners.get(r).copied().flatten());
-                let ok = rid.is_some() && (l[0] as usize) < self.grant_len;
-                ok.then(|| LogEntry {
-                    g: l[0] as u32,
-                    e: l[1] as u32,
-                    rid: rid.expect("checked"),
-                    page: l[3] as u32,
-                    call: l[4] as u32,
-                    failed: false,
-                })
-                .ok_or_else(|| Error::Internal {
+        // One pass, no allocation but the log's (a step's misses: thousands of entries).
+        let mut log: Vec<LogEntry> = Vec::with_capacity(self.log_host.len() / LOG_INTS);
+        let owners = &self.tables.owners;
+        for l in self.log_host.chunks_exact(LOG_INTS) {
+            let rid = usize::try_from(l[2])
+                .ok()
+                .and_then(|r| owners.get(r).copied().flatten());
+            match rid {
+                Some(rid)
+                    if (l[0] as u32 as usize) < self.grant_len
+                        && (l[1] as u32 as usize) < self.entries =>
+                {
+                    log.push(LogEntry {
+                        g: l[0] as u32,
+                        e: l[1] as u32,
+                        rid,
+                        page: l[3] as u32,
+                        call: l[4] as u32,
+                        failed: false,
+                    })
+                }
+                _ => return Err(Error::Internal {
                     site: "scheduler::resolver::kernel::close".into(),
-                    message: format!("a log entry names no row or grant entry of the step: {l:?}"),
-                })
-            })
-            .collect::<Result<_>>()?;
+                    message: format!(
+                        "a log entry names no row, grant entry or mirror entry of the step: {l:?}"
+                    ),
+                }),
+            }
+        }
         // (Entries past the log's room: copies the host never learns of.)
         self.resync = written > cap;
         let mut seen = vec![false; self.grant_len];
@@ -762,8 +769,21 @@ impl Drop for DeviceKernel {
 /// earlier entry of the step filled it with) leaves the slot, unless it moved on meanwhile.
 /// `grant` is the step's, (slot, victim entry or -1).
 pub(super) fn follow_log(mirror: &mut [i32], grant: &[(i32, i64)], log: &[LogEntry]) {
+    // Each entry touches two mirror entries far apart (a cache miss apiece): those a few
+    // entries ahead are fetched first, so that the misses overlap.
+    const AHEAD: usize = 64;
+    let base = mirror.as_ptr();
+    let fetch = |en: &LogEntry| {
+        crate::prefetch::prefetch(base.wrapping_add(en.e as usize));
+        let victim = grant[en.g as usize].1;
+        crate::prefetch::prefetch(base.wrapping_add(victim.max(0) as usize));
+    };
+    log.iter().take(AHEAD).for_each(fetch);
     let mut last: Vec<Option<u32>> = vec![None; grant.len()];
-    for en in log {
+    for (i, en) in log.iter().enumerate() {
+        if let Some(next) = log.get(i + AHEAD) {
+            fetch(next);
+        }
         let (slot, victim) = grant[en.g as usize];
         let before = match last[en.g as usize] {
             Some(e) => Some(e as usize),
