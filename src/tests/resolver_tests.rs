@@ -553,3 +553,137 @@ fn the_reference_takes_a_stale_victims_slot_as_free() {
 fn the_kernel_takes_a_stale_victims_slot_as_free() {
     a_stale_victim_is_a_free_slot(Some(1));
 }
+
+/// The CPU as the kernel's device, the log it reads back naming a mirror entry past the
+/// mirror (as a corrupt read-back could).
+#[cfg(feature = "host-kernel")]
+#[derive(Debug)]
+struct BadLog(crate::scheduler::resolver::device::HostDevice);
+
+#[cfg(feature = "host-kernel")]
+impl crate::scheduler::resolver::device::KernelDevice for BadLog {
+    fn alloc(&mut self, bytes: usize) -> crate::error::Result<u64> {
+        self.0.alloc(bytes)
+    }
+    fn free(&mut self, addr: u64) {
+        self.0.free(addr)
+    }
+    fn set_stream(&mut self, stream: u64) {
+        self.0.set_stream(stream)
+    }
+    fn host_memory(&self) -> bool {
+        true
+    }
+    unsafe fn upload(&mut self, parts: &[(u64, &[u8])]) -> crate::error::Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.0.upload(parts) }
+    }
+    unsafe fn fill32(&mut self, dst: u64, value: u32, n: usize) -> crate::error::Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.0.fill32(dst, value, n) }
+    }
+    unsafe fn read(&mut self, parts: &mut [(u64, &mut [u8])]) -> crate::error::Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.0.read(parts)? };
+        // The log comes back alone: its first entry's mirror entry (its second int) is lost.
+        if let [(_, log)] = parts {
+            if log.len() >= 8 {
+                log[4..8].copy_from_slice(&i32::MAX.to_ne_bytes());
+            }
+        }
+        Ok(())
+    }
+    unsafe fn resolve(
+        &mut self,
+        args: &crate::scheduler::resolver::launch::LaunchArgs,
+    ) -> crate::error::Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.0.resolve(args) }
+    }
+    unsafe fn mirror_apply(&mut self, c: u64, n: u32, m: u64) -> crate::error::Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.0.mirror_apply(c, n, m) }
+    }
+    unsafe fn marks_read(&mut self, m: u64, st: u64, e: u32, b: u64) -> crate::error::Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { self.0.marks_read(m, st, e, b) }
+    }
+}
+
+/// A log read back naming a mirror entry the mirror does not have closes the step with an
+/// internal error (the host's mirror untouched), never an index out of bounds.
+#[cfg(feature = "host-kernel")]
+#[test]
+fn a_log_naming_an_entry_past_the_mirror_is_an_error() {
+    let mut f = fixture(8, HOMES);
+    let dev = crate::scheduler::resolver::device::HostDevice::new(1);
+    f.st.use_kernel(Box::new(BadLog(dev))).unwrap();
+    let rid = RequestId::new(0);
+    f.st.update_table(rid, 0, &[(0, 0), (1, 0)], 2 * u64::from(PS));
+    f.st.open((&[rid], 2), vec![(5, -1), (6, -1)], vec![], 2)
+        .unwrap();
+    let mut table = vec![0i32; 2];
+    f.st.resolve_layer(0, &[rid], &[0, 1], 2, false, &mut table)
+        .unwrap();
+    let err = f.st.close().unwrap_err();
+    assert!(matches!(err, crate::error::Error::Internal { .. }), "{err}");
+    assert_eq!(
+        (f.st.slot(0, 0), f.st.slot(1, 0)),
+        (ABSENT, ABSENT),
+        "the host's mirror followed a log it refused"
+    );
+}
+
+/// `was_read` (the core's second chance) answers for the last closed step only: what it
+/// read, hit or copied in, and nothing once a step resolved nothing; the kernel's answer is
+/// the reference's.
+fn was_read_is_the_last_steps(kernel: Option<usize>) {
+    let mut f = fixture(8, HOMES);
+    #[cfg(feature = "host-kernel")]
+    if let Some(t) = kernel {
+        f.st.use_host_kernel(t).unwrap();
+    }
+    #[cfg(not(feature = "host-kernel"))]
+    assert!(kernel.is_none());
+    let rid = RequestId::new(0);
+    f.st.update_table(rid, 0, &[(0, 0), (1, 0), (2, 0)], 3 * u64::from(PS));
+    let (e0, e1, e2) = (f.st.entry(0, 1), f.st.entry(1, 1), f.st.entry(2, 1));
+    f.st.set(e0, 0); // (home 0, layer 1) resident: a hit
+    let step = |f: &mut Fixture, sel: Option<&[i32]>| {
+        f.st.open((&[rid], 2), vec![(5, -1), (6, -1)], vec![], 2)
+            .unwrap();
+        if let Some(sel) = sel {
+            let mut table = vec![0i32; 2];
+            f.st.resolve_layer(1, &[rid], sel, 2, false, &mut table)
+                .unwrap();
+        }
+        f.st.close().unwrap();
+    };
+    step(&mut f, Some(&[0, 1]));
+    assert_eq!(
+        (f.st.was_read(e0), f.st.was_read(e1), f.st.was_read(e2)),
+        (true, true, false)
+    );
+    step(&mut f, Some(&[2, -1]));
+    assert_eq!(
+        (f.st.was_read(e0), f.st.was_read(e1), f.st.was_read(e2)),
+        (false, false, true)
+    );
+    step(&mut f, None);
+    assert_eq!(
+        (f.st.was_read(e0), f.st.was_read(e1), f.st.was_read(e2)),
+        (false, false, false),
+        "a step that resolved nothing read nothing"
+    );
+}
+
+#[test]
+fn the_reference_answers_was_read_for_the_last_step() {
+    was_read_is_the_last_steps(None);
+}
+
+#[cfg(feature = "host-kernel")]
+#[test]
+fn the_kernel_answers_was_read_for_the_last_step() {
+    was_read_is_the_last_steps(Some(1));
+}

@@ -660,12 +660,14 @@ impl DeviceKernel {
                         failed: false,
                     })
                 }
-                _ => return Err(Error::Internal {
-                    site: "scheduler::resolver::kernel::close".into(),
-                    message: format!(
+                _ => {
+                    return Err(Error::Internal {
+                        site: "scheduler::resolver::kernel::close".into(),
+                        message: format!(
                         "a log entry names no row, grant entry or mirror entry of the step: {l:?}"
                     ),
-                }),
+                    })
+                }
             }
         }
         // (Entries past the log's room: copies the host never learns of.)
