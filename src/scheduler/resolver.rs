@@ -16,8 +16,9 @@
 //!   earlier step copied into the resolver's pool, taken in order; what a step did not take
 //!   stays granted for the next;
 //! - the log: for each grant entry taken, the object copied into it;
-//! - a read mark per mirror entry (the step that last read it: a layer counts each object once,
-//!   and the core gives a victim the device read a second chance), and counts per layer.
+//! - a read mark per mirror entry (the step that last read it: a layer counts each object once),
+//!   and a bit per entry for what the last closed step read (the core gives what the device
+//!   read a second chance: a bit keeps that walk within cache), and counts per layer.
 //!
 //! # One layer
 //! For each cell (row `b`, entry `k`): the page it names (block mode: the entry; token mode:
