@@ -108,8 +108,6 @@ pub(crate) struct DeviceLink {
     refills: u64,
     /// Objects host loads found in the pool and adopted there instead of copying them.
     pub(super) adopted: u64,
-    /// `top_up`'s buffer for the pool's slots, kept from step to step.
-    scratch: Vec<(SlotId, Option<usize>)>,
     /// Objects the last device step copied in: the grant holds twice as many, so that a step
     /// rarely fills a slot twice (an object an earlier layer brought in leaves then, and the
     /// next step loads it again).
@@ -215,7 +213,6 @@ impl StepScheduler<PrefixTier> {
             fallbacks: 0,
             refills: 0,
             adopted: 0,
-            scratch: Vec::new(),
             last_misses: 0,
         });
         Ok(state)
@@ -309,13 +306,11 @@ impl StepScheduler<PrefixTier> {
             link.fallbacks += 1;
             return Ok(false);
         }
-        // (Into the buffer of the state's last grant: tens of thousands of entries a step.)
-        let mut grant = st.grant_buffer();
-        grant.extend(
-            link.grant
-                .iter()
-                .map(|&(s, held)| (s.raw() as i32, held.victim())),
-        );
+        let grant = link
+            .grant
+            .iter()
+            .map(|&(s, held)| (s.raw() as i32, held.victim()))
+            .collect();
         // The step's stream, once the step is granted (the last one's back if it cannot open).
         let before = st.stream();
         if let Some(s) = stream {
@@ -371,14 +366,19 @@ impl StepScheduler<PrefixTier> {
             return Ok(true);
         }
         let mut need = want - have;
-        let take = need.min(self.dir.device_free());
-        let slots = if take > 0 {
-            self.dir.grant_slots(take)?
-        } else {
-            Vec::new()
-        };
-        need -= slots.len();
-        let victims = if need > 0 {
+        let free = self.dir.device_free();
+        let take = need.min(free);
+        let mut fresh: Vec<Entry> = Vec::with_capacity(need);
+        if take > 0 {
+            fresh.extend(
+                self.dir
+                    .grant_slots(take)?
+                    .into_iter()
+                    .map(|s| (s, Held::Free)),
+            );
+            need -= take;
+        }
+        if need > 0 {
             // Second chance: an object the last device step read goes back to the LRU's end.
             let layers = self.cfg.layers as usize;
             let entry = |key: &ObjectKey| {
@@ -388,49 +388,40 @@ impl StepScheduler<PrefixTier> {
                 (key.namespace.id >= HOST_NS)
                     .then(|| (key.namespace.id - HOST_NS) as usize * layers + l as usize)
             };
-            self.dir
-                .grant_victims(need, |key| entry(key).is_some_and(|e| st.was_read(e)))
-        } else {
-            Vec::new()
-        };
-        need -= victims.len();
-        let victims: Vec<(SlotId, Held)> = victims
-            .into_iter()
-            .map(|(idx, key, slot)| (slot, Held::Victim(self.entry_of(&key), idx)))
-            .collect();
+            let victims = self
+                .dir
+                .grant_victims(need, |key| entry(key).is_some_and(|e| st.was_read(e)));
+            need -= victims.len();
+            for (idx, key, slot) in victims {
+                fresh.push((slot, Held::Victim(self.entry_of(&key), idx)));
+            }
+        }
         // A victim the mirror does not name yet (it came to the device another way) enters
         // it: a cell that selects it hits, so a layer passes over at most as many victims as
         // it hits, and no object is copied in twice.
-        for &(slot, held) in &victims {
+        for &(slot, held) in &fresh {
             if let Held::Victim(e, _) = held {
                 st.set(e, slot.raw() as i32);
             }
         }
         let link = self.tier.device.as_mut().expect("checked by the caller");
-        // (Straight into the standing grant; the pool's slots through a buffer kept from step
-        // to step: thousands of entries a step, whose fresh pages would be faulted in.)
-        link.grant.reserve(slots.len() + victims.len() + need);
-        link.grant
-            .extend(slots.into_iter().map(|s| (s, Held::Free)));
-        link.grant.extend(victims);
         if need > 0 {
             let fetch = |e: usize| st.prefetch_read(e);
-            let mut pooled = std::mem::take(&mut link.scratch);
-            pooled.clear();
+            let mut pooled = Vec::with_capacity(need);
             link.pool
                 .take(need, true, |e| st.was_read(e), fetch, &mut pooled);
             let short = need.saturating_sub(pooled.len());
-            if link.grant.len() + pooled.len() < cells {
+            if link.grant.len() + fresh.len() + pooled.len() < cells {
                 // Not enough without them: the slots the last step read too.
                 link.pool.take(short, false, |_| false, fetch, &mut pooled);
             }
-            link.grant.extend(
+            fresh.extend(
                 pooled
-                    .iter()
-                    .map(|&(s, e)| (s, e.map_or(Held::Free, Held::Pool))),
+                    .into_iter()
+                    .map(|(s, e)| (s, e.map_or(Held::Free, Held::Pool))),
             );
-            link.scratch = pooled;
         }
+        link.grant.extend(fresh);
         Ok(link.grant.len() >= cells)
     }
 
@@ -572,8 +563,6 @@ impl StepScheduler<PrefixTier> {
         if let Some(link) = self.tier.device.as_mut() {
             link.refills += done.counts.refills;
             link.last_misses = done.log.iter().filter(|en| !en.failed).count();
-            // (The log's buffer goes back for the next step's.)
-            link.state.lock().recycle_log(std::mem::take(&mut done.log));
         }
         // The record, as the host path keeps it.
         let c = &done.counts;

@@ -172,8 +172,6 @@ pub struct ResolverState {
     reads_last: Vec<u32>,
     reads_now: Vec<u32>,
     reads_serial: u32,
-    /// `follow_log`'s buffer (an entry per grant entry), kept from step to step.
-    follow: Vec<Option<u32>>,
     /// Per mirror entry, the serial of the step whose copy of it failed (its later cells of
     /// the step fail without trying again).
     failed: Vec<u32>,
@@ -233,7 +231,6 @@ impl ResolverState {
             reads_last: vec![0; n.div_ceil(32)],
             reads_now: vec![0; n.div_ceil(32)],
             reads_serial: 0,
-            follow: Vec::new(),
             failed: vec![0; n],
             call: 0,
             refill_at: 0,
@@ -402,21 +399,6 @@ impl ResolverState {
         self.kernel.as_ref().is_some_and(|k| !k.on_host())
     }
 
-    /// The last step's grant, emptied, for the next one's (no step open: a buffer to fill).
-    pub(crate) fn grant_buffer(&mut self) -> Vec<(i32, i64)> {
-        let mut g = std::mem::take(&mut self.grant);
-        g.clear();
-        g
-    }
-
-    /// Hands back a closed step's log (`StepDone::log`), for the next step's to fill.
-    pub(crate) fn recycle_log(&mut self, mut log: Vec<LogEntry>) {
-        if self.log.capacity() < log.capacity() {
-            log.clear();
-            self.log = log;
-        }
-    }
-
     /// Closes the step. Returns what it did: how many of the grant's entries the step went
     /// through, the log and the counts. The kernel's are read back from its device (a wait
     /// for the step's work); when that fails the step is closed with nothing done.
@@ -424,9 +406,8 @@ impl ResolverState {
         self.open = false;
         let mut bad_cells = 0;
         if let Some(k) = &mut self.kernel {
-            self.log.clear();
-            let read = k.close(self.layers, &mut self.log);
-            let (counts, bad) = match read {
+            let read = k.close(self.layers);
+            let (log, counts, bad) = match read {
                 Ok(r) => r,
                 Err(e) => {
                     self.grant.clear();
@@ -434,9 +415,10 @@ impl ResolverState {
                 }
             };
             self.used = k.used();
+            self.log = log;
             self.counts = counts;
             bad_cells = bad;
-            kernel::follow_log(&mut self.mirror, &self.grant, &self.log, &mut self.follow);
+            kernel::follow_log(&mut self.mirror, &self.grant, &self.log);
         } else {
             if self.reads_serial != self.serial {
                 // (A step that resolved nothing read nothing.)

@@ -138,11 +138,6 @@ pub(crate) struct DeviceKernel {
     counts_host: Vec<u32>,
     tok_host: [u64; 3],
     log_host: Vec<i32>,
-    /// Buffers kept from step to step (thousands of entries each, a step): the grant's and
-    /// the mirror's changes as uploaded, and a flag per grant entry when the step closes.
-    grant_host: Vec<i32>,
-    pairs_host: Vec<i32>,
-    seen: Vec<bool>,
     /// A step is open (between `open` and `close`).
     open: bool,
     /// The device's mirror may differ from the host's beyond the changes (a step whose
@@ -284,9 +279,6 @@ impl DeviceKernel {
             counts_host: vec![0; 2 * layers as usize],
             tok_host: [0; 3],
             log_host: Vec::new(),
-            grant_host: Vec::new(),
-            pairs_host: Vec::new(),
-            seen: Vec::new(),
             open: false,
             resync: false,
             wrap_pending: false,
@@ -336,32 +328,28 @@ impl DeviceKernel {
         // The changes, one pair an entry (its value now); after a step that went wrong, all.
         self.changed.sort_unstable();
         self.changed.dedup();
-        // (The whole mirror's pairs, after a step that went wrong, are not kept.)
-        let keep_pairs = !self.resync;
-        let mut pairs = std::mem::take(&mut self.pairs_host);
-        pairs.clear();
-        if self.resync {
-            pairs.extend(mirror.iter().enumerate().flat_map(|(e, &s)| [e as i32, s]));
-        } else {
-            pairs.extend(self.changed.iter().flat_map(|&e| [e as i32, mirror[e]]));
-        }
-        // Victims are mirror entries: `new` checked that they fit an int32.
-        let mut g = std::mem::take(&mut self.grant_host);
-        g.clear();
-        g.extend(
-            grant
+        let pairs: Vec<i32> = if self.resync {
+            mirror
                 .iter()
-                .flat_map(|&(slot, victim)| [slot, victim as i32]),
-        );
+                .enumerate()
+                .flat_map(|(e, &s)| [e as i32, s])
+                .collect()
+        } else {
+            self.changed
+                .iter()
+                .flat_map(|&e| [e as i32, mirror[e]])
+                .collect()
+        };
+        // Victims are mirror entries: `new` checked that they fit an int32.
+        let g: Vec<i32> = grant
+            .iter()
+            .flat_map(|&(slot, victim)| [slot, victim as i32])
+            .collect();
         let t = self.tables.prepare(&mut *self.dev, tables, live)?;
         // From here a failure leaves the tables' rows unsent and the mirror's changes (or the
         // whole mirror) still to send: the next step sends them again.
         let wrapped = wrapped || self.wrap_pending;
         let sent = self.send_step(&g, &pairs, &t, (serial, log_capacity, wrapped));
-        self.grant_host = g;
-        if keep_pairs {
-            self.pairs_host = pairs;
-        }
         if let Err(e) = sent {
             self.tables.invalidate();
             self.wrap_pending = wrapped;
@@ -616,11 +604,7 @@ impl DeviceKernel {
     /// Closes the step: reads back `st`, the counts, the log's entries and the read bitmap.
     /// Returns the log and the counts as the reference keeps them, and the cells that named
     /// a page past their request (which the kernel left without a slot).
-    pub(super) fn close(
-        &mut self,
-        layers: u16,
-        log: &mut Vec<LogEntry>,
-    ) -> Result<(ResolveCounts, u64)> {
+    pub(super) fn close(&mut self, layers: u16) -> Result<(Vec<LogEntry>, ResolveCounts, u64)> {
         self.open = false;
         // Until the step is read back in full, the host cannot tell what it changed.
         self.resync = true;
@@ -656,7 +640,7 @@ impl DeviceKernel {
         };
         self.device_ns += t0.elapsed().as_nanos() as u64;
         // One pass, no allocation but the log's (a step's misses: thousands of entries).
-        log.reserve(self.log_host.len() / LOG_INTS);
+        let mut log: Vec<LogEntry> = Vec::with_capacity(self.log_host.len() / LOG_INTS);
         let owners = &self.tables.owners;
         for l in self.log_host.chunks_exact(LOG_INTS) {
             let rid = usize::try_from(l[2])
@@ -688,12 +672,9 @@ impl DeviceKernel {
         }
         // (Entries past the log's room: copies the host never learns of.)
         self.resync = written > cap;
-        // (A flag per grant entry, in a buffer kept from step to step.)
-        let seen = &mut self.seen;
-        seen.clear();
-        seen.resize(self.grant_len, false);
+        let mut seen = vec![false; self.grant_len];
         let mut refills = 0;
-        for en in log.iter() {
+        for en in &log {
             let s = &mut seen[en.g as usize];
             refills += u64::from(*s);
             *s = true;
@@ -715,7 +696,7 @@ impl DeviceKernel {
             failed: 0,
             retried: 0,
         };
-        Ok((counts, u64::from(self.st_host[ST_BAD])))
+        Ok((log, counts, u64::from(self.st_host[ST_BAD])))
     }
 
     /// Grant entries the last step went through (the kernel's cursor runs past the end).
@@ -789,12 +770,7 @@ impl Drop for DeviceKernel {
 /// the object it filled, and the object the slot held before (the grant's victim, or what an
 /// earlier entry of the step filled it with) leaves the slot, unless it moved on meanwhile.
 /// `grant` is the step's, (slot, victim entry or -1).
-pub(super) fn follow_log(
-    mirror: &mut [i32],
-    grant: &[(i32, i64)],
-    log: &[LogEntry],
-    last: &mut Vec<Option<u32>>,
-) {
+pub(super) fn follow_log(mirror: &mut [i32], grant: &[(i32, i64)], log: &[LogEntry]) {
     // Each entry touches two mirror entries far apart (a cache miss apiece): those a few
     // entries ahead are fetched first, so that the misses overlap.
     const AHEAD: usize = 64;
@@ -805,8 +781,7 @@ pub(super) fn follow_log(
         crate::prefetch::prefetch(base.wrapping_add(victim.max(0) as usize));
     };
     log.iter().take(AHEAD).for_each(fetch);
-    last.clear();
-    last.resize(grant.len(), None);
+    let mut last: Vec<Option<u32>> = vec![None; grant.len()];
     for (i, en) in log.iter().enumerate() {
         if let Some(next) = log.get(i + AHEAD) {
             fetch(next);
