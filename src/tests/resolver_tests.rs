@@ -150,6 +150,7 @@ fn check(c: Case, kernel: Option<usize>) -> Result<(), TestCaseError> {
     // Slots: one layer's cells of grant, plus room for the resident objects.
     let cells = rows * K;
     let slots = (cells * (c.steps.len() + 2) + c.resident.len() + 2) as u32;
+    #[cfg_attr(not(feature = "host-kernel"), allow(unused_mut))]
     let mut f = fixture(slots, HOMES);
     #[cfg(feature = "host-kernel")]
     if let Some(t) = kernel {
@@ -507,17 +508,25 @@ fn race(flaky: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
     }
 }
 
-/// A grant entry whose victim the mirror names at another slot (the pool's occupant moved on)
-/// is a free slot: taking it evicts nothing, and a cell that read the victim elsewhere does not
-/// pass it over (the layer would run out of slots).
-fn a_stale_victim_is_a_free_slot(kernel: Option<usize>) {
-    let mut f = fixture(8, HOMES);
+/// A fixture of `slots` slots over `HOMES` homes, resolving with the reference or (`kernel`:
+/// its threads) the kernel's source on the CPU.
+fn fixture_on(slots: u32, kernel: Option<usize>) -> Fixture {
+    #[cfg_attr(not(feature = "host-kernel"), allow(unused_mut))]
+    let mut f = fixture(slots, HOMES);
     #[cfg(feature = "host-kernel")]
     if let Some(t) = kernel {
         f.st.use_host_kernel(t).unwrap();
     }
     #[cfg(not(feature = "host-kernel"))]
     assert!(kernel.is_none());
+    f
+}
+
+/// A grant entry whose victim the mirror names at another slot (the pool's occupant moved on)
+/// is a free slot: taking it evicts nothing, and a cell that read the victim elsewhere does not
+/// pass it over (the layer would run out of slots).
+fn a_stale_victim_is_a_free_slot(kernel: Option<usize>) {
+    let mut f = fixture_on(8, kernel);
     let rid = RequestId::new(0);
     // (home 0, layer 0) resident at slot 0.
     for &b in &f.dev_base {
@@ -638,13 +647,7 @@ fn a_log_naming_an_entry_past_the_mirror_is_an_error() {
 /// read, hit or copied in, and nothing once a step resolved nothing; the kernel's answer is
 /// the reference's.
 fn was_read_is_the_last_steps(kernel: Option<usize>) {
-    let mut f = fixture(8, HOMES);
-    #[cfg(feature = "host-kernel")]
-    if let Some(t) = kernel {
-        f.st.use_host_kernel(t).unwrap();
-    }
-    #[cfg(not(feature = "host-kernel"))]
-    assert!(kernel.is_none());
+    let mut f = fixture_on(8, kernel);
     let rid = RequestId::new(0);
     f.st.update_table(rid, 0, &[(0, 0), (1, 0), (2, 0)], 3 * u64::from(PS));
     let (e0, e1, e2) = (f.st.entry(0, 1), f.st.entry(1, 1), f.st.entry(2, 1));
