@@ -420,11 +420,8 @@ impl ResolverState {
             bad_cells = bad;
             kernel::follow_log(&mut self.mirror, &self.grant, &self.log);
         } else {
-            if self.reads_serial != self.serial {
-                // (A step that resolved nothing read nothing.)
-                self.reads_now.fill(0);
-                self.reads_serial = self.serial;
-            }
+            // (A step that resolved nothing read nothing.)
+            self.start_reads();
             std::mem::swap(&mut self.reads_last, &mut self.reads_now);
         }
         self.grant.clear();
@@ -436,6 +433,15 @@ impl ResolverState {
             faults: std::mem::take(&mut self.faults),
             failed_rids: std::mem::take(&mut self.failed_rids),
         })
+    }
+
+    /// Empties the open step's read bits once a step (the reference's; at its first resolve,
+    /// as the kernel's device does its own).
+    fn start_reads(&mut self) {
+        if self.reads_serial != self.serial {
+            self.reads_now.fill(0);
+            self.reads_serial = self.serial;
+        }
     }
 
     /// The copy faults armed for the step and not taken (after a close that failed).
@@ -587,11 +593,7 @@ impl ResolverState {
         self.call += 1;
         self.resolved[layer as usize] = true;
         table[n..].fill(ABSENT);
-        if self.reads_serial != self.serial {
-            // This step's read bits start empty (the device's work, as the kernel's are).
-            self.reads_now.fill(0);
-            self.reads_serial = self.serial;
-        }
+        self.start_reads();
         // The tables are read while the mirror and marks change: held apart meanwhile.
         let tables = std::mem::take(&mut self.tables);
         let out = self.resolve_rows(

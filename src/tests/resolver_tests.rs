@@ -150,17 +150,7 @@ fn check(c: Case, kernel: Option<usize>) -> Result<(), TestCaseError> {
     // Slots: one layer's cells of grant, plus room for the resident objects.
     let cells = rows * K;
     let slots = (cells * (c.steps.len() + 2) + c.resident.len() + 2) as u32;
-    #[cfg_attr(not(feature = "host-kernel"), allow(unused_mut))]
-    let mut f = fixture(slots, HOMES);
-    #[cfg(feature = "host-kernel")]
-    if let Some(t) = kernel {
-        f.st.use_host_kernel(t).unwrap();
-    }
-    #[cfg(not(feature = "host-kernel"))]
-    assert!(
-        kernel.is_none(),
-        "the kernel runs on the CPU with feature host-kernel"
-    );
+    let mut f = fixture_on(slots, kernel);
     let rids: Vec<RequestId> = (0..rows as u64).map(RequestId::new).collect();
     // Resident objects: copied in by hand, named in the mirror; some become victims.
     let mut next = 0u32;
@@ -347,12 +337,15 @@ fn a_step_that_cannot_open_leaves_the_device_whole() {
     race(Some(fail));
 }
 
-/// The CPU as the kernel's device, its uploads failing while `fail` is set.
+/// The CPU as the kernel's device, its uploads failing while `fail` is set, and with
+/// `bad_log` the log it reads back naming a mirror entry past the mirror (as a corrupt
+/// read-back could).
 #[cfg(feature = "host-kernel")]
 #[derive(Debug)]
 struct Flaky {
     inner: crate::scheduler::resolver::device::HostDevice,
     fail: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    bad_log: bool,
 }
 
 #[cfg(feature = "host-kernel")]
@@ -388,7 +381,14 @@ impl crate::scheduler::resolver::device::KernelDevice for Flaky {
     }
     unsafe fn read(&mut self, parts: &mut [(u64, &mut [u8])]) -> crate::error::Result<()> {
         // SAFETY: the caller's contract.
-        unsafe { self.inner.read(parts) }
+        unsafe { self.inner.read(parts)? };
+        // The log comes back alone: its first entry's mirror entry (its second int) is lost.
+        if let (true, [(_, log)]) = (self.bad_log, parts) {
+            if log.len() >= 8 {
+                log[4..8].copy_from_slice(&i32::MAX.to_ne_bytes());
+            }
+        }
+        Ok(())
     }
     unsafe fn resolve(
         &mut self,
@@ -429,6 +429,7 @@ fn race(flaky: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
             f.st.use_kernel(Box::new(Flaky {
                 inner: crate::scheduler::resolver::device::HostDevice::new(8),
                 fail: fail.clone(),
+                bad_log: false,
             }))
             .unwrap()
         }
@@ -518,7 +519,10 @@ fn fixture_on(slots: u32, kernel: Option<usize>) -> Fixture {
         f.st.use_host_kernel(t).unwrap();
     }
     #[cfg(not(feature = "host-kernel"))]
-    assert!(kernel.is_none());
+    assert!(
+        kernel.is_none(),
+        "the kernel runs on the CPU with feature host-kernel"
+    );
     f
 }
 
@@ -563,70 +567,18 @@ fn the_kernel_takes_a_stale_victims_slot_as_free() {
     a_stale_victim_is_a_free_slot(Some(1));
 }
 
-/// The CPU as the kernel's device, the log it reads back naming a mirror entry past the
-/// mirror (as a corrupt read-back could).
-#[cfg(feature = "host-kernel")]
-#[derive(Debug)]
-struct BadLog(crate::scheduler::resolver::device::HostDevice);
-
-#[cfg(feature = "host-kernel")]
-impl crate::scheduler::resolver::device::KernelDevice for BadLog {
-    fn alloc(&mut self, bytes: usize) -> crate::error::Result<u64> {
-        self.0.alloc(bytes)
-    }
-    fn free(&mut self, addr: u64) {
-        self.0.free(addr)
-    }
-    fn set_stream(&mut self, stream: u64) {
-        self.0.set_stream(stream)
-    }
-    fn host_memory(&self) -> bool {
-        true
-    }
-    unsafe fn upload(&mut self, parts: &[(u64, &[u8])]) -> crate::error::Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.0.upload(parts) }
-    }
-    unsafe fn fill32(&mut self, dst: u64, value: u32, n: usize) -> crate::error::Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.0.fill32(dst, value, n) }
-    }
-    unsafe fn read(&mut self, parts: &mut [(u64, &mut [u8])]) -> crate::error::Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.0.read(parts)? };
-        // The log comes back alone: its first entry's mirror entry (its second int) is lost.
-        if let [(_, log)] = parts {
-            if log.len() >= 8 {
-                log[4..8].copy_from_slice(&i32::MAX.to_ne_bytes());
-            }
-        }
-        Ok(())
-    }
-    unsafe fn resolve(
-        &mut self,
-        args: &crate::scheduler::resolver::launch::LaunchArgs,
-    ) -> crate::error::Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.0.resolve(args) }
-    }
-    unsafe fn mirror_apply(&mut self, c: u64, n: u32, m: u64) -> crate::error::Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.0.mirror_apply(c, n, m) }
-    }
-    unsafe fn marks_read(&mut self, m: u64, st: u64, e: u32, b: u64) -> crate::error::Result<()> {
-        // SAFETY: the caller's contract.
-        unsafe { self.0.marks_read(m, st, e, b) }
-    }
-}
-
 /// A log read back naming a mirror entry the mirror does not have closes the step with an
 /// internal error (the host's mirror untouched), never an index out of bounds.
 #[cfg(feature = "host-kernel")]
 #[test]
 fn a_log_naming_an_entry_past_the_mirror_is_an_error() {
     let mut f = fixture(8, HOMES);
-    let dev = crate::scheduler::resolver::device::HostDevice::new(1);
-    f.st.use_kernel(Box::new(BadLog(dev))).unwrap();
+    f.st.use_kernel(Box::new(Flaky {
+        inner: crate::scheduler::resolver::device::HostDevice::new(1),
+        fail: Default::default(),
+        bad_log: true,
+    }))
+    .unwrap();
     let rid = RequestId::new(0);
     f.st.update_table(rid, 0, &[(0, 0), (1, 0)], 2 * u64::from(PS));
     f.st.open((&[rid], 2), vec![(5, -1), (6, -1)], vec![], 2)
