@@ -93,7 +93,8 @@ pub(super) type Entry = (SlotId, Held);
 /// The link between a joined scheduler and its device resolver.
 pub(crate) struct DeviceLink {
     pub(crate) state: Arc<Mutex<ResolverState>>,
-    /// Mirror entries to set at the next grant: pages that started on the device.
+    /// Mirror entries to set at the next grant: pages that started on the device, objects the
+    /// host loaded (those still loading at a grant wait for the next).
     pub(crate) adds: Vec<usize>,
     /// Host pages that got a new generation: their entries name another page's objects now.
     pub(crate) bumped: Vec<u32>,
@@ -346,12 +347,22 @@ impl StepScheduler<PrefixTier> {
         }
         changed.sort_unstable();
         changed.dedup();
+        // An object still loading (a restore's loads are not waited for) is not readable yet:
+        // it stays pending until its load settles, or the device would copy it in again.
+        let mut loading = Vec::new();
         for e in changed {
             let now = match self.dir.state(&self.key_of(e, layers)).map(|o| o.device) {
                 Some(DeviceState::Ready { slot }) => slot.raw() as i32,
+                Some(DeviceState::Loading { .. }) => {
+                    loading.push(e);
+                    ABSENT
+                }
                 _ => ABSENT,
             };
             st.set(e, now);
+        }
+        if let Some(link) = self.tier.device.as_mut() {
+            link.adds.append(&mut loading);
         }
         Ok(())
     }
