@@ -131,9 +131,7 @@ def test_demo_through_the_device_resolver_is_exact(monkeypatch, selection, fault
         assert "loads" not in t["faults_unused"], t["faults_unused"]
 
 
-# (Token mode's run, validated after every step, meets another invariant mid-run: a victim
-# the grant holds found device Absent. Not explained yet; the end state is whole.)
-@pytest.mark.parametrize("selection", ["block"])
+@pytest.mark.parametrize("selection", ["block", "token"])
 def test_objects_a_restore_was_still_loading_enter_the_mirror_once_they_land(
     monkeypatch, selection
 ):

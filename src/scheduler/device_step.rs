@@ -624,6 +624,22 @@ impl StepScheduler<PrefixTier> {
         })
     }
 
+    /// The objects the standing grant holds as victims.
+    pub(crate) fn granted_victims(&self) -> rustc_hash::FxHashSet<u32> {
+        self.tier
+            .device
+            .as_ref()
+            .map_or_else(Default::default, |l| {
+                l.grant
+                    .iter()
+                    .filter_map(|&(_, h)| match h {
+                        Held::Victim(_, idx) => Some(idx),
+                        _ => None,
+                    })
+                    .collect()
+            })
+    }
+
     /// The object key of mirror entry `e`.
     pub(super) fn key_of(&self, e: usize, layers: usize) -> ObjectKey {
         let (h, l) = ((e / layers) as u32, (e % layers) as u16);

@@ -736,6 +736,10 @@ impl Tier for PrefixTier {
         s.device_pins()
     }
 
+    fn device_victims(s: &StepScheduler<Self>) -> rustc_hash::FxHashSet<u32> {
+        s.granted_victims()
+    }
+
     #[cfg(any(test, feature = "testing"))]
     fn restore_faults(&self) -> u64 {
         u64::from(self.restore_faults)

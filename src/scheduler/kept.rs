@@ -382,7 +382,27 @@ impl<T: Tier> StepScheduler<T> {
             covered.push((r.kept_slot, run));
         }
         let mut held = Vec::with_capacity(to_hold.len());
-        self.dir.hold(&to_hold, &mut held)?;
+        // A victim the device resolver's standing grant holds (a step planned on the host
+        // because the device could not grant it) is not kept: the device may evict it at its
+        // next step, under the kept list. It is resolved again, as a load still in flight is.
+        let victims = T::device_victims(self);
+        if victims.is_empty() {
+            self.dir.hold(&to_hold, &mut held)?;
+        } else {
+            let keep: Vec<u32> = to_hold
+                .iter()
+                .copied()
+                .filter(|i| !victims.contains(i))
+                .collect();
+            let mut kept = Vec::with_capacity(keep.len());
+            self.dir.hold(&keep, &mut kept)?;
+            let mut kept = kept.into_iter();
+            held.extend(
+                to_hold
+                    .iter()
+                    .map(|i| !victims.contains(i) && kept.next().expect("one per kept object")),
+            );
+        }
         let n_held = held.iter().filter(|&&h| h).count();
         self.kept_pins += n_held as u64;
         let mut lists = std::mem::take(&mut kr.lists);

@@ -254,6 +254,10 @@ impl Tier for Plain {
         0
     }
 
+    fn device_victims(_: &StepScheduler<Self>) -> rustc_hash::FxHashSet<u32> {
+        Default::default()
+    }
+
     #[cfg(any(test, feature = "testing"))]
     fn restore_faults(&self) -> u64 {
         0

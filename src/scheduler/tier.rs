@@ -99,6 +99,10 @@ pub trait Tier: sealed::Sealed + Sized + Send + 'static {
     /// resolver's holds and victims).
     fn extra_pins(s: &StepScheduler<Self>) -> u64;
 
+    /// Objects the device may evict at its next step, which a kept selection must not hold
+    /// (joined: the victims the device resolver's standing grant holds).
+    fn device_victims(s: &StepScheduler<Self>) -> rustc_hash::FxHashSet<u32>;
+
     /// Restore faults still armed (joined only; test builds).
     #[cfg(any(test, feature = "testing"))]
     fn restore_faults(&self) -> u64;
