@@ -307,6 +307,39 @@ def test_a_device_too_small_for_the_grant_plans_those_steps_on_the_host():
         assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True))
 
 
+@pytest.mark.parametrize("selection", ["block", "token"])
+def test_a_step_planned_on_the_host_keeps_no_victim_the_device_may_take(selection):
+    # 56 slots for 3 requests reading 10 blocks (30 tokens) a layer: some steps are granted,
+    # some plan on the host, and a step the device could not grant leaves what it took
+    # granted, victims among them. A kept selection of such a step must not hold one: the
+    # next device step may evict it under the kept list ("held, but device Absent").
+    model = TinySparseModel(ModelConfig(layers=2, seed=5))
+    topk = 10 if selection == "block" else 30
+    small = DecodeRuntime(
+        model, page_size=8, device_slots=56, host_pages=200, indexer_pages=80, topk=topk,
+        selection=selection, resolve="device",
+    )  # fmt: skip
+    ref = DecodeRuntime(
+        model, page_size=8, device_slots=400, host_pages=200, indexer_pages=80, topk=topk,
+        selection=selection,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (70,), generator=g) for _ in range(3)]
+    for rt in (small, ref):
+        for rid, p in enumerate(prompts):
+            rt.add_request(rid, p, 8)
+    for _ in range(8):
+        small.step()
+        small.scheduler.validate()
+        ref.step()
+    d = small.scheduler.device_stats()
+    assert d["fallbacks"] >= 1 and d["steps"] >= 2, d
+    for rid in range(3):
+        a, b = small.finish_request(rid), ref.finish_request(rid)
+        assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True))
+    _ends_clean(small)
+
+
 @pytest.mark.parametrize("kernel", [False, True])
 def test_resolver_misuse_is_refused_before_anything_changes(kernel):
     # The same refusals with the CUDA kernel's source in the reference's place.
