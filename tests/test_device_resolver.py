@@ -282,29 +282,43 @@ def test_copy_faults_a_device_step_did_not_take_stay_armed():
     assert rt.scheduler.stats()["faults_armed_loads"] == 3
 
 
-def test_a_device_too_small_for_the_grant_plans_those_steps_on_the_host():
+def _small_device_run(
+    slots: int, pages: tuple[int, int], topk: int, selection: str, steps: int, check=lambda rt: None
+) -> DecodeRuntime:
+    """Three 70-token requests decoded `steps` steps through the device resolver on `slots`
+    device slots (host and Indexer-K `pages`), `check(rt)` after each step, and their outputs
+    compared with a resident host-planned run's. Returns the device runtime, its requests
+    finished."""
     model = TinySparseModel(ModelConfig(layers=2, seed=5))
-    # 34 slots for 3 requests reading 10 blocks a layer: most steps cannot be granted the 30
-    # slots a layer's cells need.
-    small = DecodeRuntime(
-        model, page_size=8, device_slots=34, host_pages=120, indexer_pages=60, topk=10,
-        resolve="device",
-    )  # fmt: skip
-    ref = DecodeRuntime(
-        model, page_size=8, device_slots=400, host_pages=120, indexer_pages=60, topk=10
-    )
+
+    def runtime(n: int, resolve: str) -> DecodeRuntime:
+        return DecodeRuntime(
+            model, page_size=8, device_slots=n, host_pages=pages[0], indexer_pages=pages[1],
+            topk=topk, selection=selection, resolve=resolve,
+        )  # fmt: skip
+
+    small, ref = runtime(slots, "device"), runtime(400, "host")
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (70,), generator=g) for _ in range(3)]
     for rt in (small, ref):
         for rid, p in enumerate(prompts):
-            rt.add_request(rid, p, 4)
-        for _ in range(4):
-            rt.step()
-    d = small.scheduler.device_stats()
-    assert d["fallbacks"] >= 1 and d["steps"] + d["fallbacks"] == 4, d
+            rt.add_request(rid, p, steps)
+    for _ in range(steps):
+        small.step()
+        check(small)
+        ref.step()
     for rid in range(3):
         a, b = small.finish_request(rid), ref.finish_request(rid)
         assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True))
+    return small
+
+
+def test_a_device_too_small_for_the_grant_plans_those_steps_on_the_host():
+    # 34 slots for 3 requests reading 10 blocks a layer: most steps cannot be granted the 30
+    # slots a layer's cells need.
+    small = _small_device_run(34, (120, 60), 10, "block", 4)
+    d = small.scheduler.device_stats()
+    assert d["fallbacks"] >= 1 and d["steps"] + d["fallbacks"] == 4, d
 
 
 @pytest.mark.parametrize("selection", ["block", "token"])
@@ -313,30 +327,12 @@ def test_a_step_planned_on_the_host_keeps_no_victim_the_device_may_take(selectio
     # some plan on the host, and a step the device could not grant leaves what it took
     # granted, victims among them. A kept selection of such a step must not hold one: the
     # next device step may evict it under the kept list ("held, but device Absent").
-    model = TinySparseModel(ModelConfig(layers=2, seed=5))
     topk = 10 if selection == "block" else 30
-    small = DecodeRuntime(
-        model, page_size=8, device_slots=56, host_pages=200, indexer_pages=80, topk=topk,
-        selection=selection, resolve="device",
-    )  # fmt: skip
-    ref = DecodeRuntime(
-        model, page_size=8, device_slots=400, host_pages=200, indexer_pages=80, topk=topk,
-        selection=selection,
-    )  # fmt: skip
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(0, 512, (70,), generator=g) for _ in range(3)]
-    for rt in (small, ref):
-        for rid, p in enumerate(prompts):
-            rt.add_request(rid, p, 8)
-    for _ in range(8):
-        small.step()
-        small.scheduler.validate()
-        ref.step()
+    small = _small_device_run(
+        56, (200, 80), topk, selection, 8, check=lambda rt: rt.scheduler.validate()
+    )
     d = small.scheduler.device_stats()
     assert d["fallbacks"] >= 1 and d["steps"] >= 2, d
-    for rid in range(3):
-        a, b = small.finish_request(rid), ref.finish_request(rid)
-        assert all(torch.equal(x, y) for x, y in zip(a.outputs, b.outputs, strict=True))
     _ends_clean(small)
 
 
