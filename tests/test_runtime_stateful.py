@@ -24,6 +24,15 @@ block and token selections) against the same host-planned resident twin, so the 
 paths run the same stream and must give the same outputs, with the scheduler's checks (the
 device mirror against the directory among them) after every rule; and two more with the CUDA
 kernel's own source (compiled for the CPU, its cells racing on threads) as the resolver.
+
+Four more machines (host and device paths, block and token selections) do not settle after
+each rule: copies are held back (`slow_loads`) and only the `drain` rule waits for them, so
+steps are granted and planned over loads still in flight (a prefix hit's restore among them),
+and aborts, restarts and evictions land under them. They inject no faults, so the outcome of
+a case does not depend on copy timing and hypothesis can replay it. Every machine draws a
+tight device budget in a quarter of its cases (the device resolver then cannot be granted
+some steps, which plan on the host) and wide selections (a layer reading most of a request's
+pages) in half.
 """
 
 import torch
@@ -54,6 +63,10 @@ class RuntimeMachine(RuleBasedStateMachine):
     TOKEN_MAP = "core"
     RESOLVE = "host"  # the tiered runtime's; the twin always plans on the host
     KERNEL = False  # resolve="device": the CUDA kernel's source run on CPU threads
+    # Every transfer settled after each rule; else only by the `drain` rule, and no faults
+    # (which load a fault hits would depend on which are still in flight, so on copy timing,
+    # and hypothesis could not replay a case).
+    SETTLE = True
 
     def __init__(self):
         super().__init__()
@@ -69,7 +82,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     ) -> DecodeRuntime:
         return DecodeRuntime(
             MODEL, page_size=8, device_slots=device_slots, host_pages=200, indexer_pages=80,
-            topk=3 if self.MODE == "block" else 10, selection=self.MODE, prefetch=prefetch,
+            topk=self.topk, selection=self.MODE, prefetch=prefetch,
             token_map=self.TOKEN_MAP, resolve=resolve, restore=restore,
         )  # fmt: skip
 
@@ -80,17 +93,23 @@ class RuntimeMachine(RuleBasedStateMachine):
         prefetch=st.sampled_from([False, False, False, True]),
         restore=st.sampled_from(["auto", "indexer", "full", "predicted"]),
         threads=st.sampled_from([1, 4, 8]),
+        tight=st.sampled_from([False, False, False, True]),
+        wide=st.booleans(),
     )
-    def two_long_requests(self, prefetch, restore, threads):
-        # A device budget small enough that decode steps load from host (so load faults hit).
-        # Every transfer is settled after each rule (`settle`). The twin has room for every
-        # page and the same host and Indexer-K budgets, so its prefix cache keeps what the
-        # tiered one keeps.
-        self.prefetch = prefetch
+    def two_long_requests(self, prefetch, restore, threads, tight, wide):
+        # A device budget small enough that decode steps load from host (so load faults hit);
+        # a tight one (near the fewest slots three requests of the longest prompt need) leaves the
+        # device resolver without a grant at some steps, which plan on the host. The twin has
+        # room for every page and the same host and Indexer-K budgets, so its prefix cache
+        # keeps what the tiered one keeps.
+        self.prefetch, self.tight = prefetch, tight
         if prefetch:
             event("prefetch on (no faults)")
         event(f"restore {restore}")
-        self.rt = self._runtime(60, prefetch, self.RESOLVE, restore)
+        # Wide selections: a layer reads most of a request's pages (10 blocks, 30 tokens).
+        self.topk = (10 if wide else 3) if self.MODE == "block" else (30 if wide else 10)
+        slots = (52 if wide else 44) if tight else 60
+        self.rt = self._runtime(slots, prefetch, self.RESOLVE, restore)
         if self.KERNEL:
             # 1 thread: the kernel's order on one warp; 4 and 8: cells racing.
             testing.use_host_kernel(self.rt, threads)
@@ -127,8 +146,11 @@ class RuntimeMachine(RuleBasedStateMachine):
     @rule()
     def step(self):
         undone = self._running_undone()
+        fallbacks = self._fallbacks()
         rec = self.rt.step()
         twin = self.twin.step()
+        if self._fallbacks() > fallbacks:
+            event("a device-resolved step planned on the host")
         assert not twin.failed, twin.failed
         assert set(rec.failed) <= set(undone), (rec.failed, undone)
         if rec.failed:
@@ -206,13 +228,16 @@ class RuntimeMachine(RuleBasedStateMachine):
             self._same_outputs(rid, r, self.twin.finish_request(rid))
             del self.outputs[rid]
 
+    def _fallbacks(self) -> int:
+        return self.rt.scheduler.device_stats()["fallbacks"] if self.RESOLVE == "device" else 0
+
     def _armed(self, kind: str) -> int:
         return self.rt.scheduler.stats()[f"faults_armed_{kind}"]
 
     # One fault armed at a time: a load and its retry (count 2) fail a request; a failed
     # backup is retried at the next step (failing without end, pages that cannot be written
     # through cannot be evicted, and the device would fill: a capacity error, not a bug).
-    @precondition(lambda self: not self.prefetch and self._armed("loads") == 0)
+    @precondition(lambda self: self.SETTLE and not self.prefetch and self._armed("loads") == 0)
     # A copy worker's panic (a bug in the copy path) is a failure like any other.
     @rule(
         count=st.integers(1, 2),
@@ -222,16 +247,38 @@ class RuntimeMachine(RuleBasedStateMachine):
     def load_faults(self, count, layer, panic):
         self.rt.inject_faults("load", count, layer, panic=panic)
 
-    @precondition(lambda self: not self.prefetch and self._armed("backups") == 0)
+    # (Not on a tight device: pages not written through cannot be evicted, and a third
+    # request's prefill would find too few slots.)
+    @precondition(
+        lambda self: (
+            self.SETTLE and not self.prefetch and not self.tight and self._armed("backups") == 0
+        )
+    )
     @rule(panic=st.booleans())
     def backup_fault(self, panic):
         self.rt.inject_faults("backup", 1, panic=panic)
+
+    # Without settling, the next rule finds copies in flight: a full restore's loads at the
+    # next step's grant, a step's loads under an abort or an eviction. Slow copies (the cpu
+    # engine holds them back) make that the rule, not a race the copies usually win.
+    @precondition(lambda self: not self.SETTLE)
+    @rule(count=st.integers(1, 12))
+    def slow_loads(self, count):
+        self.rt.inject_faults("load", count, delay=0.02)
+
+    @precondition(lambda self: not self.SETTLE)
+    @rule()
+    def drain(self):
+        self.rt.drain()
 
     @invariant()
     def settle(self):
         # (The device path's resolver keeps its pool across a drain: the next steps run on
         # what earlier ones left on the device.)
-        self.rt.drain()
+        if self.SETTLE:
+            self.rt.drain()
+        if self.rt.scheduler.stats()["transfers_in_flight"]:
+            event("transfers in flight after a rule")
 
     @invariant()
     def matches_the_model(self):
@@ -295,6 +342,24 @@ class KernelTokenRuntimeMachine(KernelRuntimeMachine):
     MODE = "token"
 
 
+class InFlightRuntimeMachine(RuntimeMachine):
+    # Transfers settle only when the `drain` rule says so.
+    SETTLE = False
+
+
+class InFlightTokenRuntimeMachine(InFlightRuntimeMachine):
+    MODE = "token"
+
+
+class InFlightDeviceRuntimeMachine(InFlightRuntimeMachine):
+    RESOLVE = "device"
+
+
+class InFlightDeviceTokenRuntimeMachine(InFlightRuntimeMachine):
+    MODE = "token"
+    RESOLVE = "device"
+
+
 # Each rule runs the tiny model (a step or a prefill) in two runtimes, so these machines take
 # a tenth of the profile's examples (SPARSETIER_HYPOTHESIS=deep: 200 of up to 30 rules).
 _fewer = settings(
@@ -317,3 +382,11 @@ TestKernelRuntimeMachine = KernelRuntimeMachine.TestCase
 TestKernelRuntimeMachine.settings = _fewer
 TestKernelTokenRuntimeMachine = KernelTokenRuntimeMachine.TestCase
 TestKernelTokenRuntimeMachine.settings = _fewer
+TestInFlightRuntimeMachine = InFlightRuntimeMachine.TestCase
+TestInFlightRuntimeMachine.settings = _fewer
+TestInFlightTokenRuntimeMachine = InFlightTokenRuntimeMachine.TestCase
+TestInFlightTokenRuntimeMachine.settings = _fewer
+TestInFlightDeviceRuntimeMachine = InFlightDeviceRuntimeMachine.TestCase
+TestInFlightDeviceRuntimeMachine.settings = _fewer
+TestInFlightDeviceTokenRuntimeMachine = InFlightDeviceTokenRuntimeMachine.TestCase
+TestInFlightDeviceTokenRuntimeMachine.settings = _fewer
