@@ -55,18 +55,31 @@ impl<T: Versioned, S: Copy> Arena<T, S> {
     /// reserved, not touched: memory is committed as slots fill. Where the reservation is
     /// refused the arena starts empty and grows as [`Self::new`]'s does.
     pub fn with_capacity(n: usize) -> Self {
-        let n = n.min(1 << 25);
-        let (mut slots, mut column) = (Vec::new(), Vec::new());
-        if slots.try_reserve_exact(n).is_ok() && column.try_reserve_exact(n).is_ok() {
-            huge_pages(&slots);
-            huge_pages(&column);
+        let mut a = Self::new();
+        a.reserve(n);
+        a
+    }
+
+    /// Room for `n` values in all (at most 2^25) before the arena grows, reserved as
+    /// [`Self::with_capacity`] reserves it. Growing moves every slot (a copy of the whole
+    /// arena, and its fresh pages faulted in, inside whichever call crossed the capacity);
+    /// a reservation made up front keeps that off the hot paths. Nothing when the arena
+    /// already has the room or the reservation is refused.
+    pub fn reserve(&mut self, n: usize) {
+        let more = n.min(1 << 25).saturating_sub(self.slots.len());
+        if self.slots.capacity() - self.slots.len() >= more {
+            return;
         }
-        Arena {
-            slots,
-            column,
-            free: Vec::new(),
-            len: 0,
+        if self.slots.try_reserve_exact(more).is_ok() && self.column.try_reserve_exact(more).is_ok()
+        {
+            huge_pages(&self.slots);
+            huge_pages(&self.column);
         }
+    }
+
+    /// Values it holds before it grows.
+    pub fn capacity(&self) -> usize {
+        self.slots.capacity().min(self.column.capacity())
     }
 
     /// Occupied slots.
@@ -347,6 +360,24 @@ mod huge_page_tests {
         a.insert(7, |g| V("", g)); // past the room: it grows
         assert_eq!((a.len(), a.get(first)), (100_001, Some(&V("first", 0))));
         assert_eq!((a.side(first), a.side(99_999)), (Some(&0), Some(&99_999)));
+        a.validate().unwrap();
+    }
+
+    #[test]
+    fn room_reserved_later_is_filled_without_moving() {
+        let mut a = Arena::with_capacity(10);
+        let first = a.insert(0u32, |g| V("first", g));
+        a.reserve(50_000);
+        let base = (a.slots.as_ptr(), a.column.as_ptr());
+        for i in 1..50_000u32 {
+            a.insert(i, |g| V("", g));
+        }
+        assert_eq!((a.slots.as_ptr(), a.column.as_ptr()), base);
+        a.reserve(20); // less than it holds: nothing changes
+        assert_eq!(
+            (a.slots.as_ptr(), a.get(first)),
+            (base.0, Some(&V("first", 0)))
+        );
         a.validate().unwrap();
     }
 }

@@ -594,6 +594,20 @@ impl Core {
         self.index.get(key).map(|&idx| &self.objects[idx])
     }
 
+    /// Room for `n` objects in all before the arena and the key index grow: each grows by
+    /// moving every entry, inside whichever call crossed its capacity (a step's `append`,
+    /// hundreds of milliseconds at millions of objects). A hint: refused, they grow as needed.
+    pub fn reserve_objects(&mut self, n: usize) {
+        self.objects.reserve(n);
+        let n = n.min(1 << 25);
+        let _ = self.index.try_reserve(n.saturating_sub(self.index.len()));
+    }
+
+    /// Objects it holds before its arena or key index grows.
+    pub fn object_room(&self) -> usize {
+        self.objects.capacity().min(self.index.capacity())
+    }
+
     /// Device slots held by objects and usable device slots, in O(1) (`stats` walks every
     /// object).
     pub fn device_usage(&self) -> (usize, usize) {

@@ -353,6 +353,24 @@ impl Directory {
         })
     }
 
+    /// The device state of each live object of `keys` (None: no such object), in one lock.
+    pub fn device_states(&self, keys: &[ObjectKey]) -> Vec<Option<DeviceState>> {
+        let core = self.core.lock();
+        keys.iter()
+            .map(|k| core.state(k).map(|o| o.device))
+            .collect()
+    }
+
+    /// See [`core::Core::reserve_objects`].
+    pub fn reserve_objects(&self, n: usize) {
+        self.core.lock().reserve_objects(n)
+    }
+
+    /// See [`core::Core::object_room`].
+    pub fn object_room(&self) -> usize {
+        self.core.lock().object_room()
+    }
+
     /// See [`core::Core::device_usage`].
     pub fn device_usage(&self) -> (usize, usize) {
         self.core.lock().device_usage()

@@ -331,6 +331,7 @@ impl StepScheduler<PrefixTier> {
     /// gave up their slot, pages that started): each entry touched is set to where the
     /// directory has its object now, whatever the order the changes came in.
     pub(super) fn sync_mirror(&mut self, st: &mut ResolverState) -> Result<()> {
+        const CHUNK: usize = 4096;
         let mut changed: Vec<usize> = self
             .dir
             .take_releases()
@@ -350,16 +351,22 @@ impl StepScheduler<PrefixTier> {
         // An object still loading (a restore's loads are not waited for) is not readable yet:
         // it stays pending until its load settles, or the device would copy it in again.
         let mut loading = Vec::new();
-        for e in changed {
-            let now = match self.dir.state(&self.key_of(e, layers)).map(|o| o.device) {
-                Some(DeviceState::Ready { slot }) => slot.raw() as i32,
-                Some(DeviceState::Loading { .. }) => {
-                    loading.push(e);
-                    ABSENT
-                }
-                _ => ABSENT,
-            };
-            st.set(e, now);
+        // Looked up a chunk a lock (a prefill's pages arrive by the hundred thousand).
+        let mut keys = Vec::with_capacity(changed.len().min(CHUNK));
+        for chunk in changed.chunks(CHUNK) {
+            keys.clear();
+            keys.extend(chunk.iter().map(|&e| self.key_of(e, layers)));
+            for (&e, state) in chunk.iter().zip(self.dir.device_states(&keys)) {
+                let now = match state {
+                    Some(DeviceState::Ready { slot }) => slot.raw() as i32,
+                    Some(DeviceState::Loading { .. }) => {
+                        loading.push(e);
+                        ABSENT
+                    }
+                    _ => ABSENT,
+                };
+                st.set(e, now);
+            }
         }
         if let Some(link) = self.tier.device.as_mut() {
             link.adds.append(&mut loading);

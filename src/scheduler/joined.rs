@@ -112,7 +112,12 @@ impl StepScheduler<PrefixTier> {
             cfg.page_size,
             kv_page_bytes,
         );
-        Self::assemble(cfg, device, flat, engine, tier)
+        let objects = cfg.host_pages as usize * cfg.layers as usize;
+        let s = Self::assemble(cfg, device, flat, engine, tier)?;
+        // Every main-KV object has its home in a host page, one a layer: the directory holds
+        // at most that many, and room for them now keeps its growth out of decode steps.
+        s.dir.reserve_objects(objects);
+        Ok(s)
     }
 
     /// The prefix tier.

@@ -300,6 +300,14 @@ fn joined_round_trip_layer_page_first() {
 }
 
 #[test]
+fn the_directory_has_room_for_every_homed_object_from_the_start() {
+    // An object a layer of every host page: the directory never grows (moving every object,
+    // inside a decode step's `append`) while the host pool has pages to home new ones.
+    let j = Joined::new(64, 32, 48, HostLayout::LayerFirst);
+    assert!(j.s.directory().object_room() >= 48 * LAYERS as usize);
+}
+
+#[test]
 fn failed_indexer_restore_fails_the_request_only() {
     let mut j = Joined::new(64, 32, 48, HostLayout::LayerFirst);
     let shared = prompt(33, 0);
