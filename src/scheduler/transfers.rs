@@ -251,13 +251,11 @@ impl Transfers {
     ) -> Result<()> {
         let mut keys = std::mem::take(&mut self.pending);
         if prune {
-            keys.retain(|k| dir.state(k).is_some());
+            live_only(dir, &mut keys);
         }
         self.submit_backup(dir, keys, rec)?;
-        let retry: Vec<ObjectKey> = std::mem::take(&mut self.retry)
-            .into_iter()
-            .filter(|k| dir.state(k).is_some())
-            .collect();
+        let mut retry = std::mem::take(&mut self.retry);
+        live_only(dir, &mut retry);
         self.submit_backup(dir, retry, rec)
     }
 
@@ -338,4 +336,15 @@ fn first_failure(ev: &TransferEvents) -> Option<String> {
         Ok(_) => None,
         Err(e) => Some(e.to_string()),
     })
+}
+
+/// Keeps the keys of `keys` whose objects are still live (one directory lock for them all: a
+/// prefill chunk queues thousands).
+fn live_only(dir: &Directory, keys: &mut Vec<ObjectKey>) {
+    if keys.is_empty() {
+        return;
+    }
+    let live = dir.device_states(keys);
+    let mut live = live.iter();
+    keys.retain(|_| live.next().is_some_and(Option::is_some));
 }
