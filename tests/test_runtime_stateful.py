@@ -368,25 +368,22 @@ _fewer = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestRuntimeMachine = RuntimeMachine.TestCase
-TestRuntimeMachine.settings = _fewer
-TestTokenRuntimeMachine = TokenRuntimeMachine.TestCase
-TestTokenRuntimeMachine.settings = _fewer
-TestMappedTokenRuntimeMachine = MappedTokenRuntimeMachine.TestCase
-TestMappedTokenRuntimeMachine.settings = _fewer
-TestDeviceRuntimeMachine = DeviceRuntimeMachine.TestCase
-TestDeviceRuntimeMachine.settings = _fewer
-TestDeviceTokenRuntimeMachine = DeviceTokenRuntimeMachine.TestCase
-TestDeviceTokenRuntimeMachine.settings = _fewer
-TestKernelRuntimeMachine = KernelRuntimeMachine.TestCase
-TestKernelRuntimeMachine.settings = _fewer
-TestKernelTokenRuntimeMachine = KernelTokenRuntimeMachine.TestCase
-TestKernelTokenRuntimeMachine.settings = _fewer
-TestInFlightRuntimeMachine = InFlightRuntimeMachine.TestCase
-TestInFlightRuntimeMachine.settings = _fewer
-TestInFlightTokenRuntimeMachine = InFlightTokenRuntimeMachine.TestCase
-TestInFlightTokenRuntimeMachine.settings = _fewer
-TestInFlightDeviceRuntimeMachine = InFlightDeviceRuntimeMachine.TestCase
-TestInFlightDeviceRuntimeMachine.settings = _fewer
-TestInFlightDeviceTokenRuntimeMachine = InFlightDeviceTokenRuntimeMachine.TestCase
-TestInFlightDeviceTokenRuntimeMachine.settings = _fewer
+
+
+def _case(machine: type[RuntimeMachine]):
+    case = machine.TestCase
+    case.settings = _fewer
+    return case
+
+
+TestRuntimeMachine = _case(RuntimeMachine)
+TestTokenRuntimeMachine = _case(TokenRuntimeMachine)
+TestMappedTokenRuntimeMachine = _case(MappedTokenRuntimeMachine)
+TestDeviceRuntimeMachine = _case(DeviceRuntimeMachine)
+TestDeviceTokenRuntimeMachine = _case(DeviceTokenRuntimeMachine)
+TestKernelRuntimeMachine = _case(KernelRuntimeMachine)
+TestKernelTokenRuntimeMachine = _case(KernelTokenRuntimeMachine)
+TestInFlightRuntimeMachine = _case(InFlightRuntimeMachine)
+TestInFlightTokenRuntimeMachine = _case(InFlightTokenRuntimeMachine)
+TestInFlightDeviceRuntimeMachine = _case(InFlightDeviceRuntimeMachine)
+TestInFlightDeviceTokenRuntimeMachine = _case(InFlightDeviceTokenRuntimeMachine)
