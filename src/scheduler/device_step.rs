@@ -93,8 +93,8 @@ pub(super) type Entry = (SlotId, Held);
 /// The link between a joined scheduler and its device resolver.
 pub(crate) struct DeviceLink {
     pub(crate) state: Arc<Mutex<ResolverState>>,
-    /// Mirror entries to set at the next grant: pages that started on the device, objects the
-    /// host loaded (those still loading at a grant wait for the next).
+    /// Mirror entries to set at the next grant, or when a host step ends: pages that started on
+    /// the device, objects the host loaded (those still loading then wait for the next).
     pub(crate) adds: Vec<usize>,
     /// Host pages that got a new generation: their entries name another page's objects now.
     pub(crate) bumped: Vec<u32>,
@@ -477,7 +477,14 @@ impl StepScheduler<PrefixTier> {
             return Ok(());
         };
         if !link.open {
-            return Ok(());
+            // A host step (a prefill's): the mirror learns its pages now, so that a long
+            // prompt's hundred thousand entries are not left to the next decode step's grant.
+            if link.adds.is_empty() && link.bumped.is_empty() {
+                return Ok(());
+            }
+            let state = link.state.clone();
+            let mut st = state.lock();
+            return self.sync_mirror(&mut st);
         }
         link.open = false;
         let state = link.state.clone();

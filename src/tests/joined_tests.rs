@@ -308,6 +308,25 @@ fn the_directory_has_room_for_every_homed_object_from_the_start() {
 }
 
 #[test]
+fn a_host_step_leaves_the_device_mirror_naming_its_pages() {
+    // A prefill's pages enter the device resolver's mirror when its step ends, not at the
+    // next decode step's grant (a long prompt's would all land in that one step).
+    let mut j = Joined::new(64, 32, 48, HostLayout::LayerFirst);
+    let state = j.s.enable_device_resolver().unwrap();
+    j.s.admit(RequestId::new(1), &prompt(30, 0)).unwrap();
+    j.prefill(1, 30);
+    let named = || state.lock().mirror().iter().filter(|&&m| m >= 0).count();
+    assert_eq!(named(), 0, "nothing before the step ends");
+    j.s.end_step().unwrap();
+    assert_eq!(
+        named(),
+        8 * LAYERS as usize,
+        "every page of every layer, on the device"
+    );
+    j.s.validate().unwrap();
+}
+
+#[test]
 fn failed_indexer_restore_fails_the_request_only() {
     let mut j = Joined::new(64, 32, 48, HostLayout::LayerFirst);
     let shared = prompt(33, 0);
