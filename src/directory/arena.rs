@@ -17,6 +17,9 @@
 //! each once, with the generation their next value gets; the column is as long as the slots
 //! (a vacant slot's entry is stale).
 
+/// The most values room is reserved for ahead (2^25): past it an arena grows as it fills.
+pub const MAX_ROOM: usize = 1 << 25;
+
 /// Slots of `T` with a free list, and a column of `S` beside them.
 #[derive(Debug, Clone)]
 pub struct Arena<T, S = ()> {
@@ -60,13 +63,13 @@ impl<T: Versioned, S: Copy> Arena<T, S> {
         a
     }
 
-    /// Room for `n` values in all (at most 2^25) before the arena grows, reserved as
+    /// Room for `n` values in all (at most [`MAX_ROOM`]) before the arena grows, reserved as
     /// [`Self::with_capacity`] reserves it. Growing moves every slot (a copy of the whole
     /// arena, and its fresh pages faulted in, inside whichever call crossed the capacity);
     /// a reservation made up front keeps that off the hot paths. Nothing when the arena
     /// already has the room or the reservation is refused.
     pub fn reserve(&mut self, n: usize) {
-        let more = n.min(1 << 25).saturating_sub(self.slots.len());
+        let more = n.min(MAX_ROOM).saturating_sub(self.slots.len());
         if self.slots.capacity() - self.slots.len() >= more {
             return;
         }

@@ -599,7 +599,7 @@ impl Core {
     /// hundreds of milliseconds at millions of objects). A hint: refused, they grow as needed.
     pub fn reserve_objects(&mut self, n: usize) {
         self.objects.reserve(n);
-        let n = n.min(1 << 25);
+        let n = n.min(super::arena::MAX_ROOM);
         let _ = self.index.try_reserve(n.saturating_sub(self.index.len()));
     }
 
