@@ -28,6 +28,9 @@ use std::time::Instant;
 
 mod grant;
 mod pins;
+mod reads;
+#[cfg(test)]
+pub(crate) use reads::MAX_CHANCES;
 mod resolve;
 mod transfers;
 mod validate;
@@ -167,6 +170,9 @@ pub struct Core {
     granted: super::slot_set::SlotSet,
     /// Objects that lost their device slot, while a device resolver mirrors the device.
     released: Option<Vec<(ObjectKey, SlotId)>>,
+    /// What a device resolver's last step read (`reads`): evictions give those a second
+    /// chance.
+    reads: Option<reads::ReadBits>,
 }
 
 /// How many dropped namespaces the directory remembers (so that a late key of one is
@@ -214,6 +220,7 @@ impl Core {
             idx_scratch: Vec::new(),
             granted: Default::default(),
             released: None,
+            reads: None,
         })
     }
 
@@ -283,17 +290,25 @@ impl Core {
         if let Some(p) = self.device.alloc_one() {
             return SlotId::of_page(p);
         }
-        // Evictions come in runs (one per load of a batch): fetch the victims ahead.
-        let objects = &mut self.objects;
-        let victim = self
-            .lru
-            .pop_front_ahead(PREFETCH_AHEAD, |i, seq, ahead| {
-                if let Some(a) = ahead {
-                    objects.prefetch(a);
-                }
-                take_lru_entry(objects, i, seq)
-            })
-            .expect("caller checked free + evictable >= needed");
+        let mut given = 0;
+        let victim = loop {
+            // Evictions come in runs (one per load of a batch): fetch the victims ahead.
+            let objects = &mut self.objects;
+            let mut popped = 0;
+            let victim = self
+                .lru
+                .pop_front_ahead(PREFETCH_AHEAD, |i, seq, ahead| {
+                    if let Some(a) = ahead {
+                        objects.prefetch(a);
+                    }
+                    popped = seq;
+                    take_lru_entry(objects, i, seq)
+                })
+                .expect("caller checked free + evictable >= needed");
+            if !self.second_chance(victim, popped, &mut given) {
+                break victim;
+            }
+        };
         let obj = &mut self.objects[victim];
         let DeviceState::Ready { slot } = obj.device else {
             unreachable!("LRU list holds only device-Ready objects")
@@ -451,10 +466,21 @@ impl Core {
         }
     }
 
-    /// Pops the least recently used evictable object.
+    /// Pops the object to evict: the least recently used evictable one, after the second
+    /// chances the last published read bitmap gives.
     fn lru_pop(&mut self) -> Option<usize> {
-        let objects = &mut self.objects;
-        self.lru.pop_front(|i, seq| take_lru_entry(objects, i, seq))
+        let mut given = 0;
+        loop {
+            let objects = &mut self.objects;
+            let mut popped = 0;
+            let idx = self.lru.pop_front(|i, seq| {
+                popped = seq;
+                take_lru_entry(objects, i, seq)
+            })?;
+            if !self.second_chance(idx, popped, &mut given) {
+                return Some(idx);
+            }
+        }
     }
 
     /// Removes a dropped object, freeing the slots it holds.

@@ -101,6 +101,12 @@ impl Lru {
         self.len == 0
     }
 
+    /// The sequence of the last entry pushed (0 before any): entries pushed later have higher
+    /// ones.
+    pub fn last_seq(&self) -> u64 {
+        self.seq
+    }
+
     /// Appends object `idx`, whose mark is `mark`, as the most recently used member. No-op if
     /// it is a member already.
     #[inline]

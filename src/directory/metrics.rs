@@ -80,6 +80,9 @@ pub struct Totals {
     pub bytes_backed_up: u64,
     /// Objects evicted from the device.
     pub evictions: u64,
+    /// Objects an eviction passed over because the last device step read them (the
+    /// resolver's published read bitmap).
+    pub second_chances: u64,
     /// Loads completed.
     pub loads_completed: u64,
     /// Backups completed.

@@ -169,6 +169,11 @@ impl Directory {
         self.core.lock().grant_slots(n)
     }
 
+    /// See [`core::Core::publish_reads`].
+    pub fn publish_reads(&self, bits: std::sync::Arc<Vec<u32>>, base: u64, layers: u16) {
+        self.core.lock().publish_reads(bits, base, layers)
+    }
+
     /// See [`core::Core::device_free`].
     pub fn device_free(&self) -> usize {
         self.core.lock().device_free()

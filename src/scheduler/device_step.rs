@@ -499,6 +499,10 @@ impl StepScheduler<PrefixTier> {
                 return Err(e);
             }
         };
+        // The host's own evictions now see what the device read (a hit leaves no trace in the
+        // directory's LRU otherwise).
+        self.dir
+            .publish_reads(std::mem::take(&mut done.reads), HOST_NS, self.cfg.layers);
         let link = self.tier.device.as_mut().expect("checked above");
         let mut grant = std::mem::take(&mut link.grant);
         self.xfer

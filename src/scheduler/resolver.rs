@@ -52,6 +52,7 @@ pub(crate) mod device;
 pub(crate) mod gpu;
 pub mod kernel;
 pub mod launch;
+mod reads;
 mod tables;
 
 /// A mirror entry's device slot when the object is not on the device (as far as the device
@@ -123,6 +124,8 @@ pub(crate) struct StepDone {
     /// Cells the kernel found naming a page past their request (left without a slot; the
     /// reference refuses them before it resolves anything).
     pub bad_cells: u64,
+    /// What the step read: a bit per mirror entry.
+    pub reads: std::sync::Arc<Vec<u32>>,
 }
 
 /// The resolver's state: the mirror, page tables, grant, log and counts.
@@ -169,7 +172,7 @@ pub struct ResolverState {
     /// bit an entry keeps the core's second chance within cache where the marks are not;
     /// `reads_serial` is the step that cleared `reads_now` (the device's side does, at its
     /// first resolve).
-    reads_last: Vec<u32>,
+    reads_last: reads::ReadBitmaps,
     reads_now: Vec<u32>,
     reads_serial: u32,
     /// Per mirror entry, the serial of the step whose copy of it failed (its later cells of
@@ -228,7 +231,7 @@ impl ResolverState {
             log: Vec::new(),
             mark: vec![0; n],
             filled: vec![0; n],
-            reads_last: vec![0; n.div_ceil(32)],
+            reads_last: reads::ReadBitmaps::new(n),
             reads_now: vec![0; n.div_ceil(32)],
             reads_serial: 0,
             failed: vec![0; n],
@@ -406,9 +409,13 @@ impl ResolverState {
         self.open = false;
         let mut bad_cells = 0;
         if let Some(k) = &mut self.kernel {
-            let read = k.close(self.layers);
+            let mut bits = self.reads_last.spare();
+            let read = k.close(self.layers, &mut bits);
             let (log, counts, bad) = match read {
-                Ok(r) => r,
+                Ok(r) => {
+                    self.reads_last.publish(bits);
+                    r
+                }
                 Err(e) => {
                     self.grant.clear();
                     return Err(e);
@@ -422,11 +429,14 @@ impl ResolverState {
         } else {
             // (A step that resolved nothing read nothing.)
             self.start_reads();
-            std::mem::swap(&mut self.reads_last, &mut self.reads_now);
+            let next = self.reads_last.spare();
+            let now = std::mem::replace(&mut self.reads_now, next);
+            self.reads_last.publish(now);
         }
         self.grant.clear();
         Ok(StepDone {
             bad_cells,
+            reads: self.reads_last.last(),
             used: std::mem::take(&mut self.used),
             log: std::mem::take(&mut self.log),
             counts: std::mem::take(&mut self.counts),
@@ -451,20 +461,14 @@ impl ResolverState {
 
     /// Whether the last step read mirror entry `e` (hit or copied in).
     pub(crate) fn was_read(&self, e: usize) -> bool {
-        if let Some(k) = &self.kernel {
-            return k.was_read(e);
-        }
-        self.reads_last[e / 32] >> (e % 32) & 1 == 1
+        self.reads_last.was_read(e)
     }
 
     /// Fetches what [`Self::was_read`] reads for entry `e` into the cache (a hint: any `e`
     /// is fine).
     #[inline]
     pub(crate) fn prefetch_read(&self, e: usize) {
-        match &self.kernel {
-            Some(k) => k.prefetch_read(e),
-            None => crate::prefetch::prefetch(self.reads_last.as_ptr().wrapping_add(e / 32)),
-        }
+        self.reads_last.prefetch(e);
     }
 
     /// The mirror, for the core's checks.

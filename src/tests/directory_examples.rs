@@ -462,3 +462,58 @@ fn batch_numbers_wrap_without_taking_an_object_for_a_repeat() {
     d.release(r.handle).unwrap();
     d.validate().unwrap();
 }
+
+/// Objects `0..n`, one a namespace (ids from 100), layer 0 of a one-layer bitmap; each
+/// allocated, written through and evictable, in that LRU order.
+fn evictable_run(d: &Directory, n: u32) -> Vec<ObjectKey> {
+    let keys: Vec<ObjectKey> = (0..n)
+        .map(|i| ObjectKey::new(100 + u64::from(i), 0, 0, LayerGroup::Layer(0)))
+        .collect();
+    for k in &keys {
+        d.allocate(&[*k]).unwrap();
+        let plan = d.backup(&[*k]).unwrap();
+        d.backup_complete(plan.transfer.unwrap()).unwrap();
+    }
+    keys
+}
+
+#[test]
+fn an_eviction_passes_over_what_the_device_read_once_a_bitmap() {
+    let d = dir(4, 8);
+    let keys = evictable_run(&d, 4);
+    // The device read 0 and 2: evictions take 1, then 3, then 0 (back at the end since).
+    d.publish_reads(Arc::new(vec![0b0101]), 100, 1);
+    assert_eq!(d.evict(1), vec![keys[1]]);
+    assert_eq!(d.evict(1), vec![keys[3]]);
+    assert_eq!(
+        d.evict(1),
+        vec![keys[0]],
+        "a second chance is given once a bitmap"
+    );
+    assert_eq!(d.stats().totals.second_chances, 2);
+    // A new bitmap gives new chances: 2 read again goes back once more, and is then the
+    // only member left.
+    d.publish_reads(Arc::new(vec![0b0100]), 100, 1);
+    assert_eq!(d.evict(1), vec![keys[2]]);
+    assert_eq!(d.stats().totals.second_chances, 3);
+    d.validate().unwrap();
+}
+
+#[test]
+fn an_eviction_passes_over_at_most_max_chances_objects() {
+    let n = crate::directory::core::MAX_CHANCES + 3;
+    let d = dir(n, 2 * n);
+    let keys = evictable_run(&d, n);
+    // Every object was read: one eviction passes over MAX_CHANCES of them, then takes the
+    // next as it is.
+    d.publish_reads(Arc::new(vec![u32::MAX]), 100, 1);
+    let m = crate::directory::core::MAX_CHANCES as usize;
+    assert_eq!(d.evict(1), vec![keys[m]]);
+    assert_eq!(d.stats().totals.second_chances, m as u64);
+    // The next pass over the two left that had no chance yet, then take those that had one,
+    // in their order.
+    assert_eq!(d.evict(2), vec![keys[0], keys[1]]);
+    assert_eq!(d.stats().totals.second_chances, m as u64 + 2);
+    assert_eq!(d.evict(1), vec![keys[2]]);
+    d.validate().unwrap();
+}

@@ -5,7 +5,9 @@
 //! handle id, and every object's states and pins; after each step the test compares them and
 //! runs `validate()`, which checks page conservation, single ownership of slots, the exact
 //! LRU membership (so a pinned object is never evicted), one in-flight transfer per Loading
-//! object, and that no mapping survives a failed load.
+//! object, and that no mapping survives a failed load. A step publishes a device resolver's
+//! read bitmap (here a bit a namespace): evictions then give the objects it names a second
+//! chance, once a bitmap.
 
 use super::*;
 use crate::ids::{PinHandleId, TransferId};
@@ -94,6 +96,9 @@ struct Model {
     next_tid: u64,
     next_hid: u64,
     dropped: BTreeSet<u8>,
+    /// Evictable objects the last published read bitmap gives a second chance (none once
+    /// they leave the LRU: a member again is used since).
+    chance: BTreeSet<usize>,
     outcome: Outcome,
 }
 
@@ -109,6 +114,8 @@ enum Step {
     Backup(Vec<K>),
     Evict(usize),
     Drop(u8),
+    /// The last device step read these namespaces' objects.
+    Reads(Vec<u8>),
 }
 
 impl Model {
@@ -125,6 +132,7 @@ impl Model {
 
     fn reap(&mut self, uid: usize) {
         self.lru.retain(|&u| u != uid);
+        self.chance.remove(&uid);
         let o = self.objs.remove(&uid).unwrap();
         if o.dev == MDev::Ready {
             self.dev_free += 1;
@@ -138,8 +146,22 @@ impl Model {
         if self.dev_free > 0 {
             self.dev_free -= 1;
         } else {
-            let victim = self.lru.remove(0);
+            let victim = self.pop_victim();
             self.objs.get_mut(&victim).unwrap().dev = MDev::Absent;
+        }
+    }
+
+    /// The LRU's front, after the second chances of the last read bitmap (at most
+    /// `MAX_CHANCES` an eviction).
+    fn pop_victim(&mut self) -> usize {
+        let mut given = 0;
+        loop {
+            let u = self.lru.remove(0);
+            if given == crate::directory::core::MAX_CHANCES || !self.chance.remove(&u) {
+                return u;
+            }
+            given += 1;
+            self.lru.push(u);
         }
     }
 
@@ -248,6 +270,7 @@ impl Model {
             o.pins += 1;
             held.push(u);
             self.lru.retain(|&x| x != u);
+            self.chance.remove(&u);
         }
         if !loads.is_empty() {
             let t = self.new_tid(true, loads.clone());
@@ -381,7 +404,7 @@ impl Model {
             if self.lru.is_empty() {
                 break;
             }
-            let u = self.lru.remove(0);
+            let u = self.pop_victim();
             self.objs.get_mut(&u).unwrap().dev = MDev::Absent;
             self.dev_free += 1;
         }
@@ -402,6 +425,7 @@ impl Model {
             self.index.remove(&k);
             self.objs.get_mut(&u).unwrap().dropped = true;
             self.lru.retain(|&x| x != u);
+            self.chance.remove(&u);
             if self.objs[&u].reapable() {
                 self.reap(u);
             }
@@ -420,7 +444,8 @@ impl ReferenceStateMachine for Ref {
     type State = Model;
     type Transition = Step;
 
-    /// Starts with `PRELOADED` host-only objects in namespace 0, so loads, joins and their
+    /// Starts with `PRELOADED` host-only objects, alternately in namespaces 0 and 1 (so that a
+    /// read bitmap, a bit a namespace, names some of them), so loads, joins and their
     /// failures happen from the first step.
     fn init_state() -> BoxedStrategy<Model> {
         let mut m = Model {
@@ -436,12 +461,13 @@ impl ReferenceStateMachine for Ref {
             next_tid: 1 + u64::from(PRELOADED),
             next_hid: 1,
             dropped: BTreeSet::new(),
+            chance: BTreeSet::new(),
             outcome: Outcome::Ok,
         };
         for page in 0..PRELOADED {
             let uid = m.next_uid;
             m.next_uid += 1;
-            let key = (0, page);
+            let key = (page % NAMESPACES, page);
             m.objs.insert(
                 uid,
                 MObj {
@@ -474,6 +500,11 @@ impl ReferenceStateMachine for Ref {
         let hids: Vec<u64> = s.handles.keys().copied().collect();
         let bogus_t = s.next_tid + 7;
         let bogus_h = s.next_hid + 7;
+        // Reads name the namespaces of evictable objects (and one with none), so that the
+        // next evictions meet their second chances.
+        let mut read_ns: Vec<u8> = s.lru.iter().map(|u| s.objs[u].key.0).collect();
+        read_ns.push(NAMESPACES);
+        let pick_ns = |ns: Vec<u8>| proptest::sample::select(ns);
         prop_oneof![
             2 => keys_strategy().prop_map(Step::Allocate),
             4 => keys_strategy().prop_map(Step::Resolve),
@@ -485,6 +516,7 @@ impl ReferenceStateMachine for Ref {
             2 => keys_strategy().prop_map(Step::Backup),
             1 => (0..4usize).prop_map(Step::Evict),
             1 => (0..NAMESPACES + 1).prop_map(Step::Drop),
+            3 => proptest::collection::vec(pick_ns(read_ns), 0..3).prop_map(Step::Reads),
         ]
         .boxed()
     }
@@ -504,6 +536,15 @@ impl ReferenceStateMachine for Ref {
                 Outcome::Ok
             }
             Step::Drop(ns) => s.drop_ns(*ns),
+            Step::Reads(ns) => {
+                s.chance = s
+                    .lru
+                    .iter()
+                    .copied()
+                    .filter(|u| ns.contains(&s.objs[u].key.0))
+                    .collect();
+                Outcome::Ok
+            }
         };
         s
     }
@@ -586,7 +627,7 @@ impl StateMachineTest for DirTest {
             hids: Vec::new(),
         };
         for page in 0..PRELOADED {
-            let k = [okey((0, page))];
+            let k = [okey((page % NAMESPACES, page))];
             sut.d.allocate(&k).unwrap();
             let t = sut.d.backup(&k).unwrap().transfer.unwrap();
             sut.issued(t);
@@ -630,6 +671,14 @@ impl StateMachineTest for DirTest {
                     version: 0,
                 })
                 .map(drop),
+            Step::Reads(ns) => {
+                let mut bits = vec![0u32; 1];
+                for &n in ns {
+                    bits[0] |= 1 << n;
+                }
+                sut.d.publish_reads(std::sync::Arc::new(bits), 0, 1);
+                Ok(())
+            }
         };
         let got = match got {
             Ok(()) => Outcome::Ok,
@@ -706,7 +755,7 @@ impl StateMachineTest for DirSweepTest {
 }
 
 prop_state_machine! {
-    #![proptest_config(crate::testing::proptest_config(300, "directory"))]
+    #![proptest_config(crate::testing::proptest_config(1000, "directory"))]
     #[test]
     fn directory_matches_reference_model(sequential 1..60 => DirTest);
 

@@ -423,3 +423,72 @@ fn row_in(b: &PageTransferBinding, plane: usize, page: u32, row: u32) -> u64 {
     b.row_addr_checked(plane, page, row)
         .unwrap_or_else(|| panic!("page {page} row {row} plane {plane}: outside the pool"))
 }
+
+/// Request 1's pages fill 24 of 40 device slots; request 2's prefill then needs 21 more, so
+/// the host evicts request 1's least recently used objects. With `read`, a device step read
+/// request 1's page 0 first (a device's hits leave no trace in the LRU). Returns, per page of request 1, how many of its layers stay on the
+/// device, and the directory's second chances.
+fn host_evictions_after_a_device_step(read: bool) -> (Vec<usize>, u64) {
+    let mut j = Joined::new(40, 32, 48, HostLayout::LayerFirst);
+    let state = j.s.enable_device_resolver().unwrap();
+    let r1 = RequestId::new(1);
+    j.s.admit(r1, &prompt(32, 0)).unwrap();
+    j.prefill(1, 32);
+    j.s.end_step().unwrap();
+    j.s.drain().unwrap(); // written through: evictable
+    if read {
+        assert!(j.s.begin_device_step(&[r1], 1).unwrap());
+        for l in 0..LAYERS {
+            let mut table = [0i32];
+            state
+                .lock()
+                .resolve_layer(l, &[r1], &[0], 1, false, &mut table)
+                .unwrap();
+            assert!(table[0] >= 0);
+        }
+        j.s.end_step().unwrap();
+    }
+    j.s.admit(RequestId::new(2), &prompt(28, 9)).unwrap();
+    j.prefill(2, 28);
+    j.s.end_step().unwrap();
+    j.s.validate().unwrap();
+    let layers = LAYERS as usize;
+    let homes: Vec<u32> =
+        j.s.request(r1)
+            .unwrap()
+            .homes
+            .iter()
+            .map(|&(h, _)| h)
+            .collect();
+    let on_device = homes
+        .iter()
+        .map(|&h| {
+            (0..layers)
+                .filter(|&l| {
+                    let key = j.s.key_of(h as usize * layers + l, layers);
+                    matches!(
+                        j.s.directory().state(&key).map(|s| s.device),
+                        Some(crate::directory::DeviceState::Ready { .. })
+                    )
+                })
+                .count()
+        })
+        .collect();
+    (on_device, j.s.directory().stats().totals.second_chances)
+}
+
+#[test]
+fn host_evictions_pass_over_what_the_last_device_step_read() {
+    // Without the device's reads the host evicts from request 1's oldest objects, page 0's
+    // among them...
+    let (unread, chances) = host_evictions_after_a_device_step(false);
+    assert!(unread[0] < LAYERS as usize && chances == 0, "{unread:?}");
+    // ...with them it keeps every layer of the page the device read, and evicts others.
+    let (read, chances) = host_evictions_after_a_device_step(true);
+    assert_eq!(read[0], LAYERS as usize, "{read:?}");
+    assert!(chances > 0);
+    assert!(
+        read[1..].iter().sum::<usize>() < 7 * LAYERS as usize,
+        "{read:?}"
+    );
+}

@@ -597,7 +597,8 @@ fn a_log_naming_an_entry_past_the_mirror_is_an_error() {
 
 /// `was_read` (the core's second chance) answers for the last closed step only: what it
 /// read, hit or copied in, and nothing once a step resolved nothing; the kernel's answer is
-/// the reference's.
+/// the reference's. The bitmap a close hands out (the directory holds it until the next)
+/// never changes under its holder, while later steps fill others.
 fn was_read_is_the_last_steps(kernel: Option<usize>) {
     let mut f = fixture_on(8, kernel);
     let rid = RequestId::new(0);
@@ -612,9 +613,11 @@ fn was_read_is_the_last_steps(kernel: Option<usize>) {
             f.st.resolve_layer(1, &[rid], sel, 2, false, &mut table)
                 .unwrap();
         }
-        f.st.close().unwrap();
+        f.st.close().unwrap().reads
     };
-    step(&mut f, Some(&[0, 1]));
+    let bit = |bits: &[u32], e: usize| bits[e / 32] >> (e % 32) & 1 == 1;
+    let held = step(&mut f, Some(&[0, 1]));
+    assert!(bit(&held, e0) && bit(&held, e1) && !bit(&held, e2));
     assert_eq!(
         (f.st.was_read(e0), f.st.was_read(e1), f.st.was_read(e2)),
         (true, true, false)
@@ -629,6 +632,11 @@ fn was_read_is_the_last_steps(kernel: Option<usize>) {
         (f.st.was_read(e0), f.st.was_read(e1), f.st.was_read(e2)),
         (false, false, false),
         "a step that resolved nothing read nothing"
+    );
+    step(&mut f, Some(&[2, -1]));
+    assert!(
+        bit(&held, e0) && bit(&held, e1) && !bit(&held, e2),
+        "a bitmap still held was filled again"
     );
 }
 

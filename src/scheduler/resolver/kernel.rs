@@ -133,7 +133,6 @@ pub(crate) struct DeviceKernel {
     /// The host's side: entries the core changed since the step last opened (uploaded when
     /// the next opens); what came back when the last step closed.
     pub(super) changed: Vec<usize>,
-    read: Vec<u32>,
     st_host: [u32; ST_LEN],
     counts_host: Vec<u32>,
     tok_host: [u64; 3],
@@ -274,7 +273,6 @@ impl DeviceKernel {
             changes: Buf::default(),
             table_changes: Buf::default(),
             changed: Vec::new(),
-            read: vec![0; words],
             st_host: [0; ST_LEN],
             counts_host: vec![0; 2 * layers as usize],
             tok_host: [0; 3],
@@ -601,10 +599,15 @@ impl DeviceKernel {
         })
     }
 
-    /// Closes the step: reads back `st`, the counts, the log's entries and the read bitmap.
-    /// Returns the log and the counts as the reference keeps them, and the cells that named
-    /// a page past their request (which the kernel left without a slot).
-    pub(super) fn close(&mut self, layers: u16) -> Result<(Vec<LogEntry>, ResolveCounts, u64)> {
+    /// Closes the step: reads back `st`, the counts, the log's entries and the read bitmap
+    /// (into `read`, a bit per entry). Returns the log and the counts as the reference keeps
+    /// them, and the cells that named a page past their request (which the kernel left
+    /// without a slot).
+    pub(super) fn close(
+        &mut self,
+        layers: u16,
+        read: &mut [u32],
+    ) -> Result<(Vec<LogEntry>, ResolveCounts, u64)> {
         self.open = false;
         // Until the step is read back in full, the host cannot tell what it changed.
         self.resync = true;
@@ -617,16 +620,27 @@ impl DeviceKernel {
                 message: "injected: the step's read-back failed".into(),
             });
         }
+        if read.len() != self.entries.div_ceil(32) {
+            return Err(Error::Internal {
+                site: "scheduler::resolver::kernel::close".into(),
+                message: format!(
+                    "a read bitmap of {} words for {} entries",
+                    read.len(),
+                    self.entries
+                ),
+            });
+        }
         let t0 = std::time::Instant::now();
         let d = &mut *self.dev;
-        // SAFETY: `st` has ST_LEN words and `bits` a bit an entry; the marks an entry each.
+        // SAFETY: `st` has ST_LEN words and `bits` (as `read`, checked above) a bit an entry;
+        // the marks an entry each.
         unsafe {
             d.marks_read(self.marks, self.st, self.entries as u32, self.bits)?;
             d.read(&mut [
                 (self.st, bytes_of_mut(&mut self.st_host)),
                 (self.counts, bytes_of_mut(&mut self.counts_host)),
                 (self.tok, bytes_of_mut(&mut self.tok_host)),
-                (self.bits, bytes_of_mut(&mut self.read)),
+                (self.bits, bytes_of_mut(read)),
             ])?;
         }
         let cap = self.log_capacity;
@@ -712,17 +726,6 @@ impl DeviceKernel {
     /// Whether a CUDA graph is capturing `stream`.
     pub(super) fn capturing(&self, stream: u64) -> Result<bool> {
         self.dev.capturing(stream)
-    }
-
-    /// Whether the last step read entry `e` (its bit, read back when it closed).
-    /// Fetches [`Self::was_read`]'s word for entry `e` into the cache (a hint).
-    #[inline]
-    pub(super) fn prefetch_read(&self, e: usize) {
-        crate::prefetch::prefetch(self.read.as_ptr().wrapping_add(e / 32));
-    }
-
-    pub(super) fn was_read(&self, e: usize) -> bool {
-        self.read[e / 32] >> (e % 32) & 1 == 1
     }
 
     /// The device's mirror, read back (`validate`).
