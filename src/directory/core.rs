@@ -643,6 +643,11 @@ impl Core {
         )
     }
 
+    /// The cumulative totals.
+    pub fn totals(&self) -> Totals {
+        self.totals
+    }
+
     /// Counts now, with cumulative totals.
     pub fn stats(&self) -> DirectoryStats {
         let mut s = DirectoryStats {

@@ -169,6 +169,12 @@ impl Directory {
         self.core.lock().grant_slots(n)
     }
 
+    /// The cumulative totals alone (what [`Directory::stats`] gives with them, without its
+    /// walk over every object).
+    pub fn totals(&self) -> Totals {
+        self.core.lock().totals()
+    }
+
     /// See [`core::Core::publish_reads`].
     pub fn publish_reads(&self, bits: std::sync::Arc<Vec<u32>>, base: u64, layers: u16) {
         self.core.lock().publish_reads(bits, base, layers)

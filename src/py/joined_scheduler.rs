@@ -158,6 +158,7 @@ impl PyJoinedStepScheduler {
         d.set_item("pool_live", t.pool_live)?;
         d.set_item("refills", t.refills)?;
         d.set_item("adopted", t.adopted)?;
+        d.set_item("second_chances", t.second_chances)?;
         Ok(d)
     }
 

@@ -144,6 +144,8 @@ pub struct DeviceTotals {
     /// Objects the host was about to load that the pool held: adopted where they were, not
     /// copied again.
     pub adopted: u64,
+    /// Objects the host's evictions passed over because the last device step read them.
+    pub second_chances: u64,
 }
 
 impl StepScheduler<PrefixTier> {
@@ -688,6 +690,7 @@ impl StepScheduler<PrefixTier> {
             pool_live,
             refills: l.refills,
             adopted: l.adopted,
+            second_chances: self.dir.totals().second_chances,
         }
     }
 

@@ -499,6 +499,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         # Host loads (prefills, steps planned on the host) that took an object from the
         # resolver's pool instead of copying it again.
         "device_pool_adopted": dstats.get("adopted", 0),
+        # Objects the host's evictions passed over because the last device step read them.
+        "device_second_chances": dstats.get("second_chances", 0),
         # Device-resolved steps as graphs (`--graphs`): captured, replayed, run eagerly.
         "graph_steps": rt.graphs.stats() if rt.graphs is not None else None,
         "correct": exact,
@@ -631,7 +633,8 @@ def format_summary(r: dict) -> str:
             f"{t['end_device_leaked']}, in flight {t['end_transfers_in_flight']}"
             + (
                 f", device resolver's pool {t['end_device_pool']} slots"
-                f" ({t['device_pool_adopted']} objects adopted by host loads)"
+                f" ({t['device_pool_adopted']} objects adopted by host loads; host evictions"
+                f" passed over {t['device_second_chances']} the device had just read)"
                 if t["end_device_pool"]
                 else ""
             ),
