@@ -303,7 +303,20 @@ impl StepScheduler<PrefixTier> {
         let want = cells.max(2 * last);
         // (Granting evicts nothing: free slots are taken as they are, and victims stay where
         // they are, named in the mirror by `top_up`.)
-        let ok = self.top_up(cells, want, &mut st)?;
+        let mut ok = self.top_up(cells, want, &mut st)?;
+        if !ok && (!self.xfer.pending.is_empty() || self.xfer.backups_in_flight()) {
+            // Short only because pages are not written through yet (right after a prefill):
+            // they become evictable once their write-throughs land, which costs a wait for
+            // those copies; planning the step on the host instead costs a round trip a layer
+            // and hands the resolver's pool back.
+            drop(st);
+            self.submit_pending_backups()?;
+            self.wait_backups();
+            self.poll()?;
+            st = state.lock();
+            self.sync_mirror(&mut st)?;
+            ok = self.top_up(cells, want, &mut st)?;
+        }
         let link = self.tier.device.as_mut().expect("checked above");
         if !ok {
             link.fallbacks += 1;

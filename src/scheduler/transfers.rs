@@ -102,6 +102,11 @@ impl Transfers {
         }
     }
 
+    /// Whether a backup is tracked (in flight, or finished and not polled yet).
+    pub(super) fn backups_in_flight(&self) -> bool {
+        !self.backups.is_empty()
+    }
+
     /// Blocks until every backup in flight has finished.
     pub(super) fn wait_backups(&self) {
         for b in self.backups.values() {

@@ -492,3 +492,28 @@ fn host_evictions_pass_over_what_the_last_device_step_read() {
         "{read:?}"
     );
 }
+
+#[test]
+fn a_device_step_short_only_of_written_through_pages_waits_for_them() {
+    // Right after a prefill its pages are still being written through, so not yet
+    // evictable: a grant that needs them waits for those copies rather than planning the
+    // step on the host (a round trip a layer, and the resolver's pool handed back).
+    let mut j = Joined::new(26, 32, 48, HostLayout::LayerFirst);
+    let state = j.s.enable_device_resolver().unwrap();
+    let r1 = RequestId::new(1);
+    j.s.admit(r1, &prompt(32, 0)).unwrap();
+    j.prefill(1, 32); // 24 of the 26 slots
+    j.s.end_step().unwrap();
+    assert!(j.s.begin_device_step(&[r1], 4).unwrap());
+    for l in 0..LAYERS {
+        let mut table = [0i32; 4];
+        state
+            .lock()
+            .resolve_layer(l, &[r1], &[0, 1, 2, 3], 4, false, &mut table)
+            .unwrap();
+        assert!(table.iter().all(|&s| s >= 0), "{table:?}");
+    }
+    j.s.end_step().unwrap();
+    assert_eq!(j.s.device_totals().fallbacks, 0);
+    j.s.validate().unwrap();
+}
