@@ -29,7 +29,6 @@ use std::time::Instant;
 mod grant;
 mod pins;
 mod reads;
-#[cfg(test)]
 pub(crate) use reads::MAX_CHANCES;
 mod resolve;
 mod transfers;
@@ -305,7 +304,7 @@ impl Core {
                     take_lru_entry(objects, i, seq)
                 })
                 .expect("caller checked free + evictable >= needed");
-            if !self.second_chance(victim, popped, &mut given) {
+            if !self.second_chance(victim, popped, &mut given, MAX_CHANCES) {
                 break victim;
             }
         };
@@ -477,7 +476,7 @@ impl Core {
                 popped = seq;
                 take_lru_entry(objects, i, seq)
             })?;
-            if !self.second_chance(idx, popped, &mut given) {
+            if !self.second_chance(idx, popped, &mut given, MAX_CHANCES) {
                 return Some(idx);
             }
         }

@@ -186,12 +186,8 @@ impl Directory {
     }
 
     /// See [`core::Core::grant_victims`].
-    pub fn grant_victims(
-        &self,
-        n: usize,
-        recent: impl FnMut(&ObjectKey) -> bool,
-    ) -> Vec<(u32, ObjectKey, crate::ids::SlotId)> {
-        self.core.lock().grant_victims(n, recent)
+    pub fn grant_victims(&self, n: usize) -> Vec<(u32, ObjectKey, crate::ids::SlotId)> {
+        self.core.lock().grant_victims(n)
     }
 
     /// [`core::Core::take_victim`] for each (object index, slot), in one lock.

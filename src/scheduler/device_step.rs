@@ -412,18 +412,9 @@ impl StepScheduler<PrefixTier> {
             need -= take;
         }
         if need > 0 {
-            // Second chance: an object the last device step read goes back to the LRU's end.
-            let layers = self.cfg.layers as usize;
-            let entry = |key: &ObjectKey| {
-                let LayerGroup::Layer(l) = key.layers else {
-                    return None;
-                };
-                (key.namespace.id >= HOST_NS)
-                    .then(|| (key.namespace.id - HOST_NS) as usize * layers + l as usize)
-            };
-            let victims = self
-                .dir
-                .grant_victims(need, |key| entry(key).is_some_and(|e| st.was_read(e)));
+            // (An object the last device step read gets a second chance, as from the host's
+            // own evictions: the step's bitmap was published when it was reconciled.)
+            let victims = self.dir.grant_victims(need);
             need -= victims.len();
             for (idx, key, slot) in victims {
                 fresh.push((slot, Held::Victim(self.entry_of(&key), idx)));

@@ -37,33 +37,29 @@ impl Core {
     /// takes it ([`Self::take_victim`]: the device evicted it) or gives it back
     /// ([`Self::unhold`]). Returns (object index, key, slot) in eviction order.
     ///
-    /// `recent(key)`: the caller saw the object used since the LRU last did (a device's hit);
-    /// such an object gets a second chance, put back at the LRU's end, each at most once a call.
-    pub fn grant_victims(
-        &mut self,
-        n: usize,
-        mut recent: impl FnMut(&ObjectKey) -> bool,
-    ) -> Vec<(u32, ObjectKey, SlotId)> {
+    /// Objects the last device step read get a second chance, as from the host's own
+    /// evictions ([`Self::second_chance`]), once a published bitmap but with no bound a victim:
+    /// what the device read it will likely read again, and each victim it reads again is a
+    /// copy (`benches/RESULTS.md` has what a bound cost).
+    pub fn grant_victims(&mut self, n: usize) -> Vec<(u32, ObjectKey, SlotId)> {
         let mut out = Vec::with_capacity(n.min(self.lru.len()));
-        let mut chances = self.lru.len();
+        let mut given = 0;
         while out.len() < n {
             // Victims come in runs: fetch the ones ahead (the object and its key).
             let objects = &mut self.objects;
+            let mut popped_seq = 0;
             let popped = self.lru.pop_front_ahead(PREFETCH_AHEAD, |i, seq, ahead| {
                 if let Some(a) = ahead {
                     objects.prefetch(a);
                     objects.prefetch_side(a);
                 }
+                popped_seq = seq;
                 take_lru_entry(objects, i, seq)
             });
             let Some(idx) = popped else {
                 break;
             };
-            if chances > 0 && recent(&self.objects.side_of(idx).key) {
-                chances -= 1;
-                let stamp = self.tick();
-                self.objects[idx].stamp = stamp;
-                self.settle(idx);
+            if self.second_chance(idx, popped_seq, &mut given, u32::MAX) {
                 continue;
             }
             let obj = &mut self.objects[idx];

@@ -2,16 +2,17 @@
 //! resolved on the device hits objects without the directory seeing it, so its LRU order goes
 //! stale: a prefill's loads would evict the pages the device reads every step. The scheduler
 //! publishes the step's read bitmap (a bit per object of a homed namespace range, as the
-//! resolver's mirror numbers them) when it reconciles the step; an eviction then gives an
-//! object the last step read a second chance, back to the LRU's end, once a bitmap.
+//! resolver's mirror numbers them) when it reconciles the step; an eviction, or the device's
+//! next grant of victims, then gives an object the last step read a second chance, back to the
+//! LRU's end, once a bitmap.
 
 use super::*;
 use crate::directory::key::LayerGroup;
 use std::sync::Arc;
 
-/// How many objects the device read one eviction passes over at most before it takes the
-/// next as it is: the walk stays short where most of the LRU's front was read (the bench's
-/// hot set), and what was passed over waits at the LRU's end.
+/// How many objects the device read one host eviction passes over at most before it takes
+/// the next as it is: the walk, paid inside a host step, stays short where most of the LRU's
+/// front was read (the bench's hot set), and what was passed over waits at the LRU's end.
 pub(crate) const MAX_CHANCES: u32 = 8;
 
 /// A published read bitmap: bit `(namespace id - base) * layers + layer` is set when the
@@ -64,13 +65,19 @@ impl Core {
 
     /// Whether object `idx`, just popped from the LRU entry of sequence `seq` to be evicted,
     /// gets a second chance instead: the last published bitmap says the device read it, it
-    /// has had none from that bitmap, and this eviction gave fewer than [`MAX_CHANCES`]
-    /// (`given`, counted here). If so it goes back to the LRU's end.
-    pub(super) fn second_chance(&mut self, idx: usize, seq: u64, given: &mut u32) -> bool {
+    /// has had none from that bitmap, and this eviction gave fewer than `bound` (`given`,
+    /// counted here). If so it goes back to the LRU's end.
+    pub(super) fn second_chance(
+        &mut self,
+        idx: usize,
+        seq: u64,
+        given: &mut u32,
+        bound: u32,
+    ) -> bool {
         let Some(r) = &self.reads else {
             return false;
         };
-        if *given >= MAX_CHANCES || seq > r.before || !r.was_read(&self.objects.side_of(idx).key) {
+        if *given >= bound || seq > r.before || !r.was_read(&self.objects.side_of(idx).key) {
             return false;
         }
         *given += 1;
