@@ -186,9 +186,22 @@ def test_a_step_with_more_misses_than_its_grant_fills_earlier_layers_slots_again
     # misses over every layer outnumber it, and later layers take the slots earlier layers
     # filled. The outputs stay the resident run's.
     tiered, ref = _miss_heavy_pair(steps=6)
-    for rt in (tiered, ref):
-        for _ in range(6):
-            rt.step()
+    released = None
+    for _ in range(6):
+        tiered.step()
+        ref.step()
+        d = tiered.scheduler.device_stats()
+        assert d["granted_victims"] <= d["granted"], d
+        if d["granted_victims"] and released is None:
+            # The standing grant's victims are directory objects it pins, and only it:
+            # ending the grant (the run goes on after) lets go of exactly that many pins.
+            pins = tiered.scheduler.stats()["pins"]
+            tiered.scheduler.drain()
+            after = tiered.scheduler.device_stats()
+            assert after["granted"] == after["granted_victims"] == 0, after
+            released = pins - tiered.scheduler.stats()["pins"]
+            assert released == d["granted_victims"], (released, d)
+    assert released, "a step left victims standing in the grant"
     d = tiered.scheduler.device_stats()
     assert d["refills"] > 0 and d["steps"] > 0, d
     for rid in range(3):

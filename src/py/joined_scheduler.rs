@@ -141,7 +141,8 @@ impl PyJoinedStepScheduler {
     }
 
     /// Device-resolve counters: steps resolved on the device, steps planned on the host for
-    /// want of a grant, grant entries standing, slots filled twice in a step, the slots of
+    /// want of a grant, grant entries standing (`granted_victims` of them directory objects
+    /// pinned as victims), slots filled twice in a step, the slots of
     /// the resolver's pool, the objects only the resolver's slots hold (`pool_live`), and the
     /// objects host loads took from the pool instead of copying them (`adopted`).
     fn device_stats<'py>(
@@ -154,6 +155,7 @@ impl PyJoinedStepScheduler {
         d.set_item("steps", t.steps)?;
         d.set_item("fallbacks", t.fallbacks)?;
         d.set_item("granted", t.granted)?;
+        d.set_item("granted_victims", t.granted_victims)?;
         d.set_item("pool", t.pool)?;
         d.set_item("pool_live", t.pool_live)?;
         d.set_item("refills", t.refills)?;

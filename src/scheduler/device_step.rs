@@ -133,6 +133,9 @@ pub struct DeviceTotals {
     pub fallbacks: u64,
     /// Grant entries standing.
     pub granted: u64,
+    /// Of them, directory objects granted as victims: pinned until the device takes them or
+    /// the grant ends.
+    pub granted_victims: u64,
     /// Slots in the resolver's pool (outside the grant).
     pub pool: u64,
     /// Objects the resolver's slots hold (pool and grant) that the mirror names there and the
@@ -690,6 +693,11 @@ impl StepScheduler<PrefixTier> {
             steps: l.steps,
             fallbacks: l.fallbacks,
             granted: l.grant.len() as u64,
+            granted_victims: l
+                .grant
+                .iter()
+                .filter(|(_, h)| matches!(h, Held::Victim(..)))
+                .count() as u64,
             pool: l.pool.len() as u64,
             pool_live,
             refills: l.refills,
