@@ -7,10 +7,11 @@
 //! LRU membership (so a pinned object is never evicted), one in-flight transfer per Loading
 //! object, and that no mapping survives a failed load. A step publishes a device resolver's
 //! read bitmap (here a bit a namespace): evictions then give the objects it names a second
-//! chance, once a bitmap.
+//! chance, once a bitmap. Steps also grant a device resolver slots and victims (pinned, out of
+//! the LRU, passing over what the last bitmap read), and take, hold back or return them.
 
 use super::*;
-use crate::ids::{PinHandleId, TransferId};
+use crate::ids::{PinHandleId, SlotId, TransferId};
 use proptest::prelude::*;
 use proptest_state_machine::{prop_state_machine, ReferenceStateMachine, StateMachineTest};
 use std::collections::{BTreeMap, BTreeSet};
@@ -72,6 +73,7 @@ enum Outcome {
     BadTransfer,
     BadHandle,
     Invalid,
+    Config,
 }
 
 #[derive(Debug, Clone)]
@@ -99,6 +101,14 @@ struct Model {
     /// Evictable objects the last published read bitmap gives a second chance (none once
     /// they leave the LRU: a member again is used since).
     chance: BTreeSet<usize>,
+    /// Second chances given (evictions and grants).
+    chances: u64,
+    /// Victims granted and not yet taken or held back, in grant order; how many the last
+    /// step granted.
+    granted: Vec<usize>,
+    last_grant: usize,
+    /// Device slots granted (taken victims' and free ones), not yet returned.
+    granted_slots: usize,
     outcome: Outcome,
 }
 
@@ -116,6 +126,16 @@ enum Step {
     Drop(u8),
     /// The last device step read these namespaces' objects.
     Reads(Vec<u8>),
+    /// Grants up to n victims.
+    GrantVictims(usize),
+    /// Grants n slots (free ones first, then evicting).
+    GrantSlots(usize),
+    /// The device took granted victim i (past the end: one that is not granted).
+    TakeVictim(usize),
+    /// Granted victim i goes back (past the end: one that is not granted).
+    Unhold(usize),
+    /// Every granted slot goes back free.
+    ReturnSlots,
 }
 
 impl Model {
@@ -161,6 +181,7 @@ impl Model {
                 return u;
             }
             given += 1;
+            self.chances += 1;
             self.lru.push(u);
         }
     }
@@ -410,6 +431,49 @@ impl Model {
         }
     }
 
+    /// Up to `n` of the LRU's front, each read one passed over (no bound), pinned.
+    fn grant_victims(&mut self, n: usize) {
+        let before = self.granted.len();
+        while self.granted.len() - before < n && !self.lru.is_empty() {
+            let u = self.lru.remove(0);
+            if self.chance.remove(&u) {
+                self.chances += 1;
+                self.lru.push(u);
+                continue;
+            }
+            self.objs.get_mut(&u).unwrap().pins += 1;
+            self.granted.push(u);
+        }
+        self.last_grant = self.granted.len() - before;
+    }
+
+    fn grant_slots(&mut self, n: usize) -> Outcome {
+        if n > self.dev_free + self.lru.len() {
+            return Outcome::OutOfSlots;
+        }
+        for _ in 0..n {
+            self.take_slot();
+            self.granted_slots += 1;
+        }
+        Outcome::Ok
+    }
+
+    /// Granted victim `i` taken by the device (`take`) or held back.
+    fn end_victim(&mut self, i: usize, take: bool) -> Outcome {
+        if i >= self.granted.len() {
+            return Outcome::Config;
+        }
+        let u = self.granted.remove(i);
+        let o = self.objs.get_mut(&u).unwrap();
+        o.pins -= 1;
+        if take {
+            o.dev = MDev::Absent;
+            self.granted_slots += 1;
+        }
+        self.settle(u);
+        Outcome::Ok
+    }
+
     fn drop_ns(&mut self, ns: u8) -> Outcome {
         if !self.dropped.insert(ns) {
             return Outcome::Dropped;
@@ -462,6 +526,10 @@ impl ReferenceStateMachine for Ref {
             next_hid: 1,
             dropped: BTreeSet::new(),
             chance: BTreeSet::new(),
+            chances: 0,
+            granted: Vec::new(),
+            last_grant: 0,
+            granted_slots: 0,
             outcome: Outcome::Ok,
         };
         for page in 0..PRELOADED {
@@ -505,6 +573,7 @@ impl ReferenceStateMachine for Ref {
         let mut read_ns: Vec<u8> = s.lru.iter().map(|u| s.objs[u].key.0).collect();
         read_ns.push(NAMESPACES);
         let pick_ns = |ns: Vec<u8>| proptest::sample::select(ns);
+        let victims = s.granted.len();
         prop_oneof![
             2 => keys_strategy().prop_map(Step::Allocate),
             4 => keys_strategy().prop_map(Step::Resolve),
@@ -517,6 +586,11 @@ impl ReferenceStateMachine for Ref {
             1 => (0..4usize).prop_map(Step::Evict),
             1 => (0..NAMESPACES + 1).prop_map(Step::Drop),
             3 => proptest::collection::vec(pick_ns(read_ns), 0..3).prop_map(Step::Reads),
+            2 => (0..4usize).prop_map(Step::GrantVictims),
+            1 => (0..3usize).prop_map(Step::GrantSlots),
+            2 => (0..victims + 1).prop_map(Step::TakeVictim),
+            2 => (0..victims + 1).prop_map(Step::Unhold),
+            1 => Just(Step::ReturnSlots),
         ]
         .boxed()
     }
@@ -545,6 +619,18 @@ impl ReferenceStateMachine for Ref {
                     .collect();
                 Outcome::Ok
             }
+            Step::GrantVictims(n) => {
+                s.grant_victims(*n);
+                Outcome::Ok
+            }
+            Step::GrantSlots(n) => s.grant_slots(*n),
+            Step::TakeVictim(i) => s.end_victim(*i, true),
+            Step::Unhold(i) => s.end_victim(*i, false),
+            Step::ReturnSlots => {
+                s.dev_free += s.granted_slots;
+                s.granted_slots = 0;
+                Outcome::Ok
+            }
         };
         s
     }
@@ -559,6 +645,7 @@ fn kind(e: &Error) -> Outcome {
         Error::UnknownTransfer { .. } | Error::TransferState { .. } => Outcome::BadTransfer,
         Error::UnknownHandle { .. } => Outcome::BadHandle,
         Error::InvalidTransition { .. } => Outcome::Invalid,
+        Error::Config { .. } => Outcome::Config,
         other => panic!("unexpected error {other}"),
     }
 }
@@ -570,6 +657,10 @@ struct Sut {
     d: Directory,
     tids: Vec<TransferId>,
     hids: Vec<PinHandleId>,
+    /// The victims granted, as the model orders them: (object index, slot).
+    victims: Vec<(u32, SlotId)>,
+    /// Slots granted and not yet returned.
+    slots: Vec<SlotId>,
 }
 
 impl Sut {
@@ -625,6 +716,8 @@ impl StateMachineTest for DirTest {
             d,
             tids: Vec::new(),
             hids: Vec::new(),
+            victims: Vec::new(),
+            slots: Vec::new(),
         };
         for page in 0..PRELOADED {
             let k = [okey((page % NAMESPACES, page))];
@@ -679,6 +772,36 @@ impl StateMachineTest for DirTest {
                 sut.d.publish_reads(std::sync::Arc::new(bits), 0, 1);
                 Ok(())
             }
+            Step::GrantVictims(n) => {
+                let got = sut.d.grant_victims(*n);
+                let want = &m.granted[m.granted.len() - m.last_grant..];
+                let got_keys: Vec<ObjectKey> = got.iter().map(|&(_, k, _)| k).collect();
+                let want_keys: Vec<ObjectKey> = want.iter().map(|u| okey(m.objs[u].key)).collect();
+                assert_eq!(got_keys, want_keys, "victims granted, in order");
+                sut.victims.extend(got.iter().map(|&(i, _, s)| (i, s)));
+                Ok(())
+            }
+            Step::GrantSlots(n) => sut.d.grant_slots(*n).map(|s| sut.slots.extend(s)),
+            Step::TakeVictim(i) | Step::Unhold(i) => {
+                let take = matches!(step, Step::TakeVictim(_));
+                // Past the end: an object that is not a granted victim.
+                let (idx, slot) = if *i < sut.victims.len() {
+                    sut.victims.remove(*i)
+                } else {
+                    (u32::MAX, SlotId::new(0))
+                };
+                if take {
+                    sut.d
+                        .take_victims(&[(idx, slot)])
+                        .map(|()| sut.slots.push(slot))
+                } else {
+                    sut.d.unhold(&[idx])
+                }
+            }
+            Step::ReturnSlots => {
+                let slots = std::mem::take(&mut sut.slots);
+                sut.d.return_slots(&slots)
+            }
         };
         let got = match got {
             Ok(()) => Outcome::Ok,
@@ -727,6 +850,15 @@ impl StateMachineTest for DirTest {
         assert_eq!((s.host_free, s.host_quarantined), (m.host_free, qh));
         assert_eq!(s.objects, m.objs.len());
         assert_eq!(s.evictable, m.lru.len());
+        assert_eq!(s.totals.second_chances, m.chances, "second chances given");
+        assert_eq!(sut.victims.len(), m.granted.len());
+        for &(idx, slot) in &sut.victims {
+            assert!(d.is_held_at(idx, slot), "victim {idx} held at {slot:?}");
+        }
+        assert_eq!(sut.slots.len(), m.granted_slots);
+        for &slot in &sut.slots {
+            assert!(d.is_granted(slot), "slot {slot:?} granted");
+        }
     }
 }
 
