@@ -296,6 +296,18 @@ def test_demo_with_faults_reports_them_and_ends_clean(tmp_path, capsys):
     assert t["end_transfers_in_flight"] == 0
 
 
+def test_the_default_demo_with_faults_fails_a_restore_from_host_too(tmp_path, capsys):
+    # The layer that fails twice waits for a follow-up turn: failing only first turns would
+    # end their conversations before a prefix hit restored from host, and the restore fault
+    # armed at step 1 would go unused (it did in block mode while that layer failed at step 9).
+    j = tmp_path / "d.json"
+    assert main(["demo", "--faults", "--quiet", "--json", str(j)]) == 0
+    assert "PASS" in capsys.readouterr().out
+    t = json.loads(j.read_text())["totals"]
+    assert t["failed_restores"] == 1 and not t["faults_unused"], t["faults_unused"]
+    assert (t["end_pins"], t["end_quarantined_slots"], t["end_device_leaked"]) == (0, 0, 0)
+
+
 @pytest.mark.parametrize("selection", ["block", "token"])
 def test_demo_restarts_failed_requests_and_still_matches_the_resident_run(
     selection, tmp_path, capsys

@@ -111,15 +111,19 @@ def _workload(cfg: DemoConfig, vocab: int) -> list[list[Turn]]:
 
 
 #: What `--faults` arms, by global decode step: one load failure (the retry succeeds), a
-#: layer whose load and retry both fail (the requests that needed it fail), a failed
-#: write-through (retried at the next step), and a failed Indexer-K restore of the next prefix
-#: hit restored from host (that request fails in its prefill).
+#: failed write-through (retried at the next step), and a failed Indexer-K restore of the next
+#: prefix hit restored from host (that request fails in its prefill).
 FAULT_PLAN = {
     1: ("restore", 1, None),
     3: ("load", 1, None),
-    9: ("load", 2, 1),
     15: ("backup", 1, None),
 }
+
+#: A layer whose load and retry both fail (the requests that needed it fail), armed at the
+#: first step from the first of these on at which a follow-up turn runs, or at the second at
+#: the latest: failing only first turns would end their conversations before any prefix hit
+#: is restored from host, and the restore fault would have nothing to fail.
+FOLLOW_UP_FAULT = (9, 40, ("load", 2, 1))
 
 #: On the cpu engine the single load failure is a copy worker's panic instead: a bug in the
 #: copy path, which the engine contains as a failed copy (the CUDA engines copy on the GPU,
@@ -127,11 +131,13 @@ FAULT_PLAN = {
 PANIC_STEP = 3
 
 
-def fault_plan(device: str) -> dict[int, tuple]:
-    """What `--faults` arms on `device`, by global decode step."""
-    plan = dict(FAULT_PLAN)
+def fault_plan(device: str) -> dict:
+    """What `--faults` arms on `device`: by global decode step, and `"follow_up"`
+    (`FOLLOW_UP_FAULT`)."""
+    plan: dict = dict(FAULT_PLAN)
     if device == "cpu":
         plan[PANIC_STEP] = (*plan[PANIC_STEP], None, True)
+    plan["follow_up"] = FOLLOW_UP_FAULT
     return plan
 
 
@@ -192,6 +198,11 @@ def _run(
     def arm(step: int) -> None:
         if step in faults:
             rt.inject_faults(*faults.pop(step))
+        if "follow_up" in faults:
+            first, last, fault = faults["follow_up"]
+            if step >= last or (step >= first and any(i > 0 for _, i in live.values())):
+                del faults["follow_up"]
+                rt.inject_faults(*fault)
 
     def admit(rid: int, attempt: str, call) -> bool:
         """Runs a prefill (`attempt`: "add" or "restart"); False if it failed here or, in the
