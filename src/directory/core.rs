@@ -308,6 +308,7 @@ impl Core {
                 break victim;
             }
         };
+        self.totals.second_chances += u64::from(given);
         let obj = &mut self.objects[victim];
         let DeviceState::Ready { slot } = obj.device else {
             unreachable!("LRU list holds only device-Ready objects")
@@ -475,8 +476,13 @@ impl Core {
             let idx = self.lru.pop_front(|i, seq| {
                 popped = seq;
                 take_lru_entry(objects, i, seq)
-            })?;
+            });
+            let Some(idx) = idx else {
+                self.totals.second_chances += u64::from(given);
+                return None;
+            };
             if !self.second_chance(idx, popped, &mut given, MAX_CHANCES) {
+                self.totals.second_chances += u64::from(given);
                 return Some(idx);
             }
         }

@@ -83,6 +83,8 @@ pub struct Totals {
     /// Objects an eviction passed over because the last device step read them (the
     /// resolver's published read bitmap).
     pub second_chances: u64,
+    /// Objects a device's grant of victims passed over for the same reason.
+    pub grant_second_chances: u64,
     /// Loads completed.
     pub loads_completed: u64,
     /// Backups completed.

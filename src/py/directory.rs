@@ -173,6 +173,7 @@ pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &DirectoryStats) -> PyResult<B
         bytes_backed_up,
         evictions,
         second_chances,
+        grant_second_chances,
         loads_completed,
         backups_completed,
         failed_transfers,

@@ -143,8 +143,10 @@ impl PyJoinedStepScheduler {
     /// Device-resolve counters: steps resolved on the device, steps planned on the host for
     /// want of a grant, grant entries standing (`granted_victims` of them directory objects
     /// pinned as victims), slots filled twice in a step, the slots of
-    /// the resolver's pool, the objects only the resolver's slots hold (`pool_live`), and the
-    /// objects host loads took from the pool instead of copying them (`adopted`).
+    /// the resolver's pool, the objects only the resolver's slots hold (`pool_live`), the
+    /// objects host loads took from the pool instead of copying them (`adopted`), and the
+    /// objects the last device step read that host evictions (`second_chances`) and the
+    /// grants' victims (`grant_second_chances`) passed over.
     fn device_stats<'py>(
         slf: &Bound<'py, Self>,
         py: Python<'py>,
@@ -161,6 +163,7 @@ impl PyJoinedStepScheduler {
         d.set_item("refills", t.refills)?;
         d.set_item("adopted", t.adopted)?;
         d.set_item("second_chances", t.second_chances)?;
+        d.set_item("grant_second_chances", t.grant_second_chances)?;
         Ok(d)
     }
 

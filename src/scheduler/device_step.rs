@@ -149,6 +149,8 @@ pub struct DeviceTotals {
     pub adopted: u64,
     /// Objects the host's evictions passed over because the last device step read them.
     pub second_chances: u64,
+    /// Objects the grants' victims passed over for the same reason.
+    pub grant_second_chances: u64,
 }
 
 impl StepScheduler<PrefixTier> {
@@ -678,6 +680,7 @@ impl StepScheduler<PrefixTier> {
         let Some(l) = self.tier.device.as_ref() else {
             return DeviceTotals::default();
         };
+        let totals = self.dir.totals();
         let layers = self.cfg.layers as usize;
         let pool_live = self
             .resolver_named()
@@ -702,7 +705,8 @@ impl StepScheduler<PrefixTier> {
             pool_live,
             refills: l.refills,
             adopted: l.adopted,
-            second_chances: self.dir.totals().second_chances,
+            second_chances: totals.second_chances,
+            grant_second_chances: totals.grant_second_chances,
         }
     }
 

@@ -101,8 +101,9 @@ struct Model {
     /// Evictable objects the last published read bitmap gives a second chance (none once
     /// they leave the LRU: a member again is used since).
     chance: BTreeSet<usize>,
-    /// Second chances given (evictions and grants).
+    /// Second chances given: by evictions, by grants.
     chances: u64,
+    grant_chances: u64,
     /// Victims granted and not yet taken or held back, in grant order; how many the last
     /// step granted.
     granted: Vec<usize>,
@@ -437,7 +438,7 @@ impl Model {
         while self.granted.len() - before < n && !self.lru.is_empty() {
             let u = self.lru.remove(0);
             if self.chance.remove(&u) {
-                self.chances += 1;
+                self.grant_chances += 1;
                 self.lru.push(u);
                 continue;
             }
@@ -527,6 +528,7 @@ impl ReferenceStateMachine for Ref {
             dropped: BTreeSet::new(),
             chance: BTreeSet::new(),
             chances: 0,
+            grant_chances: 0,
             granted: Vec::new(),
             last_grant: 0,
             granted_slots: 0,
@@ -850,7 +852,13 @@ impl StateMachineTest for DirTest {
         assert_eq!((s.host_free, s.host_quarantined), (m.host_free, qh));
         assert_eq!(s.objects, m.objs.len());
         assert_eq!(s.evictable, m.lru.len());
-        assert_eq!(s.totals.second_chances, m.chances, "second chances given");
+        let t = &s.totals;
+        let chances = (t.second_chances, t.grant_second_chances);
+        assert_eq!(
+            chances,
+            (m.chances, m.grant_chances),
+            "second chances given"
+        );
         assert_eq!(sut.victims.len(), m.granted.len());
         for &(idx, slot) in &sut.victims {
             assert!(d.is_held_at(idx, slot), "victim {idx} held at {slot:?}");

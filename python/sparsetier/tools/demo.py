@@ -510,8 +510,10 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
         # Host loads (prefills, steps planned on the host) that took an object from the
         # resolver's pool instead of copying it again.
         "device_pool_adopted": dstats.get("adopted", 0),
-        # Objects the host's evictions passed over because the last device step read them.
+        # Objects the host's evictions and the grants' victims passed over because the last
+        # device step read them.
         "device_second_chances": dstats.get("second_chances", 0),
+        "device_grant_second_chances": dstats.get("grant_second_chances", 0),
         # Device-resolved steps as graphs (`--graphs`): captured, replayed, run eagerly.
         "graph_steps": rt.graphs.stats() if rt.graphs is not None else None,
         "correct": exact,
@@ -645,7 +647,8 @@ def format_summary(r: dict) -> str:
             + (
                 f", device resolver's pool {t['end_device_pool']} slots"
                 f" ({t['device_pool_adopted']} objects adopted by host loads; host evictions"
-                f" passed over {t['device_second_chances']} the device had just read)"
+                f" passed over {t['device_second_chances']} the device had just read, its"
+                f" grants {t['device_grant_second_chances']})"
                 if t["end_device_pool"]
                 else ""
             ),

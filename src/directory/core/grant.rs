@@ -70,6 +70,7 @@ impl Core {
             obj.held += 1;
             out.push((idx as u32, self.objects.side_of(idx).key, slot));
         }
+        self.totals.grant_second_chances += u64::from(given);
         out
     }
 

@@ -66,7 +66,7 @@ impl Core {
     /// Whether object `idx`, just popped from the LRU entry of sequence `seq` to be evicted,
     /// gets a second chance instead: the last published bitmap says the device read it, it
     /// has had none from that bitmap, and this eviction gave fewer than `bound` (`given`,
-    /// counted here). If so it goes back to the LRU's end.
+    /// counted here; the caller adds it to its total). If so it goes back to the LRU's end.
     pub(super) fn second_chance(
         &mut self,
         idx: usize,
@@ -84,7 +84,6 @@ impl Core {
         let stamp = self.tick();
         self.objects[idx].stamp = stamp;
         self.settle(idx);
-        self.totals.second_chances += 1;
         true
     }
 }
