@@ -11,6 +11,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 from scheduler_support import pooled_hicache, small_joined, small_scheduler
 
 import sparsetier as st
@@ -66,6 +67,107 @@ def test_another_thread_is_served_while_tokens_convert(call):
     assert not t.is_alive()
     assert tokens.released_in_time, "the other thread was blocked until the conversion ended"
     c.validate()
+
+
+def _returns_in_time(call) -> None:
+    """Runs `call`; a deadlock (Python code run under a core lock that calls back in, the GIL
+    held: every thread stops) ends the process with the stacks after HANG seconds."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(HANG, exit=True)
+    try:
+        call()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def test_a_callback_run_as_a_finished_copy_lets_go_of_its_memory_may_call_the_engine():
+    # The engine lets go of a finished submission's memory under no lock: the last reference
+    # can run Python code (a weakref callback here) that calls the engine again.
+    import gc
+    import weakref
+
+    spec = st.PoolSpec("KV", 1, 2, 8, "bf16", 4, 4)
+    eng = st.TransferEngine("cpu")
+    src = torch.zeros(spec.shape(), dtype=torch.bfloat16)
+    dst = torch.zeros(spec.shape(), dtype=torch.bfloat16)
+    seen: list = []
+    ref = weakref.ref(dst.untyped_storage(), lambda _: seen.append(eng.in_flight))
+    b = (st.PageTransferBinding(src, spec), st.PageTransferBinding(dst, spec))
+    group = lowlevel.PageTransferGroup([lowlevel.PreparedPageTransfer(*b, [0], [1])])
+    handle = eng.submit(group)
+    del group, b, dst
+    gc.collect()
+    _returns_in_time(handle.wait)
+    assert ref() is None and seen == [0]
+
+
+def test_a_callback_run_as_a_plans_table_is_let_go_may_call_the_scheduler():
+    import weakref
+
+    s = small_scheduler(4, 32, 64, 2, {7: 8})
+    plan, table = s.plan(0, np.array([7]), np.array([[0]]), 4)
+    s.ready(plan)
+    planned: list = []
+
+    def plan_again(_):
+        p, _t = s.plan(1, np.array([7]), np.array([[0]]), 4)
+        planned.append(p)
+
+    ref = weakref.ref(table, plan_again)
+    del table
+    _returns_in_time(lambda: s.finish(plan))
+    assert ref() is None and len(planned) == 1
+    s.ready(planned[0])
+    s.finish(planned[0])
+    s.validate()
+
+
+def test_a_bound_tensor_pointed_elsewhere_leaves_its_copies_memory_alive():
+    # The bindings hold the tensor's storage, not only the tensor: `set_` (or dropping the
+    # tensor) leaves the memory the copies use alive; a storage resized under a binding is
+    # refused before a copy is submitted.
+    spec = st.PoolSpec("KV", 1, 8, 128, "bf16", 64, 16)
+    eng = st.TransferEngine("cpu")
+    src = torch.ones(spec.shape(), dtype=torch.bfloat16)
+    dst = torch.zeros(spec.shape(), dtype=torch.bfloat16)
+    bound = st.PageTransferBinding(dst, spec)
+    view = dst.untyped_storage()
+    dst.set_(torch.empty(0, dtype=torch.bfloat16))
+    del view
+    group = lowlevel.PageTransferGroup(
+        [lowlevel.PreparedPageTransfer(st.PageTransferBinding(src, spec), bound, [0, 3], [1, 2])]
+    )
+    eng.submit(group).wait()  # (into freed memory, before: a crash)
+    other = torch.zeros(spec.shape(), dtype=torch.bfloat16)
+    resized = st.PageTransferBinding(other, spec)
+    other.untyped_storage().resize_(0)
+    group = lowlevel.PageTransferGroup(
+        [lowlevel.PreparedPageTransfer(st.PageTransferBinding(src, spec), resized, [0], [1])]
+    )
+    with pytest.raises(ConfigError) as e:
+        eng.submit(group)
+    assert e.value.field == "group" and "resized" in str(e.value)
+    assert eng.in_flight == 0
+
+
+def test_a_cuda_stream_given_to_a_cpu_engine_is_refused_whatever_its_copies_state():
+    s = small_scheduler(4, 32, 64, 2, {7: 8})
+    plan, _ = s.plan(0, np.array([7]), np.array([[0]]), 4)
+    for stream in (0xDEADBEEF, -1, 2**64, True, "0"):
+        with pytest.raises(ConfigError) as e:
+            s.ready(plan, stream)
+        assert e.value.field == "stream", e.value
+    s.ready(plan)
+    s.finish(plan)
+    j = small_joined()
+    j.admit(1, np.arange(8))
+    with pytest.raises(ConfigError) as e:
+        j.wait_prefix(1, 0, 0x1234)
+    assert e.value.field == "stream"
+    j.wait_prefix(1, 0)
+    s.validate()
+    j.validate()
 
 
 # ---- class 4: any float duration is valid up to forever, or refused; never a panic ----

@@ -726,6 +726,13 @@ def _unaligned(a: np.ndarray) -> np.ndarray:
     return np.frombuffer(raw, dtype=a.dtype, offset=1).reshape(a.shape)
 
 
+def _record_field(a: np.ndarray) -> np.ndarray:
+    """A field of a packed record array: a step of 12 bytes between int64 values, unaligned."""
+    rec = np.zeros(a.shape, dtype=np.dtype([("pad", "i4"), ("v", a.dtype)]))
+    rec["v"] = a
+    return rec["v"]
+
+
 def _readonly(a: np.ndarray) -> np.ndarray:
     b = a.copy()
     b.setflags(write=False)
@@ -740,6 +747,7 @@ def same_value_variants(a: np.ndarray) -> dict[str, Callable[[], Any]]:
         "negative_stride": lambda: a[::-1].copy()[::-1],
         "readonly": lambda: _readonly(a),
         "unaligned": lambda: _unaligned(a),
+        "record_field": lambda: _record_field(a),
         "be_strided": lambda: _strided(a.astype(">i8")),
         "list": lambda: a.tolist(),
         "tuple": lambda: tuple(map(tuple, a.tolist())) if a.ndim == 2 else tuple(a.tolist()),

@@ -36,6 +36,21 @@ pub fn opt_int(obj: Option<&Bound<'_, PyAny>>, field: &str) -> PyResult<Option<i
     }
 }
 
+/// An optional raw CUDA stream (`CUstream` as an int, e.g. `torch.cuda.current_stream()
+/// .cuda_stream`): None, or an integer from 0 to 2^64 - 1 (never pyo3's `OverflowError`).
+pub fn opt_stream(obj: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+    let Some(o) = obj.filter(|o| !o.is_none()) else {
+        return Ok(None);
+    };
+    const ALLOWED: &str = "None or a raw CUDA stream: an int in [0, 2^64)";
+    let bad = |v: String| to_py(o.py(), Error::config("stream", v, ALLOWED));
+    if o.is_instance_of::<PyBool>() {
+        return Err(bad(repr(o)));
+    }
+    let v: i128 = o.extract().map_err(|_| bad(repr(o)))?;
+    u64::try_from(v).map(Some).map_err(|_| bad(v.to_string()))
+}
+
 /// An optional float argument (`None` is absent); ints are accepted.
 pub fn opt_float(obj: Option<&Bound<'_, PyAny>>, field: &str) -> PyResult<Option<f64>> {
     match obj {
@@ -101,21 +116,33 @@ pub fn int64_ndarray<'py>(
             return Err(bad(format!("an unsigned value {max}, past int64")));
         }
     }
-    np.call_method1("ascontiguousarray", (as_is, "int64"))
+    // (`require`, not `ascontiguousarray`: that keeps an unaligned array as it is.)
+    np.call_method1("require", (as_is, "int64", ("C", "A")))
         .map_err(|_| bad(short(obj)))
 }
 
-/// A 1-D int64 array: native int64 numpy arrays are borrowed as they are; other integer
-/// arrays and sequences (lists, torch CPU tensors, other integer dtypes or byte orders) are
-/// converted by value. Floats, bools, strings and unsigned values past int64 are refused, not
+/// Whether a numpy array's memory can be read in place as its elements in order: C-ordered
+/// and aligned. A strided view (a record array's field, a step other than the item size) or
+/// an unaligned buffer is read by value instead.
+pub fn in_place(a: &Bound<'_, numpy::PyUntypedArray>) -> bool {
+    use numpy::PyUntypedArrayMethods;
+    a.is_c_contiguous() && a.is_aligned()
+}
+
+/// A 1-D int64 array: native int64 numpy arrays in C order and aligned are borrowed as they
+/// are; other integer arrays and sequences (strided or unaligned views, lists, torch CPU
+/// tensors, other integer dtypes or byte orders) are converted by value. Floats, bools, strings and unsigned values past int64 are refused, not
 /// truncated: anything else is a `ConfigError` naming `field` and saying it should be `what`.
 pub fn int64_array<'py>(
     obj: &Bound<'py, PyAny>,
     field: &str,
     what: &str,
 ) -> PyResult<numpy::PyReadonlyArray1<'py, i64>> {
-    if let Ok(a) = obj.extract() {
-        return Ok(a);
+    use numpy::PyArrayMethods;
+    if let Ok(a) = obj.extract::<numpy::PyReadonlyArray1<'py, i64>>() {
+        if in_place(a.as_untyped()) {
+            return Ok(a);
+        }
     }
     let py = obj.py();
     let allowed = format!("a 1-D array of {what}");
@@ -172,15 +199,14 @@ pub fn delay(field: &str, s: f64) -> Result<std::time::Duration, Error> {
 }
 
 /// `obj` itself, or, for a numpy array not in C order (a transpose, Fortran order, a strided
-/// view), a C-ordered copy of it: a 2-D array is read by value, whatever its strides, never in
-/// memory order.
+/// view) or not aligned, a C-ordered aligned copy of it: an array is read by value, whatever
+/// its strides, never in memory order.
 pub fn c_order<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-    use numpy::PyUntypedArrayMethods;
     match obj.cast::<numpy::PyUntypedArray>() {
-        Ok(a) if !a.is_c_contiguous() => obj
+        Ok(a) if !in_place(a) => obj
             .py()
             .import("numpy")?
-            .call_method1("ascontiguousarray", (obj,)),
+            .call_method1("require", (obj, obj.py().None(), ("C", "A"))),
         _ => Ok(obj.clone()),
     }
 }

@@ -13,7 +13,7 @@ use crate::error::Error;
 use crate::ids::{PinHandleId, TransferId};
 use crate::py::args::{int, int64_array, int64_ndarray, opt_int, short};
 use crate::py::error::{contained, to_py, IntoPyResult};
-use numpy::{PyArray1, PyArray2, PyReadonlyArray2, PyUntypedArrayMethods};
+use numpy::{PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray2, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -24,9 +24,13 @@ fn parse_keys(obj: &Bound<'_, PyAny>) -> PyResult<Vec<ObjectKey>> {
     const ALLOWED: &str =
         "an int64 array of shape (N, 4): namespace, version, page, layer (-1 = all)";
     let converted;
-    let arr: PyReadonlyArray2<'_, i64> = match obj.extract() {
-        Ok(a) => a,
-        Err(_) => {
+    let borrowed = obj
+        .extract::<PyReadonlyArray2<'_, i64>>()
+        .ok()
+        .filter(|a| crate::py::args::in_place(a.as_untyped()));
+    let arr: PyReadonlyArray2<'_, i64> = match borrowed {
+        Some(a) => a,
+        None => {
             converted = int64_ndarray(obj, "keys", ALLOWED)?;
             match converted.extract() {
                 Ok(a) => a,
@@ -268,7 +272,7 @@ impl PyResidencyDirectory {
         let v = int(n, "n")?;
         let n =
             usize::try_from(v).map_err(|_| to_py(py, Error::config("n", v, "an integer >= 0")))?;
-        self.core(|d| Ok(d.evict(n))).py_err(py)
+        self.run(py, |d| Ok(d.evict(n))).py_err(py)
     }
 
     /// Evicts at least `n` unpinned, written-through device objects: how many it evicted.
@@ -289,13 +293,23 @@ impl PyResidencyDirectory {
     fn core<R>(&self, f: impl FnOnce(&Directory) -> crate::Result<R>) -> crate::Result<R> {
         self.inner.poison().contain(|| f(&self.inner))
     }
+
+    /// [`Self::core`] with the GIL let go: the directory's lock may be held by another thread
+    /// (the scheduler that owns it, in a long call), which must not stop every Python thread.
+    fn run<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Directory) -> crate::Result<R> + Send,
+    ) -> crate::Result<R> {
+        py.detach(|| self.core(f))
+    }
 }
 
 #[pymethods]
 impl PyResidencyDirectory {
     /// Starts recording every call the directory serves (for `sparsetier replay`).
     pub(crate) fn start_journal(&self, py: Python<'_>) -> PyResult<()> {
-        self.core(|d| {
+        self.run(py, |d| {
             d.start_journal();
             Ok(())
         })
@@ -307,7 +321,7 @@ impl PyResidencyDirectory {
         &self,
         py: Python<'py>,
     ) -> PyResult<Option<Bound<'py, PyDict>>> {
-        match self.core(|d| Ok(d.take_journal())).py_err(py)? {
+        match self.run(py, |d| Ok(d.take_journal())).py_err(py)? {
             Some(j) => crate::py::replay::journal_dict(py, &j).map(Some),
             None => Ok(None),
         }
@@ -419,26 +433,28 @@ impl PyResidencyDirectory {
                 ))
             }
         };
-        let m = self.core(|d| d.release(id)).py_err(py)?;
+        let m = self.run(py, |d| d.release(id)).py_err(py)?;
         metrics_dict(py, &m)
     }
 
     /// Records that the engine submitted load `transfer_id`.
     fn mark_submitted(&self, transfer_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::transfer_id(transfer_id)?;
-        self.core(|d| d.mark_submitted(id)).py_err(transfer_id.py())
+        self.run(transfer_id.py(), |d| d.mark_submitted(id))
+            .py_err(transfer_id.py())
     }
 
     /// Loading -> Ready for every object of load `transfer_id`; wakes waiters.
     fn complete(&self, transfer_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::transfer_id(transfer_id)?;
-        self.core(|d| d.complete(id)).py_err(transfer_id.py())
+        self.run(transfer_id.py(), |d| d.complete(id))
+            .py_err(transfer_id.py())
     }
 
     /// Writing -> Ready for every host copy of backup `transfer_id`.
     fn backup_complete(&self, transfer_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::transfer_id(transfer_id)?;
-        self.core(|d| d.backup_complete(id))
+        self.run(transfer_id.py(), |d| d.backup_complete(id))
             .py_err(transfer_id.py())
     }
 
@@ -447,7 +463,7 @@ impl PyResidencyDirectory {
     #[pyo3(signature = (transfer_id, reason, ended=false))]
     fn fail(&self, transfer_id: &Bound<'_, PyAny>, reason: &str, ended: bool) -> PyResult<()> {
         let id = self::transfer_id(transfer_id)?;
-        self.core(|d| d.fail(id, reason, ended))
+        self.run(transfer_id.py(), |d| d.fail(id, reason, ended))
             .py_err(transfer_id.py())
     }
 
@@ -455,7 +471,8 @@ impl PyResidencyDirectory {
     /// slots are freed, exactly once.
     fn transfer_ended(&self, transfer_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self::transfer_id(transfer_id)?;
-        self.core(|d| d.transfer_ended(id)).py_err(transfer_id.py())
+        self.run(transfer_id.py(), |d| d.transfer_ended(id))
+            .py_err(transfer_id.py())
     }
 
     /// Blocks (GIL released) until the transfer finishes. Raises TransferFailedError if it
@@ -510,7 +527,7 @@ impl PyResidencyDirectory {
                 Error::out_of_range("version", ver, 0, i128::from(u32::MAX) + 1),
             )
         })?;
-        self.core(|d| d.drop_namespace(Namespace { id, version: ver }))
+        self.run(py, |d| d.drop_namespace(Namespace { id, version: ver }))
             .py_err(py)
     }
 
@@ -525,7 +542,7 @@ impl PyResidencyDirectory {
             .call_method1("reshape", ((1, 4),))
             .map_err(|_| to_py(py, Error::config("key", short(key), allowed)))?;
         let keys = parse_keys(&arr)?;
-        let Some(s) = self.core(|d| Ok(d.state(&keys[0]))).py_err(py)? else {
+        let Some(s) = self.run(py, |d| Ok(d.state(&keys[0]))).py_err(py)? else {
             return Ok(None);
         };
         let d = PyDict::new(py);
@@ -555,14 +572,16 @@ impl PyResidencyDirectory {
 
     /// Counts per state, pins, quarantined and free/used slots per tier, cumulative totals.
     pub(crate) fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        stats_dict(py, &self.core(|d| Ok(d.stats())).py_err(py)?)
+        stats_dict(py, &self.run(py, |d| Ok(d.stats())).py_err(py)?)
     }
 
     /// Raises InvariantError if any invariant is broken.
     pub(crate) fn validate(&self, py: Python<'_>) -> PyResult<()> {
-        self.core(|d| Ok(d.validate())).py_err(py)?.map_err(|why| {
-            crate::py::error::typed_error(py, "InvariantError", why, &PyDict::new(py))
-        })
+        self.run(py, |d| Ok(d.validate()))
+            .py_err(py)?
+            .map_err(|why| {
+                crate::py::error::typed_error(py, "InvariantError", why, &PyDict::new(py))
+            })
     }
 }
 

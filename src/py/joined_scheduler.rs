@@ -56,9 +56,10 @@ impl PyJoinedStepScheduler {
         py: Python<'_>,
         rid: &Bound<'_, PyAny>,
         layer: &Bound<'_, PyAny>,
-        stream: Option<u64>,
+        stream: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
         let this = slf.as_super().get();
+        let stream = crate::py::args::opt_stream(stream)?;
         let id = rid_arg(rid)?;
         let l = u32_arg(py, layer, "layer", 0)?;
         let l = u16::try_from(l)
@@ -109,7 +110,7 @@ impl PyJoinedStepScheduler {
             Ok((state, j.device_resolver_gpu()))
         })?;
         let owner: Py<PyStepScheduler> = slf.as_super().clone().unbind();
-        Py::new(py, PyDeviceResolver::new(state, owner, gpu))
+        Py::new(py, PyDeviceResolver::new(py, state, owner, gpu))
     }
 
     /// Grants the device decode step of `rids` (after `append`), whose rows have at most

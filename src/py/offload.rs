@@ -706,8 +706,9 @@ impl PyBlockMover {
                 })
                 .collect();
             // SAFETY: every tensor was checked (dtype, shape, strides, device, pinning) and
-            // is kept alive in `_tensors` for the mover's life; the mover drops first and
-            // waits for its jobs, so no copy outlives a buffer.
+            // its storage is kept alive in `_tensors` for the mover's life (whatever becomes
+            // of the tensor); the mover drops first and waits for its jobs, so no copy
+            // outlives a buffer.
             let mover = unsafe {
                 BlockMover::new(
                     tensors,
@@ -722,8 +723,8 @@ impl PyBlockMover {
             let keep = device_tensors
                 .iter()
                 .chain(&host_tensors)
-                .map(|t| t.clone().unbind())
-                .collect();
+                .map(|t| t.call_method0("untyped_storage").map(Bound::unbind))
+                .collect::<PyResult<_>>()?;
             Ok(PyBlockMover {
                 inner: Guarded::new(mover),
                 engines: [engine.unbind(), expedited.unbind()],

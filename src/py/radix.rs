@@ -244,8 +244,9 @@ impl PyHiCache {
                 host: h.inner.clone(),
                 hit,
             });
-            tensors.push(d.tensor.clone_ref(py));
-            tensors.push(h.tensor.clone_ref(py));
+            // (Their storages: what the copies use, whatever becomes of the tensors.)
+            tensors.push(d.memory.keep(py));
+            tensors.push(h.memory.keep(py));
         }
         let shared = engine.as_ref().map(|e| e.shared());
         let inner = HiCache::new(cfg, pairs, shared).py_err(py)?;

@@ -59,7 +59,8 @@ fn array<'py, T: numpy::Element + Copy>(
             return Err(to_py(py, Error::out_of_range(name, bad, lo, hi + 1)));
         }
     }
-    let arr = np.call_method1("ascontiguousarray", (ints, numpy::dtype::<T>(py)))?;
+    // (`require`: `ascontiguousarray` keeps an unaligned array as it is.)
+    let arr = np.call_method1("require", (ints, numpy::dtype::<T>(py), ("C", "A")))?;
     let a: PyReadonlyArray1<'py, T> = arr.extract().map_err(|_| {
         to_py(
             py,

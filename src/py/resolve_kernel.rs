@@ -9,7 +9,7 @@ use crate::error::Error;
 use crate::py::error::{to_py, IntoPyResult};
 use crate::py::tensor::TensorInfo;
 use crate::scheduler::resolver::abi::{
-    self, Geometry, Step, LOG_INTS, NOT_YET, ST_DEF_AT, ST_DEF_LEN, ST_GRANT_LEN, ST_LEN,
+    self, Geometry, Step, LOG_INTS, NOT_YET, ST_DEF_AT, ST_DEF_LEN, ST_GRANT_LEN, ST_LEN, ST_LOG,
     ST_LOG_CAP, ST_REFILL_AT, ST_ROWS, ST_USED,
 };
 use crate::scheduler::resolver::launch::{LaunchArgs, ResolveKernel};
@@ -430,6 +430,22 @@ impl PyResolveKernel {
                 &st_now[ST_GRANT_LEN..=ST_GRANT_LEN],
                 0,
                 grant.numel as i64 / 2 + 1,
+            )?;
+            // The counters the kernel indexes with (each index below its bound is checked
+            // there, a negative one is not).
+            bounded(
+                py,
+                "st[ST_USED]",
+                &st_now[ST_USED..=ST_USED],
+                0,
+                i64::from(i32::MAX),
+            )?;
+            bounded(
+                py,
+                "st[ST_LOG]",
+                &st_now[ST_LOG..=ST_LOG],
+                0,
+                i64::from(i32::MAX),
             )?;
             // The cursors as a step leaves them: deferrals consume grant entries, and the
             // cursors over deferrals and the log stay inside what they index.

@@ -32,11 +32,13 @@ pub struct PyDeviceResolver {
 
 impl PyDeviceResolver {
     pub(crate) fn new(
+        py: Python<'_>,
         state: Arc<Mutex<ResolverState>>,
         owner: Py<PyStepScheduler>,
         gpu: Option<usize>,
     ) -> Self {
-        let layers = state.lock().layers();
+        // (The lock may be held by a step of the scheduler's on another thread.)
+        let layers = py.detach(|| state.lock().layers());
         PyDeviceResolver {
             state,
             layers,

@@ -519,9 +519,11 @@ impl PyStepScheduler {
             })
             .py_err(py)?;
         let t = table(py, t, rows)?;
-        self.tables
+        let replaced = self
+            .tables
             .lock()
             .insert(id.raw(), Handed::Rows(t.clone().unbind()));
+        drop(replaced); // (after the lock: see `patched_table`)
         Ok((PyLayerPlan::new(id, layer), t))
     }
 
@@ -548,6 +550,8 @@ impl PyStepScheduler {
         let ids = rid_list(rids)?;
         let offsets = int64_array(offsets, "offsets", "row starts (int64), B + 1 of them")?;
         // int32 entries are read as they are (half the bytes); anything else as int64.
+        // (Strided or unaligned arrays are copied: read by value, never in memory order.)
+        let entries = &crate::py::args::c_order(entries)?;
         let entries = match entries.extract::<numpy::PyReadonlyArray1<'py, i32>>() {
             Ok(e) => Rows1::I32(e),
             Err(_) => Rows1::I64(int64_array(
@@ -563,16 +567,17 @@ impl PyStepScheduler {
             None => None,
             Some(c) if c.is_none() => None,
             Some(c) => {
-                let c: numpy::PyReadonlyArray1<'py, i32> = c.extract().map_err(|_| {
-                    to_py(
-                        py,
-                        Error::config(
-                            "counts",
-                            crate::py::args::short(c),
-                            "None or a 1-D int32 numpy array, one per entry",
-                        ),
-                    )
-                })?;
+                let c: numpy::PyReadonlyArray1<'py, i32> =
+                    crate::py::args::c_order(c)?.extract().map_err(|_| {
+                        to_py(
+                            py,
+                            Error::config(
+                                "counts",
+                                crate::py::args::short(c),
+                                "None or a 1-D int32 numpy array, one per entry",
+                            ),
+                        )
+                    })?;
                 let c = c.as_slice().map_err(|_| {
                     to_py(
                         py,
@@ -609,9 +614,11 @@ impl PyStepScheduler {
             })
             .py_err(py)?;
         let t = PyArray1::from_vec(py, t);
-        self.tables
+        let replaced = self
+            .tables
             .lock()
             .insert(id.raw(), Handed::Csr(t.clone().unbind()));
+        drop(replaced); // (after the lock: see `patched_table`)
         Ok((PyLayerPlan::new(id, layer), t))
     }
 
@@ -624,9 +631,10 @@ impl PyStepScheduler {
         &self,
         py: Python<'py>,
         plan: &Bound<'py, PyAny>,
-        stream: Option<u64>,
+        stream: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<(Vec<(usize, u64, String)>, Option<Bound<'py, PyAny>>)> {
         self.follow(py)?;
+        let stream = crate::py::args::opt_stream(stream)?;
         let id = plan_id(plan)?;
         let out = py
             .detach(|| self.inner.run(|s| each!(s, s => s.ready(id, stream))))
@@ -648,7 +656,8 @@ impl PyStepScheduler {
     fn finish<'py>(&self, py: Python<'py>, plan: &Bound<'py, PyAny>) -> PyResult<PyLayerCounts> {
         let id = plan_id(plan)?;
         let c = self.inner.run_py(py, |s| each!(s, s => s.finish(id)))?;
-        self.tables.lock().remove(&id.raw());
+        let handed = self.tables.lock().remove(&id.raw());
+        drop(handed); // (after the lock: see `patched_table`)
         Ok(PyLayerCounts::new(&c))
     }
 
@@ -927,7 +936,12 @@ impl PyStepScheduler {
         id: u64,
         out: &crate::scheduler::ReadyOutcome,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let mut tables = self.tables.lock();
+        // Python objects are made and dropped outside the lock: either can run Python code (a
+        // weakref callback, a collection) that calls this scheduler again on this thread.
+        let handed = self.tables.lock().get(&id).map(|h| match h {
+            Handed::Rows(t) => Handed::Rows(t.clone_ref(py)),
+            Handed::Csr(t) => Handed::Csr(t.clone_ref(py)),
+        });
         let patch = |mut t: Vec<i32>| {
             for &(at, slot) in &out.moved {
                 t[at as usize] = slot;
@@ -937,7 +951,7 @@ impl PyStepScheduler {
             }
             t
         };
-        let (patched, any) = match tables.get(&id) {
+        let (patched, any) = match &handed {
             None => {
                 return Err(to_py(
                     py,
@@ -954,7 +968,8 @@ impl PyStepScheduler {
                 (Handed::Csr(t.clone().unbind()), t.into_any())
             }
         };
-        tables.insert(id, patched);
+        let replaced = self.tables.lock().insert(id, patched);
+        drop((replaced, handed));
         Ok(any)
     }
 }

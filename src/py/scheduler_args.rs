@@ -38,6 +38,7 @@ pub(super) fn rid_list(obj: &Bound<'_, PyAny>) -> PyResult<Vec<RequestId>> {
     let ids: Vec<i64> = match obj
         .cast::<PyArray1<i64>>()
         .ok()
+        .filter(|a| crate::py::args::in_place(a.as_untyped()))
         .and_then(|a| a.to_vec().ok())
     {
         Some(v) => v,

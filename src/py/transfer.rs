@@ -32,7 +32,65 @@ use std::time::Duration;
 pub struct PyPageTransferBinding {
     pub(crate) inner: PageTransferBinding,
     pub(crate) tensor: Py<PyAny>,
+    /// Its memory, kept alive by whatever copies into or out of it.
+    pub(crate) memory: BoundMemory,
     pub(crate) pinned: bool,
+}
+
+/// A bound tensor's storage: held, not the tensor, so that a tensor pointed elsewhere
+/// (`tensor.set_()`) or dropped leaves the memory the copies use alive.
+pub(crate) struct BoundMemory {
+    storage: Py<PyAny>,
+    base: u64,
+    nbytes: u64,
+}
+
+impl BoundMemory {
+    /// The storage of `tensor`, as it is now.
+    pub(crate) fn of(tensor: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let storage = tensor.call_method0("untyped_storage")?;
+        Ok(BoundMemory {
+            base: storage.call_method0("data_ptr")?.extract()?,
+            nbytes: storage.call_method0("nbytes")?.extract()?,
+            storage: storage.unbind(),
+        })
+    }
+
+    /// The storage, for an owner that keeps it alive.
+    pub(crate) fn keep(&self, py: Python<'_>) -> Py<PyAny> {
+        self.storage.clone_ref(py)
+    }
+
+    pub(crate) fn clone_ref(&self, py: Python<'_>) -> Self {
+        BoundMemory {
+            storage: self.storage.clone_ref(py),
+            base: self.base,
+            nbytes: self.nbytes,
+        }
+    }
+
+    /// Refuses a storage resized (`untyped_storage().resize_()`) since it was bound: its
+    /// memory may be gone.
+    pub(crate) fn check(&self, py: Python<'_>, field: &str) -> PyResult<()> {
+        let s = self.storage.bind(py);
+        let base: u64 = s.call_method0("data_ptr")?.extract()?;
+        let nbytes: u64 = s.call_method0("nbytes")?.extract()?;
+        if (base, nbytes) != (self.base, self.nbytes) {
+            return Err(to_py(
+                py,
+                Error::config(
+                    field,
+                    format!(
+                        "a tensor whose storage moved or was resized since it was bound \
+                         ({:#x}, {} bytes; bound at {:#x}, {} bytes)",
+                        base, nbytes, self.base, self.nbytes
+                    ),
+                    "bound tensors whose storage stays as it was while bound",
+                ),
+            ));
+        }
+        Ok(())
+    }
 }
 
 #[pymethods]
@@ -51,8 +109,8 @@ impl PyPageTransferBinding {
             let ptr: u64 = tensor.call_method0("data_ptr")?.extract()?;
             let len = spec.inner.total_bytes();
             // SAFETY: `tensor` was checked to be a contiguous buffer of exactly `len` bytes with
-            // the spec's dtype and shape; we hold a reference to it for as long as this binding
-            // lives, and the engine keeps one until every transfer over it has finished.
+            // the spec's dtype and shape; we hold its storage for as long as this binding lives
+            // (`memory`), and the engine holds it until every transfer over it has finished.
             let mut inner =
                 unsafe { PageTransferBinding::new(ptr, len, &spec.inner, layout, kind) }
                     .py_err(py)?;
@@ -62,6 +120,7 @@ impl PyPageTransferBinding {
             }
             Ok(PyPageTransferBinding {
                 inner,
+                memory: BoundMemory::of(tensor)?,
                 tensor: tensor.clone().unbind(),
                 pinned,
             })
@@ -143,7 +202,7 @@ fn units(obj: &Bound<'_, PyAny>, field: &'static str) -> PyResult<Vec<u64>> {
 #[pyclass(name = "PreparedPageTransfer", module = "sparsetier._core", frozen)]
 pub struct PyPreparedPageTransfer {
     inner: PreparedPageTransfer,
-    tensors: [Py<PyAny>; 2],
+    memory: [BoundMemory; 2],
     pinned: bool,
 }
 
@@ -186,7 +245,7 @@ impl PyPreparedPageTransfer {
                 .all(|b| b.inner.kind() == MemoryKind::Device || b.pinned);
             Ok(PyPreparedPageTransfer {
                 inner,
-                tensors: [src.tensor.clone_ref(py), dst.tensor.clone_ref(py)],
+                memory: [src.memory.clone_ref(py), dst.memory.clone_ref(py)],
                 pinned,
             })
         })
@@ -207,7 +266,7 @@ impl PyPreparedPageTransfer {
 #[pyclass(name = "PageTransferGroup", module = "sparsetier._core", frozen)]
 pub struct PyPageTransferGroup {
     inner: Arc<PageTransferGroup>,
-    tensors: Vec<Py<PyAny>>,
+    memory: Vec<BoundMemory>,
     pinned: bool,
 }
 
@@ -218,14 +277,14 @@ impl PyPageTransferGroup {
         contained(|| {
             let inner = PageTransferGroup::new(members.iter().map(|m| m.inner.clone()).collect())
                 .py_err(py)?;
-            let tensors = members
+            let memory = members
                 .iter()
-                .flat_map(|m| m.tensors.iter().map(|t| t.clone_ref(py)))
+                .flat_map(|m| m.memory.iter().map(|t| t.clone_ref(py)))
                 .collect();
             let pinned = members.iter().all(|m| m.pinned);
             Ok(PyPageTransferGroup {
                 inner: Arc::new(inner),
-                tensors,
+                memory,
                 pinned,
             })
         })
@@ -359,8 +418,14 @@ impl PyTransferHandle {
     /// `torch.cuda.current_stream().cuda_stream`) wait for `layer` on the GPU, without
     /// blocking the CPU. Only for the kernel and direct engines. A failed layer raises
     /// CopyFailedError/TransferFailedError instead.
-    fn stream_wait(&self, py: Python<'_>, layer: i64, stream: u64) -> PyResult<()> {
+    fn stream_wait(&self, py: Python<'_>, layer: i64, stream: &Bound<'_, PyAny>) -> PyResult<()> {
         contained(|| {
+            let Some(stream) = crate::py::args::opt_stream(Some(stream))? else {
+                return Err(to_py(
+                    py,
+                    Error::config("stream", "None", "a raw CUDA stream: an int in [0, 2^64)"),
+                ));
+            };
             let l = layer_arg(py, &self.events, Some(layer))?.expect("given");
             let idx = self
                 .events
@@ -389,7 +454,7 @@ impl PyTransferHandle {
 }
 
 /// A submission's events and the tensors it reads and writes.
-type KeptAlive = (Arc<TransferEvents>, Vec<Py<PyAny>>);
+type KeptAlive = (Arc<TransferEvents>, Vec<BoundMemory>);
 
 /// A copy engine chosen by `io_backend`: `cpu`, `kernel` or `direct`.
 #[pyclass(name = "TransferEngine", module = "sparsetier._core", frozen)]
@@ -429,9 +494,17 @@ impl PyTransferEngine {
 
     /// Releases the tensors of finished submissions; returns how many are still in flight.
     fn prune(&self) -> usize {
-        let mut keep = self.keepalive.lock();
-        keep.retain(|(ev, _)| !ev.is_finished());
-        keep.len()
+        let (done, left) = {
+            let mut keep = self.keepalive.lock();
+            let (done, live): (Vec<_>, Vec<_>) =
+                keep.drain(..).partition(|(ev, _)| ev.is_finished());
+            *keep = live;
+            (done, keep.len())
+        };
+        // Dropped once the lock is let go: the last reference to a tensor can run Python code
+        // (a weakref callback, `__del__`) that calls this engine again.
+        drop(done);
+        left
     }
 }
 
@@ -542,13 +615,16 @@ impl PyTransferEngine {
                     )
                 })?),
             };
+            for m in &group.memory {
+                m.check(py, "group")?;
+            }
             let g = Arc::clone(&group.inner);
             let events = py
                 .detach(|| this.inner.dyn_ref().submit(g, layer))
                 .py_err(py)?;
             this.prune();
-            let tensors = group.tensors.iter().map(|t| t.clone_ref(py)).collect();
-            this.keepalive.lock().push((Arc::clone(&events), tensors));
+            let memory = group.memory.iter().map(|t| t.clone_ref(py)).collect();
+            this.keepalive.lock().push((Arc::clone(&events), memory));
             Ok(PyTransferHandle {
                 events,
                 engine: slf.clone().unbind(),

@@ -267,6 +267,7 @@ impl StepScheduler<PrefixTier> {
         if layer >= self.cfg.layers {
             return Err(Error::out_of_range("layer", layer, 0, self.cfg.layers));
         }
+        self.xfer.engine.check_stream(stream)?;
         let r = self
             .requests
             .get(&id)

@@ -16,6 +16,7 @@ impl<T: Tier> StepScheduler<T> {
     /// A failed load is retried once; rows still without their data are reported failed.
     pub fn ready(&mut self, id: LayerPlanId, stream: Option<u64>) -> Result<ReadyOutcome> {
         let t0 = Instant::now();
+        self.xfer.engine.check_stream(stream)?;
         let plan = self.plan_ref(id)?;
         if plan.ready {
             return Ok(ReadyOutcome::default());

@@ -477,8 +477,9 @@ impl CudaEngine {
             Error::out_of_range("layer_index", layer_index as u64, 0, events.len() as u64)
         })?;
         let _ctx = CurrentContext::bind(&self.ctx)?;
-        // SAFETY: `stream` is a live CUstream of this context (the caller's contract, checked
-        // by the binding against torch's current device) and `ev` a live event of ours.
+        // SAFETY: `stream` is a live CUstream of this context: the caller's contract, which
+        // nothing here can check (a raw handle; the bindings document it as a stream of the
+        // engine's device, e.g. torch's current one); `ev` is a live event of ours.
         let r = unsafe { sys::cuStreamWaitEvent(stream as sys::CUstream, ev.cu_event(), 0) };
         check(r, "cuStreamWaitEvent")
     }
@@ -711,6 +712,10 @@ fn chunked(ops: Vec<CopyOp>, chunk: u64) -> Vec<CopyOp> {
 }
 
 impl CopyEngine for CudaEngine {
+    fn has_streams(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         match self.mode {
             CudaMode::Kernel { .. } => "kernel",

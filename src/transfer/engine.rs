@@ -20,6 +20,27 @@ pub trait CopyEngine: Send + Sync {
         layer: Option<usize>,
     ) -> Result<Arc<TransferEvents>>;
 
+    /// Whether the engine's copies can be waited for on a CUDA stream ([`Self::stream_wait`]).
+    fn has_streams(&self) -> bool {
+        false
+    }
+
+    /// Refuses a consumer's stream (`stream`) where the engine has none: a stream given to a
+    /// CPU engine is a caller's mistake, whether or not its copies happen to be done.
+    fn check_stream(&self, stream: Option<u64>) -> Result<()> {
+        match stream {
+            Some(s) if !self.has_streams() => Err(Error::config(
+                "stream",
+                format!("{s:#x}"),
+                format!(
+                    "None: the {} engine has no CUDA streams to wait on",
+                    self.name()
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Makes the consumer's CUDA stream `stream` wait on the GPU for layer index `layer_index`
     /// of `events`, without blocking the CPU. Engines that run on the CPU have no streams and
     /// refuse; their consumers wait on the events instead.
