@@ -413,6 +413,60 @@ def test_resolver_misuse_is_refused_before_anything_changes(kernel):
     rt.scheduler.validate()
 
 
+def test_host_calls_are_refused_while_a_device_step_is_open():
+    # The step's later layers may read any slot the mirror names (nothing the device reads is
+    # pinned): a call that could take a device slot or free a page waits for end_step.
+    rt = _runtime(2, "device")
+    rt.add_request(0, torch.arange(30) % 512, 4)
+    rt.add_request(1, torch.arange(40) % 512, 4)
+    s, res = rt.scheduler, rt.resolver
+    rids = np.array([0], dtype=np.int64)
+    s.append(rids)
+    assert s.begin_device_step(rids, 3)
+    res.resolve(0, rids, np.array([[0, 1, -1]], np.int32))
+    before = (s.device_stats(), s.request_len(1))
+    sel = np.array([[0, 1]], dtype=np.int64)
+    for call in [
+        lambda: s.append(np.array([1])),
+        lambda: s.extend(1, 8),
+        lambda: s.plan(1, np.array([1]), sel, 8),
+        lambda: s.plan_csr(1, np.array([1]), np.array([0, 2]), np.array([0, 1]), 8),
+        lambda: s.admit(5, np.arange(24) % 512),
+        lambda: s.finish_request(1),
+        lambda: s.finish_request(1, np.arange(40) % 512),
+        lambda: s.evict_prefix(1, 1),
+    ]:
+        with pytest.raises(sp.ConfigError) as e:
+            call()
+        assert e.value.field == "step", e.value
+    assert (s.device_stats(), s.request_len(1)) == before
+    res.resolve(1, rids, np.array([[0, 1, -1]], np.int32))
+    s.end_step()
+    s.validate()
+    # Once the step ends they run.
+    s.extend(1, 8)
+    s.finish_request(1)
+    s.validate()
+
+
+def test_a_forward_that_raises_ends_the_device_step():
+    rt = _runtime(2, "device")
+    rt.add_request(0, torch.arange(30) % 512, 4)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("the model failed")
+
+    forward, rt._forward = rt._forward, broken
+    with pytest.raises(RuntimeError, match="the model failed"):
+        rt.step()
+    assert not rt.resolver.step_open
+    rt.scheduler.validate()
+    rt._forward = forward
+    rec = rt.step()  # the next step runs, on the device
+    assert rec.requests == 1 and rt.scheduler.device_stats()["steps"] == 2
+    rt.scheduler.validate()
+
+
 def test_resolve_device_is_refused_where_it_cannot_run():
     model = TinySparseModel(ModelConfig(layers=2))
     kw = dict(page_size=8, device_slots=80, host_pages=40, indexer_pages=20, topk=3)

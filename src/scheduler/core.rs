@@ -312,6 +312,7 @@ impl<T: Tier> StepScheduler<T> {
     /// rows before its next `extend`, `append` or `end_step` (a layer's plan may come between);
     /// pages that fill are written through after that.
     pub fn extend(&mut self, id: RequestId, tokens: u64) -> Result<(u32, Vec<SlotId>)> {
+        self.no_device_step("extend")?;
         let ps = u64::from(self.cfg.page_size);
         let layers = self.cfg.layers;
         let r = self
@@ -506,6 +507,7 @@ impl<T: Tier> StepScheduler<T> {
     /// batch. The caller writes layer l's rows any time before `end_step`: a page this token
     /// fills is written through only then.
     pub fn append(&mut self, rids: &[RequestId]) -> Result<(Vec<SlotId>, Vec<u32>)> {
+        self.no_device_step("append")?;
         let t0 = Instant::now();
         // The prefill chunks extended before this step are written by now.
         self.xfer.pending.append(&mut self.xfer.filled);
@@ -597,6 +599,7 @@ impl<T: Tier> StepScheduler<T> {
         unit: SelectionUnit,
         counts: Option<&[u32]>,
     ) -> Result<(LayerPlanId, &[i32])> {
+        self.no_device_step("plan")?;
         if selection.len() != rids.len() * k {
             return Err(Error::config(
                 "selection",
@@ -867,6 +870,7 @@ impl<T: Tier> StepScheduler<T> {
         unit: SelectionUnit,
         counts: Option<&[u32]>,
     ) -> Result<(LayerPlanId, &[i32])> {
+        self.no_device_step("plan_csr")?;
         let csr = csr::Csr::check(
             rids.len(),
             offsets,
@@ -945,11 +949,12 @@ impl<T: Tier> StepScheduler<T> {
     pub fn end_step(&mut self) -> Result<StepRecord> {
         let t0 = Instant::now();
         self.xfer.pending.append(&mut self.xfer.filled);
-        self.submit_pending_backups()?;
-        self.poll()?;
+        let before = self.submit_pending_backups().and_then(|()| self.poll());
         // The tier's error (a device step's log that never came back, cells it refused) is
-        // the step's, returned once the step has ended: its counts are in the totals.
-        let tier = T::end_step(self);
+        // the step's, returned once the step has ended: its counts are in the totals. (So is
+        // a failed submission's: the tier ends its step all the same, or the device step would
+        // stay open, its victims pinned.)
+        let tier = before.and(T::end_step(self));
         let stale: Vec<u16> = self.prefetches.keys().copied().collect();
         for l in stale {
             if let Err(e) = self.drop_prefetch(l) {
@@ -1005,6 +1010,20 @@ impl<T: Tier> StepScheduler<T> {
             self.poll()?;
         }
         T::drain(self)
+    }
+
+    /// Refuses `call` while a device step is open: the step's later layers may still read any
+    /// slot its mirror names (nothing the device reads is pinned), so nothing may take a
+    /// device slot, or free a page, until `end_step`.
+    pub(super) fn no_device_step(&self, call: &str) -> Result<()> {
+        if self.tier.device_step_open() {
+            return Err(Error::config(
+                "step",
+                format!("a device step open ({call} called in it)"),
+                "no device step open: end_step first",
+            ));
+        }
+        Ok(())
     }
 
     /// Settles every finished load and backup (complete, or fail and retry a backup once).

@@ -340,6 +340,7 @@ impl StepScheduler<PrefixTier> {
         // Armed load failures (test builds) fail the resolver's copies this step.
         if let Err(e) = st.open((rids, entries), grant, self.xfer.take_copy_faults(), cells) {
             st.set_stream(before);
+            self.xfer.restore_copy_faults(st.take_faults());
             return Err(e);
         }
         link.open = true;

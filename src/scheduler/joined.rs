@@ -130,6 +130,7 @@ impl StepScheduler<PrefixTier> {
     /// host part's Indexer-K, and registers the matched pages' main KV as host-resident
     /// objects. The request starts at the matched length; `extend` prefills the rest.
     pub fn admit(&mut self, id: RequestId, tokens: &[u32]) -> Result<Admission> {
+        self.no_device_step("admit")?;
         if self.requests.contains_key(&id) {
             return Err(Error::KeyExists {
                 key: format!("request {id}"),
@@ -302,6 +303,7 @@ impl StepScheduler<PrefixTier> {
     /// pages' worth), its whole pages go into the prefix tree once written through; without,
     /// its own pages are let go. Either way the match is unlocked when that is done.
     pub fn end_request(&mut self, id: RequestId, tokens: Option<&[u32]>) -> Result<()> {
+        self.no_device_step("end_request")?;
         let r = self
             .requests
             .get(&id)
@@ -496,6 +498,7 @@ impl StepScheduler<PrefixTier> {
     /// `host` host pages of unlocked host-only nodes (whose main-KV objects go with them).
     /// Returns (device pages freed, host pages freed).
     pub fn evict_prefix(&mut self, device: usize, host: usize) -> Result<(usize, usize)> {
+        self.no_device_step("evict_prefix")?;
         if device > 0 {
             // What the device resolver's pool holds becomes the directory's, to leave too.
             self.release_device()?;
@@ -707,8 +710,10 @@ impl Tier for PrefixTier {
     /// Waits for the cache's transfers, then writes through and inserts the requests that
     /// ended (a failed write gets more tries).
     fn drain(s: &mut StepScheduler<Self>) -> Result<()> {
-        s.end_device_step()?;
+        // (A device step whose log never came back still hands its grant back.)
+        let device = s.end_device_step();
         s.park_grant()?;
+        device?;
         s.tier.cache.drain()?;
         s.tier.drop_freed(&s.dir)?;
         s.flush_finished()?;
@@ -744,6 +749,10 @@ impl Tier for PrefixTier {
 
     fn device_victims(s: &StepScheduler<Self>) -> rustc_hash::FxHashSet<u32> {
         s.granted_victims()
+    }
+
+    fn device_step_open(&self) -> bool {
+        self.device.as_ref().is_some_and(|l| l.open)
     }
 
     #[cfg(any(test, feature = "testing"))]

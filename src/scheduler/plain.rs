@@ -258,6 +258,10 @@ impl Tier for Plain {
         Default::default()
     }
 
+    fn device_step_open(&self) -> bool {
+        false
+    }
+
     #[cfg(any(test, feature = "testing"))]
     fn restore_faults(&self) -> u64 {
         0

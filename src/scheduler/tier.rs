@@ -103,6 +103,9 @@ pub trait Tier: sealed::Sealed + Sized + Send + 'static {
     /// (joined: the victims the device resolver's standing grant holds).
     fn device_victims(s: &StepScheduler<Self>) -> rustc_hash::FxHashSet<u32>;
 
+    /// Whether a device step is open (joined: between `begin_device_step` and `end_step`).
+    fn device_step_open(&self) -> bool;
+
     /// Restore faults still armed (joined only; test builds).
     #[cfg(any(test, feature = "testing"))]
     fn restore_faults(&self) -> u64;

@@ -590,11 +590,19 @@ class DecodeRuntime:
             on_device = self.resolver is not None and self.scheduler.begin_device_step(
                 rids_np, self.topk
             )
-            if on_device and self.graphs is not None:
-                logits = self.graphs.step(rids_np, state, idx_tbl, t_hist, failed)
-            else:
-                resolve = self._resolve_fn(rids_np, failed, on_device)
-                logits = self._forward(self._table(state), idx_tbl, t_hist, resolve)
+            try:
+                if on_device and self.graphs is not None:
+                    logits = self.graphs.step(rids_np, state, idx_tbl, t_hist, failed)
+                else:
+                    resolve = self._resolve_fn(rids_np, failed, on_device)
+                    logits = self._forward(self._table(state), idx_tbl, t_hist, resolve)
+            except BaseException:
+                # A device step ends in the core all the same (what the layers resolved is
+                # reconciled, the grant's victims let go): left open, it would refuse every
+                # later one. Its tokens are not taken.
+                if on_device:
+                    self.scheduler.end_step()
+                raise
             nxt = logits.argmax(dim=-1).tolist()
             out_cpu = logits.cpu()
             # NaN logits (a NaN hidden state: on a GPU the layers do not stop the host to

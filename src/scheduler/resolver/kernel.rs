@@ -656,14 +656,15 @@ impl DeviceKernel {
         // One pass, no allocation but the log's (a step's misses: thousands of entries).
         let mut log: Vec<LogEntry> = Vec::with_capacity(self.log_host.len() / LOG_INTS);
         let owners = &self.tables.owners;
+        // (Every entry the step took is before its cursor: one past it is a bad read-back.)
+        let used = self.used();
         for l in self.log_host.chunks_exact(LOG_INTS) {
             let rid = usize::try_from(l[2])
                 .ok()
                 .and_then(|r| owners.get(r).copied().flatten());
             match rid {
                 Some(rid)
-                    if (l[0] as u32 as usize) < self.grant_len
-                        && (l[1] as u32 as usize) < self.entries =>
+                    if (l[0] as u32 as usize) < used && (l[1] as u32 as usize) < self.entries =>
                 {
                     log.push(LogEntry {
                         g: l[0] as u32,
