@@ -71,6 +71,10 @@ fn a_request_ended_while_a_plan_reads_its_kept_slots() {
 struct StreamOrdered(CpuEngine);
 
 impl crate::transfer::engine::CopyEngine for StreamOrdered {
+    fn has_streams(&self) -> bool {
+        true
+    }
+
     fn name(&self) -> &'static str {
         "cpu, stream-ordered"
     }
