@@ -158,6 +158,9 @@ pub struct ResolverState {
     refill_at: usize,
     /// Grant entries passed over (a victim the resolving layer had read), for later layers.
     deferred: Vec<usize>,
+    /// The next deferred entry to take, and the end of those earlier calls deferred.
+    def_at: usize,
+    def_usable: usize,
     /// Grant entries whose copy failed this step: their slots hold nothing, taken again first.
     spare: Vec<usize>,
     /// The requests of the rows that got a [`FAILED`] cell this step.
@@ -238,6 +241,8 @@ impl ResolverState {
             call: 0,
             refill_at: 0,
             deferred: Vec::new(),
+            def_at: 0,
+            def_usable: 0,
             spare: Vec::new(),
             failed_rids: Vec::new(),
             serial: 0,
@@ -340,6 +345,8 @@ impl ResolverState {
         self.call = 0;
         self.refill_at = 0;
         self.deferred.clear();
+        self.def_at = 0;
+        self.def_usable = 0;
         self.spare.clear();
         self.failed_rids.clear();
         self.counts = ResolveCounts {
@@ -596,6 +603,10 @@ impl ResolverState {
         }
         self.call += 1;
         self.resolved[layer as usize] = true;
+        // What earlier calls deferred is this call's to take (see `take`).
+        self.deferred.drain(..self.def_at);
+        self.def_at = 0;
+        self.def_usable = self.deferred.len();
         table[n..].fill(ABSENT);
         self.start_reads();
         // The tables are read while the mirror and marks change: held apart meanwhile.
@@ -817,12 +828,14 @@ impl ResolverState {
         if let Some(g) = self.spare.pop() {
             return Some((g, self.grant[g].0));
         }
-        if let Some(i) = (0..self.deferred.len()).find(|&i| {
-            let (_, v) = self.grant[self.deferred[i]];
-            !read_here(self, v as usize)
-        }) {
-            let g = self.deferred.remove(i);
+        // Entries earlier calls deferred come first, in order: their victims are of the layers
+        // those calls resolved, never this one's (each layer once a step), so any of them will
+        // do; this call's own follow them, for later calls (the kernel's ST_DEF_AT/ST_DEF_LEN).
+        if self.def_at < self.def_usable {
+            let g = self.deferred[self.def_at];
+            self.def_at += 1;
             let (slot, v) = self.grant[g];
+            debug_assert!(!read_here(self, v as usize));
             if self.mirror[v as usize] == slot {
                 self.mirror[v as usize] = ABSENT;
             }
