@@ -83,7 +83,9 @@ pub struct Totals {
     /// Objects an eviction passed over because the last device step read them (the
     /// resolver's published read bitmap).
     pub second_chances: u64,
-    /// Objects a device's grant of victims passed over for the same reason.
+    /// Second chances a device's grant of victims gave for the same reason (an object sent
+    /// back once a bitmap; one the same walk reaches again, the rest being read too, is
+    /// granted then, and counted here as well).
     pub grant_second_chances: u64,
     /// Loads completed.
     pub loads_completed: u64,

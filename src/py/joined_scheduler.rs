@@ -146,8 +146,9 @@ impl PyJoinedStepScheduler {
     /// pinned as victims), slots filled twice in a step, the slots of
     /// the resolver's pool, the objects only the resolver's slots hold (`pool_live`), the
     /// objects host loads took from the pool instead of copying them (`adopted`), and the
-    /// objects the last device step read that host evictions (`second_chances`) and the
-    /// grants' victims (`grant_second_chances`) passed over.
+    /// objects the last device step read that host evictions passed over
+    /// (`second_chances`), and the second chances the grants gave them
+    /// (`grant_second_chances`: once a bitmap; a walk that comes round grants them then).
     fn device_stats<'py>(
         slf: &Bound<'py, Self>,
         py: Python<'py>,

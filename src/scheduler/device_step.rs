@@ -149,7 +149,8 @@ pub struct DeviceTotals {
     pub adopted: u64,
     /// Objects the host's evictions passed over because the last device step read them.
     pub second_chances: u64,
-    /// Objects the grants' victims passed over for the same reason.
+    /// Second chances the grants gave for the same reason (each passed over once a bitmap; a
+    /// walk that comes round to one again grants it then).
     pub grant_second_chances: u64,
 }
 
