@@ -98,6 +98,7 @@ def test_bad_jobs_are_refused_before_anything_moves():
     good = dict(block_ids=[1, 2], group_sizes=[1, 1], block_indices=[0, 0], chunk_ids=[0, 1])
     cases = [
         (dict(group_sizes=[2]), ConfigError, "group_sizes"),
+        (dict(group_sizes=[2**62, 2**62]), ConfigError, "group_sizes"),  # past int64 in all
         (dict(block_ids=[1, BLOCKS]), OutOfRangeError, "block_ids"),
         (dict(chunk_ids=[0, CHUNKS]), OutOfRangeError, "block_ids"),
         (dict(chunk_ids=[0]), ConfigError, "cpu_spec.block_ids"),

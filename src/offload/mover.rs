@@ -226,8 +226,12 @@ impl BlockMover {
                 ));
             }
         }
-        let total: i64 = spec.group_sizes.iter().sum();
-        if spec.group_sizes.iter().any(|&s| s < 0) || total != spec.blocks.len() as i64 {
+        // (Checked: sizes past int64 in all must not wrap round to the block count.)
+        let total =
+            spec.group_sizes
+                .iter()
+                .try_fold(0i64, |t, &s| if s < 0 { None } else { t.checked_add(s) });
+        if total != Some(spec.blocks.len() as i64) {
             return Err(Error::config(
                 "gpu_spec.group_sizes",
                 format!("{:?}", spec.group_sizes),
