@@ -6,8 +6,10 @@ Each test names the class of defect it covers.
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -81,30 +83,34 @@ def _returns_in_time(call) -> None:
         faulthandler.cancel_dump_traceback_later()
 
 
+def _pages_group(spec, src, dst, src_pages, dst_pages):
+    """A group copying `src_pages` of `src` to `dst_pages` of `dst` (tensors or bindings)."""
+
+    def bind(t):
+        return t if isinstance(t, st.PageTransferBinding) else st.PageTransferBinding(t, spec)
+
+    transfer = lowlevel.PreparedPageTransfer(bind(src), bind(dst), src_pages, dst_pages)
+    return lowlevel.PageTransferGroup([transfer])
+
+
 def test_a_callback_run_as_a_finished_copy_lets_go_of_its_memory_may_call_the_engine():
     # The engine lets go of a finished submission's memory under no lock: the last reference
     # can run Python code (a weakref callback here) that calls the engine again.
-    import gc
-    import weakref
-
     spec = st.PoolSpec("KV", 1, 2, 8, "bf16", 4, 4)
     eng = st.TransferEngine("cpu")
     src = torch.zeros(spec.shape(), dtype=torch.bfloat16)
     dst = torch.zeros(spec.shape(), dtype=torch.bfloat16)
     seen: list = []
     ref = weakref.ref(dst.untyped_storage(), lambda _: seen.append(eng.in_flight))
-    b = (st.PageTransferBinding(src, spec), st.PageTransferBinding(dst, spec))
-    group = lowlevel.PageTransferGroup([lowlevel.PreparedPageTransfer(*b, [0], [1])])
+    group = _pages_group(spec, src, dst, [0], [1])
     handle = eng.submit(group)
-    del group, b, dst
+    del group, dst
     gc.collect()
     _returns_in_time(handle.wait)
     assert ref() is None and seen == [0]
 
 
 def test_a_callback_run_as_a_plans_table_is_let_go_may_call_the_scheduler():
-    import weakref
-
     s = small_scheduler(4, 32, 64, 2, {7: 8})
     plan, table = s.plan(0, np.array([7]), np.array([[0]]), 4)
     s.ready(plan)
@@ -135,18 +141,14 @@ def test_a_bound_tensor_pointed_elsewhere_leaves_its_copies_memory_alive():
     view = dst.untyped_storage()
     dst.set_(torch.empty(0, dtype=torch.bfloat16))
     del view
-    group = lowlevel.PageTransferGroup(
-        [lowlevel.PreparedPageTransfer(st.PageTransferBinding(src, spec), bound, [0, 3], [1, 2])]
-    )
-    eng.submit(group).wait()  # (into freed memory, before: a crash)
+    eng.submit(
+        _pages_group(spec, src, bound, [0, 3], [1, 2])
+    ).wait()  # (into freed memory, before: a crash)
     other = torch.zeros(spec.shape(), dtype=torch.bfloat16)
     resized = st.PageTransferBinding(other, spec)
     other.untyped_storage().resize_(0)
-    group = lowlevel.PageTransferGroup(
-        [lowlevel.PreparedPageTransfer(st.PageTransferBinding(src, spec), resized, [0], [1])]
-    )
     with pytest.raises(ConfigError) as e:
-        eng.submit(group)
+        eng.submit(_pages_group(spec, src, resized, [0], [1]))
     assert e.value.field == "group" and "resized" in str(e.value)
     assert eng.in_flight == 0
 

@@ -433,20 +433,9 @@ impl PyResolveKernel {
             )?;
             // The counters the kernel indexes with (each index below its bound is checked
             // there, a negative one is not).
-            bounded(
-                py,
-                "st[ST_USED]",
-                &st_now[ST_USED..=ST_USED],
-                0,
-                i64::from(i32::MAX),
-            )?;
-            bounded(
-                py,
-                "st[ST_LOG]",
-                &st_now[ST_LOG..=ST_LOG],
-                0,
-                i64::from(i32::MAX),
-            )?;
+            for (name, i) in [("st[ST_USED]", ST_USED), ("st[ST_LOG]", ST_LOG)] {
+                bounded(py, name, &st_now[i..=i], 0, i64::from(i32::MAX))?;
+            }
             // The cursors as a step leaves them: deferrals consume grant entries, and the
             // cursors over deferrals and the log stay inside what they index.
             let grant_len = st_now[ST_GRANT_LEN];
