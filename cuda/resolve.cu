@@ -1,7 +1,9 @@
 // sparsetier device resolver: one decode layer's top-k mapped to device slots, the misses copied
 // from pinned host memory (read over unified addressing) into slots the core granted, with no
 // host round trip. The algorithm of `src/scheduler/resolver.rs` (the reference, run on the CPU),
-// in parallel: one warp per selected cell; lane 0 decides, the warp copies.
+// in parallel, two launches a layer: `sparsetier_mark` marks every object the layer reads (a
+// thread a cell), then `sparsetier_resolve` serves the cells (a warp a cell; lane 0 decides, the
+// warp copies).
 //
 // Compiled with NVRTC in CI (`compile_cuda_kernels`); launched by the runtime on CUDA pools
 // (`src/scheduler/resolver/gpu.rs`), and never run on a GPU yet. Test builds also compile this
@@ -12,9 +14,9 @@
 // Where the reference walks cells in order, here cells race, and these make the race safe:
 // - a missing mirror entry is claimed with a CAS from -1 to CLAIMING; the winner takes a slot,
 //   copies, fences and publishes the slot; a loser waits for the slot (the winner is running);
-// - a victim is claimed the same way (its slot to CLAIMING) before its read mark is looked at,
-//   and a cell marks an entry before it reads the mirror, both fenced: either the cell waits
-//   on the claim or the victim is found read and left in place;
+// - every object the layer reads is marked by the layer's first launch, before any cell is
+//   served (stream order): a victim the layer reads is always found marked and left in place,
+//   and one it does not read no cell of the layer looks at;
 // - slots are taken by atomic cursors: the grant in order (a victim this layer has read is
 //   deferred: a cell may still read it), then victims deferred by earlier calls, then slots
 //   earlier calls filled (their layers' cells were read: stream order); the last two cursors
@@ -103,23 +105,21 @@ __device__ int2 take(Step& s, int layers, int layer) {
         int g = (int)atomicAdd(&s.st[ST_USED], 1u);
         if (g >= s.grant_len) break;
         int slot = s.grant[2 * g], victim = s.grant[2 * g + 1];
-        if (victim >= 0 && atomicCAS(&s.mirror[victim], slot, CLAIMING) == slot) {
-            // The victim's entry is claimed before its mark is read, and a cell marks an
-            // entry before it reads it, each side fenced: either the cell finds the claim
-            // (and waits for the outcome) or this finds the mark. Reading the mark first let
-            // a cell hit the slot between the two, and read the object copied over it.
-            __threadfence();
+        // A victim the mirror no longer names here (it moved or left) is as good as free.
+        if (victim >= 0 && ((volatile int*)s.mirror)[victim] == slot) {
             if (read_here(s, victim, layers, layer)) {
-                atomicExch(&s.mirror[victim], slot);  // a cell of this layer may read it
-                // The length first, then the entry, its call last: a reader that finds the
-                // call NOT_YET stops there (the entry is this call's anyway).
+                // A cell of this layer reads it (the layer's marks were all set before this
+                // launch): passed over, for a later layer. The length first, then the entry,
+                // its call last: a reader that finds the call NOT_YET stops there (the entry
+                // is this call's anyway).
                 const int d = (int)atomicAdd(&s.st[ST_DEF_LEN], 1u);
                 s.deferred[2 * d] = g;
                 __threadfence();
                 atomicExch(&s.deferred[2 * d + 1], s.call);
                 continue;
             }
-            atomicExch(&s.mirror[victim], ABSENT);
+            // No cell of this layer reads it, and no other launch runs meanwhile.
+            atomicCAS(&s.mirror[victim], slot, ABSENT);
         }
         return make_int2(g, slot);
     }
@@ -163,6 +163,46 @@ __device__ __forceinline__ void warp_copy(const unsigned char* src, unsigned cha
     }
 }
 
+// Cell `c`'s (home, page), or home -1 when it names none (no entry, a padding row), -2 when it
+// names a page past its request.
+__device__ __forceinline__ int2 cell_entry(const int* sel, const int* rows, const int* tables,
+                                           const long long* lens, int rows_n, int c, int k,
+                                           int pages_per_row, int page_size, int tokens) {
+    const int entry = sel[c];
+    if (entry < 0 || c / k >= rows_n) return make_int2(-1, -1);
+    const int row = rows[c / k];
+    const long long first = tokens ? (long long)entry : (long long)entry * page_size;
+    if (first >= lens[row]) return make_int2(-2, -1);
+    const int page = (int)(first / page_size);
+    return make_int2(tables[row * pages_per_row + page], page);
+}
+
+// A layer's first launch: marks every object its cells read with the step's serial, and
+// writes in each cell of `table` whether it set its object's mark (1: that cell counts the
+// hit) or not (0), for `sparsetier_resolve`, which overwrites it with the cell's slot. The
+// same arguments as `sparsetier_resolve`, so that both are launched (and captured) together.
+extern "C" __global__ void sparsetier_mark(const int* __restrict__ sel,
+                                           const int* __restrict__ rows,
+                                           const int* __restrict__ tables,
+                                           const long long* __restrict__ lens,
+                                           int* __restrict__ table, StepArgs args, Geometry geo,
+                                           int cells, int k, int pages_per_row, int layers,
+                                           int layer, int page_size, int tokens) {
+    (void)geo;
+    const u32 serial = ((volatile u32*)args.st)[ST_SERIAL];
+    const int rows_n = (int)((volatile u32*)args.st)[ST_ROWS];
+    for (int c = (int)(blockIdx.x * blockDim.x + threadIdx.x); c < cells;
+         c += (int)(gridDim.x * blockDim.x)) {
+        const int2 hp =
+            cell_entry(sel, rows, tables, lens, rows_n, c, k, pages_per_row, page_size, tokens);
+        int first = 0;
+        if (hp.x >= 0) {
+            first = atomicExch(&args.marks[hp.x * layers + layer], serial) != serial ? 1 : 0;
+        }
+        table[c] = first;
+    }
+}
+
 extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
                                               const int* __restrict__ rows,
                                               const int* __restrict__ tables,
@@ -185,55 +225,54 @@ extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
         // Lane 0 decides: (slot, home to copy from or -1).
         int slot = ABSENT, copy_from = -1, g = -1, e = -1, page = -1, row = -1;
         if (lane == 0) {
-            const int entry = sel[c];
-            if (entry >= 0 && c / k < rows_n) {
+            const int2 hp = cell_entry(sel, rows, tables, lens, rows_n, c, k, pages_per_row,
+                                       page_size, tokens);
+            // Whether this cell set its object's mark (`sparsetier_mark`).
+            const bool marked_first = table[c] == 1;
+            if (hp.x == -2) {
+                atomicAdd(&s.st[ST_BAD], 1u);
+            } else if (hp.x >= 0) {
+                const int h = hp.x;
                 row = rows[c / k];
-                const long long first = tokens ? (long long)entry : (long long)entry * page_size;
-                if (first >= lens[row]) {
-                    atomicAdd(&s.st[ST_BAD], 1u);
-                } else {
-                    page = (int)(first / page_size);
-                    const int h = tables[row * pages_per_row + page];
-                    e = h * layers + layer;
-                    // Selected tokens this entry puts in its page.
-                    const long long left = lens[row] - first;
-                    const u64 needed = tokens ? 1ull
-                                              : (u64)(left < page_size ? left : page_size);
-                    atomicAdd(&s.tok[TOK_SELECTED], 1ull);
-                    atomicAdd(&s.tok[TOK_NEEDED], needed);
-                    const u32 before = atomicExch(&s.marks[e], s.serial);
-                    __threadfence();  // the mark before the mirror's read (see `take`)
-                    for (;;) {
-                        const int m = atomicCAS(&s.mirror[e], ABSENT, CLAIMING);
-                        if (m >= 0) {
-                            slot = m;
-                            __threadfence();  // the slot before `filled` (its copier's order)
-                            if (((volatile u32*)s.filled)[e] == s.serial) {
-                                // Brought in by this step (its copier counted the miss): its
-                                // tokens count as moved. The cell that marked the entry first
-                                // may find it so: cells race from the mark to the claim.
-                                atomicAdd(&s.tok[TOK_NEEDED_MOVED], needed);
-                            } else if (before != s.serial) {
-                                atomicAdd(&s.counts[2 * layer], 1u);
-                            }
-                            break;
+                page = hp.y;
+                e = h * layers + layer;
+                const long long first = tokens ? (long long)sel[c] : (long long)sel[c] * page_size;
+                // Selected tokens this entry puts in its page.
+                const long long left = lens[row] - first;
+                const u64 needed = tokens ? 1ull
+                                          : (u64)(left < page_size ? left : page_size);
+                atomicAdd(&s.tok[TOK_SELECTED], 1ull);
+                atomicAdd(&s.tok[TOK_NEEDED], needed);
+                for (;;) {
+                    const int m = atomicCAS(&s.mirror[e], ABSENT, CLAIMING);
+                    if (m >= 0) {
+                        slot = m;
+                        __threadfence();  // the slot before `filled` (its copier's order)
+                        if (((volatile u32*)s.filled)[e] == s.serial) {
+                            // Brought in by this step (its copier counted the miss): its
+                            // tokens count as moved. The cell that marked the entry first
+                            // may find it so: cells race from the mark to the claim.
+                            atomicAdd(&s.tok[TOK_NEEDED_MOVED], needed);
+                        } else if (marked_first) {
+                            atomicAdd(&s.counts[2 * layer], 1u);
                         }
-                        // Another cell copies it, or a miss decides on it as a victim: wait.
-                        if (m == CLAIMING) continue;
-                        const int2 t = take(s, layers, layer);
-                        if (t.y < 0) {
-                            // No slot: the row has no data here (the reference's FAILED).
-                            atomicAdd(&s.st[ST_OVERFLOW], 1u);
-                            atomicExch(&s.mirror[e], ABSENT);
-                            slot = FAILED;
-                            break;
-                        }
-                        g = t.x;
-                        slot = t.y;
-                        copy_from = h;
-                        atomicAdd(&s.tok[TOK_NEEDED_MOVED], needed);
                         break;
                     }
+                    // Another cell of the layer copies it in: wait.
+                    if (m == CLAIMING) continue;
+                    const int2 t = take(s, layers, layer);
+                    if (t.y < 0) {
+                        // No slot: the row has no data here (the reference's FAILED).
+                        atomicAdd(&s.st[ST_OVERFLOW], 1u);
+                        atomicExch(&s.mirror[e], ABSENT);
+                        slot = FAILED;
+                        break;
+                    }
+                    g = t.x;
+                    slot = t.y;
+                    copy_from = h;
+                    atomicAdd(&s.tok[TOK_NEEDED_MOVED], needed);
+                    break;
                 }
             }
         }

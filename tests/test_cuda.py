@@ -43,9 +43,10 @@ def test_kernels_compile_with_nvrtc_13_0_for_sm_90():
     ptx = out["ptx"]
     assert ".target sm_90" in ptx
     assert ".entry sparsetier_copy_ops(" in ptx
-    # The device resolver's kernel compiles too (launched by its GPU check, not by the
-    # runtime yet): a warp a cell, the misses
-    # claimed with a CAS and copied from host over unified addressing.
+    # The device resolver's kernel compiles too: a layer is two launches, the marks of every
+    # object it reads (a thread a cell), then a warp a cell, the misses claimed with a CAS and
+    # copied from host over unified addressing.
+    assert ".entry sparsetier_mark(" in ptx
     assert ".entry sparsetier_resolve(" in ptx
     # Its step boundaries: the core's mirror changes applied, the read marks as a bitmap.
     assert ".entry sparsetier_mirror_apply(" in ptx

@@ -92,12 +92,17 @@ template <typename F> void on_threads(int threads, unsigned long long seed, F bo
 
 }  // namespace
 
-// One launch of `sparsetier_resolve` over `threads` CPU threads.
-extern "C" void sparsetier_resolve_host(int threads, const int* sel, const int* rows,
-                                        const int* tables, const long long* lens, int* table,
-                                        StepArgs s, Geometry geo, int cells, int k,
-                                        int pages_per_row, int layers, int layer,
-                                        int page_size, int tokens) {
+// One layer over `threads` CPU threads: `sparsetier_mark`, then (its threads joined, as stream
+// order has it) `sparsetier_resolve`.
+extern "C" void sparsetier_layer_host(int threads, const int* sel, const int* rows,
+                                      const int* tables, const long long* lens, int* table,
+                                      StepArgs s, Geometry geo, int cells, int k,
+                                      int pages_per_row, int layers, int layer, int page_size,
+                                      int tokens) {
+    on_threads(threads, (u64)layer + 3, [=] {
+        sparsetier_mark(sel, rows, tables, lens, table, s, geo, cells, k, pages_per_row, layers,
+                        layer, page_size, tokens);
+    });
     on_threads(threads, (u64)layer, [=] {
         sparsetier_resolve(sel, rows, tables, lens, table, s, geo, cells, k, pages_per_row,
                            layers, layer, page_size, tokens);

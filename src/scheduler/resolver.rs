@@ -736,23 +736,49 @@ impl ResolverState {
             .collect::<Result<_>>()?;
         let ps = u64::from(self.page_size);
         let per = if tokens { 1 } else { ps };
+        // Every entry is checked before anything changes.
+        for (b, PageTable { len, .. }) in rows.iter().enumerate() {
+            let row = &selection[b * k..(b + 1) * k];
+            if let Some(&entry) = row.iter().find(|&&en| en >= 0 && en as u64 * per >= *len) {
+                return Err(Error::config(
+                    "selection",
+                    entry,
+                    format!("an entry inside its request's {len} tokens"),
+                ));
+            }
+        }
+        // A first pass marks every object the layer reads, so that a miss passes over a
+        // victim any cell of the layer reads (the host path, which plans a layer whole, does
+        // the same), not only those earlier cells read. The cell that marked its object first
+        // counts the hit: its table cell holds 1 until the second pass, else 0.
+        for (b, PageTable { homes, .. }) in rows.iter().enumerate() {
+            let row = &selection[b * k..(b + 1) * k];
+            for (c, &entry) in row.iter().enumerate() {
+                let at = b * k + c;
+                table[at] = 0;
+                if entry < 0 {
+                    continue;
+                }
+                let page = (entry as u64 * per / ps) as usize;
+                let e = homes[page] as usize * self.layers as usize + layer as usize;
+                if self.mark[e] != self.serial {
+                    self.mark[e] = self.serial;
+                    self.reads_now[e / 32] |= 1 << (e % 32);
+                    table[at] = 1;
+                }
+            }
+        }
         for (b, PageTable { homes, len, .. }) in rows.into_iter().enumerate() {
             let rid = rids[b];
             let row = &selection[b * k..(b + 1) * k];
             for (c, &entry) in row.iter().enumerate() {
                 let at = b * k + c;
+                let first_touch = table[at] == 1;
                 table[at] = ABSENT;
                 if entry < 0 {
                     continue;
                 }
                 let first = entry as u64 * per;
-                if first >= *len {
-                    return Err(Error::config(
-                        "selection",
-                        entry,
-                        format!("an entry inside its request's {len} tokens"),
-                    ));
-                }
                 let page = (first / ps) as usize;
                 let h = homes[page];
                 let e = h as usize * self.layers as usize + layer as usize;
@@ -760,11 +786,6 @@ impl ResolverState {
                 let needed = if tokens { 1 } else { ps.min(*len - first) };
                 self.counts.selected += 1;
                 self.counts.needed_tokens += needed;
-                let first_touch = self.mark[e] != self.serial;
-                if first_touch {
-                    self.mark[e] = self.serial;
-                    self.reads_now[e / 32] |= 1 << (e % 32);
-                }
                 let slot = self.mirror[e];
                 if slot >= 0 {
                     table[at] = slot;

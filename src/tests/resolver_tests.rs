@@ -650,3 +650,51 @@ fn the_reference_answers_was_read_for_the_last_step() {
 fn the_kernel_answers_was_read_for_the_last_step() {
     was_read_is_the_last_steps(Some(1));
 }
+
+/// A miss passes over a victim that a later cell of the same layer reads (the layer's objects
+/// are all marked before any cell is served): the victim stays and is a hit, the miss takes
+/// the next entry, and nothing is copied twice. One pass marking as it went evicted the victim
+/// for the first cell and copied it in again for the second.
+fn a_victim_a_later_cell_reads_stays(kernel: Option<usize>) {
+    let mut f = fixture_on(8, kernel);
+    let rid = RequestId::new(0);
+    // (home 1, layer 0) resident at slot 0, granted as a victim before a free slot.
+    for &b in &f.dev_base {
+        // SAFETY: slot 0 is a slot of the fixture's device pool.
+        unsafe { std::ptr::write_bytes(b as *mut u8, tag(1, 0), f.page_bytes as usize) };
+    }
+    let (e0, e1) = (f.st.entry(0, 0), f.st.entry(1, 0));
+    f.st.set(e1, 0);
+    f.st.update_table(rid, 0, &[(0, 0), (1, 0)], 2 * u64::from(PS));
+    f.st.open((&[rid], 2), vec![(0, e1 as i64), (5, -1)], vec![], 2)
+        .unwrap();
+    let mut table = vec![0i32; 2];
+    // Cell 0 misses (home 0); cell 1, after it, reads the victim (home 1).
+    f.st.resolve_layer(0, &[rid], &[0, 1], 2, false, &mut table)
+        .unwrap();
+    assert_eq!(
+        table,
+        vec![5, 0],
+        "the victim cell 1 reads was taken by cell 0"
+    );
+    assert!(f.holds(5, 0, 0) && f.holds(0, 1, 0));
+    // (The kernel's mirror reaches the host's from the log, when the step closes.)
+    let done = f.st.close().unwrap();
+    assert_eq!((f.st.slot(0, 0), f.st.slot(1, 0)), (5, 0));
+    assert_eq!((done.counts.hits[0], done.counts.misses[0]), (1, 1));
+    assert_eq!(done.log.len(), 1);
+    assert_eq!((done.log[0].e as usize, done.log[0].g), (e0, 1));
+}
+
+#[test]
+fn the_reference_passes_over_a_victim_a_later_cell_reads() {
+    a_victim_a_later_cell_reads_stays(None);
+}
+
+#[cfg(feature = "host-kernel")]
+#[test]
+fn the_kernel_passes_over_a_victim_a_later_cell_reads() {
+    for threads in [1, 4] {
+        a_victim_a_later_cell_reads_stays(Some(threads));
+    }
+}

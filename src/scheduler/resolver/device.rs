@@ -46,7 +46,7 @@ pub(crate) trait KernelDevice: Send + std::fmt::Debug {
     /// Each `src` lies in an allocation of this device with as many bytes.
     unsafe fn read(&mut self, parts: &mut [(u64, &mut [u8])]) -> Result<()>;
 
-    /// Queues one launch of `sparsetier_resolve`.
+    /// Queues one layer: `sparsetier_mark`, then `sparsetier_resolve`.
     ///
     /// # Safety
     /// As [`super::launch::ResolveKernel::launch`].

@@ -26,7 +26,7 @@ use crate::transfer::{LayerPageOrder, PageTransferBinding};
 
 #[cfg(feature = "host-kernel")]
 extern "C" {
-    fn sparsetier_resolve_host(
+    fn sparsetier_layer_host(
         threads: i32,
         sel: *const i32,
         rows: *const i32,
@@ -55,7 +55,7 @@ pub unsafe fn launch_on_host(threads: u32, args: &LaunchArgs) {
     let [cells, k, pages_per_row, layers, layer, page_size, tokens] = args.ints();
     // SAFETY: the caller's contract.
     unsafe {
-        sparsetier_resolve_host(
+        sparsetier_layer_host(
             threads.clamp(1, 256) as i32,
             args.sel as *const i32,
             args.rows as *const i32,
@@ -892,7 +892,7 @@ impl ResolverState {
     }
 
     /// [`ResolverState::resolve_layer`] by the kernel, over host memory (its device is the
-    /// CPU): one launch for the batch, whose entries the caller checked.
+    /// CPU): one layer (its two launches) for the batch, whose entries the caller checked.
     pub(super) fn launch_on_host_memory(
         &mut self,
         layer: u16,

@@ -1,5 +1,6 @@
 //! The device resolver's kernel (`cuda/resolve.cu`) launched on a GPU: its cubin for the
-//! device's architecture (NVRTC, cached on disk), and one launch a layer on the caller's stream.
+//! device's architecture (NVRTC, cached on disk), and a layer's two launches (its marks, then
+//! the resolve) on the caller's stream.
 //! The caller owns the buffers and their contents; what the kernel indexes with them is the
 //! caller's contract ([`ResolveKernel::launch`]). Used by the runtime's resolver on CUDA pools
 //! (`gpu`) and by the GPU check of the kernel (`sparsetier.tools.resolver_gpu`, through
@@ -14,6 +15,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 /// The kernels' names in `cuda/resolve.cu`.
+const MARK: &str = "sparsetier_mark";
 const NAME: &str = "sparsetier_resolve";
 const APPLY: &str = "sparsetier_mirror_apply";
 const MARKS: &str = "sparsetier_marks_read";
@@ -75,6 +77,7 @@ impl LaunchArgs {
 /// The kernel, loaded on one device.
 pub struct ResolveKernel {
     ctx: Arc<CudaContext>,
+    mark: CudaFunction,
     func: CudaFunction,
     apply: CudaFunction,
     marks: CudaFunction,
@@ -109,6 +112,7 @@ impl ResolveKernel {
                     .map_err(cuda_err("cuModuleGetFunction"))
             };
             Ok(ResolveKernel {
+                mark: load(MARK)?,
                 func: load(NAME)?,
                 apply: load(APPLY)?,
                 marks: load(MARKS)?,
@@ -214,7 +218,8 @@ impl ResolveKernel {
     }
 
     /// Launches one layer on `stream` (a raw `CUstream` of this device, e.g. torch's current
-    /// stream); returns once it is queued.
+    /// stream): `sparsetier_mark` (a thread a cell), then `sparsetier_resolve` (a warp a cell),
+    /// with the same arguments; returns once both are queued.
     ///
     /// # Safety
     /// Every address in `args` is device-accessible memory of this device (or pinned host
@@ -254,9 +259,18 @@ impl ResolveKernel {
             page_size as *mut i32 as *mut c_void,
             tokens as *mut i32 as *mut c_void,
         ];
-        // SAFETY: each parameter points to a live local of the kernel's parameter type (u64
+        // A thread a cell, the first launch: a block covers THREADS cells.
+        let mark_blocks = args
+            .blocks
+            .unwrap_or_else(|| args.cells.div_ceil(THREADS).min(4096))
+            .max(1);
+        // SAFETY: each parameter points to a live local of the kernels' parameter type (u64
         // device addresses for its pointers, the `#[repr(C)]` structs for `Step` and
-        // `Geometry`, i32 for its ints); the buffers are the caller's contract.
-        unsafe { self.raw_launch(&self.func, blocks, stream, &mut params) }
+        // `Geometry`, i32 for its ints; both kernels take the same); the buffers are the
+        // caller's contract. The driver copies the parameters at each call.
+        unsafe {
+            self.raw_launch(&self.mark, mark_blocks, stream, &mut params)?;
+            self.raw_launch(&self.func, blocks, stream, &mut params)
+        }
     }
 }
