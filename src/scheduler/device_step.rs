@@ -193,21 +193,27 @@ impl StepScheduler<PrefixTier> {
             self.drop_prefetch(l)?;
         }
         self.cfg.prefetch = false;
-        // Every device-Ready object of a running request enters the mirror now; from here on
-        // the directory logs what leaves the device and start_pages what enters.
+        // Every object on the device enters the mirror now (one lookup a home and layer):
+        // a running request's, and as well a finished one's that the prefix cache keeps, which
+        // a later request that matches it reads. From here on the directory logs what leaves
+        // the device and start_pages what enters.
         self.dir.log_releases(true);
+        let layers = self.cfg.layers as usize;
+        let entries = self.cfg.host_pages as usize * layers;
         let mut adds = Vec::new();
-        for r in self.requests.values() {
-            for page in 0..r.pages(self.cfg.page_size) {
-                for l in 0..self.cfg.layers {
-                    let key = r.key(page, l);
-                    if self
-                        .dir
-                        .state(&key)
-                        .is_some_and(|o| matches!(o.device, DeviceState::Ready { .. }))
-                    {
-                        adds.push(self.entry_of(&key));
-                    }
+        let mut keys = Vec::with_capacity(entries.min(4096));
+        for chunk in 0..entries.div_ceil(4096) {
+            let from = chunk * 4096;
+            let to = (from + 4096).min(entries);
+            keys.clear();
+            keys.extend((from..to).map(|e| self.key_of(e, layers)));
+            for (e, state) in (from..to).zip(self.dir.device_states(&keys)) {
+                // (One still loading is looked up again at the first grant after it lands.)
+                if matches!(
+                    state,
+                    Some(DeviceState::Ready { .. } | DeviceState::Loading { .. })
+                ) {
+                    adds.push(e);
                 }
             }
         }

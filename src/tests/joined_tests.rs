@@ -517,3 +517,41 @@ fn a_device_step_short_only_of_written_through_pages_waits_for_them() {
     assert_eq!(j.s.device_totals().fallbacks, 0);
     j.s.validate().unwrap();
 }
+
+#[test]
+fn a_resolver_enabled_late_mirrors_the_prefix_cache_on_the_device() {
+    // Enabled after a request ended, its pages kept by the prefix cache on the device: a later
+    // request that matches them reads them where they are (the mirror names them), rather
+    // than the device copying them in again.
+    let mut j = Joined::new(64, 32, 48, HostLayout::LayerFirst);
+    let shared = prompt(41, 0);
+    j.s.admit(RequestId::new(1), &shared).unwrap();
+    j.prefill(1, 41);
+    j.s.end_step().unwrap();
+    j.s.end_request(RequestId::new(1), Some(&shared)).unwrap();
+    j.s.drain().unwrap();
+    let state = j.s.enable_device_resolver().unwrap();
+    let r2 = RequestId::new(2);
+    let mut tokens = shared[..40].to_vec();
+    tokens.extend(prompt(5, 3).iter().map(|t| t + 5000));
+    let m = j.s.admit(r2, &tokens).unwrap();
+    assert_eq!(m.matched_pages, 10);
+    j.prefill(2, tokens.len() as u64);
+    j.s.end_step().unwrap();
+    j.s.validate().unwrap();
+    assert!(j.s.begin_device_step(&[r2], 4).unwrap());
+    for l in 0..LAYERS {
+        let mut table = [0i32; 4];
+        state
+            .lock()
+            .resolve_layer(l, &[r2], &[0, 3, 9, 10], 4, false, &mut table)
+            .unwrap();
+    }
+    let rec = j.s.end_step().unwrap();
+    assert_eq!(
+        (rec.ready, rec.loaded),
+        (4 * LAYERS as u64, 0),
+        "prefix pages on the device copied in again"
+    );
+    j.s.validate().unwrap();
+}
