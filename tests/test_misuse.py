@@ -1049,3 +1049,18 @@ def test_a_schedulers_plans_are_unknown_to_another_scheduler():
     a.finish(pa)
     a.validate()
     b.validate()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a cuda tensor")
+def test_a_hicache_refuses_cuda_pools_for_the_cpu_engine():
+    # Misread: the cpu engine would copy a cuda tensor's address as host memory. The pair is
+    # checked as the step scheduler checks its tiers, naming the pool.
+    kv = st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 8)
+    dev = st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16, device="cuda"), kv)
+    host = st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv)
+    with pytest.raises(ConfigError) as e:
+        st.HiCache(4, 8, host_pages=8, pools=[(dev, host, None)], engine=st.TransferEngine("cpu"))
+    assert e.value.field == "pools[0][0]"
+    with pytest.raises(ConfigError) as e:
+        st.HiCache(4, 8, host_pages=8, pools=[(host, dev, None)], engine=st.TransferEngine("cpu"))
+    assert e.value.field == "pools[0][1]"

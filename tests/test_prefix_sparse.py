@@ -165,3 +165,35 @@ def test_the_policy_binding_refuses_what_would_mislead_it():
         pol.learn(16, [2, 2], [1])
     assert e.value.field == "loaded"
     assert pol.decide([2, 2], 2, 16, 1024)["choice"] == "indexer"  # nothing learned yet
+
+
+@pytest.mark.parametrize(
+    ("call", "field"),
+    [
+        (lambda p: p.decide([2, -1], 2, 16, 1024), "absent[1]"),
+        (lambda p: p.decide([2, 2**32], 2, 16, 1024), "absent[1]"),
+        (lambda p: p.decide([2.5, 2], 2, 16, 1024), "absent"),
+        (lambda p: p.decide([2, 2], -2, 16, 1024), "layers"),
+        (lambda p: p.decide([2, 2], 2, -16, 1024), "suffix"),
+        (lambda p: p.decide([2, 2], 2, 16, -1), "object_bytes"),
+        (lambda p: p.decide([2, 2], 2, 16, 1024, first=-1), "first"),
+        (lambda p: p.learn(-16, [2, 2], [1, 1]), "suffix"),
+        (lambda p: p.learn(16, [2, 2], [1, -1]), "loaded[1]"),
+        (lambda p: p.learn(16, [2, 2], [1, 1], first=2**40), "first"),
+        (lambda p: p.coverage(-1), "suffix"),
+    ],
+)
+def test_the_policy_binding_names_a_bad_count(call, field):
+    # Negative or oversized counts are ConfigErrors naming the field (and the index), never
+    # a bare OverflowError or TypeError, and the policy learns nothing from the call.
+    from sparsetier import ConfigError
+    from sparsetier._core import RestorePolicy
+
+    pol = RestorePolicy()
+    with pytest.raises(ConfigError) as e:
+        call(pol)
+    assert e.value.field == field
+    assert pol.coverage(16) is None
+    with pytest.raises(ConfigError) as e:
+        RestorePolicy(copy_overhead=-1)
+    assert e.value.field == "copy_overhead"

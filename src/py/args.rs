@@ -226,3 +226,25 @@ pub fn unsigned<T: TryFrom<i64>>(obj: &Bound<'_, PyAny>, field: &str) -> PyResul
         )
     })
 }
+
+/// A 1-D array or sequence of counts (as [`int64_array`] reads it), each from 0 to what `T`
+/// holds, else a `ConfigError` naming `field[i]`.
+pub fn unsigned_array<T: TryFrom<i64>>(obj: &Bound<'_, PyAny>, field: &str) -> PyResult<Vec<T>> {
+    let a = int64_array(obj, field, "integers >= 0")?;
+    a.as_array()
+        .iter()
+        .enumerate()
+        .map(|(i, &v)| {
+            T::try_from(v).map_err(|_| {
+                to_py(
+                    obj.py(),
+                    Error::config(
+                        format!("{field}[{i}]"),
+                        v,
+                        format!("an integer >= 0 that fits a {}", std::any::type_name::<T>()),
+                    ),
+                )
+            })
+        })
+        .collect()
+}

@@ -17,6 +17,7 @@ use crate::py::error::{to_py, IntoPyResult};
 use crate::py::lock::Unblocked;
 use crate::py::page_allocation::PyPageAllocation;
 use crate::py::prefix_result::{PyPrefixInsert, PyPrefixMatch};
+use crate::py::scheduler_args::check_tiers;
 use crate::py::stats::Stats;
 use crate::py::tokens::{with_lookup, with_tokens, Lookup};
 use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
@@ -203,27 +204,13 @@ impl PyHiCache {
         let mut pairs = Vec::new();
         let mut tensors = Vec::new();
         for (i, (d, h, window)) in pools.unwrap_or_default().iter().enumerate() {
-            if d.inner.kind() != crate::transfer::MemoryKind::Device
-                && engine.as_ref().is_some_and(|e| e.needs_pinned())
-            {
-                return Err(to_py(
-                    py,
-                    Error::config(
-                        format!("pools[{i}][0]"),
-                        "a host tensor",
-                        "a cuda tensor for the kernel and direct engines",
-                    ),
-                ));
-            }
-            if engine.as_ref().is_some_and(|e| e.needs_pinned()) && !h.pinned {
-                return Err(to_py(
-                    py,
-                    Error::config(
-                        format!("pools[{i}][1]"),
-                        "a pageable host tensor",
-                        "a pinned host tensor (tensor.pin_memory())",
-                    ),
-                ));
+            // Each pair where the engine copies: device memory of its kind (cuda tensors for
+            // the CUDA engines, cpu ones for the cpu engine), host memory on the host (pinned
+            // for the CUDA engines). A cpu engine would read a cuda tensor's address as host
+            // memory.
+            if let Some(e) = engine.as_ref() {
+                let (df, hf) = (format!("pools[{i}][0]"), format!("pools[{i}][1]"));
+                check_tiers(py, e, &[(df.as_str(), &**d)], &[(hf.as_str(), &**h)])?;
             }
             let hit = match window {
                 None => HitPolicy::AllPages,

@@ -4,6 +4,7 @@
 //! decides by.
 
 use crate::error::Error;
+use crate::py::args::{unsigned, unsigned_array};
 use crate::py::error::IntoPyResult;
 use crate::scheduler::prefix::DEFAULT_COPY_OVERHEAD;
 use crate::scheduler::restore_policy::{RestoreMode, RestorePolicy};
@@ -22,11 +23,15 @@ pub struct PyRestorePolicy {
 impl PyRestorePolicy {
     #[new]
     #[pyo3(
-        signature = (mode="auto", copy_overhead=DEFAULT_COPY_OVERHEAD),
+        signature = (mode="auto", copy_overhead=None),
         text_signature = "(mode='auto', copy_overhead=16384)"
     )]
-    fn new(py: Python<'_>, mode: &str, copy_overhead: u64) -> PyResult<Self> {
+    fn new(py: Python<'_>, mode: &str, copy_overhead: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
         let mode = RestoreMode::parse(mode).py_err(py)?;
+        let copy_overhead = match copy_overhead {
+            Some(c) if !c.is_none() => unsigned(c, "copy_overhead")?,
+            _ => DEFAULT_COPY_OVERHEAD,
+        };
         Ok(PyRestorePolicy {
             inner: Mutex::new(RestorePolicy::new(mode, copy_overhead)),
         })
@@ -36,15 +41,22 @@ impl PyRestorePolicy {
     /// whose pages from `first` on were restored from host: `absent[i]` main-KV objects of
     /// page `first + i` were off the device at its admission, and it loaded `loaded[i]` of
     /// them.
-    #[pyo3(signature = (suffix, absent, loaded, first=0))]
+    #[pyo3(
+        signature = (suffix, absent, loaded, first=None),
+        text_signature = "($self, suffix, absent, loaded, first=0)"
+    )]
     fn learn(
         &self,
         py: Python<'_>,
-        suffix: u64,
-        absent: Vec<u32>,
-        loaded: Vec<u32>,
-        first: u32,
+        suffix: &Bound<'_, PyAny>,
+        absent: &Bound<'_, PyAny>,
+        loaded: &Bound<'_, PyAny>,
+        first: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        let suffix: u64 = unsigned(suffix, "suffix")?;
+        let absent: Vec<u32> = unsigned_array(absent, "absent")?;
+        let loaded: Vec<u32> = unsigned_array(loaded, "loaded")?;
+        let first = first_page(first)?;
         if loaded.len() != absent.len() {
             return Err(Error::config(
                 "loaded",
@@ -61,8 +73,9 @@ impl PyRestorePolicy {
     }
 
     /// The coverage expected for a `suffix`-token prefill, or None before any sample.
-    fn coverage(&self, suffix: u64) -> Option<f64> {
-        self.inner.lock().coverage(suffix)
+    fn coverage(&self, suffix: &Bound<'_, PyAny>) -> PyResult<Option<f64>> {
+        let suffix: u64 = unsigned(suffix, "suffix")?;
+        Ok(self.inner.lock().coverage(suffix))
     }
 
     /// The decision for an admission whose prefix pages from `first` on were restored from
@@ -72,16 +85,24 @@ impl PyRestorePolicy {
     /// "objects_predicted", "bulk_objects", "pages"}` (the objects each choice was predicted
     /// to load, NaN without a prediction; what the predicted restore loads in bulk; the pages
     /// it restores when chosen).
-    #[pyo3(signature = (absent, layers, suffix, object_bytes, first=0))]
+    #[pyo3(
+        signature = (absent, layers, suffix, object_bytes, first=None),
+        text_signature = "($self, absent, layers, suffix, object_bytes, first=0)"
+    )]
     fn decide<'py>(
         &self,
         py: Python<'py>,
-        absent: Vec<u32>,
-        layers: u64,
-        suffix: u64,
-        object_bytes: u64,
-        first: u32,
+        absent: &Bound<'py, PyAny>,
+        layers: &Bound<'py, PyAny>,
+        suffix: &Bound<'py, PyAny>,
+        object_bytes: &Bound<'py, PyAny>,
+        first: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyDict>> {
+        let absent: Vec<u32> = unsigned_array(absent, "absent")?;
+        let layers: u64 = unsigned(layers, "layers")?;
+        let suffix: u64 = unsigned(suffix, "suffix")?;
+        let object_bytes: u64 = unsigned(object_bytes, "object_bytes")?;
+        let first = first_page(first)?;
         let matched = matched(py, first, &absent)?;
         if object_bytes == 0 {
             return Err(Error::config("object_bytes", 0, "an integer >= 1")).py_err(py);
@@ -109,4 +130,12 @@ fn matched(py: Python<'_>, first: u32, absent: &[u32]) -> PyResult<u32> {
         .and_then(|n| first.checked_add(n))
         .ok_or_else(|| Error::config("first", first, "first + len(absent) pages within 2^32 - 1"))
         .py_err(py)
+}
+
+/// `first` (default 0): a page index within u32.
+fn first_page(first: Option<&Bound<'_, PyAny>>) -> PyResult<u32> {
+    match first {
+        Some(f) if !f.is_none() => unsigned(f, "first"),
+        _ => Ok(0),
+    }
 }
