@@ -165,6 +165,8 @@ pub struct ResolverState {
     spare: Vec<usize>,
     /// The requests of the rows that got a [`FAILED`] cell this step.
     failed_rids: Vec<RequestId>,
+    /// A layer's cells' mirror entries (`u32::MAX`: none), from its first pass to its second.
+    cell_entries: Vec<u32>,
     /// Per mirror entry, the serial of the step that last read it (a layer counts each object
     /// once; the core gives a victim read by the last step a second chance); `filled` marks
     /// the entries this step brought in.
@@ -245,6 +247,7 @@ impl ResolverState {
             def_usable: 0,
             spare: Vec::new(),
             failed_rids: Vec::new(),
+            cell_entries: Vec::new(),
             serial: 0,
             counts: ResolveCounts::default(),
             open: false,
@@ -750,17 +753,38 @@ impl ResolverState {
         // A first pass marks every object the layer reads, so that a miss passes over a
         // victim any cell of the layer reads (the host path, which plans a layer whole, does
         // the same), not only those earlier cells read. The cell that marked its object first
-        // counts the hit: its table cell holds 1 until the second pass, else 0.
+        // counts the hit: its table cell holds 1 until the second pass, else 0. Each cell's
+        // entry is kept for the second pass (`cell_entries`: no second lookup of its home).
+        let shift = ps.is_power_of_two().then(|| ps.trailing_zeros());
+        let mut cell_entries = std::mem::take(&mut self.cell_entries);
+        cell_entries.clear();
+        cell_entries.resize(selection.len(), u32::MAX);
         for (b, PageTable { homes, .. }) in rows.iter().enumerate() {
             let row = &selection[b * k..(b + 1) * k];
+            // (Token mode: a row's tokens often come a page at a time; that page's entry was
+            // marked by the cell before.)
+            let mut last = (usize::MAX, 0usize);
             for (c, &entry) in row.iter().enumerate() {
                 let at = b * k + c;
                 table[at] = 0;
                 if entry < 0 {
                     continue;
                 }
-                let page = (entry as u64 * per / ps) as usize;
+                let at_token = entry as u64 * per;
+                let page = if let Some(sh) = shift {
+                    (at_token >> sh) as usize
+                } else {
+                    (at_token / ps) as usize
+                };
+                if page == last.0 {
+                    cell_entries[at] = last.1 as u32;
+                    continue;
+                }
                 let e = homes[page] as usize * self.layers as usize + layer as usize;
+                last = (page, e);
+                cell_entries[at] = e as u32;
+                // (The second pass reads its slot: fetched while this one goes on.)
+                crate::prefetch::prefetch(self.mirror.as_ptr().wrapping_add(e));
                 if self.mark[e] != self.serial {
                     self.mark[e] = self.serial;
                     self.reads_now[e / 32] |= 1 << (e % 32);
@@ -768,7 +792,35 @@ impl ResolverState {
                 }
             }
         }
-        for (b, PageTable { homes, len, .. }) in rows.into_iter().enumerate() {
+        let served = self.serve_rows(
+            &rows,
+            rids,
+            selection,
+            k,
+            (layer, tokens),
+            &cell_entries,
+            table,
+        );
+        self.cell_entries = cell_entries;
+        served
+    }
+
+    /// The second pass of [`Self::resolve_rows`]: each cell's object (`cell_entries`, from the
+    /// first pass) mapped to a slot, a miss served from the grant.
+    #[allow(clippy::too_many_arguments)]
+    fn serve_rows(
+        &mut self,
+        rows: &[&PageTable],
+        rids: &[RequestId],
+        selection: &[i32],
+        k: usize,
+        (layer, tokens): (u16, bool),
+        cell_entries: &[u32],
+        table: &mut [i32],
+    ) -> Result<()> {
+        let ps = u64::from(self.page_size);
+        let per = if tokens { 1 } else { ps };
+        for (b, PageTable { len, .. }) in rows.iter().enumerate() {
             let rid = rids[b];
             let row = &selection[b * k..(b + 1) * k];
             for (c, &entry) in row.iter().enumerate() {
@@ -779,9 +831,7 @@ impl ResolverState {
                     continue;
                 }
                 let first = entry as u64 * per;
-                let page = (first / ps) as usize;
-                let h = homes[page];
-                let e = h as usize * self.layers as usize + layer as usize;
+                let e = cell_entries[at] as usize;
                 // Selected tokens this entry puts in its page.
                 let needed = if tokens { 1 } else { ps.min(*len - first) };
                 self.counts.selected += 1;
@@ -809,12 +859,15 @@ impl ResolverState {
                     self.failed_rids.push(rid);
                     continue;
                 };
+                // (A miss's home and page: divisions a hit does not pay.)
+                let h = (e / self.layers as usize) as u32;
+                let page = (first / ps) as u32;
                 let copied = self.fetch(h, layer, slot)?;
                 self.log.push(LogEntry {
                     g: g as u32,
                     e: e as u32,
                     rid,
-                    page: page as u32,
+                    page,
                     call: self.call,
                     failed: !copied,
                 });
