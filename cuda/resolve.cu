@@ -37,6 +37,10 @@ typedef unsigned int u32;
 #define ABSENT (-1)
 #define FAILED (-2)    // a cell's slot when it got none (the reference's `FAILED`)
 #define CLAIMING (-3)
+// A cell's table entry between a layer's two launches: its object's mark set by this cell (it
+// counts the hit) or by another. Never slots: a table a failed launch left so names none.
+#define MARKED_FIRST (-4)
+#define MARKED (-5)
 
 // Cursors and counters in `st`.
 #define ST_USED 0      // grant entries gone through
@@ -47,7 +51,7 @@ typedef unsigned int u32;
 #define ST_REFILL_AT 5 // log entries of earlier calls considered for a refill
 #define ST_BAD 6       // cells naming a page past their request (the reference refuses them)
 // Written by the host before a step (with the grant), read by every launch of the step, so
-// that a layer's launch takes the same arguments every step and a CUDA graph can replay it.
+// that a layer's launches take the same arguments every step and a CUDA graph can replay them.
 #define ST_GRANT_LEN 7 // entries in the grant
 #define ST_SERIAL 8    // the step's serial (read marks)
 #define ST_LOG_CAP 9   // log entries the step's log has room for
@@ -178,9 +182,10 @@ __device__ __forceinline__ int2 cell_entry(const int* sel, const int* rows, cons
 }
 
 // A layer's first launch: marks every object its cells read with the step's serial, and
-// writes in each cell of `table` whether it set its object's mark (1: that cell counts the
-// hit) or not (0), for `sparsetier_resolve`, which overwrites it with the cell's slot. The
-// same arguments as `sparsetier_resolve`, so that both are launched (and captured) together.
+// writes in each cell of `table` whether it set its object's mark (MARKED_FIRST: that cell
+// counts the hit) or not (MARKED), for `sparsetier_resolve`, which overwrites it with the
+// cell's slot. The same arguments as `sparsetier_resolve`, so that both are launched (and
+// captured) together.
 extern "C" __global__ void sparsetier_mark(const int* __restrict__ sel,
                                            const int* __restrict__ rows,
                                            const int* __restrict__ tables,
@@ -195,11 +200,16 @@ extern "C" __global__ void sparsetier_mark(const int* __restrict__ sel,
          c += (int)(gridDim.x * blockDim.x)) {
         const int2 hp =
             cell_entry(sel, rows, tables, lens, rows_n, c, k, pages_per_row, page_size, tokens);
-        int first = 0;
+        int flag = MARKED;
         if (hp.x >= 0) {
-            first = atomicExch(&args.marks[hp.x * layers + layer], serial) != serial ? 1 : 0;
+            u32* mark = &args.marks[hp.x * layers + layer];
+            // (Only this launch writes the serial into the layer's marks: a plain read spares
+            // the atomic to the cells of an object already marked, up to a page of tokens.)
+            if (*(volatile u32*)mark != serial && atomicExch(mark, serial) != serial) {
+                flag = MARKED_FIRST;
+            }
         }
-        table[c] = first;
+        table[c] = flag;
     }
 }
 
@@ -228,7 +238,7 @@ extern "C" __global__ void sparsetier_resolve(const int* __restrict__ sel,
             const int2 hp = cell_entry(sel, rows, tables, lens, rows_n, c, k, pages_per_row,
                                        page_size, tokens);
             // Whether this cell set its object's mark (`sparsetier_mark`).
-            const bool marked_first = table[c] == 1;
+            const bool marked_first = table[c] == MARKED_FIRST;
             if (hp.x == -2) {
                 atomicAdd(&s.st[ST_BAD], 1u);
             } else if (hp.x >= 0) {

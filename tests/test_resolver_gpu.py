@@ -94,3 +94,15 @@ def test_the_kernel_launch_refuses_cursors_past_what_they_index(monkeypatch):
     with pytest.raises(st.OutOfRangeError) as e:
         rg.run(rg.ResolverGpuConfig(device="cpu", **SMALL))
     assert e.value.field == "st[ST_DEF_LEN]"
+
+
+def test_the_kernel_launch_refuses_a_table_over_the_selection(monkeypatch):
+    # The layer's first launch writes the table before the second reads the selection: a
+    # table over the selection's memory (resolving in place) would change the selection read.
+    def in_place(t):
+        t["table"] = t["sel"]
+
+    _wrap_launches(monkeypatch, before=in_place)
+    with pytest.raises(st.ConfigError) as e:
+        rg.run(rg.ResolverGpuConfig(device="cpu", **SMALL))
+    assert e.value.field == "table"

@@ -352,6 +352,28 @@ impl PyResolveKernel {
             ));
         }
         need(py, "table", table.numel, cells)?;
+        // The marks' launch writes `table` before the resolve reads the selection and the
+        // page tables: a table over one of them would change what the resolve reads.
+        let span = |b: &Checked, width: u64| (b.ptr, b.ptr.saturating_add(b.numel * width));
+        let out = span(&table, 4);
+        for (name, b, width) in [
+            ("sel", &sel, 4),
+            ("rows", &rows, 4),
+            ("tables", &tables, 4),
+            ("lens", &lens, 8),
+        ] {
+            let (lo, hi) = span(b, width);
+            if out.0 < hi && lo < out.1 {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        "table",
+                        format!("memory overlapping {name}"),
+                        "a buffer of its own (the kernel writes it before reading the others)",
+                    ),
+                ));
+            }
+        }
         need(py, "rows", rows.numel, cells / u64::from(k))?;
         let entries = mirror.numel;
         need(py, "marks", marks.numel, entries)?;

@@ -62,6 +62,11 @@ pub const ABSENT: i32 = -1;
 /// A cell's slot when its object's copy failed (twice: a failed copy is retried once). Its
 /// row has no data for this layer; the caller fails that request for the step.
 pub const FAILED: i32 = -2;
+/// A cell's table entry between a layer's two passes (the kernel's launches): its object's
+/// mark set by this cell (it counts the hit), or by another. Never slots: a table left so by a
+/// failed call names no slot.
+const MARKED_FIRST: i32 = -4;
+const MARKED: i32 = -5;
 
 /// What a step's resolves did, per layer and in all.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -739,21 +744,12 @@ impl ResolverState {
             .collect::<Result<_>>()?;
         let ps = u64::from(self.page_size);
         let per = if tokens { 1 } else { ps };
-        // Every entry is checked before anything changes.
-        for (b, PageTable { len, .. }) in rows.iter().enumerate() {
-            let row = &selection[b * k..(b + 1) * k];
-            if let Some(&entry) = row.iter().find(|&&en| en >= 0 && en as u64 * per >= *len) {
-                return Err(Error::config(
-                    "selection",
-                    entry,
-                    format!("an entry inside its request's {len} tokens"),
-                ));
-            }
-        }
+        // (Every entry was checked before anything changed: `check_batch`.)
         // A first pass marks every object the layer reads, so that a miss passes over a
         // victim any cell of the layer reads (the host path, which plans a layer whole, does
         // the same), not only those earlier cells read. The cell that marked its object first
-        // counts the hit: its table cell holds 1 until the second pass, else 0. Each cell's
+        // counts the hit: its table cell holds MARKED_FIRST until the second pass, else MARKED
+        // (as the kernel's: negative, never read as a slot). Each cell's
         // entry is kept for the second pass (`cell_entries`: no second lookup of its home).
         let shift = ps.is_power_of_two().then(|| ps.trailing_zeros());
         let mut cell_entries = std::mem::take(&mut self.cell_entries);
@@ -766,7 +762,7 @@ impl ResolverState {
             let mut last = (usize::MAX, 0usize);
             for (c, &entry) in row.iter().enumerate() {
                 let at = b * k + c;
-                table[at] = 0;
+                table[at] = MARKED;
                 if entry < 0 {
                     continue;
                 }
@@ -788,7 +784,7 @@ impl ResolverState {
                 if self.mark[e] != self.serial {
                     self.mark[e] = self.serial;
                     self.reads_now[e / 32] |= 1 << (e % 32);
-                    table[at] = 1;
+                    table[at] = MARKED_FIRST;
                 }
             }
         }
@@ -825,7 +821,7 @@ impl ResolverState {
             let row = &selection[b * k..(b + 1) * k];
             for (c, &entry) in row.iter().enumerate() {
                 let at = b * k + c;
-                let first_touch = table[at] == 1;
+                let first_touch = table[at] == MARKED_FIRST;
                 table[at] = ABSENT;
                 if entry < 0 {
                     continue;

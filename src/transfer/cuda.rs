@@ -68,8 +68,9 @@ use std::thread::JoinHandle;
 /// The kernel's CUDA source.
 pub const KERNEL_SOURCE: &str = include_str!("../../cuda/page_copy.cu");
 
-/// The device resolver's kernel (`scheduler::resolver`'s algorithm, one warp a cell). Compiled
-/// by [`compile_kernels`] (CI checks it builds); not launched yet.
+/// The device resolver's kernels (`scheduler::resolver`'s algorithm: a layer's marks, a thread
+/// a cell, then its cells, a warp each). Compiled by [`compile_kernels`] (CI checks they
+/// build); launched by `scheduler::resolver::launch`.
 pub const RESOLVE_SOURCE: &str = include_str!("../../cuda/resolve.cu");
 /// The kernel's entry point.
 pub const KERNEL_NAME: &str = "sparsetier_copy_ops";

@@ -204,7 +204,7 @@ def run(cfg: ResolverGpuConfig) -> dict:
 
 
 def _check_layer(t, rows: int, pages: int, homes: int, layer: int, k: int, div: int) -> None:
-    """The checks after one launch (see the module docs); an entry's page is entry // div
+    """The checks after one layer's launches (see the module docs); an entry's page is entry // div
     (the page size in token mode, else 1)."""
     table = t["table"].view(rows, k).long()
     assert bool((table >= 0).all()), "a cell without a slot"

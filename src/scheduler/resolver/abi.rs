@@ -44,7 +44,7 @@ pub const CLAIMING: i32 = -3;
 
 /// `struct StepArgs` of the kernel, field for field (passed by value): the step's state. The
 /// grant's length, the step's serial and the log's room are in `st` (`ST_GRANT_LEN`,
-/// `ST_SERIAL`, `ST_LOG_CAP`), so that a layer's launch takes the same arguments every step.
+/// `ST_SERIAL`, `ST_LOG_CAP`), so that a layer's launches take the same arguments every step.
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
 #[allow(missing_docs)]

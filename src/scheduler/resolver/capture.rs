@@ -1,5 +1,5 @@
-//! A layer's launch captured in a CUDA graph and replayed in later steps. A launch takes the
-//! same arguments every step while the kernel's buffers stay where they are (the step's
+//! A layer's launches (its marks, then its resolve) captured in a CUDA graph and replayed in
+//! later steps. They take the same arguments every step while the kernel's buffers stay where they are (the step's
 //! grant length, serial, log room and request count are in device memory, `st`); the kernel
 //! counts the moves of those buffers as an epoch. The host learns nothing from a replay, so
 //! the engine says which layers a replay runs before it replays them (`will_replay`), and the

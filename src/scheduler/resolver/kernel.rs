@@ -149,7 +149,7 @@ pub(crate) struct DeviceKernel {
     pub(super) device_ns: u64,
     /// The stream the open step's work is queued on.
     stream: u64,
-    /// What a layer's launch takes that can change between steps (the buffers' addresses,
+    /// What a layer's launches take that can change between steps (the buffers' addresses,
     /// the tables' width), as of the last step that opened; `epoch` counts its changes. A
     /// launch captured in a CUDA graph replays correctly in any step of the same epoch.
     launch_sig: [u64; 7],

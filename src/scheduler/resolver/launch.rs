@@ -53,8 +53,9 @@ pub struct LaunchArgs {
     pub page_size: u32,
     /// Entries are tokens (else pages).
     pub tokens: bool,
-    /// Blocks to launch (the kernel strides over the cells); `None`: one warp a cell, at most
-    /// 4096 blocks.
+    /// Blocks to launch for each of the layer's two kernels (each strides over the cells);
+    /// `None`: a thread a cell for the marks and a warp a cell for the resolve, at most 4096
+    /// blocks each.
     pub blocks: Option<u32>,
 }
 
