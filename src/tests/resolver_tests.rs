@@ -1,8 +1,9 @@
 //! The device resolver's reference implementation against a plain model: every cell of a
 //! layer reads a slot holding its object's bytes when the layer's call returns (so a slot an
 //! earlier cell of the call read is never filled again under it), no two mirror entries name
-//! one slot, victims the layer read are passed over, and a grant of one layer's cells never
-//! runs out however many layers a step resolves.
+//! one slot, victims the layer reads are passed over (a layer copies in only what was not on
+//! the device when it began), and a grant of one layer's cells never runs out however many
+//! layers a step resolves.
 
 use super::resolver::{ResolverState, ABSENT, FAILED};
 use crate::ids::RequestId;
@@ -194,9 +195,22 @@ fn check(c: Case, kernel: Option<usize>) -> Result<(), TestCaseError> {
             .unwrap();
         // Per layer: the distinct objects its cells name, and whether a cell failed.
         let mut objects = vec![(std::collections::BTreeSet::new(), false); LAYERS as usize];
+        // Per layer (the reference: its mirror is the host's): the objects it reads that were
+        // not on the device when its call began.
+        let mut absent_at_start = vec![0u64; LAYERS as usize];
         for (layer, sel_rows) in step.iter().enumerate() {
             let layer = layer as u16;
             let sel: Vec<i32> = sel_rows.concat();
+            if kernel.is_none() {
+                let read: std::collections::BTreeSet<u32> = sel
+                    .iter()
+                    .enumerate()
+                    .filter(|&(_, &e)| e >= 0)
+                    .map(|(i, &e)| c.homes[i / K][e as usize])
+                    .collect();
+                absent_at_start[layer as usize] =
+                    read.iter().filter(|&&h| f.st.slot(h, layer) < 0).count() as u64;
+            }
             let mut table = vec![0i32; sel.len()];
             f.st.resolve_layer(layer, &rids, &sel, K, false, &mut table)
                 .unwrap();
@@ -237,7 +251,9 @@ fn check(c: Case, kernel: Option<usize>) -> Result<(), TestCaseError> {
             }
         }
         let done = f.st.close().unwrap();
-        // Each object a layer read counts once, as a hit or a miss (where no cell failed).
+        // Each object a layer read counts once, as a hit or a miss (where no cell failed); and
+        // a layer copies in only what was not on the device when it began: a miss never
+        // evicts an object a cell of the same layer reads, before or after it.
         for (l, (o, failed)) in objects.iter().enumerate() {
             if !failed {
                 prop_assert_eq!(
@@ -246,6 +262,9 @@ fn check(c: Case, kernel: Option<usize>) -> Result<(), TestCaseError> {
                     "layer {}",
                     l
                 );
+                if kernel.is_none() {
+                    prop_assert_eq!(done.counts.misses[l], absent_at_start[l], "layer {}", l);
+                }
             }
         }
         // A grant of one layer's cells is enough, failed copies included (their slots are
