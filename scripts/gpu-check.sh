@@ -6,7 +6,8 @@
 #       `.git/info/exclude` ignore it (so that it travels as a carried path, never committed).
 #   there:        device run, carry [".whl"], timeout_s 560, command:
 #                     bash scripts/gpu-check.sh run [PART...]
-#       PARTs (default: all, in this order): resolver tests demos sanitizer token decode transfer
+#       PARTs (default: all, in this order): resolver tiered tests demos sanitizer token decode
+#       transfer
 #       The whole run keeps to GPU_CHECK_BUDGET seconds (default 480): each step's timeout is
 #       cut to what is left, and a step with less than 20 s left is skipped and says so.
 #       installs the wheel offline into /tmp/site (the machine has Python 3.12, torch with
@@ -42,7 +43,10 @@
 #                             and with --faults (load, backup and restore failures through
 #                             the CUDA engines' fault hook, failed turns restarted with
 #                             --restart-failed) in both selections
-#         demo_block.json     the block-mode run with prefetch, as JSON
+#         tiered.jsonl        `sparsetier bench tiered --device cuda` (block, token, block with
+#                             --graphs): decode tokens/s with a quarter of the KV on the device
+#                             against all-resident, paired in one process (tables in
+#                             resolver.txt)
 #         bench_transfer.txt  `sparsetier bench transfer --device cuda` table
 #         bench_transfer.json the same rows as JSON
 #         (pytest.txt, after the tests) compute-sanitizer memcheck over scripts/gpu_sanitize.py
@@ -73,7 +77,7 @@ build)
     ;;
 run)
     shift
-    parts=" ${*:-resolver tests demos sanitizer token decode transfer} "
+    parts=" ${*:-resolver tiered tests demos sanitizer token decode transfer} "
     has() { [[ $parts == *" $1 "* ]]; }
     export PYTHONUNBUFFERED=1
     T0=$SECONDS
@@ -108,26 +112,27 @@ run)
     # The checks in order of worth; each has its own timeout so a hang leaves the others.
     per_test=$(python3 -c "import pytest_timeout" 2>/dev/null && echo --timeout=60)
     if has resolver; then
-        for tok in false true; do
-            step 150 python3 -m sparsetier.tools.resolver_gpu --tokens "$tok" \
-                --steps "$([ $tok = true ] && echo 6 || echo 12)" --json - >> "$OUT/resolver.txt" 2>&1
-            echo "resolver tokens=$tok: exit $?" >> "$OUT/resolver.txt"
-        done
-        # Under CUDA graph capture: a step's 4 layers captured once, replayed each step.
         # The runtime's decode steps through the kernel on CUDA pools (bit-identical to the
-        # all-resident run), and its layers under torch's sync debug mode.
+        # all-resident run), block and token; then its layers under torch's sync debug mode.
         for mode in block token; do
             step 60 python3 -m sparsetier.tools.cli demo --device cuda --quiet --resolve device \
                 --selection "$mode" >> "$OUT/resolver.txt" 2>&1
             echo "resolver demo $mode: exit $?" >> "$OUT/resolver.txt"
         done
+        step 120 "${PYTEST[@]}" tests/test_gpu_runtime.py \
+            -k device_resolve >> "$OUT/resolver.txt" 2>&1
+        echo "resolver runtime pytest: exit $?" >> "$OUT/resolver.txt"
+        # The kernel alone at batch 64, top-2048 of 128k: every cell checked, its GPU time.
+        for tok in false true; do
+            step 120 python3 -m sparsetier.tools.resolver_gpu --tokens "$tok" \
+                --steps "$([ $tok = true ] && echo 4 || echo 8)" --json - >> "$OUT/resolver.txt" 2>&1
+            echo "resolver tokens=$tok: exit $?" >> "$OUT/resolver.txt"
+        done
         # With injected faults: the host-planned steps take them, the kernel's steps none.
         step 60 python3 -m sparsetier.tools.cli demo --device cuda --quiet --resolve device \
             --faults >> "$OUT/resolver.txt" 2>&1
         echo "resolver demo block faults: exit $?" >> "$OUT/resolver.txt"
-        step 120 "${PYTEST[@]}" tests/test_gpu_runtime.py \
-            -k device_resolve >> "$OUT/resolver.txt" 2>&1
-        echo "resolver runtime pytest: exit $?" >> "$OUT/resolver.txt"
+        # Under CUDA graph capture: a step's 4 layers captured once, replayed each step.
         step 90 python3 -m sparsetier.tools.resolver_gpu --graph true --layers 4 --rows 16 \
             --context 32768 --steps 8 --json - >> "$OUT/resolver.txt" 2>&1
         echo "resolver graph: exit $?" >> "$OUT/resolver.txt"
@@ -147,6 +152,15 @@ run)
         step 90 python3 -m sparsetier.tools.cli demo --device cuda --quiet --resolve device \
             --graphs >> "$OUT/resolver.txt" 2>&1
         echo "resolver demo block graphs: exit $?" >> "$OUT/resolver.txt"
+    fi
+    if has tiered; then
+        # Tiered decode (a quarter of the KV on the device) against all-resident, in decode
+        # tokens/s, alternating in one process; outputs bit-identical in every pair.
+        for args in "--selection block" "--selection token" "--selection block --graphs"; do
+            step 120 python3 -m sparsetier.tools.cli bench tiered --device cuda --pairs 3 \
+                $args --json "$OUT/tiered.jsonl" >> "$OUT/resolver.txt" 2>&1
+            echo "tiered $args: exit $?" >> "$OUT/resolver.txt"
+        done
     fi
     if has tests; then
         # The files never run on a GPU first, in a process of their own; then the rest. The
@@ -172,9 +186,7 @@ run)
         echo "demo block prefetch fp8: exit $?" >> "$OUT/demo_cuda.txt"
         for mode in block token; do
             for pf in prefetch no-prefetch; do
-                # JSON of the block run with prefetch only (8 files at most come back).
                 flag=$([ "$pf" = no-prefetch ] && echo --no-prefetch)
-                [ "$mode$pf" = blockprefetch ] && flag="--json $OUT/demo_block.json"
                 step 60 python3 -m sparsetier.tools.cli demo --device cuda --quiet \
                     --selection "$mode" $flag >> "$OUT/demo_cuda.txt" 2>&1
                 echo "demo $mode $pf: exit $?" >> "$OUT/demo_cuda.txt"
@@ -227,12 +239,12 @@ run)
         echo "exit $?" >> "$OUT/bench_transfer.txt"
     fi
     cd "$OUT" && tail -n 4 pytest.txt bench_decode.txt 2>/dev/null
-    grep -E "^resolver|exit|passed|failed" resolver.txt 2>/dev/null
+    grep -E "^resolver|exit|passed|failed|median paired" resolver.txt 2>/dev/null
     tail -n 12 bench_transfer.txt 2>/dev/null
     grep -E "exit|correctness|end state|faults" demo_cuda.txt 2>/dev/null
     ;;
 *)
-    echo "usage: $0 build | run [tests] [resolver] [demos] [sanitizer] [decode] [transfer] [token]" >&2
+    echo "usage: $0 build | run [resolver] [tiered] [tests] [demos] [sanitizer] [token] [decode] [transfer]" >&2
     exit 2
     ;;
 esac

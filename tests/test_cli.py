@@ -682,3 +682,48 @@ def test_bench_vllm_runs_both_managers_on_one_stream(policy, tmp_path, capsys):
     assert r["evictions"] > 0, "the pool is smaller than the stream"
     assert r["hit_keys_per_request"] > 0, "shared prefixes hit"
     assert r["paired"] == 24 - 4 and r["ratio_median"] > 0
+
+
+def test_bench_tiered_pairs_a_tiered_run_with_a_resident_one(tmp_path, capsys):
+    out = tmp_path / "tiered.json"
+    args = ["bench", "tiered", "--pairs", "2", "--requests", "4", "--concurrent", "4",
+            "--steps", "6", "--json", str(out)]  # fmt: skip
+    assert main(args) == 0
+    assert "median paired ratio" in capsys.readouterr().out
+    r = json.loads(out.read_text())
+    assert r["device_slots"] < r["peak_objects"] <= r["resident_slots"]
+    assert [row["warmup"] for row in r["rows"]] == [True, False, False]
+    for row in r["rows"]:
+        # Both sides decoded the same tokens; the ratio is the tiered rate over the resident.
+        assert row["tokens"] == row["resident_tokens"] > 0
+        ratio = row["tiered_tokens_per_s"] / row["resident_tokens_per_s"]
+        assert row["ratio"] == pytest.approx(ratio)
+    timed = sorted(row["ratio"] for row in r["rows"][1:])
+    assert r["median_ratio"] == pytest.approx((timed[0] + timed[1]) / 2)
+
+
+def test_bench_tiered_fails_when_the_tiered_outputs_differ(monkeypatch):
+    from sparsetier.tools import bench_tiered
+
+    real = bench_tiered._run
+    calls = []
+
+    def run(cfg, model, work, slots, *a, **kw):
+        rt, out, *rest = real(cfg, model, work, slots, *a, **kw)
+        calls.append(slots)
+        if len(calls) == 1:  # the first (tiered) run: one token off
+            rid = min(out)
+            out[rid] = out[rid] + 1
+        return (rt, out, *rest)
+
+    monkeypatch.setattr(bench_tiered, "_run", run)
+    cfg = bench_tiered.TieredBenchConfig(pairs=1, requests=2, concurrent=2, steps=3)
+    with pytest.raises(RuntimeError, match="pair 0: the tiered run's outputs differ"):
+        bench_tiered.run(cfg)
+
+
+def test_bench_tiered_refuses_bad_flags(capsys):
+    assert main(["bench", "tiered", "--budget", "1.5"]) == 2
+    assert "budget" in capsys.readouterr().err
+    assert main(["bench", "tiered", "--pairs", "0"]) == 2
+    assert "pairs" in capsys.readouterr().err

@@ -265,6 +265,7 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
     _bench_prefix_parser(benches, out)
     _bench_prefix_sparse_parser(benches, out)
     _bench_vllm_parser(benches, out)
+    _bench_tiered_parser(benches, out)
     b = benches.add_parser("l3", parents=[out],
                            help="put/get throughput of the L3 backends vs memcpy, and the serve "
                            "loop's hits with and without L3")  # fmt: skip
@@ -286,6 +287,53 @@ def _bench_parser(sub: argparse._SubParsersAction) -> None:
                            help="seconds to replay a 1M-key trace at 10 budgets, LRU and "
                            "MIN")  # fmt: skip
     b.set_defaults(bench=_bench_replay)
+
+
+def _bench_tiered_parser(benches: argparse._SubParsersAction, out: argparse.ArgumentParser) -> None:
+    from sparsetier.tools.bench_tiered import TieredBenchConfig
+
+    d = TieredBenchConfig()
+    p = benches.add_parser("tiered", parents=[out],
+                           help="decode tokens/s with a share of the KV on the device vs "
+                           "all-resident (the demo's model and conversations)")  # fmt: skip
+    p.add_argument("--pairs", type=int, default=d.pairs,
+                   help="tiered/resident pairs timed, after one warm-up pair")  # fmt: skip
+    p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
+    p.add_argument("--selection", choices=["block", "token"], default=d.selection)
+    p.add_argument("--resolve", choices=["host", "device"], default=d.resolve,
+                   help="both runs resolve their layers this way")  # fmt: skip
+    p.add_argument("--graphs", action="store_true",
+                   help="both runs' device-resolved steps as CUDA graphs (--device cuda, "
+                   "--resolve device)")  # fmt: skip
+    p.add_argument("--budget", type=float, default=d.budget,
+                   help="the tiered run's device share of the main KV")  # fmt: skip
+    p.add_argument("--requests", type=int, default=d.requests)
+    p.add_argument("--concurrent", type=int, default=d.concurrent,
+                   help="requests decoded at once")  # fmt: skip
+    p.add_argument("--steps", type=int, default=d.steps, help="decode steps a request")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.set_defaults(bench=_bench_tiered)
+
+
+def _bench_tiered(args: argparse.Namespace) -> dict:
+    from sparsetier.tools import bench_tiered
+
+    _positive(args, "pairs", "requests", "concurrent", "steps")
+    if not 0.0 < args.budget <= 1.0:
+        raise ConfigError.of("budget", str(args.budget), "a number in (0, 1]")
+    if args.device == "cuda" and not _cuda_available():
+        raise ConfigError.of("device", "cuda", "cpu, or cuda where a GPU is present")
+    if args.graphs and (args.device != "cuda" or args.resolve != "device"):
+        raise ConfigError.of("graphs", "True", "--device cuda with --resolve device")
+    r = bench_tiered.run(bench_tiered.config_from_args(args))
+    print(bench_tiered.format_table(r))
+    return r
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _bench_decode_parser(benches: argparse._SubParsersAction, out: argparse.ArgumentParser) -> None:

@@ -331,16 +331,10 @@ def _percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else 0.0
 
 
-def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
-    if cfg.device not in ("cpu", "cuda") or (
-        cfg.device == "cuda" and not torch.cuda.is_available()
-    ):
-        raise ConfigError.of("device", cfg.device, "cpu, or cuda where a GPU is present")
-    if cfg.graphs and (cfg.device != "cuda" or cfg.resolve != "device"):
-        raise ConfigError.of("graphs", "True", "--device cuda with --resolve device")
-    torch.manual_seed(cfg.seed)
-    model = TinySparseModel(ModelConfig(seed=cfg.seed)).to(cfg.device)
-    work = _workload(cfg, model.c.vocab)
+def _sizing(cfg: DemoConfig, model, work) -> tuple[int, int, int, int, int, list[int]]:
+    """The pools a run of `work` needs: the running requests' peak main KV objects, the tiered
+    run's device slots (`budget` of that peak, above the floor a step needs), the resident
+    run's, host pages, Indexer-K device pages, and each conversation's most pages."""
     ps, layers = cfg.page_size, model.c.layers
     # Main KV objects are (page, layer) of running requests: the most alive at once. A turn's
     # prompt grows by the previous answer and message (at most steps + 64 tokens a turn).
@@ -360,6 +354,21 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     chunk_pages = -(-256 // ps) + 1
     floor = (chunk_pages + pages[0]) * layers + cfg.concurrent * (2 * layers + 2 * read) + 1
     device = max(math.ceil(cfg.budget * peak), floor)
+    resident = max(peak + 16 * layers, device)
+    return peak, device, resident, host_pages, idx_pages, pages
+
+
+def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
+    if cfg.device not in ("cpu", "cuda") or (
+        cfg.device == "cuda" and not torch.cuda.is_available()
+    ):
+        raise ConfigError.of("device", cfg.device, "cpu, or cuda where a GPU is present")
+    if cfg.graphs and (cfg.device != "cuda" or cfg.resolve != "device"):
+        raise ConfigError.of("graphs", "True", "--device cuda with --resolve device")
+    torch.manual_seed(cfg.seed)
+    model = TinySparseModel(ModelConfig(seed=cfg.seed)).to(cfg.device)
+    work = _workload(cfg, model.c.vocab)
+    peak, device, resident, host_pages, idx_pages, pages = _sizing(cfg, model, work)
     bar = None
     if progress:
         from tqdm import tqdm
@@ -400,9 +409,8 @@ def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
     if bar is not None:
         bar.close()
         bar = tqdm(desc="resident check", unit="step")
-    resident = peak + 16 * layers
     _, ref, ref_adms, _, ref_failures, _ = _run(
-        cfg, model, work, max(resident, device), sizes, bar, {}, failures
+        cfg, model, work, resident, sizes, bar, {}, failures
     )
     if bar is not None:
         bar.close()
