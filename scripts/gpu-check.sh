@@ -6,8 +6,8 @@
 #       `.git/info/exclude` ignore it (so that it travels as a carried path, never committed).
 #   there:        device run, carry [".whl"], timeout_s 560, command:
 #                     bash scripts/gpu-check.sh run [PART...]
-#       PARTs (default: all, in this order): resolver tiered tests demos sanitizer token decode
-#       transfer
+#       PARTs (default: all, in this order): resolver tiered kernel tests demos sanitizer token
+#       decode transfer
 #       The whole run keeps to GPU_CHECK_BUDGET seconds (default 480): each step's timeout is
 #       cut to what is left, and a step with less than 20 s left is skipped and says so.
 #       installs the wheel offline into /tmp/site (the machine has Python 3.12, torch with
@@ -43,6 +43,9 @@
 #                             and with --faults (load, backup and restore failures through
 #                             the CUDA engines' fault hook, failed turns restarted with
 #                             --restart-failed) in both selections
+#                             Part kernel: the kernel alone at that shape again, eager and
+#                             as a CUDA graph (one layer's two launches captured), block and
+#                             token mode.
 #         tiered.jsonl        `sparsetier bench tiered --device cuda` (block, token, block with
 #                             --graphs): decode tokens/s with a quarter of the KV on the device
 #                             against all-resident, paired in one process (tables in
@@ -77,7 +80,7 @@ build)
     ;;
 run)
     shift
-    parts=" ${*:-resolver tiered tests demos sanitizer token decode transfer} "
+    parts=" ${*:-resolver tiered kernel tests demos sanitizer token decode transfer} "
     has() { [[ $parts == *" $1 "* ]]; }
     export PYTHONUNBUFFERED=1
     T0=$SECONDS
@@ -152,6 +155,17 @@ run)
         step 90 python3 -m sparsetier.tools.cli demo --device cuda --quiet --resolve device \
             --graphs >> "$OUT/resolver.txt" 2>&1
         echo "resolver demo block graphs: exit $?" >> "$OUT/resolver.txt"
+    fi
+    if has kernel; then
+        # The kernel alone at batch 64, top-2048 of 128k, eager and as a CUDA graph.
+        for tok in false true; do
+            for graph in false true; do
+                step 90 python3 -m sparsetier.tools.resolver_gpu --tokens "$tok" --graph "$graph" \
+                    --steps "$([ $tok = true ] && echo 5 || echo 8)" --json - \
+                    >> "$OUT/resolver.txt" 2>&1
+                echo "resolver tokens=$tok graph=$graph: exit $?" >> "$OUT/resolver.txt"
+            done
+        done
     fi
     if has tiered; then
         # Tiered decode (a quarter of the KV on the device) against all-resident, in decode
@@ -244,7 +258,7 @@ run)
     grep -E "exit|correctness|end state|faults" demo_cuda.txt 2>/dev/null
     ;;
 *)
-    echo "usage: $0 build | run [resolver] [tiered] [tests] [demos] [sanitizer] [token] [decode] [transfer]" >&2
+    echo "usage: $0 build | run [resolver] [tiered] [kernel] [tests] [demos] [sanitizer] [token] [decode] [transfer]" >&2
     exit 2
     ;;
 esac

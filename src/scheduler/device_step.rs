@@ -181,7 +181,7 @@ impl StepScheduler<PrefixTier> {
         )?;
         if gpu {
             // CUDA pools: the kernel on their device, reading the host pool over unified
-            // addressing (never run on a GPU yet).
+            // addressing.
             let dev = super::resolver::gpu::GpuDevice::new(ordinal, host_base)?;
             state.use_kernel(Box::new(dev))?;
         }

@@ -743,7 +743,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         default=d.resolve,
         help="where a decode layer's top-k becomes slots: the core, one call a layer (host), "
         "or the device resolver, one grant a step (device: its reference implementation on "
-        "the cpu, its CUDA kernel with --device cuda, never run on a GPU yet)",
+        "the cpu, its CUDA kernel with --device cuda)",
     )
     p.add_argument(
         "--graphs",

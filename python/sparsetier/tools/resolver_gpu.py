@@ -5,7 +5,8 @@ A batch of requests with their own pages (homes) in a pinned host pool, a device
 decode steps whose selections keep `locality` of the last step's pages. Each step the host grants
 slots as the core does (free slots, then victims: objects the last step did not read first), and
 each layer is the two launches of `cuda/resolve.cu` (the layer's marks, then the resolve) on torch's
-stream, between two CUDA events. After each launch (outside the events) the check: every cell's slot
+stream, between two CUDA events (the launch's read-back checks made before the first, so that
+the events time the launches alone). After each launch (outside the events) the check: every cell's slot
 holds its object's tag (the host pool's page, copied by the kernel over unified addressing), each
 layer counts every object it read once (a hit or a miss), no cell went without a slot, and no slot
 is named twice. This is the kernel alone; the runtime's decode steps on a GPU are part `resolver`'s
@@ -168,11 +169,15 @@ def run(cfg: ResolverGpuConfig) -> dict:
         else:
             stream = torch.cuda.current_stream(dev).cuda_stream if on_gpu else 0
             for layer in range(cfg.layers):
+                launch = {"layer": layer, "call": layer + 1, **shape}
                 if on_gpu:
+                    # The launch's checks read its buffers back (a host wait): made first, so
+                    # that the events time the layer's launches, not the checks.
+                    kernel.check(per_layer[layer], **launch)
                     a, b = (torch.cuda.Event(enable_timing=True) for _ in range(2))
                     a.record()
                 start = time.perf_counter()
-                kernel.launch(stream, per_layer[layer], layer=layer, call=layer + 1, **shape)
+                kernel.launch(stream, per_layer[layer], capture=on_gpu, **launch)
                 took = (time.perf_counter() - start) * 1e3  # on the CPU the launch has run
                 if on_gpu:
                     b.record()

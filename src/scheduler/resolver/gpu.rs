@@ -2,7 +2,8 @@
 //! uploads of a step staged in one pinned buffer and copied in stream order, the read-back at a
 //! step's end into another pinned buffer and waited for once, and the kernel's three entry
 //! points launched on the step's stream (torch's current one). Written to the same protocol
-//! the CPU run in CI drives (`kernel`, over `device::HostDevice`); never run on a GPU yet.
+//! the CPU run in CI drives (`kernel`, over `device::HostDevice`); on a GPU,
+//! `scripts/gpu-check.sh` part `resolver` runs it.
 
 use super::device::KernelDevice;
 use super::launch::{LaunchArgs, ResolveKernel};
