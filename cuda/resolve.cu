@@ -6,7 +6,7 @@
 // warp copies).
 //
 // Compiled with NVRTC in CI (`compile_cuda_kernels`); launched by the runtime on CUDA pools
-// (`src/scheduler/resolver/gpu.rs`), and never run on a GPU yet. Test builds also compile this
+// (`src/scheduler/resolver/gpu.rs`). Test builds also compile this
 // source for the CPU (`cuda/host/resolve_host.cpp`: a thread per cell in flight, lane 0 alone)
 // and run the runtime's checks with it in place of the reference, through the same protocol
 // (`src/scheduler/resolver/kernel.rs`).
@@ -22,7 +22,8 @@
 //   earlier calls filled (their layers' cells were read: stream order); the last two cursors
 //   advance by CAS and only over entries they take, so an entry deferred (or filled) later in
 //   the step is still found by a later call;
-// - the log and the counts are appended with atomics; the host reads them a step behind.
+// - the log and the counts are appended with atomics; the host reads them back once, at the
+//   step's end.
 // Slot assignment may differ from the reference's order; what each cell reads does not.
 
 typedef unsigned long long u64;

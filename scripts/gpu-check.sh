@@ -236,7 +236,7 @@ run)
     fi
     if has decode; then
         # The pools on the GPU and the kernel engine: copies by the GPU, `ready` a stream
-        # wait (the deployment issue 10's CPU figure is about; never run yet), first.
+        # wait (the deployment issue 10's CPU figure is about), first.
         step 150 python3 -m sparsetier.tools.cli bench decode --steps 30 --mode block \
             --io-backend kernel >> "$OUT/bench_decode.txt" 2>&1
         echo "block kernel exit $?" >> "$OUT/bench_decode.txt"

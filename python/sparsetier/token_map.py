@@ -10,8 +10,8 @@ then plans page rows about 16x narrower, with counts (`StepScheduler.plan(..., c
 On a GPU the core's part of a step halves, but the ~20 small ops a layer cost more CPU to
 launch than the core's own mapping saves (benches/RESULTS.md, "Token mode mapped on the GPU"). So
 `TokenMapper`, what the runtime and `bench decode` call, captures those ops once per shape as
-a CUDA graph and replays it: one launch a layer. **Not yet run on a GPU** (written without
-one; on the CPU it is `map_tokens`); where a capture fails it says so once and maps eagerly.
+a CUDA graph and replays it: one launch a layer (on the CPU it is `map_tokens`); where a
+capture fails it says so once and maps eagerly.
 
 `map_tokens` is batched over the whole `[B, K]` selection (a sort, a scan and two scatters):
 no loop over requests or tokens, no sync. `to_host` then copies the pages and counts of the

@@ -749,8 +749,7 @@ def _demo_parser(sub: argparse._SubParsersAction) -> None:
         "--graphs",
         action="store_true",
         help="with --device cuda --resolve device: replay the tiered runs' device-resolved "
-        "decode steps as CUDA graphs, one per batch size and history bucket (never run on a "
-        "GPU yet)",
+        "decode steps as CUDA graphs, one per batch size and history bucket",
     )
     p.add_argument(
         "--restore",

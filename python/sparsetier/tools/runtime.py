@@ -116,7 +116,7 @@ class DecodeRuntime:
     the prefix cache owns; Indexer-K lives in `indexer_pages` whole device pages. A decode
     layer's top-k becomes slots in the core, one call a layer (`resolve="host"`), or through the
     device resolver with one grant a step (`resolve="device"`: its reference implementation on
-    the cpu engine's pools, its CUDA kernel on a GPU's, never run on one yet). A prefix hit
+    the cpu engine's pools, its CUDA kernel on a GPU's). A prefix hit
     restores its Indexer-K, and its main KV as the core's restore policy decides (`restore`:
     "auto" by its cost model, "indexer" only, "full", or "predicted": the pages its position
     model expects selected, in bulk). With `storage` (an L3 backend:
@@ -165,8 +165,7 @@ class DecodeRuntime:
         # (a prefill chunk's union of tokens, one request's, is planned as tokens either way).
         # On an H200 host the device mapping cost more CPU a step than the core's (RESULTS,
         # "Token mode mapped on the GPU"): its ~20 small ops a layer took longer to launch
-        # than the core takes to map the layer. `TokenMapper` replays them as one CUDA graph
-        # (not yet run on a GPU).
+        # than the core takes to map the layer. `TokenMapper` replays them as one CUDA graph.
         self.token_map = token_map
         self._mapper = TokenMapper(page_size) if token_map == "device" else None
         if layout not in LAYOUTS:
