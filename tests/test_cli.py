@@ -727,3 +727,9 @@ def test_bench_tiered_refuses_bad_flags(capsys):
     assert "budget" in capsys.readouterr().err
     assert main(["bench", "tiered", "--pairs", "0"]) == 2
     assert "pairs" in capsys.readouterr().err
+
+
+def test_bench_tiered_refuses_a_context_range_upside_down(capsys):
+    assert main(["bench", "tiered", "--context-min", "2048", "--context-max", "1024"]) == 2
+    err = capsys.readouterr().err
+    assert "context_max" in err and "2048" in err

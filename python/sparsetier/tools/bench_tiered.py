@@ -34,6 +34,9 @@ class TieredBenchConfig:
     requests: int = 16
     concurrent: int = 8  # requests decoded at once (the device's floor is a smaller share)
     steps: int = 48
+    # A first turn's prompt, tokens (longer: a step's floor of device pages a smaller share).
+    context_min: int = 1024
+    context_max: int = 3072
     seed: int = 0
 
 
@@ -48,6 +51,7 @@ def run(cfg: TieredBenchConfig) -> dict:
         raise ConfigError.of("pairs", str(cfg.pairs), "an integer >= 1")
     demo = DemoConfig(
         requests=cfg.requests, concurrent=cfg.concurrent, steps=cfg.steps,
+        context_min=cfg.context_min, context_max=cfg.context_max,
         selection=cfg.selection, budget=cfg.budget, resolve=cfg.resolve,
         graphs=cfg.graphs, device=cfg.device, seed=cfg.seed,
     )  # fmt: skip

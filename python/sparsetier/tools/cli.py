@@ -311,6 +311,11 @@ def _bench_tiered_parser(benches: argparse._SubParsersAction, out: argparse.Argu
     p.add_argument("--concurrent", type=int, default=d.concurrent,
                    help="requests decoded at once")  # fmt: skip
     p.add_argument("--steps", type=int, default=d.steps, help="decode steps a request")
+    p.add_argument("--context-min", type=int, default=d.context_min,
+                   help="a first turn's shortest prompt, tokens")  # fmt: skip
+    p.add_argument("--context-max", type=int, default=d.context_max,
+                   help="its longest (longer prompts: a step's floor of device pages is a "
+                   "smaller share of the KV, as token mode needs for a quarter)")  # fmt: skip
     p.add_argument("--seed", type=int, default=d.seed)
     p.set_defaults(bench=_bench_tiered)
 
@@ -318,7 +323,11 @@ def _bench_tiered_parser(benches: argparse._SubParsersAction, out: argparse.Argu
 def _bench_tiered(args: argparse.Namespace) -> dict:
     from sparsetier.tools import bench_tiered
 
-    _positive(args, "pairs", "requests", "concurrent", "steps")
+    _positive(args, "pairs", "requests", "concurrent", "steps", "context_min")
+    if args.context_max < args.context_min:
+        raise ConfigError.of(
+            "context_max", str(args.context_max), f"at least context_min ({args.context_min})"
+        )
     if not 0.0 < args.budget <= 1.0:
         raise ConfigError.of("budget", str(args.budget), "a number in (0, 1]")
     if args.device == "cuda" and not _cuda_available():
