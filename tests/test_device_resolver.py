@@ -136,6 +136,22 @@ def test_demo_through_the_device_resolver_is_exact(monkeypatch, selection, fault
         assert "loads" not in t["faults_unused"], t["faults_unused"]
 
 
+@pytest.mark.parametrize(("selection", "kernel"), [("block", False), ("token", True)])
+def test_fp8_rows_through_the_device_resolver_are_exact(monkeypatch, selection, kernel):
+    # DeepSeek-V3.2's packed FP8 rows and values-then-scales Indexer-K pages: the resolver
+    # copies whole pages, whatever their rows hold; the demo checks every logit bit for bit.
+    def hook(rt):
+        if kernel:
+            testing.use_host_kernel(rt, 4)
+
+    cfg = demo.DemoConfig(
+        requests=8, steps=24, selection=selection, resolve="device", kv_format="fp8"
+    )
+    r, devices = run_device_demo(monkeypatch, cfg, hook)
+    assert r["totals"]["kv_format"] == "fp8"
+    assert devices and all(d.scheduler.device_stats()["steps"] > 0 for d in devices)
+
+
 @pytest.mark.parametrize("selection", ["block", "token"])
 def test_objects_a_restore_was_still_loading_enter_the_mirror_once_they_land(
     monkeypatch, selection
