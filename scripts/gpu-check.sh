@@ -131,6 +131,10 @@ run)
                 --steps "$([ $tok = true ] && echo 4 || echo 8)" --json - >> "$OUT/resolver.txt" 2>&1
             echo "resolver tokens=$tok: exit $?" >> "$OUT/resolver.txt"
         done
+        # DeepSeek-V3.2's packed FP8 rows through the kernel.
+        step 60 python3 -m sparsetier.tools.cli demo --device cuda --quiet --resolve device \
+            --kv-format fp8 >> "$OUT/resolver.txt" 2>&1
+        echo "resolver demo block fp8: exit $?" >> "$OUT/resolver.txt"
         # With injected faults: the host-planned steps take them, the kernel's steps none.
         step 60 python3 -m sparsetier.tools.cli demo --device cuda --quiet --resolve device \
             --faults >> "$OUT/resolver.txt" 2>&1
@@ -170,7 +174,9 @@ run)
     if has tiered; then
         # Tiered decode (a quarter of the KV on the device) against all-resident, in decode
         # tokens/s, alternating in one process; outputs bit-identical in every pair.
-        for args in "--selection block" "--selection token" "--selection block --graphs"; do
+        # (Token mode with longer prompts: at the demo's, a step's floor holds 61 % of the KV.)
+        for args in "--selection block" "--selection token --context-min 4096 --context-max 12288" \
+            "--selection block --graphs"; do
             step 120 python3 -m sparsetier.tools.cli bench tiered --device cuda --pairs 3 \
                 $args --json "$OUT/tiered.jsonl" >> "$OUT/resolver.txt" 2>&1
             echo "tiered $args: exit $?" >> "$OUT/resolver.txt"
