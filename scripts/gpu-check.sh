@@ -25,10 +25,8 @@
 #         resolver.txt        the device resolver's kernel launched on the GPU alone
 #                             (`python -m sparsetier.tools.resolver_gpu`): every cell of every
 #                             layer checked against its object's bytes, the objects counted
-#                             once, and its GPU time a layer at batch 64, top-2048 of 128k
-#                             tokens (DeepSeek-V3.2's 656-byte rows, 64-token pages), block and
-#                             token mode, and a step's layers captured in a CUDA graph and
-#                             replayed, each run's JSON after its line; the runtime's
+#                             once, and its GPU time a layer (part kernel, below), each run's
+#                             JSON after its line; the runtime's
 #                             resolver captured in torch CUDA graphs and replayed
 #                             (tests/test_resolver_capture.py); the runtime's decode
 #                             through it (`demo --device cuda --resolve device`, block and
@@ -36,16 +34,17 @@
 #                             resident, layers under torch's sync debug mode "error"); then
 #                             tests/test_resolver_gpu.py's GPU cases; the runtime's whole
 #                             decode steps as CUDA graphs (tests/test_step_graphs.py's cuda
-#                             cases, `demo --device cuda --resolve device --graphs`)
+#                             cases, `demo --device cuda --resolve device --graphs`).
+#                             Part kernel (into resolver.txt too): the kernel alone at that
+#                             shape, eager and as a CUDA graph (one layer's two launches
+#                             captured), block and token mode; part resolver runs it graphed
+#                             at a smaller shape, 4 layers a graph.
 #         demo_cuda.txt       `sparsetier demo --device cuda` (tiered == resident on the GPU,
 #                             through the step scheduler with stream waits), block and token
 #                             selection, with and without prefetch, in FP8 (--kv-format),
 #                             and with --faults (load, backup and restore failures through
 #                             the CUDA engines' fault hook, failed turns restarted with
 #                             --restart-failed) in both selections
-#                             Part kernel: the kernel alone at that shape again, eager and
-#                             as a CUDA graph (one layer's two launches captured), block and
-#                             token mode.
 #         tiered.jsonl        `sparsetier bench tiered --device cuda` (block, token, block with
 #                             --graphs): decode tokens/s with a quarter of the KV on the device
 #                             against all-resident, paired in one process (tables in
@@ -125,12 +124,7 @@ run)
         step 120 "${PYTEST[@]}" tests/test_gpu_runtime.py \
             -k device_resolve >> "$OUT/resolver.txt" 2>&1
         echo "resolver runtime pytest: exit $?" >> "$OUT/resolver.txt"
-        # The kernel alone at batch 64, top-2048 of 128k: every cell checked, its GPU time.
-        for tok in false true; do
-            step 120 python3 -m sparsetier.tools.resolver_gpu --tokens "$tok" \
-                --steps "$([ $tok = true ] && echo 4 || echo 8)" --json - >> "$OUT/resolver.txt" 2>&1
-            echo "resolver tokens=$tok: exit $?" >> "$OUT/resolver.txt"
-        done
+        # (The kernel alone at DeepSeek-V3.2's shape, eager and graphed: part kernel.)
         # DeepSeek-V3.2's packed FP8 rows through the kernel.
         step 60 python3 -m sparsetier.tools.cli demo --device cuda --quiet --resolve device \
             --kv-format fp8 >> "$OUT/resolver.txt" 2>&1
@@ -264,7 +258,8 @@ run)
     grep -E "exit|correctness|end state|faults" demo_cuda.txt 2>/dev/null
     ;;
 *)
-    echo "usage: $0 build | run [resolver] [tiered] [kernel] [tests] [demos] [sanitizer] [token] [decode] [transfer]" >&2
+    echo "usage: $0 build | run [resolver] [tiered] [kernel] [tests] [demos] [sanitizer]" \
+        "[token] [decode] [transfer]" >&2
     exit 2
     ;;
 esac

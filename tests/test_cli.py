@@ -693,7 +693,14 @@ def test_bench_tiered_pairs_a_tiered_run_with_a_resident_one(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert r["device_slots"] < r["peak_objects"] <= r["resident_slots"]
     assert [row["warmup"] for row in r["rows"]] == [True, False, False]
+    # The order alternates from pair to pair.
+    assert [row["tiered_first"] for row in r["rows"]] == [True, False, True]
     for row in r["rows"]:
+        # With the prefills' seconds: decode tokens over prefill and decode seconds, each side.
+        t_s = row["tokens"] / row["tiered_tokens_per_s"] + row["tiered_prefill_s"]
+        r_s = row["tokens"] / row["resident_tokens_per_s"] + row["resident_prefill_s"]
+        assert row["tiered_prefill_s"] > 0 and row["resident_prefill_s"] > 0
+        assert row["whole_ratio"] == pytest.approx(r_s / t_s)
         # Both sides decoded the same tokens; the ratio is the tiered rate over the resident.
         assert row["tokens"] == row["resident_tokens"] > 0
         ratio = row["tiered_tokens_per_s"] / row["resident_tokens_per_s"]
@@ -717,16 +724,31 @@ def test_bench_tiered_fails_when_the_tiered_outputs_differ(monkeypatch):
         return (rt, out, *rest)
 
     monkeypatch.setattr(bench_tiered, "_run", run)
-    cfg = bench_tiered.TieredBenchConfig(pairs=1, requests=2, concurrent=2, steps=3)
+    cfg = bench_tiered.TieredBenchConfig(pairs=1, requests=4, concurrent=4, steps=6)
     with pytest.raises(RuntimeError, match="pair 0: the tiered run's outputs differ"):
         bench_tiered.run(cfg)
+    # The first run of the pair was the tiered one: fewer device slots than the resident.
+    assert len(calls) == 2 and calls[0] < calls[1]
 
 
-def test_bench_tiered_refuses_bad_flags(capsys):
-    assert main(["bench", "tiered", "--budget", "1.5"]) == 2
-    assert "budget" in capsys.readouterr().err
-    assert main(["bench", "tiered", "--pairs", "0"]) == 2
-    assert "pairs" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("flags", "field"),
+    [
+        (["--budget", "1.5"], "budget"),
+        (["--pairs", "0"], "pairs"),
+        (["--steps", "1"], "steps"),  # a turn of no decode step: nothing to compare
+        (["--context-min", "8"], "context_min"),
+        (["--graphs"], "graphs"),  # only with --device cuda --resolve device
+        (["--graphs", "--device", "cuda", "--resolve", "host"], None),
+    ],
+)
+def test_bench_tiered_refuses_bad_flags(flags, field, capsys):
+    import torch
+
+    if field is None:  # graphs with a host resolver: refused where a GPU is present too
+        field = "device" if not torch.cuda.is_available() else "graphs"
+    assert main(["bench", "tiered", *flags]) == 2
+    assert field in capsys.readouterr().err
 
 
 def test_bench_tiered_refuses_a_context_range_upside_down(capsys):

@@ -218,7 +218,8 @@ impl PyResolveKernel {
     /// the device). Host pages are numbered layer-first (`layer * homes + home`). Every index
     /// the kernel takes from a buffer is read back and bounded first; with `capture` (inside a
     /// CUDA graph's capture, where nothing can be read back) only the buffers and sizes are,
-    /// and the caller runs `check` on the same buffers before each replay.
+    /// and the caller runs `check` on the same buffers before each replay, or, launching
+    /// eagerly with `capture` (to time the launch without its read-backs), just before it.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (stream, t, *, k, layers, layer, page_size, tokens, call, blocks=None, capture=false))]
     fn launch(

@@ -545,8 +545,15 @@ def format_summary(r: dict) -> str:
         ("selection", f"{t['selection']} mode, {t['kv_format']} caches"),
         (
             "device budget",
-            f"{t['device_slots']} KV pages, {t['budget']:.0%} of the {t['peak_objects']} the"
-            " running requests would hold unshared",
+            f"{t['device_slots']} KV pages, {t['device_slots'] / t['peak_objects']:.0%} of the "
+            f"{t['peak_objects']} the running requests would hold unshared"
+            # The floor a step needs (a prefill chunk's pages, each request's reads) can
+            # exceed the budget's share: the share held is what the line says.
+            + (
+                f" (--budget {t['budget']:.0%}, raised to the floor a step needs)"
+                if t["device_slots"] > math.ceil(t["budget"] * t["peak_objects"])
+                else ""
+            ),
         ),
         (
             "selected / distinct pages",

@@ -1,16 +1,19 @@
 """The device resolver's CUDA kernel on a GPU, alone: checked and timed (`python -m
-sparsetier.tools.resolver_gpu`, part `resolver` of `scripts/gpu-check.sh`; test builds).
+sparsetier.tools.resolver_gpu`, parts `kernel` and `resolver` of `scripts/gpu-check.sh`; test
+builds).
 
 A batch of requests with their own pages (homes) in a pinned host pool, a device pool of slots, and
 decode steps whose selections keep `locality` of the last step's pages. Each step the host grants
 slots as the core does (free slots, then victims: objects the last step did not read first), and
 each layer is the two launches of `cuda/resolve.cu` (the layer's marks, then the resolve) on
 torch's stream, between two CUDA events (the launch's read-back checks made before the first, so
-that the events time the launches alone). After each launch (outside the events) the check: every
-cell's slot holds its object's tag (the host pool's page, copied by the kernel over unified
-addressing), each layer counts every object it read once (a hit or a miss), no cell went without a
-slot, and no slot is named twice. This is the kernel alone; the runtime's decode steps on a GPU are
-part `resolver`'s `demo --device cuda --resolve device`.
+that the events time the launches: an eager launch's host work, its argument checks and the two
+`cuLaunchKernel` calls, still falls between them while the GPU waits; a graph's replay is the GPU's
+time alone). After each launch (outside the events) the check: every cell's slot holds its object's
+tag (the host pool's page, copied by the kernel over unified addressing), each layer counts every
+object it read once (a hit or a miss), no cell went without a slot, and no slot is named twice.
+This is the kernel alone; the runtime's decode steps on a GPU are part `resolver`'s `demo --device
+cuda --resolve device`.
 """
 
 from __future__ import annotations
