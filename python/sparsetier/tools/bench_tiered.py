@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from sparsetier.errors import ConfigError
-from sparsetier.tools.demo import DemoConfig, _run, _sizing, _workload
+from sparsetier.tools.demo import DemoConfig, _run, _sizing, _workload, check_config
 from sparsetier.tools.model import ModelConfig, TinySparseModel
 
 
@@ -51,33 +51,16 @@ def _rates(rt) -> tuple[int, float, float]:
     return sum(r.requests for r in recs), sum(r.step_s for r in recs), sum(rt.ttfts)
 
 
-def check(cfg: TieredBenchConfig) -> None:
-    """Refuses what the demo's workload cannot serve, before anything runs."""
-    for field, value, ok, allowed in (
-        ("pairs", cfg.pairs, cfg.pairs >= 1, "an integer >= 1"),
-        ("requests", cfg.requests, cfg.requests >= 1, "an integer >= 1"),
-        ("concurrent", cfg.concurrent, cfg.concurrent >= 1, "an integer >= 1"),
-        ("steps", cfg.steps, cfg.steps >= 2, "an integer >= 2"),
-        ("context_min", cfg.context_min, 16 <= cfg.context_min <= cfg.context_max,
-         f"16 <= context_min <= context_max ({cfg.context_max})"),
-        ("budget", cfg.budget, 0.0 < cfg.budget <= 1.0, "a number in (0, 1]"),
-    ):  # fmt: skip
-        if not ok:
-            raise ConfigError.of(field, str(value), allowed)
-    if cfg.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError.of("device", "cuda", "cpu, or cuda where a GPU is present")
-    if cfg.graphs and (cfg.device != "cuda" or cfg.resolve != "device"):
-        raise ConfigError.of("graphs", "True", "--device cuda with --resolve device")
-
-
 def run(cfg: TieredBenchConfig) -> dict:
-    check(cfg)
+    if cfg.pairs < 1:
+        raise ConfigError.of("pairs", str(cfg.pairs), "an integer >= 1")
     demo = DemoConfig(
         requests=cfg.requests, concurrent=cfg.concurrent, steps=cfg.steps,
         context_min=cfg.context_min, context_max=cfg.context_max,
         selection=cfg.selection, budget=cfg.budget, resolve=cfg.resolve,
         graphs=cfg.graphs, device=cfg.device, seed=cfg.seed,
     )  # fmt: skip
+    check_config(demo)  # what the demo's workload cannot serve, refused before anything runs
     torch.manual_seed(cfg.seed)
     model = TinySparseModel(ModelConfig(seed=cfg.seed)).to(cfg.device)
     work = _workload(demo, model.c.vocab)

@@ -358,13 +358,34 @@ def _sizing(cfg: DemoConfig, model, work) -> tuple[int, int, int, int, int, list
     return peak, device, resident, host_pages, idx_pages, pages
 
 
-def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
+def check_config(cfg: DemoConfig) -> None:
+    """Refuses a configuration the demo's workload cannot serve (`ConfigError` naming the field,
+    the value and what is allowed), before anything runs."""
+    for name, value, ok, allowed in (
+        ("budget", cfg.budget, 0 < cfg.budget <= 1, "0 < budget <= 1"),
+        ("topk", cfg.topk, cfg.topk >= 2, "an integer >= 2"),
+        ("topk_tokens", cfg.topk_tokens, cfg.topk_tokens >= 2, "an integer >= 2"),
+        ("block_size", cfg.block_size, cfg.block_size >= 0, "0 or an integer >= 1"),
+        ("page_size", cfg.page_size, cfg.page_size >= 1, "an integer >= 1"),
+        ("requests", cfg.requests, cfg.requests >= 1, "an integer >= 1"),
+        ("concurrent", cfg.concurrent, cfg.concurrent >= 1, "an integer >= 1"),
+        ("steps", cfg.steps, cfg.steps >= 2, "an integer >= 2"),
+        ("turns", cfg.turns, cfg.turns >= 1, "an integer >= 1"),
+        ("context_min", cfg.context_min, 16 <= cfg.context_min <= cfg.context_max,
+         "16 <= context_min <= context_max"),
+    ):  # fmt: skip
+        if not ok:
+            raise ConfigError.of(name, str(value), allowed)
     if cfg.device not in ("cpu", "cuda") or (
         cfg.device == "cuda" and not torch.cuda.is_available()
     ):
         raise ConfigError.of("device", cfg.device, "cpu, or cuda where a GPU is present")
     if cfg.graphs and (cfg.device != "cuda" or cfg.resolve != "device"):
         raise ConfigError.of("graphs", "True", "--device cuda with --resolve device")
+
+
+def run_demo(cfg: DemoConfig, progress: bool = True) -> dict:
+    check_config(cfg)
     torch.manual_seed(cfg.seed)
     model = TinySparseModel(ModelConfig(seed=cfg.seed)).to(cfg.device)
     work = _workload(cfg, model.c.vocab)
