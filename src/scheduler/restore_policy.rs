@@ -371,6 +371,24 @@ mod tests {
         learn(&mut r, 256, 1000, 1000);
         let c = r.coverage(16).unwrap();
         assert!((c - (1.0 - 0.25f64.powf(0.25))).abs() < 1e-12, "{c}");
+        // Between a sample and a longer one that loaded everything: the shorter samples'
+        // power, not a straight line to 1. From 0.2 at 16 tokens and 0.5 at 64 (the hazard
+        // x3.1 in 4x the length), 256 tokens read 1 - 0.5^3.1, as the union grows; the line
+        // from 64 to 1024 tokens would read 0.75, under the loads' break-even here.
+        let mut s = RestorePolicy::new(RestoreMode::Auto, 4096);
+        learn(&mut s, 16, 1000, 200);
+        learn(&mut s, 64, 1000, 500);
+        learn(&mut s, 1024, 1000, 1000);
+        let power = (0.5f64.ln() / 0.8f64.ln()).log(4.0);
+        let want = 1.0 - 0.5f64.powf(4f64.powf(power));
+        let c = s.coverage(256).unwrap();
+        assert!((c - want).abs() < 1e-12 && c > 0.85, "{c}");
+        // With one sample below, no power fits: independent tokens', the hazard x4 in 4x the
+        // length (1 - 0.5^4).
+        let mut t = RestorePolicy::new(RestoreMode::Auto, 4096);
+        learn(&mut t, 64, 1000, 500);
+        learn(&mut t, 1024, 1000, 1000);
+        assert!((t.coverage(256).unwrap() - 0.9375).abs() < 1e-12);
     }
 
     #[test]

@@ -41,11 +41,12 @@ pub fn class_of(page: u32, matched: u32) -> usize {
 
 /// A share learned per suffix-length bucket (a share of objects a suffix selects, which grows
 /// with its length), read for a length without a sample as a union grows: the hazard
-/// `-ln(1 - c)` as a power of the length. Between two samples, through both (linearly in log2
-/// of the length where a share is 0 or 1, or they do not grow); past the ends, from the two
-/// nearest samples on that side, the power bounded by 0 and 1 (tokens that select
-/// independently: 1), so that a longer suffix is not read as one of the longest seen; the
-/// nearest one's with one sample only. None with no sample.
+/// `-ln(1 - c)` as a power of the length. Between two samples, through both; where the longer
+/// one is 1 (no power fits it), as past the ends below it; linearly in log2 of the length
+/// where the shorter one is 0, or they do not grow. Past the ends, from the two nearest
+/// samples on that side, the power bounded by 0 and 1 (tokens that select independently: 1),
+/// so that a longer suffix is not read as one of the longest seen; the nearest one's with one
+/// sample only. None with no sample.
 pub fn interpolate(suffix: u64, at: impl Fn(usize) -> Option<f64>) -> Option<f64> {
     let b = bucket(suffix);
     if let Some(c) = at(b) {
@@ -61,6 +62,11 @@ pub fn interpolate(suffix: u64, at: impl Fn(usize) -> Option<f64>) -> Option<f64
             if ul > 0.0 && uh.is_finite() && uh >= ul {
                 // The hazard as a power of the length through both samples.
                 Some(1.0 - (-(ul * (uh / ul).powf(t))).exp())
+            } else if ul > 0.0 && !uh.is_finite() {
+                // The longer sample covered everything: it fits no power, and a straight line
+                // to it reads a union that saturated early as still growing slowly. As past
+                // the ends: the power of the two shorter samples, else independent tokens'.
+                Some(extrapolate(x, (xl, cl), below.next().or(Some((xh, ch)))))
             } else {
                 Some(cl + t * (ch - cl))
             }
