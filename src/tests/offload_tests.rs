@@ -507,6 +507,7 @@ fn offload_stream_phases() {
     use crate::offload::bench::{RequestStream, StreamShape};
     let mut s = RequestStream::new(StreamShape::default(), 120, PolicyKind::Lru);
     let faults = || {
+        // SAFETY: rusage is plain integers and timevals: all zeros is a valid value.
         let mut u: libc::rusage = unsafe { std::mem::zeroed() };
         // SAFETY: `u` is a valid rusage for getrusage to fill.
         unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) };

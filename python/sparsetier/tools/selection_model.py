@@ -9,8 +9,9 @@ Each query token selects `topk_pages` pages of its context, per layer:
   pages of a Poisson number of draws with replacement, of a mean set so that a token selects
   its whole budget (`topk_pages` pages) in expectation, as a top-k does (as many draws as
   the budget's pages would name fewer: duplicates merge). Adjacent tokens select much
-  alike: each token keeps its predecessor's draws but a share `churn`, which it draws anew
-  (`churn=1`: independent tokens; `bench decode` keeps 90 % of blocks from step to step).
+  alike: each token keeps each of its predecessor's draws but with probability `churn`, and
+  makes a Poisson number of new ones, `churn` times a token's mean (`churn=1`: independent
+  tokens; `bench decode` keeps 90 % of blocks from step to step).
 
 What a prefix restore needs is the union, over the suffix's tokens and per layer, of the
 prefix pages selected. The model gives its expected size in closed form: a suffix of S tokens
@@ -47,8 +48,9 @@ class SelectionModel:
             raise ValueError(
                 f"sink_pages = {self.sink_pages}, window = {self.window}: allowed >= 0"
             )
-        if self.zipf_s <= 0:
-            raise ValueError(f"zipf_s = {self.zipf_s}: allowed > 0")
+        # (Past 50 the first page takes every draw, and the powers underflow.)
+        if not 0 < self.zipf_s <= 50:
+            raise ValueError(f"zipf_s = {self.zipf_s}: allowed 0 < zipf_s <= 50")
         if not 0 <= self.churn <= 1:
             raise ValueError(f"churn = {self.churn}: allowed 0 <= churn <= 1")
         if self.sink_pages + self.window_pages > self.topk_pages:
