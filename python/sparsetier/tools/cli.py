@@ -440,6 +440,13 @@ def _bench_prefix_sparse_parser(
     p.add_argument("--selections", metavar="NPZ",
                    help="replay selections recorded from a real model (sel [layers, tokens, "
                    "k] page ids, page_size) instead of the parametric model")  # fmt: skip
+    p.add_argument("--measure", action="store_true",
+                   help="also run the cells through the core (a StepScheduler on the cpu "
+                   "engine at these row sizes: full, Indexer-K only, auto) and count what it "
+                   "moves")  # fmt: skip
+    p.add_argument("--measure-max-prefix", type=int, default=32768,
+                   help="measure the cells up to this prefix (the pools take about 145 KiB a "
+                   "prefix token, 4.5 GiB at 32k)")  # fmt: skip
     p.set_defaults(bench=_bench_prefix_sparse)
 
 
@@ -470,9 +477,24 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
         field, _, rest = str(e).partition(" = ")
         value, _, allowed = rest.partition(": allowed ")
         raise ConfigError.of(field, value, allowed) from None
+    if args.measure_max_prefix < 1:
+        raise ConfigError.of("measure_max_prefix", str(args.measure_max_prefix), ">= 1 token")
     cells = bps.run(cfg)
     print(bps.format_report(cfg, cells))
-    return bps.to_json(cfg, cells)
+    out = bps.to_json(cfg, cells)
+    if args.measure:
+        from sparsetier.tools import bench_prefix_measure as bpm
+
+        shape = (cfg.kv_token_bytes, cfg.idx_token_bytes, cfg.copy_overhead)
+        rows = [
+            r
+            for c in cells
+            if c.prefix <= args.measure_max_prefix
+            for r in bpm.measure(cfg.model, c.prefix, c.suffix, cfg.layers, shape)
+        ]
+        print(bpm.format_measured(rows))
+        out["measured"] = bpm.to_json(rows)
+    return out
 
 
 def _bench_vllm_parser(benches: argparse._SubParsersAction, out: argparse.ArgumentParser) -> None:

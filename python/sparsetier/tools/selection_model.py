@@ -92,12 +92,40 @@ class SelectionModel:
             return out
         if rest <= draws:
             return np.ones(pages)
-        p = 1.0 / np.arange(1, rest + 1, dtype=np.float64) ** self.zipf_s
-        p /= p.sum()
-        n = _draws_for(p, draws) * (1 + (suffix_tokens - 1) * self.churn)
-        covered = -np.expm1(-n * p)
+        p = self._zipf(rest)
+        covered = -np.expm1(-self._suffix_draws(p, draws, suffix_tokens) * p)
         out[sinks : pages - window] = covered.mean()
         return out
+
+    def sample_union(
+        self, prefix_tokens: int, suffix_tokens: int, rng: np.random.Generator
+    ) -> np.ndarray:
+        """One layer's union, drawn: the prefix pages (ascending) the suffix's selections
+        name, the middle ones ranked by a random permutation (the layer's own ranking). Its
+        size averages `prefix_union`."""
+        probs = self.page_probs(prefix_tokens, suffix_tokens)
+        certain = np.flatnonzero(probs == 1.0)
+        pages = probs.size
+        sinks = min(self.sink_pages, pages)
+        window = min(self.window_pages, pages - sinks)
+        rest = pages - sinks - window
+        draws = self.topk_pages - self.sink_pages - self.window_pages
+        if suffix_tokens == 0 or rest <= draws or draws == 0:
+            return certain
+        p = self._zipf(rest)
+        n = rng.poisson(self._suffix_draws(p, draws, suffix_tokens))
+        ranked = rng.permutation(rest) + sinks
+        drawn = ranked[np.unique(rng.choice(rest, size=n, p=p))]
+        return np.union1d(certain, drawn)
+
+    def _zipf(self, rest: int) -> np.ndarray:
+        """The Zipf law over the `rest` middle pages, by rank."""
+        p = 1.0 / np.arange(1, rest + 1, dtype=np.float64) ** self.zipf_s
+        return p / p.sum()
+
+    def _suffix_draws(self, p: np.ndarray, draws: int, suffix_tokens: int) -> float:
+        """The mean number of Zipf draws a suffix of `suffix_tokens` makes in all."""
+        return _draws_for(p, draws) * (1 + (suffix_tokens - 1) * self.churn)
 
 
 def _draws_for(p: np.ndarray, pages: int) -> float:
@@ -151,6 +179,14 @@ class RecordedSelections:
     def prefix_union(self, prefix_tokens: int, suffix_tokens: int) -> float:
         """Prefix pages a layer's selections over the suffix name, averaged over layers."""
         return float(self.page_probs(prefix_tokens, suffix_tokens).sum())
+
+    def layer_union(self, layer: int, prefix_tokens: int, suffix_tokens: int) -> np.ndarray:
+        """The prefix pages (ascending) layer `layer`'s selections over the suffix named (a
+        model of more layers than recorded reads them round again)."""
+        self.page_probs(prefix_tokens, suffix_tokens)  # (checks the lengths)
+        pages = -(-prefix_tokens // self.page_size)
+        r = self.sel[layer % self.sel.shape[0], prefix_tokens : prefix_tokens + suffix_tokens]
+        return np.unique(r[(r >= 0) & (r < pages)]).astype(np.int64)
 
     def page_probs(self, prefix_tokens: int, suffix_tokens: int) -> np.ndarray:
         """Per prefix page, the share of layers whose selections over the suffix name it."""
