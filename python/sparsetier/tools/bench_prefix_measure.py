@@ -19,14 +19,14 @@ no sample), the prefix pushed off the device again before the hit that counts.
 
 What it reports comes from the core's counters (`prefix_stats`, `restore_status`): the bytes
 moved host -> device (Indexer-K restored plus KV loaded for the prefix's pages), against a
-full restore of the same pages; the objects loaded; the submissions. Not the time: the pools
-are left untouched until copied into (a 32k prefix's take 4.5 GiB), so the
-cpu engine's first copies pay the page faults, and its memory is no PCIe link.
+full restore of the same pages; the objects loaded, beside those the drawn unions name and
+the model's expectation; the submissions. Not the time: the pools are left untouched until
+copied into, so the cpu engine's first copies pay the page faults, and its memory is no PCIe
+link. Prefixes are whole pages (the tree matches whole pages only).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -47,13 +47,13 @@ class Measured:
     choice: str  # what the core chose (the mode itself unless `auto`)
     absent_objects: int  # the prefix's KV objects off the device at admission
     loaded_objects: int  # of those, loaded (in bulk or on demand)
+    named_objects: int  # the prefix's objects the drawn unions named, every layer
     expected_objects: float  # the selection model's union, every layer (Indexer-K only)
     indexer_bytes: int
     kv_bytes: int
     full_restore_bytes: int
     bulk_submissions: int
     on_demand: int
-    seconds: float
 
     @property
     def moved_bytes(self) -> int:
@@ -87,7 +87,7 @@ class _Hit:
         self.model, self.prefix, self.suffix, self.layers, self.ps = (
             model, prefix, suffix, layers, ps,
         )  # fmt: skip
-        self.pages, self.suffix_pages = -(-prefix // ps), -(-(prefix + suffix) // ps)
+        self.suffix_pages = -(-(prefix + suffix) // ps)
         # The filler takes the whole device: every slot and every Indexer-K page.
         self.device_pages = self.suffix_pages + 1
         # Host: the prefix and a hit's suffix in the tree, and a filler's pages.
@@ -140,17 +140,18 @@ class _Hit:
         self.s.drain()
         self._push_off(tokens)
 
-    def hit(self, tokens: np.ndarray, rng: np.random.Generator) -> tuple[dict, float]:
+    def hit(self, tokens: np.ndarray, rng: np.random.Generator) -> tuple[dict, int]:
         """Admits `tokens` (the prefix and a suffix) and prefills the suffix; returns its
-        restore status and the seconds it took. The prefix is pushed off the device again
-        after it (for a next hit)."""
+        restore status and the prefix objects its selections named. The prefix is pushed off
+        the device again after it (for a next hit)."""
         rid = self._rid()
-        t0 = time.perf_counter()
         adm = self.s.admit(rid, tokens)
-        assert adm.matched_pages * self.ps >= self.prefix - self.ps + 1, adm
+        if adm.matched_pages * self.ps != self.prefix:
+            raise RuntimeError(
+                f"the hit matched {adm.matched_pages} pages of the {self.prefix}-token prefix"
+            )
         self.s.extend(rid, self.suffix)
-        # The suffix's own pages, and the prefix's last one where the prefix ends mid-page.
-        own = np.arange(self.prefix // self.ps, self.suffix_pages)
+        own = np.arange(self.prefix // self.ps, self.suffix_pages)  # the suffix's pages
         unions = _unions(self.model, self.layers, self.prefix, self.suffix, rng)
         for li, union in enumerate(unions):
             self.s.wait_prefix(rid, li, None)
@@ -165,9 +166,13 @@ class _Hit:
         self.s.finish_request(rid, tokens)
         self.s.flush_finished()
         self.s.drain()
-        seconds = time.perf_counter() - t0
         self._push_off(tokens)
-        return status, seconds
+        return status, sum(u.size for u in unions)
+
+
+def _other(tokens: np.ndarray, prefix: int, suffix: int) -> np.ndarray:
+    """The prefix and a different suffix of the same length."""
+    return np.concatenate([tokens[:prefix], tokens[prefix + suffix :]])
 
 
 def measure(
@@ -180,7 +185,11 @@ def measure(
     seed: int = 0,
 ) -> list[Measured]:
     """One cell under each of `modes`, each on a fresh scheduler (module docs); `shape`: the
-    KV and Indexer-K bytes a token and layer, and the policy's copy overhead."""
+    KV and Indexer-K bytes a token and layer, and the policy's copy overhead. `prefix`: a
+    multiple of the page size."""
+    ps = model.page_size
+    if prefix < ps or prefix % ps:
+        raise ValueError(f"prefix = {prefix}: allowed a multiple of the page size {ps}")
     out = []
     expected = (
         model.prefix_union(prefix, suffix) * layers
@@ -195,7 +204,7 @@ def measure(
         if mode == "auto":  # taught by one hit of these lengths first
             h.hit(_other(tokens, prefix, suffix), np.random.default_rng(seed + 2))
         before = h.s.prefix_stats()
-        status, seconds = h.hit(tokens[: prefix + suffix], np.random.default_rng(seed + 1))
+        status, named = h.hit(tokens[: prefix + suffix], np.random.default_rng(seed + 1))
         px = h.s.prefix_stats()
         counted = ("indexer_bytes_restored", "prefix_kv_bytes_loaded", "full_restore_bytes")
         delta = {k: px[k] - before[k] for k in counted}
@@ -207,37 +216,32 @@ def measure(
                 choice=status["choice"],
                 absent_objects=status["absent"],
                 loaded_objects=status["loaded"],
+                named_objects=named,
                 expected_objects=expected,
                 indexer_bytes=delta["indexer_bytes_restored"],
                 kv_bytes=delta["prefix_kv_bytes_loaded"],
                 full_restore_bytes=delta["full_restore_bytes"],
                 bulk_submissions=status["bulk_submissions"],
                 on_demand=status["on_demand"],
-                seconds=seconds,
             )
         )
         del h
     return out
 
 
-def _other(tokens: np.ndarray, prefix: int, suffix: int) -> np.ndarray:
-    """The prefix and a different suffix of the same length."""
-    return np.concatenate([tokens[:prefix], tokens[prefix + suffix :]])
-
-
 def format_measured(rows: list[Measured]) -> str:
     lines = [
         "measured through the core (cpu engine; bytes from its prefix tier's counters):",
         f"{'prefix':>8} {'suffix':>7} {'mode':>8} {'choice':>10} {'absent':>8} {'loaded':>8} "
-        f"{'expected':>9} {'moved GiB':>10} {'full GiB':>9} {'full/moved':>11} "
+        f"{'named':>8} {'expected':>9} {'moved GiB':>10} {'full GiB':>9} {'full/moved':>11} "
         f"{'bulk':>5} {'on demand':>9}",
     ]
     for r in rows:
         lines.append(
             f"{r.prefix:>8} {r.suffix:>7} {r.mode:>8} {r.choice:>10} {r.absent_objects:>8} "
-            f"{r.loaded_objects:>8} {r.expected_objects:>9.0f} {r.moved_bytes / 2**30:>10.3f} "
-            f"{r.full_restore_bytes / 2**30:>9.3f} {r.full_over_moved:>10.2f}x "
-            f"{r.bulk_submissions:>5} {r.on_demand:>9}"
+            f"{r.loaded_objects:>8} {r.named_objects:>8} {r.expected_objects:>9.0f} "
+            f"{r.moved_bytes / 2**30:>10.3f} {r.full_restore_bytes / 2**30:>9.3f} "
+            f"{r.full_over_moved:>10.2f}x {r.bulk_submissions:>5} {r.on_demand:>9}"
         )
     return "\n".join(lines)
 

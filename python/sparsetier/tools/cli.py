@@ -445,8 +445,8 @@ def _bench_prefix_sparse_parser(
                    "engine at these row sizes: full, Indexer-K only, auto) and count what it "
                    "moves")  # fmt: skip
     p.add_argument("--measure-max-prefix", type=int, default=32768,
-                   help="measure the cells up to this prefix (the pools take about 145 KiB a "
-                   "prefix token, 4.5 GiB at 32k)")  # fmt: skip
+                   help="measure the cells up to this prefix (the pools take about 140 KiB a "
+                   "token of prefix and suffix, 4.4 GiB at 32k)")  # fmt: skip
     p.set_defaults(bench=_bench_prefix_sparse)
 
 
@@ -477,8 +477,14 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
         field, _, rest = str(e).partition(" = ")
         value, _, allowed = rest.partition(": allowed ")
         raise ConfigError.of(field, value, allowed) from None
-    if args.measure_max_prefix < 1:
-        raise ConfigError.of("measure_max_prefix", str(args.measure_max_prefix), ">= 1 token")
+    measured = [p for p in cfg.prefixes if args.measure and p <= args.measure_max_prefix]
+    if args.measure and not measured:
+        allowed = f">= the shortest prefix ({min(cfg.prefixes)})"
+        raise ConfigError.of("measure_max_prefix", str(args.measure_max_prefix), allowed)
+    for p in measured:  # the tree matches whole pages
+        if p % model.page_size:
+            allowed = f"multiples of the page size {model.page_size} with --measure"
+            raise ConfigError.of("prefixes", str(p), allowed)
     cells = bps.run(cfg)
     print(bps.format_report(cfg, cells))
     out = bps.to_json(cfg, cells)
@@ -489,7 +495,7 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
         rows = [
             r
             for c in cells
-            if c.prefix <= args.measure_max_prefix
+            if c.prefix in measured
             for r in bpm.measure(cfg.model, c.prefix, c.suffix, cfg.layers, shape)
         ]
         print(bpm.format_measured(rows))
