@@ -153,6 +153,73 @@ def test_a_bound_tensor_pointed_elsewhere_leaves_its_copies_memory_alive():
     assert eng.in_flight == 0
 
 
+_FREED_POOL = """
+import numpy as np, torch, sparsetier as st
+spec = st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 8192)  # 2 MiB: mapped, unmapped when freed
+dev, host = torch.zeros(spec.shape(), dtype=torch.bfloat16), torch.zeros(spec.shape(),
+                                                                          dtype=torch.bfloat16)
+s = st.StepScheduler(st.PageTransferBinding(dev, spec), st.PageTransferBinding(host, spec),
+                     st.TransferEngine("cpu"), layers=2, prefetch=False)
+s.add_request(0, 11)
+{which}.untyped_storage().resize_(0)
+for call in (s.end_step, s.drain, lambda: s.plan(0, np.array([0]), np.array([[0]]), 4)):
+    try:
+        call()
+        raise SystemExit("accepted")
+    except st.ConfigError as e:
+        assert e.field == "{field}" and "resized" in str(e), e
+print("refused")
+"""
+
+
+@pytest.mark.parametrize(("which", "field"), [("dev", "device"), ("host", "host")])
+def test_a_pool_freed_under_a_scheduler_is_refused_before_any_copy(which, field):
+    # (Before: the write-through read the unmapped pages, a segfault; and again at exit, in
+    # the drain of the scheduler's drop. A subprocess, so that a crash fails only this test.)
+    import subprocess
+
+    code = _FREED_POOL.format(which=which, field=field)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "refused", (r.returncode, r.stderr[-2000:])
+
+
+def test_a_pool_freed_under_a_hicache_is_refused_at_flush():
+    c, _e, _dev, host = pooled_hicache(4)
+    c.insert(np.arange(8), c.alloc_device(2))  # queues the two pages' backups
+    host.tensor.untyped_storage().resize_(0)
+    with pytest.raises(ConfigError) as e:
+        c.flush()
+    assert e.value.field == "pools[0][1]" and "resized" in str(e.value)
+
+
+def test_one_buffer_bound_as_two_pools_is_refused_at_construction():
+    # (Before: accepted, and each pool's copies read and wrote the other's pages.)
+    kv = st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 8)
+    shared = st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv)
+    dev = [st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv)
+           for _ in range(2)]  # fmt: skip
+    with pytest.raises(ConfigError) as e:
+        st.HiCache(4, 8, host_pages=8, engine=st.TransferEngine("cpu"),
+                   pools=[(dev[0], shared, None), (dev[1], shared, None)])  # fmt: skip
+    assert e.value.field == "pools[1][1]" and "overlapping pools[0][1]" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        st.StepScheduler(dev[0], dev[0], st.TransferEngine("cpu"), layers=1)
+    assert e.value.field == "host"
+    # Two views of one tensor that overlap, as the joined scheduler's KV and Indexer-K hosts.
+    layers = 2
+    kvh = st.PoolSpec("KV", layers, 1, 8, "bf16", 4, 8)
+    ik = st.PoolSpec("INDEXER", layers, 1, 8, "bf16", 4, 8, planes_per_layer=2)
+    host = torch.zeros(kvh.shape(), dtype=torch.bfloat16)
+    with pytest.raises(ConfigError) as e:
+        st.StepScheduler.joined(
+            dev[0], st.PageTransferBinding(host, kvh), st.TransferEngine("cpu"),
+            indexer_device=st.PageTransferBinding(torch.zeros(ik.shape(), dtype=torch.bfloat16),
+                                                  ik),
+            indexer_host=st.PageTransferBinding(host.view(ik.shape()), ik),
+        )  # fmt: skip
+    assert e.value.field == "indexer_host"
+
+
 def test_a_cuda_stream_given_to_a_cpu_engine_is_refused_whatever_its_copies_state():
     s = small_scheduler(4, 32, 64, 2, {7: 8})
     plan, _ = s.plan(0, np.array([7]), np.array([[0]]), 4)

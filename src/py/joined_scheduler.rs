@@ -126,7 +126,8 @@ impl PyJoinedStepScheduler {
         let this = slf.as_super().get();
         let ids = rid_list(rids)?;
         let n = u32_arg(py, entries, "entries", 1)? as usize;
-        // On a GPU the step's work is queued on torch's current stream.
+        this.check_memory(py)?; // the step's kernel copies host -> device
+                                // On a GPU the step's work is queued on torch's current stream.
         let gpu = this
             .inner
             .run_py(py, |s| Ok(s.joined()?.device_resolver_gpu()))?;

@@ -17,10 +17,10 @@ use crate::py::error::{to_py, IntoPyResult};
 use crate::py::lock::Unblocked;
 use crate::py::page_allocation::PyPageAllocation;
 use crate::py::prefix_result::{PyPrefixInsert, PyPrefixMatch};
-use crate::py::scheduler_args::check_tiers;
+use crate::py::scheduler_args::{check_disjoint, check_tiers};
 use crate::py::stats::Stats;
 use crate::py::tokens::{with_lookup, with_tokens, Lookup};
-use crate::py::transfer::{PyPageTransferBinding, PyTransferEngine};
+use crate::py::transfer::{BoundMemory, PyPageTransferBinding, PyTransferEngine};
 use crate::radix::storage::L3State;
 use crate::radix::{HiCache, HiCacheConfig, NodeId, PageKey, PoolPair, WritePolicy};
 use numpy::PyArray1;
@@ -111,6 +111,8 @@ pub struct PyHiCache {
     inner: Guarded<HiCache>,
     page_size: usize,
     _tensors: Vec<Py<PyAny>>,
+    /// The pools' storages as bound, checked before each flush submits copies.
+    memory: Vec<(String, BoundMemory)>,
     engine: Option<Py<PyTransferEngine>>,
 }
 
@@ -203,7 +205,22 @@ impl PyHiCache {
         };
         let mut pairs = Vec::new();
         let mut tensors = Vec::new();
-        for (i, (d, h, window)) in pools.unwrap_or_default().iter().enumerate() {
+        let mut memory = Vec::new();
+        let pools = pools.unwrap_or_default();
+        let fields: Vec<(String, &PyPageTransferBinding)> = pools
+            .iter()
+            .enumerate()
+            .flat_map(|(i, (d, h, _))| {
+                [
+                    (format!("pools[{i}][0]"), &**d),
+                    (format!("pools[{i}][1]"), &**h),
+                ]
+            })
+            .collect();
+        let named: Vec<(&str, &PyPageTransferBinding)> =
+            fields.iter().map(|(f, b)| (f.as_str(), *b)).collect();
+        check_disjoint(py, &named)?;
+        for (i, (d, h, window)) in pools.iter().enumerate() {
             // Each pair where the engine copies: device memory of its kind (cuda tensors for
             // the CUDA engines, cpu ones for the cpu engine), host memory on the host (pinned
             // for the CUDA engines). A cpu engine would read a cuda tensor's address as host
@@ -234,6 +251,8 @@ impl PyHiCache {
             // (Their storages: what the copies use, whatever becomes of the tensors.)
             tensors.push(d.memory.keep(py));
             tensors.push(h.memory.keep(py));
+            memory.push((format!("pools[{i}][0]"), d.memory.clone_ref(py)));
+            memory.push((format!("pools[{i}][1]"), h.memory.clone_ref(py)));
         }
         let shared = engine.as_ref().map(|e| e.shared());
         let inner = HiCache::new(cfg, pairs, shared).py_err(py)?;
@@ -241,6 +260,7 @@ impl PyHiCache {
             page_size: inner.tree().page_size(),
             inner: Guarded::new(inner),
             _tensors: tensors,
+            memory,
             engine: engine.map(|e| e.into()),
         })
     }
@@ -498,6 +518,10 @@ impl PyHiCache {
     /// Submits this step's queued backups and loads (at most one transfer each); returns their
     /// ids.
     fn flush(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        // (Resized or freed since bound: the copies would use memory that is gone.)
+        for (field, m) in &self.memory {
+            m.check(py, field)?;
+        }
         if let Some(e) = &self.engine {
             e.get().follow_torch_stream(py)?; // copies follow torch's queued writes
         }

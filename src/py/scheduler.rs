@@ -91,6 +91,7 @@ impl PyStepScheduler {
             .map_err(|_| to_py(py, Error::out_of_range("layers", layers, 1, 1 << 16)))?;
         let (d, h, e) = (device.get(), host.get(), engine.get());
         check_tiers(py, e, &[("device", d)], &[("host", h)])?;
+        check_disjoint(py, &[("device", d), ("host", h)])?;
         let cfg = scheduler_config(py, layers, d, h, device_reserve, prefetch, prefetch_depth)?;
         let inner =
             StepScheduler::new(cfg, d.inner.clone(), h.inner.clone(), e.shared()).py_err(py)?;
@@ -143,6 +144,15 @@ impl PyStepScheduler {
             e,
             &[("device", d), ("indexer_device", id)],
             &[("host_kv", h), ("indexer_host", ih)],
+        )?;
+        check_disjoint(
+            py,
+            &[
+                ("device", d),
+                ("host_kv", h),
+                ("indexer_device", id),
+                ("indexer_host", ih),
+            ],
         )?;
         let layers = u16::try_from(h.inner.layers()).map_err(|_| {
             to_py(
@@ -912,6 +922,30 @@ impl PyStepScheduler {
         }
     }
 
+    /// Refuses bound tensors whose storage was resized or freed since binding (the copies
+    /// would use memory that is gone), before every call that copies: two Python calls a
+    /// binding, well under a microsecond. One resized under copies already in flight cannot
+    /// be caught.
+    pub(super) fn check_memory(&self, py: Python<'_>) -> PyResult<()> {
+        let (device, host) = if self.joined {
+            ("device", "host_kv")
+        } else {
+            ("device", "host")
+        };
+        self.device.get().memory.check(py, device)?;
+        self.host.get().memory.check(py, host)?;
+        for (b, name) in self.sidecars.iter().zip(["indexer_device", "indexer_host"]) {
+            b.get().memory.check(py, name)?;
+        }
+        Ok(())
+    }
+
+    /// Whether every bound storage is still as it was bound.
+    fn memory_intact(&self, py: Python<'_>) -> bool {
+        let mut all = [&self.device, &self.host].into_iter().chain(&self.sidecars);
+        all.all(|b| b.get().memory.check(py, "").is_ok())
+    }
+
     /// A layer index, checked against the scheduler's layers.
     fn layer_arg(&self, py: Python<'_>, layer: &Bound<'_, PyAny>) -> PyResult<u16> {
         let v = int(layer, "layer")?;
@@ -924,6 +958,7 @@ impl PyStepScheduler {
     /// CUDA engines: the copies submitted by the call about to run follow torch's queued
     /// writes on its current stream.
     pub(super) fn follow(&self, py: Python<'_>) -> PyResult<()> {
+        self.check_memory(py)?;
         self.engine.get().follow_torch_stream(py)
     }
 
@@ -978,9 +1013,12 @@ impl Drop for PyStepScheduler {
     fn drop(&mut self) {
         // Copies in flight must end before the tensors they touch are released.
         let poisoned = self.inner.poison().get().is_some();
+        // A pool freed under the scheduler: no copy may touch it, not even the drain's.
+        let intact = Python::attach(|py| self.memory_intact(py));
         let s = self.inner.get_mut();
-        let drained =
-            !poisoned && catch_unwind(AssertUnwindSafe(|| each!(s, s => s.drain()))).is_ok();
+        let drained = !poisoned
+            && intact
+            && catch_unwind(AssertUnwindSafe(|| each!(s, s => s.drain()))).is_ok();
         if !drained {
             // After an internal error the books may miss a transfer still in flight: the
             // pools' tensors stay alive for good rather than a copy writing freed memory.

@@ -161,6 +161,34 @@ pub(super) fn check_tiers(
     Ok(())
 }
 
+/// Refuses bindings whose buffers overlap (one tensor bound as two pools, or two views of the
+/// same memory): the copies of one would read and write the other's pages.
+pub(crate) fn check_disjoint(
+    py: Python<'_>,
+    bindings: &[(&str, &PyPageTransferBinding)],
+) -> PyResult<()> {
+    for (i, (fa, a)) in bindings.iter().enumerate() {
+        for (fb, b) in &bindings[i + 1..] {
+            let ((a0, al), (b0, bl)) = (a.inner.extent(), b.inner.extent());
+            let same_memory = a.inner.kind() == b.inner.kind();
+            if same_memory && a0 < b0.saturating_add(bl) && b0 < a0.saturating_add(al) {
+                return Err(to_py(
+                    py,
+                    Error::config(
+                        *fb,
+                        format!(
+                            "a buffer overlapping {fa}'s ({b0:#x}, {bl} bytes; {fa} at {a0:#x}, \
+                             {al} bytes)"
+                        ),
+                        "a tensor of its own for each pool",
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 /// The scheduler's configuration from the device slots `d`, the host pool `h` and the
 /// arguments: `device_reserve` (>= 0, default 0) and `prefetch_depth` (>= 1, default 1).
 pub(super) fn scheduler_config(
