@@ -67,6 +67,13 @@ impl PoolSpec {
                 "1 (K-only) or 2 (K and V)",
             ));
         }
+        if u64::from(heads) * u64::from(head_dim) > u64::from(u32::MAX) {
+            return Err(Error::config(
+                "head_dim",
+                head_dim,
+                format!("heads x head_dim < 2^32 (heads = {heads})"),
+            ));
+        }
         let spec = PoolSpec {
             component,
             layers,
@@ -78,8 +85,19 @@ impl PoolSpec {
             pages,
             row: RowFormat::plain(dtype, heads.saturating_mul(head_dim)),
         };
-        // u32 factors: every product below is at most 2^32 * ... so compute in u128 once.
-        let total = u128::from(spec.page_bytes_all_layers()) * u128::from(pages);
+        // Every factor up to 2^32: checked in u128 (the u64 products below wrap past it).
+        let total = [
+            u64::from(heads),
+            u64::from(head_dim),
+            dtype.itemsize(),
+            u64::from(planes_per_layer),
+            u64::from(layers),
+            u64::from(page_size),
+            u64::from(pages),
+        ]
+        .into_iter()
+        .try_fold(1u128, |acc, f| acc.checked_mul(u128::from(f)))
+        .unwrap_or(u128::MAX);
         if total > u128::from(MAX_POOL_BYTES) {
             return Err(Error::config(
                 "pages",
@@ -205,5 +223,23 @@ mod tests {
         )
         .unwrap_err();
         assert!(matches!(e, Error::Config { ref field, .. } if field == "pages"));
+        // 2^16 layers x 2^15 x 2^16 dims x bf16 x 2^16 tokens x 4 pages: 2^66 bytes, which a
+        // u64 product wrapped to 0 and let through.
+        let e = PoolSpec::new(
+            Component::Kv,
+            1 << 16,
+            1,
+            1 << 15,
+            1 << 16,
+            Dtype::Bf16,
+            1 << 16,
+            4,
+        )
+        .unwrap_err();
+        assert!(matches!(e, Error::Config { ref field, .. } if field == "pages"));
+        // A row of 2^32 elements or more: refused, not saturated.
+        let e =
+            PoolSpec::new(Component::Kv, 1, 1, 1 << 16, 1 << 16, Dtype::Bf16, 1, 1).unwrap_err();
+        assert!(matches!(e, Error::Config { ref field, .. } if field == "head_dim"));
     }
 }

@@ -220,6 +220,59 @@ def test_one_buffer_bound_as_two_pools_is_refused_at_construction():
     assert e.value.field == "indexer_host"
 
 
+def test_a_host_pool_of_other_rows_than_its_device_pool_is_refused_at_construction():
+    # (Before: accepted; every write-through failed, counted as a failed backup, until the
+    # device filled with pages it could not evict.)
+    e = st.TransferEngine("cpu")
+
+    def bind(spec):
+        return st.PageTransferBinding(torch.zeros(spec.shape(), dtype=torch.bfloat16), spec)
+
+    dev = bind(st.PoolSpec("KV", 1, 1, 16, "bf16", 4, 8))
+    with pytest.raises(ConfigError) as err:
+        st.StepScheduler(dev, bind(st.PoolSpec("KV", 2, 1, 8, "bf16", 4, 8)), e, layers=2)
+    assert err.value.field == "host" and "16-byte rows" in str(err.value), err.value
+    ik = st.PoolSpec("INDEXER", 2, 1, 8, "bf16", 4, 8)
+    with pytest.raises(ConfigError) as err:
+        st.StepScheduler.joined(
+            dev, bind(st.PoolSpec("KV", 2, 1, 16, "bf16", 4, 8)), e, indexer_device=bind(ik),
+            indexer_host=bind(st.PoolSpec("INDEXER", 2, 1, 8, "bf16", 4, 8, planes_per_layer=2)),
+        )  # fmt: skip
+    assert err.value.field == "indexer_host" and "1 planes a layer" in str(err.value)
+    other = bind(st.PoolSpec("KV", 1, 1, 16, "bf16", 8, 4))
+    with pytest.raises(ConfigError) as err:
+        st.HiCache(4, 8, host_pages=8, engine=e, pools=[(dev, other, None)])
+    assert err.value.field == "pools[0][1]" and "pages of 4 tokens" in str(err.value)
+
+
+def test_a_request_id_or_prompt_namespace_is_used_again_after_it_ended():
+    # (Before: the plain scheduler refused it forever, NamespaceDroppedError: the directory
+    # refuses a dropped namespace for good, and every id kept version 0.)
+    s = small_scheduler(4, 32, 64, 2, {0: 11, 1: 5})
+    for _ in range(3):
+        s.finish_request(0)
+        s.end_step()
+        s.drain()
+        s.add_request(0, 11)
+        plan, table = s.plan(0, np.array([0, 1]), np.array([[0, 2], [0, 1]]), 4)
+        s.ready(plan)
+        assert (table >= 0).all()
+        s.finish(plan)
+        s.end_step()
+        s.validate()
+    for _ in range(2):
+        s.add_prompt(7, 2)
+        s.end_step()
+        s.drain()
+        s.add_request(9, 12, prefix=(7, 2))
+        s.finish_request(9)
+        s.drop_prompt(7)
+        s.end_step()
+        s.validate()
+    s.drain()
+    assert s.stats()["requests"] == 2
+
+
 def test_a_cuda_stream_given_to_a_cpu_engine_is_refused_whatever_its_copies_state():
     s = small_scheduler(4, 32, 64, 2, {7: 8})
     plan, _ = s.plan(0, np.array([7]), np.array([[0]]), 4)

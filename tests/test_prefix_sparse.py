@@ -231,6 +231,11 @@ def test_the_policy_binding_refuses_what_would_mislead_it():
         (lambda p: p.learn(16, [2, 2], [1, -1]), "loaded[1]"),
         (lambda p: p.learn(16, [2, 2], [1, 1], first=2**40), "first"),
         (lambda p: p.coverage(-1), "suffix"),
+        # Counts no prefix has: more loaded than were off the device, more objects a page
+        # than layers, no layer.
+        (lambda p: p.learn(16, [2, 2], [1, 3]), "loaded[1]"),
+        (lambda p: p.decide([2, 3], 2, 16, 1024), "absent[1]"),
+        (lambda p: p.decide([0, 0], 0, 16, 1024), "layers"),
     ],
 )
 def test_the_policy_binding_names_a_bad_count(call, field):
@@ -244,6 +249,7 @@ def test_the_policy_binding_names_a_bad_count(call, field):
         call(pol)
     assert e.value.field == field
     assert pol.coverage(16) is None
-    with pytest.raises(ConfigError) as e:
-        RestorePolicy(copy_overhead=-1)
-    assert e.value.field == "copy_overhead"
+    for overhead in (-1, 2**32):  # (within u32, as the joined scheduler's)
+        with pytest.raises(ConfigError) as e:
+            RestorePolicy(copy_overhead=overhead)
+        assert e.value.field == "copy_overhead"

@@ -17,7 +17,7 @@ use crate::py::error::{to_py, IntoPyResult};
 use crate::py::lock::Unblocked;
 use crate::py::page_allocation::PyPageAllocation;
 use crate::py::prefix_result::{PyPrefixInsert, PyPrefixMatch};
-use crate::py::scheduler_args::{check_disjoint, check_tiers};
+use crate::py::scheduler_args::{check_disjoint, check_rows, check_tiers};
 use crate::py::stats::Stats;
 use crate::py::tokens::{with_lookup, with_tokens, Lookup};
 use crate::py::transfer::{BoundMemory, PyPageTransferBinding, PyTransferEngine};
@@ -225,10 +225,11 @@ impl PyHiCache {
             // the CUDA engines, cpu ones for the cpu engine), host memory on the host (pinned
             // for the CUDA engines). A cpu engine would read a cuda tensor's address as host
             // memory.
+            let (df, hf) = (format!("pools[{i}][0]"), format!("pools[{i}][1]"));
             if let Some(e) = engine.as_ref() {
-                let (df, hf) = (format!("pools[{i}][0]"), format!("pools[{i}][1]"));
                 check_tiers(py, e, &[(df.as_str(), &**d)], &[(hf.as_str(), &**h)])?;
             }
+            check_rows(py, (df.as_str(), &**d), (hf.as_str(), &**h))?;
             let hit = match window {
                 None => HitPolicy::AllPages,
                 Some(0) => {

@@ -28,8 +28,9 @@ impl PyRestorePolicy {
     )]
     fn new(py: Python<'_>, mode: &str, copy_overhead: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
         let mode = RestoreMode::parse(mode).py_err(py)?;
+        // (Within u32, as the joined scheduler's `restore_copy_overhead`.)
         let copy_overhead = match copy_overhead {
-            Some(c) if !c.is_none() => unsigned(c, "copy_overhead")?,
+            Some(c) if !c.is_none() => u64::from(unsigned::<u32>(c, "copy_overhead")?),
             _ => DEFAULT_COPY_OVERHEAD,
         };
         Ok(PyRestorePolicy {
@@ -62,6 +63,17 @@ impl PyRestorePolicy {
                 "loaded",
                 format!("{} pages", loaded.len()),
                 format!("one count per page of absent ({})", absent.len()),
+            ))
+            .py_err(py);
+        }
+        if let Some(i) = (0..absent.len()).find(|&i| loaded[i] > absent[i]) {
+            return Err(Error::config(
+                format!("loaded[{i}]"),
+                loaded[i],
+                format!(
+                    "at most absent[{i}] ({}): the objects that were off the device",
+                    absent[i]
+                ),
             ))
             .py_err(py);
         }
@@ -106,6 +118,18 @@ impl PyRestorePolicy {
         let matched = matched(py, first, &absent)?;
         if object_bytes == 0 {
             return Err(Error::config("object_bytes", 0, "an integer >= 1")).py_err(py);
+        }
+        if layers == 0 {
+            return Err(Error::config("layers", 0, "an integer >= 1")).py_err(py);
+        }
+        // (A page has an object a layer.)
+        if let Some(i) = absent.iter().position(|&a| u64::from(a) > layers) {
+            return Err(Error::config(
+                format!("absent[{i}]"),
+                absent[i],
+                format!("at most layers ({layers}) objects a page"),
+            ))
+            .py_err(py);
         }
         let (d, pages) =
             self.inner

@@ -92,6 +92,7 @@ impl PyStepScheduler {
         let (d, h, e) = (device.get(), host.get(), engine.get());
         check_tiers(py, e, &[("device", d)], &[("host", h)])?;
         check_disjoint(py, &[("device", d), ("host", h)])?;
+        check_rows(py, ("device", d), ("host", h))?;
         let cfg = scheduler_config(py, layers, d, h, device_reserve, prefetch, prefetch_depth)?;
         let inner =
             StepScheduler::new(cfg, d.inner.clone(), h.inner.clone(), e.shared()).py_err(py)?;
@@ -154,6 +155,8 @@ impl PyStepScheduler {
                 ("indexer_host", ih),
             ],
         )?;
+        check_rows(py, ("device", d), ("host_kv", h))?;
+        check_rows(py, ("indexer_device", id), ("indexer_host", ih))?;
         let layers = u16::try_from(h.inner.layers()).map_err(|_| {
             to_py(
                 py,

@@ -161,6 +161,36 @@ pub(super) fn check_tiers(
     Ok(())
 }
 
+/// Refuses a host pool whose pages are not its device pool's (page size, planes a layer, row
+/// bytes and format): every copy between them would fail, each write-through counted as a
+/// failed backup until the device fills with pages it cannot evict.
+pub(crate) fn check_rows(
+    py: Python<'_>,
+    (df, d): (&str, &PyPageTransferBinding),
+    (hf, h): (&str, &PyPageTransferBinding),
+) -> PyResult<()> {
+    let shape = |b: &PyPageTransferBinding| {
+        let b = &b.inner;
+        (
+            b.page_size(),
+            b.planes_per_layer(),
+            b.token_bytes(),
+            *b.row(),
+        )
+    };
+    let (ds, hs) = (shape(d), shape(h));
+    if ds != hs {
+        let say = |(ps, planes, bytes, row): (u32, usize, u64, crate::row::RowFormat)| {
+            format!("pages of {ps} tokens, {planes} planes a layer, {bytes}-byte rows ({row})")
+        };
+        return Err(to_py(
+            py,
+            Error::config(hf, say(hs), format!("{df}'s: {}", say(ds))),
+        ));
+    }
+    Ok(())
+}
+
 /// Refuses bindings whose buffers overlap (one tensor bound as two pools, or two views of the
 /// same memory): the copies of one would read and write the other's pages.
 pub(crate) fn check_disjoint(

@@ -72,9 +72,10 @@ impl StepScheduler<Plain> {
             return Err(Error::config("pages", 0, "an integer >= 1"));
         }
         self.check_fits("pages", pages, u64::from(pages))?;
+        let v = self.tier.version(namespace);
         let keys: Vec<ObjectKey> = (0..self.cfg.layers)
             .flat_map(|l| {
-                (0..pages).map(move |p| ObjectKey::new(namespace, 0, p, LayerGroup::Layer(l)))
+                (0..pages).map(move |p| ObjectKey::new(namespace, v, p, LayerGroup::Layer(l)))
             })
             .collect();
         let slots = self.allocate_with_room(&keys, None)?;
@@ -115,12 +116,8 @@ impl StepScheduler<Plain> {
         self.tier.prompts.remove(&namespace);
         self.tier.prompt_index.remove(&namespace);
         self.xfer.pending.retain(|k| k.namespace.id != namespace);
-        self.dir
-            .drop_namespace(crate::directory::Namespace {
-                id: namespace,
-                version: 0,
-            })
-            .map(|_| ())
+        let ns = self.tier.drop_version(namespace);
+        self.dir.drop_namespace(ns).map(|_| ())
     }
 
     /// Admits request `id` with `tokens` tokens already prefilled, the first `prefix.pages`
@@ -158,6 +155,10 @@ impl StepScheduler<Plain> {
         }
         let layers = self.cfg.layers as usize;
         let mut state = RequestState::new(id, from_prefix, prefix, layers, self.kept.add());
+        state.versions = (
+            self.tier.version(id.raw()),
+            prefix.map_or(0, |p| self.tier.version(p.namespace)),
+        );
         if let (Some(p), Some(t)) = (
             prefix,
             prefix.and_then(|p| self.tier.prompt_index.get(&p.namespace)),
@@ -188,12 +189,8 @@ impl StepScheduler<Plain> {
         };
         self.release_kept_of(r.kept_slot)?;
         self.xfer.forget(id.raw());
-        self.dir
-            .drop_namespace(crate::directory::Namespace {
-                id: id.raw(),
-                version: 0,
-            })
-            .map(|_| ())
+        let ns = self.tier.drop_version(id.raw());
+        self.dir.drop_namespace(ns).map(|_| ())
     }
 }
 

@@ -100,6 +100,9 @@ pub struct RequestState {
     /// Unique to this state (a request ended and added again under its id gets another): a
     /// plan's kept rows apply only to the state they were merged against.
     pub serial: u64,
+    /// Plain mode: the versions of its own namespace and of its prefix's (an id used again
+    /// after it ended has a new one).
+    pub versions: (u32, u32),
 }
 
 /// Serials of request states.
@@ -138,6 +141,7 @@ impl RequestState {
             restored_from: 0,
             kept_slot,
             serial: NEXT_SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            versions: (0, 0),
         }
     }
 
@@ -178,11 +182,11 @@ impl RequestState {
             let (h, gen) = self.homes[page as usize];
             return PrefixTier::key(h, gen, layer);
         }
-        let ns = match self.prefix {
-            Some(p) if page < p.pages => p.namespace,
-            _ => self.id.raw(),
+        let (ns, version) = match self.prefix {
+            Some(p) if page < p.pages => (p.namespace, self.versions.1),
+            _ => (self.id.raw(), self.versions.0),
         };
-        ObjectKey::new(ns, 0, page, LayerGroup::Layer(layer))
+        ObjectKey::new(ns, version, page, LayerGroup::Layer(layer))
     }
 }
 
