@@ -102,9 +102,11 @@ impl PoolSpec {
             return Err(Error::config(
                 "pages",
                 pages,
-                format!(
-                    "a pool of at most {MAX_POOL_BYTES} bytes; this geometry needs {total} bytes"
-                ),
+                if total == u128::MAX {
+                    format!("a pool of at most {MAX_POOL_BYTES} bytes; this geometry needs 2^128 or more")
+                } else {
+                    format!("a pool of at most {MAX_POOL_BYTES} bytes; this geometry needs {total} bytes")
+                },
             ));
         }
         Ok(spec)

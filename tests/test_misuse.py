@@ -154,8 +154,8 @@ def test_a_bound_tensor_pointed_elsewhere_leaves_its_copies_memory_alive():
 
 
 _FREED_POOL = """
-import numpy as np, torch, sparsetier as st
-spec = st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 8192)  # 2 MiB: mapped, unmapped when freed
+import gc, numpy as np, torch, sparsetier as st
+spec = st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 1 << 20)  # 64 MiB or more: mmap'd, unmapped when freed
 dev, host = torch.zeros(spec.shape(), dtype=torch.bfloat16), torch.zeros(spec.shape(),
                                                                           dtype=torch.bfloat16)
 s = st.StepScheduler(st.PageTransferBinding(dev, spec), st.PageTransferBinding(host, spec),
@@ -168,14 +168,16 @@ for call in (s.end_step, s.drain, lambda: s.plan(0, np.array([0]), np.array([[0]
         raise SystemExit("accepted")
     except st.ConfigError as e:
         assert e.field == "{field}" and "resized" in str(e), e
+del s  # its drop must not drain into the freed pool
+gc.collect()
 print("refused")
 """
 
 
 @pytest.mark.parametrize(("which", "field"), [("dev", "device"), ("host", "host")])
 def test_a_pool_freed_under_a_scheduler_is_refused_before_any_copy(which, field):
-    # (Before: the write-through read the unmapped pages, a segfault; and again at exit, in
-    # the drain of the scheduler's drop. A subprocess, so that a crash fails only this test.)
+    # (Before: the write-through read the unmapped pages, a segfault; and again in the drain
+    # of the scheduler's drop. A subprocess, so that a crash fails only this test.)
     import subprocess
 
     code = _FREED_POOL.format(which=which, field=field)
@@ -246,8 +248,8 @@ def test_a_host_pool_of_other_rows_than_its_device_pool_is_refused_at_constructi
 
 
 def test_a_request_id_or_prompt_namespace_is_used_again_after_it_ended():
-    # (Before: the plain scheduler refused it forever, NamespaceDroppedError: the directory
-    # refuses a dropped namespace for good, and every id kept version 0.)
+    # (Before: the plain scheduler refused it, NamespaceDroppedError: the directory refuses
+    # a dropped namespace's keys while it remembers it, and every id kept version 0.)
     s = small_scheduler(4, 32, 64, 2, {0: 11, 1: 5})
     for _ in range(3):
         s.finish_request(0)
@@ -265,6 +267,9 @@ def test_a_request_id_or_prompt_namespace_is_used_again_after_it_ended():
         s.end_step()
         s.drain()
         s.add_request(9, 12, prefix=(7, 2))
+        plan, table = s.plan(0, np.array([9]), np.array([[0, 1, 2]]), 4)  # the prompt's too
+        assert not s.ready(plan)[0] and (table >= 0).all()
+        s.finish(plan)
         s.finish_request(9)
         s.drop_prompt(7)
         s.end_step()

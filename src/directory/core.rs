@@ -614,6 +614,12 @@ impl Core {
         self.transfers.get(&id).map(|t| t.kind)
     }
 
+    /// Whether `ns` was dropped and is still remembered so (its keys are refused for good
+    /// until [`DROPPED_REMEMBERED`] later drops forget it, none of its objects lingering).
+    pub fn remembers_dropped(&self, ns: Namespace) -> bool {
+        self.dropped.contains(&ns)
+    }
+
     /// Objects of dropped namespace `ns` not yet removed (a pin or a transfer still holds
     /// them); 0 once whatever lives at their homes may be reused.
     pub fn lingering(&self, ns: Namespace) -> usize {

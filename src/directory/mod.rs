@@ -345,6 +345,11 @@ impl Directory {
         self.core.lock().lingering(ns)
     }
 
+    /// See [`core::Core::remembers_dropped`].
+    pub fn remembers_dropped(&self, ns: Namespace) -> bool {
+        self.core.lock().remembers_dropped(ns)
+    }
+
     /// See [`core::Core::drop_namespace`].
     pub fn drop_namespace(&self, ns: Namespace) -> Result<(usize, usize)> {
         self.core.lock().drop_namespace(ns)

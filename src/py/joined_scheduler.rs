@@ -126,8 +126,9 @@ impl PyJoinedStepScheduler {
         let this = slf.as_super().get();
         let ids = rid_list(rids)?;
         let n = u32_arg(py, entries, "entries", 1)? as usize;
-        this.check_memory(py)?; // the step's kernel copies host -> device
-                                // On a GPU the step's work is queued on torch's current stream.
+        // The step's kernel copies host -> device.
+        this.check_memory(py)?;
+        // On a GPU the step's work is queued on torch's current stream.
         let gpu = this
             .inner
             .run_py(py, |s| Ok(s.joined()?.device_resolver_gpu()))?;

@@ -926,9 +926,10 @@ impl PyStepScheduler {
     }
 
     /// Refuses bound tensors whose storage was resized or freed since binding (the copies
-    /// would use memory that is gone), before every call that copies: two Python calls a
-    /// binding, well under a microsecond. One resized under copies already in flight cannot
-    /// be caught.
+    /// would use memory that is gone), before every call that may copy: two Python calls a
+    /// binding, about 0.16 us (0.6 us a call for a joined scheduler's four; a step planned on
+    /// the host at 61 layers makes some 120 such calls, ~80 us). One resized under copies
+    /// already in flight cannot be caught.
     pub(super) fn check_memory(&self, py: Python<'_>) -> PyResult<()> {
         let (device, host) = if self.joined {
             ("device", "host_kv")

@@ -11,7 +11,7 @@
 use super::core::{SchedulerConfig, StepScheduler};
 use super::request::{Prefix, RequestState};
 use super::tier::{Plain, Tier};
-use crate::directory::{LayerGroup, ObjectHint, ObjectKey};
+use crate::directory::{LayerGroup, Namespace, ObjectHint, ObjectKey};
 use crate::error::{Error, Result};
 use crate::ids::{RequestId, SlotId};
 use crate::transfer::{CopyEngine, PageTransferBinding};
@@ -72,7 +72,7 @@ impl StepScheduler<Plain> {
             return Err(Error::config("pages", 0, "an integer >= 1"));
         }
         self.check_fits("pages", pages, u64::from(pages))?;
-        let v = self.tier.version(namespace);
+        let v = self.fresh_version(namespace);
         let keys: Vec<ObjectKey> = (0..self.cfg.layers)
             .flat_map(|l| {
                 (0..pages).map(move |p| ObjectKey::new(namespace, v, p, LayerGroup::Layer(l)))
@@ -89,6 +89,7 @@ impl StepScheduler<Plain> {
         );
         self.xfer.pending.extend_from_slice(&keys);
         self.tier.prompts.insert(namespace, pages);
+        self.tier.prompt_versions.insert(namespace, v);
         Ok(slots)
     }
 
@@ -116,8 +117,26 @@ impl StepScheduler<Plain> {
         self.tier.prompts.remove(&namespace);
         self.tier.prompt_index.remove(&namespace);
         self.xfer.pending.retain(|k| k.namespace.id != namespace);
-        let ns = self.tier.drop_version(namespace);
-        self.dir.drop_namespace(ns).map(|_| ())
+        let version = self.tier.prompt_versions.remove(&namespace).unwrap_or(0);
+        self.dir
+            .drop_namespace(Namespace {
+                id: namespace,
+                version,
+            })
+            .map(|_| ())
+    }
+
+    /// The version a request or prompt starting under namespace `id` takes: the first the
+    /// directory does not remember as dropped. It refuses a dropped namespace's keys (a late
+    /// key of the old request is never taken for the new one's) until it forgets it, so an id
+    /// used again needs another version; nothing is kept per id once it ends.
+    fn fresh_version(&self, id: u64) -> u32 {
+        // (At most as many tries as the directory remembers drops of this id.)
+        let mut version = 0;
+        while self.dir.remembers_dropped(Namespace { id, version }) {
+            version += 1;
+        }
+        version
     }
 
     /// Admits request `id` with `tokens` tokens already prefilled, the first `prefix.pages`
@@ -156,8 +175,14 @@ impl StepScheduler<Plain> {
         let layers = self.cfg.layers as usize;
         let mut state = RequestState::new(id, from_prefix, prefix, layers, self.kept.add());
         state.versions = (
-            self.tier.version(id.raw()),
-            prefix.map_or(0, |p| self.tier.version(p.namespace)),
+            self.fresh_version(id.raw()),
+            prefix.map_or(0, |p| {
+                self.tier
+                    .prompt_versions
+                    .get(&p.namespace)
+                    .copied()
+                    .unwrap_or(0)
+            }),
         );
         if let (Some(p), Some(t)) = (
             prefix,
@@ -189,8 +214,12 @@ impl StepScheduler<Plain> {
         };
         self.release_kept_of(r.kept_slot)?;
         self.xfer.forget(id.raw());
-        let ns = self.tier.drop_version(id.raw());
-        self.dir.drop_namespace(ns).map(|_| ())
+        self.dir
+            .drop_namespace(Namespace {
+                id: id.raw(),
+                version: r.versions.0,
+            })
+            .map(|_| ())
     }
 }
 

@@ -118,22 +118,6 @@ pub struct Plain {
     pub(super) prompts: FxHashMap<u64, u32>,
     /// Per stored prompt, per layer: the directory's object index of each page.
     pub(super) prompt_index: FxHashMap<u64, Vec<Vec<ObjectHint>>>,
-    /// Per namespace id once dropped (a request or prompt ended), the version it takes next:
-    /// the directory refuses a dropped namespace for good, so an id used again gets a new one.
-    pub(super) versions: FxHashMap<u64, u32>,
-}
-
-impl Plain {
-    /// The version namespace `id` has now (0 until it is first dropped).
-    pub(super) fn version(&self, id: u64) -> u32 {
-        self.versions.get(&id).copied().unwrap_or(0)
-    }
-
-    /// Namespace `id` as it is now, and the version it takes once dropped.
-    pub(super) fn drop_version(&mut self, id: u64) -> crate::directory::Namespace {
-        let v = self.versions.entry(id).or_insert(0);
-        let ns = crate::directory::Namespace { id, version: *v };
-        *v = v.wrapping_add(1);
-        ns
-    }
+    /// The namespace version of each stored prompt (see `fresh_version`).
+    pub(super) prompt_versions: FxHashMap<u64, u32>,
 }
