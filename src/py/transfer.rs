@@ -72,9 +72,10 @@ impl BoundMemory {
     /// Refuses a storage resized (`untyped_storage().resize_()`) since it was bound: its
     /// memory may be gone.
     pub(crate) fn check(&self, py: Python<'_>, field: &str) -> PyResult<()> {
+        // (Interned names: this runs before every copying call of a scheduler.)
         let s = self.storage.bind(py);
-        let base: u64 = s.call_method0("data_ptr")?.extract()?;
-        let nbytes: u64 = s.call_method0("nbytes")?.extract()?;
+        let base: u64 = s.call_method0(pyo3::intern!(py, "data_ptr"))?.extract()?;
+        let nbytes: u64 = s.call_method0(pyo3::intern!(py, "nbytes"))?.extract()?;
         if (base, nbytes) != (self.base, self.nbytes) {
             return Err(to_py(
                 py,
