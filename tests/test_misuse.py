@@ -232,7 +232,7 @@ def test_a_host_pool_of_other_rows_than_its_device_pool_is_refused_at_constructi
 
     dev = bind(st.PoolSpec("KV", 1, 1, 16, "bf16", 4, 8))
     with pytest.raises(ConfigError) as err:
-        st.StepScheduler(dev, bind(st.PoolSpec("KV", 2, 1, 8, "bf16", 4, 8)), e, layers=2)
+        st.StepScheduler(dev, bind(st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 8)), e, layers=2)
     assert err.value.field == "host" and "16-byte rows" in str(err.value), err.value
     ik = st.PoolSpec("INDEXER", 2, 1, 8, "bf16", 4, 8)
     with pytest.raises(ConfigError) as err:

@@ -17,7 +17,7 @@ use crate::py::error::{to_py, IntoPyResult};
 use crate::py::lock::Unblocked;
 use crate::py::page_allocation::PyPageAllocation;
 use crate::py::prefix_result::{PyPrefixInsert, PyPrefixMatch};
-use crate::py::scheduler_args::{check_disjoint, check_rows, check_tiers};
+use crate::py::scheduler_args::check_tiers;
 use crate::py::stats::Stats;
 use crate::py::tokens::{with_lookup, with_tokens, Lookup};
 use crate::py::transfer::{BoundMemory, PyPageTransferBinding, PyTransferEngine};
@@ -207,19 +207,6 @@ impl PyHiCache {
         let mut tensors = Vec::new();
         let mut memory = Vec::new();
         let pools = pools.unwrap_or_default();
-        let fields: Vec<(String, &PyPageTransferBinding)> = pools
-            .iter()
-            .enumerate()
-            .flat_map(|(i, (d, h, _))| {
-                [
-                    (format!("pools[{i}][0]"), &**d),
-                    (format!("pools[{i}][1]"), &**h),
-                ]
-            })
-            .collect();
-        let named: Vec<(&str, &PyPageTransferBinding)> =
-            fields.iter().map(|(f, b)| (f.as_str(), *b)).collect();
-        check_disjoint(py, &named)?;
         for (i, (d, h, window)) in pools.iter().enumerate() {
             // Each pair where the engine copies: device memory of its kind (cuda tensors for
             // the CUDA engines, cpu ones for the cpu engine), host memory on the host (pinned
@@ -229,7 +216,6 @@ impl PyHiCache {
             if let Some(e) = engine.as_ref() {
                 check_tiers(py, e, &[(df.as_str(), &**d)], &[(hf.as_str(), &**h)])?;
             }
-            check_rows(py, (df.as_str(), &**d), (hf.as_str(), &**h))?;
             let hit = match window {
                 None => HitPolicy::AllPages,
                 Some(0) => {

@@ -161,64 +161,6 @@ pub(super) fn check_tiers(
     Ok(())
 }
 
-/// Refuses a host pool whose pages are not its device pool's (page size, planes a layer, row
-/// bytes and format): every copy between them would fail, each write-through counted as a
-/// failed backup until the device fills with pages it cannot evict.
-pub(crate) fn check_rows(
-    py: Python<'_>,
-    (df, d): (&str, &PyPageTransferBinding),
-    (hf, h): (&str, &PyPageTransferBinding),
-) -> PyResult<()> {
-    let shape = |b: &PyPageTransferBinding| {
-        let b = &b.inner;
-        (
-            b.page_size(),
-            b.planes_per_layer(),
-            b.token_bytes(),
-            *b.row(),
-        )
-    };
-    let (ds, hs) = (shape(d), shape(h));
-    if ds != hs {
-        let say = |(ps, planes, bytes, row): (u32, usize, u64, crate::row::RowFormat)| {
-            format!("pages of {ps} tokens, {planes} planes a layer, {bytes}-byte rows ({row})")
-        };
-        return Err(to_py(
-            py,
-            Error::config(hf, say(hs), format!("{df}'s: {}", say(ds))),
-        ));
-    }
-    Ok(())
-}
-
-/// Refuses bindings whose buffers overlap (one tensor bound as two pools, or two views of the
-/// same memory): the copies of one would read and write the other's pages.
-pub(crate) fn check_disjoint(
-    py: Python<'_>,
-    bindings: &[(&str, &PyPageTransferBinding)],
-) -> PyResult<()> {
-    for (i, (fa, a)) in bindings.iter().enumerate() {
-        for (fb, b) in &bindings[i + 1..] {
-            let ((a0, al), (b0, bl)) = (a.inner.extent(), b.inner.extent());
-            let same_memory = a.inner.kind() == b.inner.kind();
-            if same_memory && a0 < b0.saturating_add(bl) && b0 < a0.saturating_add(al) {
-                return Err(to_py(
-                    py,
-                    Error::config(
-                        *fb,
-                        format!(
-                            "a buffer overlapping {fa}'s ({b0:#x}, {bl} bytes; {fa} at {a0:#x}, \
-                             {al} bytes)"
-                        ),
-                        "a tensor of its own for each pool",
-                    ),
-                ));
-            }
-        }
-    }
-    Ok(())
-}
-
 /// The scheduler's configuration from the device slots `d`, the host pool `h` and the
 /// arguments: `device_reserve` (>= 0, default 0) and `prefetch_depth` (>= 1, default 1).
 pub(super) fn scheduler_config(

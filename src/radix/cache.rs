@@ -22,6 +22,7 @@ use crate::alloc::{Expect, Holder, PageAllocator, Stamp};
 use crate::config::HitPolicy;
 use crate::error::{Error, Result};
 use crate::ids::PageId;
+use crate::transfer::binding::{check_disjoint, check_same_rows};
 use crate::transfer::{
     CopyEngine, Direction, Granularity, LayerStatus, PageTransferBinding, PageTransferGroup,
     PageTransferMap, PreparedPageTransfer, TransferEvents,
@@ -180,6 +181,20 @@ impl HiCache {
                 0,
                 "host pages when pools are given",
             ));
+        }
+        let names: Vec<[String; 2]> = (0..pools.len())
+            .map(|i| [format!("pools[{i}][0]"), format!("pools[{i}][1]")])
+            .collect();
+        let mut all = Vec::new();
+        for (p, [d, h]) in pools.iter().zip(&names) {
+            all.extend(p.device.iter().map(|dev| (d.as_str(), dev)));
+            all.push((h.as_str(), &p.host));
+        }
+        check_disjoint(&all)?;
+        for (p, [d, h]) in pools.iter().zip(&names) {
+            if let Some(dev) = &p.device {
+                check_same_rows((d, dev), (h, &p.host))?;
+            }
         }
         for (i, p) in pools.iter().enumerate() {
             let dev_ps = p

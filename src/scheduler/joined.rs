@@ -25,6 +25,7 @@ use crate::ids::{HostSlotId, PageId, RequestId, SlotId};
 use crate::radix::{HiCache, HiCacheConfig, PoolPair};
 use crate::scheduler::request::RequestState;
 use crate::scheduler::Admission;
+use crate::transfer::binding::{check_disjoint, check_same_rows};
 use crate::transfer::{CopyEngine, PageTransferBinding};
 use crate::transfer::{Direction, LayerStatus};
 use std::ops::Range;
@@ -82,6 +83,26 @@ impl StepScheduler<PrefixTier> {
                 "a pool without a device buffer",
                 "Indexer-K / SWA / draft pools with device and host buffers",
             ));
+        }
+        let names: Vec<[String; 2]> = (0..sidecars.len())
+            .map(|i| {
+                [
+                    format!("sidecars[{i}].device"),
+                    format!("sidecars[{i}].host"),
+                ]
+            })
+            .collect();
+        let mut all = vec![("device", &device), ("host_kv", &host_kv)];
+        for (p, [d, h]) in sidecars.iter().zip(&names) {
+            all.extend(p.device.iter().map(|dev| (d.as_str(), dev)));
+            all.push((h.as_str(), &p.host));
+        }
+        check_disjoint(&all)?;
+        check_same_rows(("device", &device), ("host_kv", &host_kv))?;
+        for (p, [d, h]) in sidecars.iter().zip(&names) {
+            if let Some(dev) = &p.device {
+                check_same_rows((d, dev), (h, &p.host))?;
+            }
         }
         let (flat, order) = host_kv.flatten_layers()?;
         let kv_page_bytes = host_kv.page_bytes() * host_kv.planes_per_layer() as u64;

@@ -14,6 +14,7 @@ use super::tier::{Plain, Tier};
 use crate::directory::{LayerGroup, Namespace, ObjectHint, ObjectKey};
 use crate::error::{Error, Result};
 use crate::ids::{RequestId, SlotId};
+use crate::transfer::binding::{check_disjoint, check_same_rows};
 use crate::transfer::{CopyEngine, PageTransferBinding};
 use std::ops::Range;
 use std::sync::Arc;
@@ -52,6 +53,8 @@ impl StepScheduler<Plain> {
                 ));
             }
         }
+        check_disjoint(&[("device", &device), ("host", &host)])?;
+        check_same_rows(("device", &device), ("host", &host))?;
         Self::assemble(cfg, device, host, engine, Plain::default())
     }
 

@@ -350,6 +350,45 @@ impl PageTransferBinding {
     }
 }
 
+/// Refuses a host binding whose pages are not its device binding's (page size, planes a
+/// layer, row bytes and format): every copy between them would fail, each write-through
+/// counted as a failed backup until the device filled with pages it could not evict.
+pub fn check_same_rows(
+    (df, d): (&str, &PageTransferBinding),
+    (hf, h): (&str, &PageTransferBinding),
+) -> Result<()> {
+    let shape = |b: &PageTransferBinding| (b.page_size, b.planes_per_layer, b.token_bytes, b.row);
+    let say = |(ps, planes, bytes, row): (u32, usize, u64, RowFormat)| {
+        format!("pages of {ps} tokens, {planes} planes a layer, {bytes}-byte rows ({row})")
+    };
+    let (ds, hs) = (shape(d), shape(h));
+    if ds != hs {
+        return Err(Error::config(hf, say(hs), format!("{df}'s: {}", say(ds))));
+    }
+    Ok(())
+}
+
+/// Refuses bindings whose buffers overlap (one buffer bound as two pools, or two views of the
+/// same memory): the copies of one would read and write the other's pages.
+pub fn check_disjoint(bindings: &[(&str, &PageTransferBinding)]) -> Result<()> {
+    for (i, (fa, a)) in bindings.iter().enumerate() {
+        for (fb, b) in &bindings[i + 1..] {
+            let ((a0, al), (b0, bl)) = (a.extent(), b.extent());
+            if a.kind == b.kind && a0 < b0.saturating_add(bl) && b0 < a0.saturating_add(al) {
+                return Err(Error::config(
+                    *fb,
+                    format!(
+                        "a buffer overlapping {fa}'s ({b0:#x}, {bl} bytes; {fa} at {a0:#x}, \
+                         {al} bytes)"
+                    ),
+                    "a buffer of its own for each pool",
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

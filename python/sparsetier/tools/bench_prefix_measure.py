@@ -170,6 +170,12 @@ class _Hit:
         return status, sum(u.size for u in unions)
 
 
+def check_prefix(prefix: int, page_size: int, field: str = "prefix") -> None:
+    """A ValueError unless `prefix` is whole pages: the tree matches whole pages only."""
+    if prefix < page_size or prefix % page_size:
+        raise ValueError(f"{field} = {prefix}: allowed a multiple of the page size {page_size}")
+
+
 def _other(tokens: np.ndarray, prefix: int, suffix: int) -> np.ndarray:
     """The prefix and a different suffix of the same length."""
     return np.concatenate([tokens[:prefix], tokens[prefix + suffix :]])
@@ -187,9 +193,7 @@ def measure(
     """One cell under each of `modes`, each on a fresh scheduler (module docs); `shape`: the
     KV and Indexer-K bytes a token and layer, and the policy's copy overhead. `prefix`: a
     multiple of the page size."""
-    ps = model.page_size
-    if prefix < ps or prefix % ps:
-        raise ValueError(f"prefix = {prefix}: allowed a multiple of the page size {ps}")
+    check_prefix(prefix, model.page_size)
     out = []
     expected = (
         model.prefix_union(prefix, suffix) * layers

@@ -473,18 +473,19 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
             layers=args.layers, model=model, prefixes=tuple(args.prefixes),
             suffixes=tuple(args.suffixes), copy_overhead=args.copy_overhead,
         )  # fmt: skip
+        measured = [p for p in cfg.prefixes if args.measure and p <= args.measure_max_prefix]
+        if args.measure:
+            from sparsetier.tools.bench_prefix_measure import check_prefix
+
+            for p in measured:
+                check_prefix(p, model.page_size, "prefixes")
     except ValueError as e:
         field, _, rest = str(e).partition(" = ")
         value, _, allowed = rest.partition(": allowed ")
         raise ConfigError.of(field, value, allowed) from None
-    measured = [p for p in cfg.prefixes if args.measure and p <= args.measure_max_prefix]
     if args.measure and not measured:
         allowed = f">= the shortest prefix ({min(cfg.prefixes)})"
         raise ConfigError.of("measure_max_prefix", str(args.measure_max_prefix), allowed)
-    for p in measured:  # the tree matches whole pages
-        if p % model.page_size:
-            allowed = f"multiples of the page size {model.page_size} with --measure"
-            raise ConfigError.of("prefixes", str(p), allowed)
     cells = bps.run(cfg)
     print(bps.format_report(cfg, cells))
     out = bps.to_json(cfg, cells)

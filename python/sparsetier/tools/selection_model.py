@@ -17,8 +17,8 @@ What a prefix restore needs is the union, over the suffix's tokens and per layer
 prefix pages selected. The model gives its expected size in closed form: a suffix of S tokens
 makes a Poisson number of draws of mean n = m (1 + (S - 1) churn) in all (m: a token's), and a
 page of draw probability p is in their union with probability 1 - exp(-n p). Top-k sets
-redrawn without replacement name about 5 % more pages at churn 0.1 (a redraw there never lands
-on a page the token holds; a test simulates both). The defaults are
+redrawn without replacement name a few per cent more pages (a redraw there never lands on a
+page the token holds; a test simulates both and bounds the gap). The defaults are
 DeepSeek-V3.2's top-2048 tokens in 64-token pages, one sink page and a 512-token window.
 """
 
