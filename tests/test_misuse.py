@@ -10,6 +10,7 @@ import gc
 import sys
 import threading
 import weakref
+from array import array
 
 import numpy as np
 import pytest
@@ -446,6 +447,36 @@ def test_finishing_with_other_tokens_than_the_admitted_prompt_is_refused():
     # The next request over the other tokens matches only the page it shares with the prompt.
     assert s.admit(8, other)["matched_pages"] == 1
     assert s.admit(9, prompt)["matched_pages"] == 2
+
+
+@pytest.mark.parametrize(
+    "form",
+    [
+        lambda a: a.astype("<u4").tobytes(),
+        lambda a: bytearray(a.astype("<u4").tobytes()),
+        lambda a: memoryview(a.astype("<u4").tobytes()),
+        lambda a: array("q", a.tolist()),
+        lambda a: torch.from_numpy(a),
+    ],
+    ids=["bytes", "bytearray", "memoryview", "array_q", "torch"],
+)
+def test_the_joined_scheduler_reads_token_containers_as_hicache_does(form):
+    # Bytes are little-endian uint32 ids, as HiCache reads them; read as numpy would, each byte
+    # had been a token of its own (a 10-token prompt read as 40 tokens, matching nothing).
+    s = small_joined()
+    prompt = np.arange(1, 11, dtype=np.int64)
+    s.admit(7, form(prompt))
+    assert s.request_len(7) == 0
+    s.extend(7, len(prompt))
+    s.end_step()
+    s.drain()
+    s.finish_request(7, form(prompt))
+    s.flush_finished()
+    assert s.admit(8, prompt)["matched_pages"] == 2
+    assert s.admit(9, form(prompt))["matched_pages"] == 2
+    with pytest.raises(ConfigError, match="strided"):
+        s.admit(10, memoryview(prompt.astype("<u4").tobytes())[::2])
+    s.validate()
 
 
 # ---- classes 2 and 8: an L3 store that fails as the OS fails, and objects out of place ----

@@ -102,16 +102,11 @@ impl<'py> Rows2<'py> {
     }
 }
 
-/// Token ids: a 1-D integer array of values in [0, 2^32).
+/// Token ids, read as `HiCache` reads them (`tokens::with_tokens`): 1-D integers in
+/// [0, 2^32), or `bytes`/`bytearray`/byte `memoryview`s of little-endian uint32 ids (not a
+/// token a byte).
 pub(super) fn token_ids(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
-    let py = obj.py();
-    let arr = int64_array(obj, "tokens", "token ids in [0, 2^32)")?;
-    arr.as_array()
-        .iter()
-        .map(|&t| {
-            u32::try_from(t).map_err(|_| to_py(py, Error::out_of_range("tokens", t, 0, 1i64 << 32)))
-        })
-        .collect()
+    crate::py::tokens::with_tokens(obj, |t| Ok(t.to_vec()))
 }
 
 /// Device-tier bindings must be where the engine's device memory is (cuda tensors for the
