@@ -67,8 +67,9 @@ def test_a_token_selects_its_whole_budget(zipf_s):
 def test_the_model_is_near_top_k_sets_redrawn_without_replacement():
     """What the module's docs say of the Poisson draws against top-k sets: a token holds k
     distinct pages (Gumbel top-k of the Zipf law) and redraws a `churn` share of them among
-    the pages it does not hold. The model names a few per cent fewer pages."""
-    m = SelectionModel()
+    the pages it does not hold. The model names a few per cent fewer pages (at a churn where
+    the union is far from the whole prefix; at the default it is near it for both)."""
+    m = SelectionModel(churn=0.1)
     sinks, window, d, p = _zipf(m, 32768)
     rng = np.random.default_rng(3)
     sizes = []
@@ -99,6 +100,63 @@ def test_the_union_grows_with_the_suffix_up_to_every_prefix_page():
     assert m.prefix_union(0, 100) == m.prefix_union(32768, 0) == 0.0
     # A prefix no longer than sinks + window + draws is selected whole.
     assert SelectionModel().prefix_union(64 * 30, 1) == 30.0
+
+
+def _simulate_overlap(m: SelectionModel, context: int, trials: int, seed: int) -> float:
+    """Mean share of a token's pages its successor selects too, over `trials` runs of the
+    process: the successor keeps each draw but with probability `churn` and makes a Poisson
+    number of new ones, `churn` times a token's mean."""
+    rng = np.random.default_rng(seed)
+    sinks, window, d, p = _zipf(m, context)
+    lam = _draws_for(p, d)
+    shares = []
+    for _ in range(trials):
+        first = rng.choice(p.size, size=rng.poisson(lam), p=p)
+        kept = first[rng.random(first.size) >= m.churn]
+        second = np.concatenate([kept, rng.choice(p.size, size=rng.poisson(lam * m.churn), p=p)])
+        shared = np.intersect1d(first, second).size
+        shares.append((sinks + window + shared) / m.topk_pages)
+    return float(np.mean(shares))
+
+
+@pytest.mark.parametrize(("churn", "zipf_s"), [(0.1, 1.1), (0.5, 0.9), (1.0, 1.1), (0.3, 1.5)])
+def test_the_adjacent_overlap_matches_a_simulation_of_the_model(churn, zipf_s):
+    m = SelectionModel(churn=churn, zipf_s=zipf_s)
+    want = _simulate_overlap(m, 65536, trials=3000, seed=4)
+    assert m.adjacent_overlap(65536) == pytest.approx(want, rel=0.01)
+
+
+def test_a_measured_overlap_sets_the_churn():
+    m = SelectionModel()
+    for overlap in (0.5, 0.6, 0.8, 0.95, 1.0):
+        c = m.with_overlap(overlap, 65536)
+        assert c.adjacent_overlap(65536) == pytest.approx(overlap, abs=1e-6)
+        assert c.zipf_s == m.zipf_s and c.window == m.window
+    assert m.with_overlap(m.adjacent_overlap(32768), 32768).churn == pytest.approx(m.churn)
+    # Less overlap than independent tokens have (the sinks, the window and the Zipf law's head
+    # are shared by any two) is no churn of this model.
+    floor = SelectionModel(churn=1.0).adjacent_overlap(65536)
+    for bad in (floor - 0.01, 1.01, float("nan")):
+        with pytest.raises(ValueError, match="overlap = "):
+            m.with_overlap(bad, 65536)
+    with pytest.raises(ValueError, match="context_tokens"):
+        m.with_overlap(0.9, 0)
+    # A context the sinks, the window and one token's draws cover: every page is shared.
+    assert m.adjacent_overlap(64 * 30) == 1.0
+
+
+def test_bench_prefix_sparse_takes_a_measured_overlap(tmp_path, capsys):
+    out = tmp_path / "ps.json"
+    main(["bench", "prefix-sparse", "--prefixes", "32768", "--suffixes", "256", "--overlap",
+          "0.6", "--overlap-context", "32768", "--json", str(out)])  # fmt: skip
+    assert "share 60.0% of their pages over 32768 tokens" in capsys.readouterr().out
+    model = json.loads(out.read_text())["config"]["model"]
+    assert model["adjacent_overlap"] == pytest.approx(0.6)
+    assert model["churn"] == pytest.approx(SelectionModel().with_overlap(0.6, 32768).churn)
+    assert main(["bench", "prefix-sparse", "--overlap", "0.3"]) != 0
+    assert "overlap = 0.3" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "prefix-sparse", "--overlap", "0.6", "--churn", "0.2"])
 
 
 @pytest.mark.parametrize(

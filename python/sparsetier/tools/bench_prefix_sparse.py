@@ -43,9 +43,11 @@ class PrefixSparseConfig:
     prefixes: tuple[int, ...] = (8192, 16384, 32768, 65536, 131072)
     suffixes: tuple[int, ...] = (16, 64, 256, 1024, 4096)
     copy_overhead: int = COPY_OVERHEAD
+    # The context, tokens, over which the report gives the model's adjacent-token overlap.
+    overlap_context: int = 65536
 
     def __post_init__(self):
-        for name in ("layers", "kv_token_bytes", "idx_token_bytes"):
+        for name in ("layers", "kv_token_bytes", "idx_token_bytes", "overlap_context"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: allowed >= 1")
         if self.copy_overhead < 0:
@@ -173,7 +175,9 @@ def format_report(cfg: PrefixSparseConfig, cells: list[Cell]) -> str:
         f"recorded selections ({m.tokens} tokens)"
         if isinstance(m, RecordedSelections)
         else f"{m.sink_pages} sink page, {m.window}-token window, Zipf s={m.zipf_s}, "
-        f"churn {m.churn}"
+        f"churn {m.churn:.4g}: adjacent tokens share "
+        f"{m.adjacent_overlap(cfg.overlap_context):.1%} of their pages over "
+        f"{cfg.overlap_context} tokens"
     )
     lines = [
         f"prefix restore: {cfg.layers} layers, "
@@ -203,6 +207,7 @@ def to_json(cfg: PrefixSparseConfig, cells: list[Cell]) -> dict:
         {"recorded_tokens": cfg.model.tokens, "page_size": cfg.model.page_size}
         if isinstance(cfg.model, RecordedSelections)
         else asdict(cfg.model)
+        | {"adjacent_overlap": cfg.model.adjacent_overlap(cfg.overlap_context)}
     )
     return {
         "config": config,

@@ -432,8 +432,14 @@ def _bench_prefix_sparse_parser(
     p.add_argument("--sink-pages", type=int, default=m.sink_pages)
     p.add_argument("--window", type=int, default=m.window, help="local window, tokens")
     p.add_argument("--zipf-s", type=float, default=m.zipf_s)
-    p.add_argument("--churn", type=float, default=m.churn,
-                   help="share of a token's Zipf draws not its predecessor's")  # fmt: skip
+    sel = p.add_mutually_exclusive_group()
+    sel.add_argument("--churn", type=float, default=m.churn,
+                     help="share of a token's Zipf draws not its predecessor's")  # fmt: skip
+    sel.add_argument("--overlap", type=float,
+                     help="set the churn from a measured overlap instead: the share of a "
+                     "token's top-k that the next token selects too (pages)")  # fmt: skip
+    p.add_argument("--overlap-context", type=int, default=d.overlap_context,
+                   help="the context length, tokens, the --overlap was measured at")  # fmt: skip
     p.add_argument("--copy-overhead", type=int, default=d.copy_overhead,
                    help="a copy's fixed cost in bytes, in the policy's cost model (the "
                    "engines' defaults: cpu 16384, kernel 2048, direct 196608)")  # fmt: skip
@@ -465,6 +471,8 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
             sink_pages=args.sink_pages, window=args.window, zipf_s=args.zipf_s,
             churn=args.churn,
         )  # fmt: skip
+        if args.overlap is not None:
+            model = model.with_overlap(args.overlap, args.overlap_context)
         if args.selections:
             from sparsetier.tools.selection_model import RecordedSelections
 
@@ -472,6 +480,7 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
         cfg = bps.PrefixSparseConfig(
             layers=args.layers, model=model, prefixes=tuple(args.prefixes),
             suffixes=tuple(args.suffixes), copy_overhead=args.copy_overhead,
+            overlap_context=args.overlap_context,
         )  # fmt: skip
         measured = [p for p in cfg.prefixes if args.measure and p <= args.measure_max_prefix]
         if args.measure:

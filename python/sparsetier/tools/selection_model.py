@@ -8,10 +8,11 @@ Each query token selects `topk_pages` pages of its context, per layer:
   pages fixed per layer (the pages a layer finds relevant to this conversation): the distinct
   pages of a Poisson number of draws with replacement, of a mean set so that a token selects
   its whole budget (`topk_pages` pages) in expectation, as a top-k does (as many draws as
-  the budget's pages would name fewer: duplicates merge). Adjacent tokens select much
-  alike: each token keeps each of its predecessor's draws but with probability `churn`, and
-  makes a Poisson number of new ones, `churn` times a token's mean (`churn=1`: independent
-  tokens; `bench decode` keeps 90 % of blocks from step to step).
+  the budget's pages would name fewer: duplicates merge). Each token keeps each of its
+  predecessor's draws but with probability `churn`, and makes a Poisson number of new ones,
+  `churn` times a token's mean (`churn=1`: independent tokens, which still share the sinks,
+  the window and the Zipf law's head). `adjacent_overlap` gives the share of a token's pages
+  the next token selects too, and `with_overlap` sets `churn` from a measured one.
 
 What a prefix restore needs is the union, over the suffix's tokens and per layer, of the
 prefix pages selected. The model gives its expected size in closed form: a suffix of S tokens
@@ -19,7 +20,10 @@ makes a Poisson number of draws of mean n = m (1 + (S - 1) churn) in all (m: a t
 page of draw probability p is in their union with probability 1 - exp(-n p). Top-k sets
 redrawn without replacement name a few per cent more pages (a redraw there never lands on a
 page the token holds; a test simulates both and bounds the gap). The defaults are
-DeepSeek-V3.2's top-2048 tokens in 64-token pages, one sink page and a 512-token window.
+DeepSeek-V3.2's top-2048 tokens in 64-token pages, one sink page and a 512-token window, and
+independent tokens (`churn=1`): the one published measurement of DSA's adjacent top-k sets
+(NVIDIA's, on DeepSeek-V3.2) has them share less than this model's independent tokens do
+(benches/RESULTS.md, "Prefix restores under DSA's measured overlap").
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ class SelectionModel:
     sink_pages: int = 1
     window: int = 512
     zipf_s: float = 1.1
-    churn: float = 0.1
+    churn: float = 1.0
 
     def __post_init__(self):
         for name in ("page_size", "topk_pages"):
@@ -96,6 +100,50 @@ class SelectionModel:
         covered = -np.expm1(-self._suffix_draws(p, draws, suffix_tokens) * p)
         out[sinks : pages - window] = covered.mean()
         return out
+
+    def adjacent_overlap(self, context_tokens: int) -> float:
+        """The expected share of a token's selected pages that the next token selects too,
+        over a context of `context_tokens` (what a measurement of adjacent top-k sets gives,
+        to set `churn` from: `with_overlap`). The sinks and the window count as shared (the
+        window moves one token a step: at most one of its pages in `page_size` steps)."""
+        if context_tokens < 0:
+            raise ValueError(f"context_tokens = {context_tokens}: allowed >= 0")
+        return self._overlap(context_tokens, self.churn)
+
+    def with_overlap(self, overlap: float, context_tokens: int) -> SelectionModel:
+        """This model with the churn whose `adjacent_overlap` over `context_tokens` is
+        `overlap` (it falls as churn rises: bisection)."""
+        import dataclasses
+
+        if context_tokens < 1:
+            raise ValueError(f"context_tokens = {context_tokens}: allowed >= 1")
+        lo = self._overlap(context_tokens, 1.0)
+        if not lo <= overlap <= 1.0:
+            raise ValueError(
+                f"overlap = {overlap}: allowed between {lo:.3f} (independent tokens, churn 1, "
+                f"over {context_tokens} tokens) and 1"
+            )
+        a, b = 0.0, 1.0
+        for _ in range(50):
+            mid = 0.5 * (a + b)
+            a, b = (mid, b) if self._overlap(context_tokens, mid) > overlap else (a, mid)
+        return dataclasses.replace(self, churn=0.5 * (a + b))
+
+    def _overlap(self, context_tokens: int, churn: float) -> float:
+        """`adjacent_overlap` at `churn`: a page of draw probability p is in a token's draws
+        with probability 1 - exp(-m p), in both tokens' with 1 - 2 exp(-m p) +
+        exp(-(1 + churn) m p) (the kept, dropped and new draws are independent Poissons)."""
+        pages = -(-context_tokens // self.page_size)
+        sinks = min(self.sink_pages, pages)
+        window = min(self.window_pages, pages - sinks)
+        rest = pages - sinks - window
+        draws = self.topk_pages - self.sink_pages - self.window_pages
+        if rest <= draws or draws == 0:
+            return 1.0
+        p = self._zipf(rest)
+        m = _draws_for(p, draws)
+        both = -2.0 * np.expm1(-m * p) + np.expm1(-(1.0 + churn) * m * p)
+        return float((sinks + window + both.sum()) / self.topk_pages)
 
     def sample_union(
         self, prefix_tokens: int, suffix_tokens: int, rng: np.random.Generator
