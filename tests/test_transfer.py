@@ -211,6 +211,21 @@ def test_non_contiguous_tensor_is_refused():
     assert e.value.field == "tensor.is_contiguous()"
 
 
+@pytest.mark.parametrize(
+    ("backend", "option", "value"),
+    [("cpu", "sm_limit", 4), ("cpu", "lanes", 32), ("cpu", "per_segment", True),
+     ("cpu", "device", 0), ("kernel", "threads", 2), ("kernel", "per_segment", True),
+     ("direct", "threads", 2), ("direct", "sm_limit", 4), ("direct", "lanes", 32)],
+)  # fmt: skip
+def test_an_option_the_engine_would_ignore_is_refused(backend, option, value):
+    # Before, the cpu engine took sm_limit, lanes and per_segment and did nothing with them.
+    # (Refused before any CUDA engine is made: no GPU needed.)
+    with pytest.raises(st.ConfigError) as e:
+        st.TransferEngine(backend, **{option: value})
+    assert e.value.field == option
+    assert "only for" in str(e.value) and backend in str(e.value)
+
+
 def test_engine_arguments():
     with pytest.raises(st.ConfigError):
         st.TransferEngine("nixl")

@@ -340,9 +340,9 @@ class TransferEngine:
         cls,
         io_backend: str = "cpu",
         *,
-        threads: int = 2,
-        device: int = 0,
-        sm_limit: int = 8,
+        threads: int | None = None,
+        device: int | None = None,
+        sm_limit: int | None = None,
         per_segment: bool = False,
         lanes: int | None = None,
     ) -> TransferEngine: ...

@@ -9,7 +9,7 @@ use crate::error::Error;
 use crate::layout::HostLayout;
 #[cfg(feature = "testing")]
 use crate::py::args::int;
-use crate::py::args::{int64_array, opt_int, string};
+use crate::py::args::{int64_array, opt_int, short, string};
 use crate::py::error::{contained, to_py, IntoPyResult};
 use crate::py::pool::PyPoolSpec;
 use crate::py::tensor::TensorInfo;
@@ -457,7 +457,10 @@ impl PyTransferHandle {
 /// A submission's events and the tensors it reads and writes.
 type KeptAlive = (Arc<TransferEvents>, Vec<BoundMemory>);
 
-/// A copy engine chosen by `io_backend`: `cpu`, `kernel` or `direct`.
+/// A copy engine chosen by `io_backend`: `cpu`, `kernel` or `direct`. Options: `threads`
+/// (cpu; default 2), `device` (the CUDA engines; default torch's current device), `sm_limit`
+/// (kernel; default 8), `lanes` (kernel), `per_segment` (direct); an engine refuses the
+/// others' options.
 #[pyclass(name = "TransferEngine", module = "sparsetier._core", frozen)]
 pub struct PyTransferEngine {
     // Declared first so it drops first: its workers finish before the tensors are released.
@@ -509,12 +512,59 @@ impl PyTransferEngine {
     }
 }
 
+/// Options the chosen engine would ignore are refused, so that a setting never silently does
+/// nothing (`sm_limit` given to the cpu engine, `threads` to a CUDA one).
+fn check_options_apply(
+    py: Python<'_>,
+    backend: crate::config::IoBackend,
+    threads: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
+    sm_limit: Option<&Bound<'_, PyAny>>,
+    per_segment: bool,
+    lanes: Option<&Bound<'_, PyAny>>,
+) -> PyResult<()> {
+    use crate::config::IoBackend::{Cpu, Direct, Kernel};
+    let given = [
+        ("threads", threads, backend == Cpu, "io_backend='cpu'"),
+        (
+            "device",
+            device,
+            backend != Cpu,
+            "the CUDA engines ('kernel', 'direct')",
+        ),
+        (
+            "sm_limit",
+            sm_limit,
+            backend == Kernel,
+            "io_backend='kernel'",
+        ),
+        ("lanes", lanes, backend == Kernel, "io_backend='kernel'"),
+    ];
+    for (field, value, applies, engines) in given {
+        if let (Some(v), false) = (value, applies) {
+            let allowed = format!(
+                "None: {field} is only for {engines}, not '{}'",
+                backend.name()
+            );
+            return Err(to_py(py, Error::config(field, short(v), allowed)));
+        }
+    }
+    if per_segment && backend != Direct {
+        let allowed = format!(
+            "False: per_segment is only for io_backend='direct', not '{}'",
+            backend.name()
+        );
+        return Err(to_py(py, Error::config("per_segment", "True", allowed)));
+    }
+    Ok(())
+}
+
 #[pymethods]
 impl PyTransferEngine {
     #[new]
     #[pyo3(
         signature = (io_backend="cpu", *, threads=None, device=None, sm_limit=None, per_segment=false, lanes=None),
-        text_signature = "(io_backend='cpu', *, threads=2, device=0, sm_limit=8, per_segment=False, lanes=None)"
+        text_signature = "(io_backend='cpu', *, threads=None, device=None, sm_limit=None, per_segment=False, lanes=None)"
     )]
     fn new(
         py: Python<'_>,
@@ -527,6 +577,7 @@ impl PyTransferEngine {
     ) -> PyResult<Self> {
         contained(|| {
             let backend = crate::config::IoBackend::parse("io_backend", io_backend).py_err(py)?;
+            check_options_apply(py, backend, threads, device, sm_limit, per_segment, lanes)?;
             let device = match opt_int(device, "device")? {
                 Some(d) => d,
                 // The CUDA engines default to torch's current device, as the tensors do.

@@ -108,6 +108,14 @@ class SpecOptions:
         io_backend = extra.get("io_backend", "auto")
         if io_backend not in IO_BACKENDS:
             raise ConfigError.of("io_backend", io_backend, "one of " + ", ".join(IO_BACKENDS))
+        # An option the chosen engine would ignore is refused, as the engine itself does.
+        for option, engines in (
+            ("sm_limit", ("kernel", "auto")),
+            ("copy_threads", ("cpu", "auto")),
+        ):
+            if extra.get(option) is not None and io_backend not in engines:
+                allowed = f"unset: {option} is only for io_backend {' or '.join(engines)}"
+                raise ConfigError.of(option, extra[option], allowed)
         return cls(
             cpu_bytes_to_use=integer("cpu_bytes_to_use", None, 1),
             eviction_policy=policy,
