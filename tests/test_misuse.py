@@ -279,6 +279,71 @@ def test_a_request_id_or_prompt_namespace_is_used_again_after_it_ended():
     assert s.stats()["requests"] == 2
 
 
+def _prompt_scheduler():
+    """A plain scheduler with request 9 over prompt 7's two pages, every page then evicted
+    from the device, and its engine."""
+    e = st.TransferEngine("cpu")
+    spec = st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 32)
+    host = spec.with_pages(64)
+    s = st.StepScheduler(
+        st.PageTransferBinding(torch.zeros(spec.shape(), dtype=torch.bfloat16), spec),
+        st.PageTransferBinding(torch.zeros(host.shape(), dtype=torch.bfloat16), host),
+        e, layers=1, prefetch=False,
+    )  # fmt: skip
+    s.add_prompt(7, 2)
+    s.end_step()
+    s.drain()
+    s.add_request(9, 12, prefix=(7, 2))
+    s.end_step()
+    s.drain()
+    testing.evict_device(s, 32)
+    return s, e
+
+
+def test_a_plan_of_an_ended_request_does_not_fail_the_new_one_under_its_id():
+    # The plan's loads of the prompt's pages fail twice, after request 9 ended and started
+    # again. Before, `ready` named the new request 9 as failed (its caller would end it).
+    s, e = _prompt_scheduler()
+    testing.inject_copy_fault(e, e.submitted, fail="first")
+    testing.inject_copy_fault(e, e.submitted + 1, fail="retry")
+    plan, _ = s.plan(0, np.array([9]), np.array([[0, 1, 2]]), 4)
+    s.finish_request(9)
+    s.add_request(9, 12, prefix=(7, 2))
+    failed, table = s.ready(plan)
+    assert failed == [] and (table == -1).all()
+    s.finish(plan)
+    s.end_step()
+    s.drain()
+    # The new request is served.
+    plan, table = s.plan(0, np.array([9]), np.array([[0, 1, 2]]), 4)
+    assert not s.ready(plan)[0] and (table >= 0).all()
+    s.finish(plan)
+    s.end_step()
+    s.validate()
+
+
+def test_a_step_with_a_plan_still_open_is_not_ended():
+    # Before, end_step took it: the plan's pins went on into the next step, and the record
+    # counted no layer.
+    s, _ = _prompt_scheduler()
+    plan, _ = s.plan(0, np.array([9]), np.array([[0, 1, 2]]), 4)
+    s.ready(plan)
+    with pytest.raises(ConfigError, match="plans") as e:
+        s.end_step()
+    assert e.value.field == "plans"
+    s.finish(plan)
+    assert s.end_step()["layers"] == 1
+    s.validate()
+
+
+@pytest.mark.parametrize("remember", [-1, 2**70, 1.5])
+def test_a_bad_storage_remember_count_is_a_config_error(remember):
+    for owner in (st.HiCache(4, 64, host_pages=8), small_joined()):
+        with pytest.raises(ConfigError) as e:
+            owner.enable_storage(remember=remember)
+        assert e.value.field == "remember"
+
+
 def test_a_cuda_stream_given_to_a_cpu_engine_is_refused_whatever_its_copies_state():
     s = small_scheduler(4, 32, 64, 2, {7: 8})
     plan, _ = s.plan(0, np.array([7]), np.array([[0]]), 4)

@@ -176,7 +176,7 @@ impl PyJoinedStepScheduler {
     /// returns the cache as an L3 controller drives it:
     /// `sparsetier.l3.StorageController(scheduler.enable_storage(), backend)`.
     #[pyo3(
-        signature = (*, write_policy="write_back", salt="", remember=1 << 20, write_ahead=0.1),
+        signature = (*, write_policy="write_back", salt="", remember=None, write_ahead=0.1),
         text_signature = "($self, *, write_policy='write_back', salt='', remember=1048576, write_ahead=0.1)"
     )]
     fn enable_storage(
@@ -184,9 +184,13 @@ impl PyJoinedStepScheduler {
         py: Python<'_>,
         write_policy: &str,
         salt: &str,
-        remember: usize,
+        remember: Option<&Bound<'_, PyAny>>,
         write_ahead: f64,
     ) -> PyResult<Py<PyJoinedStorage>> {
+        let remember: usize = match remember {
+            Some(r) => crate::py::args::unsigned(r, "remember")?,
+            None => 1 << 20,
+        };
         let policy = storage_args(py, write_policy, remember)?;
         let this = slf.as_super().get();
         this.inner.run_py(py, |s| {

@@ -578,15 +578,22 @@ impl PyHiCache {
     /// backend runs them. Page keys are a hash chain over tokens, salted with `salt` (model
     /// version, LoRA) and the namespace. `remember` bounds the keys kept as known stored;
     /// `write_ahead` is the share of host pages kept clean under write-back.
-    #[pyo3(signature = (*, write_policy="write_back", salt="", remember=1 << 20, write_ahead=0.1))]
+    #[pyo3(
+        signature = (*, write_policy="write_back", salt="", remember=None, write_ahead=0.1),
+        text_signature = "($self, *, write_policy='write_back', salt='', remember=1048576, write_ahead=0.1)"
+    )]
     fn enable_storage(
         &self,
         py: Python<'_>,
         write_policy: &str,
         salt: &str,
-        remember: usize,
+        remember: Option<&Bound<'_, PyAny>>,
         write_ahead: f64,
     ) -> PyResult<()> {
+        let remember: usize = match remember {
+            Some(r) => crate::py::args::unsigned(r, "remember")?,
+            None => 1 << 20,
+        };
         let policy = storage_args(py, write_policy, remember)?;
         self.inner.run_py(py, |c| {
             c.enable_storage(policy, salt.to_owned(), remember, write_ahead)

@@ -663,7 +663,8 @@ impl PyStepScheduler {
     }
 
     /// Ends the step (write-through of filled pages, settling, next prefetches); returns the
-    /// step's record.
+    /// step's record. Refused (ConfigError naming `plans`) while a layer plan is open: finish
+    /// every plan of the step first.
     fn end_step(&self, py: Python<'_>) -> PyResult<PyStepRecord> {
         self.follow(py)?;
         let r = py

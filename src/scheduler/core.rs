@@ -82,14 +82,17 @@ pub struct SchedulerConfig {
 #[derive(Debug, Clone, Default)]
 pub struct ReadyOutcome {
     /// Rows of the batch whose loads failed twice: (row, request, reason). Their slot-table
-    /// rows are -1; the caller ends or restarts those requests.
+    /// rows are -1; the caller ends or restarts those requests. A row whose request ended
+    /// since the plan (or started again under its id) is not named: its cells are only in
+    /// `failed_cells`.
     pub failed: Vec<(usize, RequestId, String)>,
     /// Whether a retry moved objects to other slots (the slot table changed).
     pub slots_changed: bool,
     /// The cells a retry moved, with their new slots (the failed rows' cells are not listed:
     /// they all become -1). What a caller that took the table (`take_table`) applies to it.
     pub moved: Vec<(u32, i32)>,
-    /// Per failed row, its cells in the table (start, end): they all become -1.
+    /// Per failed row (named in `failed` or not), its cells in the table (start, end): they
+    /// all become -1.
     pub failed_cells: Vec<(u32, u32)>,
 }
 
@@ -127,6 +130,10 @@ pub(super) struct Prefetch {
 pub(super) struct LayerPlan {
     pub(super) layer: u16,
     pub(super) rids: Vec<RequestId>,
+    /// Per row: the serial of its request's state when planned (0: none). A request ended
+    /// and started again under its id meanwhile has another: the plan's waits and failures
+    /// are not the new one's.
+    pub(super) serials: Vec<u64>,
     pub(super) handles: Vec<PinHandleId>,
     pub(super) prefetch: Option<Prefetch>,
     pub(super) keys: Vec<ObjectKey>,
@@ -821,11 +828,16 @@ impl<T: Tier> StepScheduler<T> {
         rec.queue_ns = submitted_at.map_or(0, |s| (s - t0).as_nanos() as u64);
         rec.selection_done_ns = self.since(t0);
         rec.submitted_ns = submitted_at.map_or(0, |s| self.since(s));
+        let serials = rids
+            .iter()
+            .map(|r| self.requests.get(r).map_or(0, |s| s.serial))
+            .collect();
         self.plans.insert(
             id,
             LayerPlan {
                 layer,
                 rids: rids.to_vec(),
+                serials,
                 handles,
                 prefetch,
                 keys,
@@ -945,8 +957,18 @@ impl<T: Tier> StepScheduler<T> {
     /// finished transfers, releases prefetches no plan consumed, issues the next step's first
     /// prefetches, and returns the step's record; or, when the tier's end of the step failed
     /// (a device step's log that never came back, selections it refused), that error, the
-    /// step ended all the same (its record folded into the totals).
+    /// step ended all the same (its record folded into the totals). While a layer plan is
+    /// open the step does not end: a config error, nothing changed.
     pub fn end_step(&mut self) -> Result<StepRecord> {
+        // A plan left open would hold its pins into the next step, and this step's record
+        // would not count its layer.
+        if !self.plans.is_empty() {
+            return Err(Error::config(
+                "plans",
+                format!("{} still open", self.plans.len()),
+                "none: finish every layer plan of the step before end_step",
+            ));
+        }
         let t0 = Instant::now();
         self.xfer.pending.append(&mut self.xfer.filled);
         let before = self.submit_pending_backups().and_then(|()| self.poll());

@@ -49,10 +49,12 @@ impl<T: Tier> StepScheduler<T> {
         plan.ready = true;
         plan.counts.exposed_wait_ns = waited.as_nanos() as u64;
         if !waited.is_zero() {
-            // Every request of the plan waited (a restore's choice shows in its own).
-            for rid in &plan.rids {
-                if let Some(r) = self.requests.get_mut(rid) {
-                    r.exposed_wait_ns += waited.as_nanos() as u64;
+            // Every request of the plan waited (a restore's choice shows in its own); not a
+            // request started again under an id the plan named.
+            for (rid, &serial) in plan.rids.iter().zip(&plan.serials) {
+                match self.requests.get_mut(rid) {
+                    Some(r) if r.serial == serial => r.exposed_wait_ns += waited.as_nanos() as u64,
+                    _ => {}
                 }
             }
         }
@@ -160,7 +162,12 @@ impl<T: Tier> StepScheduler<T> {
                     }
                     out.failed_cells
                         .push((cells.start as u32, cells.end as u32));
-                    out.failed.push((b, plan.rids[b], reason.clone()));
+                    // A request that ended since the plan has nothing left to fail, and a
+                    // new one under its id did not fail: its row's cells are only emptied.
+                    let serial = self.requests.get(&plan.rids[b]).map(|r| r.serial);
+                    if serial == Some(plan.serials[b]) {
+                        out.failed.push((b, plan.rids[b], reason.clone()));
+                    }
                 }
                 out.slots_changed = true;
             }
