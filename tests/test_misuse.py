@@ -579,6 +579,49 @@ def test_a_page_whose_directory_cannot_be_made_is_a_counted_store_failure(tmp_pa
     s.storage.close()
 
 
+def test_a_host_pool_freed_under_l3_is_refused_before_the_store_touches_it(tmp_path):
+    # The L3 controller hands the store raw addresses of host pages. Before, a host pool
+    # resized after binding went on being read by writes and written by prefetches.
+    from l3_support import PS, insert, tokens
+
+    s = _l3_stack(tmp_path)
+    t = tokens(4 * PS, seed=3)
+    insert(s, t)
+    c = s.hicache
+    c.evict_device(10**6)
+    next(iter(s.host_pools.values())).untyped_storage().resize_(0)
+    c.evict_host(10**6)  # write-back: plans a write of every page
+    for call in (
+        s.storage.flush,
+        lambda: s.storage.prefetch(t, 0, 4),
+        lambda: s.storage._l3.host_segments(0),
+    ):
+        with pytest.raises(ConfigError, match="resized"):
+            call()
+    assert c.storage_stats()["writes_in_flight"] > 0, "the write plans wait, not taken"
+
+
+def test_a_host_pool_freed_under_the_joined_schedulers_l3_is_refused():
+    kv = st.PoolSpec("KV", 1, 1, 8, "bf16", 4, 24)
+    ik = st.PoolSpec("INDEXER", 2, 1, 8, "bf16", 4, 24)
+    kv_host = st.PoolSpec("KV", 2, 1, 8, "bf16", 4, 24)
+    host = torch.zeros(kv_host.shape(), dtype=torch.bfloat16)
+    s = st.StepScheduler.joined(
+        st.PageTransferBinding(torch.zeros(kv.shape(), dtype=torch.bfloat16), kv),
+        st.PageTransferBinding(host, kv_host),
+        st.TransferEngine("cpu"),
+        indexer_device=st.PageTransferBinding(torch.zeros(ik.shape(), dtype=torch.bfloat16), ik),
+        indexer_host=st.PageTransferBinding(torch.zeros(ik.shape(), dtype=torch.bfloat16), ik),
+    )
+    l3 = lowlevel.L3Protocol(s.enable_storage())
+    host.untyped_storage().resize_(0)
+    for call in (l3.take_writes, lambda: l3.host_segments(0),
+                 lambda: l3.plan_prefetch(np.arange(1, 9), 0, 2)):  # fmt: skip
+        with pytest.raises(ConfigError, match="resized") as e:
+            call()
+        assert e.value.field == "host_kv"
+
+
 def test_a_store_root_replaced_by_a_file_goes_offline_and_comes_back(tmp_path):
     from l3_support import PS, insert, push_to_l3, tokens
 

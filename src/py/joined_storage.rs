@@ -116,6 +116,7 @@ impl PyJoinedStorage {
 
     #[pyo3(name = "_take_storage_writes")]
     fn take_storage_writes<'py>(&self, py: Python<'py>) -> PyResult<Vec<PlanTuple<'py>>> {
+        self.owner.get().check_memory(py)?; // (the store reads the plans' host pages)
         let plans = self.run(py, |c| c.take_storage_writes())?;
         Ok(plans
             .into_iter()
@@ -143,6 +144,8 @@ impl PyJoinedStorage {
         n_pages: &Bound<'py, PyAny>,
         namespace: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<PlanTuple<'py>>> {
+        // (Making room can copy; the store writes the plan's host pages.)
+        self.owner.get().follow(py)?;
         let start_page: usize = unsigned(start_page, "start_page")?;
         let n_pages: usize = unsigned(n_pages, "n_pages")?;
         let ns = Self::check_namespace(py, namespace)?;
@@ -175,6 +178,7 @@ impl PyJoinedStorage {
     #[pyo3(name = "_host_segments")]
     fn host_segments(&self, py: Python<'_>, page: &Bound<'_, PyAny>) -> PyResult<Vec<(u64, u64)>> {
         let page: u32 = unsigned(page, "page")?;
+        self.owner.get().check_memory(py)?;
         self.run(py, |c| c.host_segments(PageId::new(page)))
     }
 }

@@ -135,6 +135,15 @@ impl Drop for PyHiCache {
 }
 
 impl PyHiCache {
+    /// Refuses pools resized or freed since bound (copies, or the store, would use memory
+    /// that is gone).
+    fn check_memory(&self, py: Python<'_>) -> PyResult<()> {
+        for (field, m) in &self.memory {
+            m.check(py, field)?;
+        }
+        Ok(())
+    }
+
     /// Runs `f` over tokens borrowed from a caller's buffer under the cache's lock: at once
     /// if the lock is free (read with the GIL held, no Python thread writes the buffer
     /// meanwhile), else over a copy taken before the GIL is let go to wait for it.
@@ -505,10 +514,7 @@ impl PyHiCache {
     /// Submits this step's queued backups and loads (at most one transfer each); returns their
     /// ids.
     fn flush(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
-        // (Resized or freed since bound: the copies would use memory that is gone.)
-        for (field, m) in &self.memory {
-            m.check(py, field)?;
-        }
+        self.check_memory(py)?;
         if let Some(e) = &self.engine {
             e.get().follow_torch_stream(py)?; // copies follow torch's queued writes
         }
@@ -641,6 +647,7 @@ impl PyHiCache {
     /// Write plans queued since the last call: `(id, keys, host_pages)` each.
     #[pyo3(name = "_take_storage_writes")]
     fn take_storage_writes<'py>(&self, py: Python<'py>) -> PyResult<Vec<PlanTuple<'py>>> {
+        self.check_memory(py)?; // (the store reads the plans' host pages)
         let plans = self.inner.run_py(py, |c| c.take_storage_writes())?;
         Ok(plans
             .into_iter()
@@ -672,6 +679,7 @@ impl PyHiCache {
         namespace: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Option<PlanTuple<'py>>> {
         let py = tokens.py();
+        self.check_memory(py)?; // (the store writes the plan's host pages)
         let start_page: usize = unsigned(start_page, "start_page")?;
         let n_pages: usize = unsigned(n_pages, "n_pages")?;
         let ns = self::namespace(namespace)?;
@@ -710,6 +718,7 @@ impl PyHiCache {
     #[pyo3(name = "_host_segments")]
     fn host_segments(&self, py: Python<'_>, page: &Bound<'_, PyAny>) -> PyResult<Vec<(u64, u64)>> {
         let page: u32 = unsigned(page, "page")?;
+        self.check_memory(py)?;
         self.inner
             .run_py(py, |c| c.host_segments(PageId::new(page)))
     }
