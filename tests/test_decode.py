@@ -114,6 +114,40 @@ def test_a_request_whose_logits_are_nan_fails_alone(resolve):
     finish_all(rt)
 
 
+@pytest.mark.parametrize("mode", ["block", "token"])
+def test_an_exception_inside_a_layer_leaves_no_plan_open(monkeypatch, mode):
+    # An error in a layer's attention (an out-of-memory, a Ctrl-C) after its plan: the plan is
+    # finished all the same. Before, it stayed open, its id lost: it held its pins, and the
+    # core refused to end any later step ("plans: 1 still open").
+    from sparsetier.tools import runtime as runtime_mod
+
+    m = TinySparseModel(ModelConfig(seed=3))
+    rt = DecodeRuntime(m, page_size=8, device_slots=400, host_pages=200, indexer_pages=80,
+                       topk=4 if mode == "block" else 16, selection=mode)  # fmt: skip
+    g = torch.Generator().manual_seed(5)
+    for rid in range(2):
+        rt.add_request(rid, torch.randint(0, 512, (30 + 9 * rid,), generator=g), 4)
+    rt.step()
+    real, calls = runtime_mod.sparse_attention_batched, []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:  # the step's second layer
+            raise RuntimeError("out of memory (injected)")
+        return real(*a, **k)
+
+    monkeypatch.setattr(runtime_mod, "sparse_attention_batched", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        rt.step()
+    monkeypatch.setattr(runtime_mod, "sparse_attention_batched", real)
+    rt.scheduler.end_step()
+    # (The step's tokens were appended in the core and not taken: its requests are aborted,
+    # not finished over tokens they do not hold.)
+    for rid in list(rt.requests):
+        rt.abort(rid)
+    finish_all(rt)
+
+
 def test_rows_attention_masks_never_reach_the_output_even_as_nan():
     # A slot's rows past a query's position (or a slot a failed request left) may hold NaN:
     # masked out, they must not reach the sum through a zero weight.

@@ -67,9 +67,8 @@ def test_a_token_selects_its_whole_budget(zipf_s):
 def test_the_model_is_near_top_k_sets_redrawn_without_replacement():
     """What the module's docs say of the Poisson draws against top-k sets: a token holds k
     distinct pages (Gumbel top-k of the Zipf law) and redraws a `churn` share of them among
-    the pages it does not hold. The model names a few per cent fewer pages (at a churn where
-    the union is far from the whole prefix; at the default it is near it for both)."""
-    m = SelectionModel(churn=0.1)
+    the pages it does not hold. The model names a few per cent fewer pages."""
+    m = SelectionModel()
     sinks, window, d, p = _zipf(m, 32768)
     rng = np.random.default_rng(3)
     sizes = []
@@ -157,6 +156,10 @@ def test_bench_prefix_sparse_takes_a_measured_overlap(tmp_path, capsys):
     assert "overlap = 0.3" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "prefix-sparse", "--overlap", "0.6", "--churn", "0.2"])
+    # Recorded selections are not the model's: its knobs are refused with them.
+    for flag in ("--overlap", "--churn"):
+        assert main(["bench", "prefix-sparse", "--selections", "x.npz", flag, "0.6"]) != 0
+        assert f"{flag[2:]} = 0.6" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

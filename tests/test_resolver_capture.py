@@ -55,7 +55,7 @@ class Stack:
         self.s = _core.StepScheduler.joined(
             _core.PageTransferBinding(self.dev, kv),
             _core.PageTransferBinding(host_kv, kv_host),
-            _core.TransferEngine("kernel" if self.cuda else "cpu", threads=1),
+            _core.TransferEngine("kernel") if self.cuda else _core.TransferEngine("cpu", threads=1),
             indexer_device=_core.PageTransferBinding(idev, ik),
             indexer_host=_core.PageTransferBinding(ihost, ik),
             prefetch=False,

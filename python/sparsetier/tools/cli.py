@@ -433,8 +433,9 @@ def _bench_prefix_sparse_parser(
     p.add_argument("--window", type=int, default=m.window, help="local window, tokens")
     p.add_argument("--zipf-s", type=float, default=m.zipf_s)
     sel = p.add_mutually_exclusive_group()
-    sel.add_argument("--churn", type=float, default=m.churn,
-                     help="share of a token's Zipf draws not its predecessor's")  # fmt: skip
+    sel.add_argument("--churn", type=float,
+                     help=f"share of a token's Zipf draws not its predecessor's (default "
+                     f"{m.churn})")  # fmt: skip
     sel.add_argument("--overlap", type=float,
                      help="set the churn from a measured overlap instead: the share of a "
                      "token's top-k that the next token selects too (pages)")  # fmt: skip
@@ -465,11 +466,15 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
         raise ConfigError.of(
             "topk", str(args.topk), f"a multiple of the page size {args.page_size}, >= 1 page"
         )
+    for flag in ("churn", "overlap"):
+        if args.selections and getattr(args, flag) is not None:
+            allowed = "unset with --selections (recorded selections are replayed as they are)"
+            raise ConfigError.of(flag, str(getattr(args, flag)), allowed)
     try:
         model = SelectionModel(
             page_size=args.page_size, topk_pages=args.topk // args.page_size,
             sink_pages=args.sink_pages, window=args.window, zipf_s=args.zipf_s,
-            churn=args.churn,
+            churn=SelectionModel.churn if args.churn is None else args.churn,
         )  # fmt: skip
         if args.overlap is not None:
             model = model.with_overlap(args.overlap, args.overlap_context)

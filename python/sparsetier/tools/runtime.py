@@ -661,11 +661,15 @@ class DecodeRuntime:
                 window=self.window, reduce=self.reduce,
             )  # fmt: skip
             table_dev, after = resolve(li, sel)
-            out = sparse_attention_batched(q, self.device_kv, table_dev, sel, pos,
-                                           self.unit, ps, self.fmt)  # fmt: skip
-            x = layer.finish(x, out)
-            if after is not None:
-                after()
+            try:
+                out = sparse_attention_batched(q, self.device_kv, table_dev, sel, pos,
+                                               self.unit, ps, self.fmt)  # fmt: skip
+                x = layer.finish(x, out)
+            finally:
+                # The layer's plan is finished whatever happened: left open, it would hold
+                # its pins and the core would refuse to end any later step.
+                if after is not None:
+                    after()
         return m.logits(x)
 
     def _failed_cells(self, li: int, rids_np: np.ndarray, table: np.ndarray, failed: dict) -> None:
@@ -705,14 +709,18 @@ class DecodeRuntime:
                 # (entries are below 2^31: token indices or block ids of one context).
                 sel32 = sel.to(torch.int32).cpu().numpy()
                 plan, table = self.scheduler.plan(li, rids_np, sel32, self.unit)
-            bad, new = self.scheduler.ready(plan, stream)
-            if new is not None:
-                table = new
-            for _, rid, why in bad:
-                failed.setdefault(rid, why)
-            table_dev = self._table(table)
-            if mapped:
-                table_dev = tp.token_table(table_dev)
+            try:
+                bad, new = self.scheduler.ready(plan, stream)
+                if new is not None:
+                    table = new
+                for _, rid, why in bad:
+                    failed.setdefault(rid, why)
+                table_dev = self._table(table)
+                if mapped:
+                    table_dev = tp.token_table(table_dev)
+            except BaseException:
+                self.scheduler.finish(plan)
+                raise
             return table_dev, lambda: self.scheduler.finish(plan)
 
         return on_the_device if on_device else planned

@@ -21,9 +21,9 @@ page of draw probability p is in their union with probability 1 - exp(-n p). Top
 redrawn without replacement name a few per cent more pages (a redraw there never lands on a
 page the token holds; a test simulates both and bounds the gap). The defaults are
 DeepSeek-V3.2's top-2048 tokens in 64-token pages, one sink page and a 512-token window, and
-independent tokens (`churn=1`): the one published measurement of DSA's adjacent top-k sets
-(NVIDIA's, on DeepSeek-V3.2) has them share less than this model's independent tokens do
-(benches/RESULTS.md, "Prefix restores under DSA's measured overlap").
+`churn=0.1`: an assumption. The one published measurement of DSA's adjacent top-k sets is of
+tokens, not pages, and does not settle it (benches/RESULTS.md, "Prefix restores under DSA's
+measured overlap").
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class SelectionModel:
     sink_pages: int = 1
     window: int = 512
     zipf_s: float = 1.1
-    churn: float = 1.0
+    churn: float = 0.1
 
     def __post_init__(self):
         for name in ("page_size", "topk_pages"):
