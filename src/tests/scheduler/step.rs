@@ -384,3 +384,37 @@ fn shared_prompts_are_read_by_every_request_and_outlive_them() {
     h.s.drop_prompt(1000).unwrap();
     assert_eq!(h.s.directory().stats().objects, 0);
 }
+
+#[test]
+fn a_plans_wait_is_not_a_request_started_again_under_its_id() {
+    // A plan of request 0 waits on a slow load of its prompt's pages (which outlive it) after
+    // request 0 ended and started again: the wait is the plan's, not the new request's.
+    let mut h = Harness::new(64, 400, false);
+    h.add_prompt(1000, 3);
+    let prefix = Some(Prefix {
+        namespace: 1000,
+        pages: 3,
+    });
+    h.add(0, 20, prefix);
+    h.s.end_step().unwrap();
+    h.s.drain().unwrap();
+    h.s.directory().evict(1000);
+    let delay = std::time::Duration::from_millis(50);
+    h.s.inject_faults(Direction::Load, 1, None, Some(delay));
+    let rid = RequestId::new(0);
+    let u = SelectionUnit::new(PS, PS).unwrap();
+    let plan = h.s.plan(0, &[rid], &[0, 1, 2], 3, u).unwrap().0; // the prompt's pages
+    h.s.finish_request(rid).unwrap();
+    h.add(0, 20, prefix);
+    assert!(h.s.ready(plan, None).unwrap().failed.is_empty());
+    let counts = h.s.finish(plan).unwrap();
+    assert!(
+        counts.exposed_wait_ns >= delay.as_nanos() as u64,
+        "the plan waited"
+    );
+    assert_eq!(h.s.request(rid).unwrap().exposed_wait_ns, 0);
+    h.s.end_step().unwrap();
+    h.s.finish_request(rid).unwrap();
+    h.s.drop_prompt(1000).unwrap();
+    h.assert_quiet();
+}
