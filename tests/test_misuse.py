@@ -623,6 +623,64 @@ def test_a_host_pool_freed_under_the_joined_schedulers_l3_is_refused():
         assert e.value.field == "host_kv"
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("chunk_pages", 1.5), ("chunk_pages", True), ("chunk_pages", "4"), ("chunk_pages", None),
+     ("chunk_pages", 0), ("prefetch_timeout", None), ("prefetch_timeout", float("nan")),
+     ("prefetch_timeout", -1), ("prefetch_timeout", "x"), ("retry_interval", float("nan")),
+     ("retry_interval", "x"), ("retry_interval", -1.0), ("backend", None)],
+)  # fmt: skip
+def test_a_storage_controllers_bad_setting_is_refused_naming_it(tmp_path, option, value):
+    # Before: a NaN retry interval never probed a lost store again (L3 off for good), a
+    # fractional chunk failed every prefetch in the worker, no timeout waited forever.
+    from sparsetier.l3 import StorageController
+
+    s = _l3_stack(tmp_path)
+    kw = {"backend": s.storage.backend, option: value}
+    with pytest.raises(ConfigError) as e:
+        StorageController(s.hicache, **kw)
+    assert e.value.field == option
+    with pytest.raises(ConfigError, match="cached_tokens"):
+        s.storage.storage_pages(np.arange(1, 65), -4)
+    s.storage.close()
+
+
+def test_a_closed_storage_controller_refuses_work_and_leaks_nothing(tmp_path):
+    # Before: a prefetch after close took host pages from the core, failed to reach the
+    # worker, and a later drain waited for it forever.
+    from l3_support import PS, insert, push_to_l3, tokens
+
+    s = _l3_stack(tmp_path)
+    t = tokens(4 * PS, seed=5)
+    insert(s, t)
+    push_to_l3(s)
+    s.storage.close()
+    s.storage.close()  # (again: nothing)
+    for call in (lambda: s.storage.prefetch(t, 0, 4), s.storage.flush, s.storage.poll,
+                 s.storage.drain):  # fmt: skip
+        with pytest.raises(ConfigError, match="closed"):
+            call()
+    stats = s.hicache.storage_stats()
+    assert stats["prefetches_in_flight"] == stats["writes_in_flight"] == 0
+    s.hicache.validate()
+
+
+def test_a_prefetch_the_worker_cannot_take_ends_with_its_host_pages_freed(tmp_path):
+    from l3_support import PS, insert, push_to_l3, tokens
+
+    s = _l3_stack(tmp_path)
+    t = tokens(4 * PS, seed=6)
+    insert(s, t)
+    push_to_l3(s)
+    host_free = s.hicache.stats()["host_free"]
+    s.storage._pool.shutdown()  # the worker gone under the controller
+    with pytest.raises(RuntimeError, match="shutdown"):
+        s.storage.prefetch(t, 0, 4)
+    assert s.hicache.storage_stats()["prefetches_in_flight"] == 0
+    assert s.hicache.stats()["host_free"] == host_free
+    s.hicache.validate()
+
+
 def test_a_store_root_replaced_by_a_file_goes_offline_and_comes_back(tmp_path):
     from l3_support import PS, insert, push_to_l3, tokens
 

@@ -26,6 +26,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from sparsetier import _checks
 from sparsetier._core import HiCache, JoinedStorage
 from sparsetier.errors import ConfigError, InvariantError, StoreUnavailableError
 from sparsetier.l3.backend import Segments, StorageBackend
@@ -34,6 +35,7 @@ from sparsetier.lowlevel import L3Protocol
 log = logging.getLogger("sparsetier.l3")
 
 POLICIES = ("best_effort", "wait_complete", "timeout")
+BACKEND_CALLS = ("exists", "put", "get", "register", "healthy", "close")
 
 
 @dataclass
@@ -66,8 +68,14 @@ class StorageController:
     ) -> None:
         if prefetch_policy not in POLICIES:
             raise ConfigError.of("prefetch_policy", repr(prefetch_policy), " | ".join(POLICIES))
-        if chunk_pages < 1:
-            raise ConfigError.of("chunk_pages", chunk_pages, ">= 1 pages")
+        chunk_pages = _checks.count("chunk_pages", chunk_pages, 1)
+        prefetch_timeout = _checks.real("prefetch_timeout", prefetch_timeout)
+        retry_interval = _checks.real("retry_interval", retry_interval)
+        missing = [m for m in BACKEND_CALLS if not callable(getattr(backend, m, None))]
+        if missing:
+            raise ConfigError.of(
+                "backend", repr(backend), "a StorageBackend (it lacks " + ", ".join(missing) + ")"
+            )
         if cache.storage_stats() is None:
             raise ConfigError.of("cache", "a HiCache without L3", "cache.enable_storage() first")
         self.cache = cache
@@ -82,6 +90,7 @@ class StorageController:
         self._prefetches: dict[int, Prefetch] = {}
         self._lost: list[str] = []  # why the store went away, reported on the caller's thread
         self._next_probe = 0.0
+        self._closed = False
         for address, length in host_buffers:
             backend.register(address, length)
 
@@ -97,6 +106,7 @@ class StorageController:
 
     def storage_pages(self, tokens: Any, cached_tokens: int, namespace: int | None = None) -> int:
         """The leading run of whole pages after `cached_tokens` that the store holds."""
+        cached_tokens = _checks.count("cached_tokens", cached_tokens)
         if not self.online:
             return 0
         keys = self.cache.storage_keys(tokens, namespace)
@@ -124,14 +134,23 @@ class StorageController:
     ) -> Prefetch | None:
         """Starts fetching pages `start_page..start_page + n_pages` of `tokens` into host
         pages. None when nothing can be fetched now (L3 off, no host page)."""
+        self._check_open()
         plan = self._l3.plan_prefetch(tokens, start_page, n_pages, namespace)
         if plan is None:
             return None
         plan_id, keys, pages = plan
         p = Prefetch(plan_id=plan_id, start_page=start_page, pages=len(keys))
         self._prefetches[plan_id] = p
-        segs = [self._l3.host_segments(int(h)) for h in pages]
-        self._pool.submit(self._run_prefetch, p, keys, segs)
+        try:
+            segs = [self._l3.host_segments(int(h)) for h in pages]
+            self._pool.submit(self._run_prefetch, p, keys, segs)
+        except BaseException:
+            # Nothing will fetch it: it ends with nothing arrived, its host pages freed.
+            p.failed = True
+            p.done.set()
+            p.committed = self._l3.prefetch_commit(plan_id, 0)
+            self._end_prefetch(p)
+            raise
         return p
 
     def finish_prefetch(self, p: Prefetch, policy: str | None = None) -> int:
@@ -154,11 +173,22 @@ class StorageController:
 
     def flush(self) -> int:
         """Hands the write plans queued by the cache to the worker; returns how many."""
+        self._check_open()
+        return len(self._hand_over_writes())
+
+    def _hand_over_writes(self) -> list:
+        """Takes the cache's queued write plans and submits them to the worker. A plan that
+        cannot be submitted is reported failed at once (its pages let go), with the rest."""
         plans = self._l3.take_writes()
-        for plan_id, keys, pages in plans:
-            segs = [self._l3.host_segments(int(h)) for h in pages]
-            self._writes[plan_id] = self._pool.submit(self._run_write, keys, segs)
-        return len(plans)
+        for i, (plan_id, keys, pages) in enumerate(plans):
+            try:
+                segs = [self._l3.host_segments(int(h)) for h in pages]
+                self._writes[plan_id] = self._pool.submit(self._run_write, keys, segs)
+            except BaseException:
+                for pid, ks, _ in plans[i:]:
+                    self._l3.write_done(pid, [False] * len(ks))
+                raise
+        return plans
 
     def poll(self) -> int:
         """Settles finished writes and prefetches, handles a lost store, and probes an
@@ -217,17 +247,22 @@ class StorageController:
 
     def cache_has_queued(self) -> bool:
         """Whether the cache queued write plans not yet handed to the worker."""
-        plans = self._l3.take_writes()
-        for plan_id, keys, pages in plans:
-            segs = [self._l3.host_segments(int(h)) for h in pages]
-            self._writes[plan_id] = self._pool.submit(self._run_write, keys, segs)
-        return bool(plans)
+        self._check_open()
+        return bool(self._hand_over_writes())
 
     def close(self) -> None:
-        """Drains, stops the worker and closes the backend."""
+        """Drains, stops the worker and closes the backend. Later calls that would hand the
+        worker a plan are refused; closing again does nothing."""
+        if self._closed:
+            return
         self.drain()
+        self._closed = True
         self._pool.shutdown(wait=True)
         self.backend.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ConfigError.of("storage", "a closed StorageController", "one not closed yet")
 
     @property
     def online(self) -> bool:

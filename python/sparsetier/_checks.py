@@ -1,0 +1,36 @@
+"""Argument checks for the Python layer's own options: each refuses a bad value with a
+`ConfigError` naming the field, the value and what is allowed, before anything changes."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from sparsetier.errors import ConfigError
+
+
+def count(field: str, value: Any, lo: int = 0, hi: int | None = None) -> int:
+    """An integer in [lo, hi] (a bool or a float is no count)."""
+    allowed = f"an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError.of(field, repr(value), allowed)
+    if value < lo or (hi is not None and value > hi):
+        raise ConfigError.of(field, value, allowed)
+    return value
+
+
+def real(field: str, value: Any, lo: float = 0.0, hi: float = math.inf) -> float:
+    """A finite number in [lo, hi] (an int is taken; a bool, a string or NaN is not)."""
+    allowed = f"a finite number >= {lo}" + (f" and <= {hi}" if hi != math.inf else "")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError.of(field, repr(value), allowed)
+    if not (math.isfinite(value) and lo <= value <= hi):
+        raise ConfigError.of(field, value, allowed)
+    return float(value)
+
+
+def text(field: str, value: Any, *, empty: bool = True) -> str:
+    """A string (None is not the string "None")."""
+    if not isinstance(value, str) or (not empty and not value):
+        raise ConfigError.of(field, repr(value), "a string" + ("" if empty else ", not empty"))
+    return value
