@@ -681,6 +681,32 @@ def test_a_prefetch_the_worker_cannot_take_ends_with_its_host_pages_freed(tmp_pa
     s.hicache.validate()
 
 
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [({"salt": None}, "salt"), ({"write_ahead": "x"}, "write_ahead"),
+     ({"write_ahead": True}, "write_ahead"), ({"write_ahead": None}, "write_ahead"),
+     ({"write_policy": None}, "write_policy"), ({"path": ""}, "path"), ({"path": None}, "path"),
+     ({"chunk_pages": 0}, "chunk_pages"), ({"retry_interval": float("nan")}, "retry_interval")],
+)  # fmt: skip
+def test_a_stacks_bad_storage_setting_is_refused_before_the_cache_changes(config, field):
+    # (Before: a salt of None was the salt "None", a path of "" stored pages in the working
+    # directory, and the controller's settings were checked after L3 was on.)
+    from l3_support import specs
+
+    with pytest.raises(ConfigError) as e:
+        st.build_sparse_stack(specs(16), storage_backend="file", storage_config=config)
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("pin", [0, "no", True] if not torch.cuda.is_available() else [0, "no"])
+def test_a_stacks_pin_memory_is_a_bool_and_needs_cuda_to_be_true(pin):
+    from l3_support import specs
+
+    with pytest.raises(ConfigError) as e:
+        st.build_sparse_stack(specs(16), pin_memory=pin)
+    assert e.value.field == "pin_memory"
+
+
 def test_a_store_root_replaced_by_a_file_goes_offline_and_comes_back(tmp_path):
     from l3_support import PS, insert, push_to_l3, tokens
 

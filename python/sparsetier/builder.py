@@ -150,11 +150,18 @@ def build_sparse_stack(
         host_reserve=host_reserve,
         swa_window=swa_window,
     )
+    from sparsetier.errors import ConfigError
+
     device_type = "cpu" if plan.io_backend == "cpu" else "cuda"
     if device_type == "cuda" and not torch.cuda.is_available():
-        from sparsetier.errors import ConfigError
-
         raise ConfigError.of("io_backend", plan.io_backend, "'cpu' (no CUDA device is available)")
+    if not any(pin_memory is v for v in (None, True, False)) or (
+        pin_memory and not torch.cuda.is_available()
+    ):
+        allowed = "None, True or False" + (
+            "" if torch.cuda.is_available() else " (no CUDA: not True)"
+        )
+        raise ConfigError.of("pin_memory", repr(pin_memory), allowed)
     device_pools: dict[str, torch.Tensor] = {}
     for i, spec in enumerate(specs):
         if i in given:
@@ -199,8 +206,6 @@ def build_sparse_stack(
     if plan.storage_backend is not None:
         storage = _storage(plan.storage_backend, dict(storage_config or {}), hicache, host_pools)
     elif storage_config:
-        from sparsetier.errors import ConfigError
-
         raise ConfigError.of("storage_config", sorted(storage_config), "None without a backend")
     return SparseStack(
         plan=plan,
@@ -216,16 +221,18 @@ def build_sparse_stack(
 def _storage(
     kind: str, cfg: dict[str, Any], hicache: HiCache, host_pools: dict[str, torch.Tensor]
 ) -> StorageController:
+    from sparsetier import _checks
     from sparsetier.l3 import StorageController, make_backend
 
-    hicache.enable_storage(
-        write_policy=cfg.pop("write_policy", "write_back"),
-        salt=str(cfg.pop("salt", "")),
-        write_ahead=float(cfg.pop("write_ahead", 0.1)),
-    )
+    # Every setting checked before the cache changes.
+    write_policy = _checks.text("write_policy", cfg.pop("write_policy", "write_back"))
+    salt = _checks.text("salt", cfg.pop("salt", ""))
+    write_ahead = _checks.real("write_ahead", cfg.pop("write_ahead", 0.1), 0.0, 1.0)
     own = ("prefetch_policy", "prefetch_timeout", "chunk_pages", "retry_interval")
     ctl = {k: cfg.pop(k) for k in own if k in cfg}
+    StorageController.check_settings(**ctl)
     backend = make_backend(kind, cfg)
+    hicache.enable_storage(write_policy=write_policy, salt=salt, write_ahead=write_ahead)
     buffers = [(t.data_ptr(), t.numel() * t.element_size()) for t in host_pools.values()]
     return StorageController(hicache, backend, host_buffers=buffers, **ctl)
 

@@ -27,7 +27,10 @@ def make_backend(kind: str, config: dict[str, Any]) -> StorageBackend:
         extra = sorted(set(config) - {"path"})
         if extra:
             raise ConfigError.of("storage_config", extra, "for 'file': path")
-        return FileStore(config.get("path", os.environ.get("SPARSETIER_L3_DIR", DEFAULT_FILE_DIR)))
+        path = config.get("path", os.environ.get("SPARSETIER_L3_DIR", DEFAULT_FILE_DIR))
+        if not isinstance(path, str | os.PathLike) or not os.fspath(path):
+            raise ConfigError.of("path", repr(path), "a directory path (not empty)")
+        return FileStore(path)
     if kind == "mooncake":
         for need in ("master", "metadata_server"):
             if need not in config:

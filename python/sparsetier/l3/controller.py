@@ -66,11 +66,10 @@ class StorageController:
         retry_interval: float = 1.0,
         host_buffers: Sequence[tuple[int, int]] = (),
     ) -> None:
-        if prefetch_policy not in POLICIES:
-            raise ConfigError.of("prefetch_policy", repr(prefetch_policy), " | ".join(POLICIES))
-        chunk_pages = _checks.count("chunk_pages", chunk_pages, 1)
-        prefetch_timeout = _checks.real("prefetch_timeout", prefetch_timeout)
-        retry_interval = _checks.real("retry_interval", retry_interval)
+        self.check_settings(
+            prefetch_policy=prefetch_policy, prefetch_timeout=prefetch_timeout,
+            chunk_pages=chunk_pages, retry_interval=retry_interval,
+        )  # fmt: skip
         missing = [m for m in BACKEND_CALLS if not callable(getattr(backend, m, None))]
         if missing:
             raise ConfigError.of(
@@ -93,6 +92,22 @@ class StorageController:
         self._closed = False
         for address, length in host_buffers:
             backend.register(address, length)
+
+    @staticmethod
+    def check_settings(
+        *,
+        prefetch_policy: Any = "best_effort",
+        prefetch_timeout: Any = 0.5,
+        chunk_pages: Any = 16,
+        retry_interval: Any = 1.0,
+    ) -> None:
+        """Refuses a bad setting (`ConfigError` naming it), as the constructor does: for a
+        caller that checks them before it changes anything."""
+        if prefetch_policy not in POLICIES:
+            raise ConfigError.of("prefetch_policy", repr(prefetch_policy), " | ".join(POLICIES))
+        _checks.count("chunk_pages", chunk_pages, 1)
+        _checks.real("prefetch_timeout", prefetch_timeout)
+        _checks.real("retry_interval", retry_interval)
 
     # -- what the caller's loop calls ---------------------------------------------------
 
