@@ -297,6 +297,17 @@ def test_bad_calls_are_typed_errors_and_change_nothing():
         m.complete_load([key(1, 0)], ctx)
     with pytest.raises(ConfigError, match="cache_policy"):
         SparsetierOffloadingManager(num_chunks=4, cache_policy="fifo")
+    bad_args = (
+        ({"enable_events": "no"}, "enable_events"),
+        ({"cache_policy": None}, "cache_policy"),
+        ({"info": "x"}, "info"),
+    )
+    for bad, field in bad_args:
+        with pytest.raises(ConfigError) as e:
+            SparsetierOffloadingManager(num_chunks=4, **bad)
+        assert e.value.field == field
+    with pytest.raises(ConfigError, match="success"):
+        m.complete_store([key(1, 0)], ctx, success=None)
     with pytest.raises(ConfigError, match="cache_policy_module_path"):
         SparsetierOffloadingManager(num_chunks=4, cache_policy_module_path="my.policies")
     m.on_request_finished(ctx)

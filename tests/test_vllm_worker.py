@@ -143,6 +143,31 @@ def test_a_budget_below_one_chunk_is_refused_at_the_worker():
         spec.get_worker(kv_caches())
 
 
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [({"num_chunks": -1}, "num_chunks"), ({"num_chunks": 2.0}, "num_chunks"),
+     ({"blocks_per_chunk": -1}, "blocks_per_chunk"), ({"copy_threads": 0}, "copy_threads"),
+     ({"io_backend": "cpu", "sm_limit": "junk"}, "sm_limit"),
+     ({"io_backend": "cpu", "sm_limit": 4}, "sm_limit")],
+)  # fmt: skip
+def test_the_workers_sizes_and_options_are_checked_before_any_allocation(kw, field):
+    # (Before: torch's RuntimeError or TypeError from inside the allocation, and an sm_limit
+    # the cpu engine never used accepted.)
+    args = {"blocks_per_chunk": 1, "num_chunks": 4, **kw}
+    with pytest.raises(ConfigError) as e:
+        SparsetierOffloadingWorker(kv_caches(), args.pop("blocks_per_chunk"),
+                                   args.pop("num_chunks"), **args)  # fmt: skip
+    assert e.value.field == field
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+def test_an_infinite_size_is_a_config_error(value):
+    for key in ("cpu_bytes_to_use", "store_threshold"):
+        with pytest.raises(ConfigError) as e:
+            OffloadingSpecFactory.create_spec(config({key: value}))
+        assert e.value.field == key
+
+
 def test_cuda_engines_are_refused_for_cpu_tensors():
     with pytest.raises(ConfigError, match="io_backend"):
         SparsetierOffloadingWorker(kv_caches(), 1, 4, io_backend="kernel")

@@ -241,7 +241,11 @@ impl PyChunkDirectory {
             let threshold = u32::try_from(threshold).map_err(|_| {
                 to_py(
                     py,
-                    Error::config("store_threshold", threshold, "an integer >= 0"),
+                    Error::config(
+                        "store_threshold",
+                        threshold,
+                        "an integer from 0 to 2^32 - 1",
+                    ),
                 )
             })?;
             let tracker = opt_int(max_tracker_size, "max_tracker_size")?.unwrap_or(64_000);

@@ -85,6 +85,12 @@ class SparsetierOffloadingManager(OffloadingManager):
                 cache_policy_module_path,
                 "None: sparsetier runs 'lru' and 'arc' in its core, not a Python CachePolicy",
             )
+        if not isinstance(enable_events, bool):
+            raise ConfigError.of("enable_events", repr(enable_events), "True or False")
+        if not isinstance(cache_policy, str):
+            raise ConfigError.of("cache_policy", repr(cache_policy), "'lru' or 'arc'")
+        if info is not None and not callable(getattr(info, "as_config_info", None)):
+            raise ConfigError.of("info", repr(info), "None or a CPUOffloadingInfo")
         self.medium: Medium = Medium.CPU
         self.store_threshold = store_threshold
         self.max_tracker_size = max_tracker_size
@@ -151,6 +157,8 @@ class SparsetierOffloadingManager(OffloadingManager):
         req_context: ReqContext,
         success: bool = True,
     ) -> None:
+        if not isinstance(success, bool):
+            raise ConfigError.of("success", repr(success), "True or False")
         self._dir.complete_store(keys, success)
 
     # --- requests ---

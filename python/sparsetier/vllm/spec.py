@@ -49,7 +49,7 @@ class SpecOptions:
     store_threshold: int = 0
     max_tracker_size: int = 64_000
     io_backend: str = "auto"
-    copy_threads: int = 2
+    copy_threads: int | None = None
     sm_limit: int | None = None
 
     @classmethod
@@ -80,9 +80,10 @@ class SpecOptions:
                 raise ConfigError.of(key, value, f"an integer >= {lo}")
             try:
                 number = int(value)
-            except ValueError:
+                exact = number == float(value)
+            except (ValueError, OverflowError):  # (OverflowError: an infinite float)
                 raise ConfigError.of(key, value, f"an integer >= {lo}") from None
-            if number != float(value) or number < lo:
+            if not exact or number < lo:
                 raise ConfigError.of(key, value, f"an integer >= {lo}")
             return number
 
@@ -122,7 +123,7 @@ class SpecOptions:
             store_threshold=integer("store_threshold", 0, 0),
             max_tracker_size=integer("max_tracker_size", 64_000, 1),
             io_backend=io_backend,
-            copy_threads=integer("copy_threads", 2, 1),
+            copy_threads=integer("copy_threads", None, 1),
             sm_limit=integer("sm_limit", None, 1),
         )
 

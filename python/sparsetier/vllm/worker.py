@@ -23,6 +23,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
 
+from sparsetier import _checks
 from sparsetier._core import BlockMover, TransferEngine
 from sparsetier.errors import ConfigError
 
@@ -47,11 +48,22 @@ class SparsetierOffloadingWorker(OffloadingWorker):
         num_chunks: int,
         *,
         io_backend: str = "auto",
-        copy_threads: int = 2,
+        copy_threads: int | None = None,
         sm_limit: int | None = None,
     ) -> None:
         if io_backend not in IO_BACKENDS:
             raise ConfigError.of("io_backend", io_backend, "one of " + ", ".join(IO_BACKENDS))
+        # Checked before anything is allocated; an option the chosen engine would ignore is
+        # refused, as the engine does (under "auto", the option of the engine not picked is).
+        blocks_per_chunk = _checks.count("blocks_per_chunk", blocks_per_chunk, 1)
+        num_chunks = _checks.count("num_chunks", num_chunks, 1)
+        for option, value, engine in (("copy_threads", copy_threads, "cpu"),
+                                      ("sm_limit", sm_limit, "kernel")):  # fmt: skip
+            if value is None:
+                continue
+            _checks.count(option, value, 1)
+            if io_backend not in (engine, "auto"):
+                raise ConfigError.of(option, value, f"None: only for io_backend {engine} or auto")
         device_tensors = []
         for i, t in enumerate(kv_caches.tensors):
             view = t.tensor.view(torch.int8)
@@ -87,7 +99,7 @@ class SparsetierOffloadingWorker(OffloadingWorker):
             [(ref.tensor_idx, ref.page_size_bytes) for ref in refs]
             for refs in kv_caches.group_data_refs
         ]
-        kwargs = {"threads": copy_threads} if io_backend == "cpu" else {}
+        kwargs = {"threads": copy_threads or 2} if io_backend == "cpu" else {}
         if io_backend == "kernel" and sm_limit is not None:
             kwargs["sm_limit"] = sm_limit
         if gpu_engine:
