@@ -137,6 +137,35 @@ def test_bad_flags_exit_2_with_the_message(extra):
     assert "error: invalid" in r.stderr and "allowed" in r.stderr
 
 
+SHAPE = ["plan", "--layers", "4", "--kv-heads", "1", "--head-dim", "64", "--device-pages", "8"]
+MODEL = ["plan", "--model", "deepseek-v3.2", "--device-gb", "80"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "field"),
+    [
+        # (Before: these ran, the flag ignored or named as another, or a traceback.)
+        ([*MODEL, "--page-size", "32"], "page_size"),
+        ([*MODEL, "--indexer-head-dim", "64"], "indexer_head_dim"),
+        ([*MODEL, "--draft-layers", "1"], "draft_layers"),
+        (["plan", "--model", "deepseek-v3.2", "--device-gb", "inf"], "device_gb"),
+        ([*SHAPE, "--topk", "5"], "topk"),
+        ([*SHAPE, "--swa-layers", "2"], "swa_layers"),
+        ([*SHAPE, "--indexer-layers", "-1"], "indexer_layers"),
+        ([*SHAPE, "--draft-layers", "-1"], "draft_layers"),
+        ([*SHAPE[:-1], "0"], "device_pages"),
+        (["bench", "prefix-sparse", "--json", "/nonexistent-dir/x.json"], "json"),
+        (["bench", "prefix-sparse", "--selections", "/nonexistent-dir/s.npz"], "selections"),
+        (["demo", "--plot", "/nonexistent-dir/p.png"], "plot"),
+        (["replay", "/nonexistent-dir/t.npz"], "trace"),
+    ],
+)
+def test_a_flag_that_would_be_ignored_misnamed_or_fail_late_is_refused_first(argv, field, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"invalid {field} = " in err and "allowed" in err, err
+
+
 @pytest.mark.parametrize("what", ["decode", "prefix"])
 def test_bench_page_size_zero_is_refused_not_replaced(what):
     # 0 is a value the user gave, not "unset": it must be refused, not swapped for a default.

@@ -157,8 +157,10 @@ def test_bench_prefix_sparse_takes_a_measured_overlap(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["bench", "prefix-sparse", "--overlap", "0.6", "--churn", "0.2"])
     # Recorded selections are not the model's: its knobs are refused with them.
+    npz = tmp_path / "sel.npz"
+    np.savez(npz, sel=np.zeros((1, 8, 1), dtype=np.int32), page_size=64)
     for flag in ("--overlap", "--churn"):
-        assert main(["bench", "prefix-sparse", "--selections", "x.npz", flag, "0.6"]) != 0
+        assert main(["bench", "prefix-sparse", "--selections", str(npz), flag, "0.6"]) != 0
         assert f"{flag[2:]} = 0.6" in capsys.readouterr().err
 
 

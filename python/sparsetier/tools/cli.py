@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -57,10 +58,12 @@ def _specs(args: argparse.Namespace, pages: int) -> list[PoolSpec]:
 
 def _device_pages(args: argparse.Namespace) -> int:
     if args.device_pages is not None:
+        if args.device_pages < 1:
+            raise ConfigError.of("device_pages", str(args.device_pages), "an integer >= 1")
         return int(args.device_pages)
     gb = args.device_gb
-    if not gb > 0:
-        raise ConfigError.of("device_gb", str(gb), "a decimal GB figure > 0")
+    if not (math.isfinite(gb) and gb > 0):
+        raise ConfigError.of("device_gb", str(gb), "a finite decimal GB figure > 0")
     per_page = sum(s.page_bytes_all_layers for s in _specs(args, 1))
     pages = int(gb * 1e9) // per_page
     if pages < 1:
@@ -84,21 +87,46 @@ def build_plan(args: argparse.Namespace) -> Plan:
     )
 
 
+#: The shape flags a --model preset sets, with their defaults without one.
+SHAPE_DEFAULTS = {
+    "layers": None, "kv_heads": None, "head_dim": None, "dtype": "bf16",
+    "indexer_layers": None, "indexer_heads": 1, "indexer_head_dim": 128, "indexer_dtype": "bf16",
+    "swa_window": None, "swa_layers": None, "draft_layers": 0, "page_size": 64,
+}  # fmt: skip
+
+
 def _plan_shape(args: argparse.Namespace) -> None:
-    """Fills in the shape from --model, or checks that it was given."""
+    """Fills in the shape from --model, or checks that it was given. A flag that would be
+    ignored (a shape flag with --model, --swa-layers without --swa-window, --topk without
+    --context) is refused."""
+    given = [f for f in SHAPE_DEFAULTS if getattr(args, f) is not None]
+    if args.topk is not None and args.context is None:
+        raise ConfigError.of("topk", str(args.topk), "unset without --context")
+    if args.topk is None:
+        args.topk = 2048
     if args.model is not None:
-        preset = PRESETS[args.model]
-        given = [f for f in ("layers", "kv_heads", "head_dim") if getattr(args, f) is not None]
         if given:
             raise ConfigError.of(given[0], str(getattr(args, given[0])), "unset with --model")
+        preset = PRESETS[args.model]
         args.page_size = preset.page_size
         args.layers = preset.layers
         return
+    if args.swa_layers is not None and args.swa_window is None:
+        raise ConfigError.of("swa_layers", str(args.swa_layers), "unset without --swa-window")
+    for f, default in SHAPE_DEFAULTS.items():
+        if getattr(args, f) is None:
+            setattr(args, f, default)
     for f in ("layers", "kv_heads", "head_dim"):
         if getattr(args, f) is None:
             raise ConfigError.of(f, "None", "an integer >= 1 (or --model)")
     if args.indexer_layers is None:
         args.indexer_layers = args.layers
+    # (Checked here: the pool specs would name their own field, "layers", not the flag.)
+    for f in ("indexer_layers", "draft_layers"):
+        if getattr(args, f) < 0:
+            raise ConfigError.of(f, str(getattr(args, f)), "an integer >= 0")
+    if args.swa_layers is not None and args.swa_layers < 1:
+        raise ConfigError.of("swa_layers", str(args.swa_layers), "an integer >= 1")
 
 
 def format_model(m: ModelPreset) -> str:
@@ -220,15 +248,15 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=int, help="main attention layers")
     p.add_argument("--kv-heads", type=int, help="KV heads (GQA: not query heads)")
     p.add_argument("--head-dim", type=int)
-    p.add_argument("--dtype", default="bf16", help="bf16, fp16, fp32 or fp8_e4m3")
+    p.add_argument("--dtype", help="bf16 (default), fp16, fp32 or fp8_e4m3")
     p.add_argument("--indexer-layers", type=int, default=None, help="default: --layers; 0: none")
-    p.add_argument("--indexer-heads", type=int, default=1)
-    p.add_argument("--indexer-head-dim", type=int, default=128)
-    p.add_argument("--indexer-dtype", default="bf16")
+    p.add_argument("--indexer-heads", type=int, help="default 1")
+    p.add_argument("--indexer-head-dim", type=int, help="default 128")
+    p.add_argument("--indexer-dtype", help="default bf16")
     p.add_argument("--swa-window", type=int, default=None, help="SWA window in tokens")
     p.add_argument("--swa-layers", type=int, default=None, help="SWA layers (default: --layers)")
-    p.add_argument("--draft-layers", type=int, default=0, help="MTP draft layers")
-    p.add_argument("--page-size", type=int, default=64, help="tokens per page")
+    p.add_argument("--draft-layers", type=int, help="MTP draft layers (default 0)")
+    p.add_argument("--page-size", type=int, help="tokens per page (default 64)")
     dev = p.add_mutually_exclusive_group(required=True)
     dev.add_argument("--device-pages", type=int, help="pages per device pool")
     dev.add_argument("--device-gb", type=float, help="device budget in decimal GB")
@@ -245,7 +273,7 @@ def _plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--context", type=int, help="estimate the bytes a prefix hit of this many tokens moves"
     )
-    p.add_argument("--topk", type=int, default=2048, help="with --context: tokens selected")
+    p.add_argument("--topk", type=int, help="with --context: tokens selected (default 2048)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
 
 
@@ -922,6 +950,23 @@ def _run_demo(args: argparse.Namespace) -> int:
     return 0 if r["totals"]["correct"] else 1
 
 
+def _check_paths(args: argparse.Namespace) -> None:
+    """Files the command will write or read, checked before it runs (not after a long run)."""
+    outputs = ("json", "plot") + (("trace",) if args.command in ("demo", "bench") else ())
+    inputs = ("selections", "stream") + (("trace",) if args.command == "replay" else ())
+    for name in outputs:
+        path = getattr(args, name, None)
+        if not isinstance(path, str):
+            continue  # (plan's --json is a switch)
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ConfigError.of(name, path, "a file path in a writable directory")
+    for name in inputs:
+        path = getattr(args, name, None)
+        if isinstance(path, str) and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise ConfigError.of(name, path, "a readable file")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sparsetier", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -932,6 +977,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _soak_parser(sub)
     args = parser.parse_args(argv)
     try:
+        _check_paths(args)
         if args.command == "demo":
             return _run_demo(args)
         if args.command == "replay":
