@@ -158,6 +158,17 @@ MODEL = ["plan", "--model", "deepseek-v3.2", "--device-gb", "80"]
         (["bench", "prefix-sparse", "--selections", "/nonexistent-dir/s.npz"], "selections"),
         (["demo", "--plot", "/nonexistent-dir/p.png"], "plot"),
         (["replay", "/nonexistent-dir/t.npz"], "trace"),
+        (["bench", "vllm", "--requests", "0"], "requests"),
+        (["bench", "vllm", "--pool-requests", "nan"], "pool_requests"),
+        (["bench", "vllm", "--kv-groups", "0"], "groups"),
+        (["bench", "vllm", "--prefix-blocks", "-1"], "prefix_blocks"),
+        (["bench", "prefix", "--followup-frac", "7"], "followup_frac"),
+        (["bench", "prefix", "--reps", "3"], "reps"),
+        (["bench", "decode", "--resolve", "device", "--kernel-threads", "-1"], "kernel_threads"),
+        (["bench", "prefix-sparse", "--page-size", "0"], "page_size"),
+        (["bench", "prefix-sparse", "--measure-max-prefix", "8192"], "measure_max_prefix"),
+        (["demo", "--seed", "-1"], "seed"),
+        (["demo", "--token-map", "device"], "token_map"),
     ],
 )
 def test_a_flag_that_would_be_ignored_misnamed_or_fail_late_is_refused_first(argv, field, capsys):

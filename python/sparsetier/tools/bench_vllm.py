@@ -28,6 +28,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from sparsetier.errors import ConfigError
+
 
 @dataclass
 class VllmBenchConfig:
@@ -43,6 +45,22 @@ class VllmBenchConfig:
     step_tokens: int = 2_048
     policy: str = "lru"
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        from sparsetier import _checks
+
+        _checks.count("warmup", self.warmup, 0)
+        for name in ("requests", "prompt_tokens", "block_tokens", "prefix_blocks", "prefixes",
+                     "groups", "step_tokens"):  # fmt: skip
+            _checks.count(name, getattr(self, name), 1)
+        _checks.count("seed", self.seed, 0)
+        _checks.real("zipf", self.zipf)
+        # (At least one request's blocks: the pool's chunks.)
+        _checks.real("pool_requests", self.pool_requests, 1.0)
+        if self.prefix_blocks > self.prompt_tokens // self.block_tokens:
+            raise ConfigError.of("prefix_blocks", self.prefix_blocks,
+                                 f"<= the prompt's {self.prompt_tokens // self.block_tokens} "
+                                 "blocks")  # fmt: skip
 
 
 @dataclass

@@ -479,9 +479,10 @@ def _bench_prefix_sparse_parser(
                    help="also run the cells through the core (a StepScheduler on the cpu "
                    "engine at these row sizes: full, Indexer-K only, auto) and count what it "
                    "moves")  # fmt: skip
-    p.add_argument("--measure-max-prefix", type=int, default=32768,
-                   help="measure the cells up to this prefix (the pools take about 140 KiB a "
-                   "token of prefix and suffix, 4.4 GiB at 32k)")  # fmt: skip
+    p.add_argument("--measure-max-prefix", type=int,
+                   help="with --measure: the cells up to this prefix, default 32768 (the "
+                   "pools take about 140 KiB a token of prefix and suffix, 4.4 GiB at "
+                   "32k)")  # fmt: skip
     p.set_defaults(bench=_bench_prefix_sparse)
 
 
@@ -490,7 +491,13 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
     from sparsetier.tools import bench_prefix_sparse as bps
     from sparsetier.tools.selection_model import SelectionModel
 
-    if args.page_size < 1 or args.topk < args.page_size or args.topk % args.page_size:
+    if args.page_size < 1:
+        raise ConfigError.of("page_size", str(args.page_size), "an integer >= 1")
+    if args.measure_max_prefix is not None and not args.measure:
+        raise ConfigError.of("measure_max_prefix", str(args.measure_max_prefix), "with --measure")
+    if args.measure_max_prefix is None:
+        args.measure_max_prefix = 32768
+    if args.topk < args.page_size or args.topk % args.page_size:
         raise ConfigError.of(
             "topk", str(args.topk), f"a multiple of the page size {args.page_size}, >= 1 page"
         )
@@ -637,6 +644,8 @@ def _bench_decode(args: argparse.Namespace) -> dict:
     )  # fmt: skip
     if args.kernel_threads is not None and args.resolve != "device":
         raise ConfigError.of("kernel_threads", str(args.kernel_threads), "with --resolve device")
+    if args.kernel_threads is not None and args.kernel_threads < 1:
+        raise ConfigError.of("kernel_threads", str(args.kernel_threads), "an integer >= 1")
     if args.resolve == "device":
         from sparsetier.tools import bench_resolve
 
@@ -656,7 +665,14 @@ def _bench_decode(args: argparse.Namespace) -> dict:
 def _bench_prefix(args: argparse.Namespace) -> dict | None:
     from sparsetier.tools import bench_prefix
 
-    _positive(args, "page_size", "num_seqs", "num_queries", "serve_reqs")
+    _positive(args, "page_size", "num_seqs", "num_queries", "serve_reqs", "reps", "max_len")
+    if not 0.0 <= args.followup_frac <= 1.0:
+        raise ConfigError.of("followup_frac", str(args.followup_frac), "a share in [0, 1]")
+    if not (args.paired or args.containers):
+        for name, default in (("reps", 7), ("max_len", 4096)):
+            if getattr(args, name) != default:
+                allowed = "with --paired" + (" or --containers" if name == "reps" else "")
+                raise ConfigError.of(name, str(getattr(args, name)), allowed)
     kw = {
         "page_size": args.page_size,
         "num_seqs": args.num_seqs,

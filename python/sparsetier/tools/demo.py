@@ -371,6 +371,9 @@ def check_config(cfg: DemoConfig) -> None:
         ("concurrent", cfg.concurrent, cfg.concurrent >= 1, "an integer >= 1"),
         ("steps", cfg.steps, cfg.steps >= 2, "an integer >= 2"),
         ("turns", cfg.turns, cfg.turns >= 1, "an integer >= 1"),
+        ("seed", cfg.seed, cfg.seed >= 0, "an integer >= 0"),
+        ("token_map", cfg.token_map, cfg.token_map == "core" or cfg.selection == "token",
+         "core with block selection (device maps token selections)"),
         ("context_min", cfg.context_min, 16 <= cfg.context_min <= cfg.context_max,
          "16 <= context_min <= context_max"),
     ):  # fmt: skip

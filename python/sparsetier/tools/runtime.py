@@ -160,6 +160,8 @@ class DecodeRuntime:
             raise ConfigError.of("selection", selection, "block or token")
         if token_map not in ("core", "device"):
             raise ConfigError.of("token_map", token_map, "core or device")
+        if token_map == "device" and selection != "token":
+            raise ConfigError.of("token_map", token_map, "core (device maps token selections)")
         # Token mode's decode steps: the core maps token rows to pages (default), or
         # `map_tokens` does it on the model's device and the core plans page rows with counts
         # (a prefill chunk's union of tokens, one request's, is planned as tokens either way).
