@@ -707,6 +707,24 @@ def test_a_stacks_pin_memory_is_a_bool_and_needs_cuda_to_be_true(pin):
     assert e.value.field == "pin_memory"
 
 
+@pytest.mark.parametrize("bad", ["../../x", "a/b", "", ".", None])
+def test_a_file_store_key_that_would_leave_its_root_is_refused_before_any_page(tmp_path, bad):
+    import ctypes
+
+    from sparsetier.l3 import FileStore
+
+    root = tmp_path / "store"
+    b = FileStore(root)
+    src = (ctypes.c_char * 64).from_buffer_copy(bytes(range(64)))
+    good = "ab" + "0" * 30
+    for call in (b.put, b.get):
+        with pytest.raises(ConfigError) as e:
+            call([good, bad], [[(ctypes.addressof(src), 64)]] * 2)
+        assert e.value.field == "keys[1]"
+    assert not b.exists([good])[0], "nothing stored before the refusal"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+
+
 def test_a_store_root_replaced_by_a_file_goes_offline_and_comes_back(tmp_path):
     from l3_support import PS, insert, push_to_l3, tokens
 

@@ -20,6 +20,7 @@ parent, an I/O error on the mount), is the store being gone (``StoreUnavailableE
 from __future__ import annotations
 
 import os
+import re
 import stat
 import struct
 import zlib
@@ -37,6 +38,9 @@ _VERSION = 2
 def _shape(segs: Segments) -> int:
     """A fingerprint of the page's layout: its segment lengths, in order."""
     return zlib.crc32(struct.pack(f"<{len(segs)}Q", *(n for _, n in segs)))
+
+
+_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _key_field(key: str) -> bytes:
@@ -64,6 +68,15 @@ class FileStore:
     def _path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.page"
 
+    @staticmethod
+    def _check_keys(keys: Sequence[str]) -> None:
+        """A key names a file under the root: letters, digits, "-" and "_" only (the core's
+        page keys are hex), so that none names a path outside it ("../x"). Checked for the
+        whole call before any page is touched."""
+        for i, key in enumerate(keys):
+            if not (isinstance(key, str) and _KEY.fullmatch(key)):
+                raise ConfigError.of(f"keys[{i}]", repr(key), "letters, digits, - and _")
+
     def _reachable(self) -> None:
         # A missing or unreachable root is an unmounted, removed or locked-out store, not a
         # miss per page.
@@ -79,6 +92,7 @@ class FileStore:
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
         self._reachable()
+        self._check_keys(keys)
         return [self._is_page(k) for k in keys]
 
     def _is_page(self, key: str) -> bool:
@@ -90,6 +104,7 @@ class FileStore:
 
     def put(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
         self._reachable()
+        self._check_keys(keys)
         return [self._put_one(k, segs) for k, segs in zip(keys, pages, strict=True)]
 
     def _put_one(self, key: str, segs: Segments) -> bool:
@@ -124,6 +139,7 @@ class FileStore:
 
     def get(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
         self._reachable()
+        self._check_keys(keys)
         return [self._get_one(k, segs) for k, segs in zip(keys, pages, strict=True)]
 
     def _get_one(self, key: str, segs: Segments) -> bool:
@@ -177,6 +193,7 @@ class FileStore:
 
     def remove(self, keys: Sequence[str]) -> None:
         self._reachable()
+        self._check_keys(keys)
         for k in keys:
             try:
                 self._path(k).unlink(missing_ok=True)
