@@ -654,15 +654,21 @@ def test_a_closed_storage_controller_refuses_work_and_leaks_nothing(tmp_path):
     t = tokens(4 * PS, seed=5)
     insert(s, t)
     push_to_l3(s)
+    insert(s, tokens(4 * PS, seed=7))  # host pages the store lacks
     s.storage.close()
     s.storage.close()  # (again: nothing)
     for call in (lambda: s.storage.prefetch(t, 0, 4), s.storage.flush, s.storage.poll,
                  s.storage.drain):  # fmt: skip
         with pytest.raises(ConfigError, match="closed"):
             call()
-    stats = s.hicache.storage_stats()
+    # The cache plans nothing for a store no one runs: write-back eviction drops the pages.
+    c = s.hicache
+    c.evict_device(10**6)
+    c.evict_host(10**6)
+    stats = c.storage_stats()
     assert stats["prefetches_in_flight"] == stats["writes_in_flight"] == 0
-    s.hicache.validate()
+    assert c.stats()["host_in_tree"] == 0, "no host page stays pinned by a write plan"
+    c.validate()
 
 
 def test_a_prefetch_the_worker_cannot_take_ends_with_its_host_pages_freed(tmp_path):

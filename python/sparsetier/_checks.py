@@ -4,16 +4,18 @@
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any
 
 from sparsetier.errors import ConfigError
 
 
 def count(field: str, value: Any, lo: int = 0, hi: int | None = None) -> int:
-    """An integer in [lo, hi] (a bool or a float is no count)."""
+    """An integer in [lo, hi] (numpy's too; a bool or a float is no count)."""
     allowed = f"an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "")
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ConfigError.of(field, repr(value), allowed)
+    value = int(value)
     if value < lo or (hi is not None and value > hi):
         raise ConfigError.of(field, value, allowed)
     return value
@@ -22,8 +24,9 @@ def count(field: str, value: Any, lo: int = 0, hi: int | None = None) -> int:
 def real(field: str, value: Any, lo: float = 0.0, hi: float = math.inf) -> float:
     """A finite number in [lo, hi] (an int is taken; a bool, a string or NaN is not)."""
     allowed = f"a finite number >= {lo}" + (f" and <= {hi}" if hi != math.inf else "")
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError.of(field, repr(value), allowed)
+    value = float(value)
     if not (math.isfinite(value) and lo <= value <= hi):
         raise ConfigError.of(field, value, allowed)
     return float(value)

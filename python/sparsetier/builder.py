@@ -18,6 +18,7 @@ from sparsetier._core import (
     TransferEngine,
     plan_stack,
 )
+from sparsetier.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -125,8 +126,6 @@ def build_sparse_stack(
         spec = pool.spec if isinstance(pool, DevicePool) else None
         if spec is not None:
             if spec.component != component.upper():
-                from sparsetier.errors import ConfigError
-
                 raise ConfigError.of(
                     f"pools[{i}].spec", spec.component, f"a {component.upper()} pool spec"
                 )
@@ -150,8 +149,6 @@ def build_sparse_stack(
         host_reserve=host_reserve,
         swa_window=swa_window,
     )
-    from sparsetier.errors import ConfigError
-
     device_type = "cpu" if plan.io_backend == "cpu" else "cuda"
     if device_type == "cuda" and not torch.cuda.is_available():
         raise ConfigError.of("io_backend", plan.io_backend, "'cpu' (no CUDA device is available)")
@@ -225,21 +222,25 @@ def _storage(
     from sparsetier.l3 import StorageController, make_backend
 
     # Every setting checked before the cache changes.
-    write_policy = _checks.text("write_policy", cfg.pop("write_policy", "write_back"))
+    write_policy = cfg.pop("write_policy", "write_back")
+    if write_policy not in ("write_back", "write_through"):
+        raise ConfigError.of("write_policy", repr(write_policy), "write_back or write_through")
     salt = _checks.text("salt", cfg.pop("salt", ""))
     write_ahead = _checks.real("write_ahead", cfg.pop("write_ahead", 0.1), 0.0, 1.0)
     own = ("prefetch_policy", "prefetch_timeout", "chunk_pages", "retry_interval")
     ctl = {k: cfg.pop(k) for k in own if k in cfg}
     StorageController.check_settings(**ctl)
     backend = make_backend(kind, cfg)
-    hicache.enable_storage(write_policy=write_policy, salt=salt, write_ahead=write_ahead)
-    buffers = [(t.data_ptr(), t.numel() * t.element_size()) for t in host_pools.values()]
-    return StorageController(hicache, backend, host_buffers=buffers, **ctl)
+    try:
+        hicache.enable_storage(write_policy=write_policy, salt=salt, write_ahead=write_ahead)
+        buffers = [(t.data_ptr(), t.numel() * t.element_size()) for t in host_pools.values()]
+        return StorageController(hicache, backend, host_buffers=buffers, **ctl)
+    except BaseException:
+        backend.close()  # (a Mooncake client holds a segment of the store)
+        raise
 
 
 def _pair(i: int, pool: Any) -> tuple[str, Any]:
-    from sparsetier.errors import ConfigError
-
     if isinstance(pool, tuple) and len(pool) == 2:
         return pool[0], pool[1]
     raise ConfigError.of(

@@ -210,6 +210,7 @@ class StorageController:
         offline one. Asks the core for its write-ahead (under write-back it keeps a share of the
         host tier clean so that host eviction never waits for a write). Returns the plans
         settled."""
+        self._check_open()  # (before write-ahead plans writes no one would take)
         if self.online:
             self._l3.write_ahead()
         self.flush()
@@ -240,6 +241,7 @@ class StorageController:
         after a store comes back, write-through of what just landed). It always ends: when
         nothing is left here to wait for, whatever the core still counts in flight is an
         invariant broken, raised as ``InvariantError``."""
+        self._check_open()
         while True:
             self.flush()
             for p in list(self._prefetches.values()):
@@ -266,11 +268,14 @@ class StorageController:
         return bool(self._hand_over_writes())
 
     def close(self) -> None:
-        """Drains, stops the worker and closes the backend. Later calls that would hand the
-        worker a plan are refused; closing again does nothing."""
+        """Drains, turns L3 off in the cache, stops the worker and closes the backend. Later
+        calls that would hand the worker a plan are refused; closing again does nothing."""
         if self._closed:
             return
         self.drain()
+        # L3 off in the cache too: it plans no more writes or prefetches that no one would
+        # run (their host pages pinned for good); host eviction drops pages as without L3.
+        self._l3.set_online(False)
         self._closed = True
         self._pool.shutdown(wait=True)
         self.backend.close()

@@ -50,8 +50,10 @@ class VllmBenchConfig:
         from sparsetier import _checks
 
         _checks.count("warmup", self.warmup, 0)
-        for name in ("requests", "prompt_tokens", "block_tokens", "prefix_blocks", "prefixes",
-                     "groups", "step_tokens"):  # fmt: skip
+        # (Two requests at least: the report's spread takes quantiles of the paired ratios.)
+        _checks.count("requests", self.requests, 2)
+        _checks.count("prefix_blocks", self.prefix_blocks, 0)  # (0: no shared prefix)
+        for name in ("prompt_tokens", "block_tokens", "prefixes", "groups", "step_tokens"):
             _checks.count(name, getattr(self, name), 1)
         _checks.count("seed", self.seed, 0)
         _checks.real("zipf", self.zipf)

@@ -434,10 +434,10 @@ def _bench_prefix_parser(benches: argparse._SubParsersAction, out: argparse.Argu
                    "--peers-python), median and spread of the paired ratios")  # fmt: skip
     p.add_argument("--token-type", choices=["q", "numpy", "uint32", "list"], default="q",
                    help="the token container both sides get (q: array('q'))")  # fmt: skip
-    p.add_argument("--reps", type=int, default=7, help="--paired and --containers: repetitions")
+    p.add_argument("--reps", type=int, help="--paired and --containers: repetitions (7)")
     p.add_argument("--containers", action="store_true",
                    help="the serve loop per token container, alternating")  # fmt: skip
-    p.add_argument("--max-len", type=int, default=4096, help="--paired: longest prompt")
+    p.add_argument("--max-len", type=int, help="--paired: longest prompt (4096)")
     p.set_defaults(bench=_bench_prefix)
 
 
@@ -594,6 +594,8 @@ def _positive(args: argparse.Namespace, *names: str) -> None:
 def _bench_vllm(args: argparse.Namespace) -> dict:
     from sparsetier.tools import bench_vllm
 
+    if args.kv_groups < 1:  # (the config calls it groups)
+        raise ConfigError.of("kv_groups", str(args.kv_groups), "an integer >= 1")
     cfg = bench_vllm.VllmBenchConfig(
         requests=args.requests,
         prompt_tokens=args.prompt_tokens,
@@ -665,14 +667,16 @@ def _bench_decode(args: argparse.Namespace) -> dict:
 def _bench_prefix(args: argparse.Namespace) -> dict | None:
     from sparsetier.tools import bench_prefix
 
+    for name, default, used in (("reps", 7, args.paired or args.containers),
+                                ("max_len", 4096, args.paired)):  # fmt: skip
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+        elif not used:
+            allowed = "with --paired" + (" or --containers" if name == "reps" else "")
+            raise ConfigError.of(name, str(getattr(args, name)), allowed)
     _positive(args, "page_size", "num_seqs", "num_queries", "serve_reqs", "reps", "max_len")
     if not 0.0 <= args.followup_frac <= 1.0:
         raise ConfigError.of("followup_frac", str(args.followup_frac), "a share in [0, 1]")
-    if not (args.paired or args.containers):
-        for name, default in (("reps", 7), ("max_len", 4096)):
-            if getattr(args, name) != default:
-                allowed = "with --paired" + (" or --containers" if name == "reps" else "")
-                raise ConfigError.of(name, str(getattr(args, name)), allowed)
     kw = {
         "page_size": args.page_size,
         "num_seqs": args.num_seqs,
@@ -975,8 +979,14 @@ def _check_paths(args: argparse.Namespace) -> None:
         if not isinstance(path, str):
             continue  # (plan's --json is a switch)
         parent = os.path.dirname(os.path.abspath(path))
-        if os.path.isdir(path) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            raise ConfigError.of(name, path, "a file path in a writable directory")
+        if os.path.exists(path):  # (written over, or appended to: .jsonl, /dev/stdout)
+            ok = not os.path.isdir(path) and os.access(path, os.W_OK)
+        else:
+            ok = os.path.isdir(parent) and os.access(parent, os.W_OK)
+        if not ok:
+            raise ConfigError.of(
+                name, path, "a writable file, or a new one in a writable directory"
+            )
     for name in inputs:
         path = getattr(args, name, None)
         if isinstance(path, str) and not (os.path.isfile(path) and os.access(path, os.R_OK)):
