@@ -160,6 +160,12 @@ def test_the_workers_sizes_and_options_are_checked_before_any_allocation(kw, fie
     assert e.value.field == field
 
 
+def test_a_size_past_2_to_the_53_is_read_exactly():
+    # (Before: compared through float(), it was refused as "not an integer".)
+    spec = OffloadingSpecFactory.create_spec(config({"cpu_bytes_to_use": 2**53 + 1}))
+    assert spec.num_chunks > 0
+
+
 @pytest.mark.parametrize("value", [float("inf"), float("-inf")])
 def test_an_infinite_size_is_a_config_error(value):
     for key in ("cpu_bytes_to_use", "store_threshold"):

@@ -80,7 +80,8 @@ class SpecOptions:
                 raise ConfigError.of(key, value, f"an integer >= {lo}")
             try:
                 number = int(value)
-                exact = number == float(value)
+                # (An int is exact as it is: float() would round one past 2^53.)
+                exact = isinstance(value, int) or number == float(value)
             except (ValueError, OverflowError):  # (OverflowError: an infinite float)
                 raise ConfigError.of(key, value, f"an integer >= {lo}") from None
             if not exact or number < lo:
