@@ -247,6 +247,22 @@ def test_a_request_round_trips_through_the_manager_and_the_worker():
     c.worker.shutdown()
 
 
+def test_a_worker_refuses_jobs_after_shutdown_and_a_non_bool_expedited():
+    # (Before: a job submitted after shutdown() was accepted and ran.)
+    c = Connector()
+    ctx = ReqContext(req_id="a")
+    c.manager.on_new_request(ctx)
+    c.store(ctx, [3])
+    src = c.manager.prepare_load(c.keys([3], 0) + c.keys([3], 1), ctx)
+    gpu = GPULoadStoreSpec([5, 5], group_sizes=(1, 1), block_indices=(0, 0))
+    with pytest.raises(ConfigError, match="expedited"):
+        c.worker.submit_load(99, src, gpu, expedited="yes")
+    c.worker.shutdown()
+    with pytest.raises(ConfigError, match="shut down"):
+        c.worker.submit_load(100, src, gpu)
+    assert c.worker.pending_jobs == 0
+
+
 def test_a_failed_store_and_a_failed_load_are_reported_and_leave_nothing_pinned():
     c = Connector()
     ctx = ReqContext(req_id="a")

@@ -109,6 +109,7 @@ class SparsetierOffloadingWorker(OffloadingWorker):
         # they never queue behind regular transfers.
         expedited = TransferEngine(io_backend, **kwargs)
         self.engines = (engine, expedited)
+        self._shut_down = False
         self._mover = BlockMover(
             device_tensors,
             self.host_tensors,
@@ -119,9 +120,14 @@ class SparsetierOffloadingWorker(OffloadingWorker):
             expedited,
         )
 
+    def _check_running(self) -> None:
+        if self._shut_down:
+            raise ConfigError.of("worker", "shut down", "a worker before its shutdown()")
+
     def submit_store(
         self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec
     ) -> bool:
+        self._check_running()
         self._mover.submit(
             job_id,
             True,
@@ -139,6 +145,9 @@ class SparsetierOffloadingWorker(OffloadingWorker):
         dst_spec: GPULoadStoreSpec,
         expedited: bool = False,
     ) -> bool:
+        self._check_running()
+        if not isinstance(expedited, bool):
+            raise ConfigError.of("expedited", repr(expedited), "True or False")
         self._mover.submit(
             job_id,
             False,
@@ -168,6 +177,7 @@ class SparsetierOffloadingWorker(OffloadingWorker):
         self._mover.wait(list(job_ids))
 
     def shutdown(self) -> None:
+        self._shut_down = True
         self._mover.shutdown()
 
     @property
