@@ -1,6 +1,7 @@
 """The selection model's closed form against a simulation of the process it describes, and
 `sparsetier bench prefix-sparse` end to end."""
 
+import itertools
 import json
 
 import numpy as np
@@ -250,6 +251,56 @@ def test_recorded_selections_replay_through_the_bench(tmp_path, capsys):
     assert cells[0]["union_pages"] == 1.5
     with pytest.raises(ValueError, match="sel"):
         RecordedSelections(np.zeros((2, 3)), 4)
+
+
+def test_token_selections_become_the_pages_they_fall_in():
+    from sparsetier.tools.selection_model import RecordedSelections
+
+    rng = np.random.default_rng(4)
+    tok = rng.integers(-1, 300, size=(3, 50, 20))
+    rec = RecordedSelections.from_tokens(tok, 16)
+    for li in range(3):
+        for t in range(50):
+            want = np.unique(tok[li, t][tok[li, t] >= 0] // 16)
+            got = rec.sel[li, t]
+            assert sorted(got[got >= 0].tolist()) == want.tolist()
+    with pytest.raises(ValueError, match="token_sel"):
+        RecordedSelections.from_tokens(np.zeros((2, 3)), 16)
+
+
+def test_a_recordings_adjacent_overlap_is_the_mean_share_of_pages_kept():
+    from sparsetier.tools.selection_model import RecordedSelections
+
+    rng = np.random.default_rng(5)
+    sel = rng.integers(-1, 60, size=(2, 9000, 6)).astype(np.int32)  # (two chunks of rows)
+    sel[0, 100] = -1  # a token that selected nothing: no pair of its own
+    want = []
+    for layer in sel:
+        for a, b in itertools.pairwise(layer[50:]):
+            a, b = np.unique(a[a >= 0]), np.unique(b[b >= 0])
+            if a.size:
+                want.append(np.intersect1d(a, b).size / a.size)
+    assert RecordedSelections(sel, 64).adjacent_overlap(50) == pytest.approx(np.mean(want))
+    with pytest.raises(ValueError, match="context_tokens"):
+        RecordedSelections(sel, 64).adjacent_overlap(8999)
+
+
+def test_token_selections_replay_through_the_bench_with_their_overlap(tmp_path, capsys):
+    # What an engine dumps of DSA's indexer: token indices. Each token here selects the 8
+    # tokens before it, so adjacent tokens share their pages but at page boundaries.
+    t = np.arange(64)
+    tok = np.stack([np.maximum(t[:, None] - np.arange(1, 9)[None, :], -1)]).astype(np.int32)
+    path = tmp_path / "tok.npz"
+    np.savez(path, token_sel=tok, page_size=4)
+    out = tmp_path / "ps.json"
+    argv = ["bench", "prefix-sparse", "--selections", str(path), "--prefixes", "32",
+            "--suffixes", "8", "--overlap-context", "32", "--json", str(out)]  # fmt: skip
+    assert main(argv) == 0
+    assert "recorded selections (64 tokens; adjacent tokens share" in capsys.readouterr().out
+    model = json.loads(out.read_text())["config"]["model"]
+    # From token 32 on, a token's 8 tokens span 2 or 3 pages, and its successor drops at most
+    # one of them.
+    assert 0.5 < model["adjacent_overlap"] < 1.0
 
 
 def test_page_probs_are_one_for_sinks_and_the_window_and_alike_in_the_middle():

@@ -172,7 +172,7 @@ def run(cfg: PrefixSparseConfig = PrefixSparseConfig()) -> list[Cell]:
 def format_report(cfg: PrefixSparseConfig, cells: list[Cell]) -> str:
     m = cfg.model
     source = (
-        f"recorded selections ({m.tokens} tokens)"
+        f"recorded selections ({m.tokens} tokens{_recorded_overlap(m, cfg.overlap_context)})"
         if isinstance(m, RecordedSelections)
         else f"{m.sink_pages} sink page, {m.window}-token window, Zipf s={m.zipf_s}, "
         f"churn {m.churn:.4g}: adjacent tokens share "
@@ -201,10 +201,25 @@ def format_report(cfg: PrefixSparseConfig, cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
+def _recorded_overlap(m: RecordedSelections, context: int) -> str:
+    """The recording's adjacent-token page overlap from `context` on, where it reaches that
+    far."""
+    if context >= m.tokens - 1:
+        return ""
+    return (
+        f"; adjacent tokens share {m.adjacent_overlap(context):.1%} of their pages from {context}"
+    )
+
+
 def to_json(cfg: PrefixSparseConfig, cells: list[Cell]) -> dict:
     config = {k: v for k, v in cfg.__dict__.items() if k != "model"}
     config["model"] = (
         {"recorded_tokens": cfg.model.tokens, "page_size": cfg.model.page_size}
+        | (
+            {"adjacent_overlap": cfg.model.adjacent_overlap(cfg.overlap_context)}
+            if cfg.overlap_context < cfg.model.tokens - 1
+            else {}
+        )
         if isinstance(cfg.model, RecordedSelections)
         else asdict(cfg.model)
         | {"adjacent_overlap": cfg.model.adjacent_overlap(cfg.overlap_context)}

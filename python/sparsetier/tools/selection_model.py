@@ -176,6 +176,13 @@ class SelectionModel:
         return _draws_for(p, draws) * (1 + (suffix_tokens - 1) * self.churn)
 
 
+def _distinct(rows: np.ndarray) -> np.ndarray:
+    """`rows` sorted, each id once (repeats become -1, the padding)."""
+    r = np.sort(rows, axis=1)
+    r[:, 1:][r[:, 1:] == r[:, :-1]] = -1
+    return r
+
+
 def _draws_for(p: np.ndarray, pages: int) -> float:
     """The mean number of draws (of probabilities `p`) whose distinct pages number `pages` in
     expectation: the root of sum(1 - exp(-lam p)) = pages, which rises with lam (bisection;
@@ -195,7 +202,10 @@ class RecordedSelections:
     layer `l`. A prefix of P tokens with a suffix of S is the recording's first P tokens and
     the S after them: the union, per layer, of the prefix pages those S tokens selected.
 
-    Saved as an `.npz` with `sel` (int32 `[layers, tokens, k]`) and `page_size`.
+    Saved as an `.npz` with `sel` (int32 `[layers, tokens, k]`) and `page_size`; or with
+    `token_sel` instead of `sel`: the token indices an indexer such as DSA's selected
+    (`[layers, tokens, k_tokens]`, -1 padded), turned into the pages they fall in
+    (`from_tokens`).
     """
 
     def __init__(self, sel: np.ndarray, page_size: int) -> None:
@@ -214,7 +224,59 @@ class RecordedSelections:
     @classmethod
     def load(cls, path: str) -> RecordedSelections:
         with np.load(path) as z:
+            if "token_sel" in z and "sel" not in z:
+                return cls.from_tokens(z["token_sel"], int(z["page_size"]))
             return cls(z["sel"], int(z["page_size"]))
+
+    @classmethod
+    def from_tokens(cls, token_sel: np.ndarray, page_size: int) -> RecordedSelections:
+        """Selections of tokens (`[layers, tokens, k_tokens]` token indices, -1 padded) as
+        the pages they fall in: each row's distinct pages, -1 padded to the widest row."""
+        token_sel = np.asarray(token_sel)
+        if token_sel.ndim != 3 or not np.issubdtype(token_sel.dtype, np.integer):
+            raise ValueError(
+                f"token_sel = an array of shape {token_sel.shape} and dtype {token_sel.dtype}: "
+                "allowed an integer array [layers, tokens, k]"
+            )
+        if page_size < 1:
+            raise ValueError(f"page_size = {page_size}: allowed >= 1")
+        layers, tokens, _ = token_sel.shape
+        # Per row, the sorted pages with -1 (padding) first; distinct ones marked.
+        pages = np.sort(np.where(token_sel >= 0, token_sel // page_size, -1), axis=2)
+        new = np.ones(pages.shape, dtype=bool)
+        new[:, :, 1:] = pages[:, :, 1:] != pages[:, :, :-1]
+        new &= pages >= 0
+        width = max(int(new.sum(axis=2).max(initial=0)), 1)
+        sel = np.full((layers, tokens, width), -1, dtype=np.int32)
+        at = np.cumsum(new, axis=2) - 1
+        li, ti, ki = np.nonzero(new)
+        sel[li, ti, at[li, ti, ki]] = pages[li, ti, ki]
+        return cls(sel, page_size)
+
+    def adjacent_overlap(self, context_tokens: int) -> float:
+        """The share of a token's selected pages that the next token selects too, averaged
+        over layers and the adjacent pairs from `context_tokens` on (`SelectionModel`'s
+        figure, measured)."""
+        if not 0 <= context_tokens < self.tokens - 1:
+            raise ValueError(
+                f"context_tokens = {context_tokens}: allowed 0 to {self.tokens - 2} (two tokens "
+                "after it recorded)"
+            )
+        total, pairs = 0.0, 0
+        for layer in self.sel:
+            rows = layer[context_tokens:]
+            for at in range(0, rows.shape[0] - 1, 4096):  # (bounded memory a chunk)
+                a = _distinct(rows[at : at + 4096])
+                b = _distinct(rows[at + 1 : at + 4097])[: a.shape[0]]
+                a = a[: b.shape[0]]
+                # Rows hold distinct ids: an id in both sits twice, side by side, once sorted.
+                c = np.sort(np.concatenate([a, b], axis=1), axis=1)
+                both = ((c[:, 1:] == c[:, :-1]) & (c[:, 1:] >= 0)).sum(axis=1)
+                size = (a >= 0).sum(axis=1)
+                named = size > 0
+                total += float((both[named] / size[named]).sum())
+                pairs += int(named.sum())
+        return total / pairs if pairs else 0.0
 
     @property
     def tokens(self) -> int:
