@@ -240,18 +240,21 @@ class RecordedSelections:
             )
         if page_size < 1:
             raise ValueError(f"page_size = {page_size}: allowed >= 1")
-        layers, tokens, _ = token_sel.shape
-        # Per row, the sorted pages with -1 (padding) first; distinct ones marked.
-        pages = np.sort(np.where(token_sel >= 0, token_sel // page_size, -1), axis=2)
-        new = np.ones(pages.shape, dtype=bool)
-        new[:, :, 1:] = pages[:, :, 1:] != pages[:, :, :-1]
-        new &= pages >= 0
-        width = max(int(new.sum(axis=2).max(initial=0)), 1)
-        sel = np.full((layers, tokens, width), -1, dtype=np.int32)
-        at = np.cumsum(new, axis=2) - 1
-        li, ti, ki = np.nonzero(new)
-        sel[li, ti, at[li, ti, ki]] = pages[li, ti, ki]
-        return cls(sel, page_size)
+        # A layer at a time (a recording of DSA's top-2048 is gigabytes): per row, the sorted
+        # pages with -1 (padding) first, each page's first place marked and packed left.
+        out = []
+        for layer in token_sel:
+            pages = np.sort(np.where(layer >= 0, layer // page_size, -1), axis=1)
+            first = np.ones(pages.shape, dtype=bool)
+            first[:, 1:] = pages[:, 1:] != pages[:, :-1]
+            first &= pages >= 0
+            at = np.cumsum(first, axis=1) - 1
+            ti, ki = np.nonzero(first)
+            row = np.full(pages.shape, -1, dtype=np.int32)
+            row[ti, at[ti, ki]] = pages[ti, ki]
+            out.append(row)
+        width = max((int((r >= 0).sum(axis=1).max(initial=0)) for r in out), default=0)
+        return cls(np.stack([r[:, : max(width, 1)] for r in out]), page_size)
 
     def adjacent_overlap(self, context_tokens: int) -> float:
         """The share of a token's selected pages that the next token selects too, averaged
