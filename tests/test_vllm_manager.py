@@ -308,6 +308,11 @@ def test_bad_calls_are_typed_errors_and_change_nothing():
         assert e.value.field == field
     with pytest.raises(ConfigError, match="success"):
         m.complete_store([key(1, 0)], ctx, success=None)
+    # (Before: a bare AttributeError from inside the core's binding.)
+    for call in (lambda: m.prepare_store([key(3, 0)], None), lambda: m.on_new_request(None),
+                 lambda: m.on_request_finished("req")):  # fmt: skip
+        with pytest.raises(ConfigError, match="req_context"):
+            call()
     with pytest.raises(ConfigError, match="cache_policy_module_path"):
         SparsetierOffloadingManager(num_chunks=4, cache_policy_module_path="my.policies")
     m.on_request_finished(ctx)

@@ -111,6 +111,19 @@ pub struct PyChunkDirectory {
     base_position: Option<Py<PyAny>>,
 }
 
+/// A request's context is vLLM's `ReqContext` (the handle rides on its state), not None or
+/// another object that would fail deep inside with an AttributeError.
+fn check_context(ctx: &Bound<'_, PyAny>) -> PyResult<()> {
+    if ctx.hasattr("get_state")? && ctx.hasattr("set_state")? {
+        return Ok(());
+    }
+    let allowed = "a vLLM ReqContext (get_state, set_state)";
+    Err(to_py(
+        ctx.py(),
+        Error::config("req_context", short(ctx), allowed),
+    ))
+}
+
 impl PyChunkDirectory {
     fn run<R>(
         &self,
@@ -127,6 +140,7 @@ impl PyChunkDirectory {
     }
 
     fn context<'py>(&self, ctx: &Bound<'py, PyAny>) -> PyResult<Context<'py>> {
+        check_context(ctx)?;
         let map = match &self.base_position {
             Some(base) => {
                 let getter = ctx.get_type().getattr("get_offload_key_position");
@@ -149,6 +163,7 @@ impl PyChunkDirectory {
     /// The handle on `ctx`, if it is one of this directory's.
     fn handle_of(&self, ctx: &Bound<'_, PyAny>) -> PyResult<Option<RequestRef>> {
         let py = ctx.py();
+        check_context(ctx)?;
         let h = ctx.call_method1("get_state", (py.get_type::<PyRequestHandle>(),))?;
         Ok(h.cast::<PyRequestHandle>()
             .ok()
