@@ -176,6 +176,19 @@ class SelectionModel:
         return _draws_for(p, draws) * (1 + (suffix_tokens - 1) * self.churn)
 
 
+def _rows3(field: str, rows: np.ndarray, page_size: int) -> np.ndarray:
+    """`rows` as an integer array `[layers, tokens, k]`, and a page size of at least 1."""
+    rows = np.asarray(rows)
+    if rows.ndim != 3 or not np.issubdtype(rows.dtype, np.integer):
+        raise ValueError(
+            f"{field} = an array of shape {rows.shape} and dtype {rows.dtype}: allowed an "
+            "integer array [layers, tokens, k]"
+        )
+    if page_size < 1:
+        raise ValueError(f"page_size = {page_size}: allowed >= 1")
+    return rows
+
+
 def _distinct(rows: np.ndarray) -> np.ndarray:
     """`rows` sorted, each id once (repeats become -1, the padding)."""
     r = np.sort(rows, axis=1)
@@ -209,14 +222,7 @@ class RecordedSelections:
     """
 
     def __init__(self, sel: np.ndarray, page_size: int) -> None:
-        sel = np.asarray(sel)
-        if sel.ndim != 3 or not np.issubdtype(sel.dtype, np.integer):
-            raise ValueError(
-                f"sel = an array of shape {sel.shape} and dtype {sel.dtype}: allowed an "
-                "integer array [layers, tokens, k]"
-            )
-        if page_size < 1:
-            raise ValueError(f"page_size = {page_size}: allowed >= 1")
+        sel = _rows3("sel", sel, page_size)
         self.sel = sel
         self.page_size = int(page_size)
         self.topk_pages = int(sel.shape[2])
@@ -232,14 +238,7 @@ class RecordedSelections:
     def from_tokens(cls, token_sel: np.ndarray, page_size: int) -> RecordedSelections:
         """Selections of tokens (`[layers, tokens, k_tokens]` token indices, -1 padded) as
         the pages they fall in: each row's distinct pages, -1 padded to the widest row."""
-        token_sel = np.asarray(token_sel)
-        if token_sel.ndim != 3 or not np.issubdtype(token_sel.dtype, np.integer):
-            raise ValueError(
-                f"token_sel = an array of shape {token_sel.shape} and dtype {token_sel.dtype}: "
-                "allowed an integer array [layers, tokens, k]"
-            )
-        if page_size < 1:
-            raise ValueError(f"page_size = {page_size}: allowed >= 1")
+        token_sel = _rows3("token_sel", token_sel, page_size)
         # A layer at a time (a recording of DSA's top-2048 is gigabytes): per row, the sorted
         # pages with -1 (padding) first, each page's first place marked and packed left.
         out = []
