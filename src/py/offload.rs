@@ -112,7 +112,8 @@ pub struct PyChunkDirectory {
 }
 
 /// A request's context is vLLM's `ReqContext` (the handle rides on its state), not None or
-/// another object that would fail deep inside with an AttributeError.
+/// another object that would fail deep inside with an AttributeError. (`handle_of` checks it:
+/// every call that takes a context reads its handle.)
 fn check_context(ctx: &Bound<'_, PyAny>) -> PyResult<()> {
     if ctx.hasattr("get_state")? && ctx.hasattr("set_state")? {
         return Ok(());
@@ -140,7 +141,6 @@ impl PyChunkDirectory {
     }
 
     fn context<'py>(&self, ctx: &Bound<'py, PyAny>) -> PyResult<Context<'py>> {
-        check_context(ctx)?;
         let map = match &self.base_position {
             Some(base) => {
                 let getter = ctx.get_type().getattr("get_offload_key_position");
@@ -210,9 +210,9 @@ impl PyChunkDirectory {
         req_context: &Bound<'py, PyAny>,
     ) -> PyResult<(Keys<'py>, Vec<Option<i64>>, Option<RequestRef>)> {
         let k = Keys::read(keys)?;
+        let had = self.handle_of(req_context)?; // (first: it checks the context)
         let c = self.context(req_context)?;
         let pos = Self::positions(&c, &k)?;
-        let had = self.handle_of(req_context)?;
         Ok((k, pos, had))
     }
 

@@ -172,7 +172,7 @@ def run(cfg: PrefixSparseConfig = PrefixSparseConfig()) -> list[Cell]:
 def format_report(cfg: PrefixSparseConfig, cells: list[Cell]) -> str:
     m = cfg.model
     source = (
-        f"recorded selections ({m.tokens} tokens{_recorded_overlap(m, cfg.overlap_context)})"
+        _recorded_source(m, cfg.overlap_context)
         if isinstance(m, RecordedSelections)
         else f"{m.sink_pages} sink page, {m.window}-token window, Zipf s={m.zipf_s}, "
         f"churn {m.churn:.4g}: adjacent tokens share "
@@ -201,13 +201,19 @@ def format_report(cfg: PrefixSparseConfig, cells: list[Cell]) -> str:
     return "\n".join(lines)
 
 
-def _recorded_overlap(m: RecordedSelections, context: int) -> str:
+def _recorded_overlap(m: RecordedSelections, context: int) -> float | None:
     """The recording's adjacent-token page overlap from `context` on, where it reaches that
     far."""
-    if context >= m.tokens - 1:
-        return ""
+    return m.adjacent_overlap(context) if context < m.tokens - 1 else None
+
+
+def _recorded_source(m: RecordedSelections, context: int) -> str:
+    overlap = _recorded_overlap(m, context)
+    if overlap is None:
+        return f"recorded selections ({m.tokens} tokens)"
     return (
-        f"; adjacent tokens share {m.adjacent_overlap(context):.1%} of their pages from {context}"
+        f"recorded selections ({m.tokens} tokens; adjacent tokens share {overlap:.1%} of their "
+        f"pages from {context})"
     )
 
 
@@ -215,11 +221,7 @@ def to_json(cfg: PrefixSparseConfig, cells: list[Cell]) -> dict:
     config = {k: v for k, v in cfg.__dict__.items() if k != "model"}
     config["model"] = (
         {"recorded_tokens": cfg.model.tokens, "page_size": cfg.model.page_size}
-        | (
-            {"adjacent_overlap": cfg.model.adjacent_overlap(cfg.overlap_context)}
-            if cfg.overlap_context < cfg.model.tokens - 1
-            else {}
-        )
+        | {"adjacent_overlap": _recorded_overlap(cfg.model, cfg.overlap_context)}
         if isinstance(cfg.model, RecordedSelections)
         else asdict(cfg.model)
         | {"adjacent_overlap": cfg.model.adjacent_overlap(cfg.overlap_context)}

@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.cpu.common import CPUOffloadingInfo
 
 from sparsetier.errors import ConfigError
 from sparsetier.vllm.manager import SparsetierOffloadingManager
-from sparsetier.vllm.worker import IO_BACKENDS, SparsetierOffloadingWorker
+from sparsetier.vllm.worker import SparsetierOffloadingWorker, check_engine_options
 
 # Keys of kv_connector_extra_config that vLLM's connector itself reads (passed through).
 VLLM_KEYS = frozenset(
@@ -108,16 +108,7 @@ class SpecOptions:
                 "False: sparsetier keeps each worker's blocks in its own pools",
             )
         io_backend = extra.get("io_backend", "auto")
-        if io_backend not in IO_BACKENDS:
-            raise ConfigError.of("io_backend", io_backend, "one of " + ", ".join(IO_BACKENDS))
-        # An option the chosen engine would ignore is refused, as the engine itself does.
-        for option, engines in (
-            ("sm_limit", ("kernel", "auto")),
-            ("copy_threads", ("cpu", "auto")),
-        ):
-            if extra.get(option) is not None and io_backend not in engines:
-                allowed = f"unset: {option} is only for io_backend {' or '.join(engines)}"
-                raise ConfigError.of(option, extra[option], allowed)
+        check_engine_options(io_backend, extra.get("copy_threads"), extra.get("sm_limit"))
         return cls(
             cpu_bytes_to_use=integer("cpu_bytes_to_use", None, 1),
             eviction_policy=policy,

@@ -32,6 +32,18 @@ logger = logging.getLogger(__name__)
 IO_BACKENDS = ("auto", "cpu", "kernel", "direct")
 
 
+def check_engine_options(io_backend: str, copy_threads: object, sm_limit: object) -> None:
+    """The io_backend is known, and an engine option goes with an io_backend that uses it, as
+    the engine itself requires (under "auto", the option of the engine not picked is
+    ignored): the spec checks it when the config is read, the worker before it allocates."""
+    if io_backend not in IO_BACKENDS:
+        raise ConfigError.of("io_backend", io_backend, "one of " + ", ".join(IO_BACKENDS))
+    for option, value, engine in (("copy_threads", copy_threads, "cpu"),
+                                  ("sm_limit", sm_limit, "kernel")):  # fmt: skip
+        if value is not None and io_backend not in (engine, "auto"):
+            raise ConfigError.of(option, value, f"unset: only for io_backend {engine} or auto")
+
+
 def _spec_ids(spec: LoadStoreSpec, field: str):
     if not isinstance(spec, CPULoadStoreSpec):
         raise ConfigError.of(field, type(spec).__name__, "a CPULoadStoreSpec (chunk ids)")
@@ -51,19 +63,13 @@ class SparsetierOffloadingWorker(OffloadingWorker):
         copy_threads: int | None = None,
         sm_limit: int | None = None,
     ) -> None:
-        if io_backend not in IO_BACKENDS:
-            raise ConfigError.of("io_backend", io_backend, "one of " + ", ".join(IO_BACKENDS))
-        # Checked before anything is allocated; an option the chosen engine would ignore is
-        # refused, as the engine does (under "auto", the option of the engine not picked is).
+        # Checked before anything is allocated.
+        check_engine_options(io_backend, copy_threads, sm_limit)
         blocks_per_chunk = _checks.count("blocks_per_chunk", blocks_per_chunk, 1)
         num_chunks = _checks.count("num_chunks", num_chunks, 1)
-        for option, value, engine in (("copy_threads", copy_threads, "cpu"),
-                                      ("sm_limit", sm_limit, "kernel")):  # fmt: skip
-            if value is None:
-                continue
-            _checks.count(option, value, 1)
-            if io_backend not in (engine, "auto"):
-                raise ConfigError.of(option, value, f"None: only for io_backend {engine} or auto")
+        for option, value in (("copy_threads", copy_threads), ("sm_limit", sm_limit)):
+            if value is not None:
+                _checks.count(option, value, 1)
         device_tensors = []
         for i, t in enumerate(kv_caches.tensors):
             view = t.tensor.view(torch.int8)
