@@ -694,7 +694,7 @@ def test_a_prefetch_the_worker_cannot_take_ends_with_its_host_pages_freed(tmp_pa
      ({"write_policy": None}, "write_policy"), ({"path": ""}, "path"), ({"path": None}, "path"),
      ({"chunk_pages": 0}, "chunk_pages"), ({"retry_interval": float("nan")}, "retry_interval")],
 )  # fmt: skip
-def test_a_stacks_bad_storage_setting_is_refused_before_the_cache_changes(config, field):
+def test_a_stacks_bad_storage_setting_is_refused_naming_it(config, field):
     # (Before: a salt of None was the salt "None", a path of "" stored pages in the working
     # directory, and the controller's settings were checked after L3 was on.)
     from l3_support import specs
