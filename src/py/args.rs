@@ -129,10 +129,11 @@ pub fn in_place(a: &Bound<'_, numpy::PyUntypedArray>) -> bool {
     a.is_c_contiguous() && a.is_aligned()
 }
 
-/// A 1-D int64 array: native int64 numpy arrays in C order and aligned are borrowed as they
-/// are; other integer arrays and sequences (strided or unaligned views, lists, torch CPU
-/// tensors, other integer dtypes or byte orders) are converted by value. Floats, bools, strings and unsigned values past int64 are refused, not
-/// truncated: anything else is a `ConfigError` naming `field` and saying it should be `what`.
+/// A 1-D int64 array: native int64 numpy arrays in C order and aligned are borrowed as they are;
+/// other integer arrays and sequences (strided or unaligned views, lists, torch CPU tensors, other
+/// integer dtypes or byte orders) are converted by value. Floats, bools, strings and unsigned
+/// values past int64 are refused, not truncated: anything else is a `ConfigError` naming `field`
+/// and saying it should be `what`.
 pub fn int64_array<'py>(
     obj: &Bound<'py, PyAny>,
     field: &str,

@@ -26,11 +26,11 @@ pub struct PyJoinedStepScheduler;
 
 #[pymethods]
 impl PyJoinedStepScheduler {
-    /// Joined mode: admits request `rid` with its prompt `tokens` (1-D integers in
-    /// [0, 2^32), or bytes of little-endian uint32 ids, as `HiCache` reads them): matches
-    /// whole pages in the prefix cache (at least one token is left to prefill), restores
-    /// their Indexer-K in the background, and leaves their main KV on host. Returns `{"matched_pages", "device_pages", "restored_pages"}`; the request
-    /// starts at `matched_pages * page_size` tokens.
+    /// Joined mode: admits request `rid` with its prompt `tokens` (1-D integers in [0, 2^32), or
+    /// bytes of little-endian uint32 ids, as `HiCache` reads them): matches whole pages in the
+    /// prefix cache (at least one token is left to prefill), restores their Indexer-K in the
+    /// background, and leaves their main KV on host. Returns `{"matched_pages", "device_pages",
+    /// "restored_pages"}`; the request starts at `matched_pages * page_size` tokens.
     fn admit<'py>(
         slf: &Bound<'py, Self>,
         py: Python<'py>,
