@@ -44,9 +44,9 @@ pub fn class_of(page: u32, matched: u32) -> usize {
 /// `-ln(1 - c)` as a power of the length. Between two samples, through both; where the longer
 /// one is 1 (no power fits it), as past the ends below it, or linearly in log2 of the length
 /// where that reads more; linearly where the shorter one is 0, or they do not grow. Past the
-/// ends, from the two nearest samples on that side, the power bounded by 0 and 1 (tokens that select independently: 1),
-/// so that a longer suffix is not read as one of the longest seen; the nearest one's with one
-/// sample only. None with no sample.
+/// ends, from the two nearest samples on that side, the power bounded by 0 and 1 (tokens that
+/// select independently: 1), so that a longer suffix is not read as one of the longest seen;
+/// the nearest one's with one sample only. None with no sample.
 pub fn interpolate(suffix: u64, at: impl Fn(usize) -> Option<f64>) -> Option<f64> {
     let b = bucket(suffix);
     if let Some(c) = at(b) {
