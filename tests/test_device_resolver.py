@@ -391,6 +391,13 @@ def test_resolver_misuse_is_refused_before_anything_changes(kernel):
     with pytest.raises(sp.ConfigError) as e:
         rt.scheduler.begin_device_step(np.array([0, 0]), 3)
     assert e.value.field == "rids"
+    # A host layer plan left open: its pins are not the grant's to count.
+    plan, _ = rt.scheduler.plan(0, rids, np.array([[0, 1]], np.int64), rt.unit)
+    with pytest.raises(sp.ConfigError) as e:
+        rt.scheduler.begin_device_step(rids, 3)
+    assert e.value.field == "plans"
+    assert not res.step_open
+    rt.scheduler.finish(plan)
     assert rt.scheduler.begin_device_step(rids, 3)
     with pytest.raises(sp.ConfigError) as e:
         rt.scheduler.begin_device_step(rids, 3)

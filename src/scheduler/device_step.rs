@@ -283,6 +283,15 @@ impl StepScheduler<PrefixTier> {
                 "no device step open (end_step ends the last one)",
             ));
         }
+        // A host layer plan still open holds pins and slots the device step's grant and
+        // mirror do not account for; a step is planned on one side.
+        if !self.plans.is_empty() {
+            return Err(Error::config(
+                "plans",
+                format!("{} still open", self.plans.len()),
+                "none: finish every host layer plan before a device step",
+            ));
+        }
         if let Some(id) = rids.iter().find(|id| !self.requests.contains_key(id)) {
             return Err(Error::config("rids", id, "running requests"));
         }

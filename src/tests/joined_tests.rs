@@ -426,8 +426,8 @@ fn row_in(b: &PageTransferBinding, plane: usize, page: u32, row: u32) -> u64 {
 
 /// Request 1's pages fill 24 of 40 device slots; request 2's prefill then needs 21 more, so
 /// the host evicts request 1's least recently used objects. With `read`, a device step read
-/// request 1's page 0 first (a device's hits leave no trace in the LRU). Returns, per page of request 1, how many of its layers stay on the
-/// device, and the directory's second chances.
+/// request 1's page 0 first (a device's hits leave no trace in the LRU). Returns, per page of
+/// request 1, how many of its layers stay on the device, and the directory's second chances.
 fn host_evictions_after_a_device_step(read: bool) -> (Vec<usize>, u64) {
     let mut j = Joined::new(40, 32, 48, HostLayout::LayerFirst);
     let state = j.s.enable_device_resolver().unwrap();

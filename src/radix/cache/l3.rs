@@ -114,7 +114,8 @@ impl HiCache {
         Ok(())
     }
 
-    /// Pins `node`'s host pages and plans a write of its pages the store lacks. Returns whether it did.
+    /// Pins `node`'s host pages and plans a write of its pages the store lacks. Returns
+    /// whether it did.
     fn queue_write(&mut self, node: NodeId, keys: &[PageKey]) -> Result<bool> {
         let t = self.storage.as_ref().expect("caller checked");
         // Keys whose write failed are not tried again until they leave (no livelock).
