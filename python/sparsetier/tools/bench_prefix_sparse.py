@@ -233,3 +233,27 @@ def to_json(cfg: PrefixSparseConfig, cells: list[Cell]) -> dict:
             for c in cells
         ],
     }
+
+
+def lru_report(cfg: PrefixSparseConfig, ratio: float, query_tokens: int) -> dict:
+    """A decode-side LRU holding `ratio` of the context, at each prefix length of the grid
+    as the context: the tokens a step of `query_tokens` query tokens misses
+    (`lru_misses`)."""
+    from sparsetier.tools.lru_misses import lru_misses
+
+    return {
+        "ratio": ratio,
+        "query_tokens": query_tokens,
+        "misses_per_step": {
+            str(ctx): lru_misses(cfg.model, ctx, int(ratio * ctx), query_tokens=query_tokens)
+            for ctx in cfg.prefixes
+        },
+    }
+
+
+def format_lru(lru: dict) -> str:
+    misses = ", ".join(f"{ctx}: {m:.0f}" for ctx, m in lru["misses_per_step"].items())
+    return (
+        f"decode LRU holding {lru['ratio']:g} of the context, {lru['query_tokens']} query "
+        f"token(s) a step: tokens missed a step by context: {misses}"
+    )

@@ -475,6 +475,13 @@ def _bench_prefix_sparse_parser(
     p.add_argument("--selections", metavar="NPZ",
                    help="replay selections recorded from a real model (sel [layers, tokens, "
                    "k] page ids, page_size) instead of the parametric model")  # fmt: skip
+    p.add_argument("--lru-ratio", type=float,
+                   help="also simulate a decode-side LRU of selected KV holding this share "
+                   "of each prefix length (as the context) and report its misses a step, "
+                   "to compare the model with published miss counts")  # fmt: skip
+    p.add_argument("--lru-query-tokens", type=int,
+                   help="with --lru-ratio: query tokens a decode step (1 + MTP draft "
+                   "tokens), default 1")  # fmt: skip
     p.add_argument("--measure", action="store_true",
                    help="also run the cells through the core (a StepScheduler on the cpu "
                    "engine at these row sizes: full, Indexer-K only, auto) and count what it "
@@ -501,7 +508,15 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
         raise ConfigError.of(
             "topk", str(args.topk), f"a multiple of the page size {args.page_size}, >= 1 page"
         )
-    for flag in ("churn", "overlap"):
+    if args.lru_query_tokens is not None and args.lru_ratio is None:
+        raise ConfigError.of("lru_query_tokens", str(args.lru_query_tokens), "with --lru-ratio")
+    if args.lru_ratio is not None and not 0 < args.lru_ratio <= 1:
+        raise ConfigError.of("lru_ratio", str(args.lru_ratio), "a share of the context in (0, 1]")
+    if args.lru_query_tokens is None:
+        args.lru_query_tokens = 1
+    elif args.lru_query_tokens < 1:
+        raise ConfigError.of("lru_query_tokens", str(args.lru_query_tokens), "an integer >= 1")
+    for flag in ("churn", "overlap", "lru_ratio"):
         if args.selections and getattr(args, flag) is not None:
             allowed = "unset with --selections (recorded selections are replayed as they are)"
             raise ConfigError.of(flag, str(getattr(args, flag)), allowed)
@@ -538,6 +553,10 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
     cells = bps.run(cfg)
     print(bps.format_report(cfg, cells))
     out = bps.to_json(cfg, cells)
+    if args.lru_ratio is not None:
+        lru = bps.lru_report(cfg, args.lru_ratio, args.lru_query_tokens)
+        print(bps.format_lru(lru))
+        out["lru"] = lru
     if args.measure:
         from sparsetier.tools import bench_prefix_measure as bpm
 

@@ -21,9 +21,10 @@ page of draw probability p is in their union with probability 1 - exp(-n p). Top
 redrawn without replacement name a few per cent more pages (a redraw there never lands on a
 page the token holds; a test simulates both and bounds the gap). The defaults are
 DeepSeek-V3.2's top-2048 tokens in 64-token pages, one sink page and a 512-token window, and
-`churn=0.1`: an assumption. The one published measurement of DSA's adjacent top-k sets is of
-tokens, not pages, and does not settle it (benches/RESULTS.md, "Prefix restores under DSA's
-measured overlap").
+`churn=0.1`, chosen before any measurement. DSA's published measurements are of tokens, not
+pages. Its adjacent top-k sets' overlap leaves the churn open. The misses of its decode cache
+sit near 0.1 for a model that packs selections into whole pages (`tools/lru_misses.py`;
+benches/RESULTS.md, "What DSA's decode cache misses, against the model").
 """
 
 from __future__ import annotations
