@@ -2,11 +2,12 @@
 `bench prefix-sparse --lru-ratio`."""
 
 import json
+from collections import OrderedDict
 
 import pytest
 
 from sparsetier.tools.cli import main
-from sparsetier.tools.lru_misses import lru_misses
+from sparsetier.tools.lru_misses import lru_misses, lru_step
 from sparsetier.tools.selection_model import SelectionModel
 
 
@@ -19,6 +20,25 @@ def test_an_empty_cache_misses_the_union_of_a_steps_tokens(churn, query_tokens):
     want = m.prefix_union(32768, query_tokens) * m.page_size
     got = lru_misses(m, 32768, 0, query_tokens=query_tokens, steps=1500, seed=1)
     assert got == pytest.approx(want, rel=0.02)
+
+
+def test_the_cache_evicts_the_least_recently_read_page():
+    cache: OrderedDict[int, None] = OrderedDict()
+    assert lru_step(cache, [1, 2, 3], 3) == 3
+    assert lru_step(cache, [1], 3) == 0  # 1 is now the most recent: 2 goes next
+    assert lru_step(cache, [4], 3) == 1 and list(cache) == [3, 1, 4]
+    assert lru_step(cache, [2, 3], 3) == 1 and list(cache) == [4, 2, 3]
+    # A step selecting more than the cache holds misses what was not held when it began,
+    # and leaves its last pages.
+    assert lru_step(cache, [5, 6, 7, 3], 2) == 3 and list(cache) == [7, 3]
+    assert lru_step(cache, [3], 0) == 0 and not cache
+
+
+def test_a_budget_of_only_sinks_and_window_selects_nothing_else():
+    # topk 9 pages = 1 sink + the 512-token window's 8: no Zipf draws at all.
+    m = SelectionModel(topk_pages=9, churn=1.0)
+    assert lru_misses(m, 32768, 0) == 9 * 64
+    assert lru_misses(m, 32768, 9 * 64) == 0.0
 
 
 def test_a_cache_that_holds_the_context_misses_nothing_once_warm():

@@ -9,7 +9,8 @@ A decode step's query tokens (one, plus the draft tokens under MTP) select pages
 model's process, token after token: each keeps its predecessor's Zipf draws but with
 probability `churn` and makes new ones. A cache of `capacity_tokens` slots holds the most
 recently selected pages, whole (the model's selections are whole pages). A step's misses are
-the tokens of the pages it selected that the cache did not hold. The context stays fixed (in
+the tokens of the pages it selected that the cache did not hold when the step began (a cache
+smaller than a step's selection then keeps the step's last pages). The context stays fixed (in
 a few hundred steps the window moves one page in `page_size` tokens), and `steps` steps run
 first, uncounted, to warm the cache (ESS warms its cache from the prefill's last selections).
 """
@@ -50,12 +51,12 @@ def lru_misses(
     rest = pages - sinks - window
     budget = model.topk_pages - model.sink_pages - model.window_pages
     fixed = list(range(sinks)) + list(range(pages - window, pages))
+    if rest <= budget:
+        fixed = list(range(pages))  # every token selects the whole context
     rng = np.random.default_rng(seed)
-    if rest <= budget or budget == 0:
-        # Every token selects the whole context (or only its sinks and window).
-        draw = None
-        held = np.zeros(0, np.int64)
-    else:
+    draw = None
+    held = np.zeros(0, np.int64)
+    if rest > budget > 0:
         p = model._zipf(rest)
         cdf = np.cumsum(p)
         lam = _draws_for(p, budget)
@@ -64,27 +65,28 @@ def lru_misses(
             return np.minimum(np.searchsorted(cdf, rng.random(n) * cdf[-1]), rest - 1)
 
         held = draw(rng.poisson(lam))
-    cap = capacity_tokens // ps
     cache: OrderedDict[int, None] = OrderedDict()
     counted = []
     for step in range(2 * steps):
         selected = set(fixed)
-        for _ in range(query_tokens):
-            if draw is None:
-                selected.update(range(sinks, pages - window))
-                continue
+        for _ in range(query_tokens if draw is not None else 0):
             held = held[rng.random(held.size) >= model.churn]
             held = np.concatenate([held, draw(rng.poisson(lam * model.churn))])
             selected.update((np.unique(held) + sinks).tolist())
-        missed = 0
-        for page in selected:
-            if page in cache:
-                cache.move_to_end(page)
-                continue
-            missed += 1
-            cache[page] = None
-            if len(cache) > cap:
-                cache.popitem(last=False)
+        missed = lru_step(cache, sorted(selected), capacity_tokens // ps)
         if step >= steps:
             counted.append(missed * ps)
     return float(np.mean(counted))
+
+
+def lru_step(cache: OrderedDict[int, None], selected: list[int], capacity: int) -> int:
+    """One step of an LRU of `capacity` pages (`cache`, least recent first) that reads
+    `selected`: returns how many of them it did not hold, then holds the `capacity` most
+    recently read pages (this step's in the order given)."""
+    missed = sum(page not in cache for page in selected)
+    for page in selected:
+        cache[page] = None
+        cache.move_to_end(page)
+    while len(cache) > capacity:
+        cache.popitem(last=False)
+    return missed
