@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Container
 from typing import Any
 
 from sparsetier.errors import ConfigError
@@ -37,3 +38,20 @@ def text(field: str, value: Any, *, empty: bool = True) -> str:
     if not isinstance(value, str) or (not empty and not value):
         raise ConfigError.of(field, repr(value), "a string" + ("" if empty else ", not empty"))
     return value
+
+
+def describe(x: Any) -> str:
+    """A value as an error names it: a tensor or an array by dtype and shape, else its type."""
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return f"{x.dtype} {list(x.shape)}"
+    return type(x).__name__
+
+
+def tensor(field: str, x: Any, dtypes: Container, shape: tuple, allowed: str) -> None:
+    """`x` a tensor of one of `dtypes` and of `shape` (None: any size there): a wrong dtype
+    or size would be read as other bytes, or broadcast, not refused."""
+    ok = hasattr(x, "dtype") and hasattr(x, "dim") and x.dtype in dtypes
+    if not (ok and x.dim() == len(shape)):
+        raise ConfigError.of(field, describe(x), allowed)
+    if not all(n is None or n == m for n, m in zip(shape, x.shape, strict=True)):
+        raise ConfigError.of(field, describe(x), allowed)

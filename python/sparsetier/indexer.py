@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sparsetier._checks import count, describe
 from sparsetier.errors import ConfigError
 
 
@@ -184,7 +185,15 @@ def select_from_scores(
         raise ConfigError.of("mode", mode, "block or token")
     if reduce not in ("max", "mean"):
         raise ConfigError.of("reduce", reduce, "max or mean")
+    unit, topk, window = count("unit", unit, 1), count("topk", topk, 1), count("window", window)
+    ok = isinstance(scores, torch.Tensor) and scores.dim() == 2
+    if not ok or not scores.is_floating_point():
+        raise ConfigError.of("scores", describe(scores), "a float [B, S] tensor")
     b, s = scores.shape
+    # One position per row: a shorter tensor would broadcast, every row read at one position.
+    ok = isinstance(positions, torch.Tensor) and positions.shape == (b,)
+    if not ok or positions.is_floating_point() or positions.dtype == torch.bool:
+        raise ConfigError.of("positions", describe(positions), f"an integer [{b}] tensor")
     dev = scores.device
     pos = positions.to(dev)
     t = torch.arange(s, device=dev)
@@ -233,6 +242,8 @@ def select_blocks(
 ) -> Selection:
     """Top-k blocks by reduced score among blocks 0..pos // block_size, always with the sink
     block and the `window` most recent blocks: one row of `select_from_scores`."""
+    # Past the scores, the window's blocks would not exist and be silently left out.
+    pos = count("pos", pos, 0, token_scores.shape[-1] - 1)
     sel = select_from_scores(
         token_scores[None, : pos + 1],
         torch.tensor([pos]),

@@ -25,12 +25,20 @@ def object_keys(
     >>> object_keys(7, [17, 42, 81], layer=3).tolist()
     [[7, 0, 17, 3], [7, 0, 42, 3], [7, 0, 81, 3]]
     """
-    cols = np.broadcast_arrays(
-        _ints(namespace, "namespace"),
-        _ints(version, "version"),
-        _ints(pages, "pages"),
-        _ints(layer, "layer"),
-    )
+    named = {
+        "namespace": _ints(namespace, "namespace"),
+        "version": _ints(version, "version"),
+        "pages": _ints(pages, "pages"),
+        "layer": _ints(layer, "layer"),
+    }
+    shape: tuple[int, ...] = ()
+    for field, a in named.items():
+        try:
+            shape = np.broadcast_shapes(shape, a.shape)
+        except ValueError:  # numpy's own error names no argument
+            allowed = f"a shape that broadcasts with {list(shape)}"
+            raise ConfigError.of(field, list(a.shape), allowed) from None
+    cols = np.broadcast_arrays(*named.values())
     return np.ascontiguousarray(np.stack([c.reshape(-1) for c in cols], axis=1))
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from sparsetier import fp8
+from sparsetier._checks import count
 from sparsetier._core import PoolSpec
 from sparsetier.errors import ConfigError
 
@@ -33,7 +34,11 @@ class KvFormat:
     dtype = torch.bfloat16
 
     def __init__(self, kv_heads: int, head_dim: int, indexer_dim: int) -> None:
-        self.heads, self.dim, self.idim = kv_heads, head_dim, indexer_dim
+        # Checked here: the fp8 rows are computed from them, so the core would only see
+        # (and name) a row size the caller never gave.
+        self.heads = count("kv_heads", kv_heads, 1)
+        self.dim = count("head_dim", head_dim, 1)
+        self.idim = count("indexer_dim", indexer_dim, 0)
 
     def kv_spec(self, layers: int, page_size: int, pages: int) -> PoolSpec:
         return PoolSpec("KV", layers, self.heads, self.dim, "bf16", page_size, pages)

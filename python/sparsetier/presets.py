@@ -14,9 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from sparsetier._checks import count
 from sparsetier._core import PoolSpec
+from sparsetier.errors import ConfigError
 
 _ITEMSIZE = {"fp8_e4m3": 1, "bf16": 2, "fp16": 2, "fp32": 4}
+_LAYOUTS = ("interleaved", "values_then_scales")
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,11 @@ class RowPart:
     name: str
     dtype: str
     count: int
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _ITEMSIZE:
+            raise ConfigError.of("dtype", repr(self.dtype), ", ".join(_ITEMSIZE))
+        count("count", self.count, 1)  # a float or negative count would size rows wrongly
 
     @property
     def bytes(self) -> int:
@@ -39,12 +47,16 @@ class RowFormat:
     parts: tuple[RowPart, ...]
     page_layout: str = "interleaved"  # or "values_then_scales"
 
+    def __post_init__(self) -> None:
+        if self.page_layout not in _LAYOUTS:
+            raise ConfigError.of("page_layout", repr(self.page_layout), " or ".join(_LAYOUTS))
+
     @property
     def bytes(self) -> int:
         return sum(p.bytes for p in self.parts)
 
     def page_bytes(self, page_size: int) -> int:
-        return self.bytes * page_size
+        return self.bytes * count("page_size", page_size, 1)
 
     def core_parts(self) -> list[tuple[str, str, int]]:
         """The parts as ``PoolSpec(row_parts=...)`` takes them."""

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from sparsetier._checks import count, real
 from sparsetier._core import replay_trace, trace_peak_live
 from sparsetier.errors import ConfigError
 
@@ -24,6 +25,9 @@ ARRAYS = ("ops", "args", "flags", "starts", "ns", "version", "page", "layer", "h
 
 def save_trace(path: str, trace: dict) -> None:
     """Writes a trace (the dict `take_journal` returns) as compressed `.npz`."""
+    missing = [k for k in (*ARRAYS, "object_bytes", "device_slots") if k not in trace]
+    if missing:
+        raise ConfigError.of("trace", f"a dict without {missing}", "a trace from take_journal")
     np.savez_compressed(
         path,
         **{k: trace[k] for k in ARRAYS},
@@ -41,9 +45,14 @@ def load_trace(path: str) -> dict:
     missing = [k for k in (*ARRAYS, "object_bytes", "device_slots") if k not in z]
     if missing:
         raise ConfigError.of("trace", path, f"a sparsetier trace (missing {missing})")
-    t = {k: z[k] for k in ARRAYS}
-    t["object_bytes"] = int(z["object_bytes"])
-    t["device_slots"] = int(z["device_slots"])
+    try:
+        t = {k: z[k] for k in (*ARRAYS, "object_bytes", "device_slots")}
+    except ValueError as e:  # an object (pickled) array, which numpy will not load
+        raise ConfigError.of("trace", path, f"a sparsetier trace ({e})") from e
+    for k in ("object_bytes", "device_slots"):
+        # Scalars as save_trace wrote them: int() would truncate a float, take a negative.
+        v = t[k]
+        t[k] = count(k, v[()] if v.shape == () else v, 1)
     return t
 
 
@@ -65,7 +74,21 @@ class Row:
     exposed_ms_per_step: float | None = None
 
 
+def _link(link: dict) -> tuple[float | None, float | None]:
+    """The link options `(bandwidth_gbps, window_ms)`: a misspelt one would be ignored, a
+    NaN or a negative one give transfer times that mean nothing."""
+    extra = sorted(set(link) - {"bandwidth_gbps", "window_ms"})
+    if extra:
+        raise ConfigError.of("link", extra, "bandwidth_gbps, window_ms")
+    bw, window = link.get("bandwidth_gbps"), link.get("window_ms")
+    if bw is not None and real("bandwidth_gbps", bw) == 0:
+        raise ConfigError.of("bandwidth_gbps", bw, "a finite number > 0")
+    return bw, None if window is None else real("window_ms", window)
+
+
 def replay_one(trace: dict, budget: int, policy: str, peak: int, **link) -> Row:
+    budget, peak = count("budget", budget, 1), count("peak", peak)
+    bw, window = _link(link)
     s = replay_trace(trace, budget, policy)
     ob = trace["object_bytes"]
     row = Row(
@@ -82,7 +105,6 @@ def replay_one(trace: dict, budget: int, policy: str, peak: int, **link) -> Row:
         hit_rate=s["hits"] / s["accesses"] if s["accesses"] else 1.0,
         bytes_loaded=s["loads"] * ob,
     )
-    bw, window = link.get("bandwidth_gbps"), link.get("window_ms")
     if bw and row.steps:
         # Transfer time per step over the link; the part the overlap window does not hide is
         # exposed (a step's loads overlap `window` ms of compute, no more).
@@ -94,6 +116,10 @@ def replay_one(trace: dict, budget: int, policy: str, peak: int, **link) -> Row:
 
 def sweep(trace: dict, shares, policies=POLICIES, **link) -> list[Row]:
     """Replays at each share of the peak live objects (plus the recorded budget)."""
+    _link(link)
+    for s in shares:  # NaN would fail in round(), a share <= 0 become a budget of 1
+        if real("shares", s) == 0:
+            raise ConfigError.of("shares", s, "finite numbers > 0")
     peak = trace_peak_live(trace)
     budgets = sorted({max(1, round(s * peak)) for s in shares} | {int(trace["device_slots"])})
     return [replay_one(trace, b, p, peak, **link) for p in policies for b in budgets]
@@ -101,6 +127,7 @@ def sweep(trace: dict, shares, policies=POLICIES, **link) -> list[Row]:
 
 def budget_for(trace: dict, policy: str, hit_rate: float) -> int | None:
     """The smallest budget reaching `hit_rate` (binary search over the replay), or None."""
+    hit_rate = real("hit_rate", hit_rate, 0.0, 1.0)  # NaN or > 1: "unreachable" for no reason
     peak = trace_peak_live(trace)
     lo, hi = 1, max(peak, int(trace["device_slots"]))
 

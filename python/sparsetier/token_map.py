@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from sparsetier._checks import count, describe
 from sparsetier.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,17 @@ class MappedTokens:
     def token_table(self, page_table: torch.Tensor) -> torch.Tensor:
         """A slot table per token `[B, K]` from the plan's per page `[B, P]` (on its device):
         each token reads its page's slot."""
+        b = self.inverse.shape[0]
+        ok = isinstance(page_table, torch.Tensor) and page_table.dim() == 2
+        ok = ok and page_table.dtype in _INTS and page_table.shape[0] == b
+        # Narrower than the widest row, tokens of the last pages would read another page's
+        # slot (the clamp below only keeps -1 tokens in range); the width is known without a
+        # device sync only on the CPU.
+        w = int(self.width) if self.width.device.type == "cpu" else 1
+        if not (ok and page_table.shape[1] >= w):
+            raise ConfigError.of(
+                "page_table", describe(page_table), f"an integer [{b}, >= {w}] tensor"
+            )
         cols = self.inverse.clamp(max=page_table.shape[1] - 1)
         return page_table.to(self.inverse.device, torch.long).gather(1, cols)
 
@@ -61,12 +73,13 @@ def map_tokens(selection: torch.Tensor, page_size: int) -> MappedTokens:
     """Maps a token selection `[B, K]` (token indices, -1 = none, in any order) to each row's
     distinct pages of `page_size` tokens with the distinct selected tokens in each, in one
     batched pass on the selection's device."""
-    if selection.dim() != 2 or selection.dtype != torch.int64:
-        raise ConfigError.of(
-            "selection", f"{selection.dtype} {list(selection.shape)}", "an int64 [B, K] tensor"
-        )
-    if page_size < 1:
-        raise ConfigError.of("page_size", str(page_size), "an integer >= 1")
+    ok = isinstance(selection, torch.Tensor)
+    if not (ok and selection.dim() == 2 and selection.dtype == torch.int64):
+        raise ConfigError.of("selection", describe(selection), "an int64 [B, K] tensor")
+    page_size = count("page_size", page_size, 1)
+    # Entries below -1 would be skipped as "none"; refused where that costs no device sync.
+    if selection.device.type == "cpu" and selection.numel() and int(selection.min()) < -1:
+        raise ConfigError.of("selection", int(selection.min()), "token indices >= 0, or -1")
     b, k = selection.shape
     dev = selection.device
     valid = selection >= 0
@@ -98,6 +111,9 @@ def map_tokens(selection: torch.Tensor, page_size: int) -> MappedTokens:
     )
 
 
+_INTS = (torch.int64, torch.int32, torch.int16)  # signed: -1 is "no slot"
+
+
 @dataclass
 class _Graph:
     """One captured mapping: its input buffer, the graph and the outputs it writes."""
@@ -122,14 +138,14 @@ class TokenMapper:
     MAX_GRAPHS = 8
 
     def __init__(self, page_size: int, graphs: bool = True) -> None:
-        if page_size < 1:
-            raise ConfigError.of("page_size", str(page_size), "an integer >= 1")
-        self.page_size = page_size
+        self.page_size = count("page_size", page_size, 1)
         self.graphs = graphs
         self._captured: OrderedDict[tuple, _Graph] = OrderedDict()
         self.replays = 0  # calls served by a graph (the rest ran eagerly)
 
     def __call__(self, selection: torch.Tensor) -> MappedTokens:
+        if not isinstance(selection, torch.Tensor):
+            return map_tokens(selection, self.page_size)  # raises the typed error
         if not (self.graphs and selection.is_cuda) or selection.dim() != 2:
             return map_tokens(selection, self.page_size)
         if selection.dtype != torch.int64:

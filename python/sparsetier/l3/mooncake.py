@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from sparsetier._checks import count, text
 from sparsetier.errors import ConfigError, StoreUnavailableError
 from sparsetier.l3.backend import Segments, view
 
@@ -162,6 +163,14 @@ class MooncakeStore:
                 "master, metadata_server, local_hostname, protocol, device_name, "
                 "global_segment_size, local_buffer_size",
             )
+        # A wrong type fails inside setup() as a TypeError, or (a bool) as a setup failure,
+        # which reads as an unreachable store.
+        for field, value in (("master", master), ("metadata_server", metadata_server),
+                             ("local_hostname", local_hostname), ("protocol", protocol),
+                             ("device_name", device_name)):  # fmt: skip
+            text(field, value, empty=field == "device_name")
+        count("global_segment_size", global_segment_size)
+        count("local_buffer_size", local_buffer_size)
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:
@@ -195,6 +204,7 @@ class MooncakeStore:
             )
 
     def exists(self, keys: Sequence[str]) -> list[bool]:
+        _check_keys(keys)
         if not keys:
             return []
         rcs = self._store.batch_is_exist([f"{k}.m" for k in keys])
@@ -203,6 +213,7 @@ class MooncakeStore:
         return [rc == 1 for rc in rcs]
 
     def put(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
+        _check_keys(keys, pages)
         if not keys:
             return []
         ptrs = [[a for a, _ in segs] for segs in pages]
@@ -223,6 +234,7 @@ class MooncakeStore:
         return ok
 
     def get(self, keys: Sequence[str], pages: Sequence[Segments]) -> list[bool]:
+        _check_keys(keys, pages)
         if not keys:
             return []
         manifests = self._store.get_batch([f"{k}.m" for k in keys])
@@ -241,6 +253,7 @@ class MooncakeStore:
         ]
 
     def remove(self, keys: Sequence[str]) -> None:
+        _check_keys(keys)
         if not keys:
             return
         # The manifests first: a page without its manifest no longer exists.
@@ -249,6 +262,9 @@ class MooncakeStore:
                 self._check(rc, "remove")
 
     def register(self, address: int, length: int) -> None:
+        for field, value in (("address", address), ("length", length)):
+            if not _positive(value):  # else a TypeError, or "unreachable" for address 0
+                raise ConfigError.of(field, repr(value), "a positive integer")
         rc = self._store.register_buffer(address, length)
         if rc != 0:
             raise StoreUnavailableError(
@@ -271,6 +287,34 @@ class MooncakeStore:
             self._store.unregister_buffer(a)
         self._registered.clear()
         self._store.close()
+
+
+def _check_keys(keys: Sequence[str], pages: Sequence[Segments] | None = None) -> None:
+    """Refuses a caller's mistake before the store sees it, where it would come back as a
+    store failure (which turns L3 off) or name other objects: a str as the keys (a key per
+    character), a key ending ".m" (another page's manifest), pages not one per key, a page of
+    no segment or one not `(address, length)` of positive integers."""
+    if isinstance(keys, (str, bytes)):
+        raise ConfigError.of("keys", repr(keys)[:80], "a sequence of keys, not one string")
+    for i, k in enumerate(keys):
+        if not isinstance(k, str) or not k or k.endswith(".m"):
+            raise ConfigError.of(f"keys[{i}]", repr(k)[:80], 'a string, not ending in ".m"')
+    if pages is None:
+        return
+    if len(pages) != len(keys):
+        raise ConfigError.of("pages", f"{len(pages)} pages", f"one per key ({len(keys)})")
+    for i, segs in enumerate(pages):
+        if not segs or not all(
+            isinstance(seg, tuple | list) and len(seg) == 2 and all(_positive(x) for x in seg)
+            for seg in segs
+        ):
+            raise ConfigError.of(
+                f"pages[{i}]", repr(segs)[:80], "(address, length) pairs of positive integers"
+            )
+
+
+def _positive(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
 def _manifest(segs: Segments, key: str) -> bytes:
