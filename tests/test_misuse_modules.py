@@ -65,6 +65,13 @@ def test_fp8_gather_and_load_refuse_pages_of_another_row_size():
         assert e.value.field == "pages"
     with pytest.raises(OutOfRangeError):
         fp8.gather(pages, torch.tensor([-1]), 128)
+    # Narrow signed slots index as int64 would; uint8 ones would index as a mask.
+    want = fp8.gather(pages, torch.tensor([1, 3]), 128)
+    for dtype in (torch.int8, torch.int16, torch.int32):
+        assert torch.equal(fp8.gather(pages, torch.tensor([1, 3], dtype=dtype), 128), want)
+    with pytest.raises(ConfigError) as e:
+        fp8.gather(pages, torch.tensor([1, 3], dtype=torch.uint8), 128)
+    assert e.value.field == "slots"
 
 
 @pytest.mark.parametrize(
@@ -114,6 +121,11 @@ def test_a_token_table_refuses_a_page_table_it_would_misread(table):
     with pytest.raises(ConfigError) as e:  # too narrow: page 1's tokens read page 0's slot
         tp.token_table(torch.tensor(table))
     assert e.value.field == "page_table"
+
+
+def test_a_token_table_of_no_selected_token_is_empty():
+    tp = map_tokens(torch.zeros((2, 0), dtype=torch.int64), 16)
+    assert tp.token_table(torch.zeros((2, 0), dtype=torch.int32)).shape == (2, 0)
 
 
 # ---- kv_format, presets ----
@@ -173,6 +185,12 @@ def test_select_blocks_position_lies_in_the_scores(pos):
     assert e.value.field == "pos"
 
 
+def test_select_blocks_names_scores_of_another_shape():
+    with pytest.raises(ConfigError) as e:  # (was named as the [1, 1, S] tensor made of them)
+        select_blocks(torch.rand(1, 40), 10, 8, 3, 1, "max")
+    assert e.value.field == "token_scores" and "[1, 40]" in e.value.value
+
+
 # ---- attention ----
 
 HQ, HKV, D, PS = 4, 2, 8, 4
@@ -224,6 +242,11 @@ def test_single_token_attention_refuses_mismatched_inputs():
         with pytest.raises(ConfigError) as e:
             call()
         assert e.value.field == field
+    # int16 slots read as int64 ones would (torch indexes with neither int16 nor int8).
+    pool, blocks = _pool(), torch.tensor([0, 1])
+    want = sparse_attention(q, pool, blocks, torch.tensor([0, 1]), 6, PS)
+    got = sparse_attention(q, pool, blocks, torch.tensor([0, 1], dtype=torch.int16), 6, PS)
+    assert torch.equal(got, want)
 
 
 # ---- replay ----
@@ -256,6 +279,16 @@ def test_sweep_shares_are_positive_numbers(trace, share):
     with pytest.raises(ConfigError) as e:
         replay.sweep(trace, [share, 0.5], policies=("lru",))
     assert e.value.field == "shares"
+
+
+def test_sweep_takes_its_shares_from_an_iterator_too(trace):
+    # The checks read the shares before the budgets do: a generator must not be spent.
+    as_list = replay.sweep(trace, [0.5, 0.2], policies=("lru",))
+    as_iter = replay.sweep(trace, (s for s in [0.5, 0.2]), policies=("lru",))
+    assert [r.budget for r in as_iter] == [r.budget for r in as_list] and len(as_list) == 3
+    with pytest.raises(ConfigError) as e:  # 0 is refused too: the message says so
+        replay.sweep(trace, [-0.5], policies=("lru",))
+    assert e.value.allowed == "a finite number > 0"
 
 
 @pytest.mark.parametrize("rate", [float("nan"), 2.0, -1.0])

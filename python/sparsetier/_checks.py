@@ -33,6 +33,15 @@ def real(field: str, value: Any, lo: float = 0.0, hi: float = math.inf) -> float
     return float(value)
 
 
+def positive(field: str, value: Any) -> float:
+    """A finite number > 0 (a size or a rate: 0 would divide, or mean nothing)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ConfigError.of(field, repr(value), "a finite number > 0")
+    if not (math.isfinite(float(value)) and value > 0):
+        raise ConfigError.of(field, value, "a finite number > 0")
+    return float(value)
+
+
 def text(field: str, value: Any, *, empty: bool = True) -> str:
     """A string (None is not the string "None")."""
     if not isinstance(value, str) or (not empty and not value):

@@ -47,6 +47,7 @@ def sparse_attention(
     n = blocks.numel() if isinstance(blocks, torch.Tensor) else -1
     _ints("blocks", blocks, (None,), "an integer [N] tensor")
     _ints("slots", slots, (n,), f"an integer [{n}] tensor, a slot per block")
+    slots = slots.long()  # (an int16 tensor does not index)
     k = kv_pool[0, 0, slots].reshape(-1, kv_pool.shape[-2], kv_pool.shape[-1]).to(torch.float32)
     v = kv_pool[1, 0, slots].reshape(-1, kv_pool.shape[-2], kv_pool.shape[-1]).to(torch.float32)
     blocks = blocks.to(kv_pool.device)
@@ -112,9 +113,10 @@ def sparse_attention_batched(
     ppe = max(1, unit // page_size)
     _query(q, (b,), hkv, d)
     _ints("positions", positions, (b,), f"an integer [{b}] tensor")
-    _ints("table", table, (b, None), f"an integer [{b}, {k * ppe}] tensor")
+    allowed = f"an integer [{b}, >= {k * ppe}] tensor"
+    _ints("table", table, (b, None), allowed)
     if table.shape[1] < k * ppe:
-        raise ConfigError.of("table", describe(table), f"an integer [{b}, {k * ppe}] tensor")
+        raise ConfigError.of("table", describe(table), allowed)
     sel = selection.to(dev)
     off = torch.arange(unit, device=dev)
     tok = sel[:, :, None] * unit + off  # [B, K, unit]

@@ -31,11 +31,11 @@ def _page_tokens(pages: object, row: int, dims: int | None = 2) -> int:
     """Tokens per page of byte pages [..., page_bytes] holding `row`-byte token rows."""
     ok = isinstance(pages, torch.Tensor) and pages.dtype == torch.uint8
     if not ok or pages.dim() < 1 or (dims is not None and pages.dim() != dims):
-        raise ConfigError.of("pages", describe(pages), "a uint8 tensor [P, page_bytes]")
+        shape = "[P, page_bytes]" if dims == 2 else "[..., page_bytes]"
+        raise ConfigError.of("pages", describe(pages), f"a uint8 tensor {shape}")
     if pages.shape[-1] == 0 or pages.shape[-1] % row:
-        raise ConfigError.of(
-            "pages", f"{pages.shape[-1]} bytes a page", f"a multiple of the token row, {row} B"
-        )
+        allowed = f"a positive multiple of the token row, {row} B"
+        raise ConfigError.of("pages", f"{pages.shape[-1]} bytes a page", allowed)
     return pages.shape[-1] // row
 
 
@@ -43,7 +43,7 @@ def _slots(slots: object, pages: torch.Tensor, ps: int) -> torch.Tensor:
     """Integer slots within the pages. The range is checked where that costs no device sync
     (CPU tensors): a negative slot would wrap to the last page, not fail."""
     if not isinstance(slots, torch.Tensor) or slots.dtype not in _INDEX:
-        raise ConfigError.of("slots", describe(slots), "an integer tensor")
+        raise ConfigError.of("slots", describe(slots), "a signed integer tensor")
     n = pages.shape[0] * ps
     if slots.device.type == "cpu" and slots.numel():
         lo, hi = int(slots.min()), int(slots.max())
@@ -55,10 +55,10 @@ def _slots(slots: object, pages: torch.Tensor, ps: int) -> torch.Tensor:
                 value=bad,
                 allowed=f"0 <= slot < {n}",
             )
-    return slots
+    return slots.long()  # torch indexes with int64 or int32 only
 
 
-_INDEX = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_INDEX = (torch.int64, torch.int32, torch.int16, torch.int8)  # (uint8 would index as a mask)
 
 
 def quantize(x: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +112,8 @@ def store(
     if nb < 1:
         raise ConfigError.of("scales", describe(scales), "at least one block a row")
     ps = _page_tokens(pages, d + 4 * nb)
-    if _slots(slots, pages, ps).shape != (n,):
+    slots = _slots(slots, pages, ps)
+    if slots.shape != (n,):
         raise ConfigError.of("slots", describe(slots), f"a tensor [{n}], one slot per row")
     page, tok = slots // ps, slots % ps
     vcols = tok[:, None] * d + torch.arange(d, device=slots.device)
@@ -140,7 +141,7 @@ def gather(pages: torch.Tensor, slots: torch.Tensor, head_dim: int, block: int =
     gathered rows are read."""
     nb = _blocks(head_dim, block)
     ps = _page_tokens(pages, head_dim + 4 * nb)
-    _slots(slots, pages, ps)
+    slots = _slots(slots, pages, ps)
     flat = slots.reshape(-1)
     page, tok = flat // ps, flat % ps
     vcols = tok[:, None] * head_dim + torch.arange(head_dim, device=slots.device)

@@ -242,8 +242,11 @@ def select_blocks(
 ) -> Selection:
     """Top-k blocks by reduced score among blocks 0..pos // block_size, always with the sink
     block and the `window` most recent blocks: one row of `select_from_scores`."""
+    ok = isinstance(token_scores, torch.Tensor) and token_scores.dim() == 1
+    if not ok or not token_scores.is_floating_point():
+        raise ConfigError.of("token_scores", describe(token_scores), "a float [S] tensor")
     # Past the scores, the window's blocks would not exist and be silently left out.
-    pos = count("pos", pos, 0, token_scores.shape[-1] - 1)
+    pos = count("pos", pos, 0, token_scores.shape[0] - 1)
     sel = select_from_scores(
         token_scores[None, : pos + 1],
         torch.tensor([pos]),

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from sparsetier._checks import count, real
+from sparsetier._checks import count, positive, real
 from sparsetier._core import replay_trace, trace_peak_live
 from sparsetier.errors import ConfigError
 
@@ -81,8 +81,7 @@ def _link(link: dict) -> tuple[float | None, float | None]:
     if extra:
         raise ConfigError.of("link", extra, "bandwidth_gbps, window_ms")
     bw, window = link.get("bandwidth_gbps"), link.get("window_ms")
-    if bw is not None and real("bandwidth_gbps", bw) == 0:
-        raise ConfigError.of("bandwidth_gbps", bw, "a finite number > 0")
+    bw = None if bw is None else positive("bandwidth_gbps", bw)
     return bw, None if window is None else real("window_ms", window)
 
 
@@ -117,9 +116,9 @@ def replay_one(trace: dict, budget: int, policy: str, peak: int, **link) -> Row:
 def sweep(trace: dict, shares, policies=POLICIES, **link) -> list[Row]:
     """Replays at each share of the peak live objects (plus the recorded budget)."""
     _link(link)
+    shares = list(shares)  # read twice below: an iterator would be spent by the checks
     for s in shares:  # NaN would fail in round(), a share <= 0 become a budget of 1
-        if real("shares", s) == 0:
-            raise ConfigError.of("shares", s, "finite numbers > 0")
+        positive("shares", s)
     peak = trace_peak_live(trace)
     budgets = sorted({max(1, round(s * peak)) for s in shares} | {int(trace["device_slots"])})
     return [replay_one(trace, b, p, peak, **link) for p in policies for b in budgets]

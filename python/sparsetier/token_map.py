@@ -61,6 +61,7 @@ class MappedTokens:
         # slot (the clamp below only keeps -1 tokens in range); the width is known without a
         # device sync only on the CPU.
         w = int(self.width) if self.width.device.type == "cpu" else 1
+        w = min(w, self.inverse.shape[1])  # no selected token (K = 0): no page column
         if not (ok and page_table.shape[1] >= w):
             raise ConfigError.of(
                 "page_table", describe(page_table), f"an integer [{b}, >= {w}] tensor"

@@ -264,7 +264,7 @@ class MooncakeStore:
     def register(self, address: int, length: int) -> None:
         for field, value in (("address", address), ("length", length)):
             if not _positive(value):  # else a TypeError, or "unreachable" for address 0
-                raise ConfigError.of(field, repr(value), "a positive integer")
+                raise ConfigError.of(field, repr(value), "a positive Python int")
         rc = self._store.register_buffer(address, length)
         if rc != 0:
             raise StoreUnavailableError(
@@ -309,11 +309,12 @@ def _check_keys(keys: Sequence[str], pages: Sequence[Segments] | None = None) ->
             for seg in segs
         ):
             raise ConfigError.of(
-                f"pages[{i}]", repr(segs)[:80], "(address, length) pairs of positive integers"
+                f"pages[{i}]", repr(segs)[:80], "(address, length) pairs of positive Python ints"
             )
 
 
 def _positive(x: object) -> bool:
+    # Python ints, as the core hands them: the client and ctypes take no other.
     return isinstance(x, int) and not isinstance(x, bool) and x > 0
 
 
