@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from sparsetier._checks import describe
+from sparsetier.errors import ConfigError
 from sparsetier.tools.record import CPU_PARTS
 
 if TYPE_CHECKING:
@@ -53,6 +55,11 @@ class RuntimeMetrics:
     observed per step and per prefill."""
 
     def __init__(self, runtime: DecodeRuntime) -> None:
+        from sparsetier.tools.runtime import DecodeRuntime  # (it imports this module)
+
+        # Read only when scraped: anything else would fail there, far from this call.
+        if not isinstance(runtime, DecodeRuntime):
+            raise ConfigError.of("runtime", describe(runtime), "a DecodeRuntime")
         self.runtime = runtime
         self.registry = CollectorRegistry()
         self.step_seconds = Histogram(

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from sparsetier._checks import count
 from sparsetier._core import PageTransferBinding, PoolSpec, StepScheduler, TransferEngine
 from sparsetier.attention import sparse_attention_batched
 from sparsetier.errors import (
@@ -56,6 +57,13 @@ except ImportError:  # prometheus-client is optional (sparsetier[metrics])
 log = logging.getLogger("sparsetier.tools.runtime")
 
 LAYOUTS = ("layer_first", "layer_page_first")
+RID_MAX = 2**63 - 1  # the core's request ids are int64
+
+
+def _rid(rid) -> int:
+    """A request id: an integer >= 0 (a bool or a float would find another request, as
+    True == 1, and the core would refuse it only after the runtime let that one go)."""
+    return count("rid", rid, 0, RID_MAX)
 
 
 class _PrefillFailed(Exception):
@@ -156,6 +164,32 @@ class DecodeRuntime:
         graphs: bool = False,
     ) -> None:
         c = model.c
+        # Sizes and counts as the user gave them, before anything is built: a float, a bool or
+        # a 0 would otherwise be read as another size, or refused deep inside the first prefill.
+        page_size = count("page_size", page_size, 1)
+        for name, n in (("device_slots", device_slots), ("host_pages", host_pages),
+                        ("indexer_pages", indexer_pages)):  # fmt: skip
+            count(name, n, 1)
+        topk, window = count("topk", topk, 1), count("window", window)
+        if block_size is not None:  # (0 is not "the page size")
+            block_size = count("block_size", block_size, 1)
+        prefill_chunk = count("prefill_chunk", prefill_chunk, 1)
+        if keep_records is not None:
+            try:
+                keep_records = count("keep_records", keep_records, 1)
+            except ConfigError:
+                raise ConfigError.of(
+                    "keep_records", repr(keep_records), "None (all) or an integer >= 1"
+                ) from None
+        for name, flag in (("prefetch", prefetch), ("graphs", graphs)):
+            if not isinstance(flag, bool):
+                raise ConfigError.of(name, repr(flag), "True or False")
+        if reduce not in ("max", "mean"):
+            raise ConfigError.of("reduce", repr(reduce), "max or mean")
+        try:
+            torch_device = torch.device(device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError.of("device", repr(device), "a torch device: cpu, cuda, cuda:N") from e
         if selection not in MODES:
             raise ConfigError.of("selection", selection, "block or token")
         if token_map not in ("core", "device"):
@@ -172,8 +206,6 @@ class DecodeRuntime:
         self._mapper = TokenMapper(page_size) if token_map == "device" else None
         if layout not in LAYOUTS:
             raise ConfigError.of("layout", layout, " or ".join(LAYOUTS))
-        if prefill_chunk < 1:
-            raise ConfigError.of("prefill_chunk", str(prefill_chunk), "an integer >= 1")
         unit = (block_size or page_size) if selection == "block" else 1
         if unit % page_size and page_size % unit:
             raise ConfigError.of(
@@ -201,7 +233,7 @@ class DecodeRuntime:
             )
         if resolve == "device" and selection == "token" and token_map != "core":
             raise ConfigError.of("token_map", token_map, "core with resolve='device'")
-        if graphs and (resolve != "device" or torch.device(device).type != "cuda"):
+        if graphs and (resolve != "device" or torch_device.type != "cuda"):
             raise ConfigError.of(
                 "graphs", "True", "device cuda with resolve='device' (a step the host plans "
                 "asks the core once a layer)"
@@ -209,7 +241,7 @@ class DecodeRuntime:
         self.model, self.ps, self.topk, self.window = model, page_size, topk, window
         self.mode, self.unit, self.reduce, self.prefetch = selection, unit, reduce, prefetch
         self.chunk = prefill_chunk
-        self.device = torch.device(device)
+        self.device = torch_device
         if (self.device.type == "cuda") != (io_backend != "cpu"):
             raise ConfigError.of(
                 "io_backend", io_backend, "cpu with device cpu; kernel or direct with device cuda"
@@ -261,8 +293,6 @@ class DecodeRuntime:
                 **opts,
             )
         self.requests: dict[int, Request] = {}
-        if keep_records is not None and keep_records < 1:
-            raise ConfigError.of("keep_records", str(keep_records), "None (all) or >= 1")
         # The latest records only (a serving process lives for weeks); the scheduler's
         # `totals()` keeps the cumulative counts. `None` keeps every one (the demo's JSON).
         self.records: deque[StepRecord] = deque(maxlen=keep_records)
@@ -329,13 +359,11 @@ class DecodeRuntime:
         Returns the admission (`matched_pages`, `device_pages`, `restored_pages`). Raises
         RequestFailedError (the request ended, the rest unaffected) when a load it needs fails
         twice."""
-        if isinstance(rid, bool) or not isinstance(rid, int) or rid < 0:
-            raise ConfigError.of("rid", repr(rid), "an integer >= 0")
+        rid = _rid(rid)
         if rid in self.requests:
             raise ConfigError.of("rid", str(rid), "a request id not running")
         prompt = self._prompt(prompt)
-        if isinstance(decode_steps, bool) or not isinstance(decode_steps, int) or decode_steps < 0:
-            raise ConfigError.of("decode_steps", repr(decode_steps), "an integer >= 0")
+        decode_steps = count("decode_steps", decode_steps)
         self.ended.pop(rid, None)  # a new request under that id: the old one is gone
         try:
             return self._admit(Request(rid, prompt, decode_steps), None)
@@ -371,6 +399,7 @@ class DecodeRuntime:
         it decodes the rest of its `decode_steps`, the step that failed first (the token fed
         there is fed again). Returns the admission; raises RequestFailedError if the prefill
         fails (it stays in `ended`, to try again)."""
+        rid = _rid(rid)
         if rid not in self.ended:
             allowed = f"a failed or aborted request: one of {list(self.ended)}"
             raise ConfigError.of("rid", str(rid), allowed)
@@ -513,6 +542,7 @@ class DecodeRuntime:
     def finish_request(self, rid: int) -> Request:
         """Ends a finished request: its pages go into the prefix tree (written through first),
         so a later request over the same tokens hits them."""
+        rid = _rid(rid)
         if rid not in self.requests:
             raise ConfigError.of(
                 "rid", str(rid), f"a running request: one of {sorted(self.requests)}"
@@ -528,6 +558,7 @@ class DecodeRuntime:
     def abort(self, rid: int) -> None:
         """Ends a request between steps without inserting it: its own pages are let go (at
         once, or when transfers still touching them end); prefixes stay for others."""
+        rid = _rid(rid)
         if rid not in self.requests:
             raise ConfigError.of("rid", str(rid), f"one of {sorted(self.requests)}")
         self._ended(self.requests.pop(rid))

@@ -16,6 +16,9 @@ from typing import Any
 
 import numpy as np
 
+from sparsetier._checks import count, describe, real
+from sparsetier.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class WorkloadSpec:
@@ -31,6 +34,19 @@ class WorkloadSpec:
     seed: int = 0
     align: int = 1
 
+    def __post_init__(self) -> None:
+        # Refused here, not by numpy mid-stream (or not at all: a float length read as another,
+        # a NaN fraction as 0, an align of 0 as 1, min_len > max_len swapped into a ValueError).
+        count("num_seqs", self.num_seqs)
+        count("num_prompts", self.num_prompts, 1)
+        real("zipf_a", self.zipf_a)
+        count("max_len", self.max_len, count("min_len", self.min_len))
+        count("sys_max", self.sys_max, count("sys_min", self.sys_min))
+        real("followup_frac", self.followup_frac, 0.0, 1.0)
+        count("vocab", self.vocab, 2)  # token ids are drawn from [1, vocab)
+        count("seed", self.seed)
+        count("align", self.align, 1)
+
 
 def zipf_probs(n: int, a: float) -> np.ndarray:
     w = 1.0 / np.arange(1, n + 1, dtype=np.float64) ** a
@@ -39,6 +55,8 @@ def zipf_probs(n: int, a: float) -> np.ndarray:
 
 class Workload:
     def __init__(self, spec: WorkloadSpec):
+        if not isinstance(spec, WorkloadSpec):
+            raise ConfigError.of("spec", describe(spec), "a WorkloadSpec")
         self.spec = spec
         rng = np.random.default_rng(spec.seed)
         lens = rng.integers(spec.sys_min, spec.sys_max + 1, size=spec.num_prompts)
@@ -48,6 +66,7 @@ class Workload:
     def stream(self, n: int, stream_seed: int) -> Iterator[tuple[int, np.ndarray]]:
         """Yields (prompt id or -1 for a follow-up, int64 tokens) for n sequences."""
         spec = self.spec
+        n, stream_seed = count("n", n), count("stream_seed", stream_seed)
         rng = np.random.default_rng([spec.seed, stream_seed])
         prev: list[np.ndarray] = []
         pids = rng.choice(spec.num_prompts, size=n, p=self.probs)
@@ -77,7 +96,19 @@ class Workload:
 def load_stream(path: str) -> list[np.ndarray]:
     """Sequences of a stream dumped by the peers' `workload.py --dump FILE.npz`."""
     z = np.load(path)
-    tokens, offsets = z["tokens"], z["offsets"]
+    if not isinstance(z, np.lib.npyio.NpzFile) or not {"tokens", "offsets"} <= set(z.files):
+        got = sorted(z.files) if isinstance(z, np.lib.npyio.NpzFile) else describe(z)
+        raise ConfigError.of("path", f"{path} ({got})", "an .npz with tokens and offsets")
+    with z:
+        tokens, offsets = z["tokens"], z["offsets"]
+    # Offsets that do not cut the tokens exactly would be sliced into short or empty sequences.
+    if tokens.ndim != 1 or tokens.dtype.kind not in "iu":
+        raise ConfigError.of("tokens", describe(tokens), "1-D integer token ids")
+    cuts = offsets.ndim == 1 and offsets.dtype.kind in "iu" and len(offsets) > 0
+    if not (cuts and offsets[0] == 0 and offsets[-1] == len(tokens)
+            and (np.diff(offsets) >= 0).all()):  # fmt: skip
+        allowed = f"1-D integers from 0 up to len(tokens) = {len(tokens)}, never decreasing"
+        raise ConfigError.of("offsets", describe(offsets), allowed)
     return [tokens[offsets[i] : offsets[i + 1]] for i in range(len(offsets) - 1)]
 
 
@@ -88,6 +119,16 @@ TOKEN_TYPES = ("q", "numpy", "uint32", "list")
 
 def as_tokens(kind: str, toks: np.ndarray) -> Any:
     """`toks` in the container `kind` (one of :data:`TOKEN_TYPES`)."""
+    if kind not in TOKEN_TYPES:
+        raise ConfigError.of("kind", repr(kind), " or ".join(TOKEN_TYPES))
+    toks = np.asarray(toks)
+    # Converted, floats would be truncated and ids past the container's range wrapped around.
+    if toks.ndim != 1 or (toks.size and toks.dtype.kind not in "iu"):  # ([] is float64)
+        raise ConfigError.of("toks", describe(toks), "1-D integer token ids")
+    info = np.iinfo(np.uint32 if kind == "uint32" else np.int64)
+    if toks.size and (int(toks.min()) < info.min or int(toks.max()) > info.max):
+        bad = int(toks.min()) if int(toks.min()) < info.min else int(toks.max())
+        raise ConfigError.of("toks", f"a token id {bad}", f"ids in [{info.min}, {info.max}]")
     if kind == "q":
         a = array("q")
         a.frombytes(np.ascontiguousarray(toks, dtype=np.int64).tobytes())
@@ -96,6 +137,4 @@ def as_tokens(kind: str, toks: np.ndarray) -> Any:
         return np.ascontiguousarray(toks, dtype=np.int64)
     if kind == "uint32":
         return np.ascontiguousarray(toks, dtype=np.uint32)
-    if kind == "list":
-        return toks.tolist()
-    raise ValueError(f"token type {kind!r}: one of {TOKEN_TYPES}")
+    return toks.tolist()  # "list"
