@@ -131,7 +131,8 @@ impl Harness {
         Ok(())
     }
 
-    fn add_prompt(&mut self, ns: u64, pages: u32) {
+    /// Adds a shared prompt of `pages` pages, written; returns the prefix requests read it by.
+    fn add_prompt(&mut self, ns: u64, pages: u32) -> Option<Prefix> {
         let slots = self.s.add_prompt(ns, pages).unwrap();
         for l in 0..LAYERS {
             for p in 0..pages {
@@ -140,6 +141,10 @@ impl Harness {
                 }
             }
         }
+        Some(Prefix {
+            namespace: ns,
+            pages,
+        })
     }
 
     /// One step: append a token to every request, then per layer plan `sel(rid, layer, len)`

@@ -362,11 +362,7 @@ fn a_kept_plan_scores_the_prefetch_of_a_plan_that_did_not_keep() {
 #[test]
 fn shared_prompts_are_read_by_every_request_and_outlive_them() {
     let mut h = Harness::new(60, 400, true);
-    h.add_prompt(1000, 3);
-    let prefix = Some(Prefix {
-        namespace: 1000,
-        pages: 3,
-    });
+    let prefix = h.add_prompt(1000, 3);
     h.add(0, 20, prefix);
     h.add(1, 14, prefix);
     for step in 0..4 {
@@ -390,11 +386,7 @@ fn a_plans_wait_is_not_a_request_started_again_under_its_id() {
     // A plan of request 0 waits on a slow load of its prompt's pages (which outlive it) after
     // request 0 ended and started again: the wait is the plan's, not the new request's.
     let mut h = Harness::new(64, 400, false);
-    h.add_prompt(1000, 3);
-    let prefix = Some(Prefix {
-        namespace: 1000,
-        pages: 3,
-    });
+    let prefix = h.add_prompt(1000, 3);
     h.add(0, 20, prefix);
     h.s.end_step().unwrap();
     h.s.drain().unwrap();
