@@ -58,8 +58,7 @@ def _specs(args: argparse.Namespace, pages: int) -> list[PoolSpec]:
 
 def _device_pages(args: argparse.Namespace) -> int:
     if args.device_pages is not None:
-        if args.device_pages < 1:
-            raise ConfigError.of("device_pages", str(args.device_pages), "an integer >= 1")
+        _at_least(args, 1, "device_pages")
         return int(args.device_pages)
     gb = args.device_gb
     if not (math.isfinite(gb) and gb > 0):
@@ -122,11 +121,8 @@ def _plan_shape(args: argparse.Namespace) -> None:
     if args.indexer_layers is None:
         args.indexer_layers = args.layers
     # (Checked here: the pool specs would name their own field, "layers", not the flag.)
-    for f in ("indexer_layers", "draft_layers"):
-        if getattr(args, f) < 0:
-            raise ConfigError.of(f, str(getattr(args, f)), "an integer >= 0")
-    if args.swa_layers is not None and args.swa_layers < 1:
-        raise ConfigError.of("swa_layers", str(args.swa_layers), "an integer >= 1")
+    _at_least(args, 0, "indexer_layers", "draft_layers")
+    _at_least(args, 1, "swa_layers")
 
 
 def format_model(m: ModelPreset) -> str:
@@ -498,8 +494,7 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
     from sparsetier.tools import bench_prefix_sparse as bps
     from sparsetier.tools.selection_model import SelectionModel
 
-    if args.page_size < 1:
-        raise ConfigError.of("page_size", str(args.page_size), "an integer >= 1")
+    _at_least(args, 1, "page_size", "lru_query_tokens")
     if args.measure_max_prefix is not None and not args.measure:
         raise ConfigError.of("measure_max_prefix", str(args.measure_max_prefix), "with --measure")
     if args.measure_max_prefix is None:
@@ -514,8 +509,6 @@ def _bench_prefix_sparse(args: argparse.Namespace) -> dict:
         raise ConfigError.of("lru_ratio", str(args.lru_ratio), "a share of the context in (0, 1]")
     if args.lru_query_tokens is None:
         args.lru_query_tokens = 1
-    elif args.lru_query_tokens < 1:
-        raise ConfigError.of("lru_query_tokens", str(args.lru_query_tokens), "an integer >= 1")
     for flag in ("churn", "overlap", "lru_ratio"):
         if args.selections and getattr(args, flag) is not None:
             allowed = "unset with --selections (recorded selections are replayed as they are)"
@@ -603,18 +596,18 @@ def _write_json(path: str, r) -> None:
             json.dump(r, f, indent=2)
 
 
-def _positive(args: argparse.Namespace, *names: str) -> None:
+def _at_least(args: argparse.Namespace, lo: int, *names: str) -> None:
+    """Each flag `names` given (not None) is at least `lo`, else a ConfigError naming it."""
     for name in names:
         v = getattr(args, name)
-        if v < 1:
-            raise ConfigError.of(name, str(v), "an integer >= 1")
+        if v is not None and v < lo:
+            raise ConfigError.of(name, str(v), f"an integer >= {lo}")
 
 
 def _bench_vllm(args: argparse.Namespace) -> dict:
     from sparsetier.tools import bench_vllm
 
-    if args.kv_groups < 1:  # (the config calls it groups)
-        raise ConfigError.of("kv_groups", str(args.kv_groups), "an integer >= 1")
+    _at_least(args, 1, "kv_groups")  # (the config calls it groups)
     cfg = bench_vllm.VllmBenchConfig(
         requests=args.requests,
         prompt_tokens=args.prompt_tokens,
@@ -643,7 +636,7 @@ def _bench_replay(args: argparse.Namespace) -> dict:
 def _bench_l3(args: argparse.Namespace) -> dict:
     from sparsetier.tools import bench_l3
 
-    _positive(args, "serve_reqs")
+    _at_least(args, 1, "serve_reqs")
     r = bench_l3.run(args.l3_backends, requests=args.serve_reqs)
     print(bench_l3.format_report(r))
     return r
@@ -665,8 +658,7 @@ def _bench_decode(args: argparse.Namespace) -> dict:
     )  # fmt: skip
     if args.kernel_threads is not None and args.resolve != "device":
         raise ConfigError.of("kernel_threads", str(args.kernel_threads), "with --resolve device")
-    if args.kernel_threads is not None and args.kernel_threads < 1:
-        raise ConfigError.of("kernel_threads", str(args.kernel_threads), "an integer >= 1")
+    _at_least(args, 1, "kernel_threads")
     if args.resolve == "device":
         from sparsetier.tools import bench_resolve
 
@@ -693,7 +685,7 @@ def _bench_prefix(args: argparse.Namespace) -> dict | None:
         elif not used:
             allowed = "with --paired" + (" or --containers" if name == "reps" else "")
             raise ConfigError.of(name, str(getattr(args, name)), allowed)
-    _positive(args, "page_size", "num_seqs", "num_queries", "serve_reqs", "reps", "max_len")
+    _at_least(args, 1, "page_size", "num_seqs", "num_queries", "serve_reqs", "reps", "max_len")
     if not 0.0 <= args.followup_frac <= 1.0:
         raise ConfigError.of("followup_frac", str(args.followup_frac), "a share in [0, 1]")
     kw = {
@@ -738,7 +730,7 @@ def _bench_prefix(args: argparse.Namespace) -> dict | None:
 def _bench_transfer(args: argparse.Namespace) -> dict:
     from sparsetier.tools import bench
 
-    _positive(args, "total_mb")
+    _at_least(args, 1, "total_mb")
     if args.device == "cpu":
         rows = bench.bench_transfer_cpu(args.total_mb)
     else:
@@ -1036,9 +1028,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan = build_plan(args)
             est = None
             if args.context is not None:
-                for name in ("context", "topk"):
-                    if getattr(args, name) < 1:
-                        raise ConfigError.of(name, str(getattr(args, name)), "an integer >= 1")
+                _at_least(args, 1, "context", "topk")
                 est = prefix_hit_estimate(plan, args.context, args.topk)
             if args.json:
                 d = plan.to_dict()
